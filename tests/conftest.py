@@ -1,0 +1,24 @@
+"""Shared test set-up.
+
+* ``requires_cuda``: the one marker for GPU-only tests; they are skipped cleanly on CPU machines.
+* Without a GPU, Triton kernels run under the interpreter (``TRITON_INTERPRET=1``) on small shapes. The
+  variable must be set before ``triton`` is imported, so it is set here, in tests only.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

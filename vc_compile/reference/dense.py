@@ -1,0 +1,26 @@
+"""Reference dense attention with the base-2 log-sum-exp (MC-Sparse pass 1), fp32, chunked over queries.
+
+Notation: s = (q . k) * sm_scale * log2(e) (base-2 logits); ``lse2_i = log2 sum_j 2^{s_ij}``;
+p_ij = 2^{s_ij - lse2_i}.
+"""
+from __future__ import annotations
+
+import torch
+
+from .quant import LOG2E
+
+
+def dense_attention_lse(q, k, v, *, sm_scale: float, chunk: int = 1024):
+    """Returns (O fp32 [B, H, S, Dv], lse2 fp32 [B, H, S])."""
+    B, H, S, D = q.shape
+    kf = k.float()
+    vf = v.float()
+    out = torch.empty(B, H, S, v.shape[-1], device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
+    for i0 in range(0, S, chunk):
+        s = (q[:, :, i0:i0 + chunk].float() @ kf.transpose(-1, -2)) * (sm_scale * LOG2E)
+        l2 = torch.logsumexp(s * (1.0 / LOG2E), dim=-1) * LOG2E
+        p = torch.exp2(s - l2.unsqueeze(-1))
+        out[:, :, i0:i0 + chunk] = p @ vf
+        lse[:, :, i0:i0 + chunk] = l2
+    return out, lse

@@ -1,0 +1,103 @@
+"""Quantisation primitives shared by the reference path and the kernels' tests.
+
+Notation
+--------
+* ``amax``: largest absolute value inside one scale block.
+* ``scale``: what one quantised unit is worth: ``x ~= x_q * scale``.  A block whose ``amax`` is 0 gets
+  ``scale = 1`` (all codes 0), never 0 or NaN: a zero block must not poison the softmax.
+* INT8 codes are in [-127, 127], rounded half away from zero (what ``(x + copysign(0.5, x)).to(int8)``
+  does in a Triton kernel), so the reference and the kernels agree code for code.
+* FP8 means E4M3 (``torch.float8_e4m3fn``, max 448), rounded to nearest even by the cast.
+
+Everything here is plain PyTorch and runs on any device.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG2E = 1.4426950408889634
+INT8_MAX = 127.0
+FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
+# P~ is the probability scaled so that the row maximum is 2^8 = 256 (SPEC 3.3): every probability
+# >= 2^-14 of the row max then lands in the normal E4M3 range.
+P_SCALE_LOG2 = 8.0
+# ExpCast: c(u) = clip(round(8 u + 8*8 + 56 + beta), 0, 120) with beta = -0.35, i.e. 8u + 119.65.
+EXPCAST_OFFSET = 8.0 * P_SCALE_LOG2 + 56.0 - 0.35
+
+
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """``amax / qmax``, or 1 where the block is all zero. A NaN/Inf amax gives a NaN/Inf scale, so a
+    non-finite input stays visible in its block's output instead of being rounded away."""
+    s = amax / qmax
+    return torch.where(amax == 0, torch.ones_like(s), s)
+
+
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return round_half_away(x / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per-block amax over dim -2 (tokens) and -1 (channels): [..., S, D] -> [..., ceil(S/block)]."""
+    S = x.shape[-2]
+    nb = (S + block - 1) // block
+    pad = nb * block - S
+    xa = x.abs()
+    if pad:
+        xa = torch.nn.functional.pad(xa, (0, 0, 0, pad))
+    return xa.unflatten(-2, (nb, block)).amax(dim=(-1, -2))
+
+
+def expand_blocks(s: torch.Tensor, block: int, S: int) -> torch.Tensor:
+    """[..., nb] per-block values -> [..., S] per-token values."""
+    return s.repeat_interleave(block, dim=-1)[..., :S]
+
+
+def quantize_blocks(x: torch.Tensor, block: int, fmt: str):
+    """Quantise [..., S, D] with one scale per ``block`` tokens. Returns (codes, scale[..., nb])."""
+    qmax = INT8_MAX if fmt == "int8" else FP8_MAX
+    scale = safe_scale(block_amax(x.float(), block), qmax)
+    st = expand_blocks(scale, block, x.shape[-2]).unsqueeze(-1)
+    codes = quantize_int8(x.float(), st) if fmt == "int8" else quantize_fp8(x.float(), st)
+    return codes, scale
+
+
+def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    st = expand_blocks(scale, block, codes.shape[-2]).unsqueeze(-1)
+    return codes.float() * st
+
+
+def hadamard_matrix(D: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Orthonormal Sylvester Hadamard matrix H_D / sqrt(D) (symmetric, H @ H = I). D a power of 2."""
+    if D <= 0 or D & (D - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two head dim, got {D}")
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < D:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+    return (H / math.sqrt(D)).to(device=device, dtype=dtype)
+
+
+def fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """Value of x after a round trip through E4M3 (fp32 out)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+
+
+def expcast_codes(u: torch.Tensor) -> torch.Tensor:
+    """ExpCast-FP8 (SPEC 3.3): E4M3 codes of 256 * 2^u for u = s - m <= 0, as uint8."""
+    c = torch.floor(8.0 * u + EXPCAST_OFFSET + 0.5).clamp(0.0, 120.0)
+    return c.to(torch.uint8)
+
+
+def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E4M3 bit patterns -> fp32 values."""
+    return codes.view(FP8_DTYPE).float()

@@ -1,0 +1,65 @@
+"""Reference 8-bit attention with V-Smooth mean compensation and optional ExpCast-FP8 (SPEC 3.2-3.3).
+
+Oracle of ``vc_compile/templates/vsmooth_attn.py``.
+
+Notation (see ``reference/preprocess.py`` for the inputs)
+--------
+s_ij    base-2 logit ``(q8_i . k8_j) * q_scale * k_scale`` (sm_scale * log2 e folded into q_scale).
+m_i     row max of s.  u_ij = s_ij - m_i <= 0.
+P~_ij   the FP8 probability the PV product multiplies: ``fp8(256 * 2^u)`` (exp2 + cast), or the decoded
+        ExpCast code ``c(u) = clip(round(8u + 119.65), 0, 120)``.
+l_i     row sum of the *decoded* P~ (so the normalisation matches what the MMA multiplied).
+O_i     ``sum_j P~_ij (R_q,j * v_scale + mu_j) / l_i`` -- the mean term is ``r_ij mu_j`` with
+        ``r_ij`` = the row sum of P~ over key block j, which is what the kernel adds per block.
+
+Differences from the kernel, by design: the kernel quantises P~ against the *running* row max of its
+online softmax; the reference uses the final row max. Both are valid roundings of the same numbers; the
+kernel test tolerances account for it. The reference works in fp32 on chunks of queries, so it never
+holds more than ``chunk x S`` scores.
+"""
+from __future__ import annotations
+
+import torch
+
+from .preprocess import BLOCK_K, BLOCK_Q, QKQuant, VQuant, dequantize_v
+from .quant import LOG2E, P_SCALE_LOG2, decode_e4m3, expand_blocks, expcast_codes, fp8_round
+
+
+def quantized_probs(s: torch.Tensor, expcast: bool):
+    """Base-2 logits [..., n, S] -> (P~ fp32 values, row max m)."""
+    m = s.amax(dim=-1, keepdim=True)
+    # A row that is all -inf has no max; keep it finite so the row stays 0/0 -> NaN like SDPA.
+    u = s - m
+    if expcast:
+        p = decode_e4m3(expcast_codes(u))
+    else:
+        p = fp8_round(torch.exp2(u + P_SCALE_LOG2))
+    return p, m
+
+
+def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dtype=torch.bfloat16,
+                      return_lse: bool = False, chunk: int = 1024):
+    """8-bit attention. Returns O [B, H, S, D] (``out_dtype``) and, if asked, the base-2 LSE of the
+    *smoothed* logits, [B, H, S] fp32 (add ``lse_correction`` for the LSE of the true logits)."""
+    B, H, S, D = qk.q8.shape
+    Sk = qk.k8.shape[2]
+    ks = expand_blocks(qk.k_scale, BLOCK_K, Sk)  # [B, H, Sk]
+    qs = expand_blocks(qk.q_scale, BLOCK_Q, S)  # [B, H, S]
+    kf = qk.k8.float()
+    vdeq = dequantize_v(vq)  # [B, H, Sk, D]
+    out = torch.empty(B, H, S, vdeq.shape[-1], dtype=out_dtype, device=qk.q8.device)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=qk.q8.device) if return_lse else None
+    for i0 in range(0, S, chunk):
+        i1 = min(S, i0 + chunk)
+        s = (qk.q8[:, :, i0:i1].float() @ kf.transpose(-1, -2)) * qs[:, :, i0:i1, None] * ks[:, :, None, :]
+        p, m = quantized_probs(s, expcast)
+        l = p.sum(dim=-1, keepdim=True)
+        out[:, :, i0:i1] = ((p @ vdeq) / l).to(out_dtype)
+        if return_lse:
+            lse[:, :, i0:i1] = (m + torch.log2(l) - P_SCALE_LOG2).squeeze(-1)
+    return (out, lse) if return_lse else out
+
+
+def lse_correction(q: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Base-2 LSE shift removed by K smoothing: ``(q . k_mean) * sm_scale * log2 e``, [B, H, S]."""
+    return (q.float() @ k_mean.unsqueeze(-1)).squeeze(-1) * (sm_scale * LOG2E)
