@@ -1,0 +1,32 @@
+"""vc_compile: a torch.compile backend that runs video-DiT attention as 8-bit or token-sparse kernels.
+
+    model = torch.compile(transformer, backend="vcattn")                      # no import needed
+    model = torch.compile(transformer, backend="vcattn", options={"method": "mcsparse", "density": 0.15})
+
+Public API (small on purpose): ``report()``, ``sampling()``, ``step()``, ``diffusers_callback``,
+``reset()``, ``VCConfig``.
+"""
+from __future__ import annotations
+
+from .config import Method, QKFormat, VCConfig, VCConfigError
+from .runtime.report import Report, report
+from .runtime.steps import diffusers_callback, sampling, step
+
+__all__ = ["report", "Report", "sampling", "step", "diffusers_callback", "reset", "VCConfig",
+           "VCConfigError", "Method", "QKFormat"]
+__version__ = "0.1.0"
+
+
+def reset(report: bool = False) -> None:
+    """Drop all cached metadata and step state (a fresh generation); ``report=True`` also forgets the
+    call-site records and counts."""
+    from .runtime import report as _report
+    from .runtime import state
+    from .runtime.steps import TRACKER
+
+    TRACKER.reset()
+    state.clear()
+    if report:
+        _report.clear()
+    else:
+        _report.reset_counts()

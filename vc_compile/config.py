@@ -1,0 +1,228 @@
+"""``VCConfig``: the validated, frozen form of ``torch.compile(..., backend="vcattn", options={...})``.
+
+Every option has one home here: its type, default, accepted values and what it does (the README's
+options table is generated from ``OPTION_DOCS``). An unknown key or a bad value raises
+``VCConfigError`` naming the key and what is accepted, at compile time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+
+class VCConfigError(ValueError):
+    """A bad ``options`` entry for ``backend="vcattn"``."""
+
+
+class Method(str, enum.Enum):
+    AUTO = "auto"  # V-Smooth: the full-fidelity 8-bit path (sparse attention is opt-in)
+    VSMOOTH = "vsmooth"
+    MCSPARSE = "mcsparse"
+    DENSE = "dense"
+
+
+class QKFormat(str, enum.Enum):
+    INT8 = "int8"
+    FP8 = "fp8"
+
+
+class Kernels(str, enum.Enum):
+    AUTO = "auto"  # Triton kernels on CUDA when they are available, the reference elsewhere
+    TRITON = "triton"  # always the Triton kernels (on CPU only under TRITON_INTERPRET=1: tests)
+    REFERENCE = "reference"  # always the plain-PyTorch reference
+
+
+class Compiler(str, enum.Enum):
+    INDUCTOR = "inductor"  # hand the rewritten graph to Inductor (compile_fx)
+    EAGER = "eager"  # run the rewritten graph as is (debugging, fast tests)
+
+
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+OPTION_DOCS: Dict[str, str] = {
+    "method": "'auto' | 'vsmooth' | 'mcsparse' | 'dense'. auto = vsmooth (8-bit, full fidelity).",
+    "expcast": "V-Smooth: write the softmax as E4M3 codes directly (ExpCast-FP8). Faster, ~1 dB less PSNR.",
+    "hadamard": "Rotate Q and K by an orthonormal Hadamard matrix before quantising them.",
+    "qk_format": "'int8' | 'fp8': 8-bit format of Q and K (fp8 is a little faster, less accurate).",
+    "smooth_v": "V-Smooth: cluster V rows and subtract 128-row block means (False = naive 8-bit PV).",
+    "kmeans_clusters": "V-Smooth clusters per head; 0 = one per 128 tokens, at most 256.",
+    "kmeans_iters": "Lloyd iterations per grouping step (warm-started from the previous step).",
+    "kmeans_init_iters": "Lloyd iterations for the first grouping step of a generation (no warm start).",
+    "group_fraction": "V-Smooth: fraction of the steps, from the start, that re-group (default 0.25).",
+    "density": "MC-Sparse: fraction of keys each query group keeps (0 < density <= 1).",
+    "group_size": "MC-Sparse: queries per group (the sparse kernel's query tile): 64 or 128.",
+    "warmup_steps": "Dense steps at the start. None = 0 for vsmooth, 20% of the steps for mcsparse.",
+    "anchor_steps": "MC-Sparse: steps that re-select (tuple of ints). None = (20%, 52%) of the steps.",
+    "anchor_interval": "MC-Sparse: re-select every N steps after the warm-up (instead of anchor_steps).",
+    "sparse_qk": "MC-Sparse: QK precision of the gather kernel: 'bf16' | 'fp8'.",
+    "residual": "MC-Sparse residual storage: 'bf16' | 'fp8' (per-token scale, half the memory) | 'none'.",
+    "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
+    "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
+    "min_seq_len": "Attention with fewer query or key tokens than this stays stock SDPA.",
+    "head_dims": "Head dims that are rewritten (the kernels support 64 and 128).",
+    "kernels": "'auto' | 'triton' | 'reference': which implementation runs the ops.",
+    "compiler": "'inductor' | 'eager': what compiles the rewritten graph.",
+    "profile": "Time every attention call (CUDA events) into vc_compile.report().",
+    "mode": "Inductor mode, as torch.compile's mode= (which torch refuses together with options=).",
+}
+
+
+def _tuple_of_ints(v) -> Tuple[int, ...]:
+    return tuple(int(x) for x in v)
+
+
+@dataclass(frozen=True)
+class VCConfig:
+    method: Method = Method.AUTO
+    expcast: bool = False
+    hadamard: bool = False
+    qk_format: QKFormat = QKFormat.INT8
+    smooth_v: bool = True
+    kmeans_clusters: int = 0
+    kmeans_iters: int = 3
+    kmeans_init_iters: int = 8
+    group_fraction: float = 0.25
+    density: float = 0.15
+    group_size: int = 64
+    warmup_steps: Optional[int] = None
+    anchor_steps: Optional[Tuple[int, ...]] = None
+    anchor_interval: Optional[int] = None
+    sparse_qk: str = "bf16"
+    residual: str = "bf16"
+    residual_budget_gb: float = 64.0
+    num_steps: int = 50
+    min_seq_len: int = 1024
+    head_dims: Tuple[int, ...] = (64, 128)
+    kernels: Kernels = Kernels.AUTO
+    compiler: Compiler = Compiler.INDUCTOR
+    profile: bool = False
+    mode: Optional[str] = None
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_options(cls, options: Optional[Mapping[str, Any]] = None, mode: Optional[str] = None) -> "VCConfig":
+        opts = dict(options or {})
+        if mode is not None and opts.get("mode") not in (None, mode):
+            raise VCConfigError(f"mode={mode!r} and options['mode']={opts['mode']!r} disagree")
+        if mode is not None:
+            opts["mode"] = mode
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(opts) - names)
+        if unknown:
+            raise VCConfigError(
+                f"unknown vcattn option(s) {unknown}; accepted options: {sorted(names)}")
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if f.name in opts:
+                kw[f.name] = _coerce(f.name, opts[f.name], f.default)
+        return cls(**kw)
+
+    def __post_init__(self):
+        def bad(key, accepted):
+            raise VCConfigError(f"vcattn option {key}={getattr(self, key)!r} is invalid; accepted: {accepted}")
+
+        if not 0.0 < self.density <= 1.0:
+            bad("density", "a float in (0, 1]")
+        if not 0.0 <= self.group_fraction <= 1.0:
+            bad("group_fraction", "a float in [0, 1]")
+        if self.group_size not in (64, 128):
+            bad("group_size", "64 or 128")
+        if self.kmeans_clusters < 0:
+            bad("kmeans_clusters", "an int >= 0 (0 = automatic)")
+        if self.kmeans_iters < 1:
+            bad("kmeans_iters", "an int >= 1")
+        if self.kmeans_init_iters < 1:
+            bad("kmeans_init_iters", "an int >= 1")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            bad("warmup_steps", "None or an int >= 0")
+        if self.anchor_steps is not None and any(s < 0 for s in self.anchor_steps):
+            bad("anchor_steps", "None or a tuple of step indices >= 0")
+        if self.anchor_interval is not None and self.anchor_interval < 1:
+            bad("anchor_interval", "None or an int >= 1")
+        if self.anchor_steps is not None and self.anchor_interval is not None:
+            raise VCConfigError("give anchor_steps or anchor_interval, not both")
+        if self.sparse_qk not in ("bf16", "fp8"):
+            bad("sparse_qk", "'bf16' or 'fp8'")
+        if self.residual not in ("bf16", "fp8", "none"):
+            bad("residual", "'bf16', 'fp8' or 'none'")
+        if self.residual_budget_gb <= 0:
+            bad("residual_budget_gb", "a positive float")
+        if self.num_steps < 1:
+            bad("num_steps", "an int >= 1")
+        if self.min_seq_len < 1:
+            bad("min_seq_len", "an int >= 1")
+        if not self.head_dims or any(d < 1 for d in self.head_dims):
+            bad("head_dims", "a non-empty tuple of positive ints")
+        if self.mode is not None and self.mode not in MODES:
+            bad("mode", list(MODES))
+
+    # ---- derived --------------------------------------------------------------------------------
+    @property
+    def resolved_method(self) -> Method:
+        return Method.VSMOOTH if self.method == Method.AUTO else self.method
+
+    def to_json(self) -> str:
+        d = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            d[f.name] = v.value if isinstance(v, enum.Enum) else (list(v) if isinstance(v, tuple) else v)
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str) -> "VCConfig":
+        return cls.from_options(json.loads(s))
+
+
+_ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler": Compiler}
+_BOOLS = ("expcast", "hadamard", "smooth_v", "profile")
+_INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "num_steps", "min_seq_len")
+_FLOATS = ("group_fraction", "density", "residual_budget_gb")
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    def fail(accepted):
+        raise VCConfigError(f"vcattn option {key}={value!r} is invalid; accepted: {accepted}")
+
+    if key in _ENUMS:
+        enum_cls = _ENUMS[key]
+        try:
+            return enum_cls(value.value if isinstance(value, enum.Enum) else value)
+        except ValueError:
+            fail([m.value for m in enum_cls])
+    if key in _BOOLS:
+        if not isinstance(value, bool):
+            fail("True or False")
+        return value
+    if key in _INTS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail("an int")
+        return value
+    if key in _FLOATS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail("a number")
+        return float(value)
+    if key in ("warmup_steps", "anchor_interval"):
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail("None or an int")
+        return value
+    if key in ("anchor_steps", "head_dims"):
+        if value is None and key == "anchor_steps":
+            return None
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            fail("a tuple of ints")
+        try:
+            return _tuple_of_ints(value)
+        except (TypeError, ValueError):
+            fail("a tuple of ints")
+    if key in ("residual", "sparse_qk"):
+        return value
+    if key == "mode":
+        if value is not None and not isinstance(value, str):
+            fail(list(MODES))
+        return value
+    return value

@@ -1,0 +1,127 @@
+"""``method="mcsparse"``: token-sparse attention with metadata cached at anchor steps (SPEC 3.4).
+
+ANCHOR: Fast PDDP query groups (sigma), pass 1 dense attention with its LSE, pass 2 exact group masses,
+top-K keys per group, the sparse output with that selection and the residual ``R = O_dense - O_sparse``;
+returns ``O_dense``. REUSE: the sparse kernel with the cached sigma/selection on the current q, k, v,
+plus R. DENSE: stock SDPA (warm-up).
+
+Metadata ``SparseMeta`` (the token-sparse analogue of FlexAttention's BlockMask):
+  sigma     [B, H, S] int64     query order; group g = sigma[g*C:(g+1)*C] (last group may be partial)
+  idx       [B, H, G, n_keep]   int32 selected keys per group, ascending
+  residual  [B, H, S, Dv]       bf16 (``residual="bf16"``) or FP8 E4M3 codes (``"fp8"``), or None
+  res_scale [B, H, S] fp32      per-token scale of the FP8 residual (None otherwise)
+  density   float               realised density: n_keep / Sk (after rounding to the KV tile)
+Memory: the residual is the size of the attention output per site, block and CFG branch. Before storing
+it the method checks the ``residual_budget_gb`` option and the free GPU memory, and raises a clear
+error naming the fixes instead of an OOM inside a kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..reference import dense as ref_dense
+from ..reference.quant import FP8_DTYPE, FP8_MAX, safe_scale
+from ..reference.select import n_keep
+from ..runtime import state
+from ..runtime.steps import Phase
+
+_MASS_BYTES = 1 << 30  # pass-2 group masses are computed for as many heads as fit in 1 GiB at once
+
+
+@dataclass
+class SparseMeta:
+    sigma: torch.Tensor
+    idx: torch.Tensor
+    residual: Optional[torch.Tensor]
+    res_scale: Optional[torch.Tensor]
+    density: float
+
+    def residual_tensor(self, dtype) -> Optional[torch.Tensor]:
+        if self.residual is None:
+            return None
+        if self.res_scale is None:
+            return self.residual
+        return (self.residual.float() * self.res_scale.unsqueeze(-1)).to(dtype)
+
+
+def _dense_with_lse(impl, q, k, v, sm_scale):
+    fn = getattr(impl.select, "dense_with_lse", None)
+    if fn is None:
+        return ref_dense.dense_attention_lse(q, k, v, sm_scale=sm_scale)
+    return fn(q, k, v, sm_scale)
+
+
+def select(impl, q, k, sigma, lse2, *, sm_scale, group_size, keep):
+    """Pass 2 + top-K, a chunk of heads at a time so the (S/C) x Sk masses stay within 1 GiB."""
+    B, H, S, _ = q.shape
+    Sk = k.shape[2]
+    G = -(-S // group_size)
+    hc = max(1, min(H, _MASS_BYTES // max(1, B * G * Sk * 4)))
+    parts = []
+    for h0 in range(0, H, hc):
+        sl = slice(h0, h0 + hc)
+        mass = impl.select.group_key_mass(q[:, sl], k[:, sl], sigma[:, sl], lse2[:, sl],
+                                          sm_scale=sm_scale, group_size=group_size)
+        parts.append(impl.select.select_topk(mass, keep))
+        del mass
+    return torch.cat(parts, dim=1)
+
+
+def _compact(resid: torch.Tensor, mode: str):
+    if mode == "none":
+        return None, None
+    if mode == "bf16":
+        return resid.to(torch.bfloat16), None
+    scale = safe_scale(resid.abs().amax(dim=-1), FP8_MAX)  # per token
+    return (resid / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def _check_memory(resid: torch.Tensor, cfg) -> None:
+    per_elem = {"bf16": 2, "fp8": 1, "none": 0}[cfg.residual] + (4 / resid.shape[-1] if cfg.residual == "fp8" else 0)
+    need = int(resid.numel() * per_elem)
+    held = state.bytes_held()
+    budget = int(cfg.residual_budget_gb * 2**30)
+    hint = ("use options={'residual': 'fp8'} (half the memory) or 'none' (no residual), raise "
+            "'residual_budget_gb', or fewer sparse layers/branches")
+    if held + need > budget:
+        raise RuntimeError(
+            f"vcattn mcsparse: caching this residual ({need / 2**30:.2f} GiB) would bring the metadata "
+            f"held to {(held + need) / 2**30:.2f} GiB, over residual_budget_gb={cfg.residual_budget_gb}: {hint}.")
+    if resid.is_cuda:
+        free, _ = torch.cuda.mem_get_info(resid.device)
+        if need > free:
+            raise RuntimeError(
+                f"vcattn mcsparse: the residual needs {need / 2**30:.2f} GiB but the GPU has "
+                f"{free / 2**30:.2f} GiB free: {hint}.")
+
+
+def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
+    if phase == Phase.DENSE:
+        return F.scaled_dot_product_attention(q, k, v, scale=sm_scale).contiguous(), meta
+    C = cfg.group_size
+    sparse_kw = dict(sm_scale=sm_scale, group_size=C, out_dtype=q.dtype)
+    if cfg.sparse_qk == "fp8":
+        sparse_kw["qk_format"] = "fp8"
+    if phase == Phase.REUSE and meta is not None:
+        out = impl.sparse_attn.sparse_attention(q, k, v, meta.sigma, meta.idx,
+                                                residual=meta.residual_tensor(q.dtype), **sparse_kw)
+        return out, meta
+    # ANCHOR
+    Sk = k.shape[2]
+    keep = n_keep(Sk, cfg.density)
+    sigma = impl.pddp.pddp_perm(q, C)
+    o_dense, lse2 = _dense_with_lse(impl, q, k, v, sm_scale)
+    idx = select(impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=C, keep=keep)
+    residual = res_scale = None
+    if cfg.residual != "none":
+        o_sparse = impl.sparse_attn.sparse_attention(q, k, v, sigma, idx, **{**sparse_kw, "out_dtype": torch.float32})
+        resid = o_dense.float() - o_sparse.float()
+        del o_sparse
+        _check_memory(resid, cfg)
+        residual, res_scale = _compact(resid, cfg.residual)
+    meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk)
+    return o_dense.to(q.dtype).contiguous(), meta

@@ -1,0 +1,121 @@
+"""The ``vcattn::`` custom ops: the only door from compiled graphs to our kernels.
+
+``vcattn::attention(q, k, v, ident, site, config, scale) -> out``
+    What the rewrite pass puts in place of an eligible ``scaled_dot_product_attention``. Opaque to
+    Dynamo/Inductor (a ``torch.library.custom_op`` with a fake impl), so all step/phase logic runs here
+    at run time and never recompiles. q, k, v are [B, H, S, D] (any strides; usually a permuted view of
+    the projection output); ``ident`` is the block-identity tensor (the weight that feeds the q
+    projection) or None; ``site`` the call-site id; ``config`` the VCConfig as JSON; ``scale`` SDPA's
+    ``scale`` argument. Returns a contiguous [B, H, S, Dv] tensor in q's dtype.
+
+    Tagged ``cudagraph_unsafe``: under ``mode="reduce-overhead"``/``"max-autotune"`` Inductor partitions
+    the CUDA graph around it, so its Python runs on every call and phases never freeze.
+
+``vcattn::vsmooth_attention(q, k, v, perm, expcast, hadamard, qk_format, smooth_v, scale)`` and
+``vcattn::sparse_attention(q, k, v, sigma, idx, residual, group_size, scale)``: stateless ops exposing
+the kernels themselves (benchmarks, users who manage metadata).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import methods
+from .config import Method, VCConfig
+from .methods import dense as m_dense
+from .methods import mcsparse as m_mcsparse
+from .methods import vsmooth as m_vsmooth
+from .runtime import report as _report
+from .runtime import state
+from .runtime.steps import TRACKER, Phase, phase_for
+
+_METHODS = {Method.DENSE: m_dense, Method.VSMOOTH: m_vsmooth, Method.MCSPARSE: m_mcsparse}
+_TAGS = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
+
+
+@functools.lru_cache(maxsize=256)
+def _config(config: str) -> VCConfig:
+    return VCConfig.from_json(config)
+
+
+def runtime_ineligible(q, k, v, cfg: VCConfig) -> Optional[str]:
+    """Reasons only knowable at run time (symbolic shapes in the graph, devices)."""
+    if q.shape[2] < cfg.min_seq_len:
+        return "sequence too short"
+    if k.shape[2] < cfg.min_seq_len:
+        return "cross-attention too short"
+    if q.shape[-1] not in cfg.head_dims:
+        return "head_dim unsupported"
+    return None
+
+
+@torch.library.custom_op("vcattn::attention", mutates_args=(), tags=_TAGS)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional[torch.Tensor],
+              site: int, config: str, scale: Optional[float] = None) -> torch.Tensor:
+    cfg = _config(config)
+    rec = _report.site(site)
+    rec.calls += 1
+    reason = runtime_ineligible(q, k, v, cfg)
+    if reason is not None:
+        rec.runtime_fallbacks[reason] += 1
+        return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
+    sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    ident_ptr = ident.data_ptr() if ident is not None else 0
+    info = TRACKER.current((site, ident_ptr), cfg.num_steps)
+    key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
+    meta = state.get(key)
+    method = cfg.resolved_method
+    phase = phase_for(cfg, info.step, info.num_steps, meta is not None)
+    impl, path = (None, "sdpa") if method == Method.DENSE else methods.resolve(method.value, cfg, q.device)
+    with _report.Timer(rec, cfg.profile, q.is_cuda):
+        out, new_meta = _METHODS[method].run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl)
+    if new_meta is not None and new_meta is not meta:
+        state.put(key, new_meta)
+    rec.phases[phase.value] += 1
+    rec.kernel_path["sdpa" if phase == Phase.DENSE else path] += 1
+    rec.step_sources[info.source] += 1
+    return out
+
+
+@attention.register_fake
+def _(q, k, v, ident, site, config, scale=None):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
+
+
+@torch.library.custom_op("vcattn::vsmooth_attention", mutates_args=())
+def vsmooth_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: Optional[torch.Tensor],
+                      expcast: bool = False, hadamard: bool = False, qk_format: str = "int8",
+                      smooth_v: bool = True, scale: Optional[float] = None) -> torch.Tensor:
+    """Stateless V-Smooth attention with a given key/value permutation (None = identity)."""
+    cfg = VCConfig(method=Method.VSMOOTH, expcast=expcast, hadamard=hadamard, qk_format=qk_format,
+                   smooth_v=smooth_v)
+    impl, _ = methods.resolve("vsmooth", cfg, q.device)
+    sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    qk = impl.preprocess.preprocess_qk(q, k, perm, sm_scale=sm, hadamard=hadamard, qk_format=qk_format)
+    vq = impl.preprocess.preprocess_v(v, perm if smooth_v else None, smooth=smooth_v)
+    return impl.vsmooth_attn.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=q.dtype)
+
+
+@vsmooth_attention.register_fake
+def _(q, k, v, perm, expcast=False, hadamard=False, qk_format="int8", smooth_v=True, scale=None):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
+
+
+@torch.library.custom_op("vcattn::sparse_attention", mutates_args=())
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
+                     idx: torch.Tensor, residual: Optional[torch.Tensor], group_size: int = 64,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """Stateless token-gather sparse attention with given query groups and key selection."""
+    impl, _ = methods.resolve("mcsparse", VCConfig(method=Method.MCSPARSE, group_size=group_size), q.device)
+    sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return impl.sparse_attn.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=group_size,
+                                             residual=residual, out_dtype=q.dtype)
+
+
+@sparse_attention.register_fake
+def _(q, k, v, sigma, idx, residual, group_size=64, scale=None):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])

@@ -1,0 +1,1 @@
+"""Graph passes. See README.md in this folder for the invariants every pass keeps."""

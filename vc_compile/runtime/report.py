@@ -1,0 +1,185 @@
+"""What happened at each attention call site, as data and as a table: ``vc_compile.report()``.
+
+A *call site* is one ``scaled_dot_product_attention`` node of one compiled graph. The rewrite pass
+registers every site it sees (rewritten or not, with the reason); the ``vcattn::attention`` op adds what
+ran: calls per phase, the kernel path, run-time fallbacks, time (with ``profile=True``) and the bytes of
+metadata the site holds.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+_LOCK = threading.Lock()
+_SITES: Dict[int, "SiteRecord"] = {}
+_NEXT = itertools.count(1)
+_EMPTY_GRAPHS: List[str] = []
+
+
+@dataclass
+class SiteRecord:
+    site: int
+    graph: str
+    node: str
+    module: str
+    shape: str
+    dtype: str
+    method: str
+    rewritten: bool
+    reason: Optional[str] = None
+    calls: int = 0
+    phases: collections.Counter = field(default_factory=collections.Counter)
+    kernel_path: collections.Counter = field(default_factory=collections.Counter)
+    runtime_fallbacks: collections.Counter = field(default_factory=collections.Counter)
+    step_sources: collections.Counter = field(default_factory=collections.Counter)
+    time_ms: float = 0.0
+    bytes_held: int = 0
+    has_identity: bool = True
+    _pending: list = field(default_factory=list, repr=False)
+
+    def resolve_timing(self) -> None:
+        if self._pending:
+            torch.cuda.synchronize()
+            for a, b in self._pending:
+                self.time_ms += a.elapsed_time(b)
+            self._pending.clear()
+
+
+def register_site(**kw) -> SiteRecord:
+    with _LOCK:
+        rec = SiteRecord(site=next(_NEXT), **kw)
+        _SITES[rec.site] = rec
+        return rec
+
+
+def site(site_id: int) -> SiteRecord:
+    rec = _SITES.get(site_id)
+    if rec is None:  # e.g. an op called by hand, or a graph loaded after reset(): keep a record anyway
+        with _LOCK:
+            rec = _SITES.setdefault(site_id, SiteRecord(
+                site=site_id, graph="?", node="?", module="?", shape="?", dtype="?", method="?",
+                rewritten=True))
+    return rec
+
+
+def note_empty_graph(name: str) -> None:
+    _EMPTY_GRAPHS.append(name)
+
+
+class Timer:
+    """Times one op call into a site record: CUDA events (resolved lazily, no sync) or a wall clock."""
+
+    def __init__(self, rec: SiteRecord, enabled: bool, cuda: bool):
+        self.rec, self.enabled, self.cuda = rec, enabled, cuda
+
+    def __enter__(self):
+        if self.enabled:
+            if self.cuda:
+                self.a = torch.cuda.Event(enable_timing=True)
+                self.b = torch.cuda.Event(enable_timing=True)
+                self.a.record()
+            else:
+                self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled and exc[0] is None:
+            if self.cuda:
+                self.b.record()
+                self.rec._pending.append((self.a, self.b))
+            else:
+                self.rec.time_ms += (time.perf_counter() - self.t0) * 1e3
+
+
+@dataclass
+class Report:
+    sites: List[SiteRecord]
+    graphs_without_sdpa: List[str]
+
+    @property
+    def rewritten(self) -> List[SiteRecord]:
+        return [s for s in self.sites if s.rewritten]
+
+    @property
+    def fallbacks(self) -> List[SiteRecord]:
+        return [s for s in self.sites if not s.rewritten]
+
+    @property
+    def total_time_ms(self) -> float:
+        return sum(s.time_ms for s in self.sites)
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(s.bytes_held for s in self.sites)
+
+    def phase_counts(self) -> collections.Counter:
+        c = collections.Counter()
+        for s in self.sites:
+            c.update(s.phases)
+        return c
+
+    def to_dict(self) -> dict:
+        out = []
+        for s in self.sites:
+            d = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if not f.name.startswith("_")}
+            for key in ("phases", "kernel_path", "runtime_fallbacks", "step_sources"):
+                d[key] = dict(d[key])
+            out.append(d)
+        return {"sites": out, "graphs_without_sdpa": list(self.graphs_without_sdpa)}
+
+    def __str__(self) -> str:
+        cols = ["site", "module", "shape", "method", "calls", "phases", "kernel", "fallback", "ms", "MB held"]
+        rows = []
+        for s in self.sites:
+            fb = s.reason or ", ".join(f"{k} x{v}" for k, v in s.runtime_fallbacks.items())
+            rows.append([str(s.site), s.module[-40:], s.shape, s.method if s.rewritten else "sdpa",
+                         str(s.calls), " ".join(f"{k}:{v}" for k, v in sorted(s.phases.items())),
+                         ",".join(sorted(s.kernel_path)), fb or "-", f"{s.time_ms:.2f}",
+                         f"{s.bytes_held / 2**20:.1f}"])
+        if not rows:
+            return "vc_compile report: no attention call sites compiled yet"
+        w = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        lines = [" | ".join(c.ljust(w[i]) for i, c in enumerate(cols)),
+                 "-+-".join("-" * x for x in w)]
+        lines += [" | ".join(r[i].ljust(w[i]) for i in range(len(cols))) for r in rows]
+        n_rw = len(self.rewritten)
+        lines.append(f"{n_rw} of {len(self.sites)} call sites rewritten; attention time "
+                     f"{self.total_time_ms:.2f} ms; metadata held {self.bytes_held / 2**20:.1f} MB")
+        if self.graphs_without_sdpa:
+            lines.append(f"graphs with no SDPA captured: {', '.join(self.graphs_without_sdpa)}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def report() -> Report:
+    """A snapshot of every call site seen in this process (resolves pending CUDA timings)."""
+    with _LOCK:
+        sites = sorted(_SITES.values(), key=lambda r: r.site)
+    for s in sites:
+        s.resolve_timing()
+    return Report(sites=sites, graphs_without_sdpa=list(_EMPTY_GRAPHS))
+
+
+def clear() -> None:
+    """Forget every site record (used by ``vc_compile.reset(report=True)``)."""
+    with _LOCK:
+        _SITES.clear()
+        _EMPTY_GRAPHS.clear()
+
+
+def reset_counts() -> None:
+    """Zero the run-time counts of every site but keep the sites (used between demo runs)."""
+    with _LOCK:
+        for s in _SITES.values():
+            s.calls, s.time_ms = 0, 0.0
+            s._pending.clear()
+            for c in (s.phases, s.kernel_path, s.runtime_fallbacks, s.step_sources):
+                c.clear()

@@ -1,0 +1,82 @@
+"""Per-call-site metadata, kept outside the graph and keyed at run time (SPEC 2, 4).
+
+Key: ``(site, block identity, branch, shape, device)``.
+* ``site``: the call site id the rewrite pass baked into the graph (unique per compiled graph node, so two
+  compiled models never share a key).
+* block identity: ``data_ptr`` of the weight that feeds the block's q projection, passed into the op as a
+  tensor. Regional compile and Wan 2.2's two experts run one graph for many blocks; the weight tells
+  them apart. (CPU offloading that moves weights changes the pointer: metadata is then recomputed.)
+* branch: the n-th call of the same (site, block) within one step (CFG cond/uncond).
+* shape and device: a new resolution or batch never reuses metadata of another.
+
+Metadata belongs to one generation: when a generation starts, everything cached is dropped. Entries
+are written only after an op call succeeded, so an exception inside a call leaves the store usable.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import report as _report
+from .steps import TRACKER
+
+_LOCK = threading.Lock()
+_STORE: Dict[tuple, Any] = {}
+
+
+def nbytes(meta: Any) -> int:
+    """Bytes of the tensors a metadata object holds (dataclass / NamedTuple / dict of tensors)."""
+    if meta is None:
+        return 0
+    if isinstance(meta, torch.Tensor):
+        return meta.numel() * meta.element_size()
+    if isinstance(meta, dict):
+        return sum(nbytes(v) for v in meta.values())
+    if isinstance(meta, (tuple, list)):
+        return sum(nbytes(v) for v in meta)
+    if hasattr(meta, "__dict__"):
+        return sum(nbytes(v) for v in vars(meta).values())
+    return 0
+
+
+def get(key: tuple) -> Optional[Any]:
+    with _LOCK:
+        return _STORE.get(key)
+
+
+def put(key: tuple, meta: Any) -> None:
+    site = key[0]
+    with _LOCK:
+        old = _STORE.get(key)
+        _STORE[key] = meta
+        delta = nbytes(meta) - nbytes(old)
+    _report.site(site).bytes_held += delta
+
+
+def bytes_held() -> int:
+    with _LOCK:
+        return sum(nbytes(m) for m in _STORE.values())
+
+
+def clear() -> None:
+    with _LOCK:
+        _STORE.clear()
+    for rec in list(_report._SITES.values()):
+        rec.bytes_held = 0
+
+
+def drop_sites(sites) -> None:
+    """Forget the metadata of some sites (their graph was freed)."""
+    sites = set(sites)
+    with _LOCK:
+        for key in [k for k in _STORE if k[0] in sites]:
+            del _STORE[key]
+
+
+def _on_new_generation(_gen: int) -> None:
+    clear()
+
+
+TRACKER.listeners.append(_on_new_generation)
