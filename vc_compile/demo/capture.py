@@ -1,0 +1,158 @@
+"""Capture the attention inputs (q, k, v) of the demo model during a real sampling run.
+
+For the kernel fidelity benchmarks: instead of Gaussian test tensors, the exact [B, H, S, D] tensors
+that the demo model hands to ``F.scaled_dot_product_attention`` at chosen layers and denoising steps.
+
+How: in eager mode (no torch.compile), :func:`capture_sdpa` temporarily replaces
+``torch.nn.functional.scaled_dot_product_attention``, which diffusers' attention dispatcher looks up
+at call time (``_native_attention``), with a recorder that calls the original and hands the inputs to
+a callback. A forward pre-hook on the transformer numbers the forwards, so each call is identified by
+(forward index, self-attention layer, kind). Within a sampling step the forwards are the CFG
+branches: 0 = conditional, 1 = unconditional.
+
+CLI (writes ``qkv_L{layer}_s{step}_{branch}.pt`` files with ``q, k, v`` in bf16 plus ``index.json``)::
+
+    python -m vc_compile.demo.capture --out qkv --layers 0,3,5 --steps 0,25,49 --num-steps 50 \
+        --frames 21 --height 60 --width 104
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@contextlib.contextmanager
+def capture_sdpa(transformer, callback):
+    """Within the block, ``callback(info, q, k, v)`` sees every SDPA call of ``transformer``'s forwards.
+
+    ``info``: dict with ``forward`` (index since entering), ``layer`` (index among calls of the same
+    kind in this forward), ``kind`` ("self" when q and k have the same length, else "cross") and the
+    SDPA keyword arguments. Eager mode only: under torch.compile the patched function is traced away.
+    """
+    original = F.scaled_dot_product_attention
+    state = {"forward": -1, "self": 0, "cross": 0}
+
+    def pre_hook(module, args, kwargs):
+        state["forward"] += 1
+        state["self"] = state["cross"] = 0
+
+    def recorder(query, key, value, *args, **kwargs):
+        kind = "self" if query.shape[-2] == key.shape[-2] else "cross"
+        info = {"forward": state["forward"], "layer": state[kind], "kind": kind, "kwargs": kwargs}
+        state[kind] += 1
+        callback(info, query, key, value)
+        return original(query, key, value, *args, **kwargs)
+
+    handle = transformer.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    torch.nn.functional.scaled_dot_product_attention = recorder
+    try:
+        yield state
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+        handle.remove()
+
+
+@torch.no_grad()
+def attention_stats(transformer, text_states, x, t: float, rows: int = 256, seed: int = 0) -> list:
+    """Per self-attention layer: how far from uniform the attention of one forward at noise level t is.
+
+    ``entropy_ratio``: mean row entropy / log(S) (1.0 = uniform); ``top1pct_mass``: mean probability
+    mass of the top 1% of keys (0.01 = uniform). Computed in fp32 on ``rows`` random query rows.
+    """
+    stats = []
+    g = torch.Generator().manual_seed(seed)
+
+    def cb(info, q, k, v):
+        if info["kind"] != "self":
+            return
+        S, D = q.shape[-2], q.shape[-1]
+        idx = torch.randperm(S, generator=g)[: min(rows, S)].to(q.device)
+        with torch.autocast(q.device.type, enabled=False):  # fp32 scores even under bf16 autocast
+            s = (q[..., idx, :].float() @ k.float().transpose(-1, -2)) / math.sqrt(D)
+            p = torch.softmax(s, dim=-1)
+        ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1) / math.log(S)
+        top = p.topk(max(1, S // 100), dim=-1).values.sum(-1)
+        stats.append({"layer": info["layer"], "entropy_ratio": ent.mean().item(), "top1pct_mass": top.mean().item()})
+
+    timestep = torch.full((x.shape[0],), t * 1000.0, device=x.device)
+    with capture_sdpa(transformer, cb):
+        transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=text_states, return_dict=False)
+    return stats
+
+
+def capture_run(transformer, cond, uncond, *, frames, height, width, num_steps, layers, steps,
+                branches=("cond",), seed=0, guidance=3.0, dtype=torch.bfloat16, out=None) -> list:
+    """Run the sampler eagerly, keep q, k, v of the chosen self-attention layers/steps/branches.
+
+    Returns a list of dicts (tensors on CPU); with ``out`` also saves them and an ``index.json``.
+    """
+    from .sampler import sample
+
+    kept, cur = [], {"step": -1, "forward0": 0}
+    names = ("cond", "uncond")
+
+    def step_fn(i):
+        cur["step"] = i
+        cur["forward0"] = state["forward"] + 1
+
+    def cb(info, q, k, v):
+        branch = names[min(info["forward"] - cur["forward0"], 1)]
+        if info["kind"] == "self" and info["layer"] in layers and cur["step"] in steps and branch in branches:
+            kept.append({"layer": info["layer"], "step": cur["step"], "branch": branch,
+                         "q": q.detach().to("cpu", torch.bfloat16), "k": k.detach().to("cpu", torch.bfloat16),
+                         "v": v.detach().to("cpu", torch.bfloat16)})
+
+    with capture_sdpa(transformer, cb) as state:
+        sample(transformer, cond, uncond=uncond, guidance=guidance, frames=frames, height=height, width=width,
+               steps=num_steps, seed=seed, dtype=dtype, step_fn=step_fn)
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        index = []
+        for rec in kept:
+            name = f"qkv_L{rec['layer']}_s{rec['step']}_{rec['branch']}.pt"
+            torch.save({k: rec[k] for k in ("q", "k", "v")}, out / name)
+            index.append({"file": name, "layer": rec["layer"], "step": rec["step"], "branch": rec["branch"],
+                          "shape_BHSD": list(rec["q"].shape)})
+        meta = {"frames": frames, "height": height, "width": width, "num_steps": num_steps, "seed": seed,
+                "guidance": guidance, "layout": "[B, H, S, D] as passed to SDPA (RoPE applied)", "files": index}
+        (out / "index.json").write_text(json.dumps(meta, indent=1))
+    return kept
+
+
+def main(argv=None):
+    from .model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="vc_qkv")
+    ap.add_argument("--weights", default=None)
+    ap.add_argument("--layers", default="0,3,5")
+    ap.add_argument("--steps", default="0,25,49", help="steps to capture (0-based)")
+    ap.add_argument("--num-steps", type=int, default=50)
+    ap.add_argument("--branches", default="cond")
+    ap.add_argument("--frames", type=int, default=16)
+    ap.add_argument("--height", type=int, default=32)
+    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
+    ap.add_argument("--guidance", type=float, default=3.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args(argv)
+    dtype = torch.bfloat16
+    tr, te, cfg, _ = load_demo(a.weights, device=a.device, dtype=dtype)
+    cond = encode(te, parse_prompt(a.prompt, cfg.max_sprites), dtype)
+    uncond = encode(te, parse_prompt("", cfg.max_sprites), dtype)
+    kept = capture_run(tr, cond, uncond, frames=a.frames, height=a.height, width=a.width, num_steps=a.num_steps,
+                       layers={int(x) for x in a.layers.split(",")}, steps={int(x) for x in a.steps.split(",")},
+                       branches=tuple(a.branches.split(",")), seed=a.seed, guidance=a.guidance, out=a.out)
+    print(f"captured {len(kept)} (q, k, v) triples into {a.out}/")
+
+
+if __name__ == "__main__":
+    main()

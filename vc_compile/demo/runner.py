@@ -1,0 +1,116 @@
+"""One generation of the demo model under one vcattn configuration, timed: shared by the demo and
+``benchmarks/bench_e2e.py``.
+
+Per configuration: ``torch._dynamo.reset()`` and ``vc_compile.reset(report=True)`` (a fresh compile and
+fresh call-site records), ``torch.compile(transformer, backend="vcattn", options=...)``, an untimed
+warm-up (``"full"``: a whole generation, so compilation and Triton JIT are out of the timing; ``"one"``:
+a single step, enough where nothing is JIT-compiled, e.g. the CPU reference paths), ``vc_compile.reset()``
+(drops metadata and counts, keeps the compiled graph), then the timed generation wrapped in the step API::
+
+    with vc_compile.sampling(num_steps=n):
+        for i in range(n): vc_compile.step(i); model(...)
+
+End-to-end time is the wall clock of the timed sampling loop (CUDA synchronised); attention time is
+``vc_compile.report().total_time_ms`` when the ``profile`` option is on (CUDA events around every
+rewritten attention call; cross-attention to the few text tokens stays stock SDPA and is not counted).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from .sampler import sample
+
+METHODS = (
+    ("dense", {"method": "dense"}),
+    ("vsmooth", {"method": "vsmooth"}),
+    ("vsmooth+expcast", {"method": "vsmooth", "expcast": True}),
+    ("mcsparse@0.15", {"method": "mcsparse", "density": 0.15}),
+    ("mcsparse@0.25", {"method": "mcsparse", "density": 0.25}),
+)
+
+
+@dataclasses.dataclass
+class RunResult:
+    label: str
+    options: dict
+    clip: torch.Tensor            # [B, 3, F, H, W] float32 on CPU
+    e2e_ms: float
+    attn_ms: float | None          # None: profiling unavailable
+    report: object | None          # vc_compile.Report of the timed run
+    summary: str = ""
+
+
+def vc_api():
+    """The vc_compile module and a backend usable by torch.compile, or raise with a clear message."""
+    try:
+        import vc_compile
+        from vc_compile.backend import vcattn
+    except Exception as e:  # noqa: BLE001 - say exactly what is missing
+        raise SystemExit(f"[vc_demo] the vcattn backend is not importable ({type(e).__name__}: {e}); "
+                         "the demo needs vc_compile.backend") from e
+    for name in ("sampling", "step", "reset", "report"):
+        if not hasattr(vc_compile, name):
+            raise SystemExit(f"[vc_demo] vc_compile.{name} is missing: the demo needs the step/report API")
+    try:
+        from torch._dynamo.backends.registry import lookup_backend
+
+        lookup_backend("vcattn")
+        backend = "vcattn"
+    except Exception:  # not pip-installed (no entry point): hand torch the callable itself
+        backend = vcattn
+    return vc_compile, backend
+
+
+def summarize(rep) -> str:
+    """One line: rewritten sites, phase counts, kernel paths, fallback reasons."""
+    if rep is None:
+        return ""
+    phases, paths, reasons = {}, {}, {}
+    for s in rep.sites:
+        for k, v in s.phases.items():
+            phases[k] = phases.get(k, 0) + v
+        for k, v in s.kernel_path.items():
+            paths[k] = paths.get(k, 0) + v
+        r = s.reason or ", ".join(s.runtime_fallbacks)
+        if r:
+            reasons[r] = reasons.get(r, 0) + 1
+    fmt = lambda d: " ".join(f"{k}:{v}" for k, v in sorted(d.items())) or "-"  # noqa: E731
+    return (f"{len(rep.rewritten)}/{len(rep.sites)} sites rewritten; phases {fmt(phases)}; "
+            f"kernels {fmt(paths)}; stock SDPA: {fmt(reasons)}")
+
+
+def run_config(transformer, cond, uncond, label: str, options: dict, *, frames: int, height: int, width: int,
+               steps: int, seed: int, guidance: float, shift: float, dtype=torch.bfloat16,
+               warmup: str = "full", profile: bool = True, progress=None) -> RunResult:
+    vc, backend = vc_api()
+    opts = dict(options)
+    if profile:
+        opts["profile"] = True
+    torch._dynamo.reset()
+    vc.reset(report=True)
+    model = torch.compile(transformer, backend=backend, options=opts)
+    kw = dict(frames=frames, height=height, width=width, seed=seed, uncond=uncond, guidance=guidance,
+              shift=shift, dtype=dtype)
+    cuda = cond.device.type == "cuda"
+
+    with vc.sampling(num_steps=steps):  # warm-up: compile (+ JIT), not timed
+        if warmup == "full":
+            sample(model, cond, steps=steps, step_fn=vc.step, **kw)
+        else:
+            vc.step(0)
+            sample(model, cond, steps=1, **kw)
+    vc.reset()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with vc.sampling(num_steps=steps):
+        clip = sample(model, cond, steps=steps, step_fn=vc.step, progress=progress, **kw)
+    if cuda:
+        torch.cuda.synchronize()
+    e2e = (time.perf_counter() - t0) * 1e3
+    rep = vc.report()
+    attn = rep.total_time_ms if (profile and hasattr(rep, "total_time_ms")) else None
+    return RunResult(label, options, clip.cpu(), e2e, attn, rep, summarize(rep))
