@@ -8,6 +8,7 @@ Public API (small on purpose): ``report()``, ``sampling()``, ``step()``, ``diffu
 """
 from __future__ import annotations
 
+from . import ops  # noqa: F401  (registers torch.ops.vcattn.*)
 from .config import Method, QKFormat, VCConfig, VCConfigError
 from .runtime.report import Report, report
 from .runtime.steps import diffusers_callback, sampling, step

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command (README quick start, CI): installs what the tests need, then runs them.
+# On a CPU-only machine the Triton kernels run under TRITON_INTERPRET=1 on small shapes and GPU-only
+# tests are skipped (marker `requires_cuda`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec ${PYTHON:-python3} -m pytest -q -ra --durations=15 tests "$@"
