@@ -76,3 +76,12 @@ def test_bad_option_fails_at_compile_time():
     cm = torch.compile(m, backend="vcattn", options={"method": "nope"})
     with pytest.raises(Exception, match="method"):
         cm(torch.randn(2, 4))
+
+
+def test_readme_options_table_lists_every_option():
+    import dataclasses
+    import os
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    for f in dataclasses.fields(VCConfig):
+        assert f"| `{f.name}` |" in readme, f"README options table lacks {f.name}"
