@@ -1,0 +1,316 @@
+"""Preprocessing kernels of the 8-bit attention (SPEC 3.1, 3.2 steps 2-3): Q/K smoothing, rotation and
+INT8/FP8 quantisation, and V-Smooth (gather, block means, FP8 residual written K-major).
+
+Contract: ``vc_compile/reference/preprocess.py`` (same named tuples, same conventions).
+
+Notation
+--------
+B, H, S, D   batch, heads, tokens, head dim (64 or 128); inputs [B, H, S, D] with ANY strides (e.g. the
+             permuted view of a [B, S, H, D] tensor), read through their strides.
+perm         [B, H, S] int64 key/value order (V-Smooth clusters) or None; row t of K' / V' is row perm[t].
+BQ, BK, BV   tokens per Q scale (128), per K scale (64), rows per V mean (128) -- BLOCK_* of the reference.
+kbar         [B, H, D] token mean of K (fp32), removed before rotation (softmax ignores it).
+Hd           orthonormal D x D Hadamard matrix = Hpm / sqrt(D), Hpm its +-1 version.
+q8, k8       int8 (round half away from zero, [-127, 127]) or E4M3 codes, one scale per block
+             (amax / qmax, 1 for an all-zero block); ``sm_scale * log2 e`` folded into q_scale.
+mu_j         [D] mean of V' block j (valid rows only); R = V' - mu, quantised per channel to E4M3 with
+             v_scale[d] = amax_t |R[t, d]| / 448 over the whole head; stored transposed v8t [B, H, D, S_pad].
+
+Kernels and grids
+-----------------
+* ``_colsum_kernel``  grid (n_split, B*H): partial column sums of K over a chunk of tokens (the K mean
+  needs its own reduction pass before any block can be quantised); torch adds the n_split partials.
+* ``_qk_quant_kernel`` grid (ceil(S/128), B*H): one program = one 128-token Q block and the two 64-token
+  K blocks at the same positions of K' (rows gathered through perm). One read + one write per tensor.
+  Rotation: ``x @ Hpm`` as one ``tl.dot`` in the input dtype (the products by +-1 are exact, fp32
+  accumulation), times 1/sqrt(D); for K the rotated mean ``kbar @ Hd`` is subtracted (H(k - kbar) =
+  Hk - H kbar), which matches the reference up to fp32 rounding (rare one-code differences).
+* ``_v_stats_kernel`` grid (ceil(S/128), B*H): gather one V' block, its mean mu_j (stored), the residual's
+  per-channel amax folded into v_amax [B*H, D] by ``atomic_max`` (order-independent, so deterministic).
+* ``_v_quant_kernel`` grid (ceil(S/128), B*H): gathers the block again (the per-channel scale spans the
+  whole head, so V is read twice), quantises R to E4M3 and stores it transposed, zero-padded to S_pad.
+
+Exactness: divisions are ``div_rn`` (IEEE, like torch), INT8 rounding is ``trunc(x + copysign(0.5, x))``
+(= the reference's ``sign(x) floor(|x| + 0.5)`` in fp32), so q8 matches the reference code for code;
+k8, v8t may differ by one code where the mean (summed in another order) moves a value across a
+rounding boundary. Under TRITON_INTERPRET=1 the fp32 -> e4m3 cast of Triton 3.6 mis-rounds (ties,
+carries into the exponent, subnormals), so values are first rounded to the E4M3 grid in fp32
+(``round_e4m3``) and the cast then only sees exact values; the GPU path uses the hardware cast (RNE).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, QKQuant, VQuant
+from vc_compile.reference.quant import LOG2E, hadamard_matrix
+
+FP8 = torch.float8_e4m3fn
+
+
+def interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def loop_bound(n: int) -> int:
+    """Constexpr copy of a runtime loop bound: ``n`` under the interpreter, else 0 (= use the runtime
+    value, one compile for all lengths); kernels write ``range(0, N_C if N_C > 0 else n)``. NOTE the Triton
+    3.6 interpreter iterates ``range`` over a runtime scalar via ``int(np.array([n]))``, which numpy >= 2.4
+    refuses, and it rewrites every assignment ``x = v`` into ``x = to_tensor(v)``, so the bound must
+    not pass through a variable."""
+    return int(n) if interpret() else 0
+
+
+@triton.jit
+def round_e4m3(x):
+    """fp32 -> nearest E4M3 value (ties to even, saturating at +-448), in fp32/int32 arithmetic.
+    Interpreter only (see the module doc). Normal range: round the fp32 mantissa to 3 bits on the bit
+    pattern (carries into the exponent are then right); below 2^-6 the grid step is 2^-9."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    nrm = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
+    sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    return tl.where(tl.abs(x) < 0.015625, sub, nrm)
+
+
+@triton.jit
+def _quant_tile(x, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 tile (padding rows already 0) -> (codes, scale): one scale for the whole tile."""
+    amax = tl.max(tl.max(tl.abs(x), 1), 0)
+    scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX))
+    y = tl.math.div_rn(x, scale)
+    if FP8_OUT:
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if INTERPRET:
+            y = round_e4m3(y)
+        codes = y.to(tl.float8e4nv)
+    else:
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        codes = (y + tl.where(y >= 0, 0.5, -0.5)).to(tl.int8)
+    return codes, scale
+
+
+@triton.jit
+def _colsum_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, rows_per_split, n_sub, N_SUB_C: tl.constexpr,
+                   D: tl.constexpr, BS: tl.constexpr):
+    # OUT[bh, split, :] = sum of rows [split * rows_per_split, ...) of X[b, h] (fp32)
+    sp = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, D)
+    base = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
+    acc = tl.zeros([BS, D], tl.float32)
+    for i in tl.range(0, N_SUB_C if N_SUB_C > 0 else n_sub):
+        rows = sp * rows_per_split + i * BS + tl.arange(0, BS)
+        x = tl.load(base + rows[:, None].to(tl.int64) * sxs + d[None, :] * sxd,
+                    mask=(rows < S)[:, None], other=0.0)
+        acc += x.to(tl.float32)
+    n_split = tl.num_programs(0)
+    tl.store(OUT + (bh * n_split + sp).to(tl.int64) * D + d, tl.sum(acc, 0))
+
+
+def _token_mean(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, D] (any strides) -> [B, H, D] fp32 token mean."""
+    B, H, S, D = x.shape
+    BS = 32
+    n_split = max(1, min(triton.cdiv(S, 512), triton.cdiv(528, B * H)))
+    rows_per_split = triton.cdiv(triton.cdiv(S, n_split), BS) * BS
+    n_split = triton.cdiv(S, rows_per_split)
+    n_sub = rows_per_split // BS
+    part = torch.empty(B * H, n_split, D, device=x.device, dtype=torch.float32)
+    _colsum_kernel[(n_split, B * H)](x, part, S, H, *x.stride(), rows_per_split, n_sub,
+                                     loop_bound(n_sub), D=D, BS=BS, num_warps=4)
+    return (part.sum(dim=1) / S).view(B, H, D)
+
+
+@triton.jit
+def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
+                     S, H, sqb, sqh, sqs, sqd, skb, skh, sks, skd, spb, sph, sps,
+                     q_fold, h_norm,
+                     D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, HAS_PERM: tl.constexpr,
+                     HADAMARD: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    d = tl.arange(0, D)
+    QMAX: tl.constexpr = 448.0 if FP8_OUT else 127.0
+    if HADAMARD:
+        hpm = tl.load(HPM + d[:, None] * D + d[None, :])  # +-1, in the input dtype
+        if INTERPRET:
+            hpm = hpm.to(tl.float32)  # NOTE the 3.6 interpreter's tl.dot mis-multiplies bf16
+    nbq = tl.cdiv(S, BQ)
+    nbk = tl.cdiv(S, BK)
+    out_bh = bh.to(tl.int64) * S * D
+
+    # ---- Q: one 128-token block
+    rows = pid * BQ + tl.arange(0, BQ)
+    rmask = rows < S
+    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs
+                + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
+    if HADAMARD:
+        if INTERPRET:
+            q = q.to(tl.float32)
+        qf = tl.dot(q, hpm, input_precision=DOT_PREC) * h_norm
+    else:
+        qf = q.to(tl.float32)
+    codes, scale = _quant_tile(qf, QMAX, FP8_OUT, INTERPRET)
+    tl.store(Q8 + out_bh + rows[:, None].to(tl.int64) * D + d[None, :], codes, mask=rmask[:, None])
+    tl.store(QS + bh * nbq + pid, scale * q_fold)
+
+    # ---- K': two 64-token blocks at the same positions, rows gathered through perm
+    kbar = tl.load(KBAR + bh * D + d)
+    k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+    for j in tl.static_range(BQ // BK):
+        rows = pid * BQ + j * BK + tl.arange(0, BK)
+        rmask = rows < S
+        if HAS_PERM:
+            src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps,
+                          mask=rmask, other=0)
+        else:
+            src = rows
+        k = tl.load(k_base + src[:, None].to(tl.int64) * sks + d[None, :] * skd, mask=rmask[:, None],
+                    other=0.0)
+        if HADAMARD:
+            if INTERPRET:
+                k = k.to(tl.float32)
+            kf = tl.dot(k, hpm, input_precision=DOT_PREC) * h_norm - kbar[None, :]
+        else:
+            kf = k.to(tl.float32) - kbar[None, :]
+        kf = tl.where(rmask[:, None], kf, 0.0)
+        codes, scale = _quant_tile(kf, QMAX, FP8_OUT, INTERPRET)
+        tl.store(K8 + out_bh + rows[:, None].to(tl.int64) * D + d[None, :], codes, mask=rmask[:, None])
+        kb = pid * (BQ // BK) + j
+        tl.store(KS + bh * nbk + kb, scale, mask=kb < nbk)
+
+
+def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
+                  qk_format: str = "int8") -> QKQuant:
+    """Q, K [B, H, S, D] (any strides; bf16/fp16/fp32) -> QKQuant, like the reference."""
+    if qk_format not in ("int8", "fp8"):
+        raise ValueError(f"qk_format must be 'int8' or 'fp8', got {qk_format!r}")
+    B, H, S, D = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"preprocess_qk needs q and k of one shape (self-attention), got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D} is not supported (64 or 128)")
+    dev = q.device
+    k_mean = _token_mean(k)
+    kbar, hpm, h_norm = k_mean, q, 1.0  # hpm: any pointer when unused
+    if hadamard:
+        Hd = hadamard_matrix(D, device=dev)
+        kbar = (k_mean.view(B * H, D) @ Hd).contiguous()
+        h_norm = float(D) ** -0.5
+        hpm = (Hd * (float(D) ** 0.5)).round().to(q.dtype).contiguous()
+    code_dtype = FP8 if qk_format == "fp8" else torch.int8
+    q8 = torch.empty(B, H, S, D, device=dev, dtype=code_dtype)
+    k8 = torch.empty(B, H, S, D, device=dev, dtype=code_dtype)
+    nbq = triton.cdiv(S, BLOCK_Q)
+    q_scale = torch.empty(B, H, nbq, device=dev, dtype=torch.float32)
+    k_scale = torch.empty(B, H, triton.cdiv(S, BLOCK_K), device=dev, dtype=torch.float32)
+    p = perm if perm is not None else q8  # dummy pointer
+    pstr = perm.stride() if perm is not None else (0, 0, 0)
+    _qk_quant_kernel[(nbq, B * H)](
+        q, k, p, kbar.contiguous(), hpm, q8, k8, q_scale, k_scale,
+        S, H, *q.stride(), *k.stride(), *pstr,
+        float(sm_scale) * LOG2E, h_norm,
+        D=D, BQ=BLOCK_Q, BK=BLOCK_K, HAS_PERM=perm is not None, HADAMARD=hadamard,
+        FP8_OUT=qk_format == "fp8", INTERPRET=interpret(),
+        DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=8 if D == 128 else 4)
+    return QKQuant(q8, q_scale, k8, k_scale, k_mean, float(sm_scale))
+
+
+@triton.jit
+def _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps,
+                  D: tl.constexpr, BV: tl.constexpr, HAS_PERM: tl.constexpr):
+    rows = blk * BV + tl.arange(0, BV)
+    rmask = rows < S
+    if HAS_PERM:
+        src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps, mask=rmask,
+                      other=0)
+    else:
+        src = rows
+    d = tl.arange(0, D)
+    v = tl.load(V + b.to(tl.int64) * svb + h.to(tl.int64) * svh + src[:, None].to(tl.int64) * svs
+                + d[None, :] * svd, mask=rmask[:, None], other=0.0)
+    return v.to(tl.float32), rmask
+
+
+@triton.jit
+def _v_stats_kernel(V, PERM, VMEAN, VAMAX, S, H, svb, svh, svs, svd, spb, sph, sps,
+                    D: tl.constexpr, BV: tl.constexpr, HAS_PERM: tl.constexpr, SMOOTH: tl.constexpr):
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    nb = tl.num_programs(0)
+    d = tl.arange(0, D)
+    v, rmask = _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM)
+    if SMOOTH:
+        cnt = tl.minimum(S - blk * BV, BV).to(tl.float32)
+        mu = tl.math.div_rn(tl.sum(v, 0), cnt)
+        r = tl.where(rmask[:, None], v - mu[None, :], 0.0)
+    else:
+        mu = tl.zeros([D], tl.float32)
+        r = v
+    tl.store(VMEAN + (bh * nb + blk).to(tl.int64) * D + d, mu)
+    tl.atomic_max(VAMAX + bh * D + d, tl.max(tl.abs(r), 0))
+
+
+@triton.jit
+def _v_quant_kernel(V, PERM, VMEAN, VAMAX, V8T, VSCALE, S, S_pad, H, svb, svh, svs, svd, spb, sph, sps,
+                    D: tl.constexpr, BV: tl.constexpr, HAS_PERM: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    nb = tl.num_programs(0)
+    d = tl.arange(0, D)
+    v, rmask = _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM)
+    mu = tl.load(VMEAN + (bh * nb + blk).to(tl.int64) * D + d)
+    amax = tl.load(VAMAX + bh * D + d)
+    scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
+    r = tl.where(rmask[:, None], v - mu[None, :], 0.0)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(r, scale[None, :]), -448.0), 448.0)
+    if INTERPRET:
+        y = round_e4m3(y)
+    codes = tl.trans(y.to(tl.float8e4nv))  # [D, BV]: K-major for the PV MMA
+    t = blk * BV + tl.arange(0, BV)
+    tl.store(V8T + bh.to(tl.int64) * D * S_pad + d[:, None].to(tl.int64) * S_pad + t[None, :], codes)
+    if blk == 0:
+        tl.store(VSCALE + bh * D + d, scale)
+
+
+def preprocess_v(v, perm=None, *, smooth: bool = True) -> VQuant:
+    """V [B, H, S, D] (any strides) -> VQuant, like the reference. ``smooth=False``: zero means (plain
+    per-channel FP8 V, our "naive 8-bit"); its ``v_mean`` is tagged so the attention skips the mean term."""
+    B, H, S, D = v.shape
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D} is not supported (64 or 128)")
+    dev = v.device
+    nb = triton.cdiv(S, BLOCK_V)
+    S_pad = nb * BLOCK_V
+    v_mean = torch.empty(B, H, nb, D, device=dev, dtype=torch.float32)
+    v_amax = torch.zeros(B, H, D, device=dev, dtype=torch.float32)
+    v_scale = torch.empty(B, H, D, device=dev, dtype=torch.float32)
+    v8t = torch.empty(B, H, D, S_pad, device=dev, dtype=FP8)
+    p = perm if perm is not None else v_amax
+    pstr = perm.stride() if perm is not None else (0, 0, 0)
+    nw = 8 if D == 128 else 4
+    args = (S, H, *v.stride(), *pstr)
+    _v_stats_kernel[(nb, B * H)](v, p, v_mean, v_amax, *args, D=D, BV=BLOCK_V,
+                                 HAS_PERM=perm is not None, SMOOTH=smooth, num_warps=nw)
+    _v_quant_kernel[(nb, B * H)](v, p, v_mean, v_amax, v8t, v_scale, S, S_pad, H, *v.stride(), *pstr,
+                                 D=D, BV=BLOCK_V, HAS_PERM=perm is not None, INTERPRET=interpret(),
+                                 num_warps=nw)
+    if not smooth:
+        v_mean._vc_zero_mean = True  # read by vsmooth_attention (HAS_MEAN=False); lost -> still correct
+    return VQuant(v8t, v_scale, v_mean, S)

@@ -1,0 +1,210 @@
+"""8-bit attention with V-Smooth mean compensation and optional ExpCast-FP8 (SPEC 3.2 step 4, 3.3).
+
+Contract: ``vc_compile/reference/vsmooth_attn.py`` (inputs from ``preprocess``'s QKQuant / VQuant).
+
+Notation
+--------
+BM, BN      query rows per program, keys per inner step (BN = 128 = BLOCK_V: one V mean per step, two
+            64-token K scales).
+q8, k8      int8 (or E4M3) codes [B, H, S, D]; qs = q_scale of the program's 128-token Q block
+            (``sm_scale * log2 e`` folded in), ks = k_scale per key; s = (q8 . k8) qs ks, base-2 logits.
+m_i         running row max of s (online softmax). P~ = fp8(256 * 2^(s - m_i)) (exp2 + cast), or with
+            ExpCast the E4M3 byte c = clamp(rne(8 s + n_i), 0, 120), n_i = floor(119.65 - 8 m_i) an
+            integer: c is ExpCast's round(8 (s - m'_i) + 119.65) for the row reference
+            m'_i = (119.65 - n_i) / 8 in [m_i, m_i + 1/8). The per-row factor 2^(m_i - m'_i) cancels in the
+            normalisation, and ``fma(s, 8, n_i + 2^23)`` rounds to the code in ONE instruction (the 2^23
+            magic: the fraction 0.65 sits in n_i's definition, not in the addend). The byte is the low byte
+            of the fp32 bits, reinterpreted as float8e4nv (no cvt).
+r_ij        row sum of the decoded P~ over key block j (what the PV MMA multiplied).
+acc         the PV accumulator in units of v_scale: per block (two-level: a fresh MMA accumulator,
+            then acc = acc * alpha + P~ R8_j + r_ij (mu_j / v_scale)); O = acc * v_scale / l.
+lse         optional base-2 LSE of the *smoothed* logits: m'_i + log2 l_i - 8 (as the reference).
+
+INT8 QK: the int32 scores (|qk| <= 127^2 * 128 < 2^22) are turned into floats without the
+quarter-rate I2F: bits(qk + 0x4B400000) is the float 1.5 * 2^23 + qk, and s = fma(t, ks, -1.5 * 2^23 ks)
+(error < 1 unit of qk * ks, far below the INT8 rounding of q and k).
+
+Grid
+----
+``(ceil(S / BM), B * H)``: program_id(0) = query tile runs fastest, so the tiles of one head run
+together and its K/V (2 * S * D bytes) stays in L2. Each program loads its Q tile once (TMA), loops over
+the full key blocks (TMA loads of K [BN, D] and of V^T [D, BN], pipelined by ``num_stages``), then one
+masked block for the key tail (padded keys get s = -inf, so P~ = 0). Q rows past S read the next head's
+rows (finite) and are never stored.
+
+Switches (constexpr; one kernel): QK_FP8 (E4M3 QK instead of INT8), EXPCAST, HAS_MEAN (False for
+``smooth=False`` V: no mean term, the "naive 8-bit" kernel), ROWSUM_MMA (r_ij as ``P~ @ ones[BN, 16]``
+on the tensor cores instead of converting P~ back to fp32 on the ALUs), RETURN_LSE, INTERPRET (fp32
+-> e4m3 rounding done in software: the Triton 3.6 interpreter's cast mis-rounds).
+
+Cost: 4 B H S Sk D FLOPs (half INT8, half FP8 MMA); bytes ~ B H (S D (1 + out bytes) + n_q_tiles Sk 2D)
+with K/V re-read per query tile mostly from L2.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, QKQuant, VQuant
+from vc_compile.templates.preprocess import interpret, loop_bound, round_e4m3
+
+# (BM, BN, num_warps, num_stages) per head dim. NOTE: tuned on the H200, see docs/kernels_notes.md.
+DEFAULT_CONFIGS: Dict[int, Tuple[int, int, int, int]] = {128: (64, 128, 4, 3), 64: (64, 128, 4, 3)}
+DEFAULT_ROWSUM_MMA = False
+# Benchmarks may set these to sweep configurations; None = defaults.
+CONFIG_OVERRIDE: Optional[Tuple[int, int, int, int]] = None
+ROWSUM_MMA_OVERRIDE: Optional[bool] = None
+
+MAGIC_I2F = 0x4B400000  # bits of 1.5 * 2^23
+MAGIC_F = 12582912.0  # 1.5 * 2^23
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> nearest bf16 value (ties to even) in int32 arithmetic. Interpreter only: NOTE its fp32 ->
+    bf16 cast truncates (measured: rel. L2 vs fp32 truth 3.8e-3 against torch's RNE 2.5e-3)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS, VM, ivs, kv_row, vt_row, start_n, Sk,
+               BN: tl.constexpr, D: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+               MASK: tl.constexpr, QK_FP8: tl.constexpr, EXPCAST: tl.constexpr,
+               HAS_MEAN: tl.constexpr, ROWSUM_MMA: tl.constexpr, INTERPRET: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BN)
+    k = desc_k.load([kv_row + start_n, 0])
+    if MASK:
+        ks = tl.load(KS + offs_n // BKS, mask=offs_n < Sk, other=0.0) * qs
+    else:
+        ks = tl.load(KS + offs_n // BKS) * qs
+    if QK_FP8:
+        s = tl.dot(q, k.T) * ks[None, :]
+    else:
+        t = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
+        s = tl.fma(t, ks[None, :], (ks * -12582912.0)[None, :])
+    if MASK:
+        s = tl.where((offs_n < Sk)[None, :], s, float("-inf"))
+    rmax = tl.max(s, 1)
+    if EXPCAST:
+        # m_i holds n_i = floor(119.65 - 8 m): +inf before the first block, never increases.
+        m_new = tl.minimum(m_i, tl.floor(119.65 - 8.0 * rmax))
+        alpha = tl.math.exp2((m_new - m_i) * 0.125)
+        x = tl.maximum(tl.fma(s, 8.0, (m_new + 8388608.0)[:, None]), 8388608.0)
+        p8 = x.to(tl.int32, bitcast=True).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        m_new = tl.maximum(m_i, rmax)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - (m_new - 8.0)[:, None])
+        if INTERPRET:
+            p = round_e4m3(p)
+        p8 = p.to(tl.float8e4nv)
+    if ROWSUM_MMA:
+        ones = tl.full([BN, 16], 1.0, tl.float32).to(tl.float8e4nv)
+        r = tl.max(tl.dot(p8, ones), 1)
+    else:
+        r = tl.sum(p8.to(tl.float32), 1)
+    l_i = tl.fma(l_i, alpha, r)
+    v = desc_v.load([vt_row, start_n])  # [D, BN] K-major
+    pv = tl.dot(p8, v.T)  # fresh accumulator: the FP8 MMA's own accumulation stays within one block
+    acc = tl.fma(acc, alpha[:, None], pv)
+    if HAS_MEAN:
+        mu = tl.load(VM + (start_n // BV) * D + tl.arange(0, D)) * ivs
+        acc = tl.fma(r[:, None], mu[None, :], acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, OUT, LSE,
+                         S, Sk, n_full, N_FULL_C: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, BQS: tl.constexpr,
+                         BKS: tl.constexpr, BV: tl.constexpr, HAS_TAIL: tl.constexpr,
+                         QK_FP8: tl.constexpr, EXPCAST: tl.constexpr, HAS_MEAN: tl.constexpr,
+                         ROWSUM_MMA: tl.constexpr, RETURN_LSE: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    start_m = pid_m * BM
+    q = desc_q.load([bh * S + start_m, 0])
+    qs = tl.load(QS + bh * tl.cdiv(S, BQS) + start_m // BQS)
+    d = tl.arange(0, D)
+    vs = tl.load(VS + bh * D + d)
+    ivs = 1.0 / vs
+    KS_bh = KS + bh * tl.cdiv(Sk, BKS)
+    VM_bh = VM + bh.to(tl.int64) * tl.cdiv(Sk, BV) * D
+    kv_row = bh * Sk
+    vt_row = bh * D
+    if EXPCAST:
+        m_i = tl.full([BM], float("inf"), tl.float32)
+    else:
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    for j in tl.range(0, N_FULL_C if N_FULL_C > 0 else n_full):
+        acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS_bh, VM_bh, ivs, kv_row,
+                                   vt_row, j * BN, Sk, BN, D, BKS, BV, False, QK_FP8, EXPCAST,
+                                   HAS_MEAN, ROWSUM_MMA, INTERPRET)
+    if HAS_TAIL:
+        acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS_bh, VM_bh, ivs, kv_row,
+                                   vt_row, n_full * BN, Sk, BN, D, BKS, BV, True, QK_FP8, EXPCAST,
+                                   HAS_MEAN, ROWSUM_MMA, INTERPRET)
+    o = acc * (vs[None, :] / l_i[:, None])
+    if INTERPRET:
+        if OUT.dtype.element_ty == tl.bfloat16:
+            o = round_bf16(o)
+    rows = start_m + tl.arange(0, BM)
+    rmask = rows < S
+    tl.store(OUT + (bh.to(tl.int64) * S + rows[:, None]) * D + d[None, :],
+             o.to(OUT.dtype.element_ty), mask=rmask[:, None])
+    if RETURN_LSE:
+        if EXPCAST:
+            m_ref = (119.65 - m_i) * 0.125
+        else:
+            m_ref = m_i
+        tl.store(LSE + bh.to(tl.int64) * S + rows, m_ref + tl.math.log2(l_i) - 8.0, mask=rmask)
+
+
+def _config(D: int):
+    cfg = CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else DEFAULT_CONFIGS[D]
+    rs = ROWSUM_MMA_OVERRIDE if ROWSUM_MMA_OVERRIDE is not None else DEFAULT_ROWSUM_MMA
+    return cfg, rs
+
+
+def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dtype=torch.bfloat16,
+                      return_lse: bool = False):
+    """8-bit attention: O [B, H, S, D] in ``out_dtype`` (and the base-2 LSE of the smoothed logits,
+    [B, H, S] fp32, when ``return_lse``)."""
+    q8, q_scale, k8, k_scale = qk.q8, qk.q_scale, qk.k8, qk.k_scale
+    B, H, S, D = q8.shape
+    Sk = k8.shape[2]
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D} is not supported (64 or 128)")
+    if vq.S != Sk or vq.v8t.shape[2] != D:
+        raise ValueError("VQuant does not match the keys (S or head dim)")
+    qk_fp8 = q8.dtype == torch.float8_e4m3fn
+    if q8.dtype not in (torch.int8, torch.float8_e4m3fn) or k8.dtype != q8.dtype:
+        raise ValueError(f"q8/k8 must both be int8 or float8_e4m3fn, got {q8.dtype}, {k8.dtype}")
+    (BM, BN, nw, ns), rowsum_mma = _config(D)
+    q8 = q8.contiguous()
+    k8 = k8.contiguous()
+    v8t = vq.v8t.contiguous()
+    S_pad = v8t.shape[-1]
+    desc_q = TensorDescriptor.from_tensor(q8.view(B * H * S, D), [BM, D])
+    desc_k = TensorDescriptor.from_tensor(k8.view(B * H * Sk, D), [BN, D])
+    desc_v = TensorDescriptor.from_tensor(v8t.view(B * H * D, S_pad), [D, BN])
+    out = torch.empty(B, H, S, D, device=q8.device, dtype=out_dtype)
+    lse = torch.empty(B, H, S, device=q8.device, dtype=torch.float32) if return_lse else out
+    has_mean = not getattr(vq.v_mean, "_vc_zero_mean", False)
+    n_full = Sk // BN
+    _vsmooth_attn_kernel[(triton.cdiv(S, BM), B * H)](
+        desc_q, desc_k, desc_v, q_scale.contiguous(), k_scale.contiguous(), vq.v_mean.contiguous(),
+        vq.v_scale.contiguous(), out, lse, S, Sk, n_full, loop_bound(n_full),
+        BM=BM, BN=BN, D=D, BQS=BLOCK_Q, BKS=BLOCK_K, BV=BLOCK_V, HAS_TAIL=Sk % BN != 0,
+        QK_FP8=qk_fp8, EXPCAST=bool(expcast), HAS_MEAN=has_mean, ROWSUM_MMA=rowsum_mma,
+        RETURN_LSE=bool(return_lse), INTERPRET=interpret(), num_warps=nw, num_stages=ns)
+    return (out, lse) if return_lse else out
