@@ -1,0 +1,60 @@
+"""Reference token-gather sparse attention with 8-bit QK (``qk_format="fp8"``).
+
+Oracle of ``vc_compile/templates/sparse_attn.py`` with ``qk_format="fp8"``. ``reference/sparse_attn.py``
+is the 16-bit contract and stays frozen; this module only quantises Q and K and calls it.
+
+Notation
+--------
+Q scale     one per query group tile: ``amax`` over the group's C rows x D channels (rows taken in
+            sigma order; the partial last group uses only its real rows) / 448.
+K scale     one per key token: ``amax`` over its D channels / 448.
+codes       E4M3 (``torch.float8_e4m3fn``), ``clamp(x / scale, -448, 448)`` rounded to nearest even;
+            an all-zero block gets scale 1 (``quant.safe_scale``).
+PV          unchanged: V stays in its 16-bit type (the kernel feeds P in V's dtype to the MMA).
+The logits are ``(q_codes . k_codes) * q_scale * k_scale * sm_scale * log2(e)``, i.e. the 16-bit
+reference run on the dequantised Q and K.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .quant import FP8_MAX, expand_blocks, quantize_fp8, safe_scale
+from .select import gather_rows
+from .sparse_attn import sparse_attention
+
+
+def quantize_q_groups(q: torch.Tensor, sigma: torch.Tensor, group_size: int):
+    """Q [B, H, S, D] -> (codes in sigma order [B, H, S, D], scale per group [B, H, G])."""
+    B, H, S, D = q.shape
+    C = group_size
+    G = (S + C - 1) // C
+    qs = gather_rows(q.float(), sigma)
+    amax = torch.nn.functional.pad(qs.abs().amax(-1), (0, G * C - S)).unflatten(-1, (G, C)).amax(-1)
+    scale = safe_scale(amax, FP8_MAX)
+    codes = quantize_fp8(qs, expand_blocks(scale, C, S).unsqueeze(-1))
+    return codes, scale
+
+
+def quantize_k_tokens(k: torch.Tensor):
+    """K [B, H, Sk, D] -> (codes [B, H, Sk, D], scale [B, H, Sk])."""
+    scale = safe_scale(k.float().abs().amax(-1), FP8_MAX)
+    return quantize_fp8(k.float(), scale.unsqueeze(-1)), scale
+
+
+def dequantized_qk(q, k, sigma, group_size: int):
+    """Q and K after the FP8 round trip, fp32, Q back in the original query order."""
+    qc, qscale = quantize_q_groups(q, sigma, group_size)
+    qd_sorted = qc.float() * expand_blocks(qscale, group_size, q.shape[2]).unsqueeze(-1)
+    qd = torch.empty_like(qd_sorted)
+    qd.scatter_(2, sigma.long().unsqueeze(-1).expand_as(qd_sorted), qd_sorted)
+    kc, kscale = quantize_k_tokens(k)
+    return qd, kc.float() * kscale.unsqueeze(-1)
+
+
+def sparse_attention_q8(q, k, v, sigma, idx, *, sm_scale: float, group_size: int,
+                        residual: Optional[torch.Tensor] = None, out_dtype=None):
+    qd, kd = dequantized_qk(q, k, sigma, group_size)
+    return sparse_attention(qd, kd, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
+                            residual=residual, out_dtype=out_dtype or q.dtype)

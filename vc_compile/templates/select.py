@@ -1,0 +1,159 @@
+"""MC-Sparse exact token selection at anchor steps (SPEC 3.4 step 2): pass 1 (dense + LSE), pass 2
+(group key mass), top-K.
+
+Contract: ``vc_compile/reference/select.py`` (mass, top-K) and ``reference/dense.py`` (LSE convention).
+
+Notation
+--------
+q, k        [B, H, S, D], [B, H, Sk, D]; bf16 / fp16 (fp32 is accepted: IEEE fp32 dots).
+C           group size; G = ceil(S / C); group g = queries sigma[g*C : (g+1)*C] (last one partial).
+sigma       [B, H, S] int64 query order (PDDP).
+lse2        [B, H, S] fp32 base-2 LSE of the true logits s = (q . k) * sm_scale * log2(e)
+            (``dense_with_lse`` gives it; add the K-smoothing correction when pass 1 ran on smoothed K).
+mass        [B, H, G, Sk] fp32, ``mass[g, j] = sum_{i in g} 2^(s_ij - lse2_i)``: exact probabilities summed
+            over the group's rows; never an S x S matrix.
+keep        n_keep keys per group (``reference.select.n_keep``); idx [B, H, G, keep] int32 ascending.
+
+Grid (group_key_mass)
+---------------------
+``(G, B*H)``, group fastest (head-major: a head's K stays in L2). Each program gathers its C query rows
+and their lse2 through sigma once, then loops over all Sk keys in BLOCK_N tiles: s = q k^T (fp32
+accumulate), p = exp2(s - lse2) (padded rows: lse2 = +inf -> p = 0), sums over the C rows ->
+BLOCK_N masses, stored (keys are the MMA's M side: s^T = k q^T, so the group sum is a cheap row
+reduction). Cost per head: 2 * S * Sk * D FLOPs (half a dense attention, no PV) + S * Sk
+exp2; it writes G * Sk * 4 bytes (16 MB per head at S = Sk = 32760, C = 64), which is why callers with
+many heads go through ``anchor_select`` (heads in chunks).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .sparse_attn import LOG2E, dot_upcast, interpret_bound
+
+KV_TILE = 64
+
+
+@triton.jit
+def _group_mass_kernel(Q, K, SIGMA, LSE, MASS, sqb, sqh, sqs, skb, skh, sks,
+                       H, S, Sk, qk_scale,
+                       C: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SK_I: tl.constexpr,
+                       UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    g = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = g * C + tl.arange(0, C)
+    mrow = offs_m < S
+    rows = tl.load(SIGMA + bh.to(tl.int64) * S + offs_m, mask=mrow, other=0).to(tl.int64)
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + d[None, :], mask=mrow[:, None], other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * S + rows, mask=mrow, other=float("inf"))
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * skb + h * skh
+    m_base = MASS + (bh.to(tl.int64) * tl.num_programs(0) + g) * Sk
+    for n0 in range(0, SK_I if SK_I > 0 else Sk, BLOCK_N):  # SK_I: see interpret_bound
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < Sk
+        kt = tl.load(k_base + offs_n[:, None].to(tl.int64) * sks + d[None, :], mask=nmask[:, None], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        # keys on the MMA's M side: s^T [BLOCK_N, C], so the sum over the group's rows is a row
+        # reduction of the accumulator (in-thread + quad shuffles, no shared-memory round trip)
+        if IEEE:
+            st = tl.dot(kt, tl.trans(q), input_precision="ieee")
+        else:
+            st = tl.dot(kt, tl.trans(q))
+        p = tl.exp2(st * qk_scale - lse[None, :])
+        tl.store(m_base + offs_n, tl.sum(p, 1), mask=nmask)
+
+
+# NOTE BLOCK_N 64 / 4 warps / 3 stages: 64 keys = one wgmma M for one warpgroup, N = C = 64 queries;
+# timed by benchmarks/bench_sparse_attn.py ("pass2_mass" rows).
+_MASS_CONFIG = (64, 4, 3)
+
+
+def group_key_mass(q, k, sigma, lse2, *, sm_scale: float, group_size: int) -> torch.Tensor:
+    """mass [B, H, G, Sk] fp32: exact probabilities exp2(s - lse2) summed over each group's rows."""
+    B, H, S, D = q.shape
+    Sk = k.shape[2]
+    C = int(group_size)
+    if C < 16 or C & (C - 1):
+        raise ValueError(f"group_key_mass: group_size must be a power of two >= 16, got {C}")
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"group_key_mass: head dim must be a power of two in [16, 256], got {D}")
+    G = triton.cdiv(S, C)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    sigma = sigma.to(torch.int64).contiguous()
+    lse2 = lse2.to(torch.float32).reshape(B, H, S).contiguous()
+    mass = torch.empty(B, H, G, Sk, device=q.device, dtype=torch.float32)
+    BLOCK_N, warps, stages = _MASS_CONFIG
+    _group_mass_kernel[(G, B * H)](
+        q, k, sigma, lse2, mass, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), H, S, Sk, float(sm_scale) * LOG2E,
+        C=C, D=D, BLOCK_N=BLOCK_N, SK_I=interpret_bound(Sk), UPCAST=dot_upcast(q.dtype, k.dtype),
+        IEEE=(q.dtype == torch.float32), num_warps=warps, num_stages=stages)
+    return mass
+
+
+def select_topk(mass: torch.Tensor, keep: int) -> torch.Tensor:
+    """idx [..., keep] int32: the ``keep`` largest masses per row, sorted ascending.
+
+    NOTE cost: torch.topk (radix select over each Sk row; unsorted output) then a sort of the kept
+    indices; measured in benchmarks/bench_sparse_attn.py ("topk" rows, docs/sparse_notes.md). It reads
+    the whole mass tensor once more (G * Sk * 4 bytes per head)."""
+    idx = torch.topk(mass, int(keep), dim=-1, sorted=False).indices
+    return torch.sort(idx.to(torch.int32), dim=-1).values
+
+
+def anchor_select(q, k, sigma, lse2, *, sm_scale: float, group_size: int, keep: int,
+                  max_mass_bytes: int = 4 << 30) -> torch.Tensor:
+    """Pass 2 + top-K with heads processed in chunks so the fp32 mass buffer stays under
+    ``max_mass_bytes`` (e.g. 40 heads x 1182 groups x 75600 keys would be 14 GB). Returns idx
+    [B, H, G, keep] int32."""
+    B, H, S, _ = q.shape
+    Sk = k.shape[2]
+    G = triton.cdiv(S, group_size)
+    per_head = G * Sk * 4
+    hc = max(1, min(H, max_mass_bytes // max(per_head, 1)))
+    out = torch.empty(B, H, G, keep, device=q.device, dtype=torch.int32)
+    for b in range(B):
+        for h0 in range(0, H, hc):
+            sl = (slice(b, b + 1), slice(h0, h0 + hc))
+            mass = group_key_mass(q[sl], k[sl], sigma[sl], lse2[sl], sm_scale=sm_scale,
+                                  group_size=group_size)
+            out[sl] = select_topk(mass, keep)
+            del mass
+    return out
+
+
+def dense_with_lse(q, k, v, sm_scale: float):
+    """Pass 1: dense attention and its base-2 LSE ``lse2 [B, H, S] fp32`` (reference/dense.py).
+
+    On CUDA: SDPA's cuDNN kernel (fastest on H200: 584 TFLOP/s, SPEC 6) with the flash kernel as
+    fallback; both return the natural-log LSE, converted here (x log2 e). NOTE the convention is checked
+    on the GPU against reference/dense.py by tests/test_select.py::test_dense_with_lse_cuda. On CPU:
+    ``_scaled_dot_product_flash_attention_for_cpu`` (also natural log)."""
+    B, H, S, _ = q.shape
+    if q.is_cuda:
+        try:
+            r = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, False, False, scale=float(sm_scale))
+        except Exception:
+            r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False,
+                                                                   scale=float(sm_scale))
+    else:
+        r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=float(sm_scale))
+    out, lse = r[0], r[1]
+    return out, lse.float().reshape(B, H, S) * LOG2E
+
+
+def n_keep(Sk: int, density: float, tile: int = KV_TILE) -> int:
+    """Keys kept per group: round(density * Sk) rounded up to the KV tile, in [tile, Sk]."""
+    k = int(round(density * Sk))
+    return int(min(Sk, tile * math.ceil(max(k, 1) / tile)))

@@ -1,0 +1,276 @@
+"""Token-gather sparse attention: the MC-Sparse reuse-step kernel (SPEC 3.4 steps 3, 4, 6).
+
+Contract: ``vc_compile/reference/sparse_attn.py`` (16-bit QK) and ``reference/sparse_attn_q8.py``
+(``qk_format="fp8"``).
+
+Notation
+--------
+q, k, v     [B, H, S, D], [B, H, Sk, D], [B, H, Sk, Dv]; bf16 or fp16, last dim contiguous.
+C           group size = the kernel's query tile (BLOCK_M); G = ceil(S / C) groups, the last partial.
+sigma       [B, H, S] int64 query order; group g = queries sigma[g*C : (g+1)*C].
+idx         [B, H, G, n_keep] int32: keys kept by group g, sorted ascending (any strides: a broadcast
+            ``arange(Sk).expand(...)`` is the dense case without materialising it).
+s           base-2 logits ``(q . k) * sm_scale * log2(e)``; online softmax with exp2.
+residual    [B, H, S, Dv] in the original query order (R = O_dense - O_sparse of the anchor step),
+            added in the epilogue.
+qk_format   "bf16": QK in the inputs' 16-bit type. "fp8": Q and K in E4M3 -- Q with one scale per group
+            tile (amax over its C x D values / 448, quantised inside the kernel), K with one scale per
+            token (``quantize_k_fp8``, a separate pass, since K changes every step). PV stays 16-bit:
+            gathered V rows arrive MN-major and FP8 wgmma wants K-major B (~250 TFLOP/s measured).
+
+Grid
+----
+``(G, B*H)``; program_id(0) = group g runs fastest, so the groups of one head run together and that
+head's K/V (2 * Sk * D * 2 bytes: 16.8 MB at Sk = 32760, D = 128) stays in L2 ("head-major"). Each
+program gathers its C query rows through sigma, loops over its n_keep keys in BLOCK_N chunks
+(pointer-gathered K and V rows: Hopper has no TMA gather; Triton pipelines the indirect loads),
+and in the epilogue divides by the row sums, adds the residual and scatters row i to sigma[g*C + i].
+
+Cost per program: 4 * C * n_keep * D FLOPs; n_keep * (D + Dv) * 2 bytes gathered (mostly L2 hits),
+i.e. C / 2 = 32 FLOP per gathered byte at C = 64 (128-row tiles would double it).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+FP8_MAX = 448.0
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_upcast(*dtypes) -> bool:
+    """NOTE the Triton 3.6 interpreter's ``tl.dot`` multiplies bf16 operands as their uint16 bit
+    patterns (it stores bf16 as uint16 and calls np.matmul), so under the interpreter bf16 operands are
+    cast to fp32 first (after the same bf16 rounding the GPU path does)."""
+    return _interpret() and torch.bfloat16 in dtypes
+
+
+def interpret_bound(n: int) -> int:
+    """A loop bound's constexpr copy: ``n`` under the interpreter, 0 (use the runtime value) on GPU.
+
+    NOTE the Triton 3.6 interpreter runs ``range(0, n)`` on a runtime scalar through
+    ``int(np.array([n]))``, which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted").
+    Kernels therefore take every loop bound twice: runtime (GPU: one compile for all lengths) and
+    constexpr (interpreter only)."""
+    return int(n) if _interpret() else 0
+
+
+@triton.jit
+def round_e4m3(x):
+    """fp32 x (|x| <= 448) -> nearest E4M3 value (ties to even), in fp32 arithmetic.
+
+    Only used under the interpreter: its fp32 -> e4m3 cast mis-rounds when rounding carries into the
+    exponent (SPEC 6). Adding c = 1.5 * 2^(e+20) puts the fp32 ulp at 2^(e-3), the E4M3 ulp of
+    binade e (e >= -6: subnormals share the 2^-9 step)."""
+    ax = tl.abs(x)
+    e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    c = (((e + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (ax + c) - c
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _quant_rows_fp8_kernel(X, XQ, XS, H, S, sxb, sxh, sxs,
+                           D: tl.constexpr, BLOCK: tl.constexpr, SW_ROUND: tl.constexpr):
+    """One scale per row (token): grid (cdiv(S, BLOCK), B*H). XQ [B*H, S, D] e4m3, XS [B*H, S] fp32."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < S
+    d = tl.arange(0, D)
+    base = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
+    x = tl.load(base + rows[:, None].to(tl.int64) * sxs + d[None, :], mask=rmask[:, None], other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.where(amax == 0.0, 1.0, amax / 448.0)
+    y = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    if SW_ROUND:
+        y = round_e4m3(y)
+    out = bh.to(tl.int64) * S * D + rows[:, None].to(tl.int64) * D + d[None, :]
+    tl.store(XQ + out, y.to(tl.float8e4nv), mask=rmask[:, None])
+    tl.store(XS + bh.to(tl.int64) * S + rows, scale, mask=rmask)
+
+
+def quantize_k_fp8(k: torch.Tensor):
+    """K [B, H, Sk, D] -> (codes [B, H, Sk, D] float8_e4m3fn, scale [B, H, Sk] fp32): per-token scale
+    amax/448 (1 for an all-zero row), codes = clamp(k / scale) rounded to nearest even."""
+    B, H, S, D = k.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    kq = torch.empty(B, H, S, D, device=k.device, dtype=torch.float8_e4m3fn)
+    ks = torch.empty(B, H, S, device=k.device, dtype=torch.float32)
+    BLOCK = 64
+    _quant_rows_fp8_kernel[(triton.cdiv(S, BLOCK), B * H)](
+        k, kq, ks, H, S, k.stride(0), k.stride(1), k.stride(2),
+        D=D, BLOCK=BLOCK, SW_ROUND=_interpret(), num_warps=4)
+    return kq, ks
+
+
+@triton.jit
+def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
+                        sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                        sib, sih, sig, sin, srb, srh, srs, sob, soh, sos,
+                        H, S, Sk, N_KEEP, sm_scale_log2,
+                        C: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                        EVEN_N: tl.constexpr, HAS_RES: tl.constexpr, QK_FP8: tl.constexpr,
+                        SW_ROUND: tl.constexpr, N_KEEP_I: tl.constexpr,
+                        UPCAST: tl.constexpr, OFF64: tl.constexpr):
+    g = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = g * C + tl.arange(0, C)
+    mrow = offs_m < S
+    rows = tl.load(SIGMA + bh.to(tl.int64) * S + offs_m, mask=mrow, other=0)
+    # NOTE in-head offsets in int32 unless they could overflow (OFF64): 64-bit address math per gathered
+    # element is extra integer work in the inner loop
+    rows = rows.to(tl.int64) if OFF64 else rows.to(tl.int32)
+    d = tl.arange(0, D)
+    dv = tl.arange(0, DV)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqs + d[None, :], mask=mrow[:, None], other=0.0)
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    i_base = IDX + b * sib + h * sih + g.to(tl.int64) * sig
+    if QK_FP8:
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(qf), 1), 0)
+        q_scale = tl.where(amax == 0.0, 1.0, amax / 448.0)
+        qf = tl.minimum(tl.maximum(qf / q_scale, -448.0), 448.0)
+        if SW_ROUND:
+            qf = round_e4m3(qf)
+        q = qf.to(tl.float8e4nv)
+        col_scale = q_scale * sm_scale_log2
+        ks_base = KS + bh.to(tl.int64) * Sk
+    m_i = tl.full([C], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([C], dtype=tl.float32)
+    acc = tl.zeros([C, DV], dtype=tl.float32)
+    # interpreter: N_KEEP_I (see interpret_bound); inline, since the interpreter turns every
+    # assignment into a tensor
+    for n0 in range(0, N_KEEP_I if N_KEEP_I > 0 else N_KEEP, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if EVEN_N:
+            kid = tl.load(i_base + offs_n * sin)
+        else:
+            kid = tl.load(i_base + offs_n * sin, mask=offs_n < N_KEEP, other=0)
+        kid = kid.to(tl.int64) if OFF64 else kid.to(tl.int32)
+        kt = tl.load(k_base + kid[:, None] * sks + d[None, :])
+        if UPCAST:  # interpreter: see dot_upcast()
+            qk = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)))
+        else:
+            qk = tl.dot(q, tl.trans(kt))
+        if QK_FP8:
+            kscale = tl.load(ks_base + kid) * col_scale
+            s = qk * kscale[None, :]
+        else:
+            s = qk * sm_scale_log2
+        if not EVEN_N:
+            s = tl.where((offs_n < N_KEEP)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        vt = tl.load(v_base + kid[:, None] * svs + dv[None, :])
+        if UPCAST:
+            acc = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), acc)
+        else:
+            acc = tl.dot(p.to(vt.dtype), vt, acc)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    if HAS_RES:
+        r = tl.load(RES + b * srb + h * srh + rows[:, None] * srs + dv[None, :], mask=mrow[:, None],
+                    other=0.0)
+        o = o + r.to(tl.float32)
+    tl.store(OUT + b * sob + h * soh + rows[:, None] * sos + dv[None, :], o.to(OUT.dtype.element_ty),
+             mask=mrow[:, None])
+
+
+# NOTE configs: research/kernels.md ([ours] token-gather, H200): BLOCK_N 64, 4 warps, 3 stages gave
+# 470 (bf16) / 614 (FP8 QK) effective TFLOP/s at 10% density with 128-row tiles. Re-measured for
+# C = 64 by benchmarks/bench_sparse_attn.py (see docs/sparse_notes.md).
+_CONFIGS = {
+    # (qk_format, D) -> (BLOCK_N, num_warps, num_stages)
+    ("bf16", 64): (128, 4, 3),
+    ("bf16", 128): (64, 4, 3),
+    ("fp8", 64): (128, 4, 3),
+    ("fp8", 128): (64, 4, 3),
+}
+
+
+def _check_dim(name, d):
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"sparse_attention: {name} must be a power of two in [16, 256], got {d}")
+
+
+def sparse_attention_launch(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None,
+                            out_dtype=None, qk_format="bf16", config=None, k_fp8=None):
+    """``sparse_attention`` with an explicit ``config = (BLOCK_N, num_warps, num_stages)`` and an
+    optional pre-quantised ``k_fp8 = (codes, scale)`` (benchmarks sweep configs with it)."""
+    B, H, S, D = q.shape
+    Sk, DV = k.shape[2], v.shape[3]
+    C = int(group_size)
+    G = triton.cdiv(S, C)
+    if qk_format not in ("bf16", "fp8"):
+        raise ValueError(f"sparse_attention: qk_format must be 'bf16' or 'fp8', got {qk_format!r}")
+    if C < 16 or C & (C - 1):
+        raise ValueError(f"sparse_attention: group_size must be a power of two >= 16, got {C}")
+    _check_dim("head dim", D)
+    _check_dim("value head dim", DV)
+    if k.shape[:2] != (B, H) or k.shape[3] != D or v.shape[:3] != (B, H, Sk):
+        raise ValueError(f"sparse_attention: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
+                         f"v {tuple(v.shape)} do not match")
+    if tuple(sigma.shape) != (B, H, S):
+        raise ValueError(f"sparse_attention: sigma must be [B, H, S] = {(B, H, S)}, got {tuple(sigma.shape)}")
+    if idx.dim() != 4 or tuple(idx.shape[:3]) != (B, H, G) or idx.shape[3] < 1:
+        raise ValueError(f"sparse_attention: idx must be [B, H, G={G}, n_keep>=1], got {tuple(idx.shape)}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    sigma = sigma.to(torch.int64).contiguous()
+    if idx.dtype not in (torch.int32, torch.int64):
+        idx = idx.to(torch.int32)
+    n_keep = idx.shape[3]
+    out = torch.empty(B, H, S, DV, device=q.device, dtype=out_dtype or q.dtype)
+    fmt = "fp8" if qk_format == "fp8" else "bf16"
+    BLOCK_N, warps, stages = config or _CONFIGS.get((fmt, D), (64, 4, 3))
+    if fmt == "fp8":
+        kq, ks = k_fp8 if k_fp8 is not None else quantize_k_fp8(k)
+    else:
+        kq, ks = k, k  # KS unused
+    has_res = residual is not None
+    if has_res:
+        if tuple(residual.shape) != (B, H, S, DV):
+            raise ValueError(f"sparse_attention: residual must be {(B, H, S, DV)}, got {tuple(residual.shape)}")
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+    res = residual if has_res else out
+    _sparse_attn_kernel[(G, B * H)](
+        q, kq, v, ks, sigma, idx, res, out,
+        q.stride(0), q.stride(1), q.stride(2), kq.stride(0), kq.stride(1), kq.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        idx.stride(0), idx.stride(1), idx.stride(2), idx.stride(3),
+        res.stride(0), res.stride(1), res.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        H, S, Sk, n_keep, float(sm_scale) * LOG2E,
+        C=C, D=D, DV=DV, BLOCK_N=BLOCK_N, EVEN_N=(n_keep % BLOCK_N == 0), HAS_RES=has_res,
+        QK_FP8=(fmt == "fp8"), SW_ROUND=_interpret(), N_KEEP_I=interpret_bound(n_keep),
+        UPCAST=dot_upcast(q.dtype, v.dtype),
+        OFF64=max(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(kq.stride(2), v.stride(2))) >= 2**31,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def sparse_attention(q, k, v, sigma, idx, *, sm_scale: float, group_size: int,
+                     residual: Optional[torch.Tensor] = None, out_dtype=None, qk_format: str = "bf16"):
+    """O[sigma[g*C+i]] = softmax over the keys idx[g] of group g (renormalised) @ V, + residual.
+
+    Returns [B, H, S, Dv] in ``out_dtype`` (default q.dtype), in the original query order."""
+    return sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
+                                   residual=residual, out_dtype=out_dtype, qk_format=qk_format)
