@@ -56,7 +56,7 @@ def _assign_kernel(X, CHI, CLO, C2, LABELS, S, H, K, sxb, sxh, sxs, sxd, n_kc, N
     best_d = tl.full([BS], float("inf"), tl.float32)
     best_i = tl.zeros([BS], tl.int32)
     c_base = bh.to(tl.int64) * K
-    for kc in tl.range(0, N_KC_C if N_KC_C > 0 else n_kc):
+    for kc in tl.range(0, N_KC_C if N_KC_C >= 0 else n_kc):
         cols = kc * BKC + tl.arange(0, BKC)
         cmask = cols < K
         cptr = (c_base + cols[:, None]) * D + d[None, :]
@@ -94,7 +94,7 @@ def _update_partial_kernel(X, LABELS, PSUM, PCNT, S, H, K, sxb, sxh, sxs, sxd, r
     x_base = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
     acc = tl.zeros([BKC, D], tl.float32)
     cnt = tl.zeros([BKC], tl.int32)
-    for i in tl.range(0, N_SUB_C if N_SUB_C > 0 else n_sub):
+    for i in tl.range(0, N_SUB_C if N_SUB_C >= 0 else n_sub):
         rows = sp * rows_per_split + i * BS + tl.arange(0, BS)
         rmask = rows < S
         lab = tl.load(LABELS + bh.to(tl.int64) * S + rows, mask=rmask, other=-1)
@@ -122,7 +122,7 @@ def _update_final_kernel(PSUM, PCNT, C, CHI, CLO, C2, K, n_split, N_SPLIT_C: tl.
     cmask = cols < K
     sums = tl.zeros([BKC, D], tl.float32)
     cnt = tl.zeros([BKC], tl.int32)
-    for sp in tl.range(0, N_SPLIT_C if N_SPLIT_C > 0 else n_split):
+    for sp in tl.range(0, N_SPLIT_C if N_SPLIT_C >= 0 else n_split):
         part = (bh * n_split + sp).to(tl.int64) * K + cols
         sums += tl.load(PSUM + part[:, None] * D + d[None, :], mask=cmask[:, None], other=0.0)
         cnt += tl.load(PCNT + part, mask=cmask, other=0)

@@ -57,11 +57,11 @@ def interpret() -> bool:
 
 def loop_bound(n: int) -> int:
     """Constexpr copy of a runtime loop bound: ``n`` under the interpreter, else 0 (= use the runtime
-    value, one compile for all lengths); kernels write ``range(0, N_C if N_C > 0 else n)``. NOTE the Triton
+    value, one compile for all lengths); kernels write ``range(0, N_C if N_C >= 0 else n)``. NOTE the Triton
     3.6 interpreter iterates ``range`` over a runtime scalar via ``int(np.array([n]))``, which numpy >= 2.4
     refuses, and it rewrites every assignment ``x = v`` into ``x = to_tensor(v)``, so the bound must
     not pass through a variable."""
-    return int(n) if interpret() else 0
+    return int(n) if interpret() else -1
 
 
 @triton.jit
@@ -105,7 +105,7 @@ def _colsum_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, rows_per_split, n_sub, N_SU
     d = tl.arange(0, D)
     base = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
     acc = tl.zeros([BS, D], tl.float32)
-    for i in tl.range(0, N_SUB_C if N_SUB_C > 0 else n_sub):
+    for i in tl.range(0, N_SUB_C if N_SUB_C >= 0 else n_sub):
         rows = sp * rows_per_split + i * BS + tl.arange(0, BS)
         x = tl.load(base + rows[:, None].to(tl.int64) * sxs + d[None, :] * sxd,
                     mask=(rows < S)[:, None], other=0.0)

@@ -145,7 +145,7 @@ def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, OUT, LSE,
         m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    for j in tl.range(0, N_FULL_C if N_FULL_C > 0 else n_full):
+    for j in tl.range(0, N_FULL_C if N_FULL_C >= 0 else n_full):
         acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS_bh, VM_bh, ivs, kv_row,
                                    vt_row, j * BN, Sk, BN, D, BKS, BV, False, QK_FP8, EXPCAST,
                                    HAS_MEAN, ROWSUM_MMA, INTERPRET)

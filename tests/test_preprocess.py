@@ -1,0 +1,143 @@
+"""Triton preprocessing (``templates/preprocess.py``) against the reference (``reference/preprocess.py``).
+
+Inputs are permuted views of [B, S, H, D] tensors (the model's layout), structured (channel-biased K,
+clustered V with token outliers), with S not a multiple of the 128/64-token blocks.
+
+Exactness: without Hadamard the arithmetic is the reference's (IEEE divisions, same rounding), so Q
+codes must match exactly; K and V codes depend on a mean summed in another order, so a code may move
+by one step where a value sits on a rounding boundary (allowed on <= 0.5% of the codes). With Hadamard
+the kernel computes ``(x @ Hpm) / sqrt(D) - kbar @ Hd`` instead of ``(x - kbar) @ Hd``: same tolerance.
+Under the interpreter the FP8 cast is done on values rounded in software first, so FP8 codes are
+compared code for code as well (one step allowed as above).
+"""
+import pytest
+import torch
+
+from conftest import KERNEL_DEVICE, requires_cuda
+from vc_compile.reference import preprocess as ref
+from vc_compile.templates import preprocess as tpl
+
+FP8 = torch.float8_e4m3fn
+
+
+def make_qkv(B, H, S, D, dtype, device=KERNEL_DEVICE, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, H, 3 * D, generator=g)
+    q, k, v = x.split(D, dim=-1)
+    k = k + 4.0 * torch.randn(H, D, generator=g)  # channel-biased K
+    centers = 2.0 * torch.randn(8, D, generator=g)
+    v = 0.3 * v + centers[torch.randint(0, 8, (B, S, H), generator=g)]  # clustered V
+    out = torch.rand(B, S, H, generator=g) < 0.01
+    v = v + out[..., None] * 20.0 * torch.randn(B, S, H, D, generator=g)  # token outliers
+    to = lambda t: t.to(dtype).to(device).permute(0, 2, 1, 3)  # noqa: E731  [B,H,S,D] strided view
+    return to(q), to(k), to(v)
+
+
+def random_perm(B, H, S, device=KERNEL_DEVICE, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(S, generator=g) for _ in range(B * H)]).view(B, H, S).to(device)
+
+
+def code_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in code steps between two code tensors (int8: integer distance; E4M3: ordinal distance
+    of the bit patterns, sign-magnitude)."""
+    if a.dtype == FP8:
+        def ordinal(t):
+            u = t.view(torch.uint8).int()
+            return torch.where(u >= 128, -(u - 128), u)
+        return (ordinal(a) - ordinal(b)).abs()
+    return (a.int() - b.int()).abs()
+
+
+def assert_codes(a, b, exact: bool, what: str):
+    steps = code_steps(a.cpu(), b.cpu())
+    if exact:
+        assert int(steps.max()) == 0, f"{what}: {int((steps > 0).sum())} codes differ"
+    else:
+        assert int(steps.max()) <= 1, f"{what}: a code differs by {int(steps.max())} steps"
+        frac = (steps > 0).float().mean().item()
+        assert frac <= 5e-3, f"{what}: {frac:.2%} of the codes differ by one step"
+
+
+D_DTYPES = [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float16)]
+QK_CASES = [("int8", False), ("int8", True), ("fp8", False), ("fp8", True)]
+
+
+@pytest.mark.parametrize("S", [200, 300])
+@pytest.mark.parametrize("D,dtype", D_DTYPES)
+@pytest.mark.parametrize("fmt,hadamard", QK_CASES)
+def test_qk_matches_reference(S, D, dtype, fmt, hadamard):
+    B, H = 1, 2
+    q, k, _ = make_qkv(B, H, S, D, dtype)
+    perm = random_perm(B, H, S) if S == 300 else None
+    sm = D ** -0.5
+    a = tpl.preprocess_qk(q, k, perm, sm_scale=sm, hadamard=hadamard, qk_format=fmt)
+    b = ref.preprocess_qk(q, k, perm, sm_scale=sm, hadamard=hadamard, qk_format=fmt)
+    assert a.q8.dtype == b.q8.dtype and a.q8.shape == b.q8.shape and a.k8.shape == b.k8.shape
+    assert a.q_scale.shape == b.q_scale.shape and a.k_scale.shape == b.k_scale.shape
+    assert a.sm_scale == b.sm_scale
+    assert_codes(a.q8, b.q8, exact=not hadamard, what="q8")
+    assert_codes(a.k8, b.k8, exact=False, what="k8")
+    torch.testing.assert_close(a.q_scale, b.q_scale, rtol=0 if not hadamard else 2e-6, atol=0)
+    torch.testing.assert_close(a.k_scale, b.k_scale, rtol=2e-6, atol=0)
+    torch.testing.assert_close(a.k_mean, b.k_mean, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("S", [200, 300])
+@pytest.mark.parametrize("D,dtype", D_DTYPES)
+@pytest.mark.parametrize("smooth", [True, False])
+def test_v_matches_reference(S, D, dtype, smooth):
+    B, H = 1, 2
+    _, _, v = make_qkv(B, H, S, D, dtype)
+    perm = random_perm(B, H, S) if S == 300 else None
+    a = tpl.preprocess_v(v, perm, smooth=smooth)
+    b = ref.preprocess_v(v, perm, smooth=smooth)
+    assert a.S == b.S == S
+    assert a.v8t.shape == b.v8t.shape and a.v8t.dtype == FP8
+    assert_codes(a.v8t, b.v8t, exact=not smooth, what="v8t")
+    assert int(a.v8t[..., S:].view(torch.uint8).abs().sum()) == 0, "padding must be zero codes"
+    torch.testing.assert_close(a.v_scale, b.v_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(a.v_mean, b.v_mean, rtol=1e-5, atol=1e-6)
+    assert getattr(a.v_mean, "_vc_zero_mean", False) == (not smooth)
+
+
+def test_zero_blocks_get_scale_one():
+    B, H, S, D = 1, 1, 300, 64
+    q, k, v = make_qkv(B, H, S, D, torch.bfloat16)
+    q = q.clone()
+    q[:, :, 128:256] = 0  # one all-zero Q block
+    v = v.clone()
+    v[..., 5] = 0  # an all-zero V channel
+    a = tpl.preprocess_qk(q, k, sm_scale=D ** -0.5)
+    assert a.q_scale[0, 0, 1].item() == pytest.approx(D ** -0.5 * 1.4426950408889634, rel=1e-6)
+    assert int(a.q8[:, :, 128:256].abs().sum()) == 0
+    vq = tpl.preprocess_v(v, smooth=False)
+    assert vq.v_scale[0, 0, 5].item() == 1.0
+    assert int(vq.v8t[0, 0, 5].view(torch.uint8).sum()) == 0
+
+
+def test_rejects_bad_args():
+    q, k, v = make_qkv(1, 1, 64, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="qk_format"):
+        tpl.preprocess_qk(q, k, sm_scale=0.1, qk_format="int4")
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_gpu_large(D, hadamard):
+    B, H, S = 1, 4, 4173
+    q, k, v = make_qkv(B, H, S, D, torch.bfloat16, device="cuda")
+    perm = random_perm(B, H, S, device="cuda")
+    for fmt in ("int8", "fp8"):
+        a = tpl.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=hadamard, qk_format=fmt)
+        b = ref.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=hadamard, qk_format=fmt)
+        assert_codes(a.q8, b.q8, exact=not hadamard, what=f"q8 {fmt}")
+        assert_codes(a.k8, b.k8, exact=False, what=f"k8 {fmt}")
+        torch.testing.assert_close(a.k_scale, b.k_scale, rtol=2e-6, atol=0)
+    for smooth in (True, False):
+        a = tpl.preprocess_v(v, perm, smooth=smooth)
+        b = ref.preprocess_v(v, perm, smooth=smooth)
+        assert_codes(a.v8t, b.v8t, exact=not smooth, what="v8t")
+        torch.testing.assert_close(a.v_scale, b.v_scale, rtol=1e-6, atol=0)
+        torch.testing.assert_close(a.v_mean, b.v_mean, rtol=1e-5, atol=1e-5)
