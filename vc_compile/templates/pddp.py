@@ -94,8 +94,9 @@ def _seg_cov_kernel(X, SIGMA, SUM, CNT, COV, W_SLOT, W_R0, W_R1, W_MULTI, sxb, s
         xc = tl.where(pm[:, None], x - mean[None, :], 0.0)
         acc = tl.dot(tl.trans(xc), xc, acc)
     ptr = COV + seg * D * D + d[:, None] * D + d[None, :]
-    tl.atomic_add(ptr, acc, mask=multi != 0)
-    tl.store(ptr, acc, mask=multi == 0)
+    many = (tl.zeros([D, D], dtype=tl.int32) + multi) != 0  # segment split over several work items
+    tl.atomic_add(ptr, acc, mask=many)
+    tl.store(ptr, acc, mask=~many)
 
 
 @triton.jit
