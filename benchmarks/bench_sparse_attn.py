@@ -17,7 +17,11 @@ Rows (``variant``), all with B = 1, H = 40, D = 128, C = 64, bf16 inputs:
   alone), sparse + residual subtraction, ``anchor_total``; ``speedup_vs_cudnn`` < 1 there is the cost
   relative to a dense cuDNN step.
 * ``pddp`` and ``flash_kmeans_it{3,10}`` (flash-kmeans 0.3.1, K = S / C clusters, fp16, if importable).
-* ``sweep_*``: launch configs (BLOCK_N, warps, stages) at S = 32760, s = 0.15; the fastest is used.
+* ``*_c128``: the same with C = 128 query groups (SPEC 3.4 allows C = 64 or 128): twice the MMA work
+  per gathered K/V byte.
+* ``sweep_*_c128``: launch configs (BLOCK_N, warps, stages) at S = 32760, s = 0.15; the fastest is used
+  (C = 64 configs were swept on the first run, see sparse_attn._CONFIGS).
+* the log also prints per-level PDDP stage times (templates/pddp.PROFILE).
 rel_l2 / cos_sim: against the fp32 reference on heads 0-1 (reference/sparse_attn{,_q8}.py, dense.py).
 """
 from __future__ import annotations
@@ -46,8 +50,9 @@ from vc_compile.templates import sparse_attn as tsa  # noqa: E402
 
 B, H, D, C = 1, 40, 128, 64
 DENSITIES = (0.10, 0.15, 0.25)
-SWEEP = [(64, 4, 3), (64, 4, 4), (64, 4, 2), (128, 4, 3), (64, 8, 3), (128, 8, 3), (32, 4, 4)]
-EXTRAS = ["efficiency", "config", "note"]
+# C = 64 was swept on the first H200 run (sparse_attn._CONFIGS); C = 128 is swept here
+SWEEP_C128 = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 8, 3), (128, 4, 3)]
+EXTRAS = ["efficiency", "config", "group_size", "note"]
 
 
 def random_idx(S, keep, G, device, heads_per_chunk=4):
@@ -73,31 +78,43 @@ def head_metrics(out, ref_fn):
     return {"rel_l2": m["rel_l2"], "cos_sim": m["cos_sim"]}
 
 
-def sweep(q, k, v, sigma, idx, sm, t_cudnn, S, dens, log):
+def cfg_name(cfg):
+    return "BN%d_w%d_s%d" % cfg
+
+
+def sweep(q, k, v, sigma, idx, sm, t_cudnn, S, dens, Cg, configs, log):
     rows, best = [], {}
     kf8 = tsa.quantize_k_fp8(k)
     for fmt in ("bf16", "fp8"):
         times = {}
-        for cfg in SWEEP:
+        for cfg in configs:
             try:
-                fn = lambda: tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=C,  # noqa
+                fn = lambda: tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg,  # noqa
                                                          qk_format=fmt, config=cfg, k_fp8=kf8)
                 times[cfg] = bench_ms(fn, warmup=10, rep=40)
             except Exception as e:  # a config that does not compile (registers / shared memory)
-                log(f"sweep {fmt} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                log(f"sweep C={Cg} {fmt} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            rows.append(row(f"sweep_{fmt}", S, dens, times[cfg], t_cudnn, config="BN%d_w%d_s%d" % cfg,
-                            note="kernel only (K pre-quantised)"))
+            rows.append(row(f"sweep_{fmt}_c{Cg}", S, dens, times[cfg], t_cudnn, config=cfg_name(cfg),
+                            group_size=Cg, note="kernel only (K pre-quantised)"))
         best[fmt] = min(times, key=times.get)
-        log(f"sweep {fmt}: " + ", ".join(f"{c}: {t:.2f} ms" for c, t in sorted(times.items(), key=lambda x: x[1])))
+        log(f"sweep C={Cg} {fmt}: " + ", ".join(f"{c}: {t:.2f} ms" for c, t in sorted(times.items(), key=lambda x: x[1])))
     return rows, best
 
 
-def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn"):
+def pddp_profile(q, Cg, log):
+    tpddp.PROFILE = []
+    tpddp.pddp_perm(q, Cg)
+    torch.cuda.synchronize()
+    ev, tpddp.PROFILE = tpddp.PROFILE, None
+    parts = [f"{name} {ev[i - 1][1].elapsed_time(e):.3f}" for i, (name, e) in enumerate(ev) if i]
+    log(f"pddp C={Cg} stages (ms): " + "; ".join(parts))
+
+
+def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn", group_sizes=(64, 128)):
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
     sm = D ** -0.5
-    G = (S + C - 1) // C
     rows = []
     big = S > 40000
     wu, rp = (10, 40) if big else (25, 100)
@@ -109,87 +126,97 @@ def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn"):
     log(f"S={S}: cudnn {t_cudnn:.2f} ms, flash {t_flash:.2f} ms")
 
     # grouping: Fast PDDP vs flash-kmeans on the same queries
-    t_pddp = bench_ms(lambda: tpddp.pddp_perm(q, C), warmup=wu, rep=rp)
-    rows.append(row("pddp", S, 1.0, t_pddp, t_cudnn, note=f"G={G} groups of {C}"))
-    sigma = tpddp.pddp_perm(q, C)
-    try:
-        from flash_kmeans import batch_kmeans_Euclid
-        x16 = q.view(B * H, S, D).half()
-        for it in (3, 10):
-            t_km = bench_ms(lambda: batch_kmeans_Euclid(x16, G, max_iters=it, tol=0.0), warmup=wu, rep=rp)
-            rows.append(row(f"flash_kmeans_it{it}", S, 1.0, t_km, t_cudnn,
-                            note=f"K={G}, {it} Lloyd iterations; pddp is {t_km / t_pddp:.2f}x cheaper"))
-            log(f"flash-kmeans K={G} it={it}: {t_km:.2f} ms vs pddp {t_pddp:.2f} ms")
-    except Exception as e:  # not installed, or no GPU
-        log(f"flash_kmeans unavailable: {type(e).__name__}: {e}")
+    sigmas, t_pddp = {}, {}
+    for Cg in group_sizes:
+        G = (S + Cg - 1) // Cg
+        t_pddp[Cg] = bench_ms(lambda: tpddp.pddp_perm(q, Cg), warmup=wu, rep=rp)
+        rows.append(row("pddp", S, 1.0, t_pddp[Cg], t_cudnn, group_size=Cg, note=f"G={G} groups of {Cg}"))
+        sigmas[Cg] = tpddp.pddp_perm(q, Cg)
+        if dev == "cuda":
+            pddp_profile(q, Cg, log)
+        try:
+            from flash_kmeans import batch_kmeans_Euclid
+            x16 = q.view(B * H, S, D).half()
+            for it in (3, 10):
+                t_km = bench_ms(lambda: batch_kmeans_Euclid(x16, G, max_iters=it, tol=0.0), warmup=wu, rep=rp)
+                rows.append(row(f"flash_kmeans_it{it}", S, 1.0, t_km, t_cudnn, group_size=Cg,
+                                note=f"K={G}, {it} Lloyd iterations; pddp/kmeans time = {t_pddp[Cg] / t_km:.2f}"))
+                log(f"flash-kmeans K={G} it={it}: {t_km:.2f} ms vs pddp {t_pddp[Cg]:.2f} ms")
+        except Exception as e:  # not installed, or no GPU
+            log(f"flash_kmeans unavailable: {type(e).__name__}: {e}")
 
-    best = {"bf16": None, "fp8": None}
-    if do_sweep:
-        idx15 = random_idx(S, tsel.n_keep(S, 0.15), G, dev)
-        srows, best = sweep(q, k, v, sigma, idx15, sm, t_cudnn, S, tsel.n_keep(S, 0.15) / S, log)
-        rows += srows
-        del idx15
-
-    dense_idx = torch.arange(S, device=dev, dtype=torch.int32).expand(B, H, G, S)
     res = (0.01 * torch.randn(B, H, S, D, device=dev)).bfloat16()
-    for fmt in ("bf16", "fp8"):
-        cfg = best[fmt]
-        ref_fn16 = ref_sparse if fmt == "bf16" else sparse_attention_q8
+    for Cg in group_sizes:
+        G = (S + Cg - 1) // Cg
+        sigma = sigmas[Cg]
+        sfx = "" if Cg == 64 else f"_c{Cg}"
+        best = {"bf16": tsa.default_config("bf16", D, Cg), "fp8": tsa.default_config("fp8", D, Cg)}
+        if do_sweep and Cg == 128:
+            idx15 = random_idx(S, tsel.n_keep(S, 0.15), G, dev)
+            srows, best = sweep(q, k, v, sigma, idx15, sm, t_cudnn, S, tsel.n_keep(S, 0.15) / S, Cg,
+                                SWEEP_C128, log)
+            rows += srows
+            del idx15
+        dense_idx = torch.arange(S, device=dev, dtype=torch.int32).expand(B, H, G, S)
+        for fmt in ("bf16", "fp8"):
+            cfg = best[fmt]
+            ref_fn16 = ref_sparse if fmt == "bf16" else sparse_attention_q8
+            kq = " incl. K quant" if fmt == "fp8" else ""
 
-        def run(idx, residual=None):
-            return tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=C, qk_format=fmt,
-                                               config=cfg, residual=residual)
-        t_dense = bench_ms(lambda: run(dense_idx), warmup=wu, rep=rp)
-        o = run(dense_idx)
-        mt = head_metrics(o, lambda: dense_attention_lse(q[:, :2], k[:, :2], v[:, :2], sm_scale=sm)[0])
-        rows.append(row(f"dense_ours_{fmt}", S, 1.0, t_dense, t_cudnn, efficiency=1.0,
-                        config="BN%d_w%d_s%d" % (cfg or tsa._CONFIGS[(fmt, D)]),
-                        note="gather kernel at density 1.0" + (" incl. K quant" if fmt == "fp8" else ""), **mt))
-        log(f"{fmt} dense-ours {t_dense:.2f} ms")
-        for s in DENSITIES:
-            keep = tsel.n_keep(S, s)
-            idx = random_idx(S, keep, G, dev)
-            t = bench_ms(lambda: run(idx), warmup=wu, rep=rp)
-            o = run(idx)
-            mt = head_metrics(o, lambda: ref_fn16(q[:, :2], k[:, :2], v[:, :2], sigma[:, :2], idx[:, :2],
-                                                   sm_scale=sm, group_size=C, out_dtype=torch.float32))
-            dens = keep / S
-            rows.append(row(f"sparse_{fmt}", S, dens, t, t_cudnn, efficiency=t_dense / t * dens,
-                            config="BN%d_w%d_s%d" % (cfg or tsa._CONFIGS[(fmt, D)]),
-                            note="incl. K quant" if fmt == "fp8" else "", **mt))
-            log(f"{fmt} s={dens:.4f}: {t:.2f} ms, eff {t_dense / t * dens:.3f}, x{t_cudnn / t:.2f} vs cudnn")
-            if s == 0.15:
-                t_r = bench_ms(lambda: run(idx, res), warmup=wu, rep=rp)
-                rows.append(row(f"reuse_{fmt}", S, dens, t_r, t_cudnn, note="gather + bf16 residual epilogue"
-                                + (" + K quant" if fmt == "fp8" else "")))
-                log(f"reuse {fmt}: {t_r:.2f} ms = x{t_cudnn / t_r:.2f} vs cudnn")
-            del idx
+            def run(idx, residual=None):
+                return tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg,
+                                                   qk_format=fmt, config=cfg, residual=residual)
+            t_dense = bench_ms(lambda: run(dense_idx), warmup=wu, rep=rp)
+            o = run(dense_idx)
+            mt = head_metrics(o, lambda: dense_attention_lse(q[:, :2], k[:, :2], v[:, :2], sm_scale=sm)[0])
+            rows.append(row(f"dense_ours_{fmt}{sfx}", S, 1.0, t_dense, t_cudnn, efficiency=1.0,
+                            config=cfg_name(cfg), group_size=Cg, note="gather kernel at density 1.0" + kq, **mt))
+            log(f"C={Cg} {fmt} dense-ours {t_dense:.2f} ms")
+            for s in DENSITIES:
+                keep = tsel.n_keep(S, s)
+                idx = random_idx(S, keep, G, dev)
+                t = bench_ms(lambda: run(idx), warmup=wu, rep=rp)
+                o = run(idx)
+                mt = head_metrics(o, lambda: ref_fn16(q[:, :2], k[:, :2], v[:, :2], sigma[:, :2], idx[:, :2],
+                                                       sm_scale=sm, group_size=Cg, out_dtype=torch.float32))
+                dens = keep / S
+                eff = t_dense / t * dens
+                rows.append(row(f"sparse_{fmt}{sfx}", S, dens, t, t_cudnn, efficiency=eff, config=cfg_name(cfg),
+                                group_size=Cg, note=kq.strip(), **mt))
+                log(f"C={Cg} {fmt} s={dens:.4f}: {t:.2f} ms, eff {eff:.3f}, x{t_cudnn / t:.2f} vs cudnn")
+                if s == 0.15:
+                    t_r = bench_ms(lambda: run(idx, res), warmup=wu, rep=rp)
+                    rows.append(row(f"reuse_{fmt}{sfx}", S, dens, t_r, t_cudnn, config=cfg_name(cfg), group_size=Cg,
+                                    note="gather + bf16 residual epilogue" + kq))
+                    log(f"C={Cg} reuse {fmt}: {t_r:.2f} ms = x{t_cudnn / t_r:.2f} vs cudnn")
+                del idx
 
-    # anchor step at s = 0.15 (bf16)
+    # anchor step at s = 0.15 (bf16, C = 64)
+    Cg = group_sizes[0]
+    sigma = sigmas[Cg]
+    G = (S + Cg - 1) // Cg
     keep = tsel.n_keep(S, 0.15)
     dens = keep / S
     t_p1 = bench_ms(lambda: tsel.dense_with_lse(q, k, v, sm), warmup=wu, rep=rp)
     o_dense, lse2 = tsel.dense_with_lse(q, k, v, sm)
     hc = max(1, min(H, (4 << 30) // (G * S * 4)))
     t_mass = bench_ms(lambda: tsel.group_key_mass(q[:, :hc], k[:, :hc], sigma[:, :hc], lse2[:, :hc],
-                                                  sm_scale=sm, group_size=C), warmup=wu, rep=rp) * H / hc
-    t_sel = bench_ms(lambda: tsel.anchor_select(q, k, sigma, lse2, sm_scale=sm, group_size=C, keep=keep),
+                                                  sm_scale=sm, group_size=Cg), warmup=wu, rep=rp) * H / hc
+    t_sel = bench_ms(lambda: tsel.anchor_select(q, k, sigma, lse2, sm_scale=sm, group_size=Cg, keep=keep),
                      warmup=2, rep=10)
-    idx = tsel.anchor_select(q, k, sigma, lse2, sm_scale=sm, group_size=C, keep=keep)
-    cfg = best["bf16"]
+    idx = tsel.anchor_select(q, k, sigma, lse2, sm_scale=sm, group_size=Cg, keep=keep)
 
     def sparse_res():
-        o_s = tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=C, config=cfg)
-        return o_dense - o_s
+        return o_dense - tsa.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg)
     t_sr = bench_ms(sparse_res, warmup=wu, rep=rp)
-    total = t_pddp + t_p1 + t_sel + t_sr
-    for name, t, note in [("anchor_pddp", t_pddp, "grouping"), ("anchor_pass1", t_p1, "cuDNN + LSE"),
+    total = t_pddp[Cg] + t_p1 + t_sel + t_sr
+    for name, t, note in [("anchor_pddp", t_pddp[Cg], "grouping"), ("anchor_pass1", t_p1, "cuDNN + LSE"),
                           ("anchor_pass2_mass", t_mass, f"mass kernel only, {hc} heads per chunk"),
                           ("anchor_pass2_topk", t_sel, "mass + torch.topk + sort (anchor_select)"),
                           ("anchor_sparse_residual", t_sr, "sparse + R = O_dense - O_sparse"),
                           ("anchor_total", total, "pddp + pass1 + pass2/topk + sparse/residual")]:
-        rows.append(row(name, S, dens, t, t_cudnn, note=note))
-    log(f"anchor: pddp {t_pddp:.2f} pass1 {t_p1:.2f} mass {t_mass:.2f} select {t_sel:.2f} sparse+R {t_sr:.2f}"
+        rows.append(row(name, S, dens, t, t_cudnn, group_size=Cg, note=note))
+    log(f"anchor: pddp {t_pddp[Cg]:.2f} pass1 {t_p1:.2f} mass {t_mass:.2f} select {t_sel:.2f} sparse+R {t_sr:.2f}"
         f" total {total:.2f} ms = {total / t_cudnn:.2f}x a dense cuDNN step")
     return rows
 
@@ -206,7 +233,7 @@ def main():
     if args.smoke:
         global H
         H = 2
-        rows = bench_size(200, do_sweep=True, log=log, dev="cpu", dense_backend="math")
+        rows = bench_size(200, do_sweep=True, log=log, dev="cpu", dense_backend="math", group_sizes=(64, 128))
         print_table(rows, ["variant", "S", "density", "ms", "efficiency", "rel_l2", "cos_sim", "config", "note"])
         return
     if not torch.cuda.is_available():
@@ -214,17 +241,18 @@ def main():
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([32760] if args.quick else [32760, 75600])
     rows = []
     for i, S in enumerate(sizes):
-        rows += bench_size(S, do_sweep=(i == 0 and not args.no_sweep), log=log)
+        new = bench_size(S, do_sweep=(i == 0 and not args.no_sweep), log=log)
+        for r in new:
+            for c in EXTRAS:
+                r.setdefault(c, "")
+        path = append_rows("bench_sparse_attn", new)  # per size: a timeout later keeps these rows
+        if args.csv:
+            with open(path) as f_in, open(args.csv, "w", newline="") as f_out:
+                f_out.write(f_in.read())
+        rows += new
         torch.cuda.empty_cache()
-    for r in rows:
-        for c in EXTRAS:
-            r.setdefault(c, "")
-    path = append_rows("bench_sparse_attn", rows)
-    if args.csv:
-        with open(path) as f_in, open(args.csv, "w", newline="") as f_out:
-            f_out.write(f_in.read())
     print_table(rows, ["variant", "S", "density", "ms", "tflops", "speedup_vs_cudnn", "efficiency", "rel_l2",
-                       "cos_sim", "config"])
+                       "cos_sim", "config", "group_size"])
     print(f"rows appended to {path}")
 
 

@@ -18,15 +18,17 @@ key         int64 ``sid << 32 | (order-preserving int32 of the projection) + 2^3
             torch.sort of [BH, S] keys sorts every segment of a level in place.
 
 Two paths per active segment, chosen by its size:
-* big (rows * D > 16384): work items of up to CHUNK = 2048 rows. ``_seg_sum`` (row sums, atomics),
-  ``_seg_cov`` (centred X^T X on tensor cores, tf32, atomics when a segment spans several chunks),
-  ``_power`` (n_iters mat-vecs on the D x D matrix held in registers), ``_proj_key`` (projection ->
-  sort key), then torch.sort of the keys and a gather of sigma. The covariance form reads X twice per
-  level instead of 2 * n_iters + 1 times; it equals the reference's X^T (X v) up to rounding.
-* small (rows * D <= 16384, e.g. the last levels at C = 64, D = 128: 2 groups): ``_small_seg`` holds
-  the centred segment in registers, runs the reference's X-form power iteration, and sorts in-kernel
-  (rank of ``proj_bits << 32 | local index`` by counting, i.e. a stable sort), scattering each token to
-  its rank in the new sigma.
+* big (rows * D > 32768): work items of up to CHUNK = 2048 rows. ``_moment`` gathers the rows once and
+  accumulates the sum and the second moment of ``x - shift`` (shift = the parent segment's mean, so
+  centring cancels little; tf32x3 MMAs). When every segment of the level is one work item it also
+  centres, power-iterates (n_iters mat-vecs on the D x D covariance in registers) and writes the mean
+  and direction; otherwise it adds into buffers and ``_power`` finishes. ``_proj_key`` projects (second
+  gather) and writes the sort key; one torch.sort of the keys and a gather of sigma end the level. The
+  covariance form (X^T X) v equals the reference's X^T (X v) up to rounding and reads X twice per level
+  instead of 2 * n_iters + 1 times.
+* small (rows * D <= 32768, e.g. 2 and 4 groups at C = 64, D = 128): ``_small_seg`` holds the centred
+  segment in registers, runs the reference's X-form power iteration, and ranks
+  ``proj_bits << 32 | local index`` by counting (a stable sort), scattering each token to its rank.
 
 Grids: work-item kernels ``(n_work, BH)``; per-segment kernels ``(n_active, BH)``.
 Duplicate queries: centred X = 0 (up to rounding) -> v = 0 (norm clamped at 1e-30) -> constant
@@ -45,7 +47,7 @@ from .sparse_attn import interpret_bound
 
 CHUNK = 2048
 BLOCK_R = 64
-SMALL_ELEMS = 16384  # rows * D held in registers by _small_seg (8 warps: 64 fp32 per thread)
+SMALL_ELEMS = 32768  # rows * D held in registers by _small_seg (16 warps: 64 fp32 per thread)
 
 
 @triton.jit
@@ -58,59 +60,63 @@ def _load_rows(X, SIGMA, bh, H, S, pos, pmask, sxb, sxh, sxs, d):
 
 
 @triton.jit
-def _seg_sum_kernel(X, SIGMA, SUM, W_SLOT, W_R0, W_R1, sxb, sxh, sxs, H, S, n_slots,
-                    NB, D: tl.constexpr, BLOCK_R: tl.constexpr, NB_I: tl.constexpr):
-    w = tl.program_id(0)
-    bh = tl.program_id(1)
-    slot = tl.load(W_SLOT + w)
-    r0 = tl.load(W_R0 + w)
-    r1 = tl.load(W_R1 + w)
-    d = tl.arange(0, D)
-    acc = tl.zeros([D], dtype=tl.float32)
-    for i in range(0, NB_I if NB_I > 0 else NB):  # NB_I: see sparse_attn.interpret_bound
-        pos = r0 + i * BLOCK_R + tl.arange(0, BLOCK_R)
-        x = _load_rows(X, SIGMA, bh, H, S, pos, pos < r1, sxb, sxh, sxs, d)
-        acc += tl.sum(x, 0)
-    tl.atomic_add(SUM + (bh.to(tl.int64) * n_slots + slot) * D + d, acc)
+def _power(cov, v, N_ITERS: tl.constexpr):
+    """n_iters steps of v <- cov v / max(||cov v||, 1e-30) (the reference's X^T (X v) with cov = X^T X)."""
+    for _ in range(N_ITERS):
+        v = tl.sum(cov * v[None, :], 1)
+        v = v / tl.maximum(tl.sqrt(tl.sum(v * v, 0)), 1e-30)
+    return v
 
 
 @triton.jit
-def _seg_cov_kernel(X, SIGMA, SUM, CNT, COV, W_SLOT, W_R0, W_R1, W_MULTI, sxb, sxh, sxs, H, S, n_slots,
-                    NB, D: tl.constexpr, BLOCK_R: tl.constexpr, NB_I: tl.constexpr):
+def _moment_kernel(X, SIGMA, SHIFT, CNT, SUM, MOM, MEAN, VDIR, V0, W_SLOT, W_R0, W_R1,
+                   sxb, sxh, sxs, H, S, n_slots, NB,
+                   D: tl.constexpr, BLOCK_R: tl.constexpr, NB_I: tl.constexpr, FUSED: tl.constexpr,
+                   N_ITERS: tl.constexpr):
+    """Shifted moments of one work item's rows: s = sum(x - shift), M = sum (x - shift)(x - shift)^T
+    (tf32x3 MMAs, ~fp32 accuracy). shift = the parent segment's mean, so the centring M - s s^T / n
+    cancels little. FUSED (every segment of the level is one work item): centre, power-iterate and write
+    the segment's mean and direction here; else add into SUM / MOM for _power_kernel."""
     w = tl.program_id(0)
     bh = tl.program_id(1)
     slot = tl.load(W_SLOT + w)
     r0 = tl.load(W_R0 + w)
     r1 = tl.load(W_R1 + w)
-    multi = tl.load(W_MULTI + w)
     d = tl.arange(0, D)
     seg = bh.to(tl.int64) * n_slots + slot
-    mean = tl.load(SUM + seg * D + d) / tl.load(CNT + slot)
-    acc = tl.zeros([D, D], dtype=tl.float32)
+    shift = tl.load(SHIFT + seg * D + d)
+    acc_s = tl.zeros([D], dtype=tl.float32)
+    acc_m = tl.zeros([D, D], dtype=tl.float32)
     for i in range(0, NB_I if NB_I > 0 else NB):  # NB_I: see sparse_attn.interpret_bound
         pos = r0 + i * BLOCK_R + tl.arange(0, BLOCK_R)
         pm = pos < r1
         x = _load_rows(X, SIGMA, bh, H, S, pos, pm, sxb, sxh, sxs, d)
-        xc = tl.where(pm[:, None], x - mean[None, :], 0.0)
-        acc = tl.dot(tl.trans(xc), xc, acc)
-    ptr = COV + seg * D * D + d[:, None] * D + d[None, :]
-    many = (tl.zeros([D, D], dtype=tl.int32) + multi) != 0  # segment split over several work items
-    tl.atomic_add(ptr, acc, mask=many)
-    tl.store(ptr, acc, mask=~many)
+        xs = tl.where(pm[:, None], x - shift[None, :], 0.0)
+        acc_s += tl.sum(xs, 0)
+        acc_m = tl.dot(tl.trans(xs), xs, acc_m, input_precision="tf32x3")
+    if FUSED:
+        n = tl.load(CNT + slot)
+        m = acc_s / n
+        v = _power(acc_m - (acc_s / n)[:, None] * acc_s[None, :], tl.load(V0 + d), N_ITERS)
+        tl.store(MEAN + seg * D + d, shift + m)
+        tl.store(VDIR + seg * D + d, v)
+    else:
+        tl.atomic_add(SUM + seg * D + d, acc_s)
+        tl.atomic_add(MOM + seg * D * D + d[:, None] * D + d[None, :], acc_m)
 
 
 @triton.jit
-def _power_kernel(COV, V0, VOUT, n_slots, D: tl.constexpr, N_ITERS: tl.constexpr):
+def _power_kernel(SHIFT, CNT, SUM, MOM, MEAN, VDIR, V0, n_slots, D: tl.constexpr, N_ITERS: tl.constexpr):
     slot = tl.program_id(0)
     bh = tl.program_id(1)
     d = tl.arange(0, D)
     seg = bh.to(tl.int64) * n_slots + slot
-    c = tl.load(COV + seg * D * D + d[:, None] * D + d[None, :])
-    v = tl.load(V0 + d)
-    for _ in range(N_ITERS):
-        v = tl.sum(c * v[None, :], 1)
-        v = v / tl.maximum(tl.sqrt(tl.sum(v * v, 0)), 1e-30)
-    tl.store(VOUT + seg * D + d, v)
+    s = tl.load(SUM + seg * D + d)
+    n = tl.load(CNT + slot)
+    mom = tl.load(MOM + seg * D * D + d[:, None] * D + d[None, :])
+    v = _power(mom - (s / n)[:, None] * s[None, :], tl.load(V0 + d), N_ITERS)
+    tl.store(MEAN + seg * D + d, tl.load(SHIFT + seg * D + d) + s / n)
+    tl.store(VDIR + seg * D + d, v)
 
 
 @triton.jit
@@ -121,7 +127,7 @@ def _ordered_bits(p):
 
 
 @triton.jit
-def _proj_key_kernel(X, SIGMA, SUM, CNT, VDIR, KEY, W_SLOT, W_R0, W_R1, SLOT_SID, sxb, sxh, sxs,
+def _proj_key_kernel(X, SIGMA, MEAN, VDIR, KEY, W_SLOT, W_R0, W_R1, SLOT_SID, sxb, sxh, sxs,
                      H, S, n_slots, NB, D: tl.constexpr, BLOCK_R: tl.constexpr, NB_I: tl.constexpr):
     w = tl.program_id(0)
     bh = tl.program_id(1)
@@ -131,7 +137,7 @@ def _proj_key_kernel(X, SIGMA, SUM, CNT, VDIR, KEY, W_SLOT, W_R0, W_R1, SLOT_SID
     sid = tl.load(SLOT_SID + slot).to(tl.int64)
     d = tl.arange(0, D)
     seg = bh.to(tl.int64) * n_slots + slot
-    mean = tl.load(SUM + seg * D + d) / tl.load(CNT + slot)
+    mean = tl.load(MEAN + seg * D + d)
     v = tl.load(VDIR + seg * D + d)
     for i in range(0, NB_I if NB_I > 0 else NB):  # NB_I: see sparse_attn.interpret_bound
         pos = r0 + i * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -173,44 +179,68 @@ def _small_seg_kernel(X, SIG_IN, SIG_OUT, SS_R0, SS_CNT, V0, sxb, sxh, sxs, H, S
 class _Level:
     """Host plan of one tree level (depends on S, C, D only; cached)."""
 
-    def __init__(self, part, S, C, D, device):
-        big, small = [], []
-        base = []
+    def __init__(self, part, prev_slots, S, C, D, device):
+        big, small, base = [], [], []
         for sid, (g0, g) in enumerate(part):
             r0, r1 = g0 * C, min(S, (g0 + g) * C)
             base.append(torch.full((r1 - r0,), (sid << 32) + (1 << 31), dtype=torch.int64))
             if g > 1:
-                (small if (r1 - r0) * D <= SMALL_ELEMS else big).append((sid, r0, r1))
+                (small if (r1 - r0) * D <= SMALL_ELEMS else big).append((sid, r0, r1, g0, g))
         i32 = dict(dtype=torch.int32, device=device)
+        self.slots = {}  # (g0, g) -> slot of a big segment: the children's parent mean
         self.n_big = len(big)
         if big:
             self.key_base = torch.cat(base).to(device)
+            # parent of each big segment: a big segment of the previous level (slot 0: the root)
+            self.parent = torch.tensor([prev_slots.get(_parent(g0, g, prev_slots), 0)
+                                        for _, _, _, g0, g in big], dtype=torch.int64, device=device)
+            self.slots = {(g0, g): i for i, (_, _, _, g0, g) in enumerate(big)}
             w = []
-            for slot, (_, r0, r1) in enumerate(big):  # equal chunks of <= CHUNK rows
+            for slot, (_, r0, r1, _, _) in enumerate(big):  # equal chunks of <= CHUNK rows
                 n = triton.cdiv(r1 - r0, CHUNK)
                 step = BLOCK_R * triton.cdiv(triton.cdiv(r1 - r0, n), BLOCK_R)
-                w += [(slot, a, min(a + step, r1), int(n > 1)) for a in range(r0, r1, step)]
+                w += [(slot, a, min(a + step, r1)) for a in range(r0, r1, step)]
             self.n_work = len(w)
-            self.nb = triton.cdiv(max(b - a for _, a, b, _ in w), BLOCK_R)  # row blocks per item
-            self.w_slot, self.w_r0, self.w_r1, self.w_multi = (torch.tensor(c, **i32) for c in zip(*w))
-            self.any_multi = any(m for *_, m in w)
-            self.slot_sid = torch.tensor([s for s, _, _ in big], **i32)
-            self.cnt = torch.tensor([float(r1 - r0) for _, r0, r1 in big], dtype=torch.float32, device=device)
+            self.fused = len(w) == len(big)  # every segment is one work item
+            self.nb = triton.cdiv(max(b - a for _, a, b in w), BLOCK_R)  # row blocks per work item
+            self.w_slot, self.w_r0, self.w_r1 = (torch.tensor(c, **i32) for c in zip(*w))
+            self.slot_sid = torch.tensor([b[0] for b in big], **i32)
+            self.cnt = torch.tensor([float(b[2] - b[1]) for b in big], dtype=torch.float32, device=device)
         self.n_small = len(small)
         if small:
-            self.ss_r0 = torch.tensor([r0 for _, r0, _ in small], **i32)
-            self.ss_cnt = torch.tensor([r1 - r0 for _, r0, r1 in small], **i32)
-            self.block_l = triton.next_power_of_2(max(r1 - r0 for _, r0, r1 in small))
+            self.ss_r0 = torch.tensor([b[1] for b in small], **i32)
+            self.ss_cnt = torch.tensor([b[2] - b[1] for b in small], **i32)
+            self.block_l = triton.next_power_of_2(max(b[2] - b[1] for b in small))
+
+
+def _parent(g0, g, prev_slots):
+    """The previous level's segment (g0', g') that split into (g0, g)."""
+    for (p0, pg) in prev_slots:
+        if p0 <= g0 and g0 + g <= p0 + pg:
+            return (p0, pg)
+    return None
 
 
 @functools.lru_cache(maxsize=32)
 def _plan(S: int, C: int, D: int, device: str):
     G = (S + C - 1) // C
-    part, levels = [(0, G)], []
+    part, levels, prev = [(0, G)], [], {}
     while any(g > 1 for _, g in part):
-        levels.append(_Level(part, S, C, D, device))
+        lv = _Level(part, prev, S, C, D, device)
+        levels.append(lv)
+        prev = lv.slots
         part = [c for g0, g in part for c in (((g0, g // 2), (g0 + g // 2, g - g // 2)) if g > 1 else ((g0, g),))]
     return levels
+
+
+PROFILE = None  # a list: pddp_perm appends (stage, cuda.Event) pairs (benchmarks/bench_sparse_attn.py)
+
+
+def _mark(name):
+    if PROFILE is not None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        PROFILE.append((name, ev))
 
 
 def pddp_perm(q: torch.Tensor, group_size: int, n_iters: int = 8) -> torch.Tensor:
@@ -224,31 +254,42 @@ def pddp_perm(q: torch.Tensor, group_size: int, n_iters: int = 8) -> torch.Tenso
     x = q if q.stride(-1) == 1 else q.contiguous()
     BH = B * H
     dev = q.device
+    f32 = dict(device=dev, dtype=torch.float32)
     sigma = torch.arange(S, device=dev, dtype=torch.int64).expand(BH, S).contiguous()
     v0 = start_vector(D, dev).float().contiguous()
     strides = (x.stride(0), x.stride(1), x.stride(2))
-    for lv in _plan(S, C, D, str(dev)):
+    _mark("start")
+    mean = torch.mean(x, dim=2, dtype=torch.float32).reshape(BH, 1, D)  # the root's shift
+    for li, lv in enumerate(_plan(S, C, D, str(dev))):
         if lv.n_big:
-            n = lv.slot_sid.numel()
-            sums = torch.zeros(BH, n, D, device=dev, dtype=torch.float32)
-            _seg_sum_kernel[(lv.n_work, BH)](x, sigma, sums, lv.w_slot, lv.w_r0, lv.w_r1, *strides, H, S, n, lv.nb,
-                                            D=D, BLOCK_R=BLOCK_R, NB_I=interpret_bound(lv.nb), num_warps=4)
-            cov = (torch.zeros if lv.any_multi else torch.empty)(BH, n, D, D, device=dev, dtype=torch.float32)
-            _seg_cov_kernel[(lv.n_work, BH)](x, sigma, sums, lv.cnt, cov, lv.w_slot, lv.w_r0, lv.w_r1,
-                                            lv.w_multi, *strides, H, S, n, lv.nb,
-                                            D=D, BLOCK_R=BLOCK_R, NB_I=interpret_bound(lv.nb), num_warps=8)
-            vdir = torch.empty(BH, n, D, device=dev, dtype=torch.float32)
-            _power_kernel[(n, BH)](cov, v0, vdir, n, D=D, N_ITERS=int(n_iters), num_warps=8)
-            del cov
+            n = lv.cnt.numel()
+            shift = mean.index_select(1, lv.parent).contiguous()
+            mean, vdir = torch.empty(BH, n, D, **f32), torch.empty(BH, n, D, **f32)
+            if lv.fused:
+                sums = mom = mean  # unused
+            else:
+                sums, mom = torch.zeros(BH, n, D, **f32), torch.zeros(BH, n, D, D, **f32)
+            _moment_kernel[(lv.n_work, BH)](x, sigma, shift, lv.cnt, sums, mom, mean, vdir, v0,
+                                            lv.w_slot, lv.w_r0, lv.w_r1, *strides, H, S, n, lv.nb,
+                                            D=D, BLOCK_R=BLOCK_R, NB_I=interpret_bound(lv.nb), FUSED=lv.fused,
+                                            N_ITERS=int(n_iters), num_warps=8)
+            if not lv.fused:
+                _power_kernel[(n, BH)](shift, lv.cnt, sums, mom, mean, vdir, v0, n, D=D,
+                                       N_ITERS=int(n_iters), num_warps=8)
+            _mark(f"L{li} moments+power ({n} big)")
             key = lv.key_base.expand(BH, S).contiguous()
-            _proj_key_kernel[(lv.n_work, BH)](x, sigma, sums, lv.cnt, vdir, key, lv.w_slot, lv.w_r0, lv.w_r1,
+            _proj_key_kernel[(lv.n_work, BH)](x, sigma, mean, vdir, key, lv.w_slot, lv.w_r0, lv.w_r1,
                                              lv.slot_sid, *strides, H, S, n, lv.nb,
                                              D=D, BLOCK_R=BLOCK_R, NB_I=interpret_bound(lv.nb), num_warps=4)
+            _mark(f"L{li} proj")
             order = torch.sort(key, dim=1, stable=True).indices
             sigma = torch.gather(sigma, 1, order)
+            _mark(f"L{li} sort")
         if lv.n_small:
             out = sigma.clone()  # leaves (g = 1) keep their rows
             _small_seg_kernel[(lv.n_small, BH)](x, sigma, out, lv.ss_r0, lv.ss_cnt, v0, *strides, H, S,
-                                               D=D, BLOCK_L=lv.block_l, N_ITERS=int(n_iters), num_warps=8)
+                                               D=D, BLOCK_L=lv.block_l, N_ITERS=int(n_iters),
+                                               num_warps=8 if lv.block_l * D <= 16384 else 16)
             sigma = out
+            _mark(f"L{li} small ({lv.n_small} segs)")
     return sigma.view(B, H, S)

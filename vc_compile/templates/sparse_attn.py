@@ -92,8 +92,10 @@ def _quant_rows_fp8_kernel(X, XQ, XS, H, S, sxb, sxh, sxs,
     x = tl.load(base + rows[:, None].to(tl.int64) * sxs + d[None, :], mask=rmask[:, None], other=0.0)
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
-    scale = tl.where(amax == 0.0, 1.0, amax / 448.0)
-    y = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    # NOTE IEEE divisions (div_rn): Triton's `/` is div.full.f32 (~2 ulp) on sm_90, which made scales
+    # and codes differ from the reference (tests/test_sparse_attn.py, first H200 run)
+    scale = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+    y = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None] + tl.zeros_like(x)), -448.0), 448.0)
     if SW_ROUND:
         y = round_e4m3(y)
     out = bh.to(tl.int64) * S * D + rows[:, None].to(tl.int64) * D + d[None, :]
@@ -143,9 +145,9 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
     i_base = IDX + b * sib + h * sih + g.to(tl.int64) * sig
     if QK_FP8:
         qf = q.to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(qf), 1), 0)
-        q_scale = tl.where(amax == 0.0, 1.0, amax / 448.0)
-        qf = tl.minimum(tl.maximum(qf / q_scale, -448.0), 448.0)
+        amax = tl.max(tl.abs(qf))
+        q_scale = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
+        qf = tl.minimum(tl.maximum(tl.div_rn(qf, q_scale + tl.zeros_like(qf)), -448.0), 448.0)  # IEEE div
         if SW_ROUND:
             qf = round_e4m3(qf)
         q = qf.to(tl.float8e4nv)
@@ -195,16 +197,22 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
              mask=mrow[:, None])
 
 
-# NOTE configs: research/kernels.md ([ours] token-gather, H200): BLOCK_N 64, 4 warps, 3 stages gave
-# 470 (bf16) / 614 (FP8 QK) effective TFLOP/s at 10% density with 128-row tiles. Re-measured for
-# C = 64 by benchmarks/bench_sparse_attn.py (see docs/sparse_notes.md).
+# NOTE configs (BLOCK_N, num_warps, num_stages) per (qk_format, D, C). H200, S = 32760, s = 0.15, C = 64
+# (first run, docs/sparse_notes.md): bf16 BN64/w4/s4 8.99 ms, s3 9.06, BN32/w4/s4 9.35, s2 11.5,
+# BN128/w4 12.5, 8 warps 12.9-15.7; fp8 BN64/w4/s3 9.68, s4 9.79, BN128 10.2, 8 warps 17.7-20.0.
+# C = 128 starts from research/kernels.md (BN64/w4/s3 for 128-row tiles) until swept.
 _CONFIGS = {
-    # (qk_format, D) -> (BLOCK_N, num_warps, num_stages)
-    ("bf16", 64): (128, 4, 3),
-    ("bf16", 128): (64, 4, 3),
-    ("fp8", 64): (128, 4, 3),
-    ("fp8", 128): (64, 4, 3),
+    ("bf16", 64, 64): (128, 4, 3),
+    ("bf16", 128, 64): (64, 4, 4),
+    ("fp8", 64, 64): (128, 4, 3),
+    ("fp8", 128, 64): (64, 4, 3),
+    ("bf16", 128, 128): (64, 4, 3),
+    ("fp8", 128, 128): (64, 4, 3),
 }
+
+
+def default_config(qk_format: str, D: int, C: int):
+    return _CONFIGS.get((qk_format, D, C), (64, 4, 3))
 
 
 def _check_dim(name, d):
@@ -240,7 +248,7 @@ def sparse_attention_launch(q, k, v, sigma, idx, *, sm_scale, group_size, residu
     n_keep = idx.shape[3]
     out = torch.empty(B, H, S, DV, device=q.device, dtype=out_dtype or q.dtype)
     fmt = "fp8" if qk_format == "fp8" else "bf16"
-    BLOCK_N, warps, stages = config or _CONFIGS.get((fmt, D), (64, 4, 3))
+    BLOCK_N, warps, stages = config or default_config(fmt, D, C)
     if fmt == "fp8":
         kq, ks = k_fp8 if k_fp8 is not None else quantize_k_fp8(k)
     else:
