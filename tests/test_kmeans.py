@@ -2,7 +2,8 @@
 
 Labels: the kernel's distances use ``x . (c_hi + c_lo)`` (two 16-bit MMAs, ~2^-17 relative) instead of
 the reference's fp32 matmul, so a label may differ only where two centroids are within that rounding of
-each other (allowed on <= 0.1% of the rows). On these well-separated data the labels are identical. Centroids are means summed in another order: 1e-5 relative.
+each other (allowed on <= 0.1% of the rows). On these well-separated data the labels are identical.
+Centroids are means summed in another order: 1e-5 relative.
 The permutation must be exactly the stable argsort of the kernel's own labels.
 """
 import pytest

@@ -1,0 +1,379 @@
+"""8-bit attention on the H200 (issue 4): speed and fidelity of every variant, side by side.
+
+    python benchmarks/bench_vsmooth_attn.py [--quick] [--out DIR] [--sweep] [--check] [--smoke]
+
+Variants per shape (B = 1, H = 40; D = 128 at S in {8190, 32760, 75600}, D = 64 at S = 32760):
+SDPA cuDNN / flash (bf16), sageattention 1.0.6 (if importable), naive 8-bit (smooth=False, identity
+order), V-Smooth, V-Smooth + ExpCast -- each as the kernel alone (pre-quantised inputs) and as the whole
+op (preprocessing included, cached k-means order = a reuse step), plus the grouping step (k-means K=256,
+3 warm-started iterations + the whole op) and our k-means vs flash-kmeans 0.3.1 on the same V.
+Inputs are the model's layout ([B, S, H, D] viewed as [B, H, S, D]), structured: channel-biased K,
+clustered V (clusters scattered over the tokens) with token outliers. Fidelity on 512 sampled query rows
+of every head against an fp32 reference: rel_l2, cos_sim, rel_l1; for naive and V-Smooth the share of
+the output error carried by P_q (V - V_q) (||E2||^2 / (||E1||^2 + ||E2||^2), E1 = (P - P_q) V'); and the
+share of V's energy removed by the block means (identity order / k-means order).
+--check: correctness of every kernel against the reference on the GPU first (exit 1 on failure).
+--sweep: attention configurations (BM, BN, warps, stages, row sum on MMA) at S = 32760.
+--smoke: tiny shapes on any device (CPU: TRITON_INTERPRET=1), to exercise the script itself.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+import time
+import types
+
+if __name__ == "__main__" and "--smoke" in sys.argv and not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import (append_rows, attn_flops, bench_ms, metrics, print_table,  # noqa: E402
+                               sage_fn, sdpa_fn)
+from vc_compile.reference import kmeans as ref_km  # noqa: E402
+from vc_compile.reference import preprocess as ref_pre  # noqa: E402
+from vc_compile.reference import vsmooth_attn as ref_attn  # noqa: E402
+from vc_compile.reference.quant import LOG2E  # noqa: E402
+from vc_compile.templates import kmeans as tkm  # noqa: E402
+from vc_compile.templates import preprocess as tpre  # noqa: E402
+from vc_compile.templates import vsmooth_attn as tattn  # noqa: E402
+
+BENCH = "bench_vsmooth_attn"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+N_CLUSTERS, N_ITERS = 256, 3
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def make_inputs(B, H, S, D, seed=0):
+    """[B, S, H, D] tensors viewed as [B, H, S, D]: channel-biased K, clustered V + token outliers."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=g)  # noqa: E731
+    q = 1.5 * r(B, S, H, D)
+    k = r(B, S, H, D) + 3.0 * r(1, 1, H, D)
+    centers = 2.0 * r(H, 64, D)
+    lab = torch.randint(0, 64, (B, S, H), device=DEV, generator=g)
+    v = centers[torch.arange(H, device=DEV).view(1, 1, H), lab] + 0.4 * r(B, S, H, D)
+    out = torch.rand(B, S, H, 1, device=DEV, generator=g) < 0.01
+    v = v + out * 12.0 * r(B, S, H, D)
+    return [t.bfloat16().permute(0, 2, 1, 3) for t in (q, k, v)]
+
+
+def truth_rows(q, k, v, rows):
+    """fp32 attention output of the sampled query rows [B, H, n, D]."""
+    out = []
+    for h in range(q.shape[1]):
+        s = q[:, h, rows].float() @ k[:, h].float().transpose(-1, -2) * q.shape[-1] ** -0.5
+        out.append(torch.softmax(s, -1) @ v[:, h].float())
+    return torch.stack(out, 1)
+
+
+def error_split(q, k, v, qk, vq, perm, rows):
+    """(||E2||^2 share, ||E||) with E = O - O_q = (P - P_q) V' + P_q (V' - V_q) on the sampled rows,
+    in the permuted key order of vq (P_q: the exp2 + cast probabilities, normalised)."""
+    e1 = e2 = 0.0
+    vdeq = ref_pre.dequantize_v(vq)
+    ks = qk.k_scale.repeat_interleave(ref_pre.BLOCK_K, -1)[..., :k.shape[2]]
+    qs = qk.q_scale.repeat_interleave(ref_pre.BLOCK_Q, -1)[..., rows]
+    assert q.shape[0] == 1, "B = 1 only"
+    for h in range(q.shape[1]):
+        kp = k[:, h] if perm is None else k[:, h][:, perm[0, h]]
+        vp = v[:, h].float() if perm is None else v[:, h][:, perm[0, h]].float()
+        s = q[:, h, rows].float() @ kp.float().transpose(-1, -2) * (q.shape[-1] ** -0.5)
+        p = torch.softmax(s, -1)
+        sq = (qk.q8[:, h, rows].float() @ qk.k8[:, h].float().transpose(-1, -2)) * qs[:, h, :, None] \
+            * ks[:, h, None, :]
+        pq, _ = ref_attn.quantized_probs(sq, False)
+        pq = pq / pq.sum(-1, keepdim=True)
+        e1 += ((p - pq) @ vp).pow(2).sum().item()
+        e2 += (pq @ (vp - vdeq[:, h])).pow(2).sum().item()
+    return e2 / max(e1 + e2, 1e-30)
+
+
+def mean_energy_share(v, vq):
+    """Share of V's energy removed by the 128-row block means: sum_j n_j |mu_j|^2 / |V|^2."""
+    S = vq.S
+    nb = vq.v_mean.shape[2]
+    counts = torch.full((nb,), float(ref_pre.BLOCK_V), device=v.device)
+    counts[-1] = S - (nb - 1) * ref_pre.BLOCK_V
+    e_mu = (vq.v_mean.pow(2).sum(-1) * counts).sum()
+    return (e_mu / v.float().pow(2).sum()).item()
+
+
+def flash_kmeans_fn(x3, init3):
+    """flash-kmeans 0.3.1 (Triton) on [BH, S, D], or None. Stubs tqdm if absent (it only imports it)."""
+    if importlib.util.find_spec("flash_kmeans") is None:
+        return None
+    if importlib.util.find_spec("tqdm") is None:
+        stub = types.ModuleType("tqdm")
+        stub.trange = range
+        stub.tqdm = lambda it, *a, **kw: it
+        sys.modules["tqdm"] = stub
+    try:
+        from flash_kmeans.kmeans_triton_impl import batch_kmeans_Euclid
+    except Exception as e:  # noqa: BLE001
+        log(f"flash-kmeans not usable: {type(e).__name__}: {e}")
+        return None
+    return lambda: batch_kmeans_Euclid(x3, init3.shape[1], max_iters=N_ITERS, tol=-1.0,
+                                       init_centroids=init3.clone())
+
+
+def inertia(x, labels, cent):
+    c = torch.gather(cent, 2, labels.unsqueeze(-1).expand(*labels.shape, x.shape[-1]))
+    return (x.float() - c).pow(2).sum().item()
+
+
+def bench_shape(B, H, S, D, n_rows, quick):
+    log(f"\n=== B={B} H={H} S={S} D={D} ===")
+    q, k, v = make_inputs(B, H, S, D)
+    sm = D ** -0.5
+    flops = attn_flops(B, H, S, S, D)
+    rows_idx = torch.randperm(S, device=DEV)[:n_rows].sort().values
+    truth = truth_rows(q, k, v, rows_idx)
+    base = dict(B=B, H=H, S=S, D=D, density=1.0)
+    wu, rep = (25, 100) if S <= 10000 else ((25, 200) if S <= 40000 else (50, 600))
+    res = []
+
+    def add(variant, ms, out=None, tf=True, **extra):
+        row = dict(base, variant=variant, ms=ms, **extra)
+        if tf and ms == ms:
+            row["tflops"] = flops / ms * 1e-9
+        if out is not None:
+            mt = metrics(out[:, :, rows_idx].float(), truth)
+            row.update(rel_l2=mt["rel_l2"], cos_sim=mt["cos_sim"], rel_l1=mt["rel_l1"])
+        res.append(row)
+        log(f"  {variant:28s} {ms:9.3f} ms  " + (f"{row.get('tflops', 0):7.1f} TFLOP/s  " if tf else "")
+            + (f"rel_l2 {row['rel_l2']:.3e}" if "rel_l2" in row else ""))
+        return row
+
+    # --- baselines
+    for name, be in (("sdpa_cudnn", "cudnn"), ("sdpa_flash", "flash")):
+        if DEV != "cuda":
+            continue
+        try:
+            fn = sdpa_fn(q, k, v, be)
+            add(name, bench_ms(fn, wu, rep), fn())
+        except Exception as e:  # noqa: BLE001
+            log(f"  {name} failed: {type(e).__name__}: {e}")
+    fn = sage_fn(q, k, v) if DEV == "cuda" else None
+    if fn is not None:
+        add("sageattn_1.0.6", bench_ms(fn, wu, rep), fn())
+    # --- grouping (k-means on V) and our variants
+    K = min(N_CLUSTERS, S)
+    km0 = tkm.kmeans_perm(v, K, 10)  # "previous step" centroids for the warm start
+    init = km0.centroids
+    km = tkm.kmeans_perm(v, K, N_ITERS, init=init)
+    perm = km.perm
+    variants = [("naive8", None, False, False), ("vsmooth", perm, True, False),
+                ("vsmooth_expcast", perm, True, True)]
+    op_ms = {}
+    for name, p, smooth, ec in variants:
+        qk = tpre.preprocess_qk(q, k, p, sm_scale=sm)
+        vq = tpre.preprocess_v(v, p, smooth=smooth)
+        out = tattn.vsmooth_attention(qk, vq, expcast=ec)  # O is in query order (only K/V permuted)
+        add(f"{name}_kernel", bench_ms(lambda: tattn.vsmooth_attention(qk, vq, expcast=ec), wu, rep), out)
+
+        def op(p=p, smooth=smooth, ec=ec):
+            a = tpre.preprocess_qk(q, k, p, sm_scale=sm)
+            b = tpre.preprocess_v(v, p, smooth=smooth)
+            return tattn.vsmooth_attention(a, b, expcast=ec)
+        op_ms[name] = bench_ms(op, wu, rep)
+        op_row = add(f"{name}_op", op_ms[name], out)
+        if p is not None:
+            def group(smooth=smooth, ec=ec):
+                g = tkm.kmeans_perm(v, K, N_ITERS, init=init)
+                return op(g.perm, smooth, ec)
+            gms = bench_ms(group, wu, rep)
+            add(f"{name}_group_step", gms, None, group_overhead=gms / op_ms[name] - 1.0)
+        if name in ("naive8", "vsmooth"):
+            share = error_split(q, k, v, qk, vq, p, rows_idx)
+            op_row["err_share_pv"] = share
+            log(f"    share of ||O - O_q||^2 in P_q (V - V_q): {share:.3f}")
+        del qk, vq, out
+    # energy removed by the block means, identity order vs k-means order
+    e_id = mean_energy_share(v, tpre.preprocess_v(v, None, smooth=True))
+    e_km = mean_energy_share(v, tpre.preprocess_v(v, perm, smooth=True))
+    log(f"  energy share removed by block means: identity {e_id:.3f}, k-means order {e_km:.3f}")
+    for r in res:
+        if r["variant"].startswith("vsmooth"):
+            r["mean_energy_share"] = e_km
+        elif r["variant"].startswith("naive8"):
+            r["mean_energy_share"] = e_id
+    # preprocessing alone, k-means alone, flash-kmeans
+    qk = tpre.preprocess_qk(q, k, perm, sm_scale=sm)
+    add("preprocess_qk", bench_ms(lambda: tpre.preprocess_qk(q, k, perm, sm_scale=sm), wu, rep), tf=False)
+    add("preprocess_v", bench_ms(lambda: tpre.preprocess_v(v, perm), wu, rep), tf=False)
+    del qk
+    kms = bench_ms(lambda: tkm.kmeans_perm(v, K, N_ITERS, init=init), wu, rep)
+    add("kmeans_ours", kms, tf=False, inertia=inertia(v, km.labels, km.centroids))
+    x3 = v.reshape(B * H, S, D) if v.is_contiguous() else v.contiguous().view(B * H, S, D)
+    fk = flash_kmeans_fn(x3, init.reshape(B * H, K, D).to(v.dtype)) if DEV == "cuda" else None
+    if fk is not None:
+        ids, cent, _ = fk()
+        add("flash_kmeans_0.3.1", bench_ms(fk, wu, rep), tf=False,
+            inertia=inertia(v, ids.view(B, H, S).long(), cent.view(B, H, K, D).float()))
+    cud = next((r["ms"] for r in res if r["variant"] == "sdpa_cudnn"), float("nan"))
+    for r in res:
+        r["speedup_vs_cudnn"] = cud / r["ms"]
+    del q, k, v
+    torch.cuda.empty_cache() if DEV == "cuda" else None
+    return res
+
+
+def check(smoke=False):
+    """GPU correctness of every kernel against the reference (moderate shapes)."""
+    ok = True
+    for D in (64, 128):
+        B, H, S = (1, 2, 300) if smoke else (1, 4, 4173)
+        q, k, v = make_inputs(B, H, S, D, seed=1)
+        km_t = tkm.kmeans_perm(v, 64, 3)
+        km_r = ref_km.kmeans_perm(v, 64, 3)
+        lab_mis = (km_t.labels != km_r.labels).float().mean().item()
+        perm = km_t.perm
+        for fmt, had in (("int8", False), ("int8", True), ("fp8", False)):
+            a = tpre.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=had, qk_format=fmt)
+            b = ref_pre.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=had, qk_format=fmt)
+            dq = (a.q8.float() != b.q8.float()).float().mean().item()
+            dk = (a.k8.float() != b.k8.float()).float().mean().item()
+            ok &= dq <= (0 if not had else 5e-3) and dk <= 5e-3
+            log(f"check D={D} qk {fmt} had={had}: q8 mismatch {dq:.2e}, k8 mismatch {dk:.2e}")
+        truth = truth_rows(q, k, v, torch.arange(S, device=DEV))
+        for smooth in (True, False):
+            p = perm if smooth else None
+            a = tpre.preprocess_v(v, p, smooth=smooth)
+            b = ref_pre.preprocess_v(v, p, smooth=smooth)
+            dv = (a.v8t.float() != b.v8t.float()).float().mean().item()
+            ok &= dv <= 5e-3
+            qk = ref_pre.preprocess_qk(q, k, p, sm_scale=D ** -0.5)
+            for ec, mode, rs in ((False, 2, False), (True, 2, False), (True, 1, False), (True, 2, True),
+                                 (False, 2, True)):
+                if True:
+                    tattn.ROWSUM_MMA_OVERRIDE, tattn.EXPCAST_MODE_OVERRIDE = rs, mode
+                    try:
+                        o, lse = tattn.vsmooth_attention(qk, b, expcast=ec, return_lse=True)
+                    except Exception as e:  # noqa: BLE001
+                        ok = False
+                        log(f"check D={D} attn expcast={ec}/{mode} rowsum_mma={rs}: FAILED "
+                            f"{type(e).__name__}: {str(e)[:400]}")
+                        continue
+                    ro, rlse = ref_attn.vsmooth_attention(qk, b, expcast=ec, return_lse=True)
+                    e_k, e_r = metrics(o, truth)["rel_l2"], metrics(ro, truth)["rel_l2"]
+                    kr = metrics(o, ro)["rel_l2"]
+                    dl = (lse - rlse).abs().mean().item()
+                    tol = 3e-2 if ec and mode == 1 else 2e-2
+                    good = kr <= tol and e_k <= 1.25 * e_r + 1e-3 and dl <= 1e-2
+                    ok &= good
+                    log(f"check D={D} attn smooth={smooth} expcast={ec}/{mode} rowsum_mma={rs}: "
+                        f"kernel-vs-ref {kr:.2e}, vs truth {e_k:.3e} (ref {e_r:.3e}), |dlse| {dl:.1e} "
+                        f"{'OK' if good else 'FAIL'}")
+            tattn.ROWSUM_MMA_OVERRIDE = tattn.EXPCAST_MODE_OVERRIDE = None
+            log(f"check D={D} v smooth={smooth}: v8t mismatch {dv:.2e}")
+        ok &= lab_mis <= 1e-3
+        log(f"check D={D} kmeans: label mismatch {lab_mis:.2e}, centroid max diff "
+            f"{(km_t.centroids - km_r.centroids).abs().max().item():.2e}")
+    log("CHECK", "PASSED" if ok else "FAILED")
+    return ok
+
+
+def sweep():
+    """Attention configurations at S = 32760 (kernel alone, structured inputs, identity order)."""
+    B, H, S = 1, 40, 32760
+    out = []
+    c0 = (64, 128, 4, 3)
+    plan = {128: [(c0, ec, mode, rs) for ec, mode in ((False, 2), (True, 2), (True, 1))
+                  for rs in (False, True)]
+            + [(c, ec, 2, False) for c in ((128, 128, 8, 3), (64, 64, 4, 4), (128, 128, 8, 2))
+               for ec in (False, True)],
+            64: [(c, ec, 2, False) for c in (c0, (128, 128, 8, 3), (128, 128, 4, 3)) for ec in (False, True)]}
+    for D, combos in plan.items():
+        q, k, v = make_inputs(B, H, S, D)
+        qk = tpre.preprocess_qk(q, k, None, sm_scale=D ** -0.5)
+        vq = tpre.preprocess_v(v, None)
+        fl = attn_flops(B, H, S, S, D)
+        cud = bench_ms(sdpa_fn(q, k, v, "cudnn"), 25, 200)
+        log(f"sweep D={D} cudnn {cud:.2f} ms {fl / cud * 1e-9:.0f} TFLOP/s")
+        for cfg, ec, mode, rs in combos:
+            tattn.CONFIG_OVERRIDE, tattn.ROWSUM_MMA_OVERRIDE, tattn.EXPCAST_MODE_OVERRIDE = cfg, rs, mode
+            tag = f"sweep D={D} cfg={cfg} rowsum_mma={rs} expcast={ec}/{mode}"
+            try:
+                t0 = time.time()
+                tattn.vsmooth_attention(qk, vq, expcast=ec)
+                torch.cuda.synchronize()
+                ct = time.time() - t0
+                ms = bench_ms(lambda: tattn.vsmooth_attention(qk, vq, expcast=ec), 25, 200)
+                log(f"{tag}: {ms:.2f} ms {fl / ms * 1e-9:.0f} TFLOP/s x{cud / ms:.3f} cudnn "
+                    f"(first call {ct:.1f} s)")
+                out.append((D, cfg, ec, mode, rs, ms))
+            except Exception as e:  # noqa: BLE001
+                log(f"{tag}: FAILED {type(e).__name__}: {str(e)[:400]}")
+        tattn.CONFIG_OVERRIDE = tattn.ROWSUM_MMA_OVERRIDE = tattn.EXPCAST_MODE_OVERRIDE = None
+        del q, k, v, qk, vq
+        torch.cuda.empty_cache()
+    return out
+
+
+def plot(rows, out_dir):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return
+    shapes = sorted({(r["D"], r["S"]) for r in rows})
+    names = [n for n in dict.fromkeys(r["variant"] for r in rows) if not n.startswith(("pre", "kmeans",
+                                                                                        "flash_k"))]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    w = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        ys = [next((r.get("tflops", 0) for r in rows if r["variant"] == n and (r["D"], r["S"]) == s), 0)
+              for s in shapes]
+        ax.bar([j + i * w for j in range(len(shapes))], ys, w, label=n)
+    ax.set_xticks([j + 0.4 for j in range(len(shapes))], [f"D={d} S={s}" for d, s in shapes])
+    ax.set_ylabel("TFLOP/s (attention FLOPs / time)")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "bench_vsmooth_attn.png"), dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="S=32760 D=128 and S=8190 D=64 only")
+    ap.add_argument("--out", default=None, help="directory for a log copy and the PNG plot")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--no-csv", action="store_true")
+    a = ap.parse_args()
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+    if a.check and not check(a.smoke):
+        sys.exit(1)
+    if a.sweep:
+        sweep()
+    if a.smoke:
+        shapes = [(1, 2, 300, 64)]
+    elif a.quick:
+        shapes = [(1, 40, 32760, 128), (1, 40, 8190, 64)]
+    else:
+        shapes = [(1, 40, 8190, 128), (1, 40, 32760, 128), (1, 40, 75600, 128), (1, 40, 32760, 64)]
+    rows = []
+    for sh in shapes:
+        rows += bench_shape(*sh, n_rows=64 if a.smoke else 512, quick=a.quick)
+    cols = ["variant", "D", "S", "ms", "tflops", "speedup_vs_cudnn", "rel_l2", "cos_sim", "err_share_pv",
+            "mean_energy_share", "group_overhead"]
+    log("")
+    print_table(rows, cols)
+    if not a.no_csv and not a.smoke:
+        log("csv:", append_rows(BENCH, rows))
+    if a.out:
+        plot(rows, a.out)
+
+
+if __name__ == "__main__":
+    main()
