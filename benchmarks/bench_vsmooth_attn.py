@@ -349,6 +349,7 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-csv", action="store_true")
+    ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep")
     a = ap.parse_args()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -356,6 +357,8 @@ def main():
         sys.exit(1)
     if a.sweep:
         sweep()
+    if a.no_bench:
+        return
     if a.smoke:
         shapes = [(1, 2, 300, 64)]
     elif a.quick:
