@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-GPU_DEFAULTS = dict(steps=50, frames=16, height=64, width=64, compiler="inductor", warmup="full")
-CPU_DEFAULTS = dict(steps=8, frames=8, height=32, width=32, compiler="eager", warmup="one")
+GPU_DEFAULTS = dict(steps=50, frames=16, height=64, width=64, compiler="inductor", warmup=6)
+CPU_DEFAULTS = dict(steps=8, frames=8, height=32, width=32, compiler="eager", warmup=1)
 
 
 def parse_args(argv=None):
@@ -48,8 +48,8 @@ def parse_args(argv=None):
                     help="comma-separated subset of: " + ", ".join(m for m, _ in METHODS))
     ap.add_argument("--compiler", choices=("inductor", "eager"), default=None,
                     help="what compiles the rewritten graph (default: inductor on CUDA, eager on CPU)")
-    ap.add_argument("--warmup", choices=("full", "one"), default=None,
-                    help="untimed warm-up: a full generation or one step (default: full on CUDA)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="steps of the untimed warm-up generation (default: 6 on CUDA, 1 on CPU)")
     a = ap.parse_args(argv)
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.reduced = not a.device.startswith("cuda")
@@ -116,7 +116,7 @@ def main(argv=None):
 
     known, results = dict(METHODS), []
     for label in a.method_list:
-        print(f"[vc_demo] {label}: compiling and warming up ({a.warmup}) ...", flush=True)
+        print(f"[vc_demo] {label}: compiling and warming up ({a.warmup} steps) ...", flush=True)
         res = run_config(transformer, cond, uncond, label, {**known[label], **extra}, frames=a.frames,
                          height=a.height, width=a.width, steps=a.steps, seed=a.seed, guidance=a.guidance,
                          shift=a.shift, dtype=dtype, warmup=a.warmup, progress=_progress(label))

@@ -14,6 +14,7 @@ Sizes and speeds scale with ``min(height, width)`` (tuned at 32 x 32: radius 5-8
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -51,8 +52,30 @@ def sample_params(seed: int, batch: int, max_sprites: int = 3) -> dict:
 
 def tokens_from_params(p: dict) -> torch.Tensor:
     """Conditioning tokens [B, N, 3] (colour, shape, direction; 1-based, 0 = absent sprite)."""
-    toks = torch.stack([p["colour"] + 1, p["shape"] + 1, p["direction"] + 1], -1)
-    return toks * p["present"][..., None]
+    toks = torch.stack([p["colour"].long() + 1, p["shape"].long() + 1, p["direction"].long() + 1], -1)
+    return toks * p["present"].long()[..., None]
+
+
+def params_to(p: dict, device) -> dict:
+    """Move a parameter dict to ``device``. On CUDA: one pinned, non-blocking copy, because a copy
+    from pageable memory synchronises the stream (the training loop would stall every iteration)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in p.items()}
+    keys = sorted(p)
+    flat = torch.cat([p[k].reshape(-1).to(torch.float32) for k in keys]).pin_memory()
+    flat = flat.to(device, non_blocking=True)
+    out, o = {}, 0
+    for k in keys:  # small ints and bools are exact in float32
+        n = p[k].numel()
+        out[k] = flat[o:o + n].view(p[k].shape).to(p[k].dtype)
+        o += n
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _tables(device: str):
+    return _RGB.to(device), _DXY.to(device)
 
 
 def _sdf(shape_idx, u, v):
@@ -70,7 +93,8 @@ def _sdf(shape_idx, u, v):
 
 def render(p: dict, frames: int, height: int, width: int, device="cpu") -> torch.Tensor:
     """Render the clips of ``p`` -> video [B, 3, F, H, W], float32 in [-1, 1]."""
-    p = {k: v.to(device) for k, v in p.items()}
+    p = params_to(p, device)
+    rgb_table, dxy_table = _tables(str(torch.device(device)))
     B, N = p["shape"].shape
     scale = float(min(height, width))
     f = torch.arange(frames, device=device, dtype=torch.float32)
@@ -85,7 +109,7 @@ def render(p: dict, frames: int, height: int, width: int, device="cpu") -> torch
     img = (p["bg"][:, :, None, None, None] + wave[:, None, None]).expand(B, 3, frames, height, width)
 
     # sprite geometry, [B, N, F, H, W]
-    vel = _DXY.to(device)[p["direction"]] * (p["speed"] * scale)[..., None]          # px / frame
+    vel = dxy_table[p["direction"]] * (p["speed"] * scale)[..., None]          # px / frame
     cx = p["pos"][..., 0, None] * width + vel[..., 0, None] * f                     # [B, N, F]
     cy = p["pos"][..., 1, None] * height + vel[..., 1, None] * f
     dx = torch.remainder(xs[None, None, None, None, :] - cx[..., None, None] + width / 2, width) - width / 2
@@ -97,7 +121,7 @@ def render(p: dict, frames: int, height: int, width: int, device="cpu") -> torch
     stripes = torch.sin(2 * math.pi * p["tex_freq"][..., None, None, None] * (u * torch.cos(ang) + v * torch.sin(ang))
                         + p["tex_phase"][..., None, None, None])
     shade = 1.0 + p["tex_amp"][..., None, None, None] * stripes                    # [B, N, F, H, W]
-    rgb = _RGB.to(device)[p["colour"]]                                              # [B, N, 3]
+    rgb = rgb_table[p["colour"]]                                              # [B, N, 3]
     for n in range(N):  # back to front
         a = alpha[:, n, None]
         col = torch.clamp(rgb[:, n, :, None, None, None] * shade[:, n, None], -1.0, 1.0)
@@ -108,5 +132,5 @@ def render(p: dict, frames: int, height: int, width: int, device="cpu") -> torch
 def make_batch(seed: int, batch: int, frames: int = 16, height: int = 32, width: int = 32,
                device="cpu", max_sprites: int = 3):
     """(video [B, 3, F, H, W] in [-1, 1], tokens [B, max_sprites, 3]) — a pure function of its arguments."""
-    p = sample_params(seed, batch, max_sprites)
-    return render(p, frames, height, width, device), tokens_from_params(p).to(device)
+    p = params_to(sample_params(seed, batch, max_sprites), device)
+    return render(p, frames, height, width, device), tokens_from_params(p)

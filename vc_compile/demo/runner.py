@@ -3,9 +3,11 @@
 
 Per configuration: ``torch._dynamo.reset()`` and ``vc_compile.reset(report=True)`` (a fresh compile and
 fresh call-site records), ``torch.compile(transformer, backend="vcattn", options=...)``, an untimed
-warm-up (``"full"``: a whole generation, so compilation and Triton JIT are out of the timing; ``"one"``:
-a single step, enough where nothing is JIT-compiled, e.g. the CPU reference paths), ``vc_compile.reset()``
-(drops metadata and counts, keeps the compiled graph), then the timed generation wrapped in the step API::
+warm-up generation of ``warmup`` steps (compilation and Triton JIT stay out of the timing; 6 steps
+already pass through every phase of every method's default schedule: dense warm-up, V-Smooth grouping
+and reuse, MC-Sparse anchors and reuse; 1 step is enough where nothing is JIT-compiled, e.g. the CPU
+reference paths), ``vc_compile.reset()`` (drops metadata and counts, keeps the compiled graph), then the
+timed generation wrapped in the step API::
 
     with vc_compile.sampling(num_steps=n):
         for i in range(n): vc_compile.step(i); model(...)
@@ -41,6 +43,7 @@ class RunResult:
     attn_ms: float | None          # None: profiling unavailable
     report: object | None          # vc_compile.Report of the timed run
     summary: str = ""
+    warmup_s: float = 0.0          # compile + warm-up generation, seconds
 
 
 def vc_api():
@@ -84,24 +87,24 @@ def summarize(rep) -> str:
 
 def run_config(transformer, cond, uncond, label: str, options: dict, *, frames: int, height: int, width: int,
                steps: int, seed: int, guidance: float, shift: float, dtype=torch.bfloat16,
-               warmup: str = "full", profile: bool = True, progress=None) -> RunResult:
+               warmup: int = 6, profile: bool = True, progress=None, compile_fn=None) -> RunResult:
     vc, backend = vc_api()
     opts = dict(options)
     if profile:
         opts["profile"] = True
     torch._dynamo.reset()
     vc.reset(report=True)
-    model = torch.compile(transformer, backend=backend, options=opts)
+    model = compile_fn(transformer, backend, opts) if compile_fn else torch.compile(
+        transformer, backend=backend, options=opts)
     kw = dict(frames=frames, height=height, width=width, seed=seed, uncond=uncond, guidance=guidance,
               shift=shift, dtype=dtype)
     cuda = cond.device.type == "cuda"
 
-    with vc.sampling(num_steps=steps):  # warm-up: compile (+ JIT), not timed
-        if warmup == "full":
-            sample(model, cond, steps=steps, step_fn=vc.step, **kw)
-        else:
-            vc.step(0)
-            sample(model, cond, steps=1, **kw)
+    t0 = time.perf_counter()
+    if warmup > 0:
+        with vc.sampling(num_steps=warmup):  # compile (+ JIT), not timed
+            sample(model, cond, steps=warmup, step_fn=vc.step, **kw)
+    warm_s = time.perf_counter() - t0
     vc.reset()
     if cuda:
         torch.cuda.synchronize()
@@ -113,4 +116,4 @@ def run_config(transformer, cond, uncond, label: str, options: dict, *, frames: 
     e2e = (time.perf_counter() - t0) * 1e3
     rep = vc.report()
     attn = rep.total_time_ms if (profile and hasattr(rep, "total_time_ms")) else None
-    return RunResult(label, options, clip.cpu(), e2e, attn, rep, summarize(rep))
+    return RunResult(label, options, clip.cpu(), e2e, attn, rep, summarize(rep), warm_s)

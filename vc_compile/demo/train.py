@@ -4,9 +4,11 @@
     python -m vc_compile.demo.train --smoke --out /tmp/smoke             # CPU check, seconds
 
 What it does: the Wan model of ``model.py`` (6.1M parameters) learns to predict the velocity
-``noise - x_0`` of rectified flow on 16 x 32 x 32 RGB clips from ``data.py`` (4096 tokens), with
+``noise - x_0`` of rectified flow on RGB clips from ``data.py``, alternating two sizes of 4096 tokens
+each (``--buckets``: 16 x 32 x 32 for time, 4 x 64 x 64 for space, so RoPE has seen the distances of
+the demo's 16 x 64 x 64 clips; one static compiled graph per size), with
 logit-normal t, 10% of the prompts dropped for classifier-free guidance, AdamW, linear warm-up then
-cosine decay, an EMA of the weights, bf16 autocast and ``torch.compile`` (default Inductor) on CUDA.
+cosine decay, an EMA of the weights, bf16 autocast and regional ``torch.compile`` (default Inductor, ``compile_repeated_blocks``) on CUDA.
 
 Time budget: ``--minutes`` covers the training loop including compilation. After a short probe
 (iterations 20-60) the script fixes the total iteration count from the measured speed, so the LR
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .data import make_batch, tokens_from_params, sample_params, render
+from .data import make_batch, render, sample_params, tokens_from_params
 from .model import DEFAULT_WEIGHTS, DemoConfig, SpriteTextEncoder, build_transformer, describe_tokens, save_weights
 
 
@@ -43,14 +45,15 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=None, help="exact iteration count (overrides --minutes)")
     ap.add_argument("--out", default="vc_demo_train")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=4e-4)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--p-uncond", type=float, default=0.1, help="prompt dropout for CFG")
-    ap.add_argument("--frames", type=int, default=16)
-    ap.add_argument("--height", type=int, default=32)
-    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--buckets", default="16x32x32,4x64x64",
+                    help="clip sizes FxHxW (pixels), cycled per iteration; the first is the reference size "
+                         "(validation, samples.png). 4x64x64 (also 4096 tokens) teaches RoPE distances up to "
+                         "32 tokens in height/width, so the model runs at the demo/benchmark sizes")
     ap.add_argument("--layers", type=int, default=DemoConfig.num_layers)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", dest="compile", action="store_true", default=None)
@@ -60,11 +63,15 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", action="store_true", help="a few iterations at a tiny size (CPU check)")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.frames, a.height, a.width, a.batch = 4, 16, 16, 2
+        a.buckets, a.batch = "4x16x16,2x32x32", 2
         a.iters = a.iters or 4
         a.log_every, a.sample_steps, a.warmup = 1, 3, 2
     if a.compile is None:
         a.compile = a.device.startswith("cuda")
+    a.bucket_list = [tuple(int(x) for x in b.lower().split("x")) for b in a.buckets.split(",") if b.strip()]
+    if any(len(b) != 3 or b[1] % 2 or b[2] % 2 for b in a.bucket_list):
+        ap.error(f"--buckets: sizes FxHxW with even H and W, got {a.buckets!r}")
+    a.frames, a.height, a.width = a.bucket_list[0]
     return a
 
 
@@ -97,12 +104,15 @@ class EMA:
         d = min(self.decay, (1 + self.n) / (10 + self.n))
         torch._foreach_lerp_(self.shadow, [p.detach().float() for p in params], 1 - d)
 
-    @torch.no_grad()
-    def swap(self, params):
-        for s, p in zip(self.shadow, params):
-            tmp = p.detach().clone()
-            p.copy_(s)
-            s.copy_(tmp)
+
+
+@torch.no_grad()
+def eager_copy(cfg, tensors, device):
+    """Fresh uncompiled (transformer, text encoder) in eval mode holding ``tensors`` (in parameter order)."""
+    tr, te = build_transformer(cfg).to(device), SpriteTextEncoder(cfg).to(device)
+    for p, t in zip(list(tr.parameters()) + list(te.parameters()), tensors):
+        p.copy_(t.detach())
+    return tr.eval().requires_grad_(False), te.eval().requires_grad_(False)
 
 
 @torch.no_grad()
@@ -123,16 +133,17 @@ def val_loss(tr, te, cfg, a, device, amp, ts=(0.1, 0.3, 0.5, 0.7, 0.9), batch=16
 
 
 @torch.no_grad()
-def sample_grid(tr, te, cfg, a, device, amp, path, n=4):
+def sample_grid(tr, te, cfg, a, device, amp, path, size, n=4):
     from .media import write_grid
     from .sampler import sample
 
+    frames, height, width = size
     p = sample_params(10**9 + 99, n, cfg.max_sprites)
-    real = render(p, a.frames, a.height, a.width, device)
+    real = render(p, frames, height, width, device)
     tokens = tokens_from_params(p).to(device)
     with amp:
         cond, uncond = te(tokens), te(torch.zeros_like(tokens))
-        gen = sample(tr, cond, uncond=uncond, guidance=3.0, frames=a.frames, height=a.height, width=a.width,
+        gen = sample(tr, cond, uncond=uncond, guidance=3.0, frames=frames, height=height, width=width,
                      steps=a.sample_steps, seed=5, dtype=torch.float32)
     clips, labels = [], []
     for i in range(n):
@@ -161,7 +172,10 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     log_f = open(out / "train_log.txt", "w")
 
+    t_start = time.perf_counter()
+
     def log(msg):
+        msg = msg if msg.startswith("[train] it ") else f"{msg}  [{time.perf_counter() - t_start:.0f} s]"
         print(msg, flush=True)
         log_f.write(msg + "\n")
         log_f.flush()
@@ -179,9 +193,14 @@ def main(argv=None):
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.99), weight_decay=0.01, fused=cuda)
     ema = EMA(params, a.ema)
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
-    model = torch.compile(tr) if a.compile else tr
-    flops_clip = train_flops_per_clip(cfg, a.frames, a.height, a.width)
-    log(f"[train] {n_params / 1e6:.2f}M params, {cfg.tokens(a.frames, a.height, a.width)} tokens/clip, "
+    # Regional compile: one graph for the 6 identical blocks (6x less compile time than the whole
+    # model), static per bucket (dynamic=False: no symbolic-shape graph after the second size).
+    if a.compile:
+        tr.compile_repeated_blocks(dynamic=False)
+    model = tr
+    flops_clip = sum(train_flops_per_clip(cfg, *b) for b in a.bucket_list) / len(a.bucket_list)
+    toks = "/".join(str(cfg.tokens(*b)) for b in a.bucket_list)
+    log(f"[train] {n_params / 1e6:.2f}M params, buckets {a.buckets} ({toks} tokens/clip), "
         f"batch {a.batch}, device {device}{' (' + torch.cuda.get_device_name() + ')' if cuda else ''}, "
         f"compile={a.compile}, budget {a.iters or '%.1f min' % a.minutes}"
         f"{'' if a.iters else ''}, ~{flops_clip * a.batch / 1e12:.2f} TFLOP/iter")
@@ -195,10 +214,11 @@ def main(argv=None):
     it = 0
     while total is None or it < total:
         seed_it = a.seed * 1_000_003 + it
-        video, tokens = make_batch(seed_it, a.batch, a.frames, a.height, a.width, device, cfg.max_sprites)
-        drop = torch.rand(a.batch, generator=torch.Generator().manual_seed(seed_it + 17)) < a.p_uncond
-        tokens = tokens * (~drop).to(device)[:, None, None]
-        t = torch.sigmoid(torch.randn(a.batch, device=device, generator=gen))
+        video, tokens = make_batch(seed_it, a.batch, *a.bucket_list[it % len(a.bucket_list)], device,
+                                   cfg.max_sprites)
+        keep = torch.rand(a.batch, device=device, generator=gen) >= a.p_uncond  # CFG prompt dropout
+        tokens = tokens * keep[:, None, None]
+        t = torch.sigmoid(torch.randn(a.batch, device=device, generator=gen))  # logit-normal t
         noise = torch.randn(video.shape, device=device, generator=gen)
         tt = t[:, None, None, None, None]
         x_t = (1 - tt) * video + tt * noise
@@ -240,22 +260,25 @@ def main(argv=None):
                 f"elapsed {el / 60:.1f} min  eta {eta}")
     train_s = time.perf_counter() - t_start
 
-    # --- evaluation: raw vs EMA weights, keep the better --------------------------------------------
-    tr.eval()
-    te.eval()
-    vl_raw = val_loss(tr, te, cfg, a, device, amp)
-    ema.swap(params)
-    vl_ema = val_loss(tr, te, cfg, a, device, amp)
+    # --- evaluation on fresh eager copies (the compiled blocks would recompile for every new shape,
+    # and capture.py must see the real F.scaled_dot_product_attention): raw vs EMA, keep the better --
+    raw_tr, raw_te = eager_copy(cfg, params, device)
+    ema_tr, ema_te = eager_copy(cfg, ema.shadow, device)
+    vl_raw = val_loss(raw_tr, raw_te, cfg, a, device, amp)
+    vl_ema = val_loss(ema_tr, ema_te, cfg, a, device, amp)
     use_ema = vl_ema["mean"] <= vl_raw["mean"]
-    if not use_ema:
-        ema.swap(params)
+    tr, te = (ema_tr, ema_te) if use_ema else (raw_tr, raw_te)
     log(f"[train] val loss raw {vl_raw['mean']:.4f}  ema {vl_ema['mean']:.4f} -> saving {'EMA' if use_ema else 'raw'}")
     wpath = save_weights(out / DEFAULT_WEIGHTS.name, tr, te, cfg,
                          {"iterations": it, "seed": a.seed, "ema": use_ema, "val_loss": round(min(vl_raw["mean"], vl_ema["mean"]), 5)})
     size_mb = wpath.stat().st_size / 1e6
     log(f"[train] wrote {wpath} ({size_mb:.2f} MB)" + ("  WARNING: over 15 MB" if size_mb > 15 else ""))
-    prompts = sample_grid(tr, te, cfg, a, device, amp, out / "samples.png")
+    prompts = sample_grid(tr, te, cfg, a, device, amp, out / "samples.png", (a.frames, a.height, a.width))
     log(f"[train] wrote {out / 'samples.png'} (prompts: {prompts})")
+    large = (max(b[0] for b in a.bucket_list), max(b[1] for b in a.bucket_list), max(b[2] for b in a.bucket_list))
+    if large != (a.frames, a.height, a.width):
+        sample_grid(tr, te, cfg, a, device, amp, out / "samples_large.png", large)
+        log(f"[train] wrote {out / 'samples_large.png'} ({'x'.join(map(str, large))}, same prompts)")
     attn_trained = attn_report(tr, te, cfg, a, device, amp)
     torch.manual_seed(a.seed + 1)
     attn_random = attn_report(build_transformer(cfg).to(device).eval(), te, cfg, a, device, amp)

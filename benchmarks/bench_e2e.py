@@ -1,0 +1,208 @@
+"""End-to-end benchmark: the demo video DiT at ~32K and ~75K tokens, 50 steps, every vcattn method.
+
+    python benchmarks/bench_e2e.py                 # H200: both sizes, 50 steps (several minutes)
+    python benchmarks/bench_e2e.py --quick         # 32K tokens only, 20 steps
+    python benchmarks/bench_e2e.py --sizes 75k --csv $OUT/bench_e2e.csv
+
+Sizes mirror Wan 2.1's token counts (patch (1, 2, 2) on pixels): ``32k`` = 21 x 60 x 104 px =
+21 * 30 * 52 = 32760 tokens (Wan 480p), ``75k`` = 21 x 90 x 160 px = 21 * 45 * 80 = 75600 tokens (Wan
+720p). The model was trained on 4096-token clips (16 x 32 x 32 and 4 x 64 x 64), so at these sizes its
+RoPE extrapolates and the samples are not pretty; the attention is still the trained, non-uniform one,
+which is what the fidelity numbers need.
+
+Per size: each method with its default step schedule (``runner.METHODS``), compiled with
+``backend="vcattn"`` (Inductor) and timed after a warm-up; CFG 2 calls per step (B = 1 per call).
+Fidelity of the final clip against the dense bf16 run (same seed, same noise): PSNR, SSIM, relative
+L2, cosine. Noise floor: ``floor:bf16-vs-fp32`` (the dense bf16 clip against an eager fp32 run, TF32
+off) and ``floor:seed-to-seed`` (dense bf16, seed vs seed + 1: two unrelated clips).
+SDPA prefers cuDNN in every run (``sdpa_kernel(..., set_priority=True)``), so ``speedup_vs_cudnn`` is
+end-to-end time of the dense cuDNN run over the method's.
+
+Appends rows to ``benchmarks/results/bench_e2e.csv`` (header written only when the file is created):
+``ms`` is the end-to-end sampling time, ``tflops`` the self-attention FLOPs (4 B H S^2 D per call; dense
+FLOPs for sparse methods, i.e. "effective") over the profiled attention time.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vc_compile.demo.metrics import compare  # noqa: E402
+from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt  # noqa: E402
+from vc_compile.demo.runner import METHODS, run_config  # noqa: E402
+from vc_compile.demo.sampler import print_progress, sample  # noqa: E402
+
+SIZES = {"32k": (21, 60, 104), "75k": (21, 90, 160), "16k": (16, 64, 64), "4k": (16, 32, 32),
+         "1k": (4, 32, 32)}  # 1k: a CPU check of this script
+HEADER = ["date", "commit", "gpu", "torch", "triton", "bench", "variant", "B", "H", "S", "D", "density", "ms",
+          "tflops", "speedup_vs_cudnn", "rel_l2", "cos_sim", "psnr", "ssim",
+          # extra columns (after the agreed ones)
+          "attn_ms", "steps", "frames", "height", "width", "guidance", "seed", "weights", "warmup_s", "phases"]
+
+
+def env_info() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = (commit + ("-dirty" if dirty else "")) if commit else ""
+    except Exception:  # noqa: BLE001 - no git on the benchmark box
+        commit = ""
+    try:
+        import triton
+
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = ""
+    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            "commit": commit or os.environ.get("VC_COMMIT", "unknown"),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "triton": triton_v}
+
+
+def prefer_cudnn():
+    """SDPA backend priority cuDNN > flash > efficient > math for everything inside (runtime dispatch)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.MATH]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:  # older torch without set_priority: allow all, default order
+        return sdpa_kernel(order)
+
+
+def fp32_reference(weights, cond_tokens, device, **kw):
+    """The dense clip in fp32, eager (no compile), TF32 off: the precision noise floor's reference."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        tr, te, _, _ = load_demo(weights, device=device, dtype=torch.float32)
+        cond = encode(te, cond_tokens, torch.float32)
+        uncond = encode(te, torch.zeros_like(cond_tokens), torch.float32)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        clip = sample(tr, cond, uncond=uncond, dtype=torch.float32, **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return clip.cpu(), (time.perf_counter() - t0) * 1e3
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x" if isinstance(v, float) else "-"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="32k only, 20 steps")
+    ap.add_argument("--sizes", default=None, help=f"comma-separated, from {list(SIZES)} (default 32k,75k)")
+    ap.add_argument("--steps", type=int, default=None, help="default 50 (20 with --quick)")
+    ap.add_argument("--methods", default=",".join(m for m, _ in METHODS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--guidance", type=float, default=3.0)
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
+    ap.add_argument("--weights", default=None)
+    ap.add_argument("--warmup", type=int, default=6, help="steps of the untimed warm-up generation")
+    ap.add_argument("--no-floor", action="store_true", help="skip the fp32 and seed-to-seed runs")
+    ap.add_argument("--compiler", choices=("inductor", "eager"), default="inductor")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" / "bench_e2e.csv"))
+    a = ap.parse_args(argv)
+    sizes = (a.sizes or ("32k" if a.quick else "32k,75k")).split(",")
+    steps = a.steps or (20 if a.quick else 50)
+    known = dict(METHODS)
+    labels = ["dense"] + [m for m in a.methods.split(",") if m and m != "dense"]
+    device, dtype = torch.device(a.device), torch.bfloat16
+    if device.type != "cuda":
+        print("[bench_e2e] WARNING: no CUDA: reference paths, times are meaningless", flush=True)
+    env = env_info()
+    tr, te, cfg, trained = load_demo(a.weights, device=device, dtype=dtype)
+    tokens = parse_prompt(a.prompt, cfg.max_sprites)
+    cond, uncond = encode(te, tokens, dtype), encode(te, torch.zeros_like(tokens), dtype)
+    H, D = cfg.num_attention_heads, cfg.attention_head_dim
+    rows = []
+    for size in sizes:
+        F_, Hpx, Wpx = SIZES[size]
+        S = cfg.tokens(F_, Hpx, Wpx)
+        calls = steps * 2 * cfg.num_layers  # CFG: 2 forwards per step
+        flops = 4.0 * H * S * S * D * calls
+        print(f"[bench_e2e] {size}: {F_} x {Hpx} x {Wpx} px = {S} tokens, {steps} steps, weights "
+              f"{'trained' if trained else 'RANDOM'}", flush=True)
+        kw = dict(frames=F_, height=Hpx, width=Wpx, steps=steps, seed=a.seed, guidance=a.guidance, shift=1.0)
+        results = {}
+        with prefer_cudnn():
+            for label in labels:
+                opts = {**known[label], "compiler": a.compiler}
+                r = run_config(tr, cond, uncond, label, opts, dtype=dtype, warmup=a.warmup,
+                               progress=print_progress(f"{size} {label}", every=max(1, steps // 5)), **kw)
+                results[label] = r
+                print(f"  {label}: e2e {r.e2e_ms:.0f} ms, attention {r.attn_ms or 0:.0f} ms, "
+                      f"warm-up {r.warmup_s:.0f} s; {r.summary}", flush=True)
+            floors = {}
+            if not a.no_floor:
+                from vc_compile.demo.runner import vc_api
+
+                vc, _ = vc_api()
+                torch._dynamo.reset()
+                clip32, ms32 = fp32_reference(a.weights, tokens, device, **kw)
+                floors["floor:bf16-vs-fp32"] = (compare(results["dense"].clip, clip32), ms32)
+                r2 = run_config(tr, cond, uncond, "dense", {**known["dense"], "compiler": a.compiler},
+                                dtype=dtype, warmup=1, **{**kw, "seed": a.seed + 1})
+                floors["floor:seed-to-seed"] = (compare(r2.clip, results["dense"].clip), r2.e2e_ms)
+        base = results["dense"]
+        for label, r in results.items():
+            m = compare(r.clip, base.clip)
+            phases = " ".join(f"{k}:{v}" for k, v in sorted(r.report.phase_counts().items())) if r.report else ""
+            rows.append({**env, "bench": "e2e", "variant": label, "B": 1, "H": H, "S": S, "D": D,
+                         "density": r.options.get("density", ""), "ms": round(r.e2e_ms, 2),
+                         "tflops": round(flops / (r.attn_ms * 1e-3) / 1e12, 1) if r.attn_ms else "",
+                         "speedup_vs_cudnn": round(base.e2e_ms / r.e2e_ms, 3),
+                         **{k: round(v, 6) for k, v in m.items()},
+                         "attn_ms": round(r.attn_ms, 2) if r.attn_ms is not None else "", "steps": steps,
+                         "frames": F_, "height": Hpx, "width": Wpx, "guidance": a.guidance, "seed": a.seed,
+                         "weights": "trained" if trained else "random", "warmup_s": round(r.warmup_s, 1),
+                         "phases": phases})
+        for label, (m, ms) in floors.items():
+            rows.append({**env, "bench": "e2e", "variant": label, "B": 1, "H": H, "S": S, "D": D, "density": "",
+                         "ms": round(ms, 2), "tflops": "", "speedup_vs_cudnn": "",
+                         **{k: round(v, 6) for k, v in m.items()}, "attn_ms": "", "steps": steps, "frames": F_,
+                         "height": Hpx, "width": Wpx, "guidance": a.guidance, "seed": a.seed,
+                         "weights": "trained" if trained else "random", "warmup_s": "", "phases": ""})
+
+    path = Path(a.csv)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=HEADER, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    print()
+    head = f"{'S':>6} {'variant':<20}{'e2e ms':>10}{'attn ms':>10}{'TFLOP/s':>9}{'speed-up':>9}{'PSNR':>8}{'SSIM':>8}"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        print(f"{r['S']:>6} {r['variant']:<20}{r['ms']:>10.1f}{str(r['attn_ms']):>10}{str(r['tflops']):>9}"
+              f"{_x(r['speedup_vs_cudnn']):>9}{r['psnr']:>8.2f}{r['ssim']:>8.4f}")
+    if not trained:
+        print("[bench_e2e] WARNING: RANDOM weights: attention near uniform, errors understated")
+    print(f"[bench_e2e] appended {len(rows)} rows to {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
