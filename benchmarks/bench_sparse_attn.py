@@ -221,6 +221,60 @@ def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn", group_sizes=
     return rows
 
 
+def bench_focus(S, log, first, dev="cuda", dense_backend="cudnn"):
+    """``--focus``: only PDDP and the bf16 gather kernel (C = 64 and 128): what changed after the second
+    H200 run (bf16 hi/lo PDDP moments, FMA-folded softmax scale), within a one-minute device budget."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    sm = D ** -0.5
+    wu, rp = (10, 40) if S > 40000 else (25, 100)
+    rows = []
+    t_cudnn = bench_ms(sdpa_fn(q, k, v, dense_backend), warmup=wu, rep=rp)
+    rows.append(row("sdpa_cudnn", S, 1.0, t_cudnn, t_cudnn))
+    log(f"S={S}: cudnn {t_cudnn:.2f} ms")
+    res = (0.01 * torch.randn(B, H, S, D, device=dev)).bfloat16()
+    for Cg in (64, 128):
+        G = (S + Cg - 1) // Cg
+        sigma = tpddp.pddp_perm(q, Cg)
+        ok = torch.equal(sigma.sort(-1).values, torch.arange(S, device=dev).expand(B, H, S))
+        t_p = bench_ms(lambda: tpddp.pddp_perm(q, Cg), warmup=wu, rep=rp)
+        rows.append(row("pddp", S, 1.0, t_p, t_cudnn, group_size=Cg,
+                        note=f"G={G} groups of {Cg}; bf16 hi/lo moments; valid permutation: {ok}"))
+        log(f"pddp C={Cg}: {t_p:.2f} ms, valid {ok}")
+        if dev == "cuda":
+            pddp_profile(q, Cg, log)
+        sfx = "" if Cg == 64 else f"_c{Cg}"
+        cfg = tsa.default_config("bf16", D, Cg)
+
+        def run(idx, residual=None):
+            return tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg, config=cfg,
+                                               residual=residual)
+        dense_idx = torch.arange(S, device=dev, dtype=torch.int32).expand(B, H, G, S)
+        t_dense = bench_ms(lambda: run(dense_idx), warmup=wu, rep=rp)
+        rows.append(row(f"dense_ours_bf16{sfx}", S, 1.0, t_dense, t_cudnn, efficiency=1.0, config=cfg_name(cfg),
+                        group_size=Cg, note="gather kernel at density 1.0; FMA-folded scale"))
+        log(f"C={Cg} bf16 dense-ours {t_dense:.2f} ms")
+        for s in DENSITIES:
+            keep = tsel.n_keep(S, s)
+            idx = random_idx(S, keep, G, dev)
+            t = bench_ms(lambda: run(idx), warmup=wu, rep=rp)
+            mt = {}
+            if first and s == 0.15:
+                mt = head_metrics(run(idx), lambda: ref_sparse(q[:, :2], k[:, :2], v[:, :2], sigma[:, :2], idx[:, :2],
+                                                                sm_scale=sm, group_size=Cg, out_dtype=torch.float32))
+            dens = keep / S
+            rows.append(row(f"sparse_bf16{sfx}", S, dens, t, t_cudnn, efficiency=t_dense / t * dens,
+                            config=cfg_name(cfg), group_size=Cg, note="FMA-folded scale", **mt))
+            log(f"C={Cg} bf16 s={dens:.4f}: {t:.2f} ms, eff {t_dense / t * dens:.3f}, x{t_cudnn / t:.2f} vs cudnn")
+            if s == 0.15:
+                t_r = bench_ms(lambda: run(idx, res), warmup=wu, rep=rp)
+                rows.append(row(f"reuse_bf16{sfx}", S, dens, t_r, t_cudnn, config=cfg_name(cfg), group_size=Cg,
+                                note="gather + bf16 residual epilogue; FMA-folded scale"))
+                log(f"C={Cg} reuse bf16: {t_r:.2f} ms = x{t_cudnn / t_r:.2f} vs cudnn")
+            del idx
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="S = 32760 only")
@@ -228,12 +282,16 @@ def main():
     ap.add_argument("--sizes", default=None, help="comma-separated sequence lengths")
     ap.add_argument("--csv", default=None, help="also write the rows to this CSV")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run: S = 200, H = 2, nothing saved")
+    ap.add_argument("--focus", action="store_true", help="only PDDP and the bf16 gather kernel")
     args = ap.parse_args()
     log = lambda m: print(m, flush=True)  # noqa: E731
     if args.smoke:
         global H
         H = 2
-        rows = bench_size(200, do_sweep=True, log=log, dev="cpu", dense_backend="math", group_sizes=(64, 128))
+        if args.focus:
+            rows = bench_focus(200, log, True, dev="cpu", dense_backend="math")
+        else:
+            rows = bench_size(200, do_sweep=True, log=log, dev="cpu", dense_backend="math", group_sizes=(64, 128))
         print_table(rows, ["variant", "S", "density", "ms", "efficiency", "rel_l2", "cos_sim", "config", "note"])
         return
     if not torch.cuda.is_available():
@@ -241,7 +299,10 @@ def main():
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([32760] if args.quick else [32760, 75600])
     rows = []
     for i, S in enumerate(sizes):
-        new = bench_size(S, do_sweep=(i == 0 and not args.no_sweep), log=log)
+        if args.focus:
+            new = bench_focus(S, log, first=(i == 0))
+        else:
+            new = bench_size(S, do_sweep=(i == 0 and not args.no_sweep), log=log)
         for r in new:
             for c in EXTRAS:
                 r.setdefault(c, "")

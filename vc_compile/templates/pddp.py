@@ -18,15 +18,15 @@ key         int64 ``sid << 32 | (order-preserving int32 of the projection) + 2^3
             torch.sort of [BH, S] keys sorts every segment of a level in place.
 
 Two paths per active segment, chosen by its size:
-* big (rows * D > 32768): work items of up to CHUNK = 2048 rows. ``_moment`` gathers the rows once and
+* big (rows * D > 16384): work items of up to CHUNK = 2048 rows. ``_moment`` gathers the rows once and
   accumulates the sum and the second moment of ``x - shift`` (shift = the parent segment's mean, so
-  centring cancels little; tf32x3 MMAs). When every segment of the level is one work item it also
+  centring cancels little; three bf16 MMAs on a hi/lo split, ~2^-17 relative). When every segment of the level is one work item it also
   centres, power-iterates (n_iters mat-vecs on the D x D covariance in registers) and writes the mean
   and direction; otherwise it adds into buffers and ``_power`` finishes. ``_proj_key`` projects (second
   gather) and writes the sort key; one torch.sort of the keys and a gather of sigma end the level. The
   covariance form (X^T X) v equals the reference's X^T (X v) up to rounding and reads X twice per level
   instead of 2 * n_iters + 1 times.
-* small (rows * D <= 32768, e.g. 2 and 4 groups at C = 64, D = 128): ``_small_seg`` holds the centred
+* small (rows * D <= 16384, e.g. 2 groups at C = 64, D = 128): ``_small_seg`` holds the centred
   segment in registers, runs the reference's X-form power iteration, and ranks
   ``proj_bits << 32 | local index`` by counting (a stable sort), scattering each token to its rank.
 
@@ -43,11 +43,11 @@ import triton
 import triton.language as tl
 
 from ..reference.pddp import start_vector
-from .sparse_attn import interpret_bound
+from .sparse_attn import dot_upcast, interpret_bound
 
 CHUNK = 2048
 BLOCK_R = 64
-SMALL_ELEMS = 32768  # rows * D held in registers by _small_seg (16 warps: 64 fp32 per thread)
+SMALL_ELEMS = 16384  # rows * D held in registers by _small_seg (8 warps: 64 fp32 per thread)
 
 
 @triton.jit
@@ -72,9 +72,9 @@ def _power(cov, v, N_ITERS: tl.constexpr):
 def _moment_kernel(X, SIGMA, SHIFT, CNT, SUM, MOM, MEAN, VDIR, V0, W_SLOT, W_R0, W_R1,
                    sxb, sxh, sxs, H, S, n_slots, NB,
                    D: tl.constexpr, BLOCK_R: tl.constexpr, NB_I: tl.constexpr, FUSED: tl.constexpr,
-                   N_ITERS: tl.constexpr):
+                   N_ITERS: tl.constexpr, UPCAST: tl.constexpr):
     """Shifted moments of one work item's rows: s = sum(x - shift), M = sum (x - shift)(x - shift)^T
-    (tf32x3 MMAs, ~fp32 accuracy). shift = the parent segment's mean, so the centring M - s s^T / n
+    (bf16 hi/lo MMAs, ~2^-17 relative). shift = the parent segment's mean, so the centring M - s s^T / n
     cancels little. FUSED (every segment of the level is one work item): centre, power-iterate and write
     the segment's mean and direction here; else add into SUM / MOM for _power_kernel."""
     w = tl.program_id(0)
@@ -93,7 +93,18 @@ def _moment_kernel(X, SIGMA, SHIFT, CNT, SUM, MOM, MEAN, VDIR, V0, W_SLOT, W_R0,
         x = _load_rows(X, SIGMA, bh, H, S, pos, pm, sxb, sxh, sxs, d)
         xs = tl.where(pm[:, None], x - shift[None, :], 0.0)
         acc_s += tl.sum(xs, 0)
-        acc_m = tl.dot(tl.trans(xs), xs, acc_m, input_precision="tf32x3")
+        # NOTE x^T x as three bf16 MMAs on a hi/lo split (~2^-17 relative): the tf32x3 form took 1.6 ms
+        # per level at S = 32760 (fp32 operands cannot be fed transposed to wgmma; bf16 ones can), the
+        # proj pass over the same rows 0.15 ms (second H200 run, docs/sparse_notes.md)
+        hi = xs.to(tl.bfloat16)
+        lo = (xs - hi.to(tl.float32)).to(tl.bfloat16)
+        if UPCAST:  # interpreter: see sparse_attn.dot_upcast
+            hi = hi.to(tl.float32)
+            lo = lo.to(tl.float32)
+        hit = tl.trans(hi)
+        acc_m = tl.dot(hit, hi, acc_m)
+        acc_m = tl.dot(hit, lo, acc_m)
+        acc_m = tl.dot(tl.trans(lo), hi, acc_m)
     if FUSED:
         n = tl.load(CNT + slot)
         m = acc_s / n
@@ -272,7 +283,7 @@ def pddp_perm(q: torch.Tensor, group_size: int, n_iters: int = 8) -> torch.Tenso
             _moment_kernel[(lv.n_work, BH)](x, sigma, shift, lv.cnt, sums, mom, mean, vdir, v0,
                                             lv.w_slot, lv.w_r0, lv.w_r1, *strides, H, S, n, lv.nb,
                                             D=D, BLOCK_R=BLOCK_R, NB_I=interpret_bound(lv.nb), FUSED=lv.fused,
-                                            N_ITERS=int(n_iters), num_warps=8)
+                                            N_ITERS=int(n_iters), UPCAST=dot_upcast(torch.bfloat16), num_warps=8)
             if not lv.fused:
                 _power_kernel[(n, BH)](shift, lv.cnt, sums, mom, mean, vdir, v0, n, D=D,
                                        N_ITERS=int(n_iters), num_warps=8)
