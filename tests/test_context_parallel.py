@@ -136,16 +136,18 @@ def _site_summary():
 
 
 def _meta_summary():
-    """Every metadata entry this rank holds: key shape parts and what is inside."""
+    """Every metadata entry this rank holds: the parts of its key and what is inside."""
     from vc_compile.runtime import state
 
     out = []
     with state._LOCK:
-        items = sorted(state._STORE.items(), key=lambda kv: (kv[0][0], kv[0][2]))
+        items = sorted(((k, m) for k, m in state._STORE.items() if m is not None),
+                       key=lambda kv: (kv[0][0], kv[0][2]))
     for key, meta in items:
-        site, ident, branch, qshape, kshape, device = key
-        d = {"site": site, "ident": ident != 0, "branch": branch, "qshape": list(qshape), "device": device,
-             "type": type(meta).__name__}
+        site, ident, branch = key[:3]  # (site, block identity, branch, q shape, k shape, device)
+        shapes = [x for x in key[3:] if isinstance(x, tuple)]
+        d = {"site": site, "ident": ident != 0, "branch": branch, "qshape": list(shapes[0]) if shapes else None,
+             "device": next((x for x in key[3:] if isinstance(x, str)), "?"), "type": type(meta).__name__}
         if hasattr(meta, "perm"):
             d["perm_shape"] = list(meta.perm.shape)
         if hasattr(meta, "sigma"):

@@ -42,11 +42,10 @@ from torch._dynamo.utils import counters
 
 from ..runtime import report as _report
 
-RING_REASON = ("ring context parallel: KV chunks merged by log-sum-exp, and vcattn::attention returns no "
-               "LSE (V-Smooth would need the K-smoothing correction, MC-Sparse reuse has none)")
+# short: they are report() reasons and counter keys (docs/context_parallel.md has the long story)
+RING_REASON = "ring context parallel: LSE-merged KV chunks, vcattn::attention returns no LSE"
 RING_COUNTER = "fallback:ring context parallel"
-DTENSOR_REASON = ("context parallel: DTensor inputs (torch context_parallel dispatches SDPA on sequence-"
-                  "sharded DTensors to a ring at the aten level; rewriting would bypass it)")
+DTENSOR_REASON = "context parallel: DTensor inputs (torch context_parallel ring)"
 META_KEY = "vcattn_cp_detect"
 
 # attention kernels that return the log-sum-exp (the building block of ring attention)
