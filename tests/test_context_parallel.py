@@ -19,9 +19,11 @@ Tolerances:
 * mcsparse at density 1.0: keeps every key, so anchor (dense + residual) and reuse (sparse + residual)
   steps reproduce the Ulysses dense run to rounding.
 
-Step detection is exercised in all three forms, one per method: call counting (dense), explicit
-``vc_compile.sampling``/``step`` (vsmooth) and a diffusers-style pipeline frame (mcsparse); both ranks
-must see the same phases. A test-only ring attention (KV chunks all-gathered, partial outputs merged by
+Step detection is exercised in every form: the timestep input or call counting (dense), explicit
+``vc_compile.sampling``/``step`` (vsmooth), a diffusers-style pipeline frame (mcsparse), and per-token
+timesteps that Wan's ``_cp_plan`` splits across ranks so that rank 0 holds only t = 0 tokens
+(vsmooth_t2d); both ranks must see the same phases, and each case must stay one graph for all steps.
+Runtime: ~60-80 s on 2 shared cores (two interpreters importing torch + diffusers, 8 small compiles). A test-only ring attention (KV chunks all-gathered, partial outputs merged by
 LSE, the pattern of diffusers' ``TemplatedRingAttention``, which cannot run on CPU) checks that ring
 stays stock with its reason in ``vc_compile.report()``.
 """
@@ -404,7 +406,8 @@ def _launch(tmp_path):
         pytest.fail(f"context-parallel workers did not finish within {WORKER_TIMEOUT_S}s")
     results = []
     for r, (p, path) in enumerate(zip(procs, paths)):
-        assert os.path.exists(path), f"rank {r} wrote no result (rc={p.returncode}):\n{logs[r][-4000:]}"
+        if not os.path.exists(path):
+            return None, logs
         with open(path) as f:
             results.append(json.load(f))
     return results, logs
@@ -413,7 +416,11 @@ def _launch(tmp_path):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     pytest.importorskip("diffusers")
-    results, logs = _launch(tmp_path_factory.mktemp("cp"))
+    for attempt in range(2):  # the free port can be taken between probing and binding: retry once
+        results, logs = _launch(tmp_path_factory.mktemp("cp"))
+        if results is not None or "address already in use" not in "".join(logs).lower():
+            break
+    assert results is not None, "a worker wrote no result:\n" + "\n-----\n".join(l[-3000:] for l in logs)
     for r, res in enumerate(results):
         assert res.get("ok"), f"rank {r} failed:\n{res.get('error', '')}\n{logs[r][-3000:]}"
     return results
