@@ -3,8 +3,8 @@
 Inputs are permuted views of [B, S, H, D] tensors (the model's layout), structured (channel-biased K,
 clustered V with token outliers), with S not a multiple of the 128/64-token blocks.
 
-Exactness: without Hadamard the arithmetic is the reference's (IEEE divisions, same rounding), so Q
-codes must match exactly; K and V codes depend on a mean summed in another order, so a code may move
+Exactness: without Hadamard the arithmetic is the (CPU) reference's (IEEE divisions, same rounding), so
+Q codes must match exactly; K and V codes depend on a mean summed in another order, so a code may move
 by one step where a value sits on a rounding boundary (allowed on <= 0.5% of the codes). With Hadamard
 the kernel computes ``(x @ Hpm) / sqrt(D) - kbar @ Hd`` instead of ``(x - kbar) @ Hd``: same tolerance.
 Under the interpreter the FP8 cast is done on values rounded in software first, so FP8 codes are
@@ -18,6 +18,11 @@ from vc_compile.reference import preprocess as ref
 from vc_compile.templates import preprocess as tpl
 
 FP8 = torch.float8_e4m3fn
+# Code-for-code only against the CPU reference: on CUDA, torch divides by a Python scalar as a multiply
+# by its reciprocal (``amax / 127`` in safe_scale), an ulp away from the kernel's IEEE division, so
+# the GPU reference's scales differ by an ulp and codes on a rounding boundary by one step (measured on
+# the H200: 7.7e-5 of the INT8 Q codes, 1.2e-3 of the FP8 ones).
+EXACT = KERNEL_DEVICE == "cpu"
 
 
 def make_qkv(B, H, S, D, dtype, device=KERNEL_DEVICE, seed=0):
@@ -76,9 +81,9 @@ def test_qk_matches_reference(S, D, dtype, fmt, hadamard):
     assert a.q8.dtype == b.q8.dtype and a.q8.shape == b.q8.shape and a.k8.shape == b.k8.shape
     assert a.q_scale.shape == b.q_scale.shape and a.k_scale.shape == b.k_scale.shape
     assert a.sm_scale == b.sm_scale
-    assert_codes(a.q8, b.q8, exact=not hadamard, what="q8")
+    assert_codes(a.q8, b.q8, exact=EXACT and not hadamard, what="q8")
     assert_codes(a.k8, b.k8, exact=False, what="k8")
-    torch.testing.assert_close(a.q_scale, b.q_scale, rtol=0 if not hadamard else 2e-6, atol=0)
+    torch.testing.assert_close(a.q_scale, b.q_scale, rtol=0 if EXACT and not hadamard else 2e-6, atol=0)
     torch.testing.assert_close(a.k_scale, b.k_scale, rtol=2e-6, atol=0)
     torch.testing.assert_close(a.k_mean, b.k_mean, rtol=1e-5, atol=1e-5)
 
@@ -94,7 +99,7 @@ def test_v_matches_reference(S, D, dtype, smooth):
     b = ref.preprocess_v(v, perm, smooth=smooth)
     assert a.S == b.S == S
     assert a.v8t.shape == b.v8t.shape and a.v8t.dtype == FP8
-    assert_codes(a.v8t, b.v8t, exact=not smooth, what="v8t")
+    assert_codes(a.v8t, b.v8t, exact=EXACT and not smooth, what="v8t")
     assert int(a.v8t[..., S:].view(torch.uint8).abs().sum()) == 0, "padding must be zero codes"
     torch.testing.assert_close(a.v_scale, b.v_scale, rtol=1e-6, atol=0)
     torch.testing.assert_close(a.v_mean, b.v_mean, rtol=1e-5, atol=1e-6)
@@ -132,12 +137,12 @@ def test_gpu_large(D, hadamard):
     for fmt in ("int8", "fp8"):
         a = tpl.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=hadamard, qk_format=fmt)
         b = ref.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=hadamard, qk_format=fmt)
-        assert_codes(a.q8, b.q8, exact=not hadamard, what=f"q8 {fmt}")
+        assert_codes(a.q8, b.q8, exact=False, what=f"q8 {fmt}")
         assert_codes(a.k8, b.k8, exact=False, what=f"k8 {fmt}")
         torch.testing.assert_close(a.k_scale, b.k_scale, rtol=2e-6, atol=0)
     for smooth in (True, False):
         a = tpl.preprocess_v(v, perm, smooth=smooth)
         b = ref.preprocess_v(v, perm, smooth=smooth)
-        assert_codes(a.v8t, b.v8t, exact=not smooth, what="v8t")
+        assert_codes(a.v8t, b.v8t, exact=False, what="v8t")
         torch.testing.assert_close(a.v_scale, b.v_scale, rtol=1e-6, atol=0)
         torch.testing.assert_close(a.v_mean, b.v_mean, rtol=1e-5, atol=1e-5)

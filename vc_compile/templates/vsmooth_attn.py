@@ -34,9 +34,10 @@ the full key blocks (TMA loads of K [BN, D] and of V^T [D, BN], pipelined by ``n
 masked block for the key tail (padded keys get s = -inf, so P~ = 0). Q rows past S read the next head's
 rows (finite) and are never stored.
 
-Switches (constexpr; one kernel): QK_FP8 (E4M3 QK instead of INT8), EXPCAST, HAS_MEAN (False for
-``smooth=False`` V: no mean term, the "naive 8-bit" kernel), ROWSUM_MMA (r_ij as ``P~ @ ones[BN, 16]``
-on the tensor cores instead of converting P~ back to fp32 on the ALUs), RETURN_LSE, INTERPRET (fp32
+Switches (constexpr; one kernel): QK_FP8 (E4M3 QK instead of INT8), EXPCAST, MEAN (0 for
+``smooth=False`` V: no mean term, the "naive 8-bit" kernel; 1/2 see DEFAULT_MEAN_MODE), ROWSUM (how r_ij is formed: decoding P~
+on the ALUs, or ``P~ @ ones[BN, 16]`` on the tensor cores; see DEFAULT_ROWSUM), RETURN_LSE,
+INTERPRET (fp32
 -> e4m3 rounding done in software: the Triton 3.6 interpreter's cast mis-rounds).
 
 Cost: 4 B H S Sk D FLOPs (half INT8, half FP8 MMA); bytes ~ B H (S D (1 + out bytes) + n_q_tiles Sk 2D)
@@ -56,14 +57,20 @@ from vc_compile.templates.preprocess import interpret, loop_bound, round_e4m3
 
 # (BM, BN, num_warps, num_stages) per head dim. NOTE: tuned on the H200, see docs/kernels_notes.md.
 DEFAULT_CONFIGS: Dict[int, Tuple[int, int, int, int]] = {128: (64, 128, 4, 3), 64: (64, 128, 4, 3)}
-DEFAULT_ROWSUM_MMA = False
+# Row sum of P~ per block (ROWSUM constexpr): 0 = decode to fp32 + sum, 1 = P~ @ ones on the tensor
+# cores, 2 = decode to fp16 + fp16 sum, 3 = decode via fp16 to fp32 + sum, 4 = fp32 p (not decoded).
+DEFAULT_ROWSUM = 0
 # ExpCast rounding: 1 = one FMA with an integer row offset (row reference m' in [m, m + 1/8)),
 # 2 = the reference's rounding (fractional offset, + one FADD per element; the row max is exact).
 DEFAULT_EXPCAST_MODE = 2
 EXPCAST_MODE_OVERRIDE: Optional[int] = None
+# Mean compensation (MEAN constexpr): 1 = acc += r mu' per block (one FFMA per accumulator element),
+# 2 = r mu' as a bf16 hi/lo MMA [BM, 16] x [16, D] into the block's fresh accumulator. 0 = no mean.
+DEFAULT_MEAN_MODE = 1
+MEAN_MODE_OVERRIDE: Optional[int] = None
 # Benchmarks may set these to sweep configurations; None = defaults.
 CONFIG_OVERRIDE: Optional[Tuple[int, int, int, int]] = None
-ROWSUM_MMA_OVERRIDE: Optional[bool] = None
+ROWSUM_OVERRIDE: Optional[int] = None
 
 MAGIC_I2F = 0x4B400000  # bits of 1.5 * 2^23
 MAGIC_F = 12582912.0  # 1.5 * 2^23
@@ -79,10 +86,10 @@ def round_bf16(x):
 
 
 @triton.jit
-def _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS, VM, ivs, kv_row, vt_row, start_n, Sk,
+def _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS, VM, ivs, ones, kv_row, vt_row, start_n, Sk,
                BN: tl.constexpr, D: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
                MASK: tl.constexpr, QK_FP8: tl.constexpr, EXPCAST: tl.constexpr,
-               HAS_MEAN: tl.constexpr, ROWSUM_MMA: tl.constexpr, INTERPRET: tl.constexpr):
+               MEAN: tl.constexpr, ROWSUM: tl.constexpr, INTERPRET: tl.constexpr):
     offs_n = start_n + tl.arange(0, BN)
     k = desc_k.load([kv_row + start_n, 0])
     if MASK:
@@ -117,28 +124,46 @@ def _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS, VM, ivs, kv_row, vt_row
         if INTERPRET:
             p = round_e4m3(p)
         p8 = p.to(tl.float8e4nv)
-    if ROWSUM_MMA:
-        ones = tl.full([BN, 16], 1.0, tl.float32).to(tl.float8e4nv)
+    if ROWSUM == 1:  # on the tensor cores: P~ @ ones[BN, 16] (ones loaded once, before the loop)
         r = tl.max(tl.dot(p8, ones), 1)
-    else:
+    elif ROWSUM == 2:  # decoded to fp16 (exact), summed in fp16 (2^-11 relative), then fp32
+        r = tl.sum(p8.to(tl.float16), 1).to(tl.float32)
+    elif ROWSUM == 3:  # decoded to fp16 then fp32 (exact), summed in fp32
+        r = tl.sum(p8.to(tl.float16).to(tl.float32), 1)
+    elif ROWSUM == 4:  # NOT the contract: the fp32 p before the cast (exp2 only; a cost measurement)
+        r = tl.sum(p, 1)
+    else:  # decoded to fp32 (exact), summed in fp32
         r = tl.sum(p8.to(tl.float32), 1)
     l_i = l_i * alpha + r
     v = desc_v.load([vt_row, start_n])  # [D, BN] K-major
     pv = tl.dot(p8, v.T)  # fresh accumulator: the FP8 MMA's own accumulation stays within one block
+    if MEAN == 2:
+        # r_ij mu'_j on the tensor cores, in the same fresh accumulator: [r_hi r_hi r_lo 0..] (bf16,
+        # [BM, 16]) @ [mu_hi; mu_lo; mu_hi; 0..] (bf16, [16, D]) = r mu' to ~2^-16 (fp32 accumulate)
+        c16 = tl.arange(0, 16)
+        r_hi = r.to(tl.bfloat16).to(tl.float32)
+        a_mu = tl.where(c16[None, :] == 2, (r - r_hi)[:, None], tl.where(c16[None, :] < 2, r_hi[:, None],
+                                                                         0.0))
+        b_mu = tl.load(VM + ((start_n // BV) * 3 + c16[:, None]) * D + tl.arange(0, D)[None, :],
+                       mask=c16[:, None] < 3, other=0.0)
+        if INTERPRET:  # NOTE the 3.6 interpreter's tl.dot mis-multiplies bf16
+            pv = tl.dot(a_mu.to(tl.bfloat16).to(tl.float32), b_mu.to(tl.float32), pv)
+        else:
+            pv = tl.dot(a_mu.to(tl.bfloat16), b_mu, pv)
     acc = acc * alpha[:, None] + pv
-    if HAS_MEAN:
+    if MEAN == 1:
         mu = tl.load(VM + (start_n // BV) * D + tl.arange(0, D)) * ivs
         acc += r[:, None] * mu[None, :]
     return acc, l_i, m_new
 
 
 @triton.jit
-def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, OUT, LSE,
+def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, ONES, OUT, LSE,
                          S, Sk, n_full, N_FULL_C: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, BQS: tl.constexpr,
                          BKS: tl.constexpr, BV: tl.constexpr, HAS_TAIL: tl.constexpr,
-                         QK_FP8: tl.constexpr, EXPCAST: tl.constexpr, HAS_MEAN: tl.constexpr,
-                         ROWSUM_MMA: tl.constexpr, RETURN_LSE: tl.constexpr,
+                         QK_FP8: tl.constexpr, EXPCAST: tl.constexpr, MEAN: tl.constexpr,
+                         ROWSUM: tl.constexpr, RETURN_LSE: tl.constexpr,
                          INTERPRET: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -149,7 +174,7 @@ def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, OUT, LSE,
     vs = tl.load(VS + bh * D + d)
     ivs = 1.0 / vs
     KS_bh = KS + bh * tl.cdiv(Sk, BKS)
-    VM_bh = VM + bh.to(tl.int64) * tl.cdiv(Sk, BV) * D
+    VM_bh = VM + bh.to(tl.int64) * tl.cdiv(Sk, BV) * (3 if MEAN == 2 else 1) * D
     kv_row = bh * Sk
     vt_row = bh * D
     if EXPCAST == 1:
@@ -158,14 +183,19 @@ def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, OUT, LSE,
         m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
+    if ROWSUM == 1:
+        o16 = tl.arange(0, 16)
+        ones = tl.load(ONES + tl.arange(0, BN)[:, None] * 16 + o16[None, :])  # [BN, 16] e4m3 ones
+    else:
+        ones = 0
     for j in tl.range(0, N_FULL_C if N_FULL_C >= 0 else n_full):
-        acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS_bh, VM_bh, ivs, kv_row,
-                                   vt_row, j * BN, Sk, BN, D, BKS, BV, False, QK_FP8, EXPCAST,
-                                   HAS_MEAN, ROWSUM_MMA, INTERPRET)
+        acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS_bh, VM_bh, ivs, ones,
+                                   kv_row, vt_row, j * BN, Sk, BN, D, BKS, BV, False, QK_FP8, EXPCAST,
+                                   MEAN, ROWSUM, INTERPRET)
     if HAS_TAIL:
-        acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS_bh, VM_bh, ivs, kv_row,
-                                   vt_row, n_full * BN, Sk, BN, D, BKS, BV, True, QK_FP8, EXPCAST,
-                                   HAS_MEAN, ROWSUM_MMA, INTERPRET)
+        acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS_bh, VM_bh, ivs, ones,
+                                   kv_row, vt_row, n_full * BN, Sk, BN, D, BKS, BV, True, QK_FP8,
+                                   EXPCAST, MEAN, ROWSUM, INTERPRET)
     o = acc * (vs[None, :] / l_i[:, None])
     if INTERPRET:
         if OUT.dtype.element_ty == tl.bfloat16:
@@ -182,13 +212,27 @@ def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, OUT, LSE,
         tl.store(LSE + bh.to(tl.int64) * S + rows, m_ref + tl.math.log2(l_i) - 8.0, mask=rmask)
 
 
+_ONES: Dict[Tuple[int, str], torch.Tensor] = {}
+
+
+def _ones(BN: int, device) -> torch.Tensor:
+    key = (BN, str(device))
+    if key not in _ONES:
+        _ONES[key] = torch.ones(BN, 16, device=device).to(torch.float8_e4m3fn)
+    return _ONES[key]
+
+
+def _mean_mode() -> int:
+    return MEAN_MODE_OVERRIDE if MEAN_MODE_OVERRIDE is not None else DEFAULT_MEAN_MODE
+
+
 def _expcast_mode() -> int:
     return EXPCAST_MODE_OVERRIDE if EXPCAST_MODE_OVERRIDE is not None else DEFAULT_EXPCAST_MODE
 
 
 def _config(D: int):
     cfg = CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else DEFAULT_CONFIGS[D]
-    rs = ROWSUM_MMA_OVERRIDE if ROWSUM_MMA_OVERRIDE is not None else DEFAULT_ROWSUM_MMA
+    rs = ROWSUM_OVERRIDE if ROWSUM_OVERRIDE is not None else DEFAULT_ROWSUM
     return cfg, rs
 
 
@@ -206,7 +250,9 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
     qk_fp8 = q8.dtype == torch.float8_e4m3fn
     if q8.dtype not in (torch.int8, torch.float8_e4m3fn) or k8.dtype != q8.dtype:
         raise ValueError(f"q8/k8 must both be int8 or float8_e4m3fn, got {q8.dtype}, {k8.dtype}")
-    (BM, BN, nw, ns), rowsum_mma = _config(D)
+    (BM, BN, nw, ns), rowsum = _config(D)
+    if rowsum == 4 and expcast:
+        rowsum = 0
     q8 = q8.contiguous()
     k8 = k8.contiguous()
     v8t = vq.v8t.contiguous()
@@ -216,12 +262,19 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
     desc_v = TensorDescriptor.from_tensor(v8t.view(B * H * D, S_pad), [D, BN])
     out = torch.empty(B, H, S, D, device=q8.device, dtype=out_dtype)
     lse = torch.empty(B, H, S, device=q8.device, dtype=torch.float32) if return_lse else out
-    has_mean = not getattr(vq.v_mean, "_vc_zero_mean", False)
+    mean = 0 if getattr(vq.v_mean, "_vc_zero_mean", False) else _mean_mode()
+    if mean == 2:  # [B, H, nb, 3, D] bf16: mu' = mu / v_scale split as (hi, lo, hi)
+        mu = vq.v_mean / vq.v_scale.unsqueeze(2)
+        hi = mu.to(torch.bfloat16)
+        v_mean = torch.stack([hi, (mu - hi.float()).to(torch.bfloat16), hi], dim=3)
+    else:
+        v_mean = vq.v_mean.contiguous()
     n_full = Sk // BN
     _vsmooth_attn_kernel[(triton.cdiv(S, BM), B * H)](
-        desc_q, desc_k, desc_v, q_scale.contiguous(), k_scale.contiguous(), vq.v_mean.contiguous(),
-        vq.v_scale.contiguous(), out, lse, S, Sk, n_full, loop_bound(n_full),
+        desc_q, desc_k, desc_v, q_scale.contiguous(), k_scale.contiguous(), v_mean,
+        vq.v_scale.contiguous(), _ones(BN, q8.device) if rowsum == 1 else out, out, lse, S, Sk, n_full,
+        loop_bound(n_full),
         BM=BM, BN=BN, D=D, BQS=BLOCK_Q, BKS=BLOCK_K, BV=BLOCK_V, HAS_TAIL=Sk % BN != 0,
-        QK_FP8=qk_fp8, EXPCAST=_expcast_mode() if expcast else 0, HAS_MEAN=has_mean, ROWSUM_MMA=rowsum_mma,
+        QK_FP8=qk_fp8, EXPCAST=_expcast_mode() if expcast else 0, MEAN=mean, ROWSUM=rowsum,
         RETURN_LSE=bool(return_lse), INTERPRET=interpret(), num_warps=nw, num_stages=ns)
     return (out, lse) if return_lse else out
