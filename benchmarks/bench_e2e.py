@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from vc_compile.demo.metrics import compare  # noqa: E402
 from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt  # noqa: E402
-from vc_compile.demo.runner import METHODS, run_config  # noqa: E402
+from vc_compile.demo.runner import METHODS, compile_full, compile_regional, run_config  # noqa: E402
 from vc_compile.demo.sampler import print_progress, sample  # noqa: E402
 
 SIZES = {"32k": (21, 60, 104), "75k": (21, 90, 160), "16k": (16, 64, 64), "4k": (16, 32, 32),
@@ -120,12 +120,15 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=6, help="steps of the untimed warm-up generation")
     ap.add_argument("--no-floor", action="store_true", help="skip the fp32 and seed-to-seed runs")
     ap.add_argument("--compiler", choices=("inductor", "eager"), default="inductor")
+    ap.add_argument("--regional", action="store_true",
+                    help="compile_repeated_blocks instead of the whole transformer (faster compiles)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" / "bench_e2e.csv"))
     a = ap.parse_args(argv)
     sizes = (a.sizes or ("32k" if a.quick else "32k,75k")).split(",")
     steps = a.steps or (20 if a.quick else 50)
     known = dict(METHODS)
+    cfn = compile_regional if a.regional else compile_full
     labels = ["dense"] + [m for m in a.methods.split(",") if m and m != "dense"]
     device, dtype = torch.device(a.device), torch.bfloat16
     if device.type != "cuda":
@@ -148,7 +151,7 @@ def main(argv=None):
         with prefer_cudnn():
             for label in labels:
                 opts = {**known[label], "compiler": a.compiler}
-                r = run_config(tr, cond, uncond, label, opts, dtype=dtype, warmup=a.warmup,
+                r = run_config(tr, cond, uncond, label, opts, dtype=dtype, warmup=a.warmup, compile_fn=cfn,
                                progress=print_progress(f"{size} {label}", every=max(1, steps // 5)), **kw)
                 results[label] = r
                 print(f"  {label}: e2e {r.e2e_ms:.0f} ms, attention {r.attn_ms or 0:.0f} ms, "
@@ -162,7 +165,7 @@ def main(argv=None):
                 clip32, ms32 = fp32_reference(a.weights, tokens, device, **kw)
                 floors["floor:bf16-vs-fp32"] = (compare(results["dense"].clip, clip32), ms32)
                 r2 = run_config(tr, cond, uncond, "dense", {**known["dense"], "compiler": a.compiler},
-                                dtype=dtype, warmup=1, **{**kw, "seed": a.seed + 1})
+                                dtype=dtype, warmup=1, compile_fn=cfn, **{**kw, "seed": a.seed + 1})
                 floors["floor:seed-to-seed"] = (compare(r2.clip, results["dense"].clip), r2.e2e_ms)
         base = results["dense"]
         for label, r in results.items():

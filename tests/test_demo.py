@@ -197,6 +197,20 @@ def test_capture_sees_every_attention(demo):
     assert sum(c[1] == "cross" for c in calls) == cfg.num_layers
     assert torch.nn.functional.scaled_dot_product_attention.__name__ == "scaled_dot_product_attention"
 
+def test_capture_run_picks_layers_steps_branches(demo, tmp_path):
+    from vc_compile.demo.capture import capture_run
+
+    tr, te, cfg, _ = demo
+    cond = encode(te, parse_prompt("red circle up"), torch.bfloat16)
+    uncond = encode(te, parse_prompt(""), torch.bfloat16)
+    kept = capture_run(tr, cond, uncond, frames=1, height=16, width=16, num_steps=2, layers={1}, steps={1},
+                       branches=("cond", "uncond"), out=tmp_path)
+    assert [(r["layer"], r["step"], r["branch"]) for r in kept] == [(1, 1, "cond"), (1, 1, "uncond")]
+    assert kept[0]["q"].shape == (1, cfg.num_attention_heads, 64, cfg.attention_head_dim)
+    assert kept[0]["q"].is_contiguous() and not torch.equal(kept[0]["v"], kept[1]["v"])
+    saved = torch.load(tmp_path / "qkv_L1_s1_cond.pt")
+    assert torch.equal(saved["k"], kept[0]["k"]) and (tmp_path / "index.json").is_file()
+
 # ------------------------------------------------------------------------------ through backend=vcattn
 
 

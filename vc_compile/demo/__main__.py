@@ -48,6 +48,9 @@ def parse_args(argv=None):
                     help="comma-separated subset of: " + ", ".join(m for m, _ in METHODS))
     ap.add_argument("--compiler", choices=("inductor", "eager"), default=None,
                     help="what compiles the rewritten graph (default: inductor on CUDA, eager on CPU)")
+    ap.add_argument("--regional", action="store_true",
+                    help="compile only the repeated Wan blocks (transformer.compile_repeated_blocks): one block "
+                         "graph, much faster to compile; default: torch.compile of the whole transformer")
     ap.add_argument("--warmup", type=int, default=None,
                     help="steps of the untimed warm-up generation (default: 6 on CUDA, 1 on CPU)")
     a = ap.parse_args(argv)
@@ -94,7 +97,7 @@ def main(argv=None):
     from .media import write_gif, write_grid
     from .metrics import compare
     from .model import encode, load_demo, parse_prompt
-    from .runner import METHODS, run_config, vc_api
+    from .runner import METHODS, compile_full, compile_regional, run_config, vc_api
 
     vc_api()  # fail early, with a clear message, when the backend is missing
     device, dtype = torch.device(a.device), torch.bfloat16
@@ -106,7 +109,8 @@ def main(argv=None):
         print("[vc_demo] *** REDUCED CPU RUN: no CUDA, so a small clip, few steps and the plain-PyTorch reference "
               "kernels. Times here say nothing about GPU speed; fidelity numbers are real. ***")
     print(f"[vc_demo] clip {a.frames} x {a.height} x {a.width} px = {tokens} tokens, {a.steps} steps, "
-          f"CFG {a.guidance} (2 calls/step), seed {a.seed}, device {device}, compiler {a.compiler}")
+          f"CFG {a.guidance} (2 calls/step), seed {a.seed}, device {device}, compiler {a.compiler}"
+          f"{', regional compile' if a.regional else ''}")
     print(f"[vc_demo] prompt: {a.prompt}")
     cond = encode(text_encoder, parse_prompt(a.prompt, cfg.max_sprites), dtype)
     uncond = encode(text_encoder, parse_prompt("", cfg.max_sprites), dtype)
@@ -119,7 +123,8 @@ def main(argv=None):
         print(f"[vc_demo] {label}: compiling and warming up ({a.warmup} steps) ...", flush=True)
         res = run_config(transformer, cond, uncond, label, {**known[label], **extra}, frames=a.frames,
                          height=a.height, width=a.width, steps=a.steps, seed=a.seed, guidance=a.guidance,
-                         shift=a.shift, dtype=dtype, warmup=a.warmup, progress=_progress(label))
+                         shift=a.shift, dtype=dtype, warmup=a.warmup, progress=_progress(label),
+                         compile_fn=compile_regional if a.regional else compile_full)
         print(f"  {label}: {res.summary}")
         results.append(res)
 

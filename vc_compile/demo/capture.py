@@ -104,9 +104,10 @@ def capture_run(transformer, cond, uncond, *, frames, height, width, num_steps, 
     def cb(info, q, k, v):
         branch = names[min(info["forward"] - cur["forward0"], 1)]
         if info["kind"] == "self" and info["layer"] in layers and cur["step"] in steps and branch in branches:
+            # contiguous copies: the SDPA inputs are permuted views of larger projection buffers
             kept.append({"layer": info["layer"], "step": cur["step"], "branch": branch,
-                         "q": q.detach().to("cpu", torch.bfloat16), "k": k.detach().to("cpu", torch.bfloat16),
-                         "v": v.detach().to("cpu", torch.bfloat16)})
+                         **{n: x.detach().to("cpu", torch.bfloat16).contiguous().clone()
+                            for n, x in (("q", q), ("k", k), ("v", v))}})
 
     with capture_sdpa(transformer, cb) as state:
         sample(transformer, cond, uncond=uncond, guidance=guidance, frames=frames, height=height, width=width,
