@@ -60,7 +60,7 @@ def params_to(p: dict, device) -> dict:
     """Move a parameter dict to ``device``. On CUDA: one pinned, non-blocking copy, because a copy
     from pageable memory synchronises the stream (the training loop would stall every iteration)."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or any(v.device.type != "cpu" for v in p.values()):
         return {k: v.to(device) for k, v in p.items()}
     keys = sorted(p)
     flat = torch.cat([p[k].reshape(-1).to(torch.float32) for k in keys]).pin_memory()
