@@ -34,10 +34,10 @@ the full key blocks (TMA loads of K [BN, D] and of V^T [D, BN], pipelined by ``n
 masked block for the key tail (padded keys get s = -inf, so P~ = 0). Q rows past S read the next head's
 rows (finite) and are never stored.
 
-Switches (constexpr; one kernel): QK_FP8 (E4M3 QK instead of INT8), EXPCAST, MEAN (0 for
-``smooth=False`` V: no mean term, the "naive 8-bit" kernel; 1/2 see DEFAULT_MEAN_MODE), ROWSUM (how r_ij is formed: decoding P~
-on the ALUs, or ``P~ @ ones[BN, 16]`` on the tensor cores; see DEFAULT_ROWSUM), RETURN_LSE,
-INTERPRET (fp32
+Switches (constexpr; one kernel): QK_FP8 (E4M3 QK instead of INT8), EXPCAST (0 = exp2 + cast, 1/2 see
+DEFAULT_EXPCAST_MODE), MEAN (0 for ``smooth=False`` V: no mean term, the "naive 8-bit" kernel; 1/2 see
+DEFAULT_VARIANTS), ROWSUM (how r_ij is formed: decoding P~ on the ALUs, or ``P~ @ ones[BN, 16]`` on the
+tensor cores; see DEFAULT_VARIANTS), RETURN_LSE, INTERPRET (fp32
 -> e4m3 rounding done in software: the Triton 3.6 interpreter's cast mis-rounds).
 
 Cost: 4 B H S Sk D FLOPs (half INT8, half FP8 MMA); bytes ~ B H (S D (1 + out bytes) + n_q_tiles Sk 2D)
@@ -55,20 +55,24 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, QKQuant, VQuant
 from vc_compile.templates.preprocess import interpret, loop_bound, round_e4m3
 
-# (BM, BN, num_warps, num_stages) per head dim. NOTE: tuned on the H200, see docs/kernels_notes.md.
-DEFAULT_CONFIGS: Dict[int, Tuple[int, int, int, int]] = {128: (64, 128, 4, 3), 64: (64, 128, 4, 3)}
-# Row sum of P~ per block (ROWSUM constexpr): 0 = decode to fp32 + sum, 1 = P~ @ ones on the tensor
-# cores, 2 = decode to fp16 + fp16 sum, 3 = decode via fp16 to fp32 + sum, 4 = fp32 p (not decoded).
-DEFAULT_ROWSUM = 0
+# Per (head dim, expcast): ((BM, BN, num_warps, num_stages), ROWSUM, MEAN). NOTE: chosen on the H200,
+# see docs/kernels_notes.md.
+#   ROWSUM (row sum r_ij of P~ per block): 0 = decode to fp32 + sum, 1 = P~ @ ones[BN, 16] on the
+#   tensor cores, 2 = decode to fp16 + fp16 sum (2^-11 relative), 3 = decode via fp16 to fp32 + sum,
+#   4 = the fp32 p before the cast (NOT decoded: a cost measurement only, exp2 path).
+#   MEAN (mean compensation): 1 = acc += r mu' per block (one FFMA per accumulator element), 2 = r mu'
+#   as a bf16 hi/lo MMA [BM, 16] x [16, D] into the block's fresh accumulator (0 = no mean, set by a
+#   smooth=False VQuant).
+DEFAULT_VARIANTS: Dict[Tuple[int, bool], Tuple[Tuple[int, int, int, int], int, int]] = {
+    (128, False): ((64, 128, 4, 3), 3, 1), (128, True): ((64, 128, 4, 3), 0, 1),
+    (64, False): ((64, 128, 4, 3), 3, 1), (64, True): ((64, 128, 4, 3), 0, 1),
+}
 # ExpCast rounding: 1 = one FMA with an integer row offset (row reference m' in [m, m + 1/8)),
 # 2 = the reference's rounding (fractional offset, + one FADD per element; the row max is exact).
 DEFAULT_EXPCAST_MODE = 2
+# Benchmarks and tests may set these; None = the defaults above.
 EXPCAST_MODE_OVERRIDE: Optional[int] = None
-# Mean compensation (MEAN constexpr): 1 = acc += r mu' per block (one FFMA per accumulator element),
-# 2 = r mu' as a bf16 hi/lo MMA [BM, 16] x [16, D] into the block's fresh accumulator. 0 = no mean.
-DEFAULT_MEAN_MODE = 1
 MEAN_MODE_OVERRIDE: Optional[int] = None
-# Benchmarks may set these to sweep configurations; None = defaults.
 CONFIG_OVERRIDE: Optional[Tuple[int, int, int, int]] = None
 ROWSUM_OVERRIDE: Optional[int] = None
 
@@ -222,18 +226,16 @@ def _ones(BN: int, device) -> torch.Tensor:
     return _ONES[key]
 
 
-def _mean_mode() -> int:
-    return MEAN_MODE_OVERRIDE if MEAN_MODE_OVERRIDE is not None else DEFAULT_MEAN_MODE
-
-
-def _expcast_mode() -> int:
-    return EXPCAST_MODE_OVERRIDE if EXPCAST_MODE_OVERRIDE is not None else DEFAULT_EXPCAST_MODE
-
-
-def _config(D: int):
-    cfg = CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else DEFAULT_CONFIGS[D]
-    rs = ROWSUM_OVERRIDE if ROWSUM_OVERRIDE is not None else DEFAULT_ROWSUM
-    return cfg, rs
+def _variant(D: int, expcast: bool):
+    """((BM, BN, warps, stages), rowsum, mean, expcast mode) after the overrides."""
+    cfg, rs, mean = DEFAULT_VARIANTS[(D, bool(expcast))]
+    cfg = CONFIG_OVERRIDE if CONFIG_OVERRIDE is not None else cfg
+    rs = ROWSUM_OVERRIDE if ROWSUM_OVERRIDE is not None else rs
+    mean = MEAN_MODE_OVERRIDE if MEAN_MODE_OVERRIDE is not None else mean
+    mode = EXPCAST_MODE_OVERRIDE if EXPCAST_MODE_OVERRIDE is not None else DEFAULT_EXPCAST_MODE
+    if cfg[0] > BLOCK_Q or BLOCK_Q % cfg[0]:
+        raise ValueError(f"BM must divide the 128-token Q scale block, got {cfg}")
+    return cfg, rs, mean, mode
 
 
 def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dtype=torch.bfloat16,
@@ -250,7 +252,7 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
     qk_fp8 = q8.dtype == torch.float8_e4m3fn
     if q8.dtype not in (torch.int8, torch.float8_e4m3fn) or k8.dtype != q8.dtype:
         raise ValueError(f"q8/k8 must both be int8 or float8_e4m3fn, got {q8.dtype}, {k8.dtype}")
-    (BM, BN, nw, ns), rowsum = _config(D)
+    (BM, BN, nw, ns), rowsum, mean, mode = _variant(D, expcast)
     if rowsum == 4 and expcast:
         rowsum = 0
     q8 = q8.contiguous()
@@ -262,7 +264,7 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
     desc_v = TensorDescriptor.from_tensor(v8t.view(B * H * D, S_pad), [D, BN])
     out = torch.empty(B, H, S, D, device=q8.device, dtype=out_dtype)
     lse = torch.empty(B, H, S, device=q8.device, dtype=torch.float32) if return_lse else out
-    mean = 0 if getattr(vq.v_mean, "_vc_zero_mean", False) else _mean_mode()
+    mean = 0 if getattr(vq.v_mean, "_vc_zero_mean", False) else mean
     if mean == 2:  # [B, H, nb, 3, D] bf16: mu' = mu / v_scale split as (hi, lo, hi)
         mu = vq.v_mean / vq.v_scale.unsqueeze(2)
         hi = mu.to(torch.bfloat16)
@@ -275,6 +277,6 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
         vq.v_scale.contiguous(), _ones(BN, q8.device) if rowsum == 1 else out, out, lse, S, Sk, n_full,
         loop_bound(n_full),
         BM=BM, BN=BN, D=D, BQS=BLOCK_Q, BKS=BLOCK_K, BV=BLOCK_V, HAS_TAIL=Sk % BN != 0,
-        QK_FP8=qk_fp8, EXPCAST=_expcast_mode() if expcast else 0, MEAN=mean, ROWSUM=rowsum,
+        QK_FP8=qk_fp8, EXPCAST=mode if expcast else 0, MEAN=mean, ROWSUM=rowsum,
         RETURN_LSE=bool(return_lse), INTERPRET=interpret(), num_warps=nw, num_stages=ns)
     return (out, lse) if return_lse else out
