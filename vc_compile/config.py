@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -71,7 +72,11 @@ OPTION_DOCS: Dict[str, str] = {
 
 
 def _tuple_of_ints(v) -> Tuple[int, ...]:
-    return tuple(int(x) for x in v)
+    # exact ints only: int(1.5) == 1, int("3") == 3 and int(True) == 1 would silently change a schedule
+    # (operator.index accepts ints and numpy integers, refuses floats and strings)
+    if any(isinstance(x, bool) for x in v):
+        raise TypeError("bools are not step indices / head dims")
+    return tuple(operator.index(x) for x in v)
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,9 @@ class VCConfig:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_options(cls, options: Optional[Mapping[str, Any]] = None, mode: Optional[str] = None) -> "VCConfig":
+        if options is not None and not isinstance(options, Mapping):
+            raise VCConfigError(f"vcattn options must be a dict of option -> value, got {type(options).__name__} "
+                                f"{options!r}; e.g. options={{'method': 'vsmooth'}}")
         opts = dict(options or {})
         if mode is not None and opts.get("mode") not in (None, mode):
             raise VCConfigError(f"mode={mode!r} and options['mode']={opts['mode']!r} disagree")
@@ -148,8 +156,8 @@ class VCConfig:
             bad("sparse_qk", "'bf16' or 'fp8'")
         if self.residual not in ("bf16", "fp8", "none"):
             bad("residual", "'bf16', 'fp8' or 'none'")
-        if self.residual_budget_gb <= 0:
-            bad("residual_budget_gb", "a positive float")
+        if not self.residual_budget_gb > 0:  # also refuses NaN (every comparison with NaN is False)
+            bad("residual_budget_gb", "a positive float (float('inf') = no limit)")
         if self.num_steps < 1:
             bad("num_steps", "an int >= 1")
         if self.min_seq_len < 1:
@@ -158,6 +166,11 @@ class VCConfig:
             bad("head_dims", "a non-empty tuple of positive ints")
         if self.mode is not None and self.mode not in MODES:
             bad("mode", list(MODES))
+        if self.hadamard and any(d & (d - 1) for d in self.head_dims):
+            # caught here, not as a ValueError inside the op at the first call with such a head dim
+            raise VCConfigError(
+                f"vcattn option hadamard=True needs power-of-two head dims, but head_dims={self.head_dims}; "
+                "accepted: hadamard=False, or head_dims of powers of two (e.g. (64, 128))")
 
     # ---- derived --------------------------------------------------------------------------------
     @property
@@ -190,7 +203,7 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         enum_cls = _ENUMS[key]
         try:
             return enum_cls(value.value if isinstance(value, enum.Enum) else value)
-        except ValueError:
+        except (ValueError, TypeError):  # TypeError: an unhashable value such as a list
             fail([m.value for m in enum_cls])
     if key in _BOOLS:
         if not isinstance(value, bool):
