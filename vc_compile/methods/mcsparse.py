@@ -12,11 +12,21 @@ Metadata ``SparseMeta`` (the token-sparse analogue of FlexAttention's BlockMask)
   res_scale [B, H, S] fp32      per-token scale of the FP8 residual (None otherwise)
   density   float               realised density: n_keep / Sk (after rounding to the KV tile)
 Memory: the residual is the size of the attention output per site, block and CFG branch. Before storing
-it the method checks the ``residual_budget_gb`` option and the free GPU memory, and raises a clear
-error naming the fixes instead of an OOM inside a kernel.
+it the method checks the ``residual_budget_gb`` option (``inf`` = no limit) and the free GPU memory, and
+raises a clear error naming the fixes instead of an OOM inside a kernel.
+
+Hostile inputs (tests/test_hostile.py):
+* A NaN/Inf in q, k or v at an anchor step gives a non-finite O_dense in its (b, h) -- returned like SDPA
+  would -- but its selection and residual are not cached: a NaN residual would otherwise be added to
+  every reuse step until the next anchor, long after the input is clean again. The previous metadata
+  (if any) stays, else the next step anchors again. This costs one device->host sync per anchor step
+  (a few per generation), none on reuse steps.
+* fp16 outputs saturate at +-65504 instead of rounding up to inf (``methods.finish_output``).
+* ``sparse_qk="fp8"`` on the reference path runs ``reference/sparse_attn_q8.py``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +38,7 @@ from ..reference.quant import FP8_DTYPE, FP8_MAX, safe_scale
 from ..reference.select import n_keep
 from ..runtime import state
 from ..runtime.steps import Phase
+from . import finish_output, kernel_out_dtype
 
 _MASS_BYTES = 1 << 30  # pass-2 group masses are computed for as many heads as fit in 1 GiB at once
 
@@ -52,6 +63,9 @@ def _dense_with_lse(impl, q, k, v, sm_scale):
     fn = getattr(impl.select, "dense_with_lse", None)
     if fn is None:
         return ref_dense.dense_attention_lse(q, k, v, sm_scale=sm_scale)
+    # The templates call SDPA's aten kernels directly, bypassing SDPA's own layout checks; the CPU flash
+    # kernel returns garbage (relative error ~1) for a K whose last dim is not contiguous.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return fn(q, k, v, sm_scale)
 
 
@@ -84,7 +98,7 @@ def _check_memory(resid: torch.Tensor, cfg) -> None:
     per_elem = {"bf16": 2, "fp8": 1, "none": 0}[cfg.residual] + (4 / resid.shape[-1] if cfg.residual == "fp8" else 0)
     need = int(resid.numel() * per_elem)
     held = state.bytes_held()
-    budget = int(cfg.residual_budget_gb * 2**30)
+    budget = cfg.residual_budget_gb * 2**30  # a float: inf (no limit) must not go through int()
     hint = ("use options={'residual': 'fp8'} (half the memory) or 'none' (no residual), raise "
             "'residual_budget_gb', or fewer sparse layers/branches")
     if held + need > budget:
@@ -99,29 +113,47 @@ def _check_memory(resid: torch.Tensor, cfg) -> None:
                 f"{free / 2**30:.2f} GiB free: {hint}.")
 
 
+def _sparse_fn(impl, qk_format: str):
+    """The gather kernel for this QK format. The templates take ``qk_format``; the reference keeps the
+    16-bit contract in ``sparse_attn.py`` and the FP8-QK one in ``sparse_attn_q8.py``."""
+    fn = impl.sparse_attn.sparse_attention
+    if qk_format != "fp8":
+        return fn
+    if fn.__module__.startswith("vc_compile.reference"):
+        from ..reference.sparse_attn_q8 import sparse_attention_q8
+
+        return sparse_attention_q8
+    return functools.partial(fn, qk_format="fp8")
+
+
 def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
     if phase == Phase.DENSE:
         return F.scaled_dot_product_attention(q, k, v, scale=sm_scale).contiguous(), meta
     C = cfg.group_size
-    sparse_kw = dict(sm_scale=sm_scale, group_size=C, out_dtype=q.dtype)
-    if cfg.sparse_qk == "fp8":
-        sparse_kw["qk_format"] = "fp8"
+    sparse = _sparse_fn(impl, cfg.sparse_qk)
     if phase == Phase.REUSE and meta is not None:
-        out = impl.sparse_attn.sparse_attention(q, k, v, meta.sigma, meta.idx,
-                                                residual=meta.residual_tensor(q.dtype), **sparse_kw)
-        return out, meta
+        out = sparse(q, k, v, meta.sigma, meta.idx, sm_scale=sm_scale, group_size=C,
+                     residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype))
+        return finish_output(out, q.dtype), meta
     # ANCHOR
     Sk = k.shape[2]
     keep = n_keep(Sk, cfg.density)
     sigma = impl.pddp.pddp_perm(q, C)
     o_dense, lse2 = _dense_with_lse(impl, q, k, v, sm_scale)
+    out = o_dense.to(q.dtype).contiguous()
     idx = select(impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=C, keep=keep)
     residual = res_scale = None
     if cfg.residual != "none":
-        o_sparse = impl.sparse_attn.sparse_attention(q, k, v, sigma, idx, **{**sparse_kw, "out_dtype": torch.float32})
+        o_sparse = sparse(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C, out_dtype=torch.float32)
         resid = o_dense.float() - o_sparse.float()
         del o_sparse
+        # One sync per anchor step (see the module docstring). The residual, not O_dense alone: a dense
+        # kernel may return a finite row for an Inf query where the sparse one does not.
+        if not bool(torch.isfinite(resid).all()):
+            return out, meta
         _check_memory(resid, cfg)
         residual, res_scale = _compact(resid, cfg.residual)
+    elif not bool(torch.isfinite(o_dense).all()):
+        return out, meta
     meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk)
-    return o_dense.to(q.dtype).contiguous(), meta
+    return out, meta
