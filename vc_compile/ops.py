@@ -17,9 +17,11 @@ the kernels themselves (benchmarks, users who manage metadata).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
-from typing import Optional
+import weakref
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,7 @@ from .runtime.steps import TRACKER, Phase, phase_for
 
 _METHODS = {Method.DENSE: m_dense, Method.VSMOOTH: m_vsmooth, Method.MCSPARSE: m_mcsparse}
 _TAGS = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)  # as the rewrite (passes/sdpa_rewrite.py)
 
 
 @functools.lru_cache(maxsize=256)
@@ -43,23 +46,86 @@ def _config(config: str) -> VCConfig:
 
 
 def runtime_ineligible(q, k, v, cfg: VCConfig) -> Optional[str]:
-    """Reasons only knowable at run time (symbolic shapes in the graph, devices)."""
+    """Reasons only knowable at run time (symbolic shapes in the graph, devices), plus the rewrite's own
+    checks again for callers that reach the op directly: whatever the methods cannot run goes to stock
+    SDPA (which then returns its result, or raises its own error for inputs SDPA refuses too)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "not 4-D [B, H, S, D]"
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return "empty input"
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
+        return "gqa or shape mismatch"
+    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return "dtype unsupported"
     if q.shape[2] < cfg.min_seq_len:
         return "sequence too short"
     if k.shape[2] < cfg.min_seq_len:
         return "cross-attention too short"
-    if q.shape[-1] not in cfg.head_dims:
+    if q.shape[-1] not in cfg.head_dims or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return "head_dim unsupported"
     return None
+
+
+# Metadata of a block whose weight is freed (the model was deleted) is dropped right away instead of at
+# the next generation: a deleted pipeline's MC-Sparse residuals can be GBs, and the next model is
+# usually loaded before anything starts a new generation. The finalizer only queues the block (it can
+# run inside a garbage collection triggered while this thread holds the state lock); the queue is
+# drained at once when the lock is free, else at the next op call.
+_WATCHED: Dict[Tuple[int, int], Set[tuple]] = {}  # (site, ident_ptr) -> metadata keys written
+_FREED: collections.deque = collections.deque()
+
+
+def _ident_freed(block: Tuple[int, int]) -> None:
+    _FREED.append(block)
+    if not state._LOCK.locked():
+        _drain_freed()
+
+
+def _drain_freed() -> None:
+    while _FREED:
+        try:
+            block = _FREED.popleft()
+        except IndexError:
+            return
+        for key in _WATCHED.pop(block, ()):
+            if state.get(key) is not None:
+                state.put(key, None)
+
+
+def _watch(ident: Optional[torch.Tensor], key: tuple) -> None:
+    if not isinstance(ident, torch.nn.Parameter):
+        return  # only module weights are stable objects; a per-call alias would drop metadata every call
+    block = key[:2]
+    keys = _WATCHED.get(block)
+    if keys is None:
+        keys = _WATCHED[block] = set()
+        weakref.finalize(ident, _ident_freed, block).atexit = False
+    keys.add(key)
+
+
+def _forget_watched(_gen: int) -> None:  # a new generation cleared the store: the key sets start over
+    for keys in _WATCHED.values():
+        keys.clear()
+
+
+TRACKER.listeners.append(_forget_watched)
 
 
 @torch.library.custom_op("vcattn::attention", mutates_args=(), tags=_TAGS)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional[torch.Tensor],
               site: int, config: str, scale: Optional[float] = None) -> torch.Tensor:
+    if _FREED:
+        _drain_freed()
     cfg = _config(config)
     rec = _report.site(site)
     rec.calls += 1
+    method = cfg.resolved_method
     reason = runtime_ineligible(q, k, v, cfg)
+    impl, path = None, "sdpa"
+    if reason is None and method != Method.DENSE:
+        impl, path = methods.resolve(method.value, cfg, q.device)
+        if path == "triton":
+            reason = methods.kernel_ineligible(method.value, q, k, v)
     if reason is not None:
         rec.runtime_fallbacks[reason] += 1
         return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
@@ -68,13 +134,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     info = TRACKER.current((site, ident_ptr), cfg.num_steps)
     key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
     meta = state.get(key)
-    method = cfg.resolved_method
     phase = phase_for(cfg, info.step, info.num_steps, meta is not None)
-    impl, path = (None, "sdpa") if method == Method.DENSE else methods.resolve(method.value, cfg, q.device)
     with _report.Timer(rec, cfg.profile, q.is_cuda):
         out, new_meta = _METHODS[method].run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl)
     if new_meta is not None and new_meta is not meta:
         state.put(key, new_meta)
+        _watch(ident, key)
     rec.phases[phase.value] += 1
     rec.kernel_path["sdpa" if phase == Phase.DENSE else path] += 1
     rec.step_sources[info.source] += 1
