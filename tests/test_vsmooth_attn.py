@@ -86,10 +86,14 @@ def test_matches_reference_and_truth(S, D, fmt, smooth, expcast, out_dtype, rows
     assert dl.max().item() <= 0.1 and dl.mean().item() <= 1e-2
 
 
+@pytest.mark.skipif(KERNEL_DEVICE == "cuda", reason="arithmetic equivalence is an interpreter check")
 @pytest.mark.parametrize("D", [64, 128])
-def test_same_arithmetic_single_block(D):
+def test_same_arithmetic_single_block(D, monkeypatch):
     """S = 100 < BN: one (masked) key block, so the online max is the final max and the kernel's P~ is
-    the reference's except at rounding boundaries."""
+    the reference's except at rounding boundaries. Exact row sums and mean term (ROWSUM=0, MEAN=1): the
+    defaults may use fp16 row sums / bf16 hi-lo means (2^-11 / 2^-16 relative) for speed."""
+    monkeypatch.setattr(tpl, "ROWSUM_OVERRIDE", 0)
+    monkeypatch.setattr(tpl, "MEAN_MODE_OVERRIDE", 1)
     q, k, v = make_qkv(1, 2, 100, D, torch.bfloat16)
     qk, vq = quantise(q, k, v)
     o = tpl.vsmooth_attention(qk, vq, out_dtype=torch.float32)
@@ -155,3 +159,26 @@ def test_gpu_large(D, fmt, expcast, mode, monkeypatch):
         assert rel(o, ro) <= ref_tolerance(expcast, mode)
         assert rel(o, truth) <= 1.25 * rel(ro, truth) + 1e-3
         assert (lse - rlse).abs().mean().item() <= 1e-2
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("expcast", [False, True])
+@pytest.mark.parametrize("S", [4096, 4173])
+@pytest.mark.parametrize("mean", [None, 2])
+def test_gpu_no_nan_any_specialisation(D, expcast, S, mean, monkeypatch):
+    """NOTE on the H200 (triton 3.6) some exp2 + MEAN=1 variants gave NaN in ~40% of the rows
+    (code generation, not understood; see DEFAULT_VARIANTS): every specialisation of the defaults (key
+    tail or not, LSE or not) must be finite and match the reference; MEAN=2 is the fallback."""
+    if mean is not None and (expcast or D == 64):
+        pytest.skip("fallback only matters for the D=128 exp2 default")
+    monkeypatch.setattr(tpl, "MEAN_MODE_OVERRIDE", mean)
+    q, k, v = make_qkv(1, 4, S, D, torch.bfloat16, device="cuda")
+    qk, vq = quantise(q, k, v)
+    ro = ref.vsmooth_attention(qk, vq, expcast=expcast)
+    for return_lse in (False, True):
+        o = tpl.vsmooth_attention(qk, vq, expcast=expcast, return_lse=return_lse)
+        o = o[0] if return_lse else o
+        bad = int((~torch.isfinite(o)).any(-1).sum())
+        assert bad == 0, f"{bad} rows not finite (return_lse={return_lse})"
+        assert rel(o, ro) <= ref_tolerance(expcast, 2)
