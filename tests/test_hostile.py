@@ -1,0 +1,786 @@
+"""Hostile inputs (issue 10): wherever stock SDPA returns a finite result, ``vcattn::attention`` returns a
+finite result within its method's tolerance, or falls back to SDPA with the reason recorded.
+
+Every case runs the op directly (a registered site, ``vc_compile.sampling`` + ``step``) for two steps, so
+both phases of each method run on the hostile input: V-Smooth GROUP then REUSE of the cached
+permutation; MC-Sparse ANCHOR (returns O_dense) then REUSE (sparse kernel + cached residual, here on the
+same inputs). A few cases also go through ``torch.compile(..., backend="vcattn")``. The reference is fp32
+SDPA on the same (rounded) inputs.
+
+Error metric, per (b, h): ``||o - ref|| / (||ref|| + 1e-3 ||V|| sqrt(Sq/Sk))`` in fp64 (fp32 norms of
+1e-30 values underflow). The guard term keeps heads whose exact output is ~0 (zero V, uniform attention
+over zero-mean V) from dividing by zero; it is 1000x below the output scale of a normal head.
+
+Tolerances (TOL), and why:
+* ``dense`` is stock SDPA: compared bit for bit (NaN == NaN).
+* ``mcsparse`` ANCHOR returns O_dense computed in fp32 and rounded once to the output dtype: relative
+  error <= the unit roundoff u (2^-8 bf16, 2^-11 fp16), or 2x stock SDPA's own error when pass 1 is a
+  16-bit kernel (the Triton path uses SDPA's flash kernel). REUSE on the anchor's inputs returns
+  O_sparse + R with R = O_dense - O_sparse stored in bf16: <= u_bf16 |R| + u |O| ~ 3-4 u_bf16; 4 u_bf16
+  plus 2x stock SDPA's error (its rounding to the output dtype, e.g. in fp16's subnormal range).
+* the 8-bit methods: E4M3 keeps 3 mantissa bits, so P~ and the V residual are each rounded by up to 2^-4
+  relative, and INT8 QK moves the logits by up to half a code of a per-block scale. Gaussian inputs give
+  0.035 (vsmooth) to 0.05 (x3 logits); 0.08 = 1.6x that, far below what a structural failure costs
+  (a flattened block of logits or a lost V mean: 0.1 - 0.5).
+Known limit (xfail, strict): INT8 Q scales per 128 tokens -- a query 100x the norm of its neighbours.
+
+Kernel variants (``kernels="triton"``, TRITON_INTERPRET=1 on CPU) run a subset of the cases and skip with
+the reason while a ``vc_compile/templates`` module is missing or fails to import.
+"""
+import contextlib
+import importlib.util
+import math
+import re
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vc_compile
+from vc_compile import methods
+from vc_compile.config import VCConfig, VCConfigError
+from vc_compile.runtime import report as _report
+from vc_compile.runtime import state
+
+U = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+TOL_8BIT = 0.08
+TOL_REUSE = 4 * 2.0 ** -8
+
+METHODS = {
+    "dense": dict(method="dense"),
+    "vsmooth": dict(method="vsmooth"),
+    "expcast": dict(method="vsmooth", expcast=True),
+    "naive": dict(method="vsmooth", smooth_v=False),
+    "mcsparse": dict(method="mcsparse", warmup_steps=0, anchor_steps=(0,), density=0.3),
+}
+EIGHT_BIT = ("vsmooth", "expcast", "naive")
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+def new_site(method="test"):
+    return _report.register_site(graph="hostile", node="n", module="m", shape="?", dtype="?",
+                                 method=method, rewritten=True).site
+
+
+def cfg_json(name, kernels="reference", **over):
+    return VCConfig.from_options({**METHODS[name], "min_seq_len": 1, "kernels": kernels, **over}).to_json()
+
+
+def run_op(q, k, v, name, *, steps=2, kernels="reference", scale=None, inputs=None, site=None, **over):
+    """Outputs of ``steps`` consecutive steps of one generation at one site (``inputs[i]`` replaces the
+    inputs of step i when given)."""
+    cj = cfg_json(name, kernels, **over)
+    site = site if site is not None else new_site(name)
+    outs = []
+    with vc_compile.sampling(num_steps=max(steps, 2)):
+        for i in range(steps):
+            vc_compile.step(i)
+            qi, ki, vi = inputs[i] if inputs and inputs[i] is not None else (q, k, v)
+            outs.append(torch.ops.vcattn.attention(qi, ki, vi, None, site, cj, scale))
+    return outs
+
+
+def metas_of(site):
+    """The metadata objects cached for one site (all blocks, branches, shapes)."""
+    with state._LOCK:
+        return [m for key, m in state._STORE.items() if key[0] == site and m is not None]
+
+
+def ref_sdpa(q, k, v, scale=None):
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale)
+
+
+def head_err(o, ref, v):
+    """Per-(b, h) relative L2 error (see the module docstring), fp64."""
+    o, ref, v = o.double(), ref.double(), v.double()
+    num = (o - ref).flatten(2).norm(dim=-1)
+    den = ref.flatten(2).norm(dim=-1) + 1e-3 * v.flatten(2).norm(dim=-1) * math.sqrt(ref.shape[2] / v.shape[2])
+    return torch.where(den > 0, num / den.clamp_min(1e-300), num)
+
+
+def assert_method_ok(name, outs, q, k, v, scale=None, kernels="reference"):
+    """Finite where fp32 SDPA is finite, each step within its tolerance."""
+    ref = ref_sdpa(q, k, v, scale)
+    assert torch.isfinite(ref).all(), "the case itself must be finite under fp32 SDPA"
+    for i, o in enumerate(outs):
+        assert o.shape == ref.shape and o.dtype == q.dtype and o.is_contiguous()
+        bad = (~torch.isfinite(o)).sum().item()
+        assert bad == 0, f"{name} step {i}: {bad} non-finite outputs where fp32 SDPA is finite"
+    if name == "dense":
+        stock = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        for o in outs:
+            assert torch.equal(o, stock)
+        return
+    errs = [head_err(o, ref, v).max().item() for o in outs]
+    if name == "mcsparse":
+        stock_err = head_err(F.scaled_dot_product_attention(q, k, v, scale=scale), ref, v).max().item()
+        # (+ 2 stock_err on reuse: rounding to the output dtype -- fp16 subnormals -- is SDPA's too)
+        tols = [max(U[q.dtype], 2 * stock_err) + 1e-6, TOL_REUSE + 2 * stock_err]
+    else:
+        tols = [TOL_8BIT] * len(outs)
+    for i, (e, t) in enumerate(zip(errs, tols)):
+        assert e <= t, f"{name} ({kernels}) step {i}: per-head relative error {e:.4f} > tolerance {t:.4f}"
+
+
+def templates_skip(name):
+    """pytest.skip with the reason when the Triton kernels of this method cannot be loaded."""
+    method = METHODS[name]["method"]
+    if method == "dense":
+        return
+    mods = methods._TEMPLATE_MODULES[method]
+    missing = [m for m in mods if importlib.util.find_spec(f"vc_compile.templates.{m}") is None]
+    if missing:
+        pytest.skip(f"Triton kernel module(s) vc_compile/templates/{{{', '.join(missing)}}}.py not written yet")
+    _, err = methods._templates_or_error(method)
+    if err is not None:
+        pytest.skip(f"Triton kernels of {method} fail to import: {err}")
+
+
+def kernels_param(name, kernels):
+    if kernels == "triton":
+        templates_skip(name)
+    return kernels
+
+
+# ---- hostile cases --------------------------------------------------------------------------------------
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def gaussian(B=2, H=2, S=160, D=64, Sk=None, seed=0):
+    g = _g(seed)
+    Sk = S if Sk is None else Sk
+    return (torch.randn(B, H, S, D, generator=g), torch.randn(B, H, Sk, D, generator=g),
+            torch.randn(B, H, Sk, D, generator=g))
+
+
+def case_zero_q_block():  # a whole 128-token Q scale block of zeros: scale 1, codes 0, uniform rows
+    q, k, v = gaussian()
+    q[0, 1, :128] = 0
+    return q, k, v
+
+
+def case_zero_k_block():
+    q, k, v = gaussian()
+    k[1, 0, 64:128] = 0
+    return q, k, v
+
+
+def case_zero_v_block():
+    q, k, v = gaussian()
+    v[0, 0, :128] = 0
+    return q, k, v
+
+
+def case_zero_heads():  # a zero Q head, a zero K head, a zero V head (exact output 0: guard term)
+    q, k, v = gaussian()
+    q[1, 1] = 0
+    k[0, 0] = 0
+    v[1, 0] = 0
+    return q, k, v
+
+
+def case_const_v_block():  # zero residual after the block mean
+    q, k, v = gaussian()
+    v[0, 1, :128] = torch.randn(64)
+    return q, k, v
+
+
+def case_const_v_head():  # every V row equal: the output is that row
+    q, k, v = gaussian()
+    v[1, 1] = 3.0
+    return q, k, v
+
+
+def case_mean_shifted_v():  # what V-Smooth is for: a large common offset
+    q, k, v = gaussian()
+    return q, k, v + 1000.0
+
+
+def case_tiny():  # q.k underflows to 0 in fp32 (uniform rows, as in SDPA); V small but p * v normal
+    q, k, v = gaussian()
+    return q * 1e-30, k * 1e-30, v * 1e-32
+
+
+def case_subnormal_scales():
+    """bf16 V ~1e-36: the per-channel FP8 scale amax/448 is an fp32 subnormal. (Kernels: not run -- any
+    fp32 kernel's p * v products are subnormal here too, fp32 itself loses digits.)"""
+    q, k, v = gaussian()
+    return q, k, v * 1e-36
+
+
+def case_huge_token_v():  # one value token 1000x the others
+    q, k, v = gaussian()
+    v[0, 1, 5] *= 1000
+    return q, k, v
+
+
+def case_huge_token_k():  # one key token 30x (its 64-token K block shares one INT8 scale)
+    q, k, v = gaussian()
+    k[0, 1, 5] *= 30
+    return q, k, v
+
+
+def case_huge_token_q():  # one query token 10x (the bound for models with QK-norm, see vsmooth.py)
+    q, k, v = gaussian()
+    q[0, 1, 5] *= 10
+    return q, k, v
+
+
+def case_one_hot():  # every row has one clear winner: softmax is one-hot to fp32 precision
+    q, k, v = gaussian()
+    j = torch.randint(0, k.shape[2], (2, 2, q.shape[2]), generator=_g(3))
+    q = 6.0 * torch.gather(k, 2, j.unsqueeze(-1).expand(-1, -1, -1, k.shape[-1]))
+    return q, k, v
+
+
+def case_peaked():  # sharp but not one-hot softmax (logits x3)
+    q, k, v = gaussian()
+    return 3 * q, 3 * k, v
+
+
+def case_batch_rows_differ():  # B = 3 with different content and scale per batch row
+    q, k, v = gaussian(B=3, H=2, S=150)
+    q[1] *= 3
+    v[2] += 50
+    k[0] = 0
+    return q, k, v
+
+
+CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
+KERNEL_CASES = ("zero_heads", "huge_token_v", "one_hot", "tiny")
+
+
+FP16_CASES = ("zero_heads", "const_v_head", "mean_shifted_v", "tiny", "huge_token_v", "one_hot")
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("case,dtype", [(c, torch.bfloat16) for c in CASES]
+                         + [(c, torch.float16) for c in FP16_CASES], ids=lambda x: str(x).replace("torch.", ""))
+def test_hostile_reference(case, name, dtype):
+    if dtype == torch.float16 and case == "tiny":  # fp16's own subnormal range (< 6.1e-5) instead
+        q, k, v = (t * 1e-5 for t in gaussian())
+    else:
+        q, k, v = CASES[case]()
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    assert_method_ok(name, run_op(q, k, v, name), q, k, v)
+
+
+@pytest.mark.parametrize("name", [n for n in METHODS if n != "dense"])
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_hostile_kernels(case, name):
+    kernels_param(name, "triton")
+    q, k, v = (t[:1, :, :130].to(torch.bfloat16) for t in CASES[case]())
+    assert_method_ok(name, run_op(q, k, v, name, kernels="triton"), q, k, v, kernels="triton")
+
+
+@pytest.mark.parametrize("name", EIGHT_BIT)
+@pytest.mark.xfail(strict=True, reason="known limit: one INT8 Q scale per 128 tokens (reference/preprocess.py "
+                   "BLOCK_Q); a query token 100x its neighbours' norm flattens their logits (error ~0.28). "
+                   "Needs per-token (or per-16-token) Q scales in the reference and the kernels.")
+def test_query_outlier_100x_known_limit(name):
+    q, k, v = (t.to(torch.bfloat16) for t in gaussian())
+    q[0, 1, 5] *= 100
+    assert_method_ok(name, run_op(q, k, v, name), q, k, v)
+
+
+# ---- values near the top of the range ------------------------------------------------------------------
+def near_fp16_max_v(seed):
+    """V within a few thousand of +-65504 and peaked attention: some rows' exact output is 65503.x, where
+    an FP8 residual that rounds up lands above 65520 (fp16 inf)."""
+    g = _g(seed)
+    S = 256
+    q, k = 3 * torch.randn(1, 1, S, 64, generator=g), 3 * torch.randn(1, 1, S, 64, generator=g)
+    v = 65504 - torch.rand(1, 1, S, 64, generator=g) * 3000
+    v[..., ::3, :] = -65504
+    return q.half(), k.half(), v.half()
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_fp16_near_max_values_stay_finite(name):
+    """Regression: V-Smooth (and ExpCast) returned inf in fp16 where SDPA returns 65503.9 (up to 1700
+    elements per head); outputs now saturate at 65504."""
+    for seed in range(3):
+        q, k, v = near_fp16_max_v(seed)
+        outs = run_op(q, k, v, name)
+        assert all(torch.isfinite(o).all() for o in outs), f"seed {seed}"
+        assert_method_ok(name, outs, q, k, v)
+
+
+@pytest.mark.parametrize("name", [n for n in METHODS if n != "dense"])
+def test_fp16_near_max_values_kernels(name):
+    kernels_param(name, "triton")
+    q, k, v = near_fp16_max_v(0)
+    q, k, v = (t[:, :, :130] for t in (q, k, v))
+    assert_method_ok(name, run_op(q, k, v, name, kernels="triton"), q, k, v, kernels="triton")
+
+
+def test_fp16_saturation_keeps_inf_and_nan():
+    """The saturation moves only finite overflows: an Inf from an Inf input and NaN stay visible."""
+    o = torch.tensor([70000.0, -70000.0, float("inf"), float("nan"), 1.5])
+    out = methods.finish_output(o, torch.float16)
+    assert out.dtype == torch.float16
+    assert out[0] == 65504 and out[1] == -65504 and out[2] == float("inf") and torch.isnan(out[3])
+    assert out[4] == 1.5
+    assert methods.finish_output(o, torch.bfloat16)[0] == 70000  # bf16 has the range: untouched
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_fp16_near_max_qk_with_small_scale(name):
+    """Q, K at +-6e4 (fp16) with scale = 1/|q||k| keep the logits O(1): no overflow in q.k, the K mean
+    or the INT8 scales (fp32 math)."""
+    q, k, v = gaussian(S=200)
+    q, k = q.sign() * 6e4, k.sign() * (6e4 - 1e3 * torch.rand_like(k))
+    q, k, v = (t.half() for t in (q, k, v))
+    scale = 1.0 / (6e4 * 6e4 * 8)
+    assert_method_ok(name, run_op(q, k, v, name, scale=scale), q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_bf16_large_values_in_guaranteed_range(name):
+    """bf16 shares fp32's exponent range, so fp32 math has no headroom there. Guaranteed: |V| <= 2^100
+    and Q, K large with a matching scale. (Above ~1e35 the V-Smooth sums -- 128-row block means, the
+    P~ row sum scaled to 2^8 -- overflow fp32 while SDPA does not: documented, see the final report.)"""
+    q, k, v = gaussian()
+    q, k, v = q * 1e15, k * 1e15, v * 2.0 ** 100
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    assert_method_ok(name, run_op(q, k, v, name, scale=1e-31), q, k, v, scale=1e-31)
+
+
+# ---- NaN / Inf in one element ----------------------------------------------------------------------------
+def poisoned(which, bad, dtype=torch.bfloat16, S=160):
+    q, k, v = (t.to(dtype) for t in gaussian(S=S))
+    clean = (q.clone(), k.clone(), v.clone())
+    t = [q, k, v]["qkv".index(which)]
+    t[1, 0, 7, 3] = bad
+    return (q, k, v), clean
+
+
+def check_poisoned(name, outs, bad_in, clean, kernels="reference"):
+    """outs[0]: the poisoned step; outs[1:]: clean steps after it."""
+    q, k, v = bad_in
+    stock = F.scaled_dot_product_attention(q, k, v)  # what the user would get without vcattn
+    ref32 = ref_sdpa(q, k, v)
+    o = outs[0]
+    # 1. nothing outside the poisoned (b=1, h=0) slice is touched: finite and within tolerance
+    other = torch.ones(2, 2, dtype=torch.bool)
+    other[1, 0] = False
+    assert torch.isfinite(o[other]).all(), f"{name}: non-finite values leaked into other heads/batch rows"
+    stock_err = head_err(stock, ref32, v)[other].max().item()
+    tol = TOL_8BIT if name in EIGHT_BIT else max(U[q.dtype], 2 * stock_err) + 1e-6
+    if name == "dense":
+        assert torch.equal(torch.nan_to_num(o), torch.nan_to_num(stock))
+        assert torch.equal(torch.isnan(o), torch.isnan(stock))
+    else:
+        assert head_err(o, ref32, v)[other].max() <= tol
+    # 2. where stock SDPA and fp32 SDPA both say non-finite, so do we, in the same (b, h) slice
+    both = ~torch.isfinite(stock) & ~torch.isfinite(ref32)
+    if both.any():
+        assert (~torch.isfinite(o[1, 0])).any(), f"{name}: the non-finite input vanished from its head"
+    # 3. the clean steps after it are clean: no metadata poisoned by the bad step
+    cq, ck, cv = clean
+    ref_c = ref_sdpa(cq, ck, cv)
+    for i, oc in enumerate(outs[1:], 1):
+        assert torch.isfinite(oc).all(), f"{name}: clean step {i} after a NaN/Inf step is not finite"
+        if name in EIGHT_BIT:
+            assert head_err(oc, ref_c, cv).max() <= TOL_8BIT
+        elif name == "mcsparse":
+            assert head_err(oc, ref_c, cv).max() <= TOL_REUSE
+
+
+BADS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+@pytest.mark.parametrize("which,bad", [("q", "nan"), ("q", "inf"), ("k", "nan"), ("k", "-inf"), ("v", "nan"),
+                                       ("v", "inf"), ("v", "-inf")])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_nonfinite_element(name, which, bad):
+    """Regression (mcsparse): a NaN/Inf at the anchor step cached a NaN residual, so every reuse step
+    after it returned NaN for that head although its inputs were clean again."""
+    bad_in, clean = poisoned(which, BADS[bad])
+    steps = [bad_in, clean, clean]  # vsmooth: GROUP(bad), GROUP, REUSE; mcsparse: ANCHOR(bad), ANCHOR, REUSE
+    outs = run_op(*clean, name, steps=3, inputs=steps, group_fraction=0.5)
+    check_poisoned(name, outs, bad_in, clean)
+
+
+@pytest.mark.parametrize("name,which", [("vsmooth", "q"), ("vsmooth", "k"), ("vsmooth", "v"), ("naive", "v"),
+                                        ("mcsparse", "q"), ("mcsparse", "k"), ("mcsparse", "v")])
+def test_nonfinite_element_kernels(name, which):
+    kernels_param(name, "triton")
+    bad_in, clean = poisoned(which, float("nan"), S=130)
+    outs = run_op(*clean, name, steps=3, inputs=[bad_in, clean, clean], kernels="triton", group_fraction=0.5)
+    try:
+        check_poisoned(name, outs, bad_in, clean, kernels="triton")
+    except AssertionError as e:
+        if "vanished" in str(e) and name in EIGHT_BIT:
+            pytest.xfail("templates/preprocess.py drops NaN: tl.max / atomic_max ignore NaN, so a NaN in "
+                         "q/k/v gives a finite (wrong) result where SDPA gives NaN (reported)")
+        raise
+
+
+def test_nan_centroids_do_not_steer_the_next_grouping():
+    """Regression: a NaN V at a GROUP step left NaN centroids in the metadata and the next step's warm
+    start assigned every row to that cluster. Now a non-finite centroid is re-seeded from the current V,
+    so the step after a NaN step groups exactly like a cold start on its clean V would."""
+    from vc_compile.methods.vsmooth import VSmoothMeta, _warm_start
+    from vc_compile.reference.kmeans import init_centroids
+
+    _, _, v = gaussian(S=200)
+    c = init_centroids(v, 2).clone()
+    c[1, 0, 1, 5] = float("nan")
+    w = _warm_start(c, v)
+    assert torch.isfinite(w).all()
+    assert torch.equal(w[0], c[0]) and torch.equal(w[1, 1], c[1, 1]) and torch.equal(w[1, 0, 0], c[1, 0, 0])
+    assert torch.equal(w[1, 0, 1], init_centroids(v, 2)[1, 0, 1])
+    # and through the op: the metadata after a NaN step is finite again one step later
+    bad_in, clean = poisoned("v", float("nan"))
+    site = new_site()
+    run_op(*clean, "vsmooth", steps=3, inputs=[bad_in, clean, clean], group_fraction=1.0, site=site)
+    metas = metas_of(site)
+    assert metas and all(isinstance(m, VSmoothMeta) and torch.isfinite(m.centroids).all() for m in metas)
+
+
+# ---- shapes ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("S", [1, 5, 63, 129, 257])
+def test_sequence_lengths(name, S):
+    q, k, v = (t.bfloat16() for t in gaussian(B=1, S=S))
+    assert_method_ok(name, run_op(q, k, v, name), q, k, v)
+
+
+@pytest.mark.parametrize("name", [n for n in METHODS if n != "dense"])
+@pytest.mark.parametrize("S", [1, 63, 129])
+def test_sequence_lengths_kernels(name, S):
+    kernels_param(name, "triton")
+    q, k, v = (t.bfloat16() for t in gaussian(B=1, H=1, S=S))
+    assert_method_ok(name, run_op(q, k, v, name, kernels="triton"), q, k, v, kernels="triton")
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_batch_rows_and_heads_are_independent(name):
+    """Each (b, h) output is what the op gives for that slice alone (B = 3, different content per row):
+    no statistic, scale or selection is shared across batch rows or heads."""
+    q, k, v = (t.bfloat16() for t in case_batch_rows_differ())
+    full = run_op(q, k, v, name)
+    for b in range(3):
+        for h in range(2):
+            sl = (slice(b, b + 1), slice(h, h + 1))
+            part = run_op(q[sl].clone(), k[sl].clone(), v[sl].clone(), name)
+            for o_full, o_part in zip(full, part):
+                e = head_err(o_full[sl], o_part.float(), v[sl]).max().item()
+                assert e <= 2 * U[torch.bfloat16], f"b={b} h={h}: {e}"
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_single_head(name):
+    q, k, v = (t.bfloat16() for t in gaussian(B=2, H=1, S=180))
+    assert_method_ok(name, run_op(q, k, v, name), q, k, v)
+
+
+def strided_inputs():
+    """Non-contiguous layouts: q a permuted [B, S, H, D] view, k with a non-unit last stride (transposed
+    [B, H, D, S] storage), v a slice of a wider tensor."""
+    g = _g(5)
+    q = torch.randn(2, 150, 2, 64, generator=g).bfloat16().permute(0, 2, 1, 3)
+    k = torch.randn(2, 2, 64, 150, generator=g).bfloat16().transpose(-1, -2)
+    v = torch.randn(2, 2, 150, 128, generator=g).bfloat16()[..., 32:96]
+    assert not q.is_contiguous() and k.stride(-1) != 1 and not v.is_contiguous()
+    return q, k, v
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_non_contiguous_inputs(name, kernels):
+    if kernels == "triton" and name in ("dense", "expcast"):
+        pytest.skip("dense has no kernel; expcast shares vsmooth's memory access")
+    kernels_param(name, kernels)
+    q, k, v = strided_inputs()
+    assert_method_ok(name, run_op(q, k, v, name, kernels=kernels), q, k, v, kernels=kernels)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+@pytest.mark.parametrize("Sq,Sk", [(100, 300), (300, 70)])
+def test_cross_attention_lengths(name, Sq, Sk):
+    """Sq != Sk: the reference runs every method (V-Smooth clusters the Sk value rows; MC-Sparse selects
+    among Sk keys)."""
+    q, k, v = (t.bfloat16() for t in gaussian(B=1, S=Sq, Sk=Sk))
+    assert_method_ok(name, run_op(q, k, v, name), q, k, v)
+
+
+@pytest.mark.parametrize("name", ["vsmooth", "mcsparse"])
+def test_cross_attention_lengths_kernels(name):
+    """Regression: the 8-bit Triton preprocessing needs Sq == Sk and raised ValueError inside the op;
+    now such a call runs stock SDPA with the reason recorded. MC-Sparse's kernels take Sk != Sq."""
+    kernels_param(name, "triton")
+    q, k, v = (t.bfloat16() for t in gaussian(B=1, H=1, S=70, Sk=130))
+    site = new_site(name)
+    outs = run_op(q, k, v, name, kernels="triton", site=site)
+    assert_method_ok("dense" if name == "vsmooth" else name, outs, q, k, v, kernels="triton")
+    rec = _report.site(site)
+    if name == "vsmooth":
+        assert rec.runtime_fallbacks["cross-attention (Sq != Sk) unsupported by the 8-bit kernels"] == 2
+    else:
+        assert not rec.runtime_fallbacks and rec.kernel_path["triton"] == 2
+
+
+@pytest.mark.parametrize("desc,shapes,dtype,reason", [
+    ("empty batch", ((0, 2, 130, 64),) * 3, torch.bfloat16, "empty input"),
+    ("Dv != D", ((1, 2, 130, 64), (1, 2, 130, 64), (1, 2, 130, 128)), torch.bfloat16, "head_dim unsupported"),
+    ("fp32", ((1, 2, 130, 64),) * 3, torch.float32, "dtype unsupported"),
+    ("gqa", ((1, 4, 130, 64), (1, 2, 130, 64), (1, 2, 130, 64)), torch.bfloat16, "gqa or shape mismatch"),
+])
+@pytest.mark.parametrize("name", ["vsmooth", "mcsparse"])
+def test_direct_call_outside_the_contract_falls_back(name, desc, shapes, dtype, reason):
+    """Regression: an empty batch crashed every method (``max()`` of an empty tensor, a reshape of 0
+    elements); inputs the rewrite never sends (other dtypes, Dv != D, GQA) reached the kernels. All now
+    run stock SDPA (its result or its own error) with the reason recorded."""
+    q, k, v = (torch.randn(*s).to(dtype) for s in shapes)
+    site = new_site(name)
+    try:
+        stock = F.scaled_dot_product_attention(q, k, v)
+    except RuntimeError as e:  # SDPA refuses it too: so must we, with the same error
+        with pytest.raises(RuntimeError, match=re.escape(str(e)[:30])):
+            run_op(q, k, v, name, steps=1, site=site)
+    else:
+        out = run_op(q, k, v, name, steps=1, site=site)[0]
+        assert torch.equal(out, stock)
+    assert _report.site(site).runtime_fallbacks[reason] == 1
+
+
+# ---- groupings ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("clusters,kernels", [(0, "reference"), (16, "reference"), (1000, "reference"),
+                                              (16, "triton")])
+def test_kmeans_fewer_distinct_rows_than_clusters(clusters, kernels):
+    """3 distinct V rows, 2 or 16 (or 1000 > Sk) clusters: empty clusters keep their centroid, nothing
+    NaN, warm starts work; more clusters than keys are capped at Sk."""
+    kernels_param("vsmooth", kernels)
+    q, k, _ = gaussian(B=1, S=130)
+    v = torch.randn(1, 2, 3, 64, generator=_g(7)).repeat_interleave(50, dim=2)[:, :, :130]
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    site = new_site()
+    outs = run_op(q, k, v, "vsmooth", steps=3, kernels=kernels, kmeans_clusters=clusters,
+                  group_fraction=1.0, site=site)
+    assert_method_ok("vsmooth", outs, q, k, v, kernels=kernels)
+    metas = metas_of(site)
+    assert metas and all(torch.isfinite(m.centroids).all() for m in metas)
+    assert all(m.centroids.shape[2] <= 130 for m in metas)
+    for m in metas:
+        assert torch.equal(torch.sort(m.perm, dim=-1).values, torch.arange(130).expand(1, 2, 130))
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_pddp_duplicate_queries(kernels):
+    """Every query identical: the principal direction is 0, sigma must still be a permutation."""
+    kernels_param("mcsparse", kernels)
+    q, k, v = gaussian(B=1, S=200)
+    q = q[:, :, :1].expand(-1, -1, 200, -1).contiguous()
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    site = new_site()
+    outs = run_op(q, k, v, "mcsparse", kernels=kernels, site=site)
+    assert_method_ok("mcsparse", outs, q, k, v, kernels=kernels)
+    metas = metas_of(site)
+    assert metas
+    for m in metas:
+        assert torch.equal(torch.sort(m.sigma, dim=-1).values, torch.arange(200).expand(1, 2, 200))
+
+
+@pytest.mark.parametrize("residual", ["bf16", "none"])
+@pytest.mark.parametrize("Sk", [50, 200])
+def test_density_below_one_tile(Sk, residual):
+    """density 1e-4: fewer keys than one 64-key tile -> one tile (or all Sk < 64 keys) is kept."""
+    q, k, v = (t.bfloat16() for t in gaussian(B=1, S=150, Sk=Sk))
+    site = new_site()
+    outs = run_op(q, k, v, "mcsparse", density=1e-4, residual=residual, site=site)
+    metas = metas_of(site)
+    assert metas and metas[0].idx.shape[-1] == min(64, Sk)
+    assert all(torch.isfinite(o).all() for o in outs)
+    if residual == "bf16" or Sk <= 64:
+        assert_method_ok("mcsparse", outs, q, k, v)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_density_one_equals_dense(kernels):
+    """density 1.0 keeps every key: the sparse output alone (no residual) is dense attention, within 2x
+    stock SDPA's own error plus one bf16 rounding of P."""
+    kernels_param("mcsparse", kernels)
+    q, k, v = (t.bfloat16() for t in gaussian(B=1, S=150))
+    outs = run_op(q, k, v, "mcsparse", kernels=kernels, density=1.0, residual="none", steps=3)
+    ref = ref_sdpa(q, k, v)
+    stock = head_err(F.scaled_dot_product_attention(q, k, v), ref, v).max().item()
+    # + U: the gather kernel feeds P to the PV product in V's 16-bit type (as FlashAttention does on GPUs),
+    # one bf16 rounding more than CPU SDPA, which keeps P in fp32
+    for o in outs:
+        assert head_err(o, ref, v).max() <= 2 * stock + U[torch.bfloat16]
+
+
+@pytest.mark.parametrize("sched,expect", [
+    (dict(anchor_steps=()), {"dense": 2, "anchor": 1, "reuse": 7}),
+    (dict(anchor_interval=1), {"dense": 2, "anchor": 8}),
+    (dict(anchor_steps=tuple(range(10)), warmup_steps=0), {"anchor": 10}),
+])
+def test_anchor_schedules(sched, expect):
+    """``anchor_steps=()``: no scheduled anchor, so the first step without metadata (right after the
+    warm-up) anchors once and every later step reuses it. An anchor on every step: every step returns
+    O_dense."""
+    q, k, v = (t.bfloat16() for t in gaussian(B=1, S=150))
+    site = new_site()
+    cj = VCConfig.from_options({"method": "mcsparse", "min_seq_len": 1, "kernels": "reference",
+                                "density": 0.3, **sched}).to_json()
+    ref = ref_sdpa(q, k, v)
+    with vc_compile.sampling(num_steps=10):
+        for i in range(10):
+            vc_compile.step(i)
+            o = torch.ops.vcattn.attention(q, k, v, None, site, cj, None)
+            assert head_err(o, ref, v).max() <= TOL_REUSE
+    assert dict(_report.site(site).phases) == expect
+
+
+# ---- through torch.compile ----------------------------------------------------------------------------------
+def compiled_tiny(method, dtype=torch.bfloat16, seq=256, zero_q_block=None, **opts):
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    import tiny_dit
+
+    m, x, ctx = tiny_dit.make(dtype=dtype, seq=seq)
+    if zero_q_block is not None:
+        with torch.no_grad():
+            m.blocks[zero_q_block].q.weight.zero_()
+            m.blocks[zero_q_block].q.bias.zero_()
+    options = {**METHODS[method], "compiler": "eager", "min_seq_len": 64, "kernels": "reference", **opts}
+    cm = torch.compile(m, backend="vcattn", options=options)
+    return m, cm, x, ctx
+
+
+@pytest.mark.parametrize("method,dtype,seq,zero_q", [
+    ("vsmooth", torch.bfloat16, 129, None),  # S one more than a tile multiple
+    ("mcsparse", torch.float16, 200, None),  # fp16 model
+    ("vsmooth", torch.bfloat16, 256, 0),  # a block whose q projection is zero (zero Q heads)
+    ("naive", torch.float16, 129, 1),
+])
+def test_compiled_tiny_dit(method, dtype, seq, zero_q):
+    """End to end through the backend (eager compiler): the rewritten model stays finite and close to the
+    uncompiled one (hidden states: the attention error is diluted by the residual stream)."""
+    before = {s.site for s in vc_compile.report().sites}
+    m, cm, x, ctx = compiled_tiny(method, dtype, seq, zero_q)
+    with torch.no_grad(), vc_compile.sampling(num_steps=2):
+        ref = m.float()(x.float(), ctx.float())
+        m.to(dtype)
+        for i in range(2):
+            vc_compile.step(i)
+            y = cm(x, ctx)
+            assert torch.isfinite(y).all()
+            rel = ((y.float() - ref).norm() / ref.norm()).item()
+            assert rel <= 0.03, f"step {i}: {rel}"
+    mine = [s for s in vc_compile.report().sites if s.site not in before]
+    rewritten = [s for s in mine if s.rewritten]
+    assert len(rewritten) == 2 and len(mine) == 4  # self-attention rewritten, cross-attention (Sk=7) not
+    assert all(s.calls == 2 and not s.runtime_fallbacks for s in rewritten)
+
+
+# ---- options and environment ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("options,key", [
+    ("vsmooth", "options must be a dict"),
+    ({"anchor_steps": [1.5]}, "anchor_steps"),
+    ({"anchor_steps": ["3"]}, "anchor_steps"),
+    ({"anchor_steps": [True, 5]}, "anchor_steps"),
+    ({"head_dims": [64.5]}, "head_dims"),
+    ({"residual_budget_gb": float("nan")}, "residual_budget_gb"),
+    ({"residual_budget_gb": 0}, "residual_budget_gb"),
+    ({"hadamard": True, "head_dims": (64, 96)}, "hadamard"),
+    ({"method": ["vsmooth"]}, "method"),
+    ({"density": float("nan")}, "density"),
+    ({"group_fraction": float("inf")}, "group_fraction"),
+    ({"kmeans_init_iters": 0}, "kmeans_init_iters"),
+    ({"sparse_qk": "int8"}, "sparse_qk"),
+    ({"group_size": 96}, "group_size"),
+])
+def test_bad_options_fail_at_compile_time(options, key):
+    """Regression for the first eight: a non-dict ``options`` failed with "dictionary update sequence";
+    ``anchor_steps=[1.5]`` / ``["3"]`` / ``[True]`` and ``head_dims=[64.5]`` were silently truncated by
+    int(); ``residual_budget_gb=nan`` was accepted and crashed int(nan) in the first anchor step;
+    ``hadamard`` with a non-power-of-two head dim crashed inside the op."""
+    with pytest.raises(VCConfigError, match=key):
+        VCConfig.from_options(options)
+    cm = torch.compile(torch.nn.Linear(4, 4), backend="vcattn", options=options)
+    with pytest.raises(Exception, match=key):
+        cm(torch.randn(2, 4))
+
+
+def test_residual_budget_inf_means_no_limit():
+    """Regression: ``residual_budget_gb=float('inf')`` passed validation, then int(inf) raised
+    OverflowError in the first anchor step."""
+    import numpy as np
+
+    cfg = VCConfig.from_options({"residual_budget_gb": float("inf"), "anchor_steps": np.array([0, 2])})
+    assert cfg.anchor_steps == (0, 2) and VCConfig.from_json(cfg.to_json()) == cfg
+    q, k, v = (t.bfloat16() for t in gaussian(B=1, S=150))
+    assert_method_ok("mcsparse", run_op(q, k, v, "mcsparse", residual_budget_gb=float("inf")), q, k, v)
+
+
+def test_sparse_qk_fp8_on_the_reference_path():
+    """Regression: ``sparse_qk="fp8"`` passed ``qk_format`` to the 16-bit reference kernel (TypeError in
+    every reuse step on CPU); the reference path now runs ``reference/sparse_attn_q8.py``."""
+    if importlib.util.find_spec("vc_compile.reference.sparse_attn_q8") is None:
+        pytest.skip("vc_compile/reference/sparse_attn_q8.py not written yet")
+    q, k, v = (t.bfloat16() for t in gaussian(B=1, S=150))
+    outs = run_op(q, k, v, "mcsparse", sparse_qk="fp8")
+    assert_method_ok("mcsparse", outs, q, k, v)
+
+
+@contextlib.contextmanager
+def fresh_resolve_caches():
+    methods._templates_or_error.cache_clear()
+    methods._load.cache_clear()
+    methods._warn_once.cache_clear()
+    try:
+        yield
+    finally:
+        methods._templates_or_error.cache_clear()
+        methods._load.cache_clear()
+        methods._warn_once.cache_clear()
+
+
+CUDA = torch.device("cuda")
+
+
+def test_gpu_without_fp8_falls_back_with_a_warning(monkeypatch):
+    """Simulated sm_80: V-Smooth (FP8 PV) runs the reference with a warning, not a crash; MC-Sparse with
+    bf16 QK needs no FP8 and keeps its kernels (before: it was sent to the slow reference too); forcing
+    kernels='triton' where FP8 is needed is a clear error."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with fresh_resolve_caches():
+        with pytest.warns(RuntimeWarning, match="no FP8"):
+            mods, path = methods.resolve("vsmooth", VCConfig(), CUDA)
+        assert path == "reference" and mods is methods.reference("vsmooth")
+        if methods._templates_or_error("mcsparse")[0] is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert methods.resolve("mcsparse", VCConfig(method="mcsparse"), CUDA)[1] == "triton"
+        with pytest.warns(RuntimeWarning, match="no FP8"):
+            assert methods.resolve("mcsparse", VCConfig(method="mcsparse", sparse_qk="fp8"), CUDA)[1] == "reference"
+        with pytest.raises(RuntimeError, match="no FP8"):
+            methods.resolve("vsmooth", VCConfig(kernels="triton"), CUDA)
+
+
+def test_without_triton_falls_back_with_a_warning(monkeypatch):
+    """Simulated install without Triton (import fails) on an FP8 GPU: the reference, one warning naming
+    the import error; kernels='triton' is a clear error."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "triton", None)
+    for name in list(sys.modules):
+        if name.startswith("vc_compile.templates."):
+            monkeypatch.delitem(sys.modules, name)
+    with fresh_resolve_caches():
+        for method in ("vsmooth", "mcsparse"):
+            with pytest.warns(RuntimeWarning, match="kernels unavailable.*(ModuleNotFound|Import)Error"):
+                mods, path = methods.resolve(method, VCConfig(method=method), CUDA)
+            assert mods is methods.reference(method) and path.startswith("reference")
+            with pytest.raises(RuntimeError, match="failed to load"):
+                methods.resolve(method, VCConfig(method=method, kernels="triton"), CUDA)
+
+
+def test_forced_triton_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        methods.resolve("vsmooth", VCConfig(kernels="triton"), torch.device("cpu"))
