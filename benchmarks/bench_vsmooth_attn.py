@@ -1,6 +1,7 @@
 """8-bit attention on the H200 (issue 4): speed and fidelity of every variant, side by side.
 
-    python benchmarks/bench_vsmooth_attn.py [--quick] [--out DIR] [--sweep] [--check] [--smoke]
+    python benchmarks/bench_vsmooth_attn.py [--quick] [--out DIR] [--sweep] [--check] [--ab [--auto]]
+                                            [--smoke] [--no-bench] [--no-csv]
 
 Variants per shape (B = 1, H = 40; D = 128 at S in {8190, 32760, 75600}, D = 64 at S = 32760):
 SDPA cuDNN / flash (bf16), sageattention 1.0.6 (if importable), naive 8-bit (smooth=False, identity
@@ -14,6 +15,9 @@ the output error carried by P_q (V - V_q) (||E2||^2 / (||E1||^2 + ||E2||^2), E1 
 share of V's energy removed by the block means (identity order / k-means order).
 --check: correctness of every kernel against the reference on the GPU first (exit 1 on failure).
 --sweep: attention configurations (BM, BN, warps, stages, row sum on MMA) at S = 32760.
+--ab: attention variants (config, ExpCast mode, mean mode, row sum, QK format): correctness (NaN, vs the
+reference and an fp32 truth on S = 4173) and speed at S = 32760; with --auto the benchmark then uses the
+fastest correct variant per (D, expcast) (how the committed results and DEFAULT_VARIANTS were made).
 --smoke: tiny shapes on any device (CPU: TRITON_INTERPRET=1), to exercise the script itself.
 """
 from __future__ import annotations
