@@ -47,12 +47,23 @@ def get(key: tuple) -> Optional[Any]:
 
 
 def put(key: tuple, meta: Any) -> None:
+    """Store ``meta`` under ``key``; ``None`` drops the entry."""
     site = key[0]
     with _LOCK:
         old = _STORE.get(key)
-        _STORE[key] = meta
+        if meta is None:
+            _STORE.pop(key, None)
+        else:
+            _STORE[key] = meta
         delta = nbytes(meta) - nbytes(old)
     _report.site(site).bytes_held += delta
+
+
+def keys() -> list:
+    """The keys of the metadata held now: ``(site, block identity, branch, q shape, k shape, device)``
+    (diagnostics and tests: which expert / block / branch / resolution has metadata)."""
+    with _LOCK:
+        return list(_STORE)
 
 
 def bytes_held() -> int:
