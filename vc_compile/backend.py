@@ -12,25 +12,43 @@ from typing import Optional
 
 import torch
 
-from .config import Compiler, VCConfig
+from .config import Compiler, VCConfig, VCConfigError
 from .passes.sdpa_rewrite import rewrite_sdpa
 
 _GRAPH_IDS = itertools.count(1)
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+def cudagraph_partition_supported() -> bool:
+    """Can Inductor cut a CUDA graph around ``vcattn::attention``? Needs the ``cudagraph_unsafe`` op tag
+    and the ``graph_partition`` option (both present in torch 2.11 and 2.13)."""
+    from torch._inductor import config as inductor_config
+
+    return hasattr(torch._C.Tag, "cudagraph_unsafe") and hasattr(inductor_config, "graph_partition")
+
+
 def inductor_patches(cfg: VCConfig) -> dict:
-    """Inductor settings for ``mode``, scoped to this compile through ``config_patches`` (never global)."""
+    """Inductor settings for ``mode``, scoped to this compile through ``config_patches`` (never global).
+
+    CUDA-graph modes (``"reduce-overhead"``, ``"max-autotune"``): an opaque op inside a CUDA graph runs
+    its Python only while the graph is recorded, so the step tracking and the metadata of
+    ``vcattn::attention`` would freeze at their first values. The op is tagged ``cudagraph_unsafe`` and
+    ``graph_partition=True`` is forced for this compile: Inductor records CUDA graphs of the pieces
+    between attention calls and runs the op itself eagerly on every call, so phases keep advancing (the
+    GPU test ``tests/test_steps.py::test_reduce_overhead_phases_advance_gpu`` checks it). Where
+    partitioning is unavailable the mode is refused up front rather than silently frozen.
+    """
     if not cfg.mode or cfg.mode == "default":
         return {}
     patches = dict(torch._inductor.list_mode_options(cfg.mode))
     if patches.get("triton.cudagraphs"):
-        # vcattn::attention is tagged cudagraph_unsafe: the CUDA graph is partitioned around it so its
-        # Python (step tracking, metadata) runs on every call instead of being frozen at record time.
-        from torch._inductor import config as inductor_config
-
-        if hasattr(inductor_config, "graph_partition"):
-            patches["graph_partition"] = True
+        if not cudagraph_partition_supported():
+            raise VCConfigError(
+                f"vcattn: mode={cfg.mode!r} records CUDA graphs, and this torch ({torch.__version__}) cannot "
+                "partition a graph around vcattn::attention (needs torch._C.Tag.cudagraph_unsafe and "
+                "torch._inductor.config.graph_partition), so the attention phases would freeze at their "
+                "first step. Use mode='max-autotune-no-cudagraphs' or the default mode, or torch >= 2.11.")
+        patches["graph_partition"] = True
     return patches
 
 

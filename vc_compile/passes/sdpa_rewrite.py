@@ -200,23 +200,54 @@ def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -
     return stats
 
 
+_ATTN_WORDS = ("attn", "attention", "sage", "flash", "xformers")
+
+
+def _target_name(n: fx.Node) -> str:
+    t = n.target
+    if isinstance(t, str):
+        return t
+    name = getattr(t, "__name__", None) or str(t)
+    ns = getattr(t, "namespace", None) or getattr(getattr(t, "_schema", None), "name", "").split("::")[0]
+    return f"{ns}.{name}" if ns and ns not in ("aten", "prim") else name
+
+
 def _warn_no_sdpa(gm: fx.GraphModule, graph_name: str) -> None:
+    """Warn when a compiled graph has no SDPA to rewrite although it should have had attention.
+
+    Small graph pieces without any attention-like op stay quiet (graph breaks cut models into pieces,
+    most of which hold no attention). The cause is classified into a counter
+    ``counters["vcattn"]["no_sdpa:<cause>"]`` (``third-party``, ``hand-written``, ``graph-break``) and
+    the warning text names what to do; the text carries no graph name, so Python's warning filter
+    shows each cause once instead of once per graph piece (a model with graph breaks compiles into
+    many). Every graph is listed in ``vc_compile.report().graphs_without_sdpa``.
+    """
     nodes = [n for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
              if n.op in ("call_function", "call_method", "call_module")]
-    names = " ".join(str(getattr(n.target, "__name__", n.target)).lower() for n in nodes)
-    if len(nodes) < 8 and "softmax" not in names and "attn" not in names and "attention" not in names:
+    names = [_target_name(n) for n in nodes]
+    lowered = [x.lower() for x in names]
+    attn_like = [x for x, lo in zip(names, lowered) if any(w in lo for w in _ATTN_WORDS)]
+    has_softmax = any("softmax" in lo for lo in lowered)
+    if len(nodes) < 8 and not attn_like and not has_softmax:
         return  # a small graph piece (e.g. between graph breaks) with no attention in it: stay quiet
     counters["vcattn"]["graphs_without_sdpa"] += 1
     _report.note_empty_graph(graph_name)
-    if "softmax" in names:
+    if attn_like:
+        kind = "third-party"
+        cause = (f"attention runs through another kernel ({attn_like[0]!r}; e.g. diffusers "
+                 "set_attention_backend('sage'/'flash'/'flex'/'xformers')); call "
+                 "set_attention_backend('native') (the default) so that scaled_dot_product_attention is "
+                 "visible to vcattn")
+    elif has_softmax:
+        kind = "hand-written"
         cause = ("attention is written by hand (matmul + softmax); vcattn rewrites only "
                  "F.scaled_dot_product_attention")
-    elif "attn" in names or "attention" in names or "sage" in names or "flash" in names:
-        cause = ("attention runs through a third-party kernel (e.g. diffusers set_attention_backend('sage' "
-                 "or 'flash')); call set_attention_backend('native') (the default) so SDPA is visible")
     else:
-        cause = ("no attention reached this graph: graph breaks can hide it (check "
-                 "torch._dynamo.explain(model)(...)); e.g. Mochi's per-sample nonzero() needs "
+        kind = "graph-break"
+        cause = ("no attention reached the compiled graphs: graph breaks can leave it running eagerly "
+                 "(check torch._dynamo.explain(model)(...)); e.g. Mochi's per-sample nonzero() needs "
                  "torch._dynamo.config.capture_dynamic_output_shape_ops = True")
-    warnings.warn(f"vcattn: compiled graph '{graph_name}' ({len(nodes)} ops) contains no "
-                  f"scaled_dot_product_attention, so nothing was rewritten: {cause}.", UserWarning, stacklevel=2)
+    counters["vcattn"][f"no_sdpa:{kind}"] += 1
+    warnings.warn(f"vcattn: a compiled graph contains no scaled_dot_product_attention, so nothing in it "
+                  f"was rewritten: {cause}. Graphs concerned: vc_compile.report().graphs_without_sdpa.",
+                  UserWarning, stacklevel=3)
