@@ -317,6 +317,21 @@ def test_fp16_near_max_values_kernels(name):
     assert_method_ok(name, run_op(q, k, v, name, kernels="triton"), q, k, v, kernels="triton")
 
 
+def test_fp16_near_max_stateless_ops():
+    """Regression: the stateless ops (benchmarks, users managing metadata) had the same fp16 overflow."""
+    q, k, v = near_fp16_max_v(0)
+    ref = ref_sdpa(q, k, v)
+    for expcast in (False, True):
+        out = torch.ops.vcattn.vsmooth_attention(q, k, v, None, expcast, False, "int8", True, None)
+        assert torch.isfinite(out).all() and head_err(out, ref, v).max() <= TOL_8BIT
+    S = q.shape[2]
+    sigma = torch.arange(S).expand(1, 1, S).contiguous()
+    idx = torch.arange(S, dtype=torch.int32).expand(1, 1, S // 64, S).contiguous()
+    resid = torch.full((1, 1, S, 64), 100.0, dtype=torch.float16)  # a stale residual pushing past 65504
+    out = torch.ops.vcattn.sparse_attention(q, k, v, sigma, idx, resid, 64, None)
+    assert torch.isfinite(out).all() and out.max() == 65504
+
+
 def test_fp16_saturation_keeps_inf_and_nan():
     """The saturation moves only finite overflows: an Inf from an Inf input and NaN stay visible."""
     o = torch.tensor([70000.0, -70000.0, float("inf"), float("nan"), 1.5])

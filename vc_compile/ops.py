@@ -77,7 +77,7 @@ _FREED: collections.deque = collections.deque()
 
 def _ident_freed(block: Tuple[int, int]) -> None:
     _FREED.append(block)
-    if not state._LOCK.locked():
+    if not state._LOCK.locked() and not _report._LOCK.locked():  # (state.put may take the report's)
         _drain_freed()
 
 
@@ -98,8 +98,11 @@ def _watch(ident: Optional[torch.Tensor], key: tuple) -> None:
     block = key[:2]
     keys = _WATCHED.get(block)
     if keys is None:
+        try:
+            weakref.finalize(ident, _ident_freed, block).atexit = False
+        except TypeError:  # a tensor subclass without weakref support: dropped at the next generation
+            return
         keys = _WATCHED[block] = set()
-        weakref.finalize(ident, _ident_freed, block).atexit = False
     keys.add(key)
 
 
@@ -131,7 +134,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
     sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ident_ptr = ident.data_ptr() if ident is not None else 0
-    info = TRACKER.current((site, ident_ptr), cfg.num_steps, shape=(tuple(q.shape), tuple(k.shape)))
+    info = TRACKER.current((site, ident_ptr), cfg.num_steps)
     key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
     meta = state.get(key)
     phase = phase_for(cfg, info.step, info.num_steps, meta is not None)
@@ -162,7 +165,9 @@ def vsmooth_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: O
     sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     qk = impl.preprocess.preprocess_qk(q, k, perm, sm_scale=sm, hadamard=hadamard, qk_format=qk_format)
     vq = impl.preprocess.preprocess_v(v, perm if smooth_v else None, smooth=smooth_v)
-    return impl.vsmooth_attn.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=q.dtype)
+    out = impl.vsmooth_attn.vsmooth_attention(qk, vq, expcast=expcast,
+                                              out_dtype=methods.kernel_out_dtype(q.dtype))
+    return methods.finish_output(out, q.dtype)  # fp16: saturate instead of rounding up to inf
 
 
 @vsmooth_attention.register_fake
@@ -177,8 +182,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigma: t
     """Stateless token-gather sparse attention with given query groups and key selection."""
     impl, _ = methods.resolve("mcsparse", VCConfig(method=Method.MCSPARSE, group_size=group_size), q.device)
     sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return impl.sparse_attn.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=group_size,
-                                             residual=residual, out_dtype=q.dtype)
+    out = impl.sparse_attn.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=group_size,
+                                            residual=residual, out_dtype=methods.kernel_out_dtype(q.dtype))
+    return methods.finish_output(out, q.dtype)  # fp16: saturate instead of rounding up to inf
 
 
 @sparse_attention.register_fake
