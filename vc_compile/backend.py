@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .config import Compiler, VCConfig, VCConfigError
+from .passes.cp_detect import detect_context_parallel
 from .passes.sdpa_rewrite import rewrite_sdpa
 
 _GRAPH_IDS = itertools.count(1)
@@ -55,6 +56,7 @@ def inductor_patches(cfg: VCConfig) -> dict:
 def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None, **_):
     cfg = VCConfig.from_options(options, mode)
     name = f"vcattn_graph_{next(_GRAPH_IDS)}"
+    detect_context_parallel(gm, cfg, graph_name=name)  # report-only: ring / DTensor / Ulysses findings
     rewrite_sdpa(gm, cfg, graph_name=name)
     if cfg.compiler == Compiler.EAGER:
         return gm.forward

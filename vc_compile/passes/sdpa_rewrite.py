@@ -27,6 +27,8 @@ from torch._dynamo.utils import counters
 from .. import ops  # noqa: F401  (registers torch.ops.vcattn.*)
 from ..config import VCConfig
 from ..runtime import report as _report
+from .cp_detect import META_KEY as _CP_META_KEY
+from .cp_detect import dtensor_reason
 
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
                 torch.ops.aten.scaled_dot_product_attention.default}
@@ -72,6 +74,9 @@ def ineligible(a: dict, cfg: VCConfig) -> Optional[str]:
     q, k, v = (_val(a[x]) for x in "qkv")
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "no example value"
+    cp_reason = dtensor_reason(q, k, v)  # torch context_parallel: the ring is behind the DTensor dispatch
+    if cp_reason is not None:
+        return cp_reason
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "not 4-D [B, H, S, D]"
     if any(t.requires_grad for t in (q, k, v)):
@@ -195,7 +200,8 @@ def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -
         if changed:
             mod.graph.lint()
             mod.recompile()
-    if stats["sdpa"] == 0:
+    cp = getattr(gm, "meta", {}).get(_CP_META_KEY)
+    if stats["sdpa"] == 0 and not getattr(cp, "has_ring", False):  # ring calls got their own warning
         _warn_no_sdpa(gm, graph_name)
     return stats
 
