@@ -144,7 +144,10 @@ class Report:
                          ",".join(sorted(s.kernel_path)), fb or "-", f"{s.time_ms:.2f}",
                          f"{s.bytes_held / 2**20:.1f}"])
         if not rows:
-            return "vc_compile report: no attention call sites compiled yet"
+            msg = "vc_compile report: no attention call sites compiled yet"
+            if self.graphs_without_sdpa:
+                msg += f"\ngraphs with no SDPA captured: {', '.join(self.graphs_without_sdpa)}"
+            return msg
         w = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
         lines = [" | ".join(c.ljust(w[i]) for i, c in enumerate(cols)),
                  "-+-".join("-" * x for x in w)]
