@@ -104,7 +104,7 @@ def run(method: str, args) -> list:
             row["cuda_mb"] = torch.cuda.memory_allocated() / 2**20
             row["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         rows.append(row)
-        if gen == 0 or (gen + 1) % args.print_every == 0 or gen == args.generations - 1:
+        if gen % args.print_every == 0 or gen == args.generations - 1:
             print_row(method, row)
     return rows
 
@@ -172,7 +172,8 @@ def main(argv=None):
     p.add_argument("--compiler", choices=["inductor", "eager"], default=None,
                    help="default: inductor on CUDA, eager on CPU")
     p.add_argument("--print-every", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2, help="generations left out of the growth summary")
+    p.add_argument("--warmup", type=int, default=6,
+                   help="generations left out of the growth summary (both resolutions compiled by then)")
     p.add_argument("--plot", default=None, help="save a PNG of memory per generation here")
     args = p.parse_args(argv)
     dev = "cuda: " + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -38,6 +38,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import KERNEL_DEVICE
 import vc_compile
 from vc_compile import methods
 from vc_compile.config import VCConfig, VCConfigError
@@ -139,9 +140,12 @@ def templates_skip(name):
 
 
 def kernels_param(name, kernels):
+    """The device of this variant: KERNEL_DEVICE (cuda, or cpu under TRITON_INTERPRET=1) for the Triton
+    kernels, after skipping when they cannot be loaded; cpu for the reference."""
     if kernels == "triton":
         templates_skip(name)
-    return kernels
+        return KERNEL_DEVICE
+    return "cpu"
 
 
 # ---- hostile cases --------------------------------------------------------------------------------------
@@ -271,8 +275,8 @@ def test_hostile_reference(case, name, dtype):
 @pytest.mark.parametrize("name", [n for n in METHODS if n != "dense"])
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_hostile_kernels(case, name):
-    kernels_param(name, "triton")
-    q, k, v = (t[:1, :, :130].to(torch.bfloat16) for t in CASES[case]())
+    dev = kernels_param(name, "triton")
+    q, k, v = (t[:1, :, :130].to(dev, torch.bfloat16) for t in CASES[case]())
     assert_method_ok(name, run_op(q, k, v, name, kernels="triton"), q, k, v, kernels="triton")
 
 
@@ -311,9 +315,9 @@ def test_fp16_near_max_values_stay_finite(name):
 
 @pytest.mark.parametrize("name", [n for n in METHODS if n != "dense"])
 def test_fp16_near_max_values_kernels(name):
-    kernels_param(name, "triton")
+    dev = kernels_param(name, "triton")
     q, k, v = near_fp16_max_v(0)
-    q, k, v = (t[:, :, :130] for t in (q, k, v))
+    q, k, v = (t[:, :, :130].to(dev) for t in (q, k, v))
     assert_method_ok(name, run_op(q, k, v, name, kernels="triton"), q, k, v, kernels="triton")
 
 
@@ -365,8 +369,8 @@ def test_bf16_large_values_in_guaranteed_range(name):
 
 
 # ---- NaN / Inf in one element ----------------------------------------------------------------------------
-def poisoned(which, bad, dtype=torch.bfloat16, S=160):
-    q, k, v = (t.to(dtype) for t in gaussian(S=S))
+def poisoned(which, bad, dtype=torch.bfloat16, S=160, device="cpu"):
+    q, k, v = (t.to(device, dtype) for t in gaussian(S=S))
     clean = (q.clone(), k.clone(), v.clone())
     t = [q, k, v]["qkv".index(which)]
     t[1, 0, 7, 3] = bad
@@ -380,7 +384,7 @@ def check_poisoned(name, outs, bad_in, clean, kernels="reference"):
     ref32 = ref_sdpa(q, k, v)
     o = outs[0]
     # 1. nothing outside the poisoned (b=1, h=0) slice is touched: finite and within tolerance
-    other = torch.ones(2, 2, dtype=torch.bool)
+    other = torch.ones(2, 2, dtype=torch.bool, device=o.device)
     other[1, 0] = False
     assert torch.isfinite(o[other]).all(), f"{name}: non-finite values leaked into other heads/batch rows"
     stock_err = head_err(stock, ref32, v)[other].max().item()
@@ -423,8 +427,8 @@ def test_nonfinite_element(name, which, bad):
 @pytest.mark.parametrize("name,which", [("vsmooth", "q"), ("vsmooth", "k"), ("vsmooth", "v"), ("naive", "v"),
                                         ("mcsparse", "q"), ("mcsparse", "k"), ("mcsparse", "v")])
 def test_nonfinite_element_kernels(name, which):
-    kernels_param(name, "triton")
-    bad_in, clean = poisoned(which, float("nan"), S=130)
+    dev = kernels_param(name, "triton")
+    bad_in, clean = poisoned(which, float("nan"), S=130, device=dev)
     outs = run_op(*clean, name, steps=3, inputs=[bad_in, clean, clean], kernels="triton", group_fraction=0.5)
     try:
         check_poisoned(name, outs, bad_in, clean, kernels="triton")
@@ -468,8 +472,8 @@ def test_sequence_lengths(name, S):
 @pytest.mark.parametrize("name", [n for n in METHODS if n != "dense"])
 @pytest.mark.parametrize("S", [1, 63, 129])
 def test_sequence_lengths_kernels(name, S):
-    kernels_param(name, "triton")
-    q, k, v = (t.bfloat16() for t in gaussian(B=1, H=1, S=S))
+    dev = kernels_param(name, "triton")
+    q, k, v = (t.to(dev, torch.bfloat16) for t in gaussian(B=1, H=1, S=S))
     assert_method_ok(name, run_op(q, k, v, name, kernels="triton"), q, k, v, kernels="triton")
 
 
@@ -494,13 +498,13 @@ def test_single_head(name):
     assert_method_ok(name, run_op(q, k, v, name), q, k, v)
 
 
-def strided_inputs():
+def strided_inputs(device="cpu"):
     """Non-contiguous layouts: q a permuted [B, S, H, D] view, k with a non-unit last stride (transposed
     [B, H, D, S] storage), v a slice of a wider tensor."""
     g = _g(5)
-    q = torch.randn(2, 150, 2, 64, generator=g).bfloat16().permute(0, 2, 1, 3)
-    k = torch.randn(2, 2, 64, 150, generator=g).bfloat16().transpose(-1, -2)
-    v = torch.randn(2, 2, 150, 128, generator=g).bfloat16()[..., 32:96]
+    q = torch.randn(2, 150, 2, 64, generator=g).to(device, torch.bfloat16).permute(0, 2, 1, 3)
+    k = torch.randn(2, 2, 64, 150, generator=g).to(device, torch.bfloat16).transpose(-1, -2)
+    v = torch.randn(2, 2, 150, 128, generator=g).to(device, torch.bfloat16)[..., 32:96]
     assert not q.is_contiguous() and k.stride(-1) != 1 and not v.is_contiguous()
     return q, k, v
 
@@ -510,8 +514,8 @@ def strided_inputs():
 def test_non_contiguous_inputs(name, kernels):
     if kernels == "triton" and name in ("dense", "expcast"):
         pytest.skip("dense has no kernel; expcast shares vsmooth's memory access")
-    kernels_param(name, kernels)
-    q, k, v = strided_inputs()
+    dev = kernels_param(name, kernels)
+    q, k, v = strided_inputs(dev)
     assert_method_ok(name, run_op(q, k, v, name, kernels=kernels), q, k, v, kernels=kernels)
 
 
@@ -528,8 +532,8 @@ def test_cross_attention_lengths(name, Sq, Sk):
 def test_cross_attention_lengths_kernels(name):
     """Regression: the 8-bit Triton preprocessing needs Sq == Sk and raised ValueError inside the op;
     now such a call runs stock SDPA with the reason recorded. MC-Sparse's kernels take Sk != Sq."""
-    kernels_param(name, "triton")
-    q, k, v = (t.bfloat16() for t in gaussian(B=1, H=1, S=70, Sk=130))
+    dev = kernels_param(name, "triton")
+    q, k, v = (t.to(dev, torch.bfloat16) for t in gaussian(B=1, H=1, S=70, Sk=130))
     site = new_site(name)
     outs = run_op(q, k, v, name, kernels="triton", site=site)
     assert_method_ok("dense" if name == "vsmooth" else name, outs, q, k, v, kernels="triton")
@@ -570,10 +574,10 @@ def test_direct_call_outside_the_contract_falls_back(name, desc, shapes, dtype, 
 def test_kmeans_fewer_distinct_rows_than_clusters(clusters, kernels):
     """3 distinct V rows, 2 or 16 (or 1000 > Sk) clusters: empty clusters keep their centroid, nothing
     NaN, warm starts work; more clusters than keys are capped at Sk."""
-    kernels_param("vsmooth", kernels)
+    dev = kernels_param("vsmooth", kernels)
     q, k, _ = gaussian(B=1, S=130)
     v = torch.randn(1, 2, 3, 64, generator=_g(7)).repeat_interleave(50, dim=2)[:, :, :130]
-    q, k, v = (t.bfloat16() for t in (q, k, v))
+    q, k, v = (t.to(dev, torch.bfloat16) for t in (q, k, v))
     site = new_site()
     outs = run_op(q, k, v, "vsmooth", steps=3, kernels=kernels, kmeans_clusters=clusters,
                   group_fraction=1.0, site=site)
@@ -582,23 +586,23 @@ def test_kmeans_fewer_distinct_rows_than_clusters(clusters, kernels):
     assert metas and all(torch.isfinite(m.centroids).all() for m in metas)
     assert all(m.centroids.shape[2] <= 130 for m in metas)
     for m in metas:
-        assert torch.equal(torch.sort(m.perm, dim=-1).values, torch.arange(130).expand(1, 2, 130))
+        assert torch.equal(torch.sort(m.perm, dim=-1).values.cpu(), torch.arange(130).expand(1, 2, 130))
 
 
 @pytest.mark.parametrize("kernels", ["reference", "triton"])
 def test_pddp_duplicate_queries(kernels):
     """Every query identical: the principal direction is 0, sigma must still be a permutation."""
-    kernels_param("mcsparse", kernels)
+    dev = kernels_param("mcsparse", kernels)
     q, k, v = gaussian(B=1, S=200)
     q = q[:, :, :1].expand(-1, -1, 200, -1).contiguous()
-    q, k, v = (t.bfloat16() for t in (q, k, v))
+    q, k, v = (t.to(dev, torch.bfloat16) for t in (q, k, v))
     site = new_site()
     outs = run_op(q, k, v, "mcsparse", kernels=kernels, site=site)
     assert_method_ok("mcsparse", outs, q, k, v, kernels=kernels)
     metas = metas_of(site)
     assert metas
     for m in metas:
-        assert torch.equal(torch.sort(m.sigma, dim=-1).values, torch.arange(200).expand(1, 2, 200))
+        assert torch.equal(torch.sort(m.sigma, dim=-1).values.cpu(), torch.arange(200).expand(1, 2, 200))
 
 
 @pytest.mark.parametrize("residual", ["bf16", "none"])
@@ -619,8 +623,8 @@ def test_density_below_one_tile(Sk, residual):
 def test_density_one_equals_dense(kernels):
     """density 1.0 keeps every key: the sparse output alone (no residual) is dense attention, within 2x
     stock SDPA's own error plus one bf16 rounding of P."""
-    kernels_param("mcsparse", kernels)
-    q, k, v = (t.bfloat16() for t in gaussian(B=1, S=150))
+    dev = kernels_param("mcsparse", kernels)
+    q, k, v = (t.to(dev, torch.bfloat16) for t in gaussian(B=1, S=150))
     outs = run_op(q, k, v, "mcsparse", kernels=kernels, density=1.0, residual="none", steps=3)
     ref = ref_sdpa(q, k, v)
     stock = head_err(F.scaled_dot_product_attention(q, k, v), ref, v).max().item()
