@@ -134,7 +134,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
     sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ident_ptr = ident.data_ptr() if ident is not None else 0
-    info = TRACKER.current((site, ident_ptr), cfg.num_steps)
+    info = TRACKER.current((site, ident_ptr), cfg.num_steps, shape=(tuple(q.shape), tuple(k.shape)))
     key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
     meta = state.get(key)
     phase = phase_for(cfg, info.step, info.num_steps, meta is not None)
