@@ -148,3 +148,30 @@ def test_hand_written_attention_warns():
         cm(*qkv(dtype=torch.float32))
     assert counters["vcattn"]["graphs_without_sdpa"] == 1
     assert vc_compile.report().graphs_without_sdpa
+
+
+def test_freed_graph_drops_its_metadata():
+    import gc
+
+    from vc_compile.runtime import state
+
+    m, x, ctx = tiny_dit.make()
+    cm = torch.compile(m, backend="vcattn", options={**BASE, "method": "vsmooth"})
+    with torch.no_grad():
+        vc_compile.step(0)
+        cm(x, ctx)
+    try:
+        assert state.bytes_held() > 0
+        torch._dynamo.reset()  # frees the compiled graph: its sites' metadata goes with it
+        del cm
+        gc.collect()
+        assert state.bytes_held() == 0
+        assert all(s.bytes_held == 0 for s in vc_compile.report().sites)
+    finally:
+        vc_compile.reset()
+
+
+def test_mode_with_eager_compiler_warns():
+    cm, _ = compile_capture(lambda x: x + 1, {**BASE, "mode": "max-autotune"})
+    with pytest.warns(UserWarning, match="no effect with compiler='eager'"):
+        cm(torch.randn(3))

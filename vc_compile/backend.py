@@ -8,6 +8,8 @@ Registered only through the ``torch_dynamo_backends`` entry point (setup.py), so
 from __future__ import annotations
 
 import itertools
+import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -57,8 +59,16 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
     cfg = VCConfig.from_options(options, mode)
     name = f"vcattn_graph_{next(_GRAPH_IDS)}"
     detect_context_parallel(gm, cfg, graph_name=name)  # report-only: ring / DTensor / Ulysses findings
-    rewrite_sdpa(gm, cfg, graph_name=name)
+    stats = rewrite_sdpa(gm, cfg, graph_name=name)
+    if stats["sites"]:
+        # torch._dynamo.reset() or a deleted model frees the graph: its metadata goes with it
+        from .runtime import state
+
+        weakref.finalize(gm, state.drop_sites, tuple(stats["sites"]))
     if cfg.compiler == Compiler.EAGER:
+        if cfg.mode not in (None, "default"):
+            warnings.warn(f"vcattn: mode={cfg.mode!r} has no effect with compiler='eager' (Inductor is not "
+                          "used); drop one of the two.", UserWarning, stacklevel=2)
         return gm.forward
     from torch._inductor.compile_fx import compile_fx
 

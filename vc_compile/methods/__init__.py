@@ -47,6 +47,8 @@ def _templates_or_error(method: str):
 def fp8_capable(device: torch.device) -> bool:
     if device.type != "cuda":
         return os.environ.get("TRITON_INTERPRET") == "1"
+    if getattr(torch.version, "hip", None):  # Triton's float8e4nv (OCP E4M3 on NVIDIA) is not ROCm's
+        return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 

@@ -158,7 +158,7 @@ def _fake_value(node: fx.Node):
 
 def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -> dict:
     """Rewrite ``gm`` in place (and its nested GraphModules). Returns {'rewritten': n, 'fallback': m}."""
-    stats = {"rewritten": 0, "fallback": 0, "sdpa": 0}
+    stats = {"rewritten": 0, "fallback": 0, "sdpa": 0, "sites": []}
     cfg_json = cfg.to_json()
     method = cfg.resolved_method.value
     for mod_name, mod in gm.named_modules():
@@ -196,6 +196,7 @@ def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -
             counters["vcattn"]["rewrite"] += 1
             counters["vcattn"][f"rewrite:{method}"] += 1
             stats["rewritten"] += 1
+            stats["sites"].append(rec.site)
             changed = True
         if changed:
             mod.graph.lint()

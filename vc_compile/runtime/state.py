@@ -84,6 +84,10 @@ def drop_sites(sites) -> None:
     with _LOCK:
         for key in [k for k in _STORE if k[0] in sites]:
             del _STORE[key]
+    for site in sites:
+        rec = _report._SITES.get(site)
+        if rec is not None:
+            rec.bytes_held = 0
 
 
 def _on_new_generation(_gen: int) -> None:

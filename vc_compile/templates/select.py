@@ -140,6 +140,7 @@ def dense_with_lse(q, k, v, sm_scale: float):
     on the GPU against reference/dense.py by tests/test_select.py::test_dense_with_lse_cuda. On CPU:
     ``_scaled_dot_product_flash_attention_for_cpu`` (also natural log)."""
     B, H, S, _ = q.shape
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # aten kernels need unit last stride
     if q.is_cuda:
         try:
             r = torch.ops.aten._scaled_dot_product_cudnn_attention(
