@@ -28,6 +28,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.vcattn.*)
 from ..config import VCConfig
 from ..runtime import report as _report
 from .cp_detect import META_KEY as _CP_META_KEY
+from .cp_detect import _module_path
 from .cp_detect import dtensor_reason
 
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
@@ -122,14 +123,6 @@ def find_block_identity(q: fx.Node, max_depth: int = 40) -> Optional[fx.Node]:
             return None
         frontier = nxt
     return None
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        path = list(stack.values())[-1]
-        return path[0] if isinstance(path, tuple) else str(path)
-    return ""
 
 
 def _shape_str(a) -> str:
