@@ -42,6 +42,7 @@ class SiteRecord:
     time_ms: float = 0.0
     bytes_held: int = 0
     has_identity: bool = True
+    rope: Optional[str] = None  # RoPE producer form of q/k (passes/rope_detect.py), None = not analysed
     _pending: list = field(default_factory=list, repr=False)
 
     def resolve_timing(self) -> None:
