@@ -104,6 +104,38 @@ def test_wan_interleaved_setitem(monkeypatch):
     check_unchanged(monkeypatch, m, out, *args)
 
 
+def test_skyreels_interleaved_setitem(monkeypatch):
+    from diffusers import SkyReelsV2Transformer3DModel
+    torch.manual_seed(0)
+    m = SkyReelsV2Transformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64,
+                                     in_channels=4, out_channels=4, text_dim=16, freq_dim=32, ffn_dim=64,
+                                     num_layers=1, rope_max_seq_len=32).to(BF).eval()
+    args = (torch.randn(1, 4, 3, 16, 16, dtype=BF), torch.tensor([999]), torch.randn(1, 8, 16, dtype=BF))
+    out, found = compile_run(monkeypatch, m, *args)
+    assert rope_counters() == {"rope:interleaved-setitem": 1, "rope:none": 1}
+    assert [s.rope for s in vc_compile.report().rewritten] == ["interleaved-setitem BSHD"]
+    check_unchanged(monkeypatch, m, out, *args)
+
+
+def test_mochi_per_sample_cat_after_transpose(monkeypatch):
+    """Mochi: strided pairs ``x[..., 0::2]`` on [B, S, H, D], transpose, then a per-sample cat with the
+    valid text tokens along S (needs capture_dynamic_output_shape_ops, else it runs eagerly)."""
+    from diffusers import MochiTransformer3DModel
+    torch.manual_seed(0)
+    m = MochiTransformer3DModel(patch_size=2, num_attention_heads=2, attention_head_dim=64, num_layers=1,
+                                pooled_projection_dim=16, in_channels=4, text_embed_dim=16, time_embed_dim=4,
+                                max_sequence_length=16).to(BF).eval()
+    args = (torch.randn(1, 4, 3, 16, 16, dtype=BF), torch.randn(1, 8, 16, dtype=BF), torch.tensor([999]),
+            torch.ones(1, 8, dtype=torch.long))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        out, found = compile_run(monkeypatch, m, *args)
+        # the attention pooler (masked, stock SDPA) has no RoPE
+        assert rope_counters() == {"rope:interleaved-stack": 1, "rope:none": 1}
+        (s,) = vc_compile.report().rewritten
+        assert s.rope == "interleaved-stack BSHD tokens 0:192"
+        check_unchanged(monkeypatch, m, out, *args)
+
+
 def test_hunyuan_stack_on_video_slice_then_cat(monkeypatch):
     from diffusers import HunyuanVideoTransformer3DModel
     torch.manual_seed(0)
@@ -121,12 +153,12 @@ def test_hunyuan_stack_on_video_slice_then_cat(monkeypatch):
     assert rope_counters() == {"rope:interleaved-stack": 2, "rope:none": 1}  # dual, single; refiner: none
     for part in ("'transformer_blocks'", "single_transformer_blocks"):
         (s,) = sites_by_module(part)
-        assert s.reason == "masked" and s.rope == "interleaved-stack BSHD tokens[dim 1] 0:192"
+        assert s.reason == "masked" and s.rope == "interleaved-stack BSHD tokens 0:192"
     (ref,) = sites_by_module("token_refiner")
     assert ref.rope == "none"
     for f in found:
         if f.form == "interleaved-stack":
-            assert f.result.q.token_slice == (1, 0, 192) == f.result.k.token_slice  # 192 video + 8 text
+            assert f.result.q.token_slice == (0, 192) == f.result.k.token_slice  # 192 video + 8 text
     check_unchanged(monkeypatch, m, out, *args, guidance=torch.tensor([6000.0]))
 
 
@@ -146,12 +178,12 @@ def test_cogvideox_in_place_slice_write(monkeypatch):
     (f,) = found
     r = f.result
     assert r.layout == "BHSD" and r.q.inner == "interleaved-stack"
-    assert r.q.token_slice == (2, 8, None) == r.k.token_slice  # text tokens 0:8 stay unrotated
+    assert r.q.token_slice == (8, None) == r.k.token_slice  # text tokens 0:8 stay unrotated
     assert r.q.input.meta["example_value"].shape == (1, 2, 200, 64)
     for t in (r.q.cos, r.q.sin):  # cos/sin are forward inputs: table[None, None].to(device)
         assert rope_detect._strip(t).args[0].op == "placeholder"
     (s,) = vc_compile.report().sites
-    assert s.rewritten and s.rope == "slice-write BHSD (interleaved-stack) tokens[dim 2] 8:"
+    assert s.rewritten and s.rope == "slice-write BHSD (interleaved-stack) tokens 8:"
     check_unchanged(monkeypatch, m, out, *args, image_rotary_emb=(cos, sin))
 
 
@@ -245,6 +277,12 @@ def _cat_channels(m, x, heads):  # a plain channel concatenation
     return torch.cat([heads(m.q(x))[..., :32], heads(m.w(x))[..., 32:]], dim=-1)
 
 
+def _cat_heads(m, x, heads):  # head 0 rotated, head 1 not: a cat that is not along the tokens
+    q = heads(m.q(x))
+    q0 = q[:, :1]
+    return torch.cat([q0 * m.cos + torch.cat([-q0[..., 32:], q0[..., :32]], dim=-1) * m.sin, q[:, 1:]], dim=1)
+
+
 def _plain_mul(m, x, heads):  # an elementwise gate, not a rotation
     return heads(m.q(x) * torch.sigmoid(m.w(x)))
 
@@ -309,6 +347,7 @@ def test_synthetic_strided_pairs_cos_first(monkeypatch):
     (_stack_unrelated, "q: stack/flatten: the two halves are not (x1*cos - x2*sin"),
     (_cat_not_rotate_half, "q: cat is not rotate-half [-x2, x1]"),
     (_cat_channels, "q: cat along the channel dim that is not rotate-half"),
+    (_cat_heads, "q: cat along dim 1, which is not the token axis"),
     (_plain_mul, "q: an elementwise multiply that is neither a normalisation nor x*cos + rot(x)*sin"),
     (_pairs_wrong_sign, "q: stack/flatten: the two halves are not (x1*cos - x2*sin, x1*sin + x2*cos)"),
 ])

@@ -23,8 +23,9 @@ from q and from k through layout nodes (``permute``, ``transpose``, ``unflatten`
 and where it sits: ``layout`` is ``"BSC"`` (applied on [B, S, C] before the head split: LTX),
 ``"BSHD"`` (on [B, S, H, D] before the permute: Wan, HunyuanVideo, tiny_dit) or ``"BHSD"`` (after the
 permute: CogVideoX, Cosmos). A rotated token slice followed by a ``cat`` with an unrotated part
-(HunyuanVideo: video tokens rotated, text tail not) gives ``token_slice = (dim, start, stop)`` of the
-rotated tokens in the attention input; the CogVideoX slice write gives the written slice.
+(HunyuanVideo: video tokens rotated, text tail not; Mochi: per-sample cat after the transpose) gives
+``token_slice = (start, stop)`` of the rotated tokens along the attention's token axis S; the CogVideoX
+slice write gives the written slice. A cat or in-place write along another axis is not accepted.
 
 q and k without any rotation (cross-attention, HunyuanVideo's token refiner) give ``form == "none"``:
 their producer is a projection or a normalisation. Anything else is *unrecognised*, with a reason.
@@ -77,13 +78,13 @@ except (AttributeError, RuntimeError):  # pragma: no cover - ops registers it on
 FORMS = ("interleaved-setitem", "interleaved-stack", "slice-write", "rotate-half")
 _LAYOUT_OPS = {"permute", "transpose", "unflatten", "view", "reshape", "type_as", "to", "float", "half",
                "bfloat16", "contiguous", "clone", "getitem", "unbind", "chunk", "split",
-               "repeat_interleave"}  # repeat_interleave: GQA head expansion (Cosmos, by 1 when H_q == H_kv)
+               "repeat_interleave", "unsqueeze", "squeeze", "expand"}  # repeat_interleave: GQA head expansion (Cosmos, by 1 when H_q == H_kv)
 _DTYPE_OPS = {"type_as", "to", "float", "half", "bfloat16", "contiguous", "clone"}
 _PROJ_OPS = {"linear", "layer_norm", "rms_norm", "group_norm", "addmm", "matmul", "bmm", "conv2d"}
 _NORM_WALK = {"mul", "to", "float", "type_as", "add", "rsqrt", "pow", "mean"}
 _MAX_WALK = 40
 
-Slice = Tuple[int, Optional[int], Optional[int]]
+Slice = Tuple[Optional[int], Optional[int]]
 
 
 @dataclass
@@ -92,7 +93,7 @@ class RopeOperand:
     input: fx.Node                      # the un-rotated tensor (what step 2 would read)
     cos: fx.Node
     sin: fx.Node
-    token_slice: Optional[Slice] = None  # (dim, start, stop) of the rotated tokens, None = all
+    token_slice: Optional[Slice] = None  # (start, stop) of the rotated tokens along S, None = all
     inner: Optional[str] = None          # slice-write: the rotation inside the write
 
 
@@ -111,8 +112,8 @@ class RopeMatch:
         if self.q is not None and self.q.inner:
             s += f" ({self.q.inner})"
         if self.q is not None and self.q.token_slice is not None:
-            d, a, b = self.q.token_slice
-            s += f" tokens[dim {d}] {'' if a is None else a}:{'' if b is None else b}"
+            a, b = self.q.token_slice
+            s += f" tokens {'' if a is None else a}:{'' if b is None else b}"
         return s
 
 
@@ -413,7 +414,7 @@ def _track(n: fx.Node, perm: Optional[List[int]]) -> Optional[List[int]]:
     return None
 
 
-def _slice_of(idx) -> Optional[Slice]:
+def _slice_of(idx) -> Optional[Tuple[int, Optional[int], Optional[int]]]:
     """(dim, start, stop) of the one non-trivial slice in a getitem/setitem index."""
     if not isinstance(idx, tuple):
         idx = (idx,)
@@ -501,7 +502,10 @@ def _in_place(n: fx.Node, writes: List[fx.Node], perm: Optional[List[int]]) -> _
     src = _strip(src)
     if not (_is(src, "getitem") and src.args[0] is n and src.args[1] == idx):
         raise _NoMatch("an in-place write into q/k that is not the rotation of the slice it overwrites")
-    return _Op("slice-write", _layout(n, perm), RopeOperand(n, cos, sin, _slice_of(idx), inner=inner))
+    sl = _slice_of(idx)
+    if sl is None or (perm is not None and sl[0] != perm[2]):
+        raise _NoMatch(f"an in-place rotation of {idx!r}, which is not a token slice")
+    return _Op("slice-write", _layout(n, perm), RopeOperand(n, cos, sin, sl[1:], inner=inner))
 
 
 def _token_cat(n: fx.Node, order, limit, perm: Optional[List[int]], depth: int) -> _Op:
@@ -512,6 +516,8 @@ def _token_cat(n: fx.Node, order, limit, perm: Optional[List[int]], depth: int) 
         raise _NoMatch("cat along the channel dim that is not rotate-half")
     nd = _ndim(n)
     d = d % nd if nd else d
+    if perm is not None and d != perm[2]:
+        raise _NoMatch(f"cat along dim {d}, which is not the token axis")
     found, start = [], 0
     for p in parts:
         op = _analyse(p, order, limit, depth + 1, perm)
@@ -519,7 +525,7 @@ def _token_cat(n: fx.Node, order, limit, perm: Optional[List[int]], depth: int) 
         size = v.shape[d] if isinstance(v, torch.Tensor) else None
         stop = start + size if isinstance(size, int) and isinstance(start, int) else None
         if op.form != "none":
-            found.append((op, (d, start, stop)))
+            found.append((op, (start, stop)))
         start = stop
     if not found:
         return _Op("none")
