@@ -76,9 +76,10 @@ except (AttributeError, RuntimeError):  # pragma: no cover - ops registers it on
     pass
 
 FORMS = ("interleaved-setitem", "interleaved-stack", "slice-write", "rotate-half")
+# repeat_interleave: the GQA head expansion (Cosmos; by 1 when H_q == H_kv)
 _LAYOUT_OPS = {"permute", "transpose", "unflatten", "view", "reshape", "type_as", "to", "float", "half",
                "bfloat16", "contiguous", "clone", "getitem", "unbind", "chunk", "split",
-               "repeat_interleave", "unsqueeze", "squeeze", "expand"}  # repeat_interleave: GQA head expansion (Cosmos, by 1 when H_q == H_kv)
+               "repeat_interleave", "unsqueeze", "squeeze", "expand"}
 _DTYPE_OPS = {"type_as", "to", "float", "half", "bfloat16", "contiguous", "clone"}
 _PROJ_OPS = {"linear", "layer_norm", "rms_norm", "group_norm", "addmm", "matmul", "bmm", "conv2d"}
 _NORM_WALK = {"mul", "to", "float", "type_as", "add", "rsqrt", "pow", "mean"}
