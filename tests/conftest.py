@@ -22,3 +22,17 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def fresh_vcattn():
+    """A clean slate for tests that compile: no Dynamo caches, no vcattn state/sites, no counters."""
+    import vc_compile
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    vc_compile.reset(report=True)
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    vc_compile.reset(report=True)

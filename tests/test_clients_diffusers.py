@@ -32,14 +32,7 @@ BF = torch.bfloat16
 TOL = {"dense": 0.0, "vsmooth": 0.05, "mcsparse": 0.05}  # relative L2 of the final latents vs eager
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    vc_compile.reset(report=True)
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    vc_compile.reset(report=True)
+pytestmark = pytest.mark.usefixtures("fresh_vcattn")
 
 
 def opts(method="dense", **kw):

@@ -33,14 +33,7 @@ BF = torch.bfloat16
 OPTS = {"compiler": "eager", "min_seq_len": 16, "method": "dense"}
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    vc_compile.reset(report=True)
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    vc_compile.reset(report=True)
+pytestmark = pytest.mark.usefixtures("fresh_vcattn")
 
 
 def _snapshot(gm):

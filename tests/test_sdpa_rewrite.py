@@ -13,12 +13,7 @@ from vc_compile.backend import vcattn
 BASE = {"compiler": "eager", "min_seq_len": 64, "method": "dense"}
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    counters.clear()
-    vc_compile.reset(report=True)
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_vcattn")
 
 
 def compile_capture(fn, options):
