@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call = one stage of the H200 measurement sweep (the numbers in docs/status.md came from
+# these).  Usage on the device machine, from the repo root, with the carried wheels in .whl/:
+#     VC_COMMIT=<sha> bash scripts/gpu_sweep.sh <stage> [<stage> ...]
+# Stages: e2e (demo table + end-to-end at 32K), e2e75 (end-to-end at 75K), soak (GPU memory over many
+# generations), cp (two GPUs: Ulysses benchmark), tune (issue 8 start-up times and tuned-vs-shipped).
+# Each stage has its own time limit so that one slow stage still leaves the others' results in $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+stage() {  # stage <name> <seconds> <command...>: log to $OUT/<name>.log, keep going on failure
+  local name=$1 secs=$2; shift 2
+  echo "=== $name ($(date -u +%T), limit ${secs}s): $*"
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=20 "$secs" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s"; tail -n 40 "$OUT/$name.log"
+}
+for s in "$@"; do
+  case $s in
+    e2e)
+      stage demo 260 python3 -m vc_compile.demo --regional --out "$OUT/demo"
+      stage e2e32k 270 python3 benchmarks/bench_e2e.py --sizes 32k --regional --csv "$OUT/bench_e2e.csv" ;;
+    e2e75)
+      stage e2e75k 400 python3 benchmarks/bench_e2e.py --sizes 75k --regional --csv "$OUT/bench_e2e.csv" ;;
+    soak)
+      stage soak 170 python3 benchmarks/bench_soak.py --generations 60 --steps 6 --seq 4096 --alt-seq 3072 \
+        --heads 8 --dim 1024 --cfg --plot "$OUT/soak_cuda.png" ;;
+    cp)
+      stage cp 540 torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --diffusers \
+        --csv "$OUT/bench_context_parallel.csv" ;;
+    tune)
+      stage tune 400 python3 benchmarks/bench_tune.py --csv "$OUT/bench_tune.csv" ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
