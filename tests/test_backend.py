@@ -83,3 +83,27 @@ def test_ten_steps_with_phase_changes_do_not_recompile(results, name):
     r = results[name]
     assert r["graphs"] == 1, r
     assert r["phases"] == PHASES[name], r
+
+
+_LOOKUP = """
+import importlib.metadata as md
+{patch}
+import vc_compile
+from torch._dynamo.backends.registry import lookup_backend
+from vc_compile.backend import vcattn
+assert lookup_backend("vcattn") is vcattn
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["entry-point", "source-checkout"])
+def test_backend_name_resolves_with_and_without_entry_point(installed):
+    """Installed: torch loads the entry point lazily and ``import vc_compile`` must not register a
+    duplicate. Source checkout on PYTHONPATH (no entry point; how the device runs): importing registers."""
+    patch = "" if installed else (
+        "_ep = md.entry_points\n"
+        "md.entry_points = lambda **kw: (md.EntryPoints([]) if kw.get('group') == 'torch_dynamo_backends'"
+        " else _ep(**kw))\n")
+    p = subprocess.run([sys.executable, "-c", _LOOKUP.format(patch=patch)], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-2000:]

@@ -18,6 +18,24 @@ __all__ = ["report", "Report", "sampling", "step", "diffusers_callback", "reset"
 __version__ = "0.1.0"
 
 
+def _register_without_entry_point() -> None:
+    """``backend="vcattn"`` also for a source checkout on ``PYTHONPATH`` (not pip-installed, so no
+    ``torch_dynamo_backends`` entry point): register on import. With the entry point present torch loads
+    the backend lazily itself and registering here would make it raise "duplicate name: vcattn"."""
+    from importlib.metadata import entry_points
+
+    from torch._dynamo.backends import registry
+
+    if "vcattn" in entry_points(group="torch_dynamo_backends").names or "vcattn" in registry._COMPILER_FNS:
+        return
+    from .backend import vcattn
+
+    registry.register_backend(compiler_fn=vcattn, name="vcattn")
+
+
+_register_without_entry_point()
+
+
 def reset(report: bool = False) -> None:
     """Drop all cached metadata and step state (a fresh generation); ``report=True`` also forgets the
     call-site records and counts."""
