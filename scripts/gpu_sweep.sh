@@ -36,7 +36,7 @@ for s in "$@"; do
       stage soak 170 python3 benchmarks/bench_soak.py --generations 60 --steps 6 --seq 4096 --alt-seq 3072 \
         --heads 8 --dim 1024 --cfg --plot "$OUT/soak_cuda.png" ;;
     cp)
-      stage cp 540 torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --diffusers \
+      stage cp 380 torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --diffusers \
         --csv "$OUT/bench_context_parallel.csv" ;;
     tune)
       stage tune 400 python3 benchmarks/bench_tune.py --csv "$OUT/bench_tune.csv" ;;
