@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import env_info  # noqa: E402
 from vc_compile.demo.metrics import compare  # noqa: E402
 from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt  # noqa: E402
 from vc_compile.demo.runner import METHODS, compile_full, compile_regional, run_config  # noqa: E402
@@ -49,27 +47,6 @@ HEADER = ["date", "commit", "gpu", "torch", "triton", "bench", "variant", "B", "
           "tflops", "speedup_vs_cudnn", "rel_l2", "cos_sim", "psnr", "ssim",
           # extra columns (after the agreed ones)
           "attn_ms", "steps", "frames", "height", "width", "guidance", "seed", "weights", "warmup_s", "phases"]
-
-
-def env_info() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        commit = (commit + ("-dirty" if dirty else "")) if commit else ""
-    except Exception:  # noqa: BLE001 - no git on the benchmark box
-        commit = ""
-    try:
-        import triton
-
-        triton_v = triton.__version__
-    except ImportError:
-        triton_v = ""
-    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-            "commit": commit or os.environ.get("VC_COMMIT", "unknown"),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "triton": triton_v}
 
 
 def prefer_cudnn():

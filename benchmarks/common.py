@@ -21,12 +21,21 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 
 
 def env_info() -> Dict[str, str]:
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                         cwd=os.path.dirname(os.path.abspath(__file__)),
-                                         stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        commit = os.environ.get("VC_COMMIT", "unknown")
+    """Date (UTC), commit, GPU, torch and triton versions for a results row. ``VC_COMMIT`` wins over git:
+    the device machine's copy of ``.git`` can lag behind the working tree it was sent (a row there once
+    named the session's first commit instead of the one that ran)."""
+    commit = os.environ.get("VC_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                             cwd=os.path.dirname(os.path.abspath(__file__)),
+                                             stderr=subprocess.DEVNULL).strip()
+            dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
+                                            text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                                            stderr=subprocess.DEVNULL).strip()
+            commit += "-dirty" if dirty else ""
+        except Exception:  # noqa: BLE001 - no git on the benchmark box
+            commit = "unknown"
     try:
         import triton
         tv = triton.__version__
