@@ -334,6 +334,14 @@ AB_PLAN = {  # D -> [(cfg, expcast mode (0 = exp2), mean mode (0 = naive), rowsu
          (C1, 0, 2, 2, "int8"), (C1, 2, 2, 2, "int8"), (C1, 2, 1, 0, "int8"), (C1, 0, 1, 2, "int8")],
 }
 
+# --ab-plan ws: Triton's automatic warp specialisation (6th field) at D = 128 against the defaults,
+# with one- and two-consumer-warpgroup tiles.
+C_WS = [(64, 128, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)]
+WS_PLAN = {128: [(C0, 0, 1, 1, "int8", False), (C0, 2, 1, 2, "int8", False), (C0, 0, 0, 2, "int8", False)]
+           + [(c, ec, mean, rs, "int8", True) for c in C_WS
+              for ec, mean, rs in ((0, 1, 1), (2, 1, 2), (0, 0, 2))]}
+PLANS = {"default": AB_PLAN, "ws": WS_PLAN}
+
 
 def choose(results):
     """Fastest correct (no NaN, within the check tolerances) INT8-QK variant per (D, expcast) among the
@@ -353,13 +361,13 @@ def choose(results):
                     f"{tattn.DEFAULT_VARIANTS[(D, ec > 0)]}")
 
 
-def ab(smoke=False):
+def ab(smoke=False, plan_name="default"):
     """A/B of kernel variants: correctness on a small problem (vs the reference and an fp32 truth, NaN
     check), then speed at S = 32760, H = 40 (identity order, structured inputs)."""
     B, H, S = (1, 2, 300) if smoke else (1, 40, 32760)
     Ss = 300 if smoke else 4173
     results = []
-    for D, plan in AB_PLAN.items():
+    for D, plan in PLANS[plan_name].items():
         qs_, ks_, vs_ = make_inputs(1, 4, Ss, D, seed=2)
         truth = truth_rows(qs_, ks_, vs_, torch.arange(Ss, device=DEV))
         small = {f: ref_pre.preprocess_qk(qs_, ks_, None, sm_scale=D ** -0.5, qk_format=f)
@@ -371,10 +379,12 @@ def ab(smoke=False):
         fl = attn_flops(B, H, S, S, D)
         cud = bench_ms(sdpa_fn(q, k, v, "cudnn"), 25, 200) if DEV == "cuda" else float("nan")
         log(f"ab D={D} cudnn {cud:.2f} ms {fl / cud * 1e-9:.0f} TFLOP/s")
-        for cfg, ec, mean, rs, fmt in plan:
+        for cfg, ec, mean, rs, fmt, *ws in plan:
+            ws = bool(ws and ws[0])
             tattn.CONFIG_OVERRIDE, tattn.ROWSUM_OVERRIDE = cfg, rs
             tattn.EXPCAST_MODE_OVERRIDE, tattn.MEAN_MODE_OVERRIDE = max(ec, 1), max(mean, 1)
-            tag = f"ab D={D} cfg={cfg} expcast={ec} mean={mean} rowsum={rs} qk={fmt}"
+            tattn.WARP_SPEC_OVERRIDE = ws
+            tag = f"ab D={D} cfg={cfg} expcast={ec} mean={mean} rowsum={rs} qk={fmt} ws={int(ws)}"
             try:
                 t0 = time.time()
                 vq = small_v[min(mean, 1)]
@@ -387,13 +397,13 @@ def ab(smoke=False):
                 vq = big_v[min(mean, 1)]
                 ms = bench_ms(lambda: tattn.vsmooth_attention(big[fmt], vq, expcast=ec > 0), 25, 200)
                 results.append(dict(D=D, cfg=cfg, ec=ec, mean=mean, rs=rs, fmt=fmt, ms=ms, nan=nan, kr=kr,
-                                    ek=e_k, er=e_r))
+                                    ek=e_k, er=e_r, ws=ws))
                 log(f"{tag}: {ms:.2f} ms {fl / ms * 1e-9:.0f} TFLOP/s x{cud / ms:.3f} cudnn | nan "
                     f"rows {nan} kernel-vs-ref {kr:.2e} vs-truth {e_k:.3e} (ref {e_r:.3e}) | first call "
                     f"{ct:.1f} s")
             except Exception as e:  # noqa: BLE001
                 log(f"{tag}: FAILED {type(e).__name__}: {str(e)[:600]}")
-        tattn.CONFIG_OVERRIDE = tattn.ROWSUM_OVERRIDE = None
+        tattn.CONFIG_OVERRIDE = tattn.ROWSUM_OVERRIDE = tattn.WARP_SPEC_OVERRIDE = None
         tattn.EXPCAST_MODE_OVERRIDE = tattn.MEAN_MODE_OVERRIDE = None
         del q, k, v, big, big_v
         torch.cuda.empty_cache() if DEV == "cuda" else None
@@ -443,6 +453,8 @@ def main():
     ap.add_argument("--no-csv", action="store_true")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep / --ab")
     ap.add_argument("--ab", action="store_true", help="A/B of kernel variants (correctness + speed)")
+    ap.add_argument("--ab-plan", choices=sorted(PLANS), default="default",
+                    help="with --ab: which variants (ws: automatic warp specialisation)")
     ap.add_argument("--auto", action="store_true", help="with --ab: bench the fastest correct variants")
     a = ap.parse_args()
     if a.out:
@@ -452,7 +464,7 @@ def main():
     if a.sweep:
         sweep()
     if a.ab:
-        res = ab(a.smoke)
+        res = ab(a.smoke, a.ab_plan)
         if a.auto:
             choose(res)
     if a.no_bench:

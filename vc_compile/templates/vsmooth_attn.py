@@ -81,6 +81,11 @@ EXPCAST_MODE_OVERRIDE: Optional[int] = None
 MEAN_MODE_OVERRIDE: Optional[int] = None
 CONFIG_OVERRIDE: Optional[Tuple[int, int, int, int]] = None
 ROWSUM_OVERRIDE: Optional[int] = None
+# Triton's automatic warp specialisation of the key loop (``tl.range(warp_specialize=True)``; on sm_90
+# Triton 3.6 runs its Hopper producer/consumer pass: TMA loads in a producer warp group, MMAs + softmax in
+# the consumers). Off by default until an H200 A/B shows it pays (``bench_vsmooth_attn.py --ab-plan ws``).
+DEFAULT_WARP_SPEC = False
+WARP_SPEC_OVERRIDE: Optional[bool] = None
 
 MAGIC_I2F = 0x4B400000  # bits of 1.5 * 2^23
 MAGIC_F = 12582912.0  # 1.5 * 2^23
@@ -174,7 +179,7 @@ def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, ONES, OUT, LSE,
                          BKS: tl.constexpr, BV: tl.constexpr, HAS_TAIL: tl.constexpr,
                          QK_FP8: tl.constexpr, EXPCAST: tl.constexpr, MEAN: tl.constexpr,
                          ROWSUM: tl.constexpr, RETURN_LSE: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         INTERPRET: tl.constexpr, WS: tl.constexpr = False):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     start_m = pid_m * BM
@@ -198,7 +203,7 @@ def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, ONES, OUT, LSE,
         ones = tl.load(ONES + tl.arange(0, BN)[:, None] * 16 + o16[None, :])  # [BN, 16] e4m3 ones
     else:
         ones = 0
-    for j in tl.range(0, N_FULL_C if N_FULL_C >= 0 else n_full):
+    for j in tl.range(0, N_FULL_C if N_FULL_C >= 0 else n_full, warp_specialize=WS):
         acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS_bh, VM_bh, ivs, ones,
                                    kv_row, vt_row, j * BN, Sk, BN, D, BKS, BV, False, QK_FP8, EXPCAST,
                                    MEAN, ROWSUM, INTERPRET)
@@ -244,6 +249,10 @@ def _variant(D: int, expcast: bool):
     return cfg, rs, mean, mode
 
 
+def _warp_spec() -> bool:
+    return DEFAULT_WARP_SPEC if WARP_SPEC_OVERRIDE is None else bool(WARP_SPEC_OVERRIDE)
+
+
 def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dtype=torch.bfloat16,
                       return_lse: bool = False):
     """8-bit attention: O [B, H, S, D] in ``out_dtype`` (and the base-2 LSE of the smoothed logits,
@@ -284,5 +293,6 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
         loop_bound(n_full),
         BM=BM, BN=BN, D=D, BQS=BLOCK_Q, BKS=BLOCK_K, BV=BLOCK_V, HAS_TAIL=Sk % BN != 0,
         QK_FP8=qk_fp8, EXPCAST=mode if expcast else 0, MEAN=mean, ROWSUM=rowsum,
-        RETURN_LSE=bool(return_lse), INTERPRET=interpret(), num_warps=nw, num_stages=ns)
+        RETURN_LSE=bool(return_lse), INTERPRET=interpret(), WS=_warp_spec() and not interpret(),
+        num_warps=nw, num_stages=ns)
     return (out, lse) if return_lse else out
