@@ -85,3 +85,19 @@ def test_readme_options_table_lists_every_option():
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     for f in dataclasses.fields(VCConfig):
         assert f"| `{f.name}` |" in readme, f"README options table lacks {f.name}"
+
+
+def test_readme_options_rows_match_option_docs():
+    """Each README row is exactly ``| `name` | `default` | OPTION_DOCS[name] |`` (the table is generated
+    from OPTION_DOCS; a stale row fails here)."""
+    import enum
+    import os
+
+    from vc_compile.config import OPTION_DOCS
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    assert set(OPTION_DOCS) == {f.name for f in dataclasses.fields(VCConfig)}
+    for f in dataclasses.fields(VCConfig):
+        d = f.default.value if isinstance(f.default, enum.Enum) else f.default
+        row = f"| `{f.name}` | `{d!r}` | {OPTION_DOCS[f.name]} |"
+        assert row in readme, f"README options row for {f.name} differs from OPTION_DOCS: want {row}"

@@ -41,6 +41,26 @@ class Compiler(str, enum.Enum):
     EAGER = "eager"  # run the rewritten graph as is (debugging, fast tests)
 
 
+class Selection(str, enum.Enum):
+    EXACT = "exact"  # exact attention mass (pass 1 LSE + pass 2 probabilities summed over the group)
+    MEAN_POOL = "mean_pool"  # score of the group's mean query against each key / mean-pooled key block
+
+
+class SelectionUnit(str, enum.Enum):
+    TOKEN = "token"  # top-K single keys
+    BLOCK = "block"  # top key blocks of the KV tile (64 keys), expanded to their token indices
+
+
+class QueryGrouping(str, enum.Enum):
+    PDDP = "pddp"  # Fast PDDP groups of C similar queries
+    NONE = "none"  # contiguous tiles of C queries in token order (identity permutation)
+
+
+class SelectionRefresh(str, enum.Enum):
+    ANCHOR = "anchor"  # select at anchor steps, reuse the selection in between
+    EVERY_STEP = "every_step"  # re-select from the current q, k at every sparse step (mean_pool only)
+
+
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 OPTION_DOCS: Dict[str, str] = {
@@ -60,6 +80,10 @@ OPTION_DOCS: Dict[str, str] = {
     "anchor_interval": "MC-Sparse: re-select every N steps after the warm-up (instead of anchor_steps).",
     "sparse_qk": "MC-Sparse: QK precision of the gather kernel: 'bf16' | 'fp8'.",
     "residual": "MC-Sparse residual storage: 'bf16' | 'fp8' (per-token scale, half the memory) | 'none'.",
+    "selection": "MC-Sparse ablation: 'exact' (two-pass attention mass) | 'mean_pool' (mean query x keys).",
+    "selection_unit": "MC-Sparse ablation: 'token' (top-K keys) | 'block' (top 64-key blocks, block-sparse).",
+    "query_grouping": "MC-Sparse ablation: 'pddp' (Fast PDDP groups) | 'none' (contiguous query tiles).",
+    "selection_refresh": "MC-Sparse ablation: 'anchor' (select at anchors, reuse) | 'every_step' (mean_pool).",
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "min_seq_len": "Attention with fewer query or key tokens than this stays stock SDPA.",
@@ -97,6 +121,10 @@ class VCConfig:
     anchor_interval: Optional[int] = None
     sparse_qk: str = "bf16"
     residual: str = "bf16"
+    selection: Selection = Selection.EXACT
+    selection_unit: SelectionUnit = SelectionUnit.TOKEN
+    query_grouping: QueryGrouping = QueryGrouping.PDDP
+    selection_refresh: SelectionRefresh = SelectionRefresh.ANCHOR
     residual_budget_gb: float = 64.0
     num_steps: int = 50
     min_seq_len: int = 1024
@@ -156,6 +184,16 @@ class VCConfig:
             bad("sparse_qk", "'bf16' or 'fp8'")
         if self.residual not in ("bf16", "fp8", "none"):
             bad("residual", "'bf16', 'fp8' or 'none'")
+        if self.selection_refresh == SelectionRefresh.EVERY_STEP and self.selection != Selection.MEAN_POOL:
+            raise VCConfigError(
+                f"vcattn option selection_refresh='every_step' needs selection='mean_pool' (exact selection "
+                f"needs a dense pass: every step would cost more than dense), got selection="
+                f"{self.selection.value!r}; accepted: selection_refresh='anchor', or selection='mean_pool'")
+        if self.selection_refresh == SelectionRefresh.EVERY_STEP and self.residual != "none":
+            raise VCConfigError(
+                f"vcattn option selection_refresh='every_step' needs residual='none' (a residual cached with "
+                f"the anchor's selection does not belong to a selection made at another step), got "
+                f"residual={self.residual!r}; accepted: residual='none', or selection_refresh='anchor'")
         if not self.residual_budget_gb > 0:  # also refuses NaN (every comparison with NaN is False)
             bad("residual_budget_gb", "a positive float (float('inf') = no limit)")
         if self.num_steps < 1:
@@ -189,7 +227,9 @@ class VCConfig:
         return cls.from_options(json.loads(s))
 
 
-_ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler": Compiler}
+_ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler": Compiler,
+          "selection": Selection, "selection_unit": SelectionUnit, "query_grouping": QueryGrouping,
+          "selection_refresh": SelectionRefresh}
 _BOOLS = ("expcast", "hadamard", "smooth_v", "profile")
 _INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "num_steps", "min_seq_len")
 _FLOATS = ("group_fraction", "density", "residual_budget_gb")

@@ -144,7 +144,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         state.put(key, new_meta)
         _watch(ident, key)
     rec.phases[phase.value] += 1
-    rec.kernel_path["sdpa" if phase == Phase.DENSE else path] += 1
+    label = getattr(_METHODS[method], "path_label", None)
+    rec.kernel_path["sdpa" if phase == Phase.DENSE else (label(path, phase, cfg) if label else path)] += 1
     rec.step_sources[info.source] += 1
     return out
 

@@ -23,6 +23,17 @@ Hostile inputs (tests/test_hostile.py):
   (a few per generation), none on reuse steps.
 * fp16 outputs saturate at +-65504 instead of rounding up to inf (``methods.finish_output``).
 * ``sparse_qk="fp8"`` on the reference path runs ``reference/sparse_attn_q8.py``.
+
+Ablation switches (the ladder of the paper's Table 5, docs/sparse_notes.md; defaults = the full method):
+* ``query_grouping="none"``: sigma = arange(S) (contiguous query tiles of C), no PDDP.
+* ``selection="mean_pool"``: scores of each group's mean query against the keys (or key-block means),
+  no pass 2; the anchor's dense pass is plain SDPA when no residual needs O_dense's precision.
+* ``selection_unit="block"``: the top 64-key blocks (exact: group masses summed per block), expanded to
+  token indices (``reference.select.expand_blocks``), so the same gather kernel runs every variant.
+* ``selection_refresh="every_step"`` (mean_pool, no residual): the scores are recomputed from the current
+  q, k at every sparse step (vanilla block-sparse attention); the grouping stays the anchor's.
+The variants' scoring, block sums and block expansion are plain torch on every device (cheap next to the
+attention); ``report()`` names them in the kernel path (``path_label``).
 """
 from __future__ import annotations
 
@@ -33,9 +44,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..config import QueryGrouping, Selection, SelectionRefresh, SelectionUnit
 from ..reference import dense as ref_dense
+from ..reference import select as ref_select
 from ..reference.quant import FP8_DTYPE, FP8_MAX, safe_scale
-from ..reference.select import n_keep
+from ..reference.select import KV_TILE, n_keep
 from ..runtime import state
 from ..runtime.steps import Phase
 from . import finish_output, kernel_out_dtype
@@ -69,20 +82,54 @@ def _dense_with_lse(impl, q, k, v, sm_scale):
     return fn(q, k, v, sm_scale)
 
 
-def select(impl, q, k, sigma, lse2, *, sm_scale, group_size, keep):
-    """Pass 2 + top-K, a chunk of heads at a time so the (S/C) x Sk masses stay within 1 GiB."""
+def select(impl, q, k, sigma, lse2, *, sm_scale, group_size, keep, selection=Selection.EXACT,
+           unit=SelectionUnit.TOKEN):
+    """Scores + top-K (tokens) or top blocks expanded to tokens, a chunk of heads at a time so the
+    (S/C) x Sk scores stay within 1 GiB. ``selection="exact"``: pass 2 (exact group masses, needs lse2);
+    ``"mean_pool"``: mean query of each group against the keys / key-block means (lse2 unused)."""
     B, H, S, _ = q.shape
     Sk = k.shape[2]
     G = -(-S // group_size)
+    block = unit == SelectionUnit.BLOCK
     hc = max(1, min(H, _MASS_BYTES // max(1, B * G * Sk * 4)))
     parts = []
     for h0 in range(0, H, hc):
         sl = slice(h0, h0 + hc)
-        mass = impl.select.group_key_mass(q[:, sl], k[:, sl], sigma[:, sl], lse2[:, sl],
-                                          sm_scale=sm_scale, group_size=group_size)
-        parts.append(impl.select.select_topk(mass, keep))
-        del mass
+        if selection == Selection.EXACT:
+            scores = impl.select.group_key_mass(q[:, sl], k[:, sl], sigma[:, sl], lse2[:, sl],
+                                                sm_scale=sm_scale, group_size=group_size)
+            if block:
+                scores = ref_select.block_mass(scores, KV_TILE)
+        else:
+            scores = ref_select.mean_pool_scores(q[:, sl], k[:, sl], sigma[:, sl], sm_scale=sm_scale,
+                                                 group_size=group_size, block=KV_TILE if block else 1)
+        parts.append(ref_select.expand_blocks(scores, keep, Sk, KV_TILE) if block
+                     else impl.select.select_topk(scores, keep))
+        del scores
     return torch.cat(parts, dim=1)
+
+
+def query_order(impl, q, cfg) -> torch.Tensor:
+    """sigma [B, H, S]: Fast PDDP groups, or the identity (contiguous tiles) for ``query_grouping="none"``."""
+    if cfg.query_grouping == QueryGrouping.NONE:
+        B, H, S, _ = q.shape
+        return ref_select.identity_perm(B, H, S, q.device)
+    return impl.pddp.pddp_perm(q, cfg.group_size)
+
+
+def path_label(path: str, phase, cfg) -> str:
+    """The kernel path recorded in ``report()`` for this call: ``path`` ("triton", "reference", ...),
+    plus the parts of the ablation variants that run as plain torch on the Triton path."""
+    if path != "triton" or phase not in (Phase.ANCHOR, Phase.REUSE):
+        return path
+    selects = phase == Phase.ANCHOR or cfg.selection_refresh == SelectionRefresh.EVERY_STEP
+    if not selects:
+        return path
+    if cfg.selection == Selection.MEAN_POOL:
+        return path + "+torch:mean_pool_select"
+    if cfg.selection_unit == SelectionUnit.BLOCK:
+        return path + "+torch:block_select"
+    return path
 
 
 def _compact(resid: torch.Tensor, mode: str):
@@ -131,17 +178,26 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
         return F.scaled_dot_product_attention(q, k, v, scale=sm_scale).contiguous(), meta
     C = cfg.group_size
     sparse = _sparse_fn(impl, cfg.sparse_qk)
+    Sk = k.shape[2]
+    keep = n_keep(Sk, cfg.density)
     if phase == Phase.REUSE and meta is not None:
-        out = sparse(q, k, v, meta.sigma, meta.idx, sm_scale=sm_scale, group_size=C,
+        idx = meta.idx
+        if cfg.selection_refresh == SelectionRefresh.EVERY_STEP:  # vanilla block-sparse: select again
+            idx = select(impl, q, k, meta.sigma, None, sm_scale=sm_scale, group_size=C, keep=keep,
+                         selection=cfg.selection, unit=cfg.selection_unit)
+        out = sparse(q, k, v, meta.sigma, idx, sm_scale=sm_scale, group_size=C,
                      residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype))
         return finish_output(out, q.dtype), meta
     # ANCHOR
-    Sk = k.shape[2]
-    keep = n_keep(Sk, cfg.density)
-    sigma = impl.pddp.pddp_perm(q, C)
-    o_dense, lse2 = _dense_with_lse(impl, q, k, v, sm_scale)
+    sigma = query_order(impl, q, cfg)
+    exact = cfg.selection == Selection.EXACT
+    if exact or cfg.residual != "none":
+        o_dense, lse2 = _dense_with_lse(impl, q, k, v, sm_scale)
+    else:  # mean-pooled scores need no LSE and nothing needs O_dense beyond the returned output
+        o_dense, lse2 = F.scaled_dot_product_attention(q, k, v, scale=sm_scale), None
     out = o_dense.to(q.dtype).contiguous()
-    idx = select(impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=C, keep=keep)
+    idx = select(impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=C, keep=keep,
+                 selection=cfg.selection, unit=cfg.selection_unit)
     residual = res_scale = None
     if cfg.residual != "none":
         o_sparse = sparse(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C, out_dtype=torch.float32)
