@@ -3,6 +3,7 @@
     python benchmarks/bench_e2e.py                 # H200: both sizes, 50 steps (several minutes)
     python benchmarks/bench_e2e.py --quick         # 32K tokens only, 20 steps
     python benchmarks/bench_e2e.py --sizes 75k --csv $OUT/bench_e2e.csv
+    python benchmarks/bench_e2e.py --sizes 16k --ladder --csv $OUT/bench_e2e.csv   # MC-Sparse ablation
 
 Sizes mirror Wan 2.1's token counts (patch (1, 2, 2) on pixels): ``32k`` = 21 x 60 x 104 px =
 21 * 30 * 52 = 32760 tokens (Wan 480p), ``75k`` = 21 x 90 x 160 px = 21 * 45 * 80 = 75600 tokens (Wan
@@ -17,6 +18,11 @@ L2, cosine. Noise floor: ``floor:bf16-vs-fp32`` (the dense bf16 clip against an 
 off) and ``floor:seed-to-seed`` (dense bf16, seed vs seed + 1: two unrelated clips).
 SDPA prefers cuDNN in every run (``sdpa_kernel(..., set_priority=True)``), so ``speedup_vs_cudnn`` is
 end-to-end time of the dense cuDNN run over the method's.
+
+``--ladder``: dense + the MC-Sparse ablation ladder (``runner.LADDER``, the paper's Table 5: mean-pooled
+block-sparse -> exact selection reused -> token level -> + PDDP query grouping -> + residual) at each of
+``--densities`` (default 0.15, 0.25); rows get ``bench = e2e_ladder``. Each rung's PSNR/SSIM is printed as
+soon as it finishes.
 
 Appends rows to ``benchmarks/results/bench_e2e.csv`` (header written only when the file is created):
 ``ms`` is the end-to-end sampling time, ``tflops`` the self-attention FLOPs (4 B H S^2 D per call; dense
@@ -38,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import env_info  # noqa: E402
 from vc_compile.demo.metrics import compare  # noqa: E402
 from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt  # noqa: E402
-from vc_compile.demo.runner import METHODS, compile_full, compile_regional, run_config  # noqa: E402
+from vc_compile.demo.runner import (METHODS, compile_full, compile_regional, ladder_methods,  # noqa: E402
+                                    run_config)
 from vc_compile.demo.sampler import print_progress, sample  # noqa: E402
 
 SIZES = {"32k": (21, 60, 104), "75k": (21, 90, 160), "16k": (16, 64, 64), "4k": (16, 32, 32),
@@ -90,6 +97,9 @@ def main(argv=None):
     ap.add_argument("--sizes", default=None, help=f"comma-separated, from {list(SIZES)} (default 32k,75k)")
     ap.add_argument("--steps", type=int, default=None, help="default 50 (20 with --quick)")
     ap.add_argument("--methods", default=",".join(m for m, _ in METHODS))
+    ap.add_argument("--ladder", action="store_true",
+                    help="dense + the MC-Sparse ablation ladder at --densities (instead of --methods)")
+    ap.add_argument("--densities", default="0.15,0.25", help="densities of the --ladder rungs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--guidance", type=float, default=3.0)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
@@ -107,6 +117,16 @@ def main(argv=None):
     known = dict(METHODS)
     cfn = compile_regional if a.regional else compile_full
     labels = ["dense"] + [m for m in a.methods.split(",") if m and m != "dense"]
+    bench = "e2e"
+    if a.ladder:
+        ladder = ladder_methods([float(d) for d in a.densities.split(",") if d])
+        known.update(ladder)
+        labels = ["dense"] + [lab for lab, _ in ladder]
+        bench = "e2e_ladder"
+    unknown = [m for m in labels if m not in known]
+    if unknown:
+        raise SystemExit(f"[bench_e2e] unknown methods {unknown}; known: {sorted(known)}")
+    t_start = time.perf_counter()
     device, dtype = torch.device(a.device), torch.bfloat16
     if device.type != "cuda":
         print("[bench_e2e] WARNING: no CUDA: reference paths, times are meaningless", flush=True)
@@ -131,8 +151,10 @@ def main(argv=None):
                 r = run_config(tr, cond, uncond, label, opts, dtype=dtype, warmup=a.warmup, compile_fn=cfn,
                                progress=print_progress(f"{size} {label}", every=max(1, steps // 5)), **kw)
                 results[label] = r
+                fid = compare(r.clip, results["dense"].clip)
                 print(f"  {label}: e2e {r.e2e_ms:.0f} ms, attention {r.attn_ms or 0:.0f} ms, "
-                      f"warm-up {r.warmup_s:.0f} s; {r.summary}", flush=True)
+                      f"warm-up {r.warmup_s:.0f} s, PSNR {fid['psnr']:.2f} dB, SSIM {fid['ssim']:.4f} "
+                      f"[{time.perf_counter() - t_start:.0f} s elapsed]; {r.summary}", flush=True)
             floors = {}
             if not a.no_floor:
                 from vc_compile.demo.runner import vc_api
@@ -148,7 +170,7 @@ def main(argv=None):
         for label, r in results.items():
             m = compare(r.clip, base.clip)
             phases = " ".join(f"{k}:{v}" for k, v in sorted(r.report.phase_counts().items())) if r.report else ""
-            rows.append({**env, "bench": "e2e", "variant": label, "B": 1, "H": H, "S": S, "D": D,
+            rows.append({**env, "bench": bench, "variant": label, "B": 1, "H": H, "S": S, "D": D,
                          "density": r.options.get("density", ""), "ms": round(r.e2e_ms, 2),
                          "tflops": round(flops / (r.attn_ms * 1e-3) / 1e12, 1) if r.attn_ms else "",
                          "speedup_vs_cudnn": round(base.e2e_ms / r.e2e_ms, 3),
@@ -158,7 +180,7 @@ def main(argv=None):
                          "weights": "trained" if trained else "random", "warmup_s": round(r.warmup_s, 1),
                          "phases": phases})
         for label, (m, ms) in floors.items():
-            rows.append({**env, "bench": "e2e", "variant": label, "B": 1, "H": H, "S": S, "D": D, "density": "",
+            rows.append({**env, "bench": bench, "variant": label, "B": 1, "H": H, "S": S, "D": D, "density": "",
                          "ms": round(ms, 2), "tflops": "", "speedup_vs_cudnn": "",
                          **{k: round(v, 6) for k, v in m.items()}, "attn_ms": "", "steps": steps, "frames": F_,
                          "height": Hpx, "width": Wpx, "guidance": a.guidance, "seed": a.seed,
@@ -173,14 +195,14 @@ def main(argv=None):
             w.writeheader()
         w.writerows(rows)
     print()
-    head = f"{'S':>6} {'variant':<20}{'e2e ms':>10}{'attn ms':>10}{'TFLOP/s':>9}{'speed-up':>9}{'PSNR':>8}{'SSIM':>8}"
+    head = f"{'S':>6} {'variant':<30}{'e2e ms':>10}{'attn ms':>10}{'TFLOP/s':>9}{'speed-up':>9}{'PSNR':>8}{'SSIM':>8}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
-        print(f"{r['S']:>6} {r['variant']:<20}{r['ms']:>10.1f}{str(r['attn_ms']):>10}{str(r['tflops']):>9}"
+        print(f"{r['S']:>6} {r['variant']:<30}{r['ms']:>10.1f}{str(r['attn_ms']):>10}{str(r['tflops']):>9}"
               f"{_x(r['speedup_vs_cudnn']):>9}{r['psnr']:>8.2f}{r['ssim']:>8.4f}")
     if not trained:
         print("[bench_e2e] WARNING: RANDOM weights: attention near uniform, errors understated")
-    print(f"[bench_e2e] appended {len(rows)} rows to {path}")
+    print(f"[bench_e2e] appended {len(rows)} rows to {path} ({time.perf_counter() - t_start:.0f} s in all)")
     return rows
 
 

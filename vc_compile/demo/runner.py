@@ -33,6 +33,26 @@ METHODS = (
     ("mcsparse@0.25", {"method": "mcsparse", "density": 0.25}),
 )
 
+# The ablation ladder of the MC-Sparse paper's Table 5 (docs/sparse_notes.md, "Ablation ladder"): each rung
+# adds one component to the previous one; L5 is the full method (the default options). L1b is not in the
+# paper: mean-pooled blocks selected at the anchors and reused, so L1 -> L1b isolates reuse and
+# L1b -> L2 the selection rule alone. Every rung has the same schedule (dense warm-up, dense anchor steps).
+_BSA = {"selection_unit": "block", "query_grouping": "none", "residual": "none"}
+LADDER = (
+    ("L1:bsa-meanpool", {**_BSA, "selection": "mean_pool", "selection_refresh": "every_step"}),
+    ("L1b:bsa-meanpool-reused", {**_BSA, "selection": "mean_pool"}),
+    ("L2:bsa-exact-reused", dict(_BSA)),
+    ("L3:token", {"query_grouping": "none", "residual": "none"}),
+    ("L4:+pddp", {"residual": "none"}),
+    ("L5:+residual", {}),
+)
+
+
+def ladder_methods(densities=(0.15, 0.25)):
+    """[(label, options)] for every rung at every density, density-major: ``L3:token@0.15``."""
+    return [(f"{name}@{d:g}", {"method": "mcsparse", "density": float(d), **opts})
+            for d in densities for name, opts in LADDER]
+
 
 @dataclasses.dataclass
 class RunResult:

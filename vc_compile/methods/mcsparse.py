@@ -27,7 +27,7 @@ Hostile inputs (tests/test_hostile.py):
 Ablation switches (the ladder of the paper's Table 5, docs/sparse_notes.md; defaults = the full method):
 * ``query_grouping="none"``: sigma = arange(S) (contiguous query tiles of C), no PDDP.
 * ``selection="mean_pool"``: scores of each group's mean query against the keys (or key-block means),
-  no pass 2; the anchor's dense pass is plain SDPA when no residual needs O_dense's precision.
+  no pass 2 (the anchor still runs pass 1, so it returns the same O_dense as every other variant).
 * ``selection_unit="block"``: the top 64-key blocks (exact: group masses summed per block), expanded to
   token indices (``reference.select.expand_blocks``), so the same gather kernel runs every variant.
 * ``selection_refresh="every_step"`` (mean_pool, no residual): the scores are recomputed from the current
@@ -190,11 +190,9 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
         return finish_output(out, q.dtype), meta
     # ANCHOR
     sigma = query_order(impl, q, cfg)
-    exact = cfg.selection == Selection.EXACT
-    if exact or cfg.residual != "none":
-        o_dense, lse2 = _dense_with_lse(impl, q, k, v, sm_scale)
-    else:  # mean-pooled scores need no LSE and nothing needs O_dense beyond the returned output
-        o_dense, lse2 = F.scaled_dot_product_attention(q, k, v, scale=sm_scale), None
+    # pass 1 for every variant (mean-pooled scores do not need the LSE): the anchor step returns the same
+    # O_dense whatever the ablation switches, so the ladder's rungs differ only in what they switch
+    o_dense, lse2 = _dense_with_lse(impl, q, k, v, sm_scale)
     out = o_dense.to(q.dtype).contiguous()
     idx = select(impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=C, keep=keep,
                  selection=cfg.selection, unit=cfg.selection_unit)
