@@ -129,5 +129,9 @@ def expand_blocks(scores: torch.Tensor, keep: int, Sk: int, block: int = KV_TILE
     tok = tok.flatten(-2)
     valid = tok < Sk
     take = valid & (torch.cumsum(valid.to(torch.int32), dim=-1) <= keep)
-    idx = tok[take].view(*lead, keep)  # every row takes exactly keep keys (row-major order kept)
+    # every row takes exactly keep keys; a stable sort moves them to the front in rank order without the
+    # device -> host sync of boolean indexing (this runs at every sparse step for selection_refresh
+    # "every_step")
+    first = torch.sort((~take).to(torch.uint8), dim=-1, stable=True).indices[..., :keep]
+    idx = torch.gather(tok, -1, first)
     return torch.sort(idx.to(torch.int32), dim=-1).values
