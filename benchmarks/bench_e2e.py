@@ -24,7 +24,8 @@ block-sparse -> exact selection reused -> token level -> + PDDP query grouping -
 ``--densities`` (default 0.15, 0.25); rows get ``bench = e2e_ladder``. Each rung's PSNR/SSIM is printed as
 soon as it finishes.
 
-Appends rows to ``benchmarks/results/bench_e2e.csv`` (header written only when the file is created):
+Appends rows to ``benchmarks/results/bench_e2e.csv`` (header written only when the file is created), each
+as soon as its run finishes (a run stopped by a time limit keeps its finished rows):
 ``ms`` is the end-to-end sampling time, ``tflops`` the self-attention FLOPs (4 B H S^2 D per call; dense
 FLOPs for sparse methods, i.e. "effective") over the profiled attention time.
 """
@@ -136,6 +137,20 @@ def main(argv=None):
     cond, uncond = encode(te, tokens, dtype), encode(te, torch.zeros_like(tokens), dtype)
     H, D = cfg.num_attention_heads, cfg.attention_head_dim
     rows = []
+    path = Path(a.csv)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(row):
+        """Each row goes to the CSV as soon as its run finishes: a run cut short by a time limit keeps
+        the rows it finished."""
+        rows.append(row)
+        new = not path.exists()
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=HEADER, extrasaction="ignore")
+            if new:
+                w.writeheader()
+            w.writerow(row)
+
     for size in sizes:
         F_, Hpx, Wpx = SIZES[size]
         S = cfg.tokens(F_, Hpx, Wpx)
@@ -144,6 +159,9 @@ def main(argv=None):
         print(f"[bench_e2e] {size}: {F_} x {Hpx} x {Wpx} px = {S} tokens, {steps} steps, weights "
               f"{'trained' if trained else 'RANDOM'}", flush=True)
         kw = dict(frames=F_, height=Hpx, width=Wpx, steps=steps, seed=a.seed, guidance=a.guidance, shift=1.0)
+        common = {**env, "bench": bench, "B": 1, "H": H, "S": S, "D": D, "steps": steps, "frames": F_,
+                  "height": Hpx, "width": Wpx, "guidance": a.guidance, "seed": a.seed,
+                  "weights": "trained" if trained else "random"}
         results = {}
         with prefer_cudnn():
             for label in labels:
@@ -151,49 +169,35 @@ def main(argv=None):
                 r = run_config(tr, cond, uncond, label, opts, dtype=dtype, warmup=a.warmup, compile_fn=cfn,
                                progress=print_progress(f"{size} {label}", every=max(1, steps // 5)), **kw)
                 results[label] = r
-                fid = compare(r.clip, results["dense"].clip)
+                base = results["dense"]
+                m = compare(r.clip, base.clip)
+                phases = " ".join(f"{k}:{v}" for k, v in sorted(r.report.phase_counts().items())) if r.report else ""
+                append({**common, "variant": label, "density": r.options.get("density", ""),
+                        "ms": round(r.e2e_ms, 2),
+                        "tflops": round(flops / (r.attn_ms * 1e-3) / 1e12, 1) if r.attn_ms else "",
+                        "speedup_vs_cudnn": round(base.e2e_ms / r.e2e_ms, 3),
+                        **{k: round(v, 6) for k, v in m.items()},
+                        "attn_ms": round(r.attn_ms, 2) if r.attn_ms is not None else "",
+                        "warmup_s": round(r.warmup_s, 1), "phases": phases})
                 print(f"  {label}: e2e {r.e2e_ms:.0f} ms, attention {r.attn_ms or 0:.0f} ms, "
-                      f"warm-up {r.warmup_s:.0f} s, PSNR {fid['psnr']:.2f} dB, SSIM {fid['ssim']:.4f} "
+                      f"warm-up {r.warmup_s:.0f} s, PSNR {m['psnr']:.2f} dB, SSIM {m['ssim']:.4f} "
                       f"[{time.perf_counter() - t_start:.0f} s elapsed]; {r.summary}", flush=True)
-            floors = {}
             if not a.no_floor:
-                from vc_compile.demo.runner import vc_api
-
-                vc, _ = vc_api()
+                floor = {**common, "density": "", "tflops": "", "speedup_vs_cudnn": "", "attn_ms": "",
+                         "warmup_s": "", "phases": ""}
                 torch._dynamo.reset()
                 clip32, ms32 = fp32_reference(a.weights, tokens, device, **kw)
-                floors["floor:bf16-vs-fp32"] = (compare(results["dense"].clip, clip32), ms32)
+                m = compare(results["dense"].clip, clip32)
+                append({**floor, "variant": "floor:bf16-vs-fp32", "ms": round(ms32, 2),
+                        **{k: round(v, 6) for k, v in m.items()}})
                 r2 = run_config(tr, cond, uncond, "dense", {**known["dense"], "compiler": a.compiler},
                                 dtype=dtype, warmup=1, compile_fn=cfn, **{**kw, "seed": a.seed + 1})
-                floors["floor:seed-to-seed"] = (compare(r2.clip, results["dense"].clip), r2.e2e_ms)
-        base = results["dense"]
-        for label, r in results.items():
-            m = compare(r.clip, base.clip)
-            phases = " ".join(f"{k}:{v}" for k, v in sorted(r.report.phase_counts().items())) if r.report else ""
-            rows.append({**env, "bench": bench, "variant": label, "B": 1, "H": H, "S": S, "D": D,
-                         "density": r.options.get("density", ""), "ms": round(r.e2e_ms, 2),
-                         "tflops": round(flops / (r.attn_ms * 1e-3) / 1e12, 1) if r.attn_ms else "",
-                         "speedup_vs_cudnn": round(base.e2e_ms / r.e2e_ms, 3),
-                         **{k: round(v, 6) for k, v in m.items()},
-                         "attn_ms": round(r.attn_ms, 2) if r.attn_ms is not None else "", "steps": steps,
-                         "frames": F_, "height": Hpx, "width": Wpx, "guidance": a.guidance, "seed": a.seed,
-                         "weights": "trained" if trained else "random", "warmup_s": round(r.warmup_s, 1),
-                         "phases": phases})
-        for label, (m, ms) in floors.items():
-            rows.append({**env, "bench": bench, "variant": label, "B": 1, "H": H, "S": S, "D": D, "density": "",
-                         "ms": round(ms, 2), "tflops": "", "speedup_vs_cudnn": "",
-                         **{k: round(v, 6) for k, v in m.items()}, "attn_ms": "", "steps": steps, "frames": F_,
-                         "height": Hpx, "width": Wpx, "guidance": a.guidance, "seed": a.seed,
-                         "weights": "trained" if trained else "random", "warmup_s": "", "phases": ""})
+                m = compare(r2.clip, results["dense"].clip)
+                append({**floor, "variant": "floor:seed-to-seed", "ms": round(r2.e2e_ms, 2),
+                        **{k: round(v, 6) for k, v in m.items()}})
+                print(f"  floors: bf16-vs-fp32 {rows[-2]['psnr']:.2f} dB, seed-to-seed {rows[-1]['psnr']:.2f} dB "
+                      f"[{time.perf_counter() - t_start:.0f} s elapsed]", flush=True)
 
-    path = Path(a.csv)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=HEADER, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerows(rows)
     print()
     head = f"{'S':>6} {'variant':<30}{'e2e ms':>10}{'attn ms':>10}{'TFLOP/s':>9}{'speed-up':>9}{'PSNR':>8}{'SSIM':>8}"
     print(head + "\n" + "-" * len(head))

@@ -3,7 +3,8 @@
 # these).  Usage on the device machine, from the repo root, with the carried wheels in .whl/:
 #     VC_COMMIT=<sha> bash scripts/gpu_sweep.sh <stage> [<stage> ...]
 # Stages: e2e (demo table + end-to-end at 32K), e2e75 (end-to-end at 75K), soak (GPU memory over many
-# generations), cp (two GPUs: Ulysses benchmark), tune (issue 8 start-up times and tuned-vs-shipped).
+# generations), cp (two GPUs: Ulysses benchmark), tune (issue 8 start-up times and tuned-vs-shipped),
+# ladder (issue 5: MC-Sparse Table-5 ablation ladder at 16K, s = 0.15 and 0.25, 50 steps).
 # Each stage has its own time limit so that one slow stage still leaves the others' results in $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -32,6 +33,9 @@ for s in "$@"; do
       stage e2e32k 270 python3 benchmarks/bench_e2e.py --sizes 32k --regional --csv "$OUT/bench_e2e.csv" ;;
     e2e75)
       stage e2e75k 400 python3 benchmarks/bench_e2e.py --sizes 75k --regional --csv "$OUT/bench_e2e.csv" ;;
+    ladder)
+      stage ladder16k 200 python3 benchmarks/bench_e2e.py --sizes 16k --ladder --regional \
+        --csv "$OUT/bench_e2e.csv" ;;
     soak)
       stage soak 170 python3 benchmarks/bench_soak.py --generations 60 --steps 6 --seq 4096 --alt-seq 3072 \
         --heads 8 --dim 1024 --cfg --plot "$OUT/soak_cuda.png" ;;
