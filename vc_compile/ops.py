@@ -34,6 +34,7 @@ from .methods import vsmooth as m_vsmooth
 from .runtime import report as _report
 from .runtime import state
 from .runtime.steps import TRACKER, Phase, phase_for
+from .tune import lookup as _tune
 
 _METHODS = {Method.DENSE: m_dense, Method.VSMOOTH: m_vsmooth, Method.MCSPARSE: m_mcsparse}
 _TAGS = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
@@ -138,8 +139,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
     meta = state.get(key)
     phase = phase_for(cfg, info.step, info.num_steps, meta is not None)
-    with _report.Timer(rec, cfg.profile, q.is_cuda):
+    with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording() as sources:
         out, new_meta = _METHODS[method].run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl)
+    rec.config_sources.update(sources)
     if new_meta is not None and new_meta is not meta:
         state.put(key, new_meta)
         _watch(ident, key)

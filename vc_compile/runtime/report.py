@@ -39,6 +39,9 @@ class SiteRecord:
     kernel_path: collections.Counter = field(default_factory=collections.Counter)
     runtime_fallbacks: collections.Counter = field(default_factory=collections.Counter)
     step_sources: collections.Counter = field(default_factory=collections.Counter)
+    # "<kernel>:<source>" -> launches; source = where the launch config came from (vc_compile/tune):
+    # shipped (measured table), cache (tuned earlier on this machine), tuned (now), default (no tuning)
+    config_sources: collections.Counter = field(default_factory=collections.Counter)
     time_ms: float = 0.0
     bytes_held: int = 0
     has_identity: bool = True
@@ -99,6 +102,15 @@ class Timer:
                 self.rec.time_ms += (time.perf_counter() - self.t0) * 1e3
 
 
+def config_column(sources: collections.Counter) -> str:
+    """``{"vsmooth_attn:shipped": 3}`` -> ``"vsmooth_attn=shipped"`` (all sources of a kernel, by name)."""
+    by_kernel: Dict[str, List[str]] = {}
+    for name in sorted(sources):
+        kernel, _, src = name.partition(":")
+        by_kernel.setdefault(kernel, []).append(src)
+    return " ".join(f"{k}={'/'.join(v)}" for k, v in by_kernel.items())
+
+
 @dataclass
 class Report:
     sites: List[SiteRecord]
@@ -130,19 +142,21 @@ class Report:
         out = []
         for s in self.sites:
             d = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if not f.name.startswith("_")}
-            for key in ("phases", "kernel_path", "runtime_fallbacks", "step_sources"):
+            for key in ("phases", "kernel_path", "runtime_fallbacks", "step_sources", "config_sources"):
                 d[key] = dict(d[key])
             out.append(d)
         return {"sites": out, "graphs_without_sdpa": list(self.graphs_without_sdpa)}
 
     def __str__(self) -> str:
-        cols = ["site", "module", "shape", "method", "calls", "phases", "kernel", "fallback", "ms", "MB held"]
+        cols = ["site", "module", "shape", "method", "calls", "phases", "kernel", "config", "fallback", "ms",
+                "MB held"]
         rows = []
         for s in self.sites:
             fb = s.reason or ", ".join(f"{k} x{v}" for k, v in s.runtime_fallbacks.items())
             rows.append([str(s.site), s.module[-40:], s.shape, s.method if s.rewritten else "sdpa",
                          str(s.calls), " ".join(f"{k}:{v}" for k, v in sorted(s.phases.items())),
-                         ",".join(sorted(s.kernel_path)), fb or "-", f"{s.time_ms:.2f}",
+                         ",".join(sorted(s.kernel_path)), config_column(s.config_sources) or "-",
+                         fb or "-", f"{s.time_ms:.2f}",
                          f"{s.bytes_held / 2**20:.1f}"])
         if not rows:
             msg = "vc_compile report: no attention call sites compiled yet"
@@ -185,5 +199,5 @@ def reset_counts() -> None:
         for s in _SITES.values():
             s.calls, s.time_ms = 0, 0.0
             s._pending.clear()
-            for c in (s.phases, s.kernel_path, s.runtime_fallbacks, s.step_sources):
+            for c in (s.phases, s.kernel_path, s.runtime_fallbacks, s.step_sources, s.config_sources):
                 c.clear()

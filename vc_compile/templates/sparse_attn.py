@@ -31,6 +31,7 @@ i.e. C / 2 = 32 FLOP per gathered byte at C = 64 (128-row tiles would double it)
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -215,8 +216,46 @@ _CONFIGS = {
 }
 
 
+# The autotuner's candidates (vc_compile/tune): the configs both H200 sweeps compiled and timed
+# (C = 64 first run, C = 128 benchmarks/bench_sparse_attn.py SWEEP_C128); default_config's answer is
+# put first, so an untuned run launches exactly what it launched before the tuner existed.
+SWEPT = ((64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 4), (128, 4, 3), (64, 8, 3), (64, 8, 4), (128, 8, 3))
+
+
 def default_config(qk_format: str, D: int, C: int):
     return _CONFIGS.get((qk_format, D, C), (64, 4, 3))
+
+
+def as_config(cfg) -> dict:
+    bn, nw, ns = cfg
+    return {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
+
+
+@functools.lru_cache(maxsize=None)
+def candidates(qk_format: str, D: int, C: int):
+    """The tuner's candidates (``as_config`` form), the default first."""
+    first = default_config(qk_format, D, C)
+    return [as_config(c) for c in (first,) + tuple(c for c in SWEPT if c != first)]
+
+
+def tune_variant(qk_format: str, C: int, n_keep: int, Sk: int) -> str:
+    """The variant field of this kernel's tuning key: QK format, group size, density to 0.05."""
+    return f"{qk_format}-c{C}-p{int(round(20 * n_keep / Sk)) * 5}"
+
+
+def _lookup(q, k, v, sigma, idx, sm_scale, C, residual, out_dtype, fmt, k_fp8):
+    from vc_compile.tune import lookup
+
+    D, Sk, n_keep = q.shape[3], k.shape[2], idx.shape[3]
+
+    def launch(c):
+        return sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C, residual=residual,
+                                       out_dtype=out_dtype, qk_format=fmt, k_fp8=k_fp8,
+                                       config=(c["BLOCK_N"], c["num_warps"], c["num_stages"]))
+    c, _ = lookup.resolve("sparse_attn", __file__, candidates(fmt, D, C), dtype=q.dtype, head_dim=D,
+                          seq_len=q.shape[2], variant=tune_variant(fmt, C, n_keep, Sk), device=q.device,
+                          bench=lookup.validated_bench(launch))
+    return c["BLOCK_N"], c["num_warps"], c["num_stages"]
 
 
 def _check_dim(name, d):
@@ -226,8 +265,9 @@ def _check_dim(name, d):
 
 def sparse_attention_launch(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None,
                             out_dtype=None, qk_format="bf16", config=None, k_fp8=None):
-    """``sparse_attention`` with an explicit ``config = (BLOCK_N, num_warps, num_stages)`` and an
-    optional pre-quantised ``k_fp8 = (codes, scale)`` (benchmarks sweep configs with it)."""
+    """``sparse_attention`` with an explicit ``config = (BLOCK_N, num_warps, num_stages)`` (None = the
+    tuning lookup, vc_compile/tune) and an optional pre-quantised ``k_fp8 = (codes, scale)`` (benchmarks
+    sweep configs with it)."""
     B, H, S, D = q.shape
     Sk, DV = k.shape[2], v.shape[3]
     C = int(group_size)
@@ -252,11 +292,12 @@ def sparse_attention_launch(q, k, v, sigma, idx, *, sm_scale, group_size, residu
     n_keep = idx.shape[3]
     out = torch.empty(B, H, S, DV, device=q.device, dtype=out_dtype or q.dtype)
     fmt = "fp8" if qk_format == "fp8" else "bf16"
-    BLOCK_N, warps, stages = config or default_config(fmt, D, C)
     if fmt == "fp8":
         kq, ks = k_fp8 if k_fp8 is not None else quantize_k_fp8(k)
     else:
         kq, ks = k, k  # KS unused
+    BLOCK_N, warps, stages = config or _lookup(q, k, v, sigma, idx, sm_scale, C, residual, out_dtype, fmt,
+                                               (kq, ks) if fmt == "fp8" else None)
     has_res = residual is not None
     if has_res:
         if tuple(residual.shape) != (B, H, S, DV):

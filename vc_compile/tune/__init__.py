@@ -1,4 +1,26 @@
-"""Per-architecture autotuning cache (see ``cache.py``)."""
-from .cache import Arch, TuneKey, cache_dir, current_arch, get_config, make_key, seq_bucket
+"""Per-architecture autotuning of the attention kernels' launch configurations.
 
-__all__ = ["Arch", "TuneKey", "cache_dir", "current_arch", "get_config", "make_key", "seq_bucket"]
+Each tuned kernel launcher (``templates/vsmooth_attn.py``, ``templates/sparse_attn.py``) asks
+``lookup.resolve`` once per launch; the answer, memoised per (kernel, dtype, head dim, sequence length,
+variant, device) in the process, comes from, in this order:
+
+``shipped``  ``shipped_<family>.json`` (sm90: the configurations measured on the H200, generated from the
+             kernels' default tables by ``python -m vc_compile.tune.shipped``): an H100/H200 tunes nothing;
+``cache``    a JSON file per (GPU, compute capability, CUDA, Triton) and (kernel, source hash) under
+             ``cache_dir()`` (``$VCATTN_CACHE_DIR``, else ``<Inductor cache>/vcattn``), written by an
+             earlier run on this machine;
+``tuned``    benchmarked now with ``triton.testing.do_bench`` over the kernel's candidates (the
+             variants that exist in its tables, the measured default first), each output validated
+             against the default's, one progress line on stderr, stored in the cache;
+``default``  under ``TRITON_INTERPRET``, off CUDA, during CUDA graph capture or when every candidate
+             failed: the first candidate, never tuned.
+
+``configure(cache_dir=, shipped=, force=)`` changes the policy at run time; ``python -m vc_compile tune``
+pre-tunes a shape (``cli.py``); ``vc_compile.report()`` shows the source per call site (``config``).
+Details: docs/autotune.md.
+"""
+from .cache import Arch, TuneKey, cache_dir, current_arch, get_config, make_key, seq_bucket
+from .lookup import clear_memo, configure, recording, resolve
+
+__all__ = ["Arch", "TuneKey", "cache_dir", "clear_memo", "configure", "current_arch", "get_config", "make_key",
+           "recording", "resolve", "seq_bucket"]

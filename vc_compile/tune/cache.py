@@ -18,6 +18,7 @@ that ships in ``vc_compile/tune/shipped_<arch>.json``: a first run on a known GP
 """
 from __future__ import annotations
 
+import fnmatch
 import functools
 import hashlib
 import json
@@ -178,45 +179,67 @@ def _shipped(family: str) -> Dict[str, Dict[str, Config]]:
         return {}
 
 
+def shipped_config(key: TuneKey, family: str) -> Optional[Config]:
+    """The shipped configuration for ``key``: an exact entry, else the most specific ``*`` pattern
+    (fewest ``*``; e.g. ``bfloat16|d128|s*|exp2-int8`` covers every sequence length)."""
+    table = _shipped(family).get(key.kernel, {})
+    if key.entry in table:
+        return dict(table[key.entry])
+    pats = sorted((p for p in table if "*" in p and fnmatch.fnmatchcase(key.entry, p)),
+                  key=lambda p: (p.count("*"), p))
+    return dict(table[pats[0]]) if pats else None
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _line_progress(key: TuneKey, arch: Arch, n: int) -> Callable[[int, Config, Optional[float]], None]:
+    """The default progress report: ONE line on stderr, a dot per benchmarked configuration."""
+    print(f"vcattn: tuning {key.kernel} [{key.entry}] on {arch.gpu}: {n} configs ", end="",
+          file=sys.stderr, flush=True)
+
+    def step(i: int, cfg: Config, ms: Optional[float]) -> None:
+        print("." if ms is not None else "x", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
+    return step
+
+
 def get_config(key: TuneKey, candidates: List[Config], bench: Optional[Callable[[Config], float]] = None,
                *, arch: Optional[Arch] = None, directory: Optional[str] = None,
-               shipped: bool = True, quiet: bool = False) -> Tuple[Config, str]:
+               shipped: bool = True, quiet: bool = False, force: bool = False,
+               progress: Optional[Callable[[int, Config, Optional[float]], None]] = None
+               ) -> Tuple[Config, str]:
     """The configuration for ``key`` and where it came from: shipped, cache, tuned or default.
 
-    ``bench(config) -> ms`` runs one candidate (it may raise: that candidate is skipped). Tuning never
-    happens under ``TRITON_INTERPRET`` or without ``bench``: then the first candidate is the default.
+    Order: the shipped table of the GPU family (skipped with ``shipped=False``), then the cache file,
+    then tuning: ``bench(config) -> ms`` runs one candidate (it may raise: that candidate is skipped)
+    and the fastest is stored. Tuning never happens under ``TRITON_INTERPRET`` or without ``bench``:
+    then the first candidate (the measured default) is used, source ``default``, nothing is written.
+    ``progress(i, config, ms or None)`` is called after each candidate (default: one line on stderr).
+    ``force=True`` skips the shipped table and the cache: it always tunes (where tuning is possible).
     """
     if not candidates:
         raise ValueError(f"no candidate configurations for {key.kernel}")
     arch = arch or current_arch()
-    if shipped:
-        table = _shipped(arch.family).get(key.kernel, {})
-        if key.entry in table:
-            return dict(table[key.entry]), "shipped"
+    if shipped and not force:
+        hit = shipped_config(key, arch.family)
+        if hit is not None:
+            return hit, "shipped"
     path = os.path.join(cache_dir(directory), arch.dirname, key.filename())
-    hit = load(path).get(key.entry)
+    hit = None if force else load(path).get(key.entry)
     if hit is not None:
         return dict(hit["config"]), "cache"
     if bench is None or interpreting():
         return dict(candidates[0]), "default"
-    if not quiet:
-        print(f"vcattn: tuning {key.kernel} for {key.entry} on {arch.gpu} ({len(candidates)} configs)...",
-              file=sys.stderr, flush=True)
+    if progress is None:
+        progress = (lambda i, cfg, ms: None) if quiet else _line_progress(key, arch, len(candidates))
     timings = []
     for i, cfg in enumerate(candidates):
         try:
             ms = float(bench(cfg))
-        except Exception as e:  # a config that fails to compile or run (e.g. out of shared memory)
+        except Exception:  # a config that fails to compile, run or validate (e.g. out of shared memory)
             ms = float("inf")
-            if not quiet:
-                print(f"  [{i + 1}/{len(candidates)}] {cfg}: failed ({type(e).__name__})", file=sys.stderr)
-        else:
-            if not quiet:
-                print(f"  [{i + 1}/{len(candidates)}] {cfg}: {ms:.3f} ms", file=sys.stderr, flush=True)
+        progress(i, cfg, ms if ms != float("inf") else None)
         timings.append(ms)
     best = min(range(len(candidates)), key=lambda i: timings[i])
     if timings[best] == float("inf"):
