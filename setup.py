@@ -6,7 +6,8 @@ setup(
     description="torch.compile backend 'vcattn': 8-bit (V-Smooth, ExpCast) and token-sparse (MC-Sparse) "
                 "attention for video diffusion transformers",
     packages=find_packages(include=["vc_compile", "vc_compile.*"]),
-    package_data={"vc_compile": ["demo/weights/*.safetensors", "demo/weights/*.json", "passes/README.md", "tune/*.json"]},
+    package_data={"vc_compile": ["demo/weights/*.safetensors", "demo/weights/*.json", "passes/README.md",
+                                 "tune/*.json"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "triton>=3.6", "sympy", "nvidia-ml-py", "diffusers==0.42.1",
                       "safetensors", "pillow", "numpy"],

@@ -48,7 +48,7 @@ def child(method: str, mode: str, smoke: bool) -> None:
     """One start-up measurement (run in a fresh process); prints one JSON line."""
     import torch
 
-    import vc_compile
+    import vc_compile  # noqa: F401  (registers torch.ops.vcattn.*)
     from vc_compile.tune import lookup
 
     t_import = time.time()

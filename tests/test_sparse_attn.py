@@ -161,3 +161,25 @@ def test_cuda_density_one_vs_sdpa():
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     # within 2x of bf16 SDPA's own error against the fp32 reference (SPEC 5)
     assert rel_l2(out, dense) <= 2 * rel_l2(sdpa, dense) + 1e-4
+
+
+@requires_cuda
+@pytest.mark.parametrize("C", [64, 128])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_cuda_every_tuning_candidate(C, fmt):
+    """Every launch config the autotuner may pick (sparse_attn.SWEPT) matches the reference, with and
+    without the residual, on a key count that is not a multiple of any BLOCK_N (masked tail)."""
+    from vc_compile.templates import sparse_attn as tsa
+
+    S, D = 4000, 128
+    q, k, v, sigma, idx, res = make_inputs(1, 4, S, D, torch.bfloat16, 0.15, C=C, device="cuda")
+    idx = idx[..., :idx.shape[-1] - 7].contiguous()  # n_keep % 32 != 0
+    reff = sparse_attention_q8 if fmt == "fp8" else ref_sparse
+    for residual in (None, res):
+        ref = reff(q, k, v, sigma, idx, sm_scale=D ** -0.5, group_size=C, residual=residual,
+                   out_dtype=torch.float32)
+        for cfg in tsa.candidates(fmt, D, C):
+            out = tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=D ** -0.5, group_size=C,
+                                              residual=residual, out_dtype=torch.float32, qk_format=fmt,
+                                              config=(cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]))
+            assert rel_l2(out, ref) < TOL[torch.bfloat16], cfg

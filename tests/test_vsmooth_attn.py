@@ -182,3 +182,23 @@ def test_gpu_no_nan_any_specialisation(D, expcast, S, mean, monkeypatch):
         bad = int((~torch.isfinite(o)).any(-1).sum())
         assert bad == 0, f"{bad} rows not finite (return_lse={return_lse})"
         assert rel(o, ro) <= ref_tolerance(expcast, 2)
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("expcast", [False, True])
+@pytest.mark.parametrize("S", [4096, 4173])
+def test_gpu_every_tuning_candidate(D, expcast, S):
+    """Every config the autotuner may pick (CANDIDATES, vc_compile/tune), in every specialisation (key
+    tail or not, LSE or not): finite rows and the reference's tolerance, as the defaults above. (The
+    tuner also rejects a candidate whose output is not finite or > 2e-2 from the default's.)"""
+    q, k, v = make_qkv(1, 4, S, D, torch.bfloat16, device="cuda")
+    qk, vq = quantise(q, k, v)
+    ro = ref.vsmooth_attention(qk, vq, expcast=expcast)
+    for cfg in tpl.candidates(D, expcast):
+        for return_lse in (False, True):
+            o = tpl.vsmooth_attention(qk, vq, expcast=expcast, return_lse=return_lse, config=cfg)
+            o = o[0] if return_lse else o
+            bad = int((~torch.isfinite(o)).any(-1).sum())
+            assert bad == 0, f"{bad} rows not finite ({cfg}, return_lse={return_lse})"
+            assert rel(o, ro) <= ref_tolerance(expcast, 2), cfg
