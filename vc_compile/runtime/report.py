@@ -2,8 +2,9 @@
 
 A *call site* is one ``scaled_dot_product_attention`` node of one compiled graph. The rewrite pass
 registers every site it sees (rewritten or not, with the reason); the ``vcattn::attention`` op adds what
-ran: calls per phase, the kernel path, run-time fallbacks, time (with ``profile=True``) and the bytes of
-metadata the site holds.
+ran: calls per phase, the kernel path, where each kernel's launch configuration came from
+(``config_sources``: shipped / cache / tuned / default, see ``vc_compile/tune``), run-time fallbacks,
+time (with ``profile=True``) and the bytes of metadata the site holds.
 """
 from __future__ import annotations
 
