@@ -26,6 +26,10 @@ program gathers its C query rows through sigma, loops over its n_keep keys in BL
 (pointer-gathered K and V rows: Hopper has no TMA gather; Triton pipelines the indirect loads),
 and in the epilogue divides by the row sums, adds the residual and scatters row i to sigma[g*C + i].
 
+Launch configuration (BLOCK_N, warps, stages): ``config=``, else one lookup in ``vc_compile/tune``
+(shipped sm_90 table = ``_CONFIGS``, else the local cache, else the fastest of SWEPT, tuned on first
+use; the first candidate under the interpreter). docs/autotune.md.
+
 Cost per program: 4 * C * n_keep * D FLOPs; n_keep * (D + Dv) * 2 bytes gathered (mostly L2 hits),
 i.e. C / 2 = 32 FLOP per gathered byte at C = 64 (128-row tiles would double it).
 """

@@ -40,6 +40,10 @@ DEFAULT_VARIANTS), ROWSUM (how r_ij is formed: decoding P~ on the ALUs, or ``P~ 
 tensor cores; see DEFAULT_VARIANTS), RETURN_LSE, INTERPRET (fp32
 -> e4m3 rounding done in software: the Triton 3.6 interpreter's cast mis-rounds).
 
+Launch configuration ((BM, BN, warps, stages), ROWSUM, MEAN): one lookup in ``vc_compile/tune`` per
+launch (shipped sm_90 table = DEFAULT_VARIANTS, else the local cache, else the fastest of CANDIDATES,
+tuned on first use; the first candidate under the interpreter). docs/autotune.md.
+
 Cost: 4 B H S Sk D FLOPs (half INT8, half FP8 MMA); bytes ~ B H (S D (1 + out bytes) + n_q_tiles Sk 2D)
 with K/V re-read per query tile mostly from L2.
 """
