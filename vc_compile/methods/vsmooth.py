@@ -10,10 +10,11 @@ Hostile inputs (tests/test_hostile.py):
 * A warm start never uses a non-finite centroid (a NaN/Inf V at an earlier step): such a centroid is
   re-seeded from the current V, so one bad step does not steer the grouping of the steps after it.
 * fp16 outputs saturate at +-65504 instead of rounding up to inf (``methods.finish_output``).
-Known limit: Q is quantised with one INT8 scale per 128 query tokens (reference/preprocess.py), so a
-query token whose norm is ~30x that of its 127 block neighbours (impossible with per-head QK-norm, which
-most video DiTs apply) flattens their logits: measured error 0.09 at 30x, 0.28 at 100x (0.04 for
-Gaussian inputs). Finer Q scales (per token or per 16 tokens, SPEC 3.1 allows them) would remove it.
+* Q is quantised with one scale per query token (reference/preprocess.py). With one per 128 tokens (the
+  first version) a query token ~30x the norm of its 127 block neighbours flattened their logits: error
+  0.09 at 30x, 0.28 at 100x (0.04 for Gaussian inputs); per token it stays at the Gaussian level.
+* NaN/Inf in q, k or v propagate like SDPA (q row i -> output row i NaN; any K element -> the whole
+  (b, h) NaN; V element (t, d) -> column d NaN), through NaN scales; other heads are untouched.
 """
 from __future__ import annotations
 

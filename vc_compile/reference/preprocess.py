@@ -6,10 +6,16 @@ Notation
 --------
 B, H, S, D      batch, heads, tokens, head dim; inputs are [B, H, S, D] (any strides).
 perm            [B, H, S] int64 key/value permutation (the V-Smooth cluster order), or None = identity.
-BLOCK_Q         tokens per Q scale (128);  BLOCK_K tokens per K scale (64);  BLOCK_V rows per V mean (128).
+BLOCK_Q         tokens per Q scale (1: one scale per query token, SPEC 3.1 step 4 "finer is allowed");
+                BLOCK_K tokens per K scale (64);  BLOCK_V rows per V mean (128).
 q8, k8          [B, H, S, D] int8 (or float8_e4m3fn when qk_format == "fp8"); k8 in *permuted* order.
-q_scale         [B, H, ceil(S/BLOCK_Q)] fp32, with ``sm_scale * log2(e)`` folded in, so
-                ``(q8 . k8) * q_scale * k_scale`` is the base-2 logit.
+q_scale         [B, H, S] fp32, one per query token, with ``sm_scale * log2(e)`` folded in, so
+                ``(q8 . k8) * q_scale * k_scale`` is the base-2 logit. Why per token: with one scale per
+                128 tokens, a query 100x its neighbours' norm sets the scale of all 128 and rounds their
+                codes to a few levels, flattening their logits (error 0.28 vs 0.04,
+                tests/test_hostile.py). Per token costs S floats per head and, in the attention kernel,
+                nothing per score (the row scale folds into the FMA of the exp2 argument).
+                ``preprocess_qk(q_block=128)`` emulates the old per-128 scales (still [B, H, S]).
 k_scale         [B, H, ceil(S/BLOCK_K)] fp32 (blocks of the permuted K).
 k_mean          [B, H, D] fp32, the token mean removed from K (before rotation). Softmax ignores it;
                 the log-sum-exp does not: ``lse_true = lse_smoothed + (q . k_mean) * sm_scale``.
@@ -18,6 +24,16 @@ v8t             [B, H, D, S_pad] float8_e4m3fn: the residual ``V' - mu`` quantis
 v_scale         [B, H, D] fp32 per-channel scale of the residual (over all tokens of the head).
 v_mean          [B, H, ceil(S/BLOCK_V), D] fp32 block means ``mu_j`` of the permuted V (zeros when
                 smoothing is off: then this is plain per-channel FP8 V, our "naive 8-bit").
+
+Non-finite inputs (NaN/Inf; propagated like SDPA, never rounded away, never into another (b, h)):
+* Q row i non-finite          -> q_scale[b, h, i] = NaN: output row i NaN (SDPA: row i NaN).
+* any K element non-finite    -> k_mean non-finite -> every q_scale of the head NaN (and the K blocks'
+                                 scales): the whole (b, h) output NaN. SDPA: all NaN for a NaN; for
+                                 +-Inf NaN on the rows whose logit is +Inf and finite elsewhere -- we
+                                 give NaN on every row of the head (the K mean smooths Inf into all keys).
+* V element (t, d) non-finite -> v_scale[b, h, d] = NaN (and the block mean): column d of every output
+                                 row NaN (SDPA: column d NaN for NaN, +-Inf for Inf).
+Codes are computed with the non-finite values replaced by 0 (``quant.finite_part``), the scale made NaN.
 """
 from __future__ import annotations
 
@@ -28,13 +44,16 @@ import torch
 from .quant import (
     FP8_MAX,
     LOG2E,
+    expand_blocks,
+    finite_part,
     hadamard_matrix,
+    poison,
     quantize_blocks,
     quantize_fp8,
     safe_scale,
 )
 
-BLOCK_Q = 128
+BLOCK_Q = 1
 BLOCK_K = 64
 BLOCK_V = 128
 
@@ -63,7 +82,9 @@ def apply_perm(x: torch.Tensor, perm: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
-                  qk_format: str = "int8") -> QKQuant:
+                  qk_format: str = "int8", q_block: int = BLOCK_Q) -> QKQuant:
+    """``q_block``: tokens sharing one Q scale (default 1 = per token). Larger values emulate coarser
+    scales (tests, accuracy studies); q_scale is [B, H, S] either way (repeated within a block)."""
     qf = q.float()
     kf = k.float()
     k_mean = kf.mean(dim=2)
@@ -73,7 +94,11 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
         qf = qf @ Hd
         kf = kf @ Hd
     kf = apply_perm(kf, perm)
-    q8, q_scale = quantize_blocks(qf, BLOCK_Q, qk_format)
+    q8, q_scale = quantize_blocks(qf, q_block, qk_format)
+    q_scale = expand_blocks(q_scale, q_block, q.shape[2])
+    # a non-finite K element makes k_mean non-finite, hence every smoothed key: all logits of the head
+    k_bad = ~torch.isfinite(k_mean).all(dim=-1, keepdim=True)  # [B, H, 1]
+    q_scale = poison(q_scale, k_bad)
     k8, k_scale = quantize_blocks(kf, BLOCK_K, qk_format)
     return QKQuant(q8, q_scale * (sm_scale * LOG2E), k8, k_scale, k_mean, float(sm_scale))
 
@@ -99,8 +124,12 @@ def preprocess_v(v, perm=None, *, smooth: bool = True) -> VQuant:
     else:
         mu = torch.zeros(B, H, nb, D, device=v.device)
     resid = vf - mu.repeat_interleave(BLOCK_V, dim=2)[:, :, :S]
+    resid, bad = finite_part(resid)
+    bad = bad.any(dim=2)  # [B, H, D] channels with a non-finite value
     v_scale = safe_scale(resid.abs().amax(dim=2), FP8_MAX)  # [B, H, D]
+    v_scale = torch.where(bad, torch.ones_like(v_scale), v_scale)  # (codes of a NaN channel: as the kernel)
     v8 = quantize_fp8(resid, v_scale.unsqueeze(2))
+    v_scale = poison(v_scale, bad)
     S_pad = nb * BLOCK_V
     v8t = torch.zeros(B, H, D, S_pad, dtype=v8.dtype, device=v.device)
     v8t[..., :S] = v8.transpose(-1, -2)

@@ -5,6 +5,10 @@ Notation
 * ``amax``: largest absolute value inside one scale block.
 * ``scale``: what one quantised unit is worth: ``x ~= x_q * scale``.  A block whose ``amax`` is 0 gets
   ``scale = 1`` (all codes 0), never 0 or NaN: a zero block must not poison the softmax.
+* Non-finite inputs (NaN, +-Inf): a block holding one gets ``scale = NaN``, and its codes are those of the
+  block with the non-finite values replaced by 0 (finite, deterministic). So the NaN reaches the output
+  through the scale, like SDPA propagates it, and no NaN/Inf ever goes through a float -> int8/e4m3 cast
+  (undefined for NaN; GPU min/max also drop NaN). ``quantize_blocks`` and the kernels do the same.
 * INT8 codes are in [-127, 127], rounded half away from zero (what ``(x + copysign(0.5, x)).to(int8)``
   does in a Triton kernel), so the reference and the kernels agree code for code.
 * FP8 means E4M3 (``torch.float8_e4m3fn``, max 448), rounded to nearest even by the cast.
@@ -33,10 +37,21 @@ def round_half_away(x: torch.Tensor) -> torch.Tensor:
 
 
 def safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """``amax / qmax``, or 1 where the block is all zero. A NaN/Inf amax gives a NaN/Inf scale, so a
-    non-finite input stays visible in its block's output instead of being rounded away."""
+    """``amax / qmax``, or 1 where the block is all zero. (A NaN/Inf amax would give a NaN/Inf scale;
+    callers pass the amax of the finite values and mark non-finite blocks with ``poison``.)"""
     s = amax / qmax
     return torch.where(amax == 0, torch.ones_like(s), s)
+
+
+def finite_part(x: torch.Tensor):
+    """(x with NaN/Inf replaced by 0, mask of the non-finite elements)."""
+    bad = ~torch.isfinite(x)
+    return torch.where(bad, torch.zeros_like(x), x), bad
+
+
+def poison(scale: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """``scale`` with NaN where ``bad`` (a block that held a non-finite input)."""
+    return torch.where(bad, torch.full_like(scale, float("nan")), scale)
 
 
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -48,11 +63,12 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Per-block amax over dim -2 (tokens) and -1 (channels): [..., S, D] -> [..., ceil(S/block)]."""
+    """Per-block amax over dim -2 (tokens) and -1 (channels): [..., S, D] -> [..., ceil(S/block)].
+    (Also works on a bool mask: then "any".)"""
     S = x.shape[-2]
     nb = (S + block - 1) // block
     pad = nb * block - S
-    xa = x.abs()
+    xa = x.abs() if x.dtype != torch.bool else x
     if pad:
         xa = torch.nn.functional.pad(xa, (0, 0, 0, pad))
     return xa.unflatten(-2, (nb, block)).amax(dim=(-1, -2))
@@ -64,12 +80,14 @@ def expand_blocks(s: torch.Tensor, block: int, S: int) -> torch.Tensor:
 
 
 def quantize_blocks(x: torch.Tensor, block: int, fmt: str):
-    """Quantise [..., S, D] with one scale per ``block`` tokens. Returns (codes, scale[..., nb])."""
+    """Quantise [..., S, D] with one scale per ``block`` tokens (block = 1: per token). Returns
+    (codes, scale[..., nb]); a block with a non-finite element gets scale NaN (see the module doc)."""
     qmax = INT8_MAX if fmt == "int8" else FP8_MAX
-    scale = safe_scale(block_amax(x.float(), block), qmax)
+    xf, bad = finite_part(x.float())
+    scale = safe_scale(block_amax(xf, block), qmax)
     st = expand_blocks(scale, block, x.shape[-2]).unsqueeze(-1)
-    codes = quantize_int8(x.float(), st) if fmt == "int8" else quantize_fp8(x.float(), st)
-    return codes, scale
+    codes = quantize_int8(xf, st) if fmt == "int8" else quantize_fp8(xf, st)
+    return codes, poison(scale, block_amax(bad, block))
 
 
 def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ Oracle of ``vc_compile/templates/vsmooth_attn.py``.
 
 Notation (see ``reference/preprocess.py`` for the inputs)
 --------
-s_ij    base-2 logit ``(q8_i . k8_j) * q_scale * k_scale`` (sm_scale * log2 e folded into q_scale).
+s_ij    base-2 logit ``(q8_i . k8_j) * q_scale_i * k_scale_j`` (q_scale per query token, [B, H, S], with
+        sm_scale * log2 e folded in; k_scale per 64 keys).
 m_i     row max of s.  u_ij = s_ij - m_i <= 0.
 P~_ij   the FP8 probability the PV product multiplies: ``fp8(256 * 2^u)`` (exp2 + cast), or the decoded
         ExpCast code ``c(u) = clip(round(8u + 119.65), 0, 120)``.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .preprocess import BLOCK_K, BLOCK_Q, QKQuant, VQuant, dequantize_v
+from .preprocess import BLOCK_K, QKQuant, VQuant, dequantize_v
 from .quant import LOG2E, P_SCALE_LOG2, decode_e4m3, expand_blocks, expcast_codes, fp8_round
 
 
@@ -44,7 +45,9 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
     B, H, S, D = qk.q8.shape
     Sk = qk.k8.shape[2]
     ks = expand_blocks(qk.k_scale, BLOCK_K, Sk)  # [B, H, Sk]
-    qs = expand_blocks(qk.q_scale, BLOCK_Q, S)  # [B, H, S]
+    qs = qk.q_scale  # [B, H, S]: one scale per query token
+    if qs.shape[-1] != S:
+        raise ValueError(f"q_scale must be per query token [B, H, S={S}], got {tuple(qs.shape)}")
     kf = qk.k8.float()
     vdeq = dequantize_v(vq)  # [B, H, Sk, D]
     out = torch.empty(B, H, S, vdeq.shape[-1], dtype=out_dtype, device=qk.q8.device)

@@ -8,11 +8,18 @@ Notation
 B, H, S, D   batch, heads, tokens, head dim (64 or 128); inputs [B, H, S, D] with ANY strides (e.g. the
              permuted view of a [B, S, H, D] tensor), read through their strides.
 perm         [B, H, S] int64 key/value order (V-Smooth clusters) or None; row t of K' / V' is row perm[t].
-BQ, BK, BV   tokens per Q scale (128), per K scale (64), rows per V mean (128) -- BLOCK_* of the reference.
+TQ           Q tokens per program (128); q_scale is per token (BLOCK_Q = 1 in the reference).
+BK, BV       tokens per K scale (64), rows per V mean (128) -- BLOCK_* of the reference.
 kbar         [B, H, D] token mean of K (fp32), removed before rotation (softmax ignores it).
 Hd           orthonormal D x D Hadamard matrix = Hpm / sqrt(D), Hpm its +-1 version.
-q8, k8       int8 (round half away from zero, [-127, 127]) or E4M3 codes, one scale per block
-             (amax / qmax, 1 for an all-zero block); ``sm_scale * log2 e`` folded into q_scale.
+q8, k8       int8 (round half away from zero, [-127, 127]) or E4M3 codes, one scale per Q token / per
+             64-token K block (amax / qmax, 1 for an all-zero block); ``sm_scale * log2 e`` folded into
+             q_scale [B, H, S].
+non-finite   (NaN/Inf inputs, the reference's rules) a row/block holding one is quantised with those
+             values replaced by 0 and gets scale NaN; a non-finite K mean makes every q_scale of the
+             head NaN; a non-finite V channel gets v_scale NaN (carried through ``atomic_max`` as +inf,
+             the one value that wins it: tl.max / atomic_max / GPU min-max drop NaN). Costs a compare
+             and a select per element in these memory-bound kernels.
 mu_j         [D] mean of V' block j (valid rows only); R = V' - mu, quantised per channel to E4M3 with
              v_scale[d] = amax_t |R[t, d]| / 448 over the whole head; stored transposed v8t [B, H, D, S_pad].
 
@@ -20,13 +27,15 @@ Kernels and grids
 -----------------
 * ``_colsum_kernel``  grid (n_split, B*H): partial column sums of K over a chunk of tokens (the K mean
   needs its own reduction pass before any block can be quantised); torch adds the n_split partials.
-* ``_qk_quant_kernel`` grid (ceil(S/128), B*H): one program = one 128-token Q block and the two 64-token
-  K blocks at the same positions of K' (rows gathered through perm). One read + one write per tensor.
+* ``_qk_quant_kernel`` grid (ceil(S/128), B*H): one program = 128 Q tokens (one scale each) and the two
+  64-token K blocks at the same positions of K' (rows gathered through perm). One read + one write per
+  tensor.
   Rotation: ``x @ Hpm`` as one ``tl.dot`` in the input dtype (the products by +-1 are exact, fp32
   accumulation), times 1/sqrt(D); for K the rotated mean ``kbar @ Hd`` is subtracted (H(k - kbar) =
   Hk - H kbar), which matches the reference up to fp32 rounding (rare one-code differences).
 * ``_v_stats_kernel`` grid (ceil(S/128), B*H): gather one V' block, its mean mu_j (stored), the residual's
-  per-channel amax folded into v_amax [B*H, D] by ``atomic_max`` (order-independent, so deterministic).
+  per-channel amax folded into v_amax [B*H, D] by ``atomic_max`` (order-independent, so deterministic;
+  +inf marks a channel with a non-finite value).
 * ``_v_quant_kernel`` grid (ceil(S/128), B*H): gathers the block again (the per-channel scale spans the
   whole head, so V is read twice), quantises R to E4M3 and stores it transposed, zero-padded to S_pad.
 
@@ -49,6 +58,8 @@ from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, QKQuant, 
 from vc_compile.reference.quant import LOG2E, hadamard_matrix
 
 FP8 = torch.float8_e4m3fn
+TILE_Q = 128  # Q tokens per program of _qk_quant_kernel (its two 64-token K blocks sit at the same rows)
+assert BLOCK_Q == 1, "the kernel writes one Q scale per token"
 
 
 def interpret() -> bool:
@@ -78,11 +89,23 @@ def round_e4m3(x):
 
 
 @triton.jit
-def _quant_tile(x, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 tile (padding rows already 0) -> (codes, scale): one scale for the whole tile."""
-    amax = tl.max(tl.max(tl.abs(x), 1), 0)
-    scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX))
-    y = tl.math.div_rn(x, scale)
+def _quant_tile(x, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
+                PER_ROW: tl.constexpr = False):
+    """fp32 tile (padding rows already 0) -> (codes, scale): one scale for the whole tile, or one per row
+    ([rows]) when PER_ROW. Non-finite values are quantised as 0 and make their scale NaN (module doc)."""
+    ok = tl.abs(x) < float("inf")  # False for NaN and +-Inf
+    x = tl.where(ok, x, 0.0)
+    if PER_ROW:
+        amax = tl.max(tl.abs(x), 1)
+        bad = tl.min(ok.to(tl.int32), 1) == 0
+        scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX))
+        y = tl.math.div_rn(x, scale[:, None])
+    else:
+        amax = tl.max(tl.max(tl.abs(x), 1), 0)
+        bad = tl.min(tl.min(ok.to(tl.int32), 1), 0) == 0
+        scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX))
+        y = tl.math.div_rn(x, scale)
+    scale = tl.where(bad, float("nan"), scale)
     if FP8_OUT:
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         if INTERPRET:
@@ -132,7 +155,7 @@ def _token_mean(x: torch.Tensor) -> torch.Tensor:
 def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
                      S, H, sqb, sqh, sqs, sqd, skb, skh, sks, skd, spb, sph, sps,
                      q_fold, h_norm,
-                     D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, HAS_PERM: tl.constexpr,
+                     D: tl.constexpr, TQ: tl.constexpr, BK: tl.constexpr, HAS_PERM: tl.constexpr,
                      HADAMARD: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
                      DOT_PREC: tl.constexpr):
     pid = tl.program_id(0)
@@ -145,12 +168,14 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
         hpm = tl.load(HPM + d[:, None] * D + d[None, :])  # +-1, in the input dtype
         if INTERPRET:
             hpm = hpm.to(tl.float32)  # NOTE the 3.6 interpreter's tl.dot mis-multiplies bf16
-    nbq = tl.cdiv(S, BQ)
     nbk = tl.cdiv(S, BK)
     out_bh = bh.to(tl.int64) * S * D
+    kbar = tl.load(KBAR + bh * D + d)
+    # a non-finite K mean poisons every smoothed key, hence every logit of the head: its Q scales -> NaN
+    k_bad = tl.min((tl.abs(kbar) < float("inf")).to(tl.int32), 0) == 0
 
-    # ---- Q: one 128-token block
-    rows = pid * BQ + tl.arange(0, BQ)
+    # ---- Q: 128 tokens, one scale per token
+    rows = pid * TQ + tl.arange(0, TQ)
     rmask = rows < S
     q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs
                 + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
@@ -160,15 +185,14 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
         qf = tl.dot(q, hpm, input_precision=DOT_PREC) * h_norm
     else:
         qf = q.to(tl.float32)
-    codes, scale = _quant_tile(qf, QMAX, FP8_OUT, INTERPRET)
+    codes, scale = _quant_tile(qf, QMAX, FP8_OUT, INTERPRET, PER_ROW=True)
     tl.store(Q8 + out_bh + rows[:, None].to(tl.int64) * D + d[None, :], codes, mask=rmask[:, None])
-    tl.store(QS + bh * nbq + pid, scale * q_fold)
+    tl.store(QS + bh.to(tl.int64) * S + rows, tl.where(k_bad, float("nan"), scale * q_fold), mask=rmask)
 
     # ---- K': two 64-token blocks at the same positions, rows gathered through perm
-    kbar = tl.load(KBAR + bh * D + d)
     k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
-    for j in tl.static_range(BQ // BK):
-        rows = pid * BQ + j * BK + tl.arange(0, BK)
+    for j in tl.static_range(TQ // BK):
+        rows = pid * TQ + j * BK + tl.arange(0, BK)
         rmask = rows < S
         if HAS_PERM:
             src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps,
@@ -186,7 +210,7 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
         kf = tl.where(rmask[:, None], kf, 0.0)
         codes, scale = _quant_tile(kf, QMAX, FP8_OUT, INTERPRET)
         tl.store(K8 + out_bh + rows[:, None].to(tl.int64) * D + d[None, :], codes, mask=rmask[:, None])
-        kb = pid * (BQ // BK) + j
+        kb = pid * (TQ // BK) + j
         tl.store(KS + bh * nbk + kb, scale, mask=kb < nbk)
 
 
@@ -212,8 +236,8 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
     code_dtype = FP8 if qk_format == "fp8" else torch.int8
     q8 = torch.empty(B, H, S, D, device=dev, dtype=code_dtype)
     k8 = torch.empty(B, H, S, D, device=dev, dtype=code_dtype)
-    nbq = triton.cdiv(S, BLOCK_Q)
-    q_scale = torch.empty(B, H, nbq, device=dev, dtype=torch.float32)
+    nbq = triton.cdiv(S, TILE_Q)
+    q_scale = torch.empty(B, H, S, device=dev, dtype=torch.float32)
     k_scale = torch.empty(B, H, triton.cdiv(S, BLOCK_K), device=dev, dtype=torch.float32)
     p = perm if perm is not None else q8  # dummy pointer
     pstr = perm.stride() if perm is not None else (0, 0, 0)
@@ -221,7 +245,7 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
         q, k, p, kbar.contiguous(), hpm, q8, k8, q_scale, k_scale,
         S, H, *q.stride(), *k.stride(), *pstr,
         float(sm_scale) * LOG2E, h_norm,
-        D=D, BQ=BLOCK_Q, BK=BLOCK_K, HAS_PERM=perm is not None, HADAMARD=hadamard,
+        D=D, TQ=TILE_Q, BK=BLOCK_K, HAS_PERM=perm is not None, HADAMARD=hadamard,
         FP8_OUT=qk_format == "fp8", INTERPRET=interpret(),
         DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=8 if D == 128 else 4)
     return QKQuant(q8, q_scale, k8, k_scale, k_mean, float(sm_scale))
@@ -261,7 +285,9 @@ def _v_stats_kernel(V, PERM, VMEAN, VAMAX, S, H, svb, svh, svs, svd, spb, sph, s
         mu = tl.zeros([D], tl.float32)
         r = v
     tl.store(VMEAN + (bh * nb + blk).to(tl.int64) * D + d, mu)
-    tl.atomic_max(VAMAX + bh * D + d, tl.max(tl.abs(r), 0))
+    ra = tl.abs(r)
+    ra = tl.where(ra < float("inf"), ra, float("inf"))  # NaN -> +inf: max/atomic_max keep it
+    tl.atomic_max(VAMAX + bh * D + d, tl.max(ra, 0))
 
 
 @triton.jit
@@ -277,8 +303,10 @@ def _v_quant_kernel(V, PERM, VMEAN, VAMAX, V8T, VSCALE, S, S_pad, H, svb, svh, s
     v, rmask = _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM)
     mu = tl.load(VMEAN + (bh * nb + blk).to(tl.int64) * D + d)
     amax = tl.load(VAMAX + bh * D + d)
-    scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))
-    r = tl.where(rmask[:, None], v - mu[None, :], 0.0)
+    bad = amax == float("inf")  # a non-finite value in this channel: scale NaN, codes of the finite part
+    scale = tl.where((amax == 0.0) | bad, 1.0, tl.math.div_rn(amax, 448.0))
+    r = v - mu[None, :]
+    r = tl.where(rmask[:, None] & (tl.abs(r) < float("inf")), r, 0.0)
     y = tl.minimum(tl.maximum(tl.math.div_rn(r, scale[None, :]), -448.0), 448.0)
     if INTERPRET:
         y = round_e4m3(y)
@@ -286,7 +314,7 @@ def _v_quant_kernel(V, PERM, VMEAN, VAMAX, V8T, VSCALE, S, S_pad, H, svb, svh, s
     t = blk * BV + tl.arange(0, BV)
     tl.store(V8T + bh.to(tl.int64) * D * S_pad + d[:, None].to(tl.int64) * S_pad + t[None, :], codes)
     if blk == 0:
-        tl.store(VSCALE + bh * D + d, scale)
+        tl.store(VSCALE + bh * D + d, tl.where(bad, float("nan"), scale))
 
 
 def preprocess_v(v, perm=None, *, smooth: bool = True) -> VQuant:

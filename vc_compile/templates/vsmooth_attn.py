@@ -6,8 +6,16 @@ Notation
 --------
 BM, BN      query rows per program, keys per inner step (BN = 128 = BLOCK_V: one V mean per step, two
             64-token K scales).
-q8, k8      int8 (or E4M3) codes [B, H, S, D]; qs = q_scale of the program's 128-token Q block
-            (``sm_scale * log2 e`` folded in), ks = k_scale per key; s = (q8 . k8) qs ks, base-2 logits.
+q8, k8      int8 (or E4M3) codes [B, H, S, D]; qs = [BM] q_scale of the program's query rows (one per
+            token, ``sm_scale * log2 e`` folded in), ks = k_scale per key (one per 64 keys).
+s~          = (q8 . k8) ks, the K-scaled scores of one [BM, BN] tile: ONE scale multiply per element (the
+            scalar-per-column K scale, as before per-token Q scales). The base-2 logit is s = qs_i s~;
+            qs_i is applied per ROW, never per element on its own: the row max is max_j s~ * qs_i
+            (qs_i >= 0), and qs_i joins the FMA that already forms the exp2 argument / the ExpCast code
+            (``fma(s~, qs_i, m_i - 8)`` instead of ``s - (m_i - 8)``; ``fma(s~, 8 qs_i, ...)`` instead of
+            ``fma(s, 8, ...)``). Cost per score unchanged; the per-block ``ks * qs`` [BN] multiply is gone.
+            Exception: the masked key-tail block (one per program) applies qs_i explicitly before the
+            -inf mask (qs = 0, i.e. scale=0, would make 0 * -inf).
 m_i         running row max of s (online softmax). P~ = fp8(256 * 2^(s - m_i)) (exp2 + cast), or the
             ExpCast E4M3 byte c = clamp(rne(8 (s - m_i) + 119.65), 0, 120): ``fma(s, 8, 119.65 - 8 m_i)``
             plus the 2^23 magic add rounds to the integer code (the fraction 0.65 must be added before the
@@ -21,6 +29,11 @@ r_ij        row sum of the decoded P~ over key block j (what the PV MMA multipli
 acc         the PV accumulator in units of v_scale: per block (two-level: a fresh MMA accumulator,
             then acc = acc * alpha + P~ R8_j + r_ij (mu_j / v_scale)); O = acc * v_scale / l.
 lse         optional base-2 LSE of the *smoothed* logits: m'_i + log2 l_i - 8 (as the reference).
+non-finite  (reference/preprocess.py) preprocessing marks a query row whose logits are undefined (a
+            NaN/Inf in q row i, or any NaN/Inf in K of the head) with qs_i = NaN, a non-finite V channel
+            with v_scale NaN. The epilogue sets l_i = NaN where qs_i is not finite (one select per row):
+            the row is NaN whatever the inner loop did with it (ExpCast's max clamp and GPU fmax drop NaN);
+            v_scale NaN makes column d NaN through the epilogue multiply (as SDPA: column d).
 
 INT8 QK: the int32 scores (|qk| <= 127^2 * 128 < 2^22) are turned into floats without the
 quarter-rate I2F: bits(qk + 0x4B400000) is the float 1.5 * 2^23 + qk, and s = fma(t, ks, -1.5 * 2^23 ks)
@@ -57,7 +70,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, QKQuant, VQuant
+from vc_compile.reference.preprocess import BLOCK_K, BLOCK_V, QKQuant, VQuant
 from vc_compile.templates.preprocess import interpret, loop_bound, round_e4m3
 
 # Per (head dim, expcast): ((BM, BN, num_warps, num_stages), ROWSUM, MEAN). NOTE: chosen on the H200,
@@ -125,34 +138,38 @@ def _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS, VM, ivs, ones, kv_row, 
     offs_n = start_n + tl.arange(0, BN)
     k = desc_k.load([kv_row + start_n, 0])
     if MASK:
-        ks = tl.load(KS + offs_n // BKS, mask=offs_n < Sk, other=0.0) * qs
+        ks = tl.load(KS + offs_n // BKS, mask=offs_n < Sk, other=0.0)
     else:
-        ks = tl.load(KS + offs_n // BKS) * qs
+        ks = tl.load(KS + offs_n // BKS)
     if QK_FP8:
         s = tl.dot(q, k.T) * ks[None, :]
     else:
         t = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
         s = t * ks[None, :] + (ks * -12582912.0)[None, :]  # one FFMA (enable_fp_fusion)
-    if MASK:
-        s = tl.where((offs_n < Sk)[None, :], s, float("-inf"))
-    rmax = tl.max(s, 1)
+    # s is s~ (K-scaled); qr [BM] is the row scale still to apply (qs, or 1 once applied)
+    if MASK:  # key tail, one block per program: scale the rows before the -inf mask (0 * -inf = NaN)
+        s = tl.where((offs_n < Sk)[None, :], s * qs[:, None], float("-inf"))
+        qr = tl.full(qs.shape, 1.0, tl.float32)
+    else:
+        qr = qs
+    rmax = tl.max(s, 1) * qr
     if EXPCAST == 1:
         # m_i holds n_i = floor(119.65 - 8 m): +inf before the first block, never increases.
         m_new = tl.minimum(m_i, tl.floor(119.65 - 8.0 * rmax))
         alpha = tl.math.exp2((m_new - m_i) * 0.125)
-        x = tl.maximum(s * 8.0 + (m_new + 8388608.0)[:, None], 8388608.0)
+        x = tl.maximum(s * (8.0 * qr)[:, None] + (m_new + 8388608.0)[:, None], 8388608.0)
         p8 = x.to(tl.int32, bitcast=True).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     elif EXPCAST == 2:
         # the reference's rounding: c = rne(8 (s - m) + 119.65), the row max maps to code 120 exactly
         m_new = tl.maximum(m_i, rmax)
         alpha = tl.math.exp2(m_i - m_new)
-        x = s * 8.0 + (119.65 - 8.0 * m_new)[:, None]
+        x = s * (8.0 * qr)[:, None] + (119.65 - 8.0 * m_new)[:, None]
         x = tl.maximum(x + 8388608.0, 8388608.0)
         p8 = x.to(tl.int32, bitcast=True).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     else:
         m_new = tl.maximum(m_i, rmax)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - (m_new - 8.0)[:, None])
+        p = tl.math.exp2(s * qr[:, None] - (m_new - 8.0)[:, None])  # one FFMA, as s - m was one FADD
         if INTERPRET:
             p = round_e4m3(p)
         p8 = p.to(tl.float8e4nv)
@@ -192,7 +209,7 @@ def _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS, VM, ivs, ones, kv_row, 
 @triton.jit
 def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, ONES, OUT, LSE,
                          S, Sk, n_full, N_FULL_C: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, BQS: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
                          BKS: tl.constexpr, BV: tl.constexpr, HAS_TAIL: tl.constexpr,
                          QK_FP8: tl.constexpr, EXPCAST: tl.constexpr, MEAN: tl.constexpr,
                          ROWSUM: tl.constexpr, RETURN_LSE: tl.constexpr,
@@ -201,7 +218,9 @@ def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, ONES, OUT, LSE,
     bh = tl.program_id(1)
     start_m = pid_m * BM
     q = desc_q.load([bh * S + start_m, 0])
-    qs = tl.load(QS + bh * tl.cdiv(S, BQS) + start_m // BQS)
+    rows = start_m + tl.arange(0, BM)
+    rmask = rows < S
+    qs = tl.load(QS + bh.to(tl.int64) * S + rows, mask=rmask, other=1.0)  # [BM] per-token Q scales
     d = tl.arange(0, D)
     vs = tl.load(VS + bh * D + d)
     ivs = 1.0 / vs
@@ -228,12 +247,11 @@ def _vsmooth_attn_kernel(desc_q, desc_k, desc_v, QS, KS, VM, VS, ONES, OUT, LSE,
         acc, l_i, m_i = _attn_step(acc, l_i, m_i, q, qs, desc_k, desc_v, KS_bh, VM_bh, ivs, ones,
                                    kv_row, vt_row, n_full * BN, Sk, BN, D, BKS, BV, True, QK_FP8,
                                    EXPCAST, MEAN, ROWSUM, INTERPRET)
+    l_i = tl.where(qs < float("inf"), l_i, float("nan"))  # undefined logits (NaN/Inf in q or K): NaN row
     o = acc * (vs[None, :] / l_i[:, None])
     if INTERPRET:
         if OUT.dtype.element_ty == tl.bfloat16:
             o = round_bf16(o)
-    rows = start_m + tl.arange(0, BM)
-    rmask = rows < S
     tl.store(OUT + (bh.to(tl.int64) * S + rows[:, None]) * D + d[None, :],
              o.to(OUT.dtype.element_ty), mask=rmask[:, None])
     if RETURN_LSE:
@@ -279,8 +297,6 @@ def _variant(D: int, expcast: bool, config: Optional[Dict[str, int]] = None):
     rs = ROWSUM_OVERRIDE if ROWSUM_OVERRIDE is not None else rs
     mean = MEAN_MODE_OVERRIDE if MEAN_MODE_OVERRIDE is not None else mean
     mode = EXPCAST_MODE_OVERRIDE if EXPCAST_MODE_OVERRIDE is not None else DEFAULT_EXPCAST_MODE
-    if cfg[0] > BLOCK_Q or BLOCK_Q % cfg[0]:
-        raise ValueError(f"BM must divide the 128-token Q scale block, got {cfg}")
     return cfg, rs, mean, mode
 
 
@@ -319,6 +335,9 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
     qk_fp8 = q8.dtype == torch.float8_e4m3fn
     if q8.dtype not in (torch.int8, torch.float8_e4m3fn) or k8.dtype != q8.dtype:
         raise ValueError(f"q8/k8 must both be int8 or float8_e4m3fn, got {q8.dtype}, {k8.dtype}")
+    if q_scale.shape != (B, H, S):
+        raise ValueError(f"q_scale must be per query token [B, H, S] = {[B, H, S]}, got "
+                         f"{list(q_scale.shape)}")
     if config is None:
         config = _lookup(qk, vq, expcast, out_dtype, return_lse)
     (BM, BN, nw, ns), rowsum, mean, mode = _variant(D, expcast, config)
@@ -345,7 +364,7 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
         desc_q, desc_k, desc_v, q_scale.contiguous(), k_scale.contiguous(), v_mean,
         vq.v_scale.contiguous(), _ones(BN, q8.device) if rowsum == 1 else out, out, lse, S, Sk, n_full,
         loop_bound(n_full),
-        BM=BM, BN=BN, D=D, BQS=BLOCK_Q, BKS=BLOCK_K, BV=BLOCK_V, HAS_TAIL=Sk % BN != 0,
+        BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, HAS_TAIL=Sk % BN != 0,
         QK_FP8=qk_fp8, EXPCAST=mode if expcast else 0, MEAN=mean, ROWSUM=rowsum,
         RETURN_LSE=bool(return_lse), INTERPRET=interpret(), WS=_warp_spec() and not interpret(),
         num_warps=nw, num_stages=ns)
