@@ -123,6 +123,41 @@ def test_zero_blocks_get_scale_one():
     assert int(vq.v8t[0, 0, 5].view(torch.uint8).sum()) == 0
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("fmt,hadamard", [("int8", False), ("fp8", True)])
+@pytest.mark.parametrize("which,bad", [("q", "nan"), ("q", "-inf"), ("k", "nan"), ("k", "inf"), ("v", "nan"),
+                                       ("v", "-inf")])
+def test_nonfinite_inputs_poison_their_scales(which, bad, fmt, hadamard, D):
+    """Regression: tl.max / atomic_max (and GPU min/max) drop NaN, so a NaN input vanished into a finite
+    scale. Now, as in the reference: a Q row with NaN/Inf gets q_scale NaN (that row only), a non-finite K
+    element makes every q_scale of its head NaN (the K mean spreads it to every smoothed key), a V channel
+    with one gets v_scale NaN; codes are those of the finite part. Nothing outside that (b, h) changes."""
+    B, H, S = 2, 2, 200
+    q, k, v = (t.contiguous() for t in make_qkv(B, H, S, D, torch.bfloat16))
+    clean = [t.clone() for t in (q, k, v)]
+    t = (q, k, v)["qkv".index(which)]
+    t[1, 0, 150, 3] = float(bad)
+    perm = random_perm(B, H, S)
+    a = tpl.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=hadamard, qk_format=fmt)
+    b = ref.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=hadamard, qk_format=fmt)
+    va, vb = tpl.preprocess_v(v, perm), ref.preprocess_v(v, perm)
+    for x, y in ((a.q_scale, b.q_scale), (a.k_scale, b.k_scale), (va.v_scale, vb.v_scale)):
+        assert torch.equal(x.isnan().cpu(), y.isnan().cpu())
+        assert not x.isinf().any()
+    nq, nk, nv = (int(x.isnan().sum()) for x in (a.q_scale, a.k_scale, va.v_scale))
+    assert (nq, nk, nv) == {"q": (1, 0, 0), "k": (S, a.k_scale.shape[-1], 0), "v": (0, 0, 1)}[which]
+    for x, y in ((a.q8, b.q8), (a.k8, b.k8), (va.v8t, vb.v8t)):  # codes stay finite and as the reference's
+        assert not x.float().isnan().any()
+        assert_codes(x, y, exact=False, what="codes")
+    c = tpl.preprocess_qk(*clean[:2], perm, sm_scale=D ** -0.5, hadamard=hadamard, qk_format=fmt)
+    vc = tpl.preprocess_v(clean[2], perm)
+    other = torch.ones(B, H, dtype=torch.bool)
+    other[1, 0] = False
+    for x, y in ((a.q_scale, c.q_scale), (a.k_scale, c.k_scale), (va.v_scale, vc.v_scale), (a.q8, c.q8),
+                 (a.k8, c.k8), (va.v8t, vc.v8t), (va.v_mean, vc.v_mean)):
+        assert torch.equal(x[other].float(), y[other].float())
+
+
 def test_rejects_bad_args():
     q, k, v = make_qkv(1, 1, 64, 64, torch.bfloat16)
     with pytest.raises(ValueError, match="qk_format"):
@@ -141,6 +176,8 @@ def test_gpu_large(D, hadamard):
         b = ref.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=hadamard, qk_format=fmt)
         assert_codes(a.q8, b.q8, exact=False, what=f"q8 {fmt}")
         assert_codes(a.k8, b.k8, exact=False, what=f"k8 {fmt}")
+        assert a.q_scale.shape == b.q_scale.shape == (B, H, S)  # per token
+        torch.testing.assert_close(a.q_scale, b.q_scale, rtol=2e-6, atol=0)
         torch.testing.assert_close(a.k_scale, b.k_scale, rtol=2e-6, atol=0)
     for smooth in (True, False):
         a = tpl.preprocess_v(v, perm, smooth=smooth)

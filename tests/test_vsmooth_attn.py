@@ -103,6 +103,51 @@ def test_same_arithmetic_single_block(D, monkeypatch):
     assert row.max().item() <= 5e-2
 
 
+@pytest.mark.parametrize("D,S,fmt,expcast,out_dtype", [
+    (64, 200, "int8", False, torch.bfloat16), (64, 300, "int8", True, torch.float16),
+    (128, 200, "fp8", False, torch.float16), (128, 300, "int8", True, torch.bfloat16)])
+def test_per_token_q_scales_rows(D, S, fmt, expcast, out_dtype):
+    """Per-token Q scales: the kernel applies each row's scale (folded into the exp2 / ExpCast FMA, or
+    explicitly in the masked key tail) to its own row. Row norms spread over 10^[-1.5, 1.5] (scales
+    differ ~1000x inside one BM tile; a row-for-row mix-up would cost O(1)); same tolerances as
+    test_matches_reference_and_truth."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = make_qkv(1, 2, S, D, torch.bfloat16)
+    q = (q.float().cpu() * 10.0 ** (3 * torch.rand(1, 2, S, 1, generator=g) - 1.5)).bfloat16().to(q.device)
+    qk, vq = quantise(q, k, v, fmt)
+    assert qk.q_scale.shape == (1, 2, S)
+    o = tpl.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=out_dtype)
+    ro = ref.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=out_dtype)
+    assert torch.isfinite(o).all()
+    assert rel(o, ro) <= ref_tolerance(expcast, tpl.DEFAULT_EXPCAST_MODE)
+    truth = truth_of(q, k, v)
+    assert rel(o, truth) <= 1.25 * rel(ro, truth) + 1e-3
+
+
+@pytest.mark.parametrize("expcast", [False, True])
+def test_zero_sm_scale_uniform_rows(expcast):
+    """sm_scale = 0 (SDPA's scale=0.0): every q_scale is 0, softmax uniform. Regression guard for the
+    per-row scale: applied after the -inf mask of the key tail it would give 0 * -inf = NaN."""
+    S, D = 200, 64
+    q, k, v = make_qkv(1, 2, S, D, torch.bfloat16)
+    qk = ref_pre.preprocess_qk(q, k, sm_scale=0.0)
+    vq = ref_pre.preprocess_v(v)
+    o = tpl.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=torch.float32)
+    ro = ref.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=torch.float32)
+    assert torch.isfinite(o).all()
+    assert rel(o, ro) <= 2e-2
+    assert rel(o, v.float().mean(dim=2, keepdim=True).expand_as(o)) <= 2e-2
+
+
+@pytest.mark.parametrize("expcast", [False, True])
+def test_rejects_per_block_q_scale(expcast):
+    """QKQuant built for the old per-128-token Q scales must be refused, not misread."""
+    q, k, v = make_qkv(1, 1, 300, 64, torch.bfloat16)
+    qk, vq = quantise(q, k, v)
+    with pytest.raises(ValueError, match="per query token"):
+        tpl.vsmooth_attention(qk._replace(q_scale=qk.q_scale[..., ::128].contiguous()), vq, expcast=expcast)
+
+
 def test_padded_keys_get_zero_probability():
     """Key tails read the next head's rows (one flat TMA descriptor): make them win every softmax if
     they were not masked."""
