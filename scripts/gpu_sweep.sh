@@ -42,8 +42,18 @@ for s in "$@"; do
     cp)
       stage cp 380 torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --diffusers \
         --csv "$OUT/bench_context_parallel.csv" ;;
+    gputests)
+      stage gputests 210 python3 -m pytest -q -n 8 --timeout 170 -p no:cacheprovider -rfE \
+        tests/test_vsmooth_attn.py tests/test_preprocess.py tests/test_sparse_attn.py tests/test_hostile.py \
+        tests/test_tune_lookup.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py \
+        tests/test_mcsparse_ladder.py tests/test_ops.py tests/test_steps.py $(ls tests/test_rope_fuse.py 2>/dev/null) ;;
+    vsmooth)
+      stage vsmooth 170 python3 benchmarks/bench_vsmooth_attn.py --quick --ab --ab-plan ws --out "$OUT/vsmooth" ;;
+    preprocess)
+      stage preprocess 150 python3 benchmarks/bench_preprocess.py --csv "$OUT/bench_preprocess.csv" ;;
     tune)
-      stage tune 400 python3 benchmarks/bench_tune.py --csv "$OUT/bench_tune.csv" ;;
+      stage tune 250 python3 benchmarks/bench_tune.py --budget 230 --csv "$OUT/bench_tune.csv" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
+mkdir -p "$OUT/results" && cp benchmarks/results/*.csv "$OUT/results/"  # rows appended in the repo copy
