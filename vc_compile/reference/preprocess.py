@@ -17,6 +17,8 @@ q_scale         [B, H, S] fp32, one per query token, with ``sm_scale * log2(e)``
                 nothing per score (the row scale folds into the FMA of the exp2 argument).
                 ``preprocess_qk(q_block=128)`` emulates the old per-128 scales (still [B, H, S]).
 k_scale         [B, H, ceil(S/BLOCK_K)] fp32 (blocks of the permuted K).
+rope            None, or a ``reference.rope.RopeArgs``: q and k are un-rotated and the RoPE is applied
+                first (fp32, rounded once to the input dtype, like the models; issue 7 prologue fusion).
 k_mean          [B, H, D] fp32, the token mean removed from K (before rotation). Softmax ignores it;
                 the log-sum-exp does not: ``lse_true = lse_smoothed + (q . k_mean) * sm_scale``.
 v8t             [B, H, D, S_pad] float8_e4m3fn: the residual ``V' - mu`` quantised, K-major (transposed),
@@ -82,9 +84,14 @@ def apply_perm(x: torch.Tensor, perm: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
-                  qk_format: str = "int8", q_block: int = BLOCK_Q) -> QKQuant:
+                  qk_format: str = "int8", q_block: int = BLOCK_Q, rope=None) -> QKQuant:
     """``q_block``: tokens sharing one Q scale (default 1 = per token). Larger values emulate coarser
-    scales (tests, accuracy studies); q_scale is [B, H, S] either way (repeated within a block)."""
+    scales (tests, accuracy studies); q_scale is [B, H, S] either way (repeated within a block).
+    ``rope``: q and k arrive un-rotated; the RoPE is applied first (reference/rope.py, issue 7)."""
+    if rope is not None:  # prologue RoPE (reference/rope.py): q, k arrive un-rotated
+        from .rope import apply_rope
+
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
     qf = q.float()
     kf = k.float()
     k_mean = kf.mean(dim=2)

@@ -118,8 +118,50 @@ def _quant_tile(x, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.cons
 
 
 @triton.jit
+def round_bf16(y):
+    """fp32 -> the nearest bf16 value (ties to even), still fp32. Interpreter only: Triton 3.6's
+    interpreter casts fp32 -> bf16 by truncation; the GPU cast rounds to nearest even."""
+    bits = y.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rope_rows(x, ptr, src, rmask, sxd, COS, SIN, c_off, s_off, scs, scd, sss, ssd, lo, hi,
+               D: tl.constexpr, ROPE: tl.constexpr, PAIR_TABLE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Prologue RoPE (reference/rope.py) of rows ``x`` [R, D] = X[src, :] loaded from ``ptr`` (row base
+    pointers [R, 1]): ``x*cos + rot(x)*sin`` in fp32 for the tokens src in [lo, hi), rounded once to x's
+    dtype. ROPE 1: interleaved pairs (2i, 2i+1); 2: rotate-half (i, i + D/2). The partner channel is a
+    second load of the same rows (L1/L2 hits). PAIR_TABLE: one table value per pair (last dim D/2)."""
+    d = tl.arange(0, D)
+    if ROPE == 1:
+        dp = d ^ 1
+        sign = tl.where((d & 1) == 0, -1.0, 1.0)
+    else:
+        dp = (d + D // 2) % D
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+    if PAIR_TABLE:
+        dc = d // 2
+    else:
+        dc = d
+    xp = tl.load(ptr + dp[None, :] * sxd, mask=rmask[:, None], other=0.0)
+    inr = rmask & (src >= lo) & (src < hi)
+    t = (src - lo).to(tl.int64)
+    c = tl.load(COS + c_off + t[:, None] * scs + dc[None, :] * scd, mask=inr[:, None], other=1.0)
+    sn = tl.load(SIN + s_off + t[:, None] * sss + dc[None, :] * ssd, mask=inr[:, None], other=0.0)
+    y = x.to(tl.float32) * c.to(tl.float32) + (xp.to(tl.float32) * sign[None, :]) * sn.to(tl.float32)
+    if INTERPRET:
+        if x.dtype == tl.bfloat16:
+            y = round_bf16(y)
+    return tl.where(inr[:, None], y.to(x.dtype), x)
+
+
+
+@triton.jit
 def _colsum_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, rows_per_split, n_sub, N_SUB_C: tl.constexpr,
-                   D: tl.constexpr, BS: tl.constexpr):
+                   D: tl.constexpr, BS: tl.constexpr,
+                   COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
+                   ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False, INTERPRET: tl.constexpr = False):
     # OUT[bh, split, :] = sum of rows [split * rows_per_split, ...) of X[b, h] (fp32)
     sp = tl.program_id(0)
     bh = tl.program_id(1)
@@ -132,13 +174,17 @@ def _colsum_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, rows_per_split, n_sub, N_SU
         rows = sp * rows_per_split + i * BS + tl.arange(0, BS)
         x = tl.load(base + rows[:, None].to(tl.int64) * sxs + d[None, :] * sxd,
                     mask=(rows < S)[:, None], other=0.0)
+        if ROPE != 0:
+            x = _rope_rows(x, base + rows[:, None].to(tl.int64) * sxs, rows, rows < S, sxd, COS, SIN,
+                           b.to(tl.int64) * scb + h.to(tl.int64) * sch, b.to(tl.int64) * ssb + h.to(tl.int64) * ssh,
+                           scs, scd, sss, ssd, lo, hi, D, ROPE, PAIR_TABLE, INTERPRET)
         acc += x.to(tl.float32)
     n_split = tl.num_programs(0)
     tl.store(OUT + (bh * n_split + sp).to(tl.int64) * D + d, tl.sum(acc, 0))
 
 
-def _token_mean(x: torch.Tensor) -> torch.Tensor:
-    """[B, H, S, D] (any strides) -> [B, H, D] fp32 token mean."""
+def _token_mean(x: torch.Tensor, rope=None) -> torch.Tensor:
+    """[B, H, S, D] (any strides) -> [B, H, D] fp32 token mean (of the rotated x when ``rope``)."""
     B, H, S, D = x.shape
     BS = 32
     n_split = max(1, min(triton.cdiv(S, 512), triton.cdiv(528, B * H)))
@@ -147,7 +193,7 @@ def _token_mean(x: torch.Tensor) -> torch.Tensor:
     n_sub = rows_per_split // BS
     part = torch.empty(B * H, n_split, D, device=x.device, dtype=torch.float32)
     _colsum_kernel[(n_split, B * H)](x, part, S, H, *x.stride(), rows_per_split, n_sub,
-                                     loop_bound(n_sub), D=D, BS=BS, num_warps=4)
+                                     loop_bound(n_sub), D=D, BS=BS, num_warps=4, **_colsum_rope_kwargs(rope, D))
     return (part.sum(dim=1) / S).view(B, H, D)
 
 
@@ -157,7 +203,9 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
                      q_fold, h_norm,
                      D: tl.constexpr, TQ: tl.constexpr, BK: tl.constexpr, HAS_PERM: tl.constexpr,
                      HADAMARD: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
+                     DOT_PREC: tl.constexpr,
+                     COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
+                     ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -179,6 +227,10 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
     rmask = rows < S
     q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs
                 + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
+    if ROPE != 0:  # prologue RoPE (issue 7): q arrives un-rotated
+        q = _rope_rows(q, Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs,
+                       rows, rmask, sqd, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
+                       b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi, D, ROPE, PAIR_TABLE, INTERPRET)
     if HADAMARD:
         if INTERPRET:
             q = q.to(tl.float32)
@@ -201,6 +253,10 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
             src = rows
         k = tl.load(k_base + src[:, None].to(tl.int64) * sks + d[None, :] * skd, mask=rmask[:, None],
                     other=0.0)
+        if ROPE != 0:  # rotated at its own token position src (before the perm gather moved it)
+            k = _rope_rows(k, k_base + src[:, None].to(tl.int64) * sks, src, rmask, skd, COS, SIN,
+                           b.to(tl.int64) * scb + h.to(tl.int64) * sch, b.to(tl.int64) * ssb + h.to(tl.int64) * ssh,
+                           scs, scd, sss, ssd, lo, hi, D, ROPE, PAIR_TABLE, INTERPRET)
         if HADAMARD:
             if INTERPRET:
                 k = k.to(tl.float32)
@@ -214,9 +270,25 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
         tl.store(KS + bh * nbk + kb, scale, mask=kb < nbk)
 
 
+def _rope_kwargs(rope, D: int) -> dict:
+    """Kernel arguments of the prologue RoPE (``reference.rope.RopeArgs`` or None = no RoPE)."""
+    if rope is None:
+        return {}
+    return dict(COS=rope.cos, SIN=rope.sin, scb=rope.cos.stride(0), sch=rope.cos.stride(1),
+                scs=rope.cos.stride(2), scd=rope.cos.stride(3), ssb=rope.sin.stride(0), ssh=rope.sin.stride(1),
+                sss=rope.sin.stride(2), ssd=rope.sin.stride(3), lo=int(rope.lo), hi=int(rope.hi),
+                ROPE=1 if rope.form == "interleaved" else 2, PAIR_TABLE=rope.pair_table(D))
+
+
+def _colsum_rope_kwargs(rope, D: int) -> dict:
+    return dict(_rope_kwargs(rope, D), INTERPRET=interpret()) if rope is not None else {}
+
+
 def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
-                  qk_format: str = "int8") -> QKQuant:
-    """Q, K [B, H, S, D] (any strides; bf16/fp16/fp32) -> QKQuant, like the reference."""
+                  qk_format: str = "int8", rope=None) -> QKQuant:
+    """Q, K [B, H, S, D] (any strides; bf16/fp16/fp32) -> QKQuant, like the reference. ``rope``: a
+    ``reference.rope.RopeArgs`` when q and k arrive un-rotated (prologue fusion, issue 7): both kernels
+    rotate what they load (K's mean is of the rotated K), so q and k are read from the model's tensors."""
     if qk_format not in ("int8", "fp8"):
         raise ValueError(f"qk_format must be 'int8' or 'fp8', got {qk_format!r}")
     B, H, S, D = q.shape
@@ -226,7 +298,7 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
     if D not in (64, 128):
         raise ValueError(f"head dim {D} is not supported (64 or 128)")
     dev = q.device
-    k_mean = _token_mean(k)
+    k_mean = _token_mean(k, rope)
     kbar, hpm, h_norm = k_mean, q, 1.0  # hpm: any pointer when unused
     if hadamard:
         Hd = hadamard_matrix(D, device=dev)
@@ -247,7 +319,8 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
         float(sm_scale) * LOG2E, h_norm,
         D=D, TQ=TILE_Q, BK=BLOCK_K, HAS_PERM=perm is not None, HADAMARD=hadamard,
         FP8_OUT=qk_format == "fp8", INTERPRET=interpret(),
-        DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=8 if D == 128 else 4)
+        DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=8 if D == 128 else 4,
+        **_rope_kwargs(rope, D))
     return QKQuant(q8, q_scale, k8, k_scale, k_mean, float(sm_scale))
 
 
