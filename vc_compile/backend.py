@@ -17,6 +17,7 @@ import torch
 from .config import Compiler, VCConfig, VCConfigError
 from .passes.cp_detect import detect_context_parallel
 from .passes.rope_detect import detect_rope
+from .passes.rope_fuse import fuse_rope
 from .passes.sdpa_rewrite import rewrite_sdpa
 
 _GRAPH_IDS = itertools.count(1)
@@ -61,7 +62,8 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
     name = f"vcattn_graph_{next(_GRAPH_IDS)}"
     detect_context_parallel(gm, cfg, graph_name=name)  # report-only: ring / DTensor / Ulysses findings
     stats = rewrite_sdpa(gm, cfg, graph_name=name)
-    detect_rope(gm, graph_name=name)  # report-only: RoPE producer forms (issue 7 step 1), graph unchanged
+    findings = detect_rope(gm, graph_name=name)  # RoPE producer forms (issue 7 step 1), graph unchanged
+    fuse_rope(gm, findings, cfg, graph_name=name)  # RoPE + permute into the preprocessing kernel (step 2)
     if stats["sites"]:
         # torch._dynamo.reset() or a deleted model frees the graph: its metadata goes with it
         from .runtime import state

@@ -86,6 +86,7 @@ OPTION_DOCS: Dict[str, str] = {
     "selection_refresh": "MC-Sparse ablation: 'anchor' (select at anchors, reuse) | 'every_step' (mean_pool).",
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
+    "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth).",
     "min_seq_len": "Attention with fewer query or key tokens than this stays stock SDPA.",
     "head_dims": "Head dims that are rewritten (the kernels support 64 and 128).",
     "kernels": "'auto' | 'triton' | 'reference': which implementation runs the ops.",
@@ -127,6 +128,7 @@ class VCConfig:
     selection_refresh: SelectionRefresh = SelectionRefresh.ANCHOR
     residual_budget_gb: float = 64.0
     num_steps: int = 50
+    rope_fusion: bool = True
     min_seq_len: int = 1024
     head_dims: Tuple[int, ...] = (64, 128)
     kernels: Kernels = Kernels.AUTO
@@ -230,7 +232,7 @@ class VCConfig:
 _ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler": Compiler,
           "selection": Selection, "selection_unit": SelectionUnit, "query_grouping": QueryGrouping,
           "selection_refresh": SelectionRefresh}
-_BOOLS = ("expcast", "hadamard", "smooth_v", "profile")
+_BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion")
 _INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "num_steps", "min_seq_len")
 _FLOATS = ("group_fraction", "density", "residual_budget_gb")
 

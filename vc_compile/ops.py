@@ -8,6 +8,13 @@
     projection) or None; ``site`` the call-site id; ``config`` the VCConfig as JSON; ``scale`` SDPA's
     ``scale`` argument. Returns a contiguous [B, H, S, Dv] tensor in q's dtype.
 
+    Prologue fusion (issue 7, ``passes/rope_fuse.py``): with ``rope`` (a JSON spec, reference/rope.py)
+    q and k arrive *un-rotated in the model's layout* (e.g. [B, S, H, D] before the permute, or [B, S, C]
+    before the head split) with the model's ``cos``/``sin`` tables; the op views them as [B, H, S, D] and
+    V-Smooth's preprocessing kernel applies the RoPE as it loads them. Every other path (stock SDPA
+    fallbacks, other methods) first rotates them with the fp32 reference, so results never depend on
+    whether the pass fused.
+
     Tagged ``cudagraph_unsafe``: under ``mode="reduce-overhead"``/``"max-autotune"`` Inductor partitions
     the CUDA graph around it, so its Python runs on every call and phases never freeze.
 
@@ -31,6 +38,7 @@ from .config import Method, VCConfig
 from .methods import dense as m_dense
 from .methods import mcsparse as m_mcsparse
 from .methods import vsmooth as m_vsmooth
+from .reference import rope as _rope
 from .runtime import report as _report
 from .runtime import state
 from .runtime.steps import TRACKER, Phase, phase_for
@@ -115,11 +123,24 @@ def _forget_watched(_gen: int) -> None:  # a new generation cleared the store: t
 TRACKER.listeners.append(_forget_watched)
 
 
+def _rope_inputs(q, k, cos, sin, rope: str):
+    """(q, k as [B, H, S, D] views, RopeArgs) of a fused call; (q, k, None) without ``rope``."""
+    if not rope:
+        return q, k, None
+    spec = _rope.parse_spec(rope)
+    q, k = _rope.to_bhsd(q, spec), _rope.to_bhsd(k, spec)
+    if cos is None or sin is None or k.shape != q.shape:
+        raise ValueError("vcattn::attention: a RoPE spec needs cos, sin and q, k of one shape")
+    return q, k, _rope.rope_args(cos, sin, spec, tuple(q.shape))
+
+
 @torch.library.custom_op("vcattn::attention", mutates_args=(), tags=_TAGS)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional[torch.Tensor],
-              site: int, config: str, scale: Optional[float] = None) -> torch.Tensor:
+              site: int, config: str, scale: Optional[float] = None, cos: Optional[torch.Tensor] = None,
+              sin: Optional[torch.Tensor] = None, rope: str = "") -> torch.Tensor:
     if _FREED:
         _drain_freed()
+    q, k, rope_args = _rope_inputs(q, k, cos, sin, rope)
     cfg = _config(config)
     rec = _report.site(site)
     rec.calls += 1
@@ -130,6 +151,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         impl, path = methods.resolve(method.value, cfg, q.device)
         if path == "triton":
             reason = methods.kernel_ineligible(method.value, q, k, v)
+    if rope_args is not None and (reason is not None or method != Method.VSMOOTH):
+        q, k, rope_args = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args), None
     if reason is not None:
         rec.runtime_fallbacks[reason] += 1
         return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
@@ -139,8 +162,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
     meta = state.get(key)
     phase = phase_for(cfg, info.step, info.num_steps, meta is not None)
+    kw = {} if rope_args is None else {"rope": rope_args}
     with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording() as sources:
-        out, new_meta = _METHODS[method].run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl)
+        out, new_meta = _METHODS[method].run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl, **kw)
     rec.config_sources.update(sources)
     if new_meta is not None and new_meta is not meta:
         state.put(key, new_meta)
@@ -153,7 +177,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
 
 
 @attention.register_fake
-def _(q, k, v, ident, site, config, scale=None):
+def _(q, k, v, ident, site, config, scale=None, cos=None, sin=None, rope=""):
+    if rope:
+        q = _rope.to_bhsd(q, _rope.parse_spec(rope))
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
 
 

@@ -41,7 +41,8 @@ def _warm_start(centroids: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, centroids, init_centroids(v, centroids.shape[2]))
 
 
-def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl):
+def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl, rope=None):
+    """``rope``: q and k are un-rotated, the preprocessing applies this RoPE (issue 7 prologue fusion)."""
     perm = None
     Sk = k.shape[2]
     if cfg.smooth_v:
@@ -54,8 +55,9 @@ def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl):
             km = impl.kmeans.kmeans_perm(v, n_clusters, iters, init=init)
             meta = VSmoothMeta(perm=km.perm, centroids=km.centroids)
         perm = meta.perm
+    rope_kw = {} if rope is None else {"rope": rope}
     qk = impl.preprocess.preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=cfg.hadamard,
-                                       qk_format=cfg.qk_format.value)
+                                       qk_format=cfg.qk_format.value, **rope_kw)
     vq = impl.preprocess.preprocess_v(v, perm, smooth=cfg.smooth_v)
     out = impl.vsmooth_attn.vsmooth_attention(qk, vq, expcast=cfg.expcast, out_dtype=kernel_out_dtype(q.dtype))
     return finish_output(out, q.dtype), meta

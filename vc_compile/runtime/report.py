@@ -47,6 +47,7 @@ class SiteRecord:
     bytes_held: int = 0
     has_identity: bool = True
     rope: Optional[str] = None  # RoPE producer form of q/k (passes/rope_detect.py), None = not analysed
+    rope_fusion: Optional[str] = None  # "fused" / "unfused: <reason>" (passes/rope_fuse.py), None = no RoPE
     _pending: list = field(default_factory=list, repr=False)
 
     def resolve_timing(self) -> None:
@@ -171,6 +172,11 @@ class Report:
         n_rw = len(self.rewritten)
         lines.append(f"{n_rw} of {len(self.sites)} call sites rewritten; attention time "
                      f"{self.total_time_ms:.2f} ms; metadata held {self.bytes_held / 2**20:.1f} MB")
+        unfused = [f"{s.site} ({s.rope_fusion[len('unfused: '):]})" for s in self.sites
+                   if s.rewritten and s.rope_fusion and s.rope_fusion.startswith("unfused")
+                   and not s.rope_fusion.startswith(("unfused: method ", "unfused: disabled"))]
+        if unfused:
+            lines.append(f"RoPE not fused into the kernel at sites: {', '.join(unfused)}")
         if self.graphs_without_sdpa:
             lines.append(f"graphs with no SDPA captured: {', '.join(self.graphs_without_sdpa)}")
         return "\n".join(lines)
