@@ -87,7 +87,11 @@ def uuid(cfg: VCConfig) -> str:
 
 
 class _NoFuse(Exception):
-    pass
+    """``key``: the counted reason (stable, no node names); ``detail``: what the report record adds."""
+
+    def __init__(self, key: str, detail: str = ""):
+        super().__init__(key)
+        self.key, self.detail = key, detail
 
 
 def _val(n):
@@ -127,9 +131,9 @@ def _region(seeds: List[fx.Node], boundary: Set[fx.Node]) -> Set[fx.Node]:
         if not isinstance(n, fx.Node) or n in region or n in boundary:
             continue
         if n.op not in ("call_function", "call_method"):
-            raise _NoFuse(f"the RoPE subgraph reaches {n.op} {n.name} (not an un-rotated q/k or a table)")
+            raise _NoFuse("the RoPE subgraph reaches a graph input", f"{n.op} {n.name}")
         if n.is_impure() and n.target is not operator.setitem:
-            raise _NoFuse(f"the RoPE subgraph holds a side effect ({n.name})")
+            raise _NoFuse("the RoPE subgraph holds a side effect", n.name)
         region.add(n)
         if len(region) > _MAX_REGION:
             raise _NoFuse("the RoPE subgraph is too large")
@@ -144,9 +148,9 @@ def _spec(m: RopeMatch, heads: int) -> _rope.RopeSpec:
         form = m.q.inner
     pairing = _PAIRING.get(form)
     if pairing is None:
-        raise _NoFuse(f"form {m.form}{' (' + str(m.q.inner) + ')' if m.q.inner else ''} has no kernel prologue")
+        raise _NoFuse("form has no kernel prologue", f"{m.form} {m.q.inner or ''}".strip())
     if m.layout not in _rope.LAYOUTS:
-        raise _NoFuse(f"layout {m.layout}")
+        raise _NoFuse("layout unsupported", str(m.layout))
     start = stop = None
     if m.q.token_slice != m.k.token_slice:
         raise _NoFuse("q and k rotate different token ranges")
@@ -166,16 +170,16 @@ def _check_inputs(att: fx.Node, m: RopeMatch, spec: _rope.RopeSpec):
     for name, op, ref in (("q", m.q, qa), ("k", m.k, ka)):
         x = _val(op.input)
         if not isinstance(x, torch.Tensor) or x.dtype != ref.dtype or x.dtype not in _DTYPES:
-            raise _NoFuse(f"the un-rotated {name} is not {ref.dtype} (bf16/fp16)")
+            raise _NoFuse("the un-rotated q/k dtype differs or is not bf16/fp16", name)
         try:
             xb = _rope.to_bhsd(x, spec)
             ok = tuple(xb.shape) == tuple(ref.shape)
             if ok:
                 _rope.rope_args(_val(op.cos), _val(op.sin), spec, tuple(xb.shape))
         except Exception as e:  # noqa: BLE001 - any failure means: do not fuse
-            raise _NoFuse(f"cos/sin do not broadcast as the kernel reads them ({type(e).__name__})") from None
+            raise _NoFuse("cos/sin do not broadcast as the kernel reads them", str(e)[:120]) from None
         if not ok:
-            raise _NoFuse(f"the un-rotated {name} does not view as {tuple(ref.shape)}")
+            raise _NoFuse("the un-rotated q/k does not view as the attention input", f"{name} {tuple(ref.shape)}")
     if qa.shape != ka.shape:
         raise _NoFuse("q and k differ in shape")
 
@@ -214,7 +218,7 @@ def _fuse_site(graph: fx.Graph, att: fx.Node, m: RopeMatch, cfg: VCConfig) -> No
             reg = _region(writes, boundary)
             after = [u for u in op.input.users if u not in reg and u is not att and order[u] > order[writes[0]]]
             if after:
-                raise _NoFuse(f"slice-write: {after[0].name} reads q/k after the in-place rotation")
+                raise _NoFuse("slice-write: q/k is read after the in-place rotation", after[0].name)
         else:
             reg = _region([arg], boundary)
         regions |= reg
@@ -229,7 +233,7 @@ def _fuse_site(graph: fx.Graph, att: fx.Node, m: RopeMatch, cfg: VCConfig) -> No
                     and not u.kwargs and isinstance(nv, torch.Tensor) and nv.dtype == qdt):
                 dtype_uses.append(u)
                 continue
-            raise _NoFuse(f"the RoPE's {n.name} has other users ({u.name})")
+            raise _NoFuse("a RoPE intermediate has other users", f"{n.name} used by {u.name}")
     if m.q.input in regions or m.k.input in regions or m.q.cos in regions:
         raise _NoFuse("the un-rotated input is part of the other operand's RoPE")
     # ---- rewrite (nothing above changed the graph)
@@ -245,7 +249,7 @@ def _fuse_site(graph: fx.Graph, att: fx.Node, m: RopeMatch, cfg: VCConfig) -> No
     old = att.meta.get("example_value", att.meta.get("val"))
     if fake is None or (isinstance(old, torch.Tensor) and (fake.shape != old.shape or fake.dtype != old.dtype)):
         att.args, att.kwargs = old_args, old_kwargs
-        raise _NoFuse(f"the fused op's fake value does not match ({type(err).__name__ if err else 'shape'})")
+        raise _NoFuse("the fused op's fake value does not match", type(err).__name__ if err else "shape")
     for key in ("example_value", "val"):
         if key in att.meta:
             att.meta[key] = fake
@@ -289,6 +293,7 @@ def fuse_rope(gm: fx.GraphModule, findings: List[RopeFinding], cfg: VCConfig, gr
             continue
         mod = mods.get(f.graph)
         node = next((n for n in mod.graph.nodes if n.name == f.node), None) if mod is not None else None
+        detail = ""
         if node is None or node.target is not vc_target:
             reason = "stock sdpa"  # not rewritten (masked, ...): nothing to fuse into
         elif not isinstance(f.result, RopeMatch):
@@ -302,7 +307,7 @@ def fuse_rope(gm: fx.GraphModule, findings: List[RopeFinding], cfg: VCConfig, gr
                 _fuse_site(mod.graph, node, f.result, cfg)
                 reason = None
             except _NoFuse as e:
-                reason = str(e)
+                reason, detail = e.key, e.detail
             except Exception as e:  # noqa: BLE001 - a fusion must never break compilation
                 reason = f"fusion failed: {type(e).__name__}"
         if reason is None:
@@ -313,7 +318,7 @@ def fuse_rope(gm: fx.GraphModule, findings: List[RopeFinding], cfg: VCConfig, gr
             changed.add(mod)
         else:
             counters["vcattn"][f"rope_unfused:{reason}"] += 1
-            _set(f.site, f"unfused: {reason}")
+            _set(f.site, f"unfused: {reason}" + (f" ({detail})" if detail else ""))
             stats["unfused"] += 1
     for mod in changed:
         mod.graph.lint()
