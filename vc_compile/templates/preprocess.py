@@ -38,6 +38,13 @@ Kernels and grids
   +inf marks a channel with a non-finite value).
 * ``_v_quant_kernel`` grid (ceil(S/128), B*H): gathers the block again (the per-channel scale spans the
   whole head, so V is read twice), quantises R to E4M3 and stores it transposed, zero-padded to S_pad.
+* RoPE prologue (issue 7, ``rope=`` a ``reference.rope.RopeArgs``): ``_colsum_kernel`` and
+  ``_qk_quant_kernel`` rotate the rows they load (``_rope_rows``: ``x*cos + rot(x)*sin`` in fp32, the
+  partner channel a second load of the same rows, rounded once to the input dtype like the models), so
+  q and k are read un-rotated from the model's tensor and never written rotated. K rows are rotated at
+  their own token position (before the perm gather). With RoPE the Q/K grid is (B*H, ceil(S/128)): the
+  heads of one token block run back to back and the table rows (fp32 pair tables: 2x the bytes of a
+  bf16 q tile) come from L2.
 
 Exactness: divisions are ``div_rn`` (IEEE, like torch), INT8 rounding is ``trunc(x + copysign(0.5, x))``
 (= the reference's ``sign(x) floor(|x| + 0.5)`` in fp32), so q8 matches the reference code for code;
@@ -205,9 +212,12 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
                      HADAMARD: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
                      DOT_PREC: tl.constexpr,
                      COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
-                     ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False):
+                     ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False, HEAD_FAST: tl.constexpr = False):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
+    if HEAD_FAST:  # RoPE prologue: the heads of one token block run back to back, so the cos/sin rows
+        pid = tl.program_id(1)  # (2x the bytes of a bf16 q tile with fp32 pair tables) are L2 hits
+        bh = tl.program_id(0)
     b = bh // H
     h = bh % H
     d = tl.arange(0, D)
@@ -313,14 +323,15 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
     k_scale = torch.empty(B, H, triton.cdiv(S, BLOCK_K), device=dev, dtype=torch.float32)
     p = perm if perm is not None else q8  # dummy pointer
     pstr = perm.stride() if perm is not None else (0, 0, 0)
-    _qk_quant_kernel[(nbq, B * H)](
+    grid = (B * H, nbq) if rope is not None else (nbq, B * H)
+    _qk_quant_kernel[grid](
         q, k, p, kbar.contiguous(), hpm, q8, k8, q_scale, k_scale,
         S, H, *q.stride(), *k.stride(), *pstr,
         float(sm_scale) * LOG2E, h_norm,
         D=D, TQ=TILE_Q, BK=BLOCK_K, HAS_PERM=perm is not None, HADAMARD=hadamard,
         FP8_OUT=qk_format == "fp8", INTERPRET=interpret(),
         DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=8 if D == 128 else 4,
-        **_rope_kwargs(rope, D))
+        **_rope_kwargs(rope, D), **({"HEAD_FAST": True} if rope is not None else {}))
     return QKQuant(q8, q_scale, k8, k_scale, k_mean, float(sm_scale))
 
 
