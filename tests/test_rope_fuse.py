@@ -38,7 +38,7 @@ from vc_compile.runtime import report as _report
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tiny_dit  # noqa: E402
-from conftest import INTERPRET, KERNEL_DEVICE  # noqa: E402
+from conftest import INTERPRET, KERNEL_DEVICE, requires_cuda  # noqa: E402
 from test_preprocess import assert_codes, random_perm  # noqa: E402
 from test_rope_detect import (Probe, _cat_not_rotate_half, _pairs_wrong_sign, _plain_mul,  # noqa: E402
                               _stack_unrelated)
@@ -493,3 +493,42 @@ def test_uuid_covers_sources_and_options(monkeypatch):
     monkeypatch.undo()
     rope_fuse._sources_hash.cache_clear()
     assert changed != before == rope_fuse.uuid(on)
+
+
+@requires_cuda
+@pytest.mark.parametrize("form,pair", [("interleaved", True), ("interleaved", False), ("rotate-half", False)])
+def test_gpu_prologue_matches_reference(form, pair):
+    from vc_compile.templates import preprocess as tpl
+    B, H, S, D = 1, 4, 4173, 128
+    q = torch.randn(B, S, H, D, device="cuda").bfloat16()
+    k = (torch.randn(B, S, H, D, device="cuda") + 3.0).bfloat16()
+    ang = torch.rand(1, S, 1, D // 2 if pair else D, device="cuda") * 6.3
+    spec = R.RopeSpec(form, "BSHD", H, None, None)
+    qb, kb = R.to_bhsd(q, spec), R.to_bhsd(k, spec)
+    ra = R.rope_args(ang.cos(), ang.sin(), spec, tuple(qb.shape))
+    perm = random_perm(B, H, S, device="cuda")
+    got = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, rope=ra)
+    want = ref_pre.preprocess_qk(R.apply_rope(qb, ra), R.apply_rope(kb, ra), perm, sm_scale=D ** -0.5)
+    # on the GPU the kernel's RoPE may contract to FMAs: a rotated value can differ by one bf16 ulp
+    assert_codes(got.q8, want.q8, exact=False, what="q8")
+    assert_codes(got.k8, want.k8, exact=False, what="k8")
+    torch.testing.assert_close(got.k_mean, want.k_mean, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_preprocess_args_and_smoke(tmp_path):
+    """benchmarks/bench_preprocess.py (run once on the H200 by the lead): its arguments and a tiny run."""
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from benchmarks import bench_preprocess as bp
+    a = bp.parse_args(["--csv", "x.csv"])
+    assert (a.shapes, a.op_shapes, a.H, a.D, a.csv) == ([32760, 75600], [75600], 40, 128, "x.csv")
+    assert bp.parse_args(["--smoke", "--no-op"]).op_shapes == []
+    if torch.cuda.is_available() or not INTERPRET:
+        return
+    out = tmp_path / "b.csv"
+    rows = bp.main(["--smoke", "--shapes", "130", "--no-op", "--no-results", "--csv", str(out)])
+    by = {r["variant"]: r for r in rows}
+    assert not [r for r in rows if r.get("error")], rows
+    assert set(by) == {"rope_inductor", "pre_qk", "unfused", "fused", "copy"}
+    assert by["fused"]["mismatch"] == 0.0 and by["fused"]["gb"] < by["unfused"]["gb"]
+    text = out.read_text().splitlines()
+    assert text[0].startswith("date,commit,gpu") and len(text) == 1 + len(rows)

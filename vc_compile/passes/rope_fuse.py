@@ -234,7 +234,7 @@ def _fuse_site(graph: fx.Graph, att: fx.Node, m: RopeMatch, cfg: VCConfig) -> No
                 dtype_uses.append(u)
                 continue
             raise _NoFuse("a RoPE intermediate has other users", f"{n.name} used by {u.name}")
-    if m.q.input in regions or m.k.input in regions or m.q.cos in regions:
+    if any(x in regions for x in (m.q.input, m.k.input, m.q.cos, m.q.sin)):
         raise _NoFuse("the un-rotated input is part of the other operand's RoPE")
     # ---- rewrite (nothing above changed the graph)
     old_args, old_kwargs = att.args, att.kwargs

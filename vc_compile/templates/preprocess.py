@@ -240,7 +240,8 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
     if ROPE != 0:  # prologue RoPE (issue 7): q arrives un-rotated
         q = _rope_rows(q, Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs,
                        rows, rmask, sqd, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
-                       b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi, D, ROPE, PAIR_TABLE, INTERPRET)
+                       b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi,
+                       D, ROPE, PAIR_TABLE, INTERPRET)
     if HADAMARD:
         if INTERPRET:
             q = q.to(tl.float32)
