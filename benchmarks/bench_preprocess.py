@@ -13,7 +13,8 @@ Per S in {32760, 75600}, B = 1, H = 40, D = 128, bf16; q and k are the projectio
 Bytes (``gb`` column, read + written by our kernels, as they run): unfused = RoPE (read q, k; write q, k)
 + preprocessing (read q once and k twice -- K's token mean is a separate pass -- write the int8 codes);
 fused = read q once, k twice, the tables once (every head re-reads them: the kernel runs the heads of a
-token block back to back so those are L2 hits), write the codes. Scales (a few MB) are left out.
+token block back to back so those are L2 hits), write the codes and the per-token Q scales (fp32);
+K scales (one per 64 tokens) are left out.
 ``gbs`` = gb / time; ``pct_copy`` = gbs / copy's GB/s (target: fused >= 80%).
 * ``op_unfused`` / ``op_fused`` at S = 75600 (``--shapes`` picks): the whole V-Smooth op on a non-grouping
   (reuse) step -- cached k-means order, preprocessing of Q, K, V, 8-bit attention -- with the Inductor
@@ -190,7 +191,7 @@ def bench_chain(run: Run, S: int):
     n = q.numel()
     tab = 2 * cos.numel() * 4  # both tables, fp32
     gb_rope = (2 * n * 2 + 2 * n * 2) / 1e9                     # read q, k; write q, k (bf16)
-    gb_pre = (n * 2 + 2 * n * 2 + 2 * n) / 1e9                  # read q, k twice; write int8 codes
+    gb_pre = (n * 2 + 2 * n * 2 + 2 * n + n // D * 4) / 1e9     # read q, k twice; write codes, q scales
     gb_fused = gb_pre + tab / 1e9                               # + the tables once (re-reads: L2 hits)
     res = {}
 
