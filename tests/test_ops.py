@@ -70,3 +70,24 @@ def test_opcheck_sparse_attention():
     torch.library.opcheck(torch.ops.vcattn.sparse_attention.default, (q, k, v, sigma, idx, res, 64, None))
     out = torch.ops.vcattn.sparse_attention(q, k, v, sigma, idx, None, 64, None)
     assert out.shape == q.shape and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("method", ["vsmooth", "mcsparse"])
+def test_warmup_steps_run_stock_sdpa_for_every_method(method):
+    """Regression: V-Smooth's run() ignored the DENSE phase, so with ``warmup_steps > 0`` the warm-up ran
+    8-bit attention while report() counted it as stock SDPA. Warm-up outputs must equal SDPA bit for bit
+    and the first step after the warm-up must not."""
+    q, k, v = qkv(S=256)
+    s = site(method)
+    cfg = VCConfig.from_options({"method": method, "min_seq_len": 16, "warmup_steps": 2, "density": 0.5,
+                                 "anchor_steps": (2,)}).to_json()
+    ref = F.scaled_dot_product_attention(q, k, v)
+    outs = []
+    with vc_compile.sampling(num_steps=4):
+        for i in range(3):
+            vc_compile.step(i)
+            outs.append(torch.ops.vcattn.attention(q, k, v, None, s, cfg, None))
+    assert torch.equal(outs[0], ref) and torch.equal(outs[1], ref)
+    assert not torch.equal(outs[2], ref)
+    rec = _report.site(s)
+    assert rec.phases["dense"] == 2 and rec.kernel_path["sdpa"] == 2

@@ -164,7 +164,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     phase = phase_for(cfg, info.step, info.num_steps, meta is not None)
     kw = {} if rope_args is None else {"rope": rope_args}
     with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording() as sources:
-        out, new_meta = _METHODS[method].run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl, **kw)
+        if phase == Phase.DENSE:  # warm-up steps of any method: stock SDPA (V-Smooth's run() used to ignore it)
+            if rope_args is not None:
+                q, k = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args)
+            out, new_meta = F.scaled_dot_product_attention(q, k, v, scale=sm).contiguous(), meta
+        else:
+            out, new_meta = _METHODS[method].run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl,
+                                                 **kw)
     rec.config_sources.update(sources)
     if new_meta is not None and new_meta is not meta:
         state.put(key, new_meta)
