@@ -119,6 +119,25 @@ def test_recording_counts_sources(fake_gpu):
     assert rec == {"fake_kernel:tuned": 2}
 
 
+
+def test_option_cache_dir_wins_for_its_calls(fake_gpu, tmp_path):
+    """``tune_cache_dir`` (passed by the op as ``recording(directory)``) overrides the process cache dir
+    for the calls it wraps: a tune there is a cache hit there, and not seen by the default directory."""
+    opt_dir = tmp_path / "option-dir"
+    calls = []
+    with lookup.recording(str(opt_dir)):
+        assert resolve(counting_bench(calls)) == ({"BN": 128}, "tuned")
+    assert any(opt_dir.rglob("*.json")) and len(calls) == 3
+    lookup.clear_memo()
+    with lookup.recording(str(opt_dir)):
+        assert resolve(counting_bench(calls))[1] == "cache" and len(calls) == 3
+    assert resolve(counting_bench(calls))[1] == "tuned" and len(calls) == 6  # the default dir had nothing
+    from vc_compile.config import VCConfig, VCConfigError
+    assert VCConfig.from_options({"tune_cache_dir": opt_dir}).tune_cache_dir == str(opt_dir)
+    for bad in ("", 3):
+        with pytest.raises(VCConfigError, match="tune_cache_dir"):
+            VCConfig.from_options({"tune_cache_dir": bad})
+
 # ---- the kernels' candidates and the shipped table ---------------------------------------------------
 
 def test_first_candidate_is_the_measured_default():

@@ -6,6 +6,8 @@ options table is generated from ``OPTION_DOCS``). An unknown key or a bad value 
 """
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import enum
 import json
@@ -94,6 +96,8 @@ OPTION_DOCS: Dict[str, str] = {
     "kernels": "'auto' | 'triton' | 'reference': which implementation runs the ops.",
     "compiler": "'inductor' | 'eager': what compiles the rewritten graph.",
     "profile": "Time every attention call (CUDA events) into vc_compile.report().",
+    "tune_cache_dir": "Directory of the kernel autotuning cache. None = $VCATTN_CACHE_DIR, else "
+                      "<Inductor cache>/vcattn.",
     "mode": "Inductor mode, as torch.compile's mode= (which torch refuses together with options=).",
 }
 
@@ -139,6 +143,7 @@ class VCConfig:
     kernels: Kernels = Kernels.AUTO
     compiler: Compiler = Compiler.INDUCTOR
     profile: bool = False
+    tune_cache_dir: Optional[str] = None
     mode: Optional[str] = None
 
     # ---- construction -------------------------------------------------------------------------
@@ -285,4 +290,8 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         if value is not None and not isinstance(value, str):
             fail(list(MODES))
         return value
+    if key == "tune_cache_dir":
+        if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+            fail("None or a non-empty directory path")
+        return None if value is None else os.fspath(value)
     return value

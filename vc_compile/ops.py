@@ -163,7 +163,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     meta = state.get(key)
     phase = phase_for(cfg, info.step, info.num_steps, meta is not None)
     kw = {} if rope_args is None else {"rope": rope_args}
-    with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording() as sources:
+    with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording(cfg.tune_cache_dir) as sources:
         if phase == Phase.DENSE:  # warm-up steps of any method: stock SDPA (V-Smooth's run() used to ignore it)
             if rope_args is not None:
                 q, k = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args)

@@ -66,14 +66,17 @@ def clear_memo() -> None:
 
 
 @contextlib.contextmanager
-def recording():
-    """Collect ``"<kernel>:<source>"`` counts of the lookups made inside the block (this thread)."""
-    prev = getattr(_TL, "rec", None)
+def recording(directory: Optional[str] = None):
+    """Collect ``"<kernel>:<source>"`` counts of the lookups made inside the block (this thread).
+    ``directory``: the cache directory for these lookups (the op passes the ``tune_cache_dir`` option;
+    None = the process policy of :func:`configure`, then ``$VCATTN_CACHE_DIR``)."""
+    prev, prev_dir = getattr(_TL, "rec", None), getattr(_TL, "directory", None)
     rec = _TL.rec = collections.Counter()
+    _TL.directory = directory
     try:
         yield rec
     finally:
-        _TL.rec = prev
+        _TL.rec, _TL.directory = prev, prev_dir
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,10 +90,12 @@ def resolve(kernel: str, src_file: str, candidates: List[Config], *, dtype, head
     """(config, source) for one launch; source is shipped | cache | tuned | default (see module doc)."""
     index = device.index if device.index is not None else (
         torch.cuda.current_device() if device.type == "cuda" else -1)
-    mkey = (kernel, dtype, head_dim, seq_len, variant, device.type, index)
+    directory = getattr(_TL, "directory", None)
+    mkey = (kernel, dtype, head_dim, seq_len, variant, device.type, index, directory)
     hit = _MEMO.get(mkey)
     if hit is None:
-        hit = _lookup(kernel, src_file, candidates, dtype, head_dim, seq_len, variant, device, index, bench)
+        hit = _lookup(kernel, src_file, candidates, dtype, head_dim, seq_len, variant, device, index, bench,
+                      directory)
         if hit is None:  # not memoised: e.g. during CUDA graph capture, ask again next time
             hit = (candidates[0], "default")
         else:
@@ -108,7 +113,7 @@ def last_config(kernel: str) -> Optional[Config]:
     return _LAST.get(kernel)
 
 
-def _lookup(kernel, src_file, candidates, dtype, head_dim, seq_len, variant, device, index, bench):
+def _lookup(kernel, src_file, candidates, dtype, head_dim, seq_len, variant, device, index, bench, directory=None):
     if device.type != "cuda" or cache.interpreting():
         return dict(candidates[0]), "default"
     if torch.cuda.is_current_stream_capturing():
@@ -117,7 +122,7 @@ def _lookup(kernel, src_file, candidates, dtype, head_dim, seq_len, variant, dev
     pol = dict(_POLICY)
     try:
         with torch.cuda.device(index):
-            return cache.get_config(key, candidates, bench, arch=_arch(index), directory=pol["directory"],
+            return cache.get_config(key, candidates, bench, arch=_arch(index), directory=directory or pol["directory"],
                                     shipped=pol["shipped"], force=pol["force"], progress=pol["progress"])
     except RuntimeError as e:  # every candidate failed to run or validate: never fatal
         warnings.warn(f"vcattn: tuning {kernel} failed ({e}); using its default configuration.",
