@@ -532,3 +532,43 @@ def test_bench_preprocess_args_and_smoke(tmp_path):
     assert by["fused"]["mismatch"] == 0.0 and by["fused"]["gb"] < by["unfused"]["gb"]
     text = out.read_text().splitlines()
     assert text[0].startswith("date,commit,gpu") and len(text) == 1 + len(rows)
+
+
+@pytest.mark.parametrize("dtype,fmt,pair,toks", [(BF, "int8", True, (None, None)), (BF, "fp8", False, (3, -5)),
+                                                 (torch.float16, "int8", False, (None, None)),
+                                                 (torch.float16, "fp8", True, (0, 40))])
+def test_kernel_packed_pairs_equal_unpacked(monkeypatch, dtype, fmt, pair, toks):
+    """The interleaved prologue's packed path (pairs read as one 32-bit word, codes stored as int16 pairs,
+    tables as [R, D/2] or pair words) gives the same codes and scales as the [R, D] path, non-finite
+    inputs included."""
+    from vc_compile.templates import preprocess as tpl
+    B, H, S, D = 1, 2, 90, 64
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, S, H, D, generator=g).to(dtype)
+    k = (torch.randn(B, S, H, D, generator=g) + 3.0).to(dtype)
+    q[0, 7, 1, 5] = float("nan")
+    k[0, 70, 0, 2] = float("inf")
+    ang = torch.rand(1, len(range(*slice(*toks).indices(S))), 1, D // 2 if pair else D, generator=g) * 6.3
+    q, k, ang = (t.to(KERNEL_DEVICE) for t in (q, k, ang))
+    spec = R.RopeSpec("interleaved", "BSHD", H, *toks)
+    qb, kb = R.to_bhsd(q, spec), R.to_bhsd(k, spec)
+    ra = R.rope_args(ang.cos(), ang.sin(), spec, tuple(qb.shape))
+    perm = random_perm(B, H, S, device=KERNEL_DEVICE)
+    calls = []
+    real = tpl._qk_quant_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                calls.append((kw["PACKED"], kw["TAB_WORDS"]))
+                return real[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(tpl, "_qk_quant_kernel", Spy())
+    got = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, qk_format=fmt, rope=ra)
+    monkeypatch.setattr(tpl, "ROPE_PACKED", False)
+    want = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, qk_format=fmt, rope=ra)
+    assert calls == [(True, not pair), (False, False)]
+    for a, b in zip(got, want):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == tpl.FP8 else a.nan_to_num(7.0),
+                               b.view(torch.uint8) if b.dtype == tpl.FP8 else b.nan_to_num(7.0))

@@ -65,6 +65,9 @@ from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, QKQuant, 
 from vc_compile.reference.quant import LOG2E, hadamard_matrix
 
 FP8 = torch.float8_e4m3fn
+# RoPE prologue switches (module globals so that benchmarks/bench_preprocess.py can A/B them in one run)
+ROPE_PACKED = True     # interleaved pairs as 32-bit words + int16 code pairs (see _qk_quant_kernel PACKED)
+ROPE_HEAD_FAST = True  # Q/K grid (B*H, blocks) with RoPE: a token block's heads back to back
 TILE_Q = 128  # Q tokens per program of _qk_quant_kernel (its two 64-token K blocks sit at the same rows)
 assert BLOCK_Q == 1, "the kernel writes one Q scale per token"
 
@@ -96,23 +99,7 @@ def round_e4m3(x):
 
 
 @triton.jit
-def _quant_tile(x, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
-                PER_ROW: tl.constexpr = False):
-    """fp32 tile (padding rows already 0) -> (codes, scale): one scale for the whole tile, or one per row
-    ([rows]) when PER_ROW. Non-finite values are quantised as 0 and make their scale NaN (module doc)."""
-    ok = tl.abs(x) < float("inf")  # False for NaN and +-Inf
-    x = tl.where(ok, x, 0.0)
-    if PER_ROW:
-        amax = tl.max(tl.abs(x), 1)
-        bad = tl.min(ok.to(tl.int32), 1) == 0
-        scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX))
-        y = tl.math.div_rn(x, scale[:, None])
-    else:
-        amax = tl.max(tl.max(tl.abs(x), 1), 0)
-        bad = tl.min(tl.min(ok.to(tl.int32), 1), 0) == 0
-        scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX))
-        y = tl.math.div_rn(x, scale)
-    scale = tl.where(bad, float("nan"), scale)
+def _to_codes(y, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr):
     if FP8_OUT:
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         if INTERPRET:
@@ -121,7 +108,52 @@ def _quant_tile(x, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.cons
     else:
         y = tl.minimum(tl.maximum(y, -127.0), 127.0)
         codes = (y + tl.where(y >= 0, 0.5, -0.5)).to(tl.int8)
-    return codes, scale
+    return codes
+
+
+@triton.jit
+def _scale_of(amax, bad, QMAX: tl.constexpr):
+    return tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX)), bad
+
+
+@triton.jit
+def _quant_tile(x, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
+                PER_ROW: tl.constexpr = False):
+    """fp32 tile (padding rows already 0) -> (codes, scale): one scale for the whole tile, or one per row
+    ([rows]) when PER_ROW. Non-finite values are quantised as 0 and make their scale NaN (module doc)."""
+    ok = tl.abs(x) < float("inf")  # False for NaN and +-Inf
+    x = tl.where(ok, x, 0.0)
+    if PER_ROW:
+        scale, bad = _scale_of(tl.max(tl.abs(x), 1), tl.min(ok.to(tl.int32), 1) == 0, QMAX)
+        y = tl.math.div_rn(x, scale[:, None])
+    else:
+        scale, bad = _scale_of(tl.max(tl.max(tl.abs(x), 1), 0), tl.min(tl.min(ok.to(tl.int32), 1), 0) == 0, QMAX)
+        y = tl.math.div_rn(x, scale)
+    return _to_codes(y, FP8_OUT, INTERPRET), tl.where(bad, float("nan"), scale)
+
+
+@triton.jit
+def _quant_pair(xe, xo, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
+                PER_ROW: tl.constexpr = False):
+    """``_quant_tile`` of the tile whose even / odd channels are ``xe`` / ``xo`` [R, D/2] (same scale, same
+    codes), returned as the two codes packed little-endian into int16 [R, D/2] (= the int8 [R, D] row)."""
+    oke = tl.abs(xe) < float("inf")
+    oko = tl.abs(xo) < float("inf")
+    xe = tl.where(oke, xe, 0.0)
+    xo = tl.where(oko, xo, 0.0)
+    ae = tl.maximum(tl.abs(xe), tl.abs(xo))
+    ok = (oke & oko).to(tl.int32)
+    if PER_ROW:
+        scale, bad = _scale_of(tl.max(ae, 1), tl.min(ok, 1) == 0, QMAX)
+        ye = tl.math.div_rn(xe, scale[:, None])
+        yo = tl.math.div_rn(xo, scale[:, None])
+    else:
+        scale, bad = _scale_of(tl.max(tl.max(ae, 1), 0), tl.min(tl.min(ok, 1), 0) == 0, QMAX)
+        ye = tl.math.div_rn(xe, scale)
+        yo = tl.math.div_rn(xo, scale)
+    ce = _to_codes(ye, FP8_OUT, INTERPRET).to(tl.int8, bitcast=True).to(tl.int16)
+    co = _to_codes(yo, FP8_OUT, INTERPRET).to(tl.int8, bitcast=True).to(tl.int16)
+    return (ce & 255) | (co << 8), tl.where(bad, float("nan"), scale)
 
 
 @triton.jit
@@ -131,6 +163,79 @@ def round_bf16(y):
     bits = y.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_pairs(P, row_off, mask, D: tl.constexpr):
+    """Rows of P (16- or 32-bit floats, unit channel stride) at element offsets ``row_off`` [R] (even, the
+    row start 2x-element aligned): each pair (2i, 2i+1) is loaded as ONE word of twice the width, so both
+    halves land in the same thread. Returns fp32 (even, odd) channels [R, D/2]; masked rows read 0."""
+    i = tl.arange(0, D // 2)
+    if P.dtype.element_ty.primitive_bitwidth == 16:
+        w = tl.load(P.to(tl.pointer_type(tl.int32)) + (row_off // 2)[:, None] + i[None, :], mask=mask[:, None],
+                    other=0)
+        if P.dtype.element_ty == tl.bfloat16:
+            e = (w << 16).to(tl.float32, bitcast=True)
+            o = (w & -65536).to(tl.float32, bitcast=True)
+        else:
+            e = (w & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            o = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        w = tl.load(P.to(tl.pointer_type(tl.int64)) + (row_off // 2)[:, None] + i[None, :], mask=mask[:, None],
+                    other=0)
+        e = w.to(tl.int32).to(tl.float32, bitcast=True)
+        o = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return e, o
+
+
+@triton.jit
+def _rope_pair_math(xe, xo, t, inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd,
+                    D: tl.constexpr, PAIR_TABLE: tl.constexpr, TAB_WORDS: tl.constexpr = False):
+    """Interleaved RoPE on the even / odd channels xe, xo [R, D/2] (fp32) of rows at table rows t: fp32
+    (ye, yo), not rounded. Tables read as contiguous row segments ([R, D/2] pair table, or [R, D] split
+    in registers, or as pair words when TAB_WORDS). Rows outside the rotated range read cos 1, sin 0
+    (except with TAB_WORDS: 0, 0); callers select x there."""
+    R: tl.constexpr = xe.shape[0]
+    if PAIR_TABLE:
+        i = tl.arange(0, D // 2)
+        ce = tl.load(COS + c_off + t[:, None] * scs + i[None, :] * scd, mask=inr[:, None],
+                     other=1.0).to(tl.float32)
+        se = tl.load(SIN + s_off + t[:, None] * sss + i[None, :] * ssd, mask=inr[:, None],
+                     other=0.0).to(tl.float32)
+        co = ce
+        so = se
+    elif TAB_WORDS:  # full table, unit channel stride: (cos[2i], cos[2i+1]) as one word, like x
+        ce, co = _load_pairs(COS, c_off + t * scs, inr, D)
+        se, so = _load_pairs(SIN, s_off + t * sss, inr, D)
+    else:
+        d = tl.arange(0, D)
+        c = tl.load(COS + c_off + t[:, None] * scs + d[None, :] * scd, mask=inr[:, None], other=1.0)
+        sn = tl.load(SIN + s_off + t[:, None] * sss + d[None, :] * ssd, mask=inr[:, None], other=0.0)
+        ce, co = tl.split(tl.reshape(c.to(tl.float32), [R, D // 2, 2]))
+        se, so = tl.split(tl.reshape(sn.to(tl.float32), [R, D // 2, 2]))
+    # rot(x)[2i] = -x[2i+1], rot(x)[2i+1] = x[2i]; x*cos first, like the models and the reference
+    return xe * ce + (-xo) * se, xo * co + xe * so
+
+
+@triton.jit
+def _rope_pairs_packed(X, row_off, src, rmask, COS, SIN, c_off, s_off, scs, scd, sss, ssd, lo, hi,
+                       D: tl.constexpr, PAIR_TABLE: tl.constexpr, INTERPRET: tl.constexpr,
+                       TAB_WORDS: tl.constexpr):
+    """Interleaved RoPE of the rows of a 16-bit X (unit channel stride) at element offsets ``row_off`` [R]
+    (even): each pair (2i, 2i+1) is loaded as ONE 32-bit word (X viewed as int32 [.., D/2]), so x, its
+    partner and the pair tables are [R, D/2] tiles of one register layout (no second load, no shuffle).
+    Returns the even / odd channels of the rotated rows, rounded to X's dtype, as fp32 [R, D/2]."""
+    xe, xo = _load_pairs(X, row_off, rmask, D)
+    inr = rmask & (src >= lo) & (src < hi)
+    ye, yo = _rope_pair_math(xe, xo, (src - lo).to(tl.int64), inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd,
+                             D, PAIR_TABLE, TAB_WORDS)
+    if INTERPRET:
+        if X.dtype.element_ty == tl.bfloat16:
+            ye = round_bf16(ye)
+            yo = round_bf16(yo)
+    ye = ye.to(X.dtype.element_ty).to(tl.float32)
+    yo = yo.to(X.dtype.element_ty).to(tl.float32)
+    return tl.where(inr[:, None], ye, xe), tl.where(inr[:, None], yo, xo)
 
 
 @triton.jit
@@ -158,22 +263,8 @@ def _rope_rows(x, ptr, src, rmask, sxd, COS, SIN, c_off, s_off, scs, scd, sss, s
     t = (src - lo).to(tl.int64)
     if ROPE == 1:
         xe, xo = tl.split(tl.reshape(x.to(tl.float32), [R, D // 2, 2]))  # x[:, 0::2], x[:, 1::2]
-        if PAIR_TABLE:
-            i = tl.arange(0, D // 2)
-            ce = tl.load(COS + c_off + t[:, None] * scs + i[None, :] * scd, mask=inr[:, None],
-                         other=1.0).to(tl.float32)
-            se = tl.load(SIN + s_off + t[:, None] * sss + i[None, :] * ssd, mask=inr[:, None],
-                         other=0.0).to(tl.float32)
-            co = ce
-            so = se
-        else:
-            d = tl.arange(0, D)
-            c = tl.load(COS + c_off + t[:, None] * scs + d[None, :] * scd, mask=inr[:, None], other=1.0)
-            sn = tl.load(SIN + s_off + t[:, None] * sss + d[None, :] * ssd, mask=inr[:, None], other=0.0)
-            ce, co = tl.split(tl.reshape(c.to(tl.float32), [R, D // 2, 2]))
-            se, so = tl.split(tl.reshape(sn.to(tl.float32), [R, D // 2, 2]))
-        # rot(x)[2i] = -x[2i+1], rot(x)[2i+1] = x[2i]; x*cos first, like the models and the reference
-        y = tl.reshape(tl.join(xe * ce + (-xo) * se, xo * co + xe * so), [R, D])
+        ye, yo = _rope_pair_math(xe, xo, t, inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd, D, PAIR_TABLE)
+        y = tl.reshape(tl.join(ye, yo), [R, D])
     else:
         d = tl.arange(0, D)
         dp = (d + D // 2) % D
@@ -236,7 +327,12 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
                      HADAMARD: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
                      DOT_PREC: tl.constexpr,
                      COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
-                     ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False, HEAD_FAST: tl.constexpr = False):
+                     ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False, HEAD_FAST: tl.constexpr = False,
+                     PACKED: tl.constexpr = False, TAB_WORDS: tl.constexpr = False):
+    # PACKED (interleaved RoPE, 16-bit q/k with unit channel stride and even strides, no Hadamard): rows
+    # are handled as their even / odd channel halves [R, D/2] from one 32-bit load per pair
+    # (_rope_pairs_packed) and the codes stored as int16 pairs, so loads, tables and stores share one
+    # register layout (sm_90: no layout conversion through shared memory, like the no-RoPE path).
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     if HEAD_FAST:  # RoPE prologue: the heads of one token block run back to back, so the cos/sin rows
@@ -255,26 +351,43 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
     kbar = tl.load(KBAR + bh * D + d)
     # a non-finite K mean poisons every smoothed key, hence every logit of the head: its Q scales -> NaN
     k_bad = tl.min((tl.abs(kbar) < float("inf")).to(tl.int32), 0) == 0
+    i2 = tl.arange(0, D // 2)
+    if PACKED:
+        kbar_e = tl.load(KBAR + bh * D + 2 * i2)
+        kbar_o = tl.load(KBAR + bh * D + 2 * i2 + 1)
 
     # ---- Q: 128 tokens, one scale per token
     rows = pid * TQ + tl.arange(0, TQ)
     rmask = rows < S
-    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs
-                + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
-    if ROPE != 0:  # prologue RoPE (issue 7): q arrives un-rotated
-        q = _rope_rows(q, Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs,
-                       rows, rmask, sqd, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
-                       b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi,
-                       D, ROPE, PAIR_TABLE, INTERPRET)
-    if HADAMARD:
-        if INTERPRET:
-            q = q.to(tl.float32)
-        qf = tl.dot(q, hpm, input_precision=DOT_PREC) * h_norm
+    if PACKED:  # in two 64-row halves (one scale per row anyway): half the live registers
+        for jq in tl.static_range(TQ // BK):
+            qrows = pid * TQ + jq * BK + tl.arange(0, BK)
+            qmask = qrows < S
+            qe, qo = _rope_pairs_packed(Q, b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + qrows.to(tl.int64) * sqs,
+                                        qrows, qmask, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
+                                        b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi,
+                                        D, PAIR_TABLE, INTERPRET, TAB_WORDS)
+            codes, qscale = _quant_pair(qe, qo, QMAX, FP8_OUT, INTERPRET, PER_ROW=True)
+            tl.store(Q8.to(tl.pointer_type(tl.int16)) + out_bh // 2 + qrows[:, None].to(tl.int64) * (D // 2)
+                     + i2[None, :], codes, mask=qmask[:, None])
+            tl.store(QS + bh.to(tl.int64) * S + qrows, tl.where(k_bad, float("nan"), qscale * q_fold), mask=qmask)
     else:
-        qf = q.to(tl.float32)
-    codes, scale = _quant_tile(qf, QMAX, FP8_OUT, INTERPRET, PER_ROW=True)
-    tl.store(Q8 + out_bh + rows[:, None].to(tl.int64) * D + d[None, :], codes, mask=rmask[:, None])
-    tl.store(QS + bh.to(tl.int64) * S + rows, tl.where(k_bad, float("nan"), scale * q_fold), mask=rmask)
+        q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs
+                    + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
+        if ROPE != 0:  # prologue RoPE (issue 7): q arrives un-rotated
+            q = _rope_rows(q, Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs,
+                           rows, rmask, sqd, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
+                           b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi,
+                           D, ROPE, PAIR_TABLE, INTERPRET)
+        if HADAMARD:
+            if INTERPRET:
+                q = q.to(tl.float32)
+            qf = tl.dot(q, hpm, input_precision=DOT_PREC) * h_norm
+        else:
+            qf = q.to(tl.float32)
+        codes, scale = _quant_tile(qf, QMAX, FP8_OUT, INTERPRET, PER_ROW=True)
+        tl.store(Q8 + out_bh + rows[:, None].to(tl.int64) * D + d[None, :], codes, mask=rmask[:, None])
+        tl.store(QS + bh.to(tl.int64) * S + rows, tl.where(k_bad, float("nan"), scale * q_fold), mask=rmask)
 
     # ---- K': two 64-token blocks at the same positions, rows gathered through perm
     k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
@@ -286,21 +399,33 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
                           mask=rmask, other=0)
         else:
             src = rows
-        k = tl.load(k_base + src[:, None].to(tl.int64) * sks + d[None, :] * skd, mask=rmask[:, None],
-                    other=0.0)
-        if ROPE != 0:  # rotated at its own token position src (before the perm gather moved it)
-            k = _rope_rows(k, k_base + src[:, None].to(tl.int64) * sks, src, rmask, skd, COS, SIN,
-                           b.to(tl.int64) * scb + h.to(tl.int64) * sch, b.to(tl.int64) * ssb + h.to(tl.int64) * ssh,
-                           scs, scd, sss, ssd, lo, hi, D, ROPE, PAIR_TABLE, INTERPRET)
-        if HADAMARD:
-            if INTERPRET:
-                k = k.to(tl.float32)
-            kf = tl.dot(k, hpm, input_precision=DOT_PREC) * h_norm - kbar[None, :]
+        if PACKED:
+            ke, ko = _rope_pairs_packed(K, b.to(tl.int64) * skb + h.to(tl.int64) * skh + src.to(tl.int64) * sks,
+                                        src, rmask, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
+                                        b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi,
+                                        D, PAIR_TABLE, INTERPRET, TAB_WORDS)
+            ke = tl.where(rmask[:, None], ke - kbar_e[None, :], 0.0)
+            ko = tl.where(rmask[:, None], ko - kbar_o[None, :], 0.0)
+            codes, scale = _quant_pair(ke, ko, QMAX, FP8_OUT, INTERPRET)
+            tl.store(K8.to(tl.pointer_type(tl.int16)) + out_bh // 2 + rows[:, None].to(tl.int64) * (D // 2)
+                     + i2[None, :], codes, mask=rmask[:, None])
         else:
-            kf = k.to(tl.float32) - kbar[None, :]
-        kf = tl.where(rmask[:, None], kf, 0.0)
-        codes, scale = _quant_tile(kf, QMAX, FP8_OUT, INTERPRET)
-        tl.store(K8 + out_bh + rows[:, None].to(tl.int64) * D + d[None, :], codes, mask=rmask[:, None])
+            k = tl.load(k_base + src[:, None].to(tl.int64) * sks + d[None, :] * skd, mask=rmask[:, None],
+                        other=0.0)
+            if ROPE != 0:  # rotated at its own token position src (before the perm gather moved it)
+                k = _rope_rows(k, k_base + src[:, None].to(tl.int64) * sks, src, rmask, skd, COS, SIN,
+                               b.to(tl.int64) * scb + h.to(tl.int64) * sch,
+                               b.to(tl.int64) * ssb + h.to(tl.int64) * ssh,
+                               scs, scd, sss, ssd, lo, hi, D, ROPE, PAIR_TABLE, INTERPRET)
+            if HADAMARD:
+                if INTERPRET:
+                    k = k.to(tl.float32)
+                kf = tl.dot(k, hpm, input_precision=DOT_PREC) * h_norm - kbar[None, :]
+            else:
+                kf = k.to(tl.float32) - kbar[None, :]
+            kf = tl.where(rmask[:, None], kf, 0.0)
+            codes, scale = _quant_tile(kf, QMAX, FP8_OUT, INTERPRET)
+            tl.store(K8 + out_bh + rows[:, None].to(tl.int64) * D + d[None, :], codes, mask=rmask[:, None])
         kb = pid * (TQ // BK) + j
         tl.store(KS + bh * nbk + kb, scale, mask=kb < nbk)
 
@@ -313,6 +438,14 @@ def _rope_kwargs(rope, D: int) -> dict:
                 scs=rope.cos.stride(2), scd=rope.cos.stride(3), ssb=rope.sin.stride(0), ssh=rope.sin.stride(1),
                 sss=rope.sin.stride(2), ssd=rope.sin.stride(3), lo=int(rope.lo), hi=int(rope.hi),
                 ROPE=1 if rope.form == "interleaved" else 2, PAIR_TABLE=rope.pair_table(D))
+
+
+def _pair_words_ok(*ts) -> bool:
+    """Each (2i, 2i+1) channel pair of these [B, H, S, D] views can be read as one word of twice the
+    element width: 16/32-bit floats, unit channel stride, even other strides, 2x-element aligned base."""
+    return all(t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.stride(3) == 1
+               and all(st % 2 == 0 for st in t.stride()[:3]) and t.data_ptr() % (2 * t.element_size()) == 0
+               for t in ts)
 
 
 def _colsum_rope_kwargs(rope, D: int) -> dict:
@@ -348,7 +481,9 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
     k_scale = torch.empty(B, H, triton.cdiv(S, BLOCK_K), device=dev, dtype=torch.float32)
     p = perm if perm is not None else q8  # dummy pointer
     pstr = perm.stride() if perm is not None else (0, 0, 0)
-    grid = (B * H, nbq) if rope is not None else (nbq, B * H)
+    grid = (B * H, nbq) if rope is not None and ROPE_HEAD_FAST else (nbq, B * H)
+    packed = (ROPE_PACKED and rope is not None and rope.form == "interleaved" and not hadamard
+              and q.dtype in (torch.bfloat16, torch.float16) and _pair_words_ok(q, k))
     _qk_quant_kernel[grid](
         q, k, p, kbar.contiguous(), hpm, q8, k8, q_scale, k_scale,
         S, H, *q.stride(), *k.stride(), *pstr,
@@ -356,7 +491,10 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
         D=D, TQ=TILE_Q, BK=BLOCK_K, HAS_PERM=perm is not None, HADAMARD=hadamard,
         FP8_OUT=qk_format == "fp8", INTERPRET=interpret(),
         DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=8 if D == 128 else 4,
-        **_rope_kwargs(rope, D), **({"HEAD_FAST": True} if rope is not None else {}))
+        **_rope_kwargs(rope, D),
+        **({"HEAD_FAST": ROPE_HEAD_FAST, "PACKED": packed,
+            "TAB_WORDS": packed and not rope.pair_table(D) and _pair_words_ok(rope.cos, rope.sin)}
+           if rope is not None else {}))
     return QKQuant(q8, q_scale, k8, k_scale, k_mean, float(sm_scale))
 
 
