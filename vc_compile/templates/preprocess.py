@@ -356,37 +356,37 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
         kbar_e = tl.load(KBAR + bh * D + 2 * i2)
         kbar_o = tl.load(KBAR + bh * D + 2 * i2 + 1)
 
-    # ---- Q: 128 tokens, one scale per token
-    rows = pid * TQ + tl.arange(0, TQ)
-    rmask = rows < S
-    if PACKED:  # in two 64-row halves (one scale per row anyway): half the live registers
-        for jq in tl.static_range(TQ // BK):
-            qrows = pid * TQ + jq * BK + tl.arange(0, BK)
-            qmask = qrows < S
-            qe, qo = _rope_pairs_packed(Q, b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + qrows.to(tl.int64) * sqs,
-                                        qrows, qmask, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
+    # ---- Q: 128 tokens, one scale per token; with RoPE in two 64-row halves (rows are independent):
+    # half the live registers (sm_90: 128 instead of 181-197 per thread, 2 CTAs/SM like the no-RoPE path)
+    QR: tl.constexpr = BK if ROPE != 0 else TQ
+    for jq in tl.static_range(TQ // QR):
+        rows = pid * TQ + jq * QR + tl.arange(0, QR)
+        rmask = rows < S
+        if PACKED:
+            qe, qo = _rope_pairs_packed(Q, b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows.to(tl.int64) * sqs,
+                                        rows, rmask, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
                                         b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi,
                                         D, PAIR_TABLE, INTERPRET, TAB_WORDS)
-            codes, qscale = _quant_pair(qe, qo, QMAX, FP8_OUT, INTERPRET, PER_ROW=True)
-            tl.store(Q8.to(tl.pointer_type(tl.int16)) + out_bh // 2 + qrows[:, None].to(tl.int64) * (D // 2)
-                     + i2[None, :], codes, mask=qmask[:, None])
-            tl.store(QS + bh.to(tl.int64) * S + qrows, tl.where(k_bad, float("nan"), qscale * q_fold), mask=qmask)
-    else:
-        q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs
-                    + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
-        if ROPE != 0:  # prologue RoPE (issue 7): q arrives un-rotated
-            q = _rope_rows(q, Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs,
-                           rows, rmask, sqd, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
-                           b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi,
-                           D, ROPE, PAIR_TABLE, INTERPRET)
-        if HADAMARD:
-            if INTERPRET:
-                q = q.to(tl.float32)
-            qf = tl.dot(q, hpm, input_precision=DOT_PREC) * h_norm
+            codes, scale = _quant_pair(qe, qo, QMAX, FP8_OUT, INTERPRET, PER_ROW=True)
+            tl.store(Q8.to(tl.pointer_type(tl.int16)) + out_bh // 2 + rows[:, None].to(tl.int64) * (D // 2)
+                     + i2[None, :], codes, mask=rmask[:, None])
         else:
-            qf = q.to(tl.float32)
-        codes, scale = _quant_tile(qf, QMAX, FP8_OUT, INTERPRET, PER_ROW=True)
-        tl.store(Q8 + out_bh + rows[:, None].to(tl.int64) * D + d[None, :], codes, mask=rmask[:, None])
+            q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs
+                        + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
+            if ROPE != 0:  # prologue RoPE (issue 7): q arrives un-rotated
+                q = _rope_rows(q, Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+                               + rows[:, None].to(tl.int64) * sqs,
+                               rows, rmask, sqd, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
+                               b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi,
+                               D, ROPE, PAIR_TABLE, INTERPRET)
+            if HADAMARD:
+                if INTERPRET:
+                    q = q.to(tl.float32)
+                qf = tl.dot(q, hpm, input_precision=DOT_PREC) * h_norm
+            else:
+                qf = q.to(tl.float32)
+            codes, scale = _quant_tile(qf, QMAX, FP8_OUT, INTERPRET, PER_ROW=True)
+            tl.store(Q8 + out_bh + rows[:, None].to(tl.int64) * D + d[None, :], codes, mask=rmask[:, None])
         tl.store(QS + bh.to(tl.int64) * S + rows, tl.where(k_bad, float("nan"), scale * q_fold), mask=rmask)
 
     # ---- K': two 64-token blocks at the same positions, rows gathered through perm
