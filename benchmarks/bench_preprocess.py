@@ -1,7 +1,7 @@
 """Prologue fusion on the H200 (issue 7): the Q/K preprocessing chain with and without the model's RoPE
 folded into our kernel, against a device-to-device copy of the same bytes.
 
-    python3 benchmarks/bench_preprocess.py [--csv PATH] [--smoke] [--no-results] [--shapes S,S] [--no-op]
+    python3 benchmarks/bench_preprocess.py [--csv PATH] [--smoke] [--no-results] [--shapes S,S] [--no-op] [--no-ab]
 
 Per S in {32760, 75600}, B = 1, H = 40, D = 128, bf16; q and k are the projection outputs [B, S, H, D]
 (not rotated), cos/sin Wan's pair tables [1, S, 1, D/2] fp32 (``freqs[..., 0::2]``, interleaved form):
@@ -9,6 +9,10 @@ Per S in {32760, 75600}, B = 1, H = 40, D = 128, bf16; q and k are the projectio
 * ``pre_qk``          our Q/K preprocessing on already rotated q, k (alone);
 * ``unfused``         the two above in sequence: what a compiled model runs without the fusion;
 * ``fused``           our preprocessing with the RoPE prologue, on the un-rotated q, k;
+* ``fused_unpacked``  A/B (``--no-ab`` skips): the same with ``ROPE_PACKED = False`` (pairs split in registers
+                      from an [R, D] tile: all loads vectorised, but layout conversions on sm_90);
+* ``fused_rowmajor``  A/B: packed, with ``ROPE_HEAD_FAST = False`` (the no-RoPE grid: a head's token blocks
+                      back to back, table rows re-read from L2 across heads at a distance);
 * ``copy``            ``dst.copy_(src)`` of a buffer sized so that read + write = the fused chain's bytes.
 Bytes (``gb`` column, read + written by our kernels, as they run): unfused = RoPE (read q, k; write q, k)
 + preprocessing (read q once and k twice -- K's token mean is a separate pass -- write the int8 codes);
@@ -65,6 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=None, help="comma-separated S values (default 32760,75600)")
     p.add_argument("--op-shapes", default=None, help="S values for the whole-op rows (default 75600)")
     p.add_argument("--no-op", action="store_true", help="skip the whole-op rows")
+    p.add_argument("--no-ab", action="store_true", help="skip the fused_unpacked / fused_rowmajor A/B rows")
     p.add_argument("--budget", type=float, default=130.0, help="seconds; later measurements are skipped")
     a = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
@@ -204,6 +209,17 @@ def bench_chain(run: Run, S: int):
     run.guarded("pre_qk", S, lambda: t("pre_qk", lambda: tpre.preprocess_qk(qr, kr, None, sm_scale=sm), gb_pre))
     ru = run.guarded("unfused", S, lambda: t("unfused", unfused, gb_rope + gb_pre))
     rf = run.guarded("fused", S, lambda: t("fused", fused, gb_fused))
+    ab = []
+    if not a.no_ab:  # design A/B in the same run (module switches of templates/preprocess.py)
+        for name, attr in (("fused_unpacked", "ROPE_PACKED"), ("fused_rowmajor", "ROPE_HEAD_FAST")):
+            def one(name=name, attr=attr):
+                setattr(tpre, attr, False)
+                try:
+                    fused()  # compile outside the timing
+                    return t(name, fused, gb_fused)
+                finally:
+                    setattr(tpre, attr, True)
+            ab.append(run.guarded(name, S, one))
     # copy of the fused chain's bytes: read N + write N = gb_fused
     nbytes = int(gb_fused * 1e9 / 2)
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -211,11 +227,12 @@ def bench_chain(run: Run, S: int):
     rc = run.guarded("copy", S, lambda: t("copy", lambda: dst.copy_(src), gb_fused))
     del src, dst
     if rc is not None:
-        for r in (ru, rf):
+        for r in (ru, rf, *ab):
             if r is not None:
                 r["pct_copy"] = 100.0 * r["gbs"] / rc["gbs"]
-    if ru is not None and rf is not None:
-        rf["speedup"] = ru["ms"] / rf["ms"]
+    for r in (rf, *ab):
+        if ru is not None and r is not None:
+            r["speedup"] = ru["ms"] / r["ms"]
 
     def check():
         a_, b_ = unfused(), fused()

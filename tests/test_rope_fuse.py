@@ -522,13 +522,14 @@ def test_bench_preprocess_args_and_smoke(tmp_path):
     a = bp.parse_args(["--csv", "x.csv"])
     assert (a.shapes, a.op_shapes, a.H, a.D, a.csv) == ([32760, 75600], [75600], 40, 128, "x.csv")
     assert bp.parse_args(["--smoke", "--no-op"]).op_shapes == []
+    assert bp.parse_args(["--no-ab"]).no_ab and not a.no_ab
     if torch.cuda.is_available() or not INTERPRET:
         return
     out = tmp_path / "b.csv"
     rows = bp.main(["--smoke", "--shapes", "130", "--no-op", "--no-results", "--csv", str(out)])
     by = {r["variant"]: r for r in rows}
     assert not [r for r in rows if r.get("error")], rows
-    assert set(by) == {"rope_inductor", "pre_qk", "unfused", "fused", "copy"}
+    assert set(by) == {"rope_inductor", "pre_qk", "unfused", "fused", "fused_unpacked", "fused_rowmajor", "copy"}
     assert by["fused"]["mismatch"] == 0.0 and by["fused"]["gb"] < by["unfused"]["gb"]
     text = out.read_text().splitlines()
     assert text[0].startswith("date,commit,gpu") and len(text) == 1 + len(rows)

@@ -39,12 +39,30 @@ Kernels and grids
 * ``_v_quant_kernel`` grid (ceil(S/128), B*H): gathers the block again (the per-channel scale spans the
   whole head, so V is read twice), quantises R to E4M3 and stores it transposed, zero-padded to S_pad.
 * RoPE prologue (issue 7, ``rope=`` a ``reference.rope.RopeArgs``): ``_colsum_kernel`` and
-  ``_qk_quant_kernel`` rotate the rows they load (``_rope_rows``: ``x*cos + rot(x)*sin`` in fp32, the
-  partner channel a second load of the same rows, rounded once to the input dtype like the models), so
-  q and k are read un-rotated from the model's tensor and never written rotated. K rows are rotated at
-  their own token position (before the perm gather). With RoPE the Q/K grid is (B*H, ceil(S/128)): the
-  heads of one token block run back to back and the table rows (fp32 pair tables: 2x the bytes of a
-  bf16 q tile) come from L2.
+  ``_qk_quant_kernel`` rotate the rows they load (``x*cos + rot(x)*sin`` in fp32, rounded once to the input
+  dtype like the models), so q and k are read un-rotated from the model's tensor and never written
+  rotated. K rows are rotated at their own token position (before the perm gather). With RoPE the Q/K grid
+  is (B*H, ceil(S/128)) (``ROPE_HEAD_FAST``): the heads of one token block run back to back and the table
+  rows come from L2; the Q tile runs as two 64-row halves (register pressure).
+  Every load and store must stay a 16-byte vector in ONE register layout, as in the no-RoPE path:
+  - interleaved, 16-bit q/k with unit channel stride, no Hadamard (``PACKED``, Wan/Hunyuan/LTX/tiny_dit):
+    a pair (2i, 2i+1) is read as one 32-bit word (``_load_pairs``), tables as [R, D/2] (pair table) or as
+    64-bit pair words (full fp32 table), the rotation done on the [R, D/2] even/odd halves and the codes
+    stored as int16 pairs (``_quant_pair``): x, partner, tables and codes share one layout;
+  - otherwise interleaved: reshape [R, D/2, 2] + split/join of the loaded [R, D] tile (``_rope_rows``;
+    vectorised, but sm_90 adds shared-memory layout conversions);
+  - rotate-half: the partner ``x[(d + D/2) % D]`` is a second load of the same rows (L1/L2 hits), which
+    Triton proves contiguous in D/2 runs (vectorised).
+  NOTE measured on an H200 (torch 2.11, triton 3.6, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D],
+  Wan pair tables), before this design: Inductor's RoPE alone 0.46 / 1.06 ms, our preprocessing without
+  RoPE 0.70 / 1.57 ms, the unfused chain 1.16 / 2.63 ms, the FUSED chain 7.38 / 16.88 ms (185 GB/s, 4.4% of
+  a 4.16 TB/s copy; whole op at 75600 on a reuse step 221.5 ms fused vs 206.9 unfused). Cause, from the
+  sm_90 code (ptxas -v): the partner load ``x[d ^ 1]`` and the pair-table gather at column ``d // 2`` have
+  no provable contiguity, so they compiled to scalar 2- and 4-byte loads (384 per thread per program, vs 20
+  16-byte vectors without RoPE), plus 7 layout conversions through shared memory and 243 registers per
+  thread (1 CTA of 8 warps per SM, vs 127 registers / 2 CTAs); the K-mean pass likewise (168 vs 48
+  registers). Now (same compiler, offline): 48 16-byte vector loads + 17 scalar (K mean, once), 2
+  conversions, 128 registers; K-mean pass 96 registers, vector loads only.
 
 Exactness: divisions are ``div_rn`` (IEEE, like torch), INT8 rounding is ``trunc(x + copysign(0.5, x))``
 (= the reference's ``sign(x) floor(|x| + 0.5)`` in fp32), so q8 matches the reference code for code;
@@ -248,16 +266,12 @@ def _rope_rows(x, ptr, src, rmask, sxd, COS, SIN, c_off, s_off, scs, scd, sss, s
 
     Every load here is a contiguous row segment (16-byte vectors), as in the no-RoPE path:
     * interleaved: a pair (2i, 2i+1) sits in one thread's vector of x, so x is split in registers
-      (reshape [R, D/2, 2] + split: no data movement, no second load) and joined back; the tables are read
-      as [R, D/2] (pair table) or [R, D] split the same way.
+      (reshape [R, D/2, 2] + split, no second load) and joined back; the tables are read as [R, D/2] (pair
+      table) or [R, D] split the same way. The [R, D/2] tiles get another thread layout than x's, so sm_90
+      converts through shared memory; the PACKED path of _qk_quant_kernel avoids that.
     * rotate-half: the partner x[(d + D/2) % D] is a second load of the same rows (L1/L2 hits); Triton
       proves that offset contiguous in 64-channel runs, so it is vectorised too.
-    NOTE (H200, torch 2.11, triton 3.6, S=32760/75600, H=40, D=128, bf16 BSHD, Wan pair tables): the
-    previous interleaved path (partner as a load of x[d ^ 1], table read at column d // 2) compiled to
-    scalar 2- and 4-byte loads (128 partner + 256 table loads per thread per program on sm_90), 7 layout
-    conversions through shared memory and 243 registers (1 CTA/SM): the fused chain took 7.38 / 16.88 ms
-    (185 GB/s, 4.4% of copy) against 0.70 / 1.57 ms for pre_qk without RoPE and 1.16 / 2.63 ms for
-    Inductor's RoPE + pre_qk; the whole op at 75600 (reuse step) 221.5 ms fused vs 206.9 unfused."""
+    NOTE the measurements that motivated this are in the module doc (RoPE prologue)."""
     R: tl.constexpr = x.shape[0]
     inr = rmask & (src >= lo) & (src < hi)
     t = (src - lo).to(tl.int64)
