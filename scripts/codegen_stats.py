@@ -1,0 +1,116 @@
+"""Compile the Q/K preprocessing kernels for sm_90 on a machine WITHOUT a GPU and print what the code
+does per kernel: registers and spills (ptxas -v), layout conversions (TTGIR), global loads/stores by width
+(PTX). Used to find why the RoPE prologue was 10x slower than the no-RoPE path (scalar loads, 243
+registers; see the NOTE in vc_compile/templates/preprocess.py) and by tests/test_rope_fuse.py to keep it so.
+
+    python3 scripts/codegen_stats.py [--S 32760] [--form interleaved|rotate-half] [--full] [--json]
+        [--dump PREFIX]
+
+Triton's JIT is run with a fake driver (target cuda:90) and every launch turned into a warm-up compile;
+the tensors are CPU tensors of the benchmark's shapes (B=1, H=40, D=128, bf16 [B, S, H, D]), so the
+specialisation (strides divisible by 16, ...) is the GPU run's. Never run under TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+os.environ.pop("TRITON_INTERPRET", None)
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class _FakeDriver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, d=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+COMPILED = []
+
+
+def _install():
+    driver.set_active(_FakeDriver())
+    orig = JITFunction.run
+
+    def run(self, *a, grid, warmup, **kw):
+        k = orig(self, *a, grid=grid, warmup=True, **kw)
+        COMPILED.append((self.fn.__name__, k))
+        return k
+    JITFunction.run = run
+
+
+def stats(k) -> dict:
+    ptx = k.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return {"registers": int(regs.group(1)) if regs else -1, "spill_bytes": int(spill.group(1)) if spill else -1,
+            "convert_layout": k.asm["ttgir"].count("ttg.convert_layout"),
+            "loads": dict(Counter(re.findall(r"ld\.global[.\w]*", ptx))),
+            "stores": dict(Counter(re.findall(r"st\.global[.\w]*", ptx)))}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--S", type=int, default=32760)
+    p.add_argument("--form", default="interleaved", choices=("interleaved", "rotate-half"))
+    p.add_argument("--full", action="store_true", help="one table value per channel (else Wan's pair table)")
+    p.add_argument("--no-rope", action="store_true", help="the kernels without the RoPE prologue")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--dump", default=None, help="write PREFIX_<kernel>.ttgir/.ptx")
+    a = p.parse_args(argv)
+    _install()
+    from vc_compile.reference import rope as R
+    from vc_compile.templates import preprocess as tpre
+    H, D, S = 40, 128, a.S
+    q = torch.empty(1, S, H, D, dtype=torch.bfloat16)
+    k = torch.empty(1, S, H, D, dtype=torch.bfloat16)
+    Dc = D if a.full else D // 2
+    spec = R.RopeSpec(a.form, "BSHD", H, None, None)
+    qb, kb = R.to_bhsd(q, spec), R.to_bhsd(k, spec)
+    ra = None if a.no_rope else R.rope_args(torch.empty(1, S, 1, Dc), torch.empty(1, S, 1, Dc), spec, tuple(qb.shape))
+    try:
+        tpre.preprocess_qk(qb, kb, None, sm_scale=D ** -0.5, rope=ra)
+    except Exception:  # noqa: BLE001 - the host code after the (fake) launches may trip on empty CPU tensors
+        pass
+    out = {}
+    for name, kk in COMPILED:
+        out[name] = stats(kk)
+        if a.dump:
+            for ext in ("ttgir", "ptx"):
+                with open(f"{a.dump}_{name}.{ext}", "w") as f:
+                    f.write(kk.asm[ext])
+    if a.json:
+        print(json.dumps(out))
+    else:
+        for name, st in out.items():
+            print(f"{name}: {st}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
