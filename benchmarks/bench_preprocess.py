@@ -213,12 +213,17 @@ def bench_chain(run: Run, S: int):
     if not a.no_ab:  # design A/B in the same run (module switches of templates/preprocess.py)
         for name, attr in (("fused_unpacked", "ROPE_PACKED"), ("fused_rowmajor", "ROPE_HEAD_FAST")):
             def one(name=name, attr=attr):
+                old = getattr(tpre, attr)
                 setattr(tpre, attr, False)
                 try:
                     fused()  # compile outside the timing
-                    return t(name, fused, gb_fused)
+                    row = t(name, fused, gb_fused)
+                    a_, b_ = unfused(), fused()
+                    row["mismatch"] = ((a_.q8 != b_.q8).float().mean().item()
+                                       + (a_.k8 != b_.k8).float().mean().item()) / 2
+                    return row
                 finally:
-                    setattr(tpre, attr, True)
+                    setattr(tpre, attr, old)
             ab.append(run.guarded(name, S, one))
     # copy of the fused chain's bytes: read N + write N = gb_fused
     nbytes = int(gb_fused * 1e9 / 2)

@@ -531,6 +531,7 @@ def test_bench_preprocess_args_and_smoke(tmp_path):
     assert not [r for r in rows if r.get("error")], rows
     assert set(by) == {"rope_inductor", "pre_qk", "unfused", "fused", "fused_unpacked", "fused_rowmajor", "copy"}
     assert by["fused"]["mismatch"] == 0.0 and by["fused"]["gb"] < by["unfused"]["gb"]
+    assert by["fused_unpacked"]["mismatch"] == 0.0 and by["fused_rowmajor"]["mismatch"] == 0.0
     text = out.read_text().splitlines()
     assert text[0].startswith("date,commit,gpu") and len(text) == 1 + len(rows)
 
