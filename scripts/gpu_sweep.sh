@@ -35,7 +35,7 @@ for s in "$@"; do
     e2e75)
       stage e2e75k 400 python3 benchmarks/bench_e2e.py --sizes 75k --regional --csv "$OUT/bench_e2e.csv" ;;
     ladder)
-      stage ladder16k 200 python3 benchmarks/bench_e2e.py --sizes 16k --ladder --regional \
+      stage ladder16k 170 python3 benchmarks/bench_e2e.py --sizes 16k --ladder --regional \
         --csv "$OUT/bench_e2e.csv" ;;
     soak)
       stage soak 170 python3 benchmarks/bench_soak.py --generations 60 --steps 6 --seq 4096 --alt-seq 3072 \
@@ -49,16 +49,16 @@ for s in "$@"; do
         tests/test_tune_lookup.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py \
         tests/test_mcsparse_ladder.py tests/test_ops.py tests/test_steps.py $(ls tests/test_rope_fuse.py 2>/dev/null) ;;
     gpukey)  # the GPU-only tests and the hostile suite's kernel cases (gputests in full does not fit a call)
-      stage gpukey 170 python3 -m pytest -q -n 8 --timeout 150 -p no:cacheprovider -rfE \
+      stage gpukey 140 python3 -m pytest -q -n 8 --timeout 130 -p no:cacheprovider -rfE \
         tests/test_tune_lookup.py tests/test_vsmooth_attn.py tests/test_sparse_attn.py tests/test_preprocess.py \
         tests/test_rope_fuse.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py \
         tests/test_mcsparse_ladder.py tests/test_hostile.py -k "gpu or cuda or kernels" ;;
     vsmooth)
       stage vsmooth 170 python3 benchmarks/bench_vsmooth_attn.py --quick --ab --ab-plan ws ;;
     preprocess)
-      stage preprocess 150 python3 benchmarks/bench_preprocess.py --csv "$OUT/bench_preprocess.csv" ;;
+      stage preprocess 80 python3 benchmarks/bench_preprocess.py --budget 70 --csv "$OUT/bench_preprocess.csv" ;;
     tune)
-      stage tune 250 python3 benchmarks/bench_tune.py --budget 230 --csv "$OUT/bench_tune.csv" ;;
+      stage tune 140 python3 benchmarks/bench_tune.py --methods vsmooth --budget 130 --csv "$OUT/bench_tune.csv" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
