@@ -18,7 +18,7 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 stage() {  # stage <name> <seconds> <command...>: log to $OUT/<name>.log, keep going on failure
   local name=$1 secs=$2; shift 2
   echo "=== $name ($(date -u +%T), limit ${secs}s): $*"
@@ -63,5 +63,5 @@ for s in "$@"; do
   esac
 done
 # rows appended in the device's repo copy: bring back the result files this call touched (the device
-# returns a limited number of files, so not all of them)
-mkdir -p "$OUT/results" && find benchmarks/results -name '*.csv' -newer /tmp/gpu_sweep.start -exec cp {} "$OUT/results/" \;
+# returns a limited number of files, so not all of them; COPY_RESULTS=0 when every stage has --csv)
+[ "${COPY_RESULTS:-1}" = 1 ] && mkdir -p "$OUT/results" && find benchmarks/results -name '*.csv' -newer /tmp/gpu_sweep.start -exec cp {} "$OUT/results/" \;
