@@ -64,4 +64,4 @@ for s in "$@"; do
 done
 # rows appended in the device's repo copy: bring back the result files this call touched (the device
 # returns a limited number of files, so not all of them; COPY_RESULTS=0 when every stage has --csv)
-[ "${COPY_RESULTS:-1}" = 1 ] && mkdir -p "$OUT/results" && find benchmarks/results -name '*.csv' -newer /tmp/gpu_sweep.start -exec cp {} "$OUT/results/" \;
+if [ "${COPY_RESULTS:-1}" = 1 ]; then mkdir -p "$OUT/results" && find benchmarks/results -name '*.csv' -newer /tmp/gpu_sweep.start -exec cp {} "$OUT/results/" \; ; fi
