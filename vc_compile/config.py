@@ -88,9 +88,7 @@ OPTION_DOCS: Dict[str, str] = {
     "selection_refresh": "MC-Sparse ablation: 'anchor' (select at anchors, reuse) | 'every_step' (mean_pool).",
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
-    "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
-                   "Off by default: the fused prologue measured 6.4x slower than Inductor's RoPE + ours on the "
-                   "H200.",
+    "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth).",
     "min_seq_len": "Attention with fewer query or key tokens than this stays stock SDPA.",
     "head_dims": "Head dims that are rewritten (the kernels support 64 and 128).",
     "kernels": "'auto' | 'triton' | 'reference': which implementation runs the ops.",
@@ -134,10 +132,11 @@ class VCConfig:
     selection_refresh: SelectionRefresh = SelectionRefresh.ANCHOR
     residual_budget_gb: float = 64.0
     num_steps: int = 50
-    # NOTE off by default: H200, S = 32760/75600, H = 40, D = 128: fused prologue 7.38/16.88 ms against
-    # 1.16/2.63 ms for Inductor's RoPE + our preprocess (bench_preprocess, commit 53d2575); whole op on a
-    # reuse step at 75600: 221.5 ms fused vs 206.9 ms unfused. Turn on when that is fixed (issue 7).
-    rope_fusion: bool = False
+    # NOTE on by default since the repacked prologue (H200, S = 32760/75600, H = 40, D = 128,
+    # bench_preprocess, cb026aa): fused 0.83/2.01 ms vs Inductor's RoPE + ours 1.15/2.62 ms (1.40x/1.30x);
+    # whole op on a reuse step at 75600 206.5 vs 206.9 ms. The first fused kernel (53d2575) took
+    # 7.38/16.88 ms: single-element partner/table loads at 243 registers (see templates/preprocess.py).
+    rope_fusion: bool = True
     min_seq_len: int = 1024
     head_dims: Tuple[int, ...] = (64, 128)
     kernels: Kernels = Kernels.AUTO
