@@ -254,3 +254,12 @@ def test_main_job_tiny(tmp_path):
     assert rows[0]["psnr"] == math.inf and rows[1]["ssim"] > 0.5
     for name in ("grid.png", "demo.gif", "results.json"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_demo_set_option_parsing():
+    from vc_compile.demo.__main__ import parse_args
+
+    a = parse_args(["--set", "rope_fusion=false", "--set", "density=0.2", "--set", "sparse_qk=bf16"])
+    assert a.options == {"rope_fusion": False, "density": 0.2, "sparse_qk": "bf16"}
+    with pytest.raises(SystemExit):
+        parse_args(["--set", "rope_fusion"])

@@ -55,7 +55,19 @@ def parse_args(argv=None):
                          "graph, much faster to compile; default: torch.compile of the whole transformer")
     ap.add_argument("--warmup", type=int, default=None,
                     help="steps of the untimed warm-up generation (default: 6 on CUDA, 1 on CPU)")
+    ap.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
+                    help="a vcattn option for every method, e.g. --set rope_fusion=false (value read as JSON, "
+                         "else as a string); repeatable")
     a = ap.parse_args(argv)
+    a.options = {}
+    for item in a.set:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--set expects OPTION=VALUE, got {item!r}")
+        try:
+            a.options[key] = json.loads(raw)
+        except ValueError:
+            a.options[key] = raw
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.reduced = not a.device.startswith("cuda")
     for k, v in (CPU_DEFAULTS if a.reduced else GPU_DEFAULTS).items():
@@ -116,7 +128,7 @@ def main(argv=None):
     print(f"[vc_demo] prompt: {a.prompt}")
     cond = encode(text_encoder, parse_prompt(a.prompt, cfg.max_sprites), dtype)
     uncond = encode(text_encoder, parse_prompt("", cfg.max_sprites), dtype)
-    extra = {"compiler": a.compiler}
+    extra = {"compiler": a.compiler, **a.options}
     if tokens < 1024:
         extra["min_seq_len"] = tokens  # the backend's default leaves short attention to stock SDPA
 
