@@ -483,7 +483,7 @@ def test_runtime_fallback_rotates_first():
 
 
 def test_uuid_covers_sources_and_options(monkeypatch):
-    on, off = VCConfig.from_options({}), VCConfig.from_options({"rope_fusion": False})
+    on, off = VCConfig.from_options({"rope_fusion": True}), VCConfig.from_options({})
     assert rope_fuse.uuid(on) == rope_fuse.uuid(VCConfig.from_options({"rope_fusion": True})) != rope_fuse.uuid(off)
     assert rope_fuse.uuid(on) != rope_fuse.uuid(VCConfig.from_options({"method": "mcsparse", "rope_fusion": True}))
     before = rope_fuse.uuid(on)

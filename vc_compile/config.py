@@ -88,7 +88,8 @@ OPTION_DOCS: Dict[str, str] = {
     "selection_refresh": "MC-Sparse ablation: 'anchor' (select at anchors, reuse) | 'every_step' (mean_pool).",
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
-    "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth).",
+    "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
+                   "Opt-in: on the H200 it saves 0.3-0.6 ms of preprocessing but only 0.2% of the op.",
     "min_seq_len": "Attention with fewer query or key tokens than this stays stock SDPA.",
     "head_dims": "Head dims that are rewritten (the kernels support 64 and 128).",
     "kernels": "'auto' | 'triton' | 'reference': which implementation runs the ops.",
@@ -132,11 +133,13 @@ class VCConfig:
     selection_refresh: SelectionRefresh = SelectionRefresh.ANCHOR
     residual_budget_gb: float = 64.0
     num_steps: int = 50
-    # NOTE on by default since the repacked prologue (H200, S = 32760/75600, H = 40, D = 128,
-    # bench_preprocess, cb026aa): fused 0.83/2.01 ms vs Inductor's RoPE + ours 1.15/2.62 ms (1.40x/1.30x);
-    # whole op on a reuse step at 75600 206.5 vs 206.9 ms. The first fused kernel (53d2575) took
-    # 7.38/16.88 ms: single-element partner/table loads at 243 registers (see templates/preprocess.py).
-    rope_fusion: bool = True
+    # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
+    # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first
+    # fused kernel, 53d2575, took 7.38/16.88 ms), but the whole op on a reuse step at 75600 gains 0.2%
+    # (206.5 vs 206.9 ms). End to end on the demo model (16K, 50 steps, edf04a8) V-Smooth's clip is
+    # unchanged (55.56 vs 55.44 dB against dense) while V-Smooth + ExpCast's moved 50.36 -> 46.33 dB. No
+    # speed to show for a graph rewrite and a fidelity change: on by default once the op gains >= 5%.
+    rope_fusion: bool = False
     min_seq_len: int = 1024
     head_dims: Tuple[int, ...] = (64, 128)
     kernels: Kernels = Kernels.AUTO
