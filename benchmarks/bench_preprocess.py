@@ -50,7 +50,7 @@ if __name__ == "__main__" and "--smoke" in sys.argv and not __import__("torch").
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import COLUMNS, _fmt, append_rows, env_info, print_table  # noqa: E402
+from benchmarks.common import COLUMNS, _fmt, append_rows, bench_ms, env_info, print_table  # noqa: E402
 
 BENCH = "bench_preprocess"
 EXTRA = ["gb", "gbs", "pct_copy", "speedup", "mismatch", "error"]
@@ -87,23 +87,9 @@ def parse_args(argv=None):
 
 
 def timer(smoke: bool):
-    """(fn, budget_ms) -> median ms. CUDA: triton do_bench (median, L2 flushed between reps); CPU: wall."""
-    if torch.cuda.is_available():
-        import triton.testing
-
-        def t(fn, rep=300):
-            return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
-        return t
-
-    def t(fn, rep=0):
-        fn()
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return sorted(ts)[1]
-    return t
+    """(fn, rep) -> median ms: ``common.bench_ms`` (CUDA: triton do_bench, L2 flushed between reps;
+    CPU: median of 3 wall-clock runs)."""
+    return lambda fn, rep=300: bench_ms(fn, warmup=25, rep=rep)
 
 
 def wan_rope(x, cos, sin):

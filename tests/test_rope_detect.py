@@ -28,6 +28,7 @@ from vc_compile.passes.rope_detect import RopeMatch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tiny_dit  # noqa: E402
+import tiny_diffusers  # noqa: E402
 
 BF = torch.bfloat16
 OPTS = {"compiler": "eager", "min_seq_len": 16, "method": "dense"}
@@ -78,12 +79,7 @@ def sites_by_module(part):
 
 # ---- diffusers models ----------------------------------------------------------------------------------
 def test_wan_interleaved_setitem(monkeypatch):
-    from diffusers import WanTransformer3DModel
-    torch.manual_seed(0)
-    m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4,
-                              out_channels=4, text_dim=16, freq_dim=32, ffn_dim=64, num_layers=1,
-                              rope_max_seq_len=32).to(BF).eval()
-    args = (torch.randn(1, 4, 3, 16, 16, dtype=BF), torch.tensor([999]), torch.randn(1, 8, 16, dtype=BF))
+    m, args, _ = tiny_diffusers.wan()
     out, found = compile_run(monkeypatch, m, *args)
     assert rope_counters() == {"rope:interleaved-setitem": 1, "rope:none": 1}  # attn1 self, attn2 cross
     (self_attn,) = [f for f in found if f.form != "none"]
@@ -130,17 +126,8 @@ def test_mochi_per_sample_cat_after_transpose(monkeypatch):
 
 
 def test_hunyuan_stack_on_video_slice_then_cat(monkeypatch):
-    from diffusers import HunyuanVideoTransformer3DModel
-    torch.manual_seed(0)
-    m = HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64, num_layers=1,
-        num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
-        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(16, 24, 24)).to(BF).eval()
-    mask = torch.ones(1, 8, dtype=torch.long)
-    mask[:, 5:] = 0
-    args = (torch.randn(1, 4, 3, 16, 16, dtype=BF), torch.tensor([999]), torch.randn(1, 8, 16, dtype=BF), mask,
-            torch.randn(1, 8, dtype=BF))
-    out, found = compile_run(monkeypatch, m, *args, guidance=torch.tensor([6000.0]))
+    m, args, kw = tiny_diffusers.hunyuan(padded_text=True)
+    out, found = compile_run(monkeypatch, m, *args, **kw)
     # all three attentions are masked, so stock SDPA: the detector ran on the SDPA nodes
     assert counters["vcattn"]["rewrite"] == 0
     assert rope_counters() == {"rope:interleaved-stack": 2, "rope:none": 1}  # dual, single; refiner: none
@@ -152,21 +139,12 @@ def test_hunyuan_stack_on_video_slice_then_cat(monkeypatch):
     for f in found:
         if f.form == "interleaved-stack":
             assert f.result.q.token_slice == (0, 192) == f.result.k.token_slice  # 192 video + 8 text
-    check_unchanged(monkeypatch, m, out, *args, guidance=torch.tensor([6000.0]))
+    check_unchanged(monkeypatch, m, out, *args, **kw)
 
 
 def test_cogvideox_in_place_slice_write(monkeypatch):
-    from diffusers import CogVideoXTransformer3DModel
-    from diffusers.models.embeddings import get_3d_rotary_pos_embed
-    torch.manual_seed(0)
-    m = CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, time_embed_dim=8,
-        text_embed_dim=16, num_layers=1, sample_width=16, sample_height=16, sample_frames=9, patch_size=2,
-        temporal_compression_ratio=4, max_text_seq_length=8, use_rotary_positional_embeddings=True).to(BF).eval()
-    cos, sin = get_3d_rotary_pos_embed(embed_dim=64, crops_coords=((0, 0), (8, 8)), grid_size=(8, 8),
-                                       temporal_size=3)
-    args = (torch.randn(1, 3, 4, 16, 16, dtype=BF), torch.randn(1, 8, 16, dtype=BF), torch.tensor([999]))
-    out, found = compile_run(monkeypatch, m, *args, image_rotary_emb=(cos, sin))
+    m, args, kw = tiny_diffusers.cogvideox()
+    out, found = compile_run(monkeypatch, m, *args, **kw)
     assert rope_counters() == {"rope:slice-write": 1}
     (f,) = found
     r = f.result
@@ -177,18 +155,11 @@ def test_cogvideox_in_place_slice_write(monkeypatch):
         assert rope_detect._strip(t).args[0].op == "placeholder"
     (s,) = vc_compile.report().sites
     assert s.rewritten and s.rope == "slice-write BHSD (interleaved-stack) tokens 8:"
-    check_unchanged(monkeypatch, m, out, *args, image_rotary_emb=(cos, sin))
+    check_unchanged(monkeypatch, m, out, *args, **kw)
 
 
 def test_ltx_stack_before_head_split(monkeypatch):
-    from diffusers import LTXVideoTransformer3DModel
-    torch.manual_seed(0)
-    m = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1,
-                                   num_attention_heads=2, attention_head_dim=64, cross_attention_dim=128,
-                                   num_layers=1, caption_channels=16).to(BF).eval()
-    args = (torch.randn(1, 48, 8, dtype=BF), torch.randn(1, 8, 16, dtype=BF), torch.tensor([999]),
-            torch.ones(1, 8, dtype=torch.long))
-    kw = dict(num_frames=3, height=4, width=4)
+    m, args, kw = tiny_diffusers.ltx()
     out, found = compile_run(monkeypatch, m, *args, **kw)
     assert rope_counters() == {"rope:interleaved-stack": 1, "rope:none": 1}  # attn1; attn2 (masked): none
     (s1,), (s2,) = sites_by_module("attn1"), sites_by_module("attn2")
@@ -199,13 +170,7 @@ def test_ltx_stack_before_head_split(monkeypatch):
 
 
 def test_cosmos_rotate_half(monkeypatch):
-    from diffusers import CosmosTransformer3DModel
-    torch.manual_seed(0)
-    m = CosmosTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64,
-                                 num_layers=1, mlp_ratio=2.0, text_embed_dim=16, adaln_lora_dim=8,
-                                 max_size=(4, 32, 32), patch_size=(1, 2, 2), concat_padding_mask=False,
-                                 extra_pos_embed_type="learnable").to(BF).eval()
-    args = (torch.randn(1, 4, 3, 16, 16, dtype=BF), torch.tensor([0.5]), torch.randn(1, 8, 16, dtype=BF))
+    m, args, _ = tiny_diffusers.cosmos()
     out, found = compile_run(monkeypatch, m, *args)
     assert rope_counters() == {"rope:rotate-half": 1, "rope:none": 1}
     (s1,), (s2,) = sites_by_module("attn1"), sites_by_module("attn2")

@@ -38,6 +38,7 @@ from vc_compile.runtime import report as _report
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tiny_dit  # noqa: E402
+import tiny_diffusers  # noqa: E402
 from conftest import INTERPRET, KERNEL_DEVICE, requires_cuda  # noqa: E402
 from test_preprocess import assert_codes, random_perm  # noqa: E402
 from test_rope_detect import (Probe, _cat_not_rotate_half, _pairs_wrong_sign, _plain_mul,  # noqa: E402
@@ -117,15 +118,8 @@ def assert_fused_graph(snaps, n_fused, layout_shape):
 
 
 # ---- diffusers models ----------------------------------------------------------------------------------
-def wan(fp32_rope=True):
-    from diffusers import WanTransformer3DModel
-    torch.manual_seed(0)
-    m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4,
-                              out_channels=4, text_dim=16, freq_dim=32, ffn_dim=64, num_layers=1,
-                              rope_max_seq_len=32).to(BF).eval()
-    if fp32_rope:  # as from_pretrained(torch_dtype=bf16) leaves it (_keep_in_fp32_modules)
-        m.rope.float()
-    return m, (torch.randn(1, 4, 3, 16, 16, dtype=BF), torch.tensor([999]), torch.randn(1, 8, 16, dtype=BF)), {}
+def wan(fp32_rope=True):  # fp32 tables, as from_pretrained(torch_dtype=bf16) leaves them
+    return tiny_diffusers.wan(fp32_rope)
 
 
 def test_wan_interleaved_setitem_fused_equals_unfused(monkeypatch):
@@ -154,17 +148,8 @@ def test_wan_interpreted_kernels_fused_equals_unfused(monkeypatch):
 
 
 def test_cogvideox_slice_write_fused(monkeypatch):
-    from diffusers import CogVideoXTransformer3DModel
-    from diffusers.models.embeddings import get_3d_rotary_pos_embed
-    torch.manual_seed(0)
-    m = CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, time_embed_dim=8,
-        text_embed_dim=16, num_layers=1, sample_width=16, sample_height=16, sample_frames=9, patch_size=2,
-        temporal_compression_ratio=4, max_text_seq_length=8, use_rotary_positional_embeddings=True).to(BF).eval()
-    cos, sin = get_3d_rotary_pos_embed(embed_dim=64, crops_coords=((0, 0), (8, 8)), grid_size=(8, 8),
-                                       temporal_size=3)
-    args = (torch.randn(1, 3, 4, 16, 16, dtype=BF), torch.randn(1, 8, 16, dtype=BF), torch.tensor([999]))
-    a, b, c, snaps, sites = fused_vs_unfused(monkeypatch, m, *args, image_rotary_emb=(cos, sin))
+    m, args, kw = tiny_diffusers.cogvideox()
+    a, b, c, snaps, sites = fused_vs_unfused(monkeypatch, m, *args, **kw)
     assert c == {"rope_fused": 1, "rope_fused:slice-write": 1} and sites == ["fused"]
     assert_fused_graph(snaps, 1, (1, 2, 200, 64))  # [B, H, S, D]: CogVideoX rotates after the transpose
     (_, _, gm), = snaps
@@ -175,27 +160,15 @@ def test_cogvideox_slice_write_fused(monkeypatch):
 
 
 def test_ltx_stack_before_head_split_fused(monkeypatch):
-    from diffusers import LTXVideoTransformer3DModel
-    torch.manual_seed(0)
-    m = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1,
-                                   num_attention_heads=2, attention_head_dim=64, cross_attention_dim=128,
-                                   num_layers=1, caption_channels=16).to(BF).eval()
-    args = (torch.randn(1, 48, 8, dtype=BF), torch.randn(1, 8, 16, dtype=BF), torch.tensor([999]),
-            torch.ones(1, 8, dtype=torch.long))
-    a, b, c, snaps, sites = fused_vs_unfused(monkeypatch, m, *args, num_frames=3, height=4, width=4)
+    m, args, kw = tiny_diffusers.ltx()
+    a, b, c, snaps, sites = fused_vs_unfused(monkeypatch, m, *args, **kw)
     assert c == {"rope_fused": 1, "rope_fused:interleaved-stack": 1} and sites == ["fused"]
     assert_fused_graph(snaps, 1, (1, 48, 128))  # [B, S, C] before the head split
     assert torch.equal(a, b)
 
 
 def test_cosmos_rotate_half_fused(monkeypatch):
-    from diffusers import CosmosTransformer3DModel
-    torch.manual_seed(0)
-    m = CosmosTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64,
-                                 num_layers=1, mlp_ratio=2.0, text_embed_dim=16, adaln_lora_dim=8,
-                                 max_size=(4, 32, 32), patch_size=(1, 2, 2), concat_padding_mask=False,
-                                 extra_pos_embed_type="learnable").to(BF).eval()
-    args = (torch.randn(1, 4, 3, 16, 16, dtype=BF), torch.tensor([0.5]), torch.randn(1, 8, 16, dtype=BF))
+    m, args, _ = tiny_diffusers.cosmos()
     a, b, c, snaps, sites = fused_vs_unfused(monkeypatch, m, *args)
     assert c == {"rope_fused": 1, "rope_fused:rotate-half": 1} and sites == ["fused"]
     assert torch.equal(a, b)
@@ -203,16 +176,8 @@ def test_cosmos_rotate_half_fused(monkeypatch):
 
 def test_hunyuan_masked_stays_stock_and_counted(monkeypatch):
     """HunyuanVideo's attentions are masked, so stock SDPA: nothing to fuse into (counted per site)."""
-    from diffusers import HunyuanVideoTransformer3DModel
-    torch.manual_seed(0)
-    m = HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64, num_layers=1,
-        num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
-        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(16, 24, 24)).to(BF).eval()
-    mask = torch.ones(1, 8, dtype=torch.long)
-    args = (torch.randn(1, 4, 3, 16, 16, dtype=BF), torch.tensor([999]), torch.randn(1, 8, 16, dtype=BF), mask,
-            torch.randn(1, 8, dtype=BF))
-    compile_run(monkeypatch, m, *args, options=opts(), guidance=torch.tensor([6000.0]))
+    m, args, kw = tiny_diffusers.hunyuan()
+    compile_run(monkeypatch, m, *args, options=opts(), **kw)
     assert fuse_counters() == {"rope_unfused:stock sdpa": 2}  # dual- and single-stream blocks
     assert counters["vcattn"]["rewrite"] == 0
 
