@@ -157,19 +157,25 @@ class Run:
                     w.writerow({c: _fmt(full.get(c, "")) for c in COLUMNS + EXTRA})
 
 
-def bench_chain(run: Run, S: int):
+def chain_inputs(S: int, H: int, D: int):
+    """Model-layout q, k, v, Wan's RoPE tables, their [B, H, S, D] views, the fused path's RopeArgs, the
+    Inductor-compiled RoPE + permute of the unfused path, and the softmax scale."""
     from vc_compile.reference import rope as R
-    from vc_compile.templates import preprocess as tpre
 
-    a, H, D = run.args, run.args.H, run.args.D
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, cos, sin = make_inputs(S, H, D, dev)
-    del v
-    sm = D ** -0.5
-    rope_c = torch.compile(rope_permute, dynamic=False)
     spec = R.RopeSpec("interleaved", "BSHD", H, None, None)
     qb, kb = R.to_bhsd(q, spec), R.to_bhsd(k, spec)
     ra = R.rope_args(cos, sin, spec, tuple(qb.shape))
+    return dev, q, k, v, cos, sin, qb, kb, ra, torch.compile(rope_permute, dynamic=False), D ** -0.5
+
+
+def bench_chain(run: Run, S: int):
+    from vc_compile.templates import preprocess as tpre
+
+    a, H, D = run.args, run.args.H, run.args.D
+    dev, q, k, v, cos, sin, qb, kb, ra, rope_c, sm = chain_inputs(S, H, D)
+    del v
 
     def unfused():
         qr, kr = rope_c(q, k, cos, sin)
@@ -240,25 +246,18 @@ def bench_op(run: Run, S: int):
 
     from vc_compile.config import VCConfig
     from vc_compile.methods import vsmooth as mv
-    from vc_compile.reference import rope as R
     from vc_compile.runtime.steps import Phase
     from vc_compile.templates import kmeans as tkm
     from vc_compile.templates import preprocess as tpre
     from vc_compile.templates import vsmooth_attn as tattn
 
     H, D = run.args.H, run.args.D
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    q, k, v, cos, sin = make_inputs(S, H, D, dev)
+    dev, q, k, v, cos, sin, qb, kb, ra, rope_c, sm = chain_inputs(S, H, D)
     vb = v.permute(0, 2, 1, 3)
     impl = types.SimpleNamespace(preprocess=tpre, vsmooth_attn=tattn, kmeans=tkm)
     cfg = VCConfig.from_options({"method": "vsmooth"})
     km = tkm.kmeans_perm(vb, min(256, max(1, S // 128)), 3)
     meta = mv.VSmoothMeta(perm=km.perm, centroids=km.centroids)
-    sm = D ** -0.5
-    rope_c = torch.compile(rope_permute, dynamic=False)
-    spec = R.RopeSpec("interleaved", "BSHD", H, None, None)
-    qb, kb = R.to_bhsd(q, spec), R.to_bhsd(k, spec)
-    ra = R.rope_args(cos, sin, spec, tuple(qb.shape))
 
     def unfused():
         qr, kr = rope_c(q, k, cos, sin)
