@@ -11,7 +11,9 @@ and the output stays within the method's tolerance of the eager pipeline.
 Cost: ``compiler="eager"`` (Dynamo + rewrite + op, no Inductor) everywhere but one test; the methods
 run their plain-PyTorch reference on CPU.
 """
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +25,11 @@ import vc_compile  # noqa: E402
 from vc_compile.runtime import state  # noqa: E402
 from vc_compile.runtime.steps import TRACKER  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+import tiny_diffusers  # noqa: E402
+
 from diffusers import (  # noqa: E402
-    CogVideoXDDIMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel, FlowMatchEulerDiscreteScheduler,
+    CogVideoXDDIMScheduler, CogVideoXPipeline, FlowMatchEulerDiscreteScheduler,
     HunyuanVideoPipeline, HunyuanVideoTransformer3DModel, LTXPipeline, LTXVideoTransformer3DModel,
     MochiPipeline, MochiTransformer3DModel, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel)
 
@@ -221,11 +226,7 @@ def test_hunyuan_masked_joint_attention_falls_back():
 
 # ---- CogVideoX: batched CFG, direct SDPA in [B, H, S, D] -------------------------------------------------
 def cogvideox():
-    torch.manual_seed(0)
-    tr = CogVideoXTransformer3DModel(
-        num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, time_embed_dim=8,
-        text_embed_dim=16, num_layers=1, sample_width=16, sample_height=16, sample_frames=9, patch_size=2,
-        temporal_compression_ratio=4, max_text_seq_length=8, use_rotary_positional_embeddings=True).to(BF).eval()
+    tr = tiny_diffusers.cogvideox_transformer()
     pipe = _quiet(CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=tr,
                                     scheduler=CogVideoXDDIMScheduler(timestep_spacing="trailing")))
     call = dict(prompt_embeds=_embeds(1, 8, 16, seed=1), negative_prompt_embeds=_embeds(1, 8, 16, seed=2),

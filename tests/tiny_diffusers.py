@@ -20,14 +20,19 @@ def wan(fp32_rope: bool = False):
     return m, (torch.randn(1, 4, 3, 16, 16, dtype=BF), torch.tensor([999]), torch.randn(1, 8, 16, dtype=BF)), {}
 
 
-def cogvideox():
+def cogvideox_transformer():
+    """The CogVideoX transformer alone (the pipeline tests wrap it in a CogVideoXPipeline)."""
     from diffusers import CogVideoXTransformer3DModel
-    from diffusers.models.embeddings import get_3d_rotary_pos_embed
     torch.manual_seed(0)
-    m = CogVideoXTransformer3DModel(
+    return CogVideoXTransformer3DModel(
         num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4, time_embed_dim=8,
         text_embed_dim=16, num_layers=1, sample_width=16, sample_height=16, sample_frames=9, patch_size=2,
         temporal_compression_ratio=4, max_text_seq_length=8, use_rotary_positional_embeddings=True).to(BF).eval()
+
+
+def cogvideox():
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    m = cogvideox_transformer()
     cos, sin = get_3d_rotary_pos_embed(embed_dim=64, crops_coords=((0, 0), (8, 8)), grid_size=(8, 8),
                                        temporal_size=3)
     args = (torch.randn(1, 3, 4, 16, 16, dtype=BF), torch.randn(1, 8, 16, dtype=BF), torch.tensor([999]))
