@@ -9,7 +9,7 @@ from vc_compile.reference.quant import FP8_DTYPE
 from vc_compile.reference.select import n_keep
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse
 from vc_compile.reference.sparse_attn_q8 import quantize_k_tokens, sparse_attention_q8
-from vc_compile.templates.sparse_attn import quantize_k_fp8, sparse_attention
+from vc_compile.templates.sparse_attn import quantize_k_fp8, sparse_attention, sparse_attention_launch
 
 DEV = KERNEL_DEVICE
 
@@ -126,6 +126,44 @@ def test_fp8_qk_matches_q8_reference(S, D, dtype):
     # the 8-bit QK costs accuracy against the 16-bit result (7.6e-2 here: channel-biased K widens the
     # logits; kernels.md measured 5.5e-2 for all-FP8 attention on Gaussians); a sanity bound only
     assert rel_l2(out, ref16) < 0.15
+
+
+# Every code-generation switch (sparse_attn.SWITCHES) against the reference and against the default
+# kernel. grow: K rows grow with the key index, so the running max of a row climbs across tiles by more
+# than the lazy threshold at times (rescales happen: 78-93 of 768 row-tiles at tau = 8, ~350 at 0.5) and
+# by less at others (stale max kept, p up to 2^tau); without it, at tau = 8, whole tiles skip the rescale.
+# n_keep = 45 with BLOCK_N = 16: three tiles, the last partial. Same tolerance as the default kernel:
+# the switches change only the order / reference point of fp32 arithmetic, and a 16-bit p <= 2^tau has
+# the same relative rounding as one <= 1 (fp16 max 65504 >> 2^8).
+SWITCH_CASES = [{"rescale_tau": 8.0}, {"rescale_tau": 0.5}, {"kv_off": True},
+                {"rescale_tau": 8.0, "kv_off": True}]
+
+
+@pytest.mark.parametrize("switches", SWITCH_CASES, ids=lambda sw: "-".join(f"{k}{v}" for k, v in sw.items()))
+@pytest.mark.parametrize("D,dtype", [(64, torch.bfloat16), (128, torch.float16), (64, torch.float16),
+                                     (128, torch.bfloat16)])
+@pytest.mark.parametrize("grow", [True, False], ids=["grow", "flat"])
+def test_switches_match_reference(switches, D, dtype, grow):
+    S, C, keep = 150, 64, 45
+    q, k, v, sigma, _, res = make_inputs(1, 2, S, D, dtype, 0.3)
+    if grow:
+        k = (k.float() * torch.linspace(0.5, 3.0, S, device=DEV)[:, None]).to(dtype)
+    G = (S + C - 1) // C
+    idx = torch.rand(1, 2, G, S).topk(keep, -1).indices.sort(-1).values.int().to(DEV)
+    kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res, out_dtype=torch.float32)
+    out = sparse_attention_launch(q, k, v, sigma, idx, config=(16, 4, 2), switches=switches, **kw)
+    base = sparse_attention_launch(q, k, v, sigma, idx, config=(16, 4, 2), **kw)
+    ref = ref_sparse(q, k, v, sigma, idx, **kw)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, ref) < TOL[dtype]
+    assert rel_l2(out, base) < TOL[dtype]
+
+
+def test_unknown_switch():
+    q, k, v, sigma, idx, _ = make_inputs(1, 1, 100, 64, torch.bfloat16, 0.5)
+    with pytest.raises(ValueError, match="switch"):
+        sparse_attention_launch(q, k, v, sigma, idx, sm_scale=0.1, group_size=64, config=(16, 4, 2),
+                                switches={"lazy": 1})
 
 
 def test_bad_arguments():

@@ -131,7 +131,8 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
                         C: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_RES: tl.constexpr, QK_FP8: tl.constexpr,
                         SW_ROUND: tl.constexpr, N_KEEP_I: tl.constexpr,
-                        UPCAST: tl.constexpr, OFF64: tl.constexpr):
+                        UPCAST: tl.constexpr, OFF64: tl.constexpr, RESCALE_TAU: tl.constexpr,
+                        KV_OFF: tl.constexpr):
     g = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -170,7 +171,11 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
         else:
             kid = tl.load(i_base + offs_n * sin, mask=offs_n < N_KEEP, other=0)
         kid = kid.to(tl.int64) if OFF64 else kid.to(tl.int32)
-        kt = tl.load(k_base + kid[:, None] * sks + d[None, :])
+        if KV_OFF:  # one offset tensor for the K and the V gather (same row stride, D == DV)
+            kv_off = kid[:, None] * sks + d[None, :]
+            kt = tl.load(k_base + kv_off)
+        else:
+            kt = tl.load(k_base + kid[:, None] * sks + d[None, :])
         if UPCAST:  # interpreter: see dot_upcast()
             qk = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)))
         else:
@@ -181,16 +186,31 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
             s = qk  # scaled inside the exp2 below (one FMA per element instead of FMUL + FADD)
         if not EVEN_N:
             s = tl.where((offs_n < N_KEEP)[None, :], s, float("-inf"))
+        m_blk = tl.max(s, 1) if QK_FP8 else tl.max(s, 1) * sm_scale_log2
+        if RESCALE_TAU > 0:  # lazy: keep a stale max while it is within 2^tau of the block's
+            m_new = tl.where(m_blk > m_i + RESCALE_TAU, m_blk, m_i)
+        else:
+            m_new = tl.maximum(m_i, m_blk)
         if QK_FP8:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * sm_scale_log2)
             p = tl.exp2(s * sm_scale_log2 - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        vt = tl.load(v_base + kid[:, None] * svs + dv[None, :])
+        if RESCALE_TAU > 0:
+            # tile-uniform skip of the C x DV rescale (a cross-warp max per tile); p <= 2^tau, exact up
+            # to rounding since acc and l_i share the same m
+            if tl.max((m_new > m_i).to(tl.int32), 0) > 0:
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+            l_i = l_i + tl.sum(p, 1)
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+        if KV_OFF:
+            vt = tl.load(v_base + kv_off)
+        else:
+            vt = tl.load(v_base + kid[:, None] * svs + dv[None, :])
         if UPCAST:
             acc = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32), acc)
         else:
@@ -224,6 +244,24 @@ _CONFIGS = {
 # (C = 64 first run, C = 128 benchmarks/bench_sparse_attn.py SWEEP_C128); default_config's answer is
 # put first, so an untuned run launches exactly what it launched before the tuner existed.
 SWEPT = ((64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 4), (128, 4, 3), (64, 8, 3), (64, 8, 4), (128, 8, 3))
+
+
+# Code-generation switches of _sparse_attn_kernel (benchmarks/bench_sparse_attn.py --ab times them; the
+# defaults are the measured kernel). rescale_tau: 0 = rescale acc and l by exp2(m_old - m_new) every tile;
+# tau > 0 = FA4-style lazy rescaling: the running max moves only when a row's tile max exceeds it by more
+# than tau (log2 units), and the C x DV acc rescale is skipped when no row of the tile moved.
+# kv_off: the V gather reuses the K gather's offsets (applies only when K and V have the same row stride
+# and D == DV; ignored otherwise).
+SWITCHES = {"rescale_tau": 0.0, "kv_off": False}
+
+
+def _switch_args(switches, same_kv_rows: bool) -> dict:
+    sw = dict(SWITCHES)
+    for key, val in (switches or {}).items():
+        if key not in sw:
+            raise ValueError(f"sparse_attention: unknown switch {key!r} (known: {sorted(sw)})")
+        sw[key] = val
+    return {"RESCALE_TAU": float(sw["rescale_tau"]), "KV_OFF": bool(sw["kv_off"]) and same_kv_rows}
 
 
 def default_config(qk_format: str, D: int, C: int):
@@ -268,10 +306,10 @@ def _check_dim(name, d):
 
 
 def sparse_attention_launch(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None,
-                            out_dtype=None, qk_format="bf16", config=None, k_fp8=None):
+                            out_dtype=None, qk_format="bf16", config=None, k_fp8=None, switches=None):
     """``sparse_attention`` with an explicit ``config = (BLOCK_N, num_warps, num_stages)`` (None = the
-    tuning lookup, vc_compile/tune) and an optional pre-quantised ``k_fp8 = (codes, scale)`` (benchmarks
-    sweep configs with it)."""
+    tuning lookup, vc_compile/tune), an optional pre-quantised ``k_fp8 = (codes, scale)`` (benchmarks
+    sweep configs with it) and ``switches``: overrides of ``SWITCHES`` (the A/B candidates)."""
     B, H, S, D = q.shape
     Sk, DV = k.shape[2], v.shape[3]
     C = int(group_size)
@@ -320,6 +358,7 @@ def sparse_attention_launch(q, k, v, sigma, idx, *, sm_scale, group_size, residu
         QK_FP8=(fmt == "fp8"), SW_ROUND=_interpret(), N_KEEP_I=interpret_bound(n_keep),
         UPCAST=dot_upcast(q.dtype, v.dtype),
         OFF64=max(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(kq.stride(2), v.stride(2))) >= 2**31,
+        **_switch_args(switches, same_kv_rows=(kq.stride(2) == v.stride(2) and D == DV and fmt == "bf16")),
         num_warps=warps, num_stages=stages)
     return out
 
