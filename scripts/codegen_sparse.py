@@ -1,0 +1,152 @@
+"""Compile the MC-Sparse gather kernel (``sparse_attn._sparse_attn_kernel``) for sm_90 WITHOUT a GPU and
+print, per (C, config, switches): registers and spills (ptxas -v), shared memory per CTA and the CTAs
+that fit on an H200 SM, whether the gathered K/V rows go through cp.async (LDGSTS), how the loop's
+wgmma waits sit (TTGIR), and the SASS instruction mix of the inner loop (the largest backward branch).
+
+    python3 scripts/codegen_sparse.py [--S 32760] [--C 64,128] [--configs 64/4/3,32/4/3]
+        [--switches rescale_tau=8] [--json] [--dump PREFIX]
+
+Same fake-driver warm-up compile as scripts/codegen_stats.py (shapes of the benchmark: B = 1, H = 40,
+D = 128, bf16, s = 0.15, residual epilogue on). Never run under TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import codegen_stats as cs  # noqa: E402  (pops TRITON_INTERPRET, imports torch and triton)
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+SMEM_PER_SM, SMEM_PER_CTA_RESERVED, REGS_PER_SM = 228 * 1024, 1024, 65536
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
+# SASS opcode classes of the loop mix
+CLASSES = [("hgmma", ("HGMMA",)), ("warpgroup_sync", ("WARPGROUP", "WARPSYNC")), ("ldgsts", ("LDGSTS", "LDGDEPBAR")),
+           ("depbar_bar", ("DEPBAR", "BAR", "SYNCS")), ("mufu", ("MUFU",)), ("fmul", ("FMUL",)), ("ffma", ("FFMA",)),
+           ("fadd", ("FADD",)), ("fmnmx", ("FMNMX",)), ("fsetp_fsel", ("FSETP", "FSEL")), ("cvt", ("F2FP", "F2F", "I2F")),
+           ("shfl", ("SHFL",)), ("lds_sts", ("LDS", "STS", "LDSM")), ("spill", ("STL", "LDL")),
+           ("int_addr", ("IMAD", "IADD3", "LEA", "SHF", "LOP3", "IABS", "ISETP", "SEL", "MOV", "R2UR", "UIADD3",
+                         "UMOV", "ULEA", "UIMAD", "USHF", "ULOP3", "ISCADD", "PRMT", "S2R", "S2UR", "CS2R", "VIADD",
+                         "LDC", "ULDC", "SGXT", "USGXT", "UISETP", "USEL")),
+           ("branch", ("BRA", "BSSY", "BSYNC", "VOTE", "PLOP3"))]
+
+
+def sass_of(ptx: str) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", src, "-o", cubin], check=True)
+        return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def loop_mix(sass: str) -> dict:
+    """Opcode classes between the target and the source of the longest backward branch (the key loop)."""
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = None
+    for a, t in ins:
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a and (best is None or a - int(m.group(1), 16) > best[1] - best[0]):
+            best = (int(m.group(1), 16), a)
+    if best is None:
+        return {}
+    body = [t for a, t in ins if best[0] <= a <= best[1]]
+    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+    mix = {"instructions": len(body), **{name: 0 for name, _ in CLASSES}, "other": 0}
+    other = Counter()
+    for op, n in ops.items():  # the longest matching prefix decides (SHFL is not SHF)
+        hits = [(len(pf), name) for name, pfs in CLASSES for pf in pfs if op.startswith(pf)]
+        if hits:
+            mix[max(hits)[1]] += n
+        else:
+            mix["other"] += n
+            other[op] += n
+    mix["other_ops"] = dict(other.most_common())
+    return mix
+
+
+def kernel_stats(k, warps: int) -> dict:
+    st = cs.stats(k)
+    smem = k.metadata.shared
+    regs = max(st["registers"], 1)
+    ctas_smem = SMEM_PER_SM // (smem + SMEM_PER_CTA_RESERVED)
+    ctas_regs = REGS_PER_SM // ((regs + 7) // 8 * 8 * 32 * warps)
+    ttgir = k.asm["ttgir"]
+    loop = ttgir[ttgir.find("scf.for"):]
+    sass = sass_of(k.asm["ptx"])
+    return {"registers": st["registers"], "spill_bytes": st["spill_bytes"], "smem_bytes": smem,
+            "ctas_per_sm": min(ctas_smem, ctas_regs), "ctas_by_smem": ctas_smem, "ctas_by_regs": ctas_regs,
+            "async_copies_in_loop": loop.count("async_copy_global_to_local"),
+            "wgmma_waits_in_loop": re.findall(r"warp_group_dot_wait[^{]*\{pendings = (\d+)", loop),
+            "scf_if_in_loop": loop.count("scf.if"),
+            "sass_ldgsts": sass.count("LDGSTS"), "loop": loop_mix(sass)}
+
+
+def compile_one(S, C, cfg, switches):
+    from vc_compile.templates import select as tsel
+    from vc_compile.templates import sparse_attn as tsa
+    B, H, D = 1, 40, 128
+    G, keep = -(-S // C), tsel.n_keep(S, 0.15)
+    q = torch.empty(B, H, S, D, dtype=torch.bfloat16)
+    sig = torch.empty(B, H, S, dtype=torch.int64)
+    idx = torch.empty(B, H, G, keep, dtype=torch.int32)
+    cs.COMPILED.clear()
+    try:
+        tsa.sparse_attention_launch(q, q, q, sig, idx, sm_scale=D ** -0.5, group_size=C, residual=q, config=cfg,
+                                    switches=switches)
+    except Exception:  # noqa: BLE001 - host code after the (fake) launch
+        pass
+    return [kk for name, kk in cs.COMPILED if name == "_sparse_attn_kernel"][-1]
+
+
+def parse_switches(text):
+    out = {}
+    for kv in filter(None, (text or "").split(",")):
+        key, val = kv.split("=")
+        out[key] = float(val)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--S", type=int, default=32760)
+    p.add_argument("--C", default="64,128")
+    p.add_argument("--configs", default=None, help="BN/warps/stages,...; default: the shipped config per C")
+    p.add_argument("--switches", default="", help="e.g. rescale_tau=8 (sparse_attn.SWITCHES)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--dump", default=None, help="write PREFIX_c<C>_<cfg>.ttgir/.ptx")
+    a = p.parse_args(argv)
+    cs._install()
+    from vc_compile.templates import sparse_attn as tsa
+    sw = parse_switches(a.switches)
+    out = {}
+    for C in map(int, a.C.split(",")):
+        cfgs = ([tuple(map(int, c.split("/"))) for c in a.configs.split(",")] if a.configs
+                else [tsa.default_config("bf16", 128, C)])
+        for cfg in cfgs:
+            k = compile_one(a.S, C, cfg, sw)
+            name = f"c{C}_BN{cfg[0]}_w{cfg[1]}_s{cfg[2]}" + "".join(f"_{kk}{v:g}" for kk, v in sw.items())
+            out[name] = kernel_stats(k, cfg[1])
+            if a.dump:
+                for ext in ("ttgir", "ptx"):
+                    with open(f"{a.dump}_{name}.{ext}", "w") as f:
+                        f.write(k.asm[ext])
+    if a.json:
+        print(json.dumps(out))
+    else:
+        for name, st in out.items():
+            loop = st.pop("loop")
+            print(f"{name}: {st}\n    loop: {loop}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
