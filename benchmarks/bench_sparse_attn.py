@@ -3,6 +3,7 @@
     python benchmarks/bench_sparse_attn.py            # S in {32760, 75600}, H = 40, D = 128, B = 1
     python benchmarks/bench_sparse_attn.py --quick    # S = 32760 only
     python benchmarks/bench_sparse_attn.py --csv $OUT/bench_sparse_attn.csv   # also copy rows there
+    python benchmarks/bench_sparse_attn.py --ab [--sizes 32760,75600] [--budget 200]   # switch A/B
 
 Rows (``variant``), all with B = 1, H = 40, D = 128, C = 64, bf16 inputs:
 * ``sdpa_cudnn`` / ``sdpa_flash``: dense baselines measured in the same process.
@@ -22,6 +23,12 @@ Rows (``variant``), all with B = 1, H = 40, D = 128, C = 64, bf16 inputs:
 * ``sweep_*_c128``: launch configs (BLOCK_N, warps, stages) at S = 32760, s = 0.15; the fastest is used
   (C = 64 configs were swept on the first run, see sparse_attn._CONFIGS).
 * the log also prints per-level PDDP stage times (templates/pddp.PROFILE).
+* ``--ab``: the gather kernel's code-generation switches (sparse_attn.SWITCHES) x launch configs
+  (AB_CANDIDATES) at s = 0.15, C in {64, 128}: ``ab_<switches>_c<C>`` = kernel alone,
+  ``ab_<switches>_reuse_c<C>`` = with the residual epilogue (a reuse step); rel_l2 there is against the
+  default kernel (switches off, shipped config) on the same inputs, and a candidate above AB_TOL is
+  flagged WRONG. Candidates run in AB_CANDIDATES order until --budget seconds are spent; the rest are
+  listed as skipped.
 rel_l2 / cos_sim: against the fp32 reference on heads 0-1 (reference/sparse_attn{,_q8}.py, dense.py).
 """
 from __future__ import annotations
@@ -100,6 +107,76 @@ def sweep(q, k, v, sigma, idx, sm, t_cudnn, S, dens, Cg, configs, log):
         best[fmt] = min(times, key=times.get)
         log(f"sweep C={Cg} {fmt}: " + ", ".join(f"{c}: {t:.2f} ms" for c, t in sorted(times.items(), key=lambda x: x[1])))
     return rows, best
+
+
+# --ab candidates per C, in the order they are timed (the most informative first; see docs/sparse_notes.md
+# "Codegen and A/B"): (switch set name, switches, config). s3 and s4 compile to the same two-buffer loop
+# (scripts/codegen_sparse.py), so only the shipped one of the two is timed.
+AB_SWITCHES = [("base", {}), ("kvoff", {"kv_off": True}), ("tau8", {"rescale_tau": 8.0}),
+               ("kvoff+tau8", {"kv_off": True, "rescale_tau": 8.0})]
+AB_EXTRA_CONFIGS = {64: [(32, 4, 4)], 128: [(32, 4, 3)]}
+AB_TOL = 1e-2  # bf16 P in PV: the kernel's own error vs fp32 is ~2e-3 (rel_l2 column of sparse_* rows)
+
+
+def ab_candidates(Cg):
+    shipped = tsa.default_config("bf16", D, Cg)
+    out = [(name, sw, shipped) for name, sw in AB_SWITCHES]
+    for cfg in AB_EXTRA_CONFIGS[Cg]:
+        out += [(name, sw, cfg) for name, sw in AB_SWITCHES[:2]]
+    return out
+
+
+def bench_ab(S, log, budget_s, dev="cuda", dense_backend="cudnn", group_sizes=(64, 128), t_cudnn=None):
+    """``--ab``: every switch set x config candidate, kernel alone and as a reuse step (+ residual)."""
+    import time
+    t_start = time.monotonic()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    sm = D ** -0.5
+    wu, rp = (10, 40) if S > 40000 else (25, 100)
+    rows, skipped = [], []
+    if t_cudnn is None:
+        t_cudnn = bench_ms(sdpa_fn(q, k, v, dense_backend), warmup=wu, rep=rp)
+        rows.append(row("sdpa_cudnn", S, 1.0, t_cudnn, t_cudnn, note="ab"))
+    log(f"S={S}: cudnn {t_cudnn:.2f} ms")
+    res = (0.01 * torch.randn(B, H, S, D, device=dev)).bfloat16()
+    keep = tsel.n_keep(S, 0.15)
+    dens = keep / S
+    for Cg in group_sizes:
+        G = (S + Cg - 1) // Cg
+        sigma = tpddp.pddp_perm(q, Cg)
+        idx = random_idx(S, keep, G, dev)
+        base = {}
+        for name, sw, cfg in ab_candidates(Cg):
+            for residual, kind in ((None, ""), (res, "_reuse")):
+                variant = f"ab_{name}{kind}_c{Cg}"
+                spent = time.monotonic() - t_start
+                if spent > budget_s:
+                    skipped.append(f"{variant} {cfg_name(cfg)}")
+                    continue
+
+                def run():
+                    return tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg,
+                                                       residual=residual, config=cfg, switches=sw)
+                try:
+                    o = run()
+                    t = bench_ms(run, warmup=wu, rep=rp)
+                except Exception as e:  # a candidate that does not compile (registers / shared memory)
+                    log(f"{variant} {cfg_name(cfg)}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                if kind not in base:  # the first candidate is the default kernel: the yardstick
+                    base[kind] = (o.float(), t)
+                err = metrics(o.float(), base[kind][0])["rel_l2"]
+                flag = " WRONG" if not err < AB_TOL else ""
+                rows.append(row(variant, S, dens, t, t_cudnn, rel_l2=err, config=cfg_name(cfg), group_size=Cg,
+                                note=("reuse step: gather + bf16 residual" if kind else "kernel only")
+                                + f"; rel_l2 vs default kernel; {t / base[kind][1]:.3f}x its time" + flag))
+                log(f"{variant} {cfg_name(cfg)}: {t:.3f} ms = x{t_cudnn / t:.2f} vs cudnn, "
+                    f"{t / base[kind][1]:.3f}x default, rel_l2 {err:.1e}{flag}")
+        del idx
+    if skipped:
+        log(f"S={S}: budget {budget_s:.0f} s spent, skipped {len(skipped)}: " + ", ".join(skipped))
+    return rows
 
 
 def pddp_profile(q, Cg, log):
@@ -283,11 +360,17 @@ def main():
     ap.add_argument("--csv", default=None, help="also write the rows to this CSV")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run: S = 200, H = 2, nothing saved")
     ap.add_argument("--focus", action="store_true", help="only PDDP and the bf16 gather kernel")
+    ap.add_argument("--ab", action="store_true", help="A/B of the gather kernel's switches x configs")
+    ap.add_argument("--budget", type=float, default=200.0, help="--ab: seconds for all sizes together")
     args = ap.parse_args()
     log = lambda m: print(m, flush=True)  # noqa: E731
     if args.smoke:
         global H
         H = 2
+        if args.ab:
+            rows = bench_ab(200, log, args.budget, dev="cpu", dense_backend="math")
+            print_table(rows, ["variant", "S", "density", "ms", "rel_l2", "config", "note"])
+            return
         if args.focus:
             rows = bench_focus(200, log, True, dev="cpu", dense_backend="math")
         else:
@@ -296,10 +379,15 @@ def main():
         return
     if not torch.cuda.is_available():
         sys.exit("bench_sparse_attn: needs a CUDA GPU (H200)")
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([32760] if args.quick else [32760, 75600])
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([32760] if args.quick or args.ab
+                                                                           else [32760, 75600])
     rows = []
+    import time
+    t0 = time.monotonic()
     for i, S in enumerate(sizes):
-        if args.focus:
+        if args.ab:  # the budget left is shared by the sizes in order
+            new = bench_ab(S, log, max(0.0, args.budget - (time.monotonic() - t0)))
+        elif args.focus:
             new = bench_focus(S, log, first=(i == 0))
         else:
             new = bench_size(S, do_sweep=(i == 0 and not args.no_sweep), log=log)

@@ -4,7 +4,8 @@
 #     VC_COMMIT=<sha> bash scripts/gpu_sweep.sh <stage> [<stage> ...]
 # Stages: e2e (demo table + end-to-end at 32K), e2e75 (end-to-end at 75K), soak (GPU memory over many
 # generations), cp (two GPUs: Ulysses benchmark), tune (issue 8 start-up times and tuned-vs-shipped),
-# ladder (issue 5: MC-Sparse Table-5 ablation ladder at 16K, s = 0.15 and 0.25, 50 steps).
+# ladder (issue 5: MC-Sparse Table-5 ablation ladder at 16K, s = 0.15 and 0.25, 50 steps),
+# sparseab / sparseab75 (issue 5: the gather kernel's switch x config A/B at S = 32760 / 75600).
 # Each stage has its own time limit so that one slow stage still leaves the others' results in $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -37,6 +38,12 @@ for s in "$@"; do
     ladder)
       stage ladder16k 170 python3 benchmarks/bench_e2e.py --sizes 16k --ladder --regional \
         --csv "$OUT/bench_e2e.csv" ;;
+    sparseab)
+      stage sparseab 260 python3 benchmarks/bench_sparse_attn.py --ab --budget 200 \
+        --csv "$OUT/bench_sparse_attn.csv" ;;
+    sparseab75)
+      stage sparseab75 290 python3 benchmarks/bench_sparse_attn.py --ab --sizes 75600 --budget 230 \
+        --csv "$OUT/bench_sparse_attn.csv" ;;
     soak)
       stage soak 170 python3 benchmarks/bench_soak.py --generations 60 --steps 6 --seq 4096 --alt-seq 3072 \
         --heads 8 --dim 1024 --cfg --plot "$OUT/soak_cuda.png" ;;
