@@ -252,6 +252,11 @@ SWEPT = ((64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 4), (128, 4, 3), (64, 8, 3)
 # than tau (log2 units), and the C x DV acc rescale is skipped when no row of the tile moved.
 # kv_off: the V gather reuses the K gather's offsets (applies only when K and V have the same row stride
 # and D == DV; ignored otherwise).
+# NOTE sm_90 codegen (scripts/codegen_sparse.py, S = 32760, bf16, residual on; docs/sparse_notes.md):
+# C = 128 BN64/w4: 255 registers, 228 B spilled, 96 KB smem, 2 CTAs/SM; key loop 720 SASS instructions
+# (41 of them spill loads/stores, 128 FMULs of the acc rescale, 68 MUFU); kv_off: 671, 13 spill
+# instructions. rescale_tau > 0: ptxas C7515 "wgmma serialized" (warpgroup waits in the loop 3 -> 48),
+# since the acc is defined inside an scf.if; expected slower, kept to measure what that costs.
 SWITCHES = {"rescale_tau": 0.0, "kv_off": False}
 
 
