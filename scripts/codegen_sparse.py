@@ -30,7 +30,8 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
 # SASS opcode classes of the loop mix
 CLASSES = [("hgmma", ("HGMMA",)), ("warpgroup_sync", ("WARPGROUP", "WARPSYNC")), ("ldgsts", ("LDGSTS", "LDGDEPBAR")),
            ("depbar_bar", ("DEPBAR", "BAR", "SYNCS")), ("mufu", ("MUFU",)), ("fmul", ("FMUL",)), ("ffma", ("FFMA",)),
-           ("fadd", ("FADD",)), ("fmnmx", ("FMNMX",)), ("fsetp_fsel", ("FSETP", "FSEL")), ("cvt", ("F2FP", "F2F", "I2F")),
+           ("fadd", ("FADD",)), ("fmnmx", ("FMNMX",)), ("fsetp_fsel", ("FSETP", "FSEL")),
+           ("cvt", ("F2FP", "F2F", "I2F")),
            ("shfl", ("SHFL",)), ("lds_sts", ("LDS", "STS", "LDSM")), ("spill", ("STL", "LDL")),
            ("int_addr", ("IMAD", "IADD3", "LEA", "SHF", "LOP3", "IABS", "ISETP", "SEL", "MOV", "R2UR", "UIADD3",
                          "UMOV", "ULEA", "UIMAD", "USHF", "ULOP3", "ISCADD", "PRMT", "S2R", "S2UR", "CS2R", "VIADD",
