@@ -1,7 +1,8 @@
 """Compile the MC-Sparse gather kernel (``sparse_attn._sparse_attn_kernel``) for sm_90 WITHOUT a GPU and
 print, per (C, config, switches): registers and spills (ptxas -v), shared memory per CTA and the CTAs
 that fit on an H200 SM, whether the gathered K/V rows go through cp.async (LDGSTS), how the loop's
-wgmma waits sit (TTGIR), and the SASS instruction mix of the inner loop (the largest backward branch).
+wgmma waits sit (TTGIR), whether ptxas serialised the wgmmas (C7515), and the SASS instruction mix of
+the inner loop (the largest backward branch; both sides of an `if` in it are counted).
 
     python3 scripts/codegen_sparse.py [--S 32760] [--C 64,128] [--configs 64/4/3,32/4/3]
         [--switches rescale_tau=8] [--json] [--dump PREFIX]
@@ -39,14 +40,17 @@ CLASSES = [("hgmma", ("HGMMA",)), ("warpgroup_sync", ("WARPGROUP", "WARPSYNC")),
            ("branch", ("BRA", "BSSY", "BSYNC", "VOTE", "PLOP3"))]
 
 
-def sass_of(ptx: str) -> str:
+def sass_of(ptx: str):
+    """(SASS text, whether ptxas serialised the wgmmas: its C7515 "Potential Performance Loss" note)."""
     with tempfile.TemporaryDirectory() as d:
         src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", src, "-o", cubin], check=True)
-        return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+        r = subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", src, "-o", cubin], capture_output=True,
+                           text=True, check=True)
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
+        return sass, "C7515" in r.stdout + r.stderr
 
 
 def loop_mix(sass: str) -> dict:
@@ -82,12 +86,12 @@ def kernel_stats(k, warps: int) -> dict:
     ctas_regs = REGS_PER_SM // ((regs + 7) // 8 * 8 * 32 * warps)
     ttgir = k.asm["ttgir"]
     loop = ttgir[ttgir.find("scf.for"):]
-    sass = sass_of(k.asm["ptx"])
+    sass, serialized = sass_of(k.asm["ptx"])
     return {"registers": st["registers"], "spill_bytes": st["spill_bytes"], "smem_bytes": smem,
             "ctas_per_sm": min(ctas_smem, ctas_regs), "ctas_by_smem": ctas_smem, "ctas_by_regs": ctas_regs,
             "async_copies_in_loop": loop.count("async_copy_global_to_local"),
             "wgmma_waits_in_loop": re.findall(r"warp_group_dot_wait[^{]*\{pendings = (\d+)", loop),
-            "scf_if_in_loop": loop.count("scf.if"),
+            "scf_if_in_loop": loop.count("scf.if"), "wgmma_serialized": serialized,
             "sass_ldgsts": sass.count("LDGSTS"), "loop": loop_mix(sass)}
 
 
