@@ -15,8 +15,9 @@ Per S in {32760, 75600}, B = 1, H = 40, D = 128, bf16; q and k are the projectio
                       back to back, table rows re-read from L2 across heads at a distance);
 * ``copy``            ``dst.copy_(src)`` of a buffer sized so that read + write = the fused chain's bytes.
 Bytes (``gb`` column, read + written by our kernels, as they run): unfused = RoPE (read q, k; write q, k)
-+ preprocessing (read q once and k twice -- K's token mean is a separate pass -- write the int8 codes);
-fused = read q once, k twice, the tables once (every head re-reads them: the kernel runs the heads of a
++ preprocessing (read q once, k once plus the token sample of K's mean -- a separate pass over every
+st-th 64-token block, reference.preprocess.k_mean_mask: 14% of K at S = 32760, 5.5% at 75600 -- write the
+int8 codes); fused = read q once, k once plus its sample, the tables once (every head re-reads them: the kernel runs the heads of a
 token block back to back so those are L2 hits), write the codes and the per-token Q scales (fp32);
 K scales (one per 64 tokens) are left out.
 ``gbs`` = gb / time; ``pct_copy`` = gbs / copy's GB/s (target: fused >= 80%).
@@ -171,6 +172,7 @@ def chain_inputs(S: int, H: int, D: int):
 
 
 def bench_chain(run: Run, S: int):
+    from vc_compile.reference.preprocess import k_mean_mask
     from vc_compile.templates import preprocess as tpre
 
     a, H, D = run.args, run.args.H, run.args.D
@@ -188,7 +190,8 @@ def bench_chain(run: Run, S: int):
     n = q.numel()
     tab = 2 * cos.numel() * 4  # both tables, fp32
     gb_rope = (2 * n * 2 + 2 * n * 2) / 1e9                     # read q, k; write q, k (bf16)
-    gb_pre = (n * 2 + 2 * n * 2 + 2 * n + n // D * 4) / 1e9     # read q, k twice; write codes, q scales
+    frac = float(k_mean_mask(S).float().mean())                 # K rows read by the mean pass
+    gb_pre = (n * 2 + (1 + frac) * n * 2 + 2 * n + n // D * 4) / 1e9  # read q, k (+ sample); write codes, q scales
     gb_fused = gb_pre + tab / 1e9                               # + the tables once (re-reads: L2 hits)
     res = {}
 

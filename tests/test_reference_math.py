@@ -91,9 +91,17 @@ def test_zero_blocks_get_unit_scale_and_no_nan():
     assert torch.isfinite(Qn.dequantize_blocks(codes, scale, 128)).all()
 
 
-def test_int8_rounding_is_half_away_from_zero():
+def test_int8_codes_round_the_exact_product_to_nearest_even():
+    """The kernels form a code as fma(x, inv, 1.5 * 2^23): the exact product rounded once, ties to even.
+    The reference must do the same (float64 holds the product exactly), not round the fp32 product:
+    53.68427 * 0.88480294 = 47.4999989 exactly but 47.5 in fp32 (-> 48 after rounding it again)."""
+    one = torch.ones(())
     x = torch.tensor([0.5, -0.5, 1.5, -2.5, 126.6])
-    assert Qn.round_half_away(x).tolist() == [1.0, -1.0, 2.0, -3.0, 127.0]
+    assert Qn.quantize_int8(x, one).tolist() == [0, 0, 2, -2, 127]
+    x, inv = torch.tensor([53.68427]), torch.tensor([0.88480294])
+    assert (x * inv).item() == 47.5
+    assert Qn.quantize_int8(x, inv).tolist() == [47]
+    assert Qn.recip_scale(torch.tensor([0.0, 254.0]), 127.0).tolist() == [1.0, 0.5]
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -5,13 +5,20 @@ Notation
 * ``amax``: largest absolute value inside one scale block.
 * ``scale``: what one quantised unit is worth: ``x ~= x_q * scale``.  A block whose ``amax`` is 0 gets
   ``scale = 1`` (all codes 0), never 0 or NaN: a zero block must not poison the softmax.
-* Non-finite inputs (NaN, +-Inf): a block holding one gets ``scale = NaN``, and its codes are those of the
-  block with the non-finite values replaced by 0 (finite, deterministic). So the NaN reaches the output
-  through the scale, like SDPA propagates it, and no NaN/Inf ever goes through a float -> int8/e4m3 cast
-  (undefined for NaN; GPU min/max also drop NaN). ``quantize_blocks`` and the kernels do the same.
-* INT8 codes are in [-127, 127], rounded half away from zero (what ``(x + copysign(0.5, x)).to(int8)``
-  does in a Triton kernel), so the reference and the kernels agree code for code.
-* FP8 means E4M3 (``torch.float8_e4m3fn``, max 448), rounded to nearest even by the cast.
+* ``inv``: ``qmax / amax`` (1 for a zero block), one IEEE division per block; codes are ``x * inv``
+  rounded, never ``x / scale``: a division per element (``div_rn``, ~10 instructions with its slow-path
+  check) was a third of the Q/K preprocessing kernel's instructions (issue 7; sm_90 SASS,
+  ``scripts/codegen_stats.py``).
+* Non-finite inputs (NaN, +-Inf): a block holding one gets ``scale = NaN`` and all-zero codes
+  (``quantize_blocks``). So the NaN reaches the output through the scale, like SDPA propagates it, and no
+  NaN/Inf ever goes through a float -> int8/e4m3 cast. The kernels find such a block from a
+  NaN-propagating amax (one max per element, no per-element finiteness test).
+* INT8 codes are ``x * inv`` rounded to nearest, ties to even, from the EXACT product (what one FMA
+  ``fma(x, inv, 1.5 * 2^23)`` gives in a kernel, whose low byte is then the two's-complement code):
+  ``quantize_int8`` forms the product in float64, where it is exact. |x| <= amax keeps them in
+  [-127, 127], so the reference and the kernels agree code for code.
+* FP8 means E4M3 (``torch.float8_e4m3fn``, max 448): ``x * inv`` (fp32), rounded to nearest even by the
+  cast.
 
 Everything here is plain PyTorch and runs on any device.
 """
@@ -32,15 +39,19 @@ P_SCALE_LOG2 = 8.0
 EXPCAST_OFFSET = 8.0 * P_SCALE_LOG2 + 56.0 - 0.35
 
 
-def round_half_away(x: torch.Tensor) -> torch.Tensor:
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)
-
-
 def safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """``amax / qmax``, or 1 where the block is all zero. (A NaN/Inf amax would give a NaN/Inf scale;
-    callers pass the amax of the finite values and mark non-finite blocks with ``poison``.)"""
-    s = amax / qmax
+    callers pass the amax of the finite values and mark non-finite blocks with ``poison``.) A
+    tensor-by-tensor division: torch divides by a Python scalar as a multiply by its reciprocal on CUDA,
+    an ulp away from the kernels' IEEE division."""
+    s = amax / torch.full_like(amax, qmax)
     return torch.where(amax == 0, torch.ones_like(s), s)
+
+
+def recip_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """``qmax / amax`` (one IEEE division, as the kernels' ``div_rn``), or 1 where the block is all zero."""
+    a = torch.where(amax == 0, torch.full_like(amax, qmax), amax)
+    return torch.full_like(a, qmax) / a
 
 
 def finite_part(x: torch.Tensor):
@@ -54,11 +65,19 @@ def poison(scale: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, torch.full_like(scale, float("nan")), scale)
 
 
-def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return round_half_away(x / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+def quantize_int8(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Codes of fp32 ``x`` times ``inv`` (= qmax / amax, broadcast): round to nearest even of the exact
+    product (float64 holds a product of two fp32 exactly), as the kernels' one FMA."""
+    return torch.round(x.double() * inv.double()).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def quantize_fp8_rcp(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of fp32 ``x * inv`` (one fp32 multiply, then the cast's round to nearest even)."""
+    return (x * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of ``x / scale`` (the MC-Sparse FP8-QK kernel's IEEE division per element)."""
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
@@ -83,11 +102,15 @@ def quantize_blocks(x: torch.Tensor, block: int, fmt: str):
     """Quantise [..., S, D] with one scale per ``block`` tokens (block = 1: per token). Returns
     (codes, scale[..., nb]); a block with a non-finite element gets scale NaN (see the module doc)."""
     qmax = INT8_MAX if fmt == "int8" else FP8_MAX
-    xf, bad = finite_part(x.float())
-    scale = safe_scale(block_amax(xf, block), qmax)
-    st = expand_blocks(scale, block, x.shape[-2]).unsqueeze(-1)
-    codes = quantize_int8(xf, st) if fmt == "int8" else quantize_fp8(xf, st)
-    return codes, poison(scale, block_amax(bad, block))
+    xf = x.float()
+    amax = block_amax(xf, block)  # NaN if the block holds a NaN, +inf if an Inf (torch.amax propagates)
+    bad = ~torch.isfinite(amax)
+    amax = torch.where(bad, torch.zeros_like(amax), amax)
+    badt = expand_blocks(bad, block, x.shape[-2]).unsqueeze(-1)
+    xf = torch.where(badt, torch.zeros_like(xf), xf)  # all-zero codes in a non-finite block
+    inv = expand_blocks(recip_scale(amax, qmax), block, x.shape[-2]).unsqueeze(-1)
+    codes = quantize_int8(xf, inv) if fmt == "int8" else quantize_fp8_rcp(xf, inv)
+    return codes, poison(safe_scale(amax, qmax), bad)
 
 
 def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:

@@ -10,23 +10,25 @@ B, H, S, D   batch, heads, tokens, head dim (64 or 128); inputs [B, H, S, D] wit
 perm         [B, H, S] int64 key/value order (V-Smooth clusters) or None; row t of K' / V' is row perm[t].
 TQ           Q tokens per program (128); q_scale is per token (BLOCK_Q = 1 in the reference).
 BK, BV       tokens per K scale (64), rows per V mean (128) -- BLOCK_* of the reference.
-kbar         [B, H, D] token mean of K (fp32), removed before rotation (softmax ignores it).
+kbar         [B, H, D] mean of K (fp32) over a token sample (reference ``k_mean_mask``: every st-th
+             64-token block, >= 4096 tokens), removed before rotation (softmax ignores it).
 Hd           orthonormal D x D Hadamard matrix = Hpm / sqrt(D), Hpm its +-1 version.
-q8, k8       int8 (round half away from zero, [-127, 127]) or E4M3 codes, one scale per Q token / per
-             64-token K block (amax / qmax, 1 for an all-zero block); ``sm_scale * log2 e`` folded into
-             q_scale [B, H, S].
-non-finite   (NaN/Inf inputs, the reference's rules) a row/block holding one is quantised with those
-             values replaced by 0 and gets scale NaN; a non-finite K mean makes every q_scale of the
-             head NaN; a non-finite V channel gets v_scale NaN (carried through ``atomic_max`` as +inf,
-             the one value that wins it: tl.max / atomic_max / GPU min-max drop NaN). Costs a compare
-             and a select per element in these memory-bound kernels.
+q8, k8       int8 ([-127, 127]) or E4M3 codes of ``x * inv``, inv = qmax / amax (one IEEE division per
+             row/block; reference.quant), one scale per Q token / per 64-token K block (amax / qmax, 1 for
+             an all-zero block); ``sm_scale * log2 e`` folded into q_scale [B, H, S].
+non-finite   (NaN/Inf inputs, the reference's rules) a Q row / K block holding one gets all-zero codes
+             and scale NaN, found from a NaN-propagating amax (``max.NaN``; no per-element test); a
+             non-finite K mean makes every q_scale of the head NaN; a non-finite V channel gets v_scale
+             NaN (carried through ``atomic_max`` as +inf, the one value that wins it: tl.max /
+             atomic_max / GPU min-max drop NaN) and the codes of its finite part.
 mu_j         [D] mean of V' block j (valid rows only); R = V' - mu, quantised per channel to E4M3 with
              v_scale[d] = amax_t |R[t, d]| / 448 over the whole head; stored transposed v8t [B, H, D, S_pad].
 
 Kernels and grids
 -----------------
-* ``_colsum_kernel``  grid (n_split, B*H): partial column sums of K over a chunk of tokens (the K mean
-  needs its own reduction pass before any block can be quantised); torch adds the n_split partials.
+* ``_colsum_kernel``  grid (n_split, B*H): partial column sums of K over a chunk of the sampled blocks
+  (the K mean needs its own reduction pass before any block can be quantised); torch adds the n_split
+  partials.
 * ``_qk_quant_kernel`` grid (ceil(S/128), B*H): one program = 128 Q tokens (one scale each) and the two
   64-token K blocks at the same positions of K' (rows gathered through perm). One read + one write per
   tensor.
@@ -64,8 +66,9 @@ Kernels and grids
   registers). Now (same compiler, offline): 48 16-byte vector loads + 17 scalar (K mean, once), 2
   conversions, 128 registers; K-mean pass 96 registers, vector loads only.
 
-Exactness: divisions are ``div_rn`` (IEEE, like torch), INT8 rounding is ``trunc(x + copysign(0.5, x))``
-(= the reference's ``sign(x) floor(|x| + 0.5)`` in fp32), so q8 matches the reference code for code;
+Exactness: the per-row/block divisions are ``div_rn`` (IEEE, like torch), INT8 codes are the low byte
+of ``fma(x, inv, 1.5 * 2^23)`` (round to nearest even of the exact product, = the reference's float64
+product rounded), so q8 matches the reference code for code;
 k8, v8t may differ by one code where the mean (summed in another order) moves a value across a
 rounding boundary. Under TRITON_INTERPRET=1 the fp32 -> e4m3 cast of Triton 3.6 mis-rounds (ties,
 carries into the exponent, subnormals), so values are first rounded to the E4M3 grid in fp32
@@ -79,7 +82,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, QKQuant, VQuant
+from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, QKQuant, VQuant, k_mean_stride
 from vc_compile.reference.quant import LOG2E, hadamard_matrix
 
 FP8 = torch.float8_e4m3fn
@@ -116,38 +119,61 @@ def round_e4m3(x):
     return tl.where(tl.abs(x) < 0.015625, sub, nrm)
 
 
+MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: fp32 x + MAGIC (|x| < 2^22) is round-to-nearest-even(x) in the low bits
+
+
 @triton.jit
-def _to_codes(y, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr):
+def _nanmax(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _codes(x, inv, bad, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Codes of fp32 ``x * inv`` (inv = QMAX / amax, |x| <= amax, broadcast like ``bad``); 0 where ``bad``.
+    INT8: one FMA ``fma(x, inv, MAGIC)`` rounds the EXACT product to nearest even (the reference's
+    ``quant.quantize_int8``), its low byte is the two's-complement code (no clamp: |x * inv| <= 127, no
+    F2I conversion). FP8: one multiply and the cast (round to nearest even)."""
     if FP8_OUT:
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        y = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
+        y = tl.where(bad, 0.0, y)
         if INTERPRET:
             y = round_e4m3(y)
         codes = y.to(tl.float8e4nv)
     else:
-        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-        codes = (y + tl.where(y >= 0, 0.5, -0.5)).to(tl.int8)
+        if INTERPRET:  # no fused multiply-add there: the product in fp64 (exact) + MAGIC, then to fp32
+            t = (x.to(tl.float64) * inv.to(tl.float64) + MAGIC).to(tl.float32)
+        else:
+            t = tl.fma(x, inv, MAGIC)
+        t = tl.where(bad, MAGIC, t)
+        codes = t.to(tl.int32, bitcast=True).to(tl.int8)
     return codes
 
 
 @triton.jit
-def _scale_of(amax, bad, QMAX: tl.constexpr):
-    return tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, QMAX)), bad
+def _scales(amax, QMAX: tl.constexpr):
+    """amax (NaN-propagating: NaN / +inf when the row/block holds a non-finite value) -> (scale, inv, bad):
+    scale = amax / QMAX (NaN when bad, 1 for an all-zero row), inv = QMAX / amax (1 when bad or zero), one
+    IEEE division each per row/block."""
+    bad = ~(amax < float("inf"))
+    a = tl.where(bad | (amax == 0.0), QMAX, amax)
+    scale = tl.where(bad, float("nan"), tl.math.div_rn(a, tl.full(a.shape, QMAX, tl.float32)))
+    return scale, tl.math.div_rn(tl.full(a.shape, QMAX, tl.float32), a), bad
 
 
 @triton.jit
 def _quant_tile(x, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
                 PER_ROW: tl.constexpr = False):
     """fp32 tile (padding rows already 0) -> (codes, scale): one scale for the whole tile, or one per row
-    ([rows]) when PER_ROW. Non-finite values are quantised as 0 and make their scale NaN (module doc)."""
-    ok = tl.abs(x) < float("inf")  # False for NaN and +-Inf
-    x = tl.where(ok, x, 0.0)
+    ([rows]) when PER_ROW. A row/tile holding a non-finite value gets all-zero codes and scale NaN (module
+    doc). Per element: one max, one FMA (or multiply), one select and the byte packing."""
+    amax = tl.reduce(tl.abs(x), 1, _nanmax)
     if PER_ROW:
-        scale, bad = _scale_of(tl.max(tl.abs(x), 1), tl.min(ok.to(tl.int32), 1) == 0, QMAX)
-        y = tl.math.div_rn(x, scale[:, None])
+        scale, inv, bad = _scales(amax, QMAX)
+        codes = _codes(x, inv[:, None], bad[:, None], FP8_OUT, INTERPRET)
     else:
-        scale, bad = _scale_of(tl.max(tl.max(tl.abs(x), 1), 0), tl.min(tl.min(ok.to(tl.int32), 1), 0) == 0, QMAX)
-        y = tl.math.div_rn(x, scale)
-    return _to_codes(y, FP8_OUT, INTERPRET), tl.where(bad, float("nan"), scale)
+        scale, inv, bad = _scales(tl.reduce(amax, 0, _nanmax), QMAX)
+        codes = _codes(x, inv, bad, FP8_OUT, INTERPRET)
+    return codes, scale
 
 
 @triton.jit
@@ -155,23 +181,18 @@ def _quant_pair(xe, xo, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl
                 PER_ROW: tl.constexpr = False):
     """``_quant_tile`` of the tile whose even / odd channels are ``xe`` / ``xo`` [R, D/2] (same scale, same
     codes), returned as the two codes packed little-endian into int16 [R, D/2] (= the int8 [R, D] row)."""
-    oke = tl.abs(xe) < float("inf")
-    oko = tl.abs(xo) < float("inf")
-    xe = tl.where(oke, xe, 0.0)
-    xo = tl.where(oko, xo, 0.0)
-    ae = tl.maximum(tl.abs(xe), tl.abs(xo))
-    ok = (oke & oko).to(tl.int32)
+    amax = tl.reduce(_nanmax(tl.abs(xe), tl.abs(xo)), 1, _nanmax)
     if PER_ROW:
-        scale, bad = _scale_of(tl.max(ae, 1), tl.min(ok, 1) == 0, QMAX)
-        ye = tl.math.div_rn(xe, scale[:, None])
-        yo = tl.math.div_rn(xo, scale[:, None])
+        scale, inv, bad = _scales(amax, QMAX)
+        ce = _codes(xe, inv[:, None], bad[:, None], FP8_OUT, INTERPRET)
+        co = _codes(xo, inv[:, None], bad[:, None], FP8_OUT, INTERPRET)
     else:
-        scale, bad = _scale_of(tl.max(tl.max(ae, 1), 0), tl.min(tl.min(ok, 1), 0) == 0, QMAX)
-        ye = tl.math.div_rn(xe, scale)
-        yo = tl.math.div_rn(xo, scale)
-    ce = _to_codes(ye, FP8_OUT, INTERPRET).to(tl.int8, bitcast=True).to(tl.int16)
-    co = _to_codes(yo, FP8_OUT, INTERPRET).to(tl.int8, bitcast=True).to(tl.int16)
-    return (ce & 255) | (co << 8), tl.where(bad, float("nan"), scale)
+        scale, inv, bad = _scales(tl.reduce(amax, 0, _nanmax), QMAX)
+        ce = _codes(xe, inv, bad, FP8_OUT, INTERPRET)
+        co = _codes(xo, inv, bad, FP8_OUT, INTERPRET)
+    ce = ce.to(tl.int8, bitcast=True).to(tl.int16)
+    co = co.to(tl.int8, bitcast=True).to(tl.int16)
+    return (ce & 255) | (co << 8), scale
 
 
 @triton.jit
@@ -294,11 +315,12 @@ def _rope_rows(x, ptr, src, rmask, sxd, COS, SIN, c_off, s_off, scs, scd, sss, s
 
 
 @triton.jit
-def _colsum_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, rows_per_split, n_sub, N_SUB_C: tl.constexpr,
-                   D: tl.constexpr, BS: tl.constexpr,
+def _colsum_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_split, n_sub, N_SUB_C: tl.constexpr,
+                   D: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                    COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
                    ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False, INTERPRET: tl.constexpr = False):
-    # OUT[bh, split, :] = sum of rows [split * rows_per_split, ...) of X[b, h] (fp32)
+    # OUT[bh, split, :] = sum of the rows of the sampled BK-token blocks j = s * blk_stride of X[b, h],
+    # s in [split * per_split, (split + 1) * per_split) (reference.preprocess.k_mean_mask), BS rows a step
     sp = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -307,11 +329,12 @@ def _colsum_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, rows_per_split, n_sub, N_SU
     base = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
     acc = tl.zeros([BS, D], tl.float32)
     for i in tl.range(0, N_SUB_C if N_SUB_C >= 0 else n_sub):
-        rows = sp * rows_per_split + i * BS + tl.arange(0, BS)
-        x = tl.load(base + rows[:, None].to(tl.int64) * sxs + d[None, :] * sxd,
-                    mask=(rows < S)[:, None], other=0.0)
+        smp = sp * per_split + i // (BK // BS)
+        rows = smp * blk_stride * BK + (i % (BK // BS)) * BS + tl.arange(0, BS)
+        ok = (rows < S) & (smp < n_samp)
+        x = tl.load(base + rows[:, None].to(tl.int64) * sxs + d[None, :] * sxd, mask=ok[:, None], other=0.0)
         if ROPE != 0:
-            x = _rope_rows(x, base + rows[:, None].to(tl.int64) * sxs, rows, rows < S, sxd, COS, SIN,
+            x = _rope_rows(x, base + rows[:, None].to(tl.int64) * sxs, rows, ok, sxd, COS, SIN,
                            b.to(tl.int64) * scb + h.to(tl.int64) * sch, b.to(tl.int64) * ssb + h.to(tl.int64) * ssh,
                            scs, scd, sss, ssd, lo, hi, D, ROPE, PAIR_TABLE, INTERPRET)
         acc += x.to(tl.float32)
@@ -320,17 +343,24 @@ def _colsum_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, rows_per_split, n_sub, N_SU
 
 
 def _token_mean(x: torch.Tensor, rope=None) -> torch.Tensor:
-    """[B, H, S, D] (any strides) -> [B, H, D] fp32 token mean (of the rotated x when ``rope``)."""
+    """[B, H, S, D] (any strides) -> [B, H, D] fp32 mean over the sampled tokens of
+    ``reference.preprocess.k_mean_mask`` (of the rotated x when ``rope``).
+    NOTE the full mean read all of K a second time: 2 of the 8 bytes per element the Q/K preprocessing
+    moved (0.826 ms fused chain at S = 32760, H200); the sample reads 12% of K there, 5% at 75600."""
     B, H, S, D = x.shape
     BS = 32
-    n_split = max(1, min(triton.cdiv(S, 512), triton.cdiv(528, B * H)))
-    rows_per_split = triton.cdiv(triton.cdiv(S, n_split), BS) * BS
-    n_split = triton.cdiv(S, rows_per_split)
-    n_sub = rows_per_split // BS
+    st = k_mean_stride(S)
+    n_samp = triton.cdiv(triton.cdiv(S, BLOCK_K), st)
+    count = (n_samp - 1) * BLOCK_K + min(BLOCK_K, S - (n_samp - 1) * st * BLOCK_K)
+    n_split = max(1, min(n_samp, triton.cdiv(264, B * H)))
+    per_split = triton.cdiv(n_samp, n_split)
+    n_split = triton.cdiv(n_samp, per_split)
+    n_sub = per_split * (BLOCK_K // BS)
     part = torch.empty(B * H, n_split, D, device=x.device, dtype=torch.float32)
-    _colsum_kernel[(n_split, B * H)](x, part, S, H, *x.stride(), rows_per_split, n_sub,
-                                     loop_bound(n_sub), D=D, BS=BS, num_warps=4, **_colsum_rope_kwargs(rope, D))
-    return (part.sum(dim=1) / S).view(B, H, D)
+    _colsum_kernel[(n_split, B * H)](x, part, S, H, *x.stride(), st, n_samp, per_split, n_sub,
+                                     loop_bound(n_sub), D=D, BS=BS, BK=BLOCK_K, num_warps=4,
+                                     **_colsum_rope_kwargs(rope, D))
+    return (part.sum(dim=1) / count).view(B, H, D)
 
 
 @triton.jit
@@ -565,10 +595,12 @@ def _v_quant_kernel(V, PERM, VMEAN, VAMAX, V8T, VSCALE, S, S_pad, H, svb, svh, s
     mu = tl.load(VMEAN + (bh * nb + blk).to(tl.int64) * D + d)
     amax = tl.load(VAMAX + bh * D + d)
     bad = amax == float("inf")  # a non-finite value in this channel: scale NaN, codes of the finite part
-    scale = tl.where((amax == 0.0) | bad, 1.0, tl.math.div_rn(amax, 448.0))
+    a = tl.where((amax == 0.0) | bad, 448.0, amax)
+    scale = tl.math.div_rn(a, tl.full(a.shape, 448.0, tl.float32))
+    inv = tl.math.div_rn(tl.full(a.shape, 448.0, tl.float32), a)  # per channel; a multiply per element
     r = v - mu[None, :]
     r = tl.where(rmask[:, None] & (tl.abs(r) < float("inf")), r, 0.0)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(r, scale[None, :]), -448.0), 448.0)
+    y = tl.minimum(tl.maximum(r * inv[None, :], -448.0), 448.0)
     if INTERPRET:
         y = round_e4m3(y)
     codes = tl.trans(y.to(tl.float8e4nv))  # [D, BV]: K-major for the PV MMA
