@@ -112,7 +112,8 @@ def sweep(q, k, v, sigma, idx, sm, t_cudnn, S, dens, Cg, configs, log):
 # --ab candidates per C, in the order they are timed (the most informative first; see docs/sparse_notes.md
 # "Codegen and A/B"): (switch set name, switches, config). s3 and s4 compile to the same two-buffer loop
 # (scripts/codegen_sparse.py), so only the shipped one of the two is timed.
-AB_SWITCHES = [("base", {}), ("kvoff", {"kv_off": True}), ("tau8", {"rescale_tau": 8.0}),
+# "base" = every switch off (the kernel before the A/B); the shipped default is kv_off for C >= 128
+AB_SWITCHES = [("base", {"kv_off": False}), ("kvoff", {"kv_off": True}), ("tau8", {"kv_off": False, "rescale_tau": 8.0}),
                ("kvoff+tau8", {"kv_off": True, "rescale_tau": 8.0})]
 AB_EXTRA_CONFIGS = {64: [(32, 4, 4)], 128: [(32, 4, 3)]}
 AB_TOL = 1e-2  # bf16 P in PV: the kernel's own error vs fp32 is ~2e-3 (rel_l2 column of sparse_* rows)
@@ -126,7 +127,7 @@ def ab_candidates(Cg):
     return out
 
 
-def bench_ab(S, log, budget_s, dev="cuda", dense_backend="cudnn", group_sizes=(64, 128), t_cudnn=None):
+def bench_ab(S, log, budget_s, dev="cuda", dense_backend="cudnn", group_sizes=(64, 128), t_cudnn=None, only=()):
     """``--ab``: every switch set x config candidate, kernel alone and as a reuse step (+ residual)."""
     import time
     t_start = time.monotonic()
@@ -148,6 +149,8 @@ def bench_ab(S, log, budget_s, dev="cuda", dense_backend="cudnn", group_sizes=(6
         idx = random_idx(S, keep, G, dev)
         base = {}
         for name, sw, cfg in ab_candidates(Cg):
+            if only and name not in only:
+                continue
             for residual, kind in ((None, ""), (res, "_reuse")):
                 variant = f"ab_{name}{kind}_c{Cg}"
                 spent = time.monotonic() - t_start
@@ -362,13 +365,17 @@ def main():
     ap.add_argument("--focus", action="store_true", help="only PDDP and the bf16 gather kernel")
     ap.add_argument("--ab", action="store_true", help="A/B of the gather kernel's switches x configs")
     ap.add_argument("--budget", type=float, default=200.0, help="--ab: seconds for all sizes together")
+    ap.add_argument("--group-sizes", default="64,128", help="--ab: comma-separated C values")
+    ap.add_argument("--ab-switches", default="", help="--ab: only these switch sets (names of AB_SWITCHES)")
     args = ap.parse_args()
     log = lambda m: print(m, flush=True)  # noqa: E731
     if args.smoke:
         global H
         H = 2
         if args.ab:
-            rows = bench_ab(200, log, args.budget, dev="cpu", dense_backend="math")
+            rows = bench_ab(200, log, args.budget, dev="cpu", dense_backend="math",
+                            group_sizes=tuple(int(c) for c in args.group_sizes.split(",")),
+                            only=tuple(n for n in args.ab_switches.split(",") if n))
             print_table(rows, ["variant", "S", "density", "ms", "rel_l2", "config", "note"])
             return
         if args.focus:
@@ -386,7 +393,9 @@ def main():
     t0 = time.monotonic()
     for i, S in enumerate(sizes):
         if args.ab:  # the budget left is shared by the sizes in order
-            new = bench_ab(S, log, max(0.0, args.budget - (time.monotonic() - t0)))
+            new = bench_ab(S, log, max(0.0, args.budget - (time.monotonic() - t0)),
+                           group_sizes=tuple(int(c) for c in args.group_sizes.split(",")),
+                           only=tuple(n for n in args.ab_switches.split(",") if n))
         elif args.focus:
             new = bench_focus(S, log, first=(i == 0))
         else:

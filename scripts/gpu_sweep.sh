@@ -35,6 +35,10 @@ for s in "$@"; do
       stage e2e32k 270 python3 benchmarks/bench_e2e.py --sizes 32k --regional --csv "$OUT/bench_e2e.csv" ;;
     e2e75)
       stage e2e75k 400 python3 benchmarks/bench_e2e.py --sizes 75k --regional --csv "$OUT/bench_e2e.csv" ;;
+    c128)  # issue 5: MC-Sparse with C = 128 query groups against the C = 64 default, plus V-Smooth, at 16K
+      stage c128 300 python3 benchmarks/bench_e2e.py --sizes 16k --regional --no-floor \
+        --methods vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse-c128@0.15,mcsparse@0.25,mcsparse-c128@0.25 \
+        --csv "$OUT/bench_e2e.csv" ;;
     ladder)
       stage ladder16k 170 python3 benchmarks/bench_e2e.py --sizes 16k --ladder --regional \
         --csv "$OUT/bench_e2e.csv" ;;
@@ -42,7 +46,8 @@ for s in "$@"; do
       stage sparseab 260 python3 benchmarks/bench_sparse_attn.py --ab --budget 200 \
         --csv "$OUT/bench_sparse_attn.csv" ;;
     sparseab75)
-      stage sparseab75 290 python3 benchmarks/bench_sparse_attn.py --ab --sizes 75600 --budget 230 \
+      stage sparseab75 200 python3 benchmarks/bench_sparse_attn.py --ab --sizes 75600 --budget 150 \
+        --group-sizes 128 --ab-switches base,kvoff \
         --csv "$OUT/bench_sparse_attn.csv" ;;
     soak)
       stage soak 170 python3 benchmarks/bench_soak.py --generations 60 --steps 6 --seq 4096 --alt-seq 3072 \

@@ -257,16 +257,21 @@ SWEPT = ((64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 4), (128, 4, 3), (64, 8, 3)
 # (41 of them spill loads/stores, 128 FMULs of the acc rescale, 68 MUFU); kv_off: 671, 13 spill
 # instructions. rescale_tau > 0: ptxas C7515 "wgmma serialized" (warpgroup waits in the loop 3 -> 48),
 # since the acc is defined inside an scf.if; expected slower, kept to measure what that costs.
-SWITCHES = {"rescale_tau": 0.0, "kv_off": False}
+# NOTE measured (H200, S = 32760, s = 0.15, bf16, 2026-11-29, bf83f15, `--ab`): kv_off at C = 128 (BN64/w4)
+# 7.871 -> 7.482 ms kernel, 7.973 -> 7.585 ms reuse step (4.76x -> 5.00x cuDNN), identical output; at
+# C = 64 (BN64/w4/s4) 8.854 -> 9.015 ms (+1.8%). rescale_tau = 8: +4.3% (C = 128), +11% (C = 64). So
+# kv_off is on for C >= 128 (None = that rule), rescale_tau stays off.
+SWITCHES = {"rescale_tau": 0.0, "kv_off": None}
 
 
-def _switch_args(switches, same_kv_rows: bool) -> dict:
+def _switch_args(switches, same_kv_rows: bool, C: int) -> dict:
     sw = dict(SWITCHES)
     for key, val in (switches or {}).items():
         if key not in sw:
             raise ValueError(f"sparse_attention: unknown switch {key!r} (known: {sorted(sw)})")
         sw[key] = val
-    return {"RESCALE_TAU": float(sw["rescale_tau"]), "KV_OFF": bool(sw["kv_off"]) and same_kv_rows}
+    kv_off = C >= 128 if sw["kv_off"] is None else bool(sw["kv_off"])
+    return {"RESCALE_TAU": float(sw["rescale_tau"]), "KV_OFF": kv_off and same_kv_rows}
 
 
 def default_config(qk_format: str, D: int, C: int):
@@ -363,7 +368,7 @@ def sparse_attention_launch(q, k, v, sigma, idx, *, sm_scale, group_size, residu
         QK_FP8=(fmt == "fp8"), SW_ROUND=_interpret(), N_KEEP_I=interpret_bound(n_keep),
         UPCAST=dot_upcast(q.dtype, v.dtype),
         OFF64=max(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(kq.stride(2), v.stride(2))) >= 2**31,
-        **_switch_args(switches, same_kv_rows=(kq.stride(2) == v.stride(2) and D == DV and fmt == "bf16")),
+        **_switch_args(switches, same_kv_rows=(kq.stride(2) == v.stride(2) and D == DV and fmt == "bf16"), C=C),
         num_warps=warps, num_stages=stages)
     return out
 
