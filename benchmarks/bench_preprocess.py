@@ -9,12 +9,10 @@ Per S in {32760, 75600}, B = 1, H = 40, D = 128, bf16; q and k are the projectio
 * ``pre_qk``          our Q/K preprocessing on already rotated q, k (alone);
 * ``unfused``         the two above in sequence: what a compiled model runs without the fusion;
 * ``fused``           our preprocessing with the RoPE prologue, on the un-rotated q, k;
-* ``fused_share1``    A/B (``--no-ab`` skips): ``ROPE_SHARE_HEADS = 1``: the per-head packed path
-                      (_qk_quant_kernel; every head re-reads its table rows from L2) instead of
-                      _qk_rope_heads_kernel (one table read per token block for 4 heads);
-* ``fused_w8``        A/B: _qk_rope_heads_kernel with 8 warps instead of 16;
-* ``fused_unpacked``  A/B: ``ROPE_PACKED = False`` (pairs split in registers from an [R, D] tile: all loads
-                      vectorised, but layout conversions on sm_90);
+* ``fused_unpacked``  A/B (``--no-ab`` skips): the same with ``ROPE_PACKED = False`` (pairs split in registers
+                      from an [R, D] tile: all loads vectorised, but layout conversions on sm_90);
+* ``fused_rowmajor``  A/B: packed, with ``ROPE_HEAD_FAST = False`` (the no-RoPE grid: a head's token blocks
+                      back to back, table rows re-read from L2 across heads at a distance);
 * ``fused_perm``      A/B: the default with a random key permutation (V-Smooth's cluster order: K' rows, and
                       so their table rows, gathered per head); same byte count;
 * ``copy``            ``dst.copy_(src)`` of a buffer sized so that read + write = the fused chain's bytes.
@@ -210,11 +208,10 @@ def bench_chain(run: Run, S: int):
     rf = run.guarded("fused", S, lambda: t("fused", fused, gb_fused))
     ab = []
     if not a.no_ab:  # design A/B in the same run (module switches of templates/preprocess.py)
-        for name, attr, val in (("fused_share1", "ROPE_SHARE_HEADS", 1), ("fused_w8", "ROPE_SHARE_WARPS", 8),
-                                ("fused_unpacked", "ROPE_PACKED", False)):
-            def one(name=name, attr=attr, val=val):
+        for name, attr in (("fused_unpacked", "ROPE_PACKED"), ("fused_rowmajor", "ROPE_HEAD_FAST")):
+            def one(name=name, attr=attr):
                 old = getattr(tpre, attr)
-                setattr(tpre, attr, val)
+                setattr(tpre, attr, False)
                 try:
                     fused()  # compile outside the timing
                     row = t(name, fused, gb_fused)
@@ -225,7 +222,7 @@ def bench_chain(run: Run, S: int):
                 finally:
                     setattr(tpre, attr, old)
             ab.append(run.guarded(name, S, one))
-    if not a.no_ab:  # V-Smooth's case: K' rows gathered through a key permutation (the tables of K per head)
+    if not a.no_ab:  # V-Smooth's case: K' rows gathered through a key permutation (their table rows too)
         perm = torch.stack([torch.randperm(S, device=dev) for _ in range(H)]).view(1, H, S)
         ab.append(run.guarded("fused_perm", S, lambda: (tpre.preprocess_qk(qb, kb, perm, sm_scale=sm, rope=ra),
                                                         t("fused_perm", lambda: tpre.preprocess_qk(

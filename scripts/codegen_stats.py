@@ -80,16 +80,12 @@ def main(argv=None):
     p.add_argument("--form", default="interleaved", choices=("interleaved", "rotate-half"))
     p.add_argument("--full", action="store_true", help="one table value per channel (else Wan's pair table)")
     p.add_argument("--no-rope", action="store_true", help="the kernels without the RoPE prologue")
-    p.add_argument("--share-heads", type=int, default=None,
-                   help="templates.preprocess.ROPE_SHARE_HEADS (1: the per-head _qk_quant_kernel RoPE path)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dump", default=None, help="write PREFIX_<kernel>.ttgir/.ptx")
     a = p.parse_args(argv)
     _install()
     from vc_compile.reference import rope as R
     from vc_compile.templates import preprocess as tpre
-    if a.share_heads is not None:
-        tpre.ROPE_SHARE_HEADS = a.share_heads
     H, D, S = 40, 128, a.S
     q = torch.empty(1, S, H, D, dtype=torch.bfloat16)
     k = torch.empty(1, S, H, D, dtype=torch.bfloat16)

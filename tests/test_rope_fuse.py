@@ -494,10 +494,10 @@ def test_bench_preprocess_args_and_smoke(tmp_path):
     rows = bp.main(["--smoke", "--shapes", "130", "--no-op", "--no-results", "--csv", str(out)])
     by = {r["variant"]: r for r in rows}
     assert not [r for r in rows if r.get("error")], rows
-    assert set(by) == {"rope_inductor", "pre_qk", "unfused", "fused", "fused_share1", "fused_w8", "fused_unpacked",
-                       "fused_perm", "copy"}
+    assert set(by) == {"rope_inductor", "pre_qk", "unfused", "fused", "fused_unpacked", "fused_rowmajor", "fused_perm",
+                       "copy"}
     assert by["fused"]["mismatch"] == 0.0 and by["fused"]["gb"] < by["unfused"]["gb"]
-    assert all(by[v]["mismatch"] == 0.0 for v in ("fused_share1", "fused_w8", "fused_unpacked"))
+    assert by["fused_unpacked"]["mismatch"] == 0.0 and by["fused_rowmajor"]["mismatch"] == 0.0
     text = out.read_text().splitlines()
     assert text[0].startswith("date,commit,gpu") and len(text) == 1 + len(rows)
 
@@ -508,7 +508,7 @@ def test_bench_preprocess_args_and_smoke(tmp_path):
 def test_kernel_packed_pairs_equal_unpacked(monkeypatch, dtype, fmt, pair, toks):
     """The interleaved prologue's packed path (pairs read as one 32-bit word, codes stored as int16 pairs,
     tables as [R, D/2] or pair words) gives the same codes and scales as the [R, D] path, non-finite
-    inputs included; so does the head-shared-table kernel (_qk_rope_heads_kernel, the default here)."""
+    inputs included."""
     from vc_compile.templates import preprocess as tpl
     B, H, S, D = 1, 2, 90, 64
     g = torch.Generator().manual_seed(1)
@@ -531,20 +531,15 @@ def test_kernel_packed_pairs_equal_unpacked(monkeypatch, dtype, fmt, pair, toks)
                 calls.append((kw["PACKED"], kw["TAB_WORDS"]))
                 return real[grid](*a, **kw)
             return launch
-    shared = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, qk_format=fmt, rope=ra)
-    shared_np = tpl.preprocess_qk(qb, kb, None, sm_scale=D ** -0.5, qk_format=fmt, rope=ra)
     monkeypatch.setattr(tpl, "_qk_quant_kernel", Spy())
-    monkeypatch.setattr(tpl, "ROPE_SHARE_HEADS", 1)
     got = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, qk_format=fmt, rope=ra)
-    got_np = tpl.preprocess_qk(qb, kb, None, sm_scale=D ** -0.5, qk_format=fmt, rope=ra)
     monkeypatch.setattr(tpl, "ROPE_PACKED", False)
     want = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, qk_format=fmt, rope=ra)
-    assert calls == [(True, not pair), (True, not pair), (False, False)]
-    for x, y in ((got, want), (shared, want), (shared_np, got_np)):
-        for a, b in zip(x, y):
-            if isinstance(a, torch.Tensor):
-                assert torch.equal(a.view(torch.uint8) if a.dtype == tpl.FP8 else a.nan_to_num(7.0),
-                                   b.view(torch.uint8) if b.dtype == tpl.FP8 else b.nan_to_num(7.0))
+    assert calls == [(True, not pair), (False, False)]
+    for a, b in zip(got, want):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == tpl.FP8 else a.nan_to_num(7.0),
+                               b.view(torch.uint8) if b.dtype == tpl.FP8 else b.nan_to_num(7.0))
 
 
 def test_rope_prologue_codegen_sm90():
@@ -557,13 +552,11 @@ def test_rope_prologue_codegen_sm90():
     root = Path(__file__).parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    def stats(*args):
-        r = subprocess.run([sys.executable, str(root / "scripts" / "codegen_stats.py"), "--json", *args], env=env,
-                           capture_output=True, text=True, timeout=600)
-        if r.returncode != 0 or not r.stdout.strip():
-            pytest.skip(f"offline sm_90 compile unavailable here: {r.stderr.strip()[-300:]}")
-        return json.loads(r.stdout.strip().splitlines()[-1])
-    st = stats("--share-heads", "1")  # the per-head path (_qk_quant_kernel)
+    r = subprocess.run([sys.executable, str(root / "scripts" / "codegen_stats.py"), "--json"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 or not r.stdout.strip():
+        pytest.skip(f"offline sm_90 compile unavailable here: {r.stderr.strip()[-300:]}")
+    st = json.loads(r.stdout.strip().splitlines()[-1])
     qk, cs = st["_qk_quant_kernel"], st["_colsum_kernel"]
     for s in (qk, cs):
         assert s["spill_bytes"] == 0 and s["registers"] <= 128, st
@@ -571,10 +564,3 @@ def test_rope_prologue_codegen_sm90():
     assert qk["convert_layout"] <= 2 and qk["loads"].get("ld.global.v4.b32", 0) >= 40, st
     assert qk["loads"].get("ld.global.b32", 0) <= 20, st  # the K mean, read once per program
     assert set(cs["loads"]) == {"ld.global.v4.b32"}, st
-    # the default: Wan's tables are shared by the heads -> _qk_rope_heads_kernel (16 warps: 103 registers,
-    # one 16-warp CTA per SM like two 8-warp CTAs of the per-head path); the K mean and the pair-split
-    # kbar are vector loads too
-    hk = stats()["_qk_rope_heads_kernel"]
-    assert hk["spill_bytes"] == 0 and hk["registers"] <= 128 and hk["convert_layout"] <= 2, hk
-    assert not [w for w in hk["loads"] if w in ("ld.global.b16", "ld.global.u16")], hk
-    assert hk["loads"].get("ld.global.b32", 0) <= 4 and hk["loads"].get("ld.global.v4.b32", 0) >= 12, hk

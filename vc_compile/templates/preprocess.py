@@ -66,14 +66,10 @@ Kernels and grids
   registers). Now (same compiler, offline): 48 16-byte vector loads + 17 scalar (K mean, once), 2
   conversions, 128 registers; K-mean pass 96 registers, vector loads only.
 
-NOTE the quantisation (issue 7, second pass): the Q/K kernel was instruction-bound, not memory-bound --
-31 SASS instructions per element (no RoPE; a third of them the per-element ``div_rn`` with its slow-path
-check, plus a finiteness test and a half-away rounding per element) against ~4 warp-instructions per
-clock per SM, i.e. a ~3 TB/s ceiling at 3 bytes per element before any stall. Codes as
-``fma(x, qmax / amax, 1.5 * 2^23)``, a NaN-propagating amax and the sampled K mean: 12 instructions per
-element (RoPE path 5256 -> 2384 per program). H200 (torch 2.11, triton 3.6, bench_preprocess, bf83f15):
-Q/K preprocessing alone 0.70 -> 0.326 ms at S = 32760 (3.26 TB/s, 78% of a copy) and 1.57 -> 0.688 ms at
-75600 (3.45 TB/s, 81%); with the RoPE prologue 0.826 -> 0.483 ms (54% of copy) and 2.008 -> 1.008 ms (56%).
+NOTE tried and reverted (H200, fcce80f): one program rotating 4 heads' rows with one read of the shared
+table rows (the per-head reads make the L2 -> SM traffic ~3x the HBM traffic) was SLOWER: 0.643 ms at
+S = 32760 (16 warps, 103 registers; 8 warps 0.732 ms) against 0.491 ms for this per-head path in the same
+run; the heads' load -> compute -> store phases ran one after another in one CTA per SM.
 
 Exactness: the per-row/block divisions are ``div_rn`` (IEEE, like torch), INT8 codes are the low byte
 of ``fma(x, inv, 1.5 * 2^23)`` (round to nearest even of the exact product, = the reference's float64
@@ -98,8 +94,6 @@ FP8 = torch.float8_e4m3fn
 # RoPE prologue switches (module globals so that benchmarks/bench_preprocess.py can A/B them in one run)
 ROPE_PACKED = True     # interleaved pairs as 32-bit words + int16 code pairs (see _qk_quant_kernel PACKED)
 ROPE_HEAD_FAST = True  # Q/K grid (B*H, blocks) with RoPE: a token block's heads back to back
-ROPE_SHARE_WARPS = 16  # its warps at D = 128 (half at 64)
-ROPE_SHARE_HEADS = 4   # PACKED RoPE with head-shared tables: heads per program of _qk_rope_heads_kernel (1 = off)
 TILE_Q = 128  # Q tokens per program of _qk_quant_kernel (its two 64-token K blocks sit at the same rows)
 assert BLOCK_Q == 1, "the kernel writes one Q scale per token"
 
@@ -239,13 +233,13 @@ def _load_pairs(P, row_off, mask, D: tl.constexpr):
 
 
 @triton.jit
-def _pair_tables(t, inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd,
-                 D: tl.constexpr, PAIR_TABLE: tl.constexpr, TAB_WORDS: tl.constexpr = False):
-    """cos / sin of the even and odd channels (ce, co, se, so) [R, D/2] fp32 at table rows t [R]. Tables
-    read as contiguous row segments ([R, D/2] pair table, or [R, D] split in registers, or as pair words
-    when TAB_WORDS). Rows outside the rotated range (``inr`` False) read cos 1, sin 0 (except with
-    TAB_WORDS: 0, 0); callers select x there."""
-    R: tl.constexpr = t.shape[0]
+def _rope_pair_math(xe, xo, t, inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd,
+                    D: tl.constexpr, PAIR_TABLE: tl.constexpr, TAB_WORDS: tl.constexpr = False):
+    """Interleaved RoPE on the even / odd channels xe, xo [R, D/2] (fp32) of rows at table rows t: fp32
+    (ye, yo), not rounded. Tables read as contiguous row segments ([R, D/2] pair table, or [R, D] split
+    in registers, or as pair words when TAB_WORDS). Rows outside the rotated range read cos 1, sin 0
+    (except with TAB_WORDS: 0, 0); callers select x there."""
+    R: tl.constexpr = xe.shape[0]
     if PAIR_TABLE:
         i = tl.arange(0, D // 2)
         ce = tl.load(COS + c_off + t[:, None] * scs + i[None, :] * scd, mask=inr[:, None],
@@ -263,34 +257,8 @@ def _pair_tables(t, inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd,
         sn = tl.load(SIN + s_off + t[:, None] * sss + d[None, :] * ssd, mask=inr[:, None], other=0.0)
         ce, co = tl.split(tl.reshape(c.to(tl.float32), [R, D // 2, 2]))
         se, so = tl.split(tl.reshape(sn.to(tl.float32), [R, D // 2, 2]))
-    return ce, co, se, so
-
-
-@triton.jit
-def _rope_pair_apply(xe, xo, ce, co, se, so):
     # rot(x)[2i] = -x[2i+1], rot(x)[2i+1] = x[2i]; x*cos first, like the models and the reference
     return xe * ce + (-xo) * se, xo * co + xe * so
-
-
-@triton.jit
-def _rope_pair_math(xe, xo, t, inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd,
-                    D: tl.constexpr, PAIR_TABLE: tl.constexpr, TAB_WORDS: tl.constexpr = False):
-    """Interleaved RoPE on the even / odd channels xe, xo [R, D/2] (fp32) of rows at table rows t: fp32
-    (ye, yo), not rounded (tables: ``_pair_tables``)."""
-    ce, co, se, so = _pair_tables(t, inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd, D, PAIR_TABLE, TAB_WORDS)
-    return _rope_pair_apply(xe, xo, ce, co, se, so)
-
-
-@triton.jit
-def _round_rotated(xe, xo, ye, yo, inr, DT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Rotated pair halves rounded once to the input dtype DT (as fp32), x kept where ``inr`` is False."""
-    if INTERPRET:
-        if DT == tl.bfloat16:
-            ye = round_bf16(ye)
-            yo = round_bf16(yo)
-    ye = ye.to(DT).to(tl.float32)
-    yo = yo.to(DT).to(tl.float32)
-    return tl.where(inr[:, None], ye, xe), tl.where(inr[:, None], yo, xo)
 
 
 @triton.jit
@@ -305,7 +273,13 @@ def _rope_pairs_packed(X, row_off, src, rmask, COS, SIN, c_off, s_off, scs, scd,
     inr = rmask & (src >= lo) & (src < hi)
     ye, yo = _rope_pair_math(xe, xo, (src - lo).to(tl.int64), inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd,
                              D, PAIR_TABLE, TAB_WORDS)
-    return _round_rotated(xe, xo, ye, yo, inr, X.dtype.element_ty, INTERPRET)
+    if INTERPRET:
+        if X.dtype.element_ty == tl.bfloat16:
+            ye = round_bf16(ye)
+            yo = round_bf16(yo)
+    ye = ye.to(X.dtype.element_ty).to(tl.float32)
+    yo = yo.to(X.dtype.element_ty).to(tl.float32)
+    return tl.where(inr[:, None], ye, xe), tl.where(inr[:, None], yo, xo)
 
 
 @triton.jit
@@ -505,69 +479,6 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
         tl.store(KS + bh * nbk + kb, scale, mask=kb < nbk)
 
 
-@triton.jit
-def _qk_rope_heads_kernel(Q, K, PERM, KBAR, Q8, K8, QS, KS,
-                          S, H, sqb, sqh, sqs, skb, skh, sks, spb, sph, sps, q_fold,
-                          COS, SIN, scb, scs, scd, ssb, sss, ssd, lo, hi,
-                          D: tl.constexpr, BK: tl.constexpr, HPP: tl.constexpr, HAS_PERM: tl.constexpr,
-                          FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr, PAIR_TABLE: tl.constexpr,
-                          TAB_WORDS: tl.constexpr):
-    # The PACKED RoPE path of _qk_quant_kernel for tables shared by every head (head stride 0): one
-    # program = one 64-token block of HPP heads of one batch row; the block's cos/sin rows are loaded
-    # ONCE and rotate the Q rows of all HPP heads and, without perm, their K rows too (same positions).
-    # With perm each head's K' rows sit at other positions: their table rows are loaded per head.
-    # NOTE why: with a table read per head, a [64, D/2] fp32 pair table pair is 2x the bytes of the bf16
-    # row tile it rotates; at S = 32760 the L2 -> SM traffic was ~3x the HBM traffic (H200, bf83f15:
-    # fused chain 0.483 ms, 54% of a copy, vs 0.326 ms / 78% without RoPE).
-    hg = tl.program_id(0)
-    blk = tl.program_id(1)
-    b = (hg * HPP) // H
-    h0 = (hg * HPP) % H
-    i2 = tl.arange(0, D // 2)
-    QMAX: tl.constexpr = 448.0 if FP8_OUT else 127.0
-    nbk = tl.cdiv(S, BK)
-    rows = blk * BK + tl.arange(0, BK)
-    rmask = rows < S
-    inr = rmask & (rows >= lo) & (rows < hi)
-    c_off = b.to(tl.int64) * scb
-    s_off = b.to(tl.int64) * ssb
-    ce, co, se, so = _pair_tables((rows - lo).to(tl.int64), inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd,
-                                  D, PAIR_TABLE, TAB_WORDS)
-    DT: tl.constexpr = Q.dtype.element_ty
-    for hh in tl.range(0, HPP, num_stages=1):  # a runtime loop: unrolled, the heads' loads were hoisted
-        h = h0 + hh
-        bh = b * H + h
-        out = bh.to(tl.int64) * S * (D // 2) + rows[:, None].to(tl.int64) * (D // 2) + i2[None, :]
-        kbar_e = tl.load(KBAR + bh * D + i2)  # KBAR here: [B*H, 2, D/2] (even channels, then odd)
-        kbar_o = tl.load(KBAR + bh * D + D // 2 + i2)
-        k_bad = tl.min(((tl.abs(kbar_e) < float("inf")) & (tl.abs(kbar_o) < float("inf"))).to(tl.int32), 0) == 0
-        # ---- Q rows of head h
-        xe, xo = _load_pairs(Q, b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows.to(tl.int64) * sqs, rmask, D)
-        ye, yo = _rope_pair_apply(xe, xo, ce, co, se, so)
-        qe, qo = _round_rotated(xe, xo, ye, yo, inr, DT, INTERPRET)
-        codes, scale = _quant_pair(qe, qo, QMAX, FP8_OUT, INTERPRET, PER_ROW=True)
-        tl.store(Q8.to(tl.pointer_type(tl.int16)) + out, codes, mask=rmask[:, None])
-        tl.store(QS + bh.to(tl.int64) * S + rows, tl.where(k_bad, float("nan"), scale * q_fold), mask=rmask)
-        # ---- K' block at the same positions (rows gathered through perm)
-        if HAS_PERM:
-            src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps, mask=rmask, other=0)
-            kin = rmask & (src >= lo) & (src < hi)
-            kce, kco, kse, kso = _pair_tables((src - lo).to(tl.int64), kin, COS, SIN, c_off, s_off, scs, scd,
-                                              sss, ssd, D, PAIR_TABLE, TAB_WORDS)
-        else:
-            src = rows
-            kin = inr
-            kce, kco, kse, kso = ce, co, se, so
-        xe, xo = _load_pairs(K, b.to(tl.int64) * skb + h.to(tl.int64) * skh + src.to(tl.int64) * sks, rmask, D)
-        ye, yo = _rope_pair_apply(xe, xo, kce, kco, kse, kso)
-        ke, ko = _round_rotated(xe, xo, ye, yo, kin, DT, INTERPRET)
-        ke = tl.where(rmask[:, None], ke - kbar_e[None, :], 0.0)
-        ko = tl.where(rmask[:, None], ko - kbar_o[None, :], 0.0)
-        codes, scale = _quant_pair(ke, ko, QMAX, FP8_OUT, INTERPRET)
-        tl.store(K8.to(tl.pointer_type(tl.int16)) + out, codes, mask=rmask[:, None])
-        tl.store(KS + bh * nbk + blk, scale)
-
-
 def _rope_kwargs(rope, D: int) -> dict:
     """Kernel arguments of the prologue RoPE (``reference.rope.RopeArgs`` or None = no RoPE)."""
     if rope is None:
@@ -588,11 +499,6 @@ def _pair_words_ok(*ts) -> bool:
 
 def _colsum_rope_kwargs(rope, D: int) -> dict:
     return dict(_rope_kwargs(rope, D), INTERPRET=interpret()) if rope is not None else {}
-
-
-def _share_heads(H: int) -> int:
-    """Heads per program of _qk_rope_heads_kernel: the largest divisor of H up to ROPE_SHARE_HEADS."""
-    return max(n for n in range(1, max(1, ROPE_SHARE_HEADS) + 1) if H % n == 0)
 
 
 def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
@@ -627,18 +533,6 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
     grid = (B * H, nbq) if rope is not None and ROPE_HEAD_FAST else (nbq, B * H)
     packed = (ROPE_PACKED and rope is not None and rope.form == "interleaved" and not hadamard
               and q.dtype in (torch.bfloat16, torch.float16) and _pair_words_ok(q, k))
-    tab_words = packed and not rope.pair_table(D) and _pair_words_ok(rope.cos, rope.sin)
-    hpp = _share_heads(H) if packed and rope.cos.stride(1) == 0 and rope.sin.stride(1) == 0 else 1
-    if hpp > 1:  # one table read per token block for hpp heads (see _qk_rope_heads_kernel)
-        _qk_rope_heads_kernel[(B * H // hpp, triton.cdiv(S, BLOCK_K))](
-            q, k, p, kbar.reshape(B * H, D // 2, 2).transpose(1, 2).contiguous(), q8, k8, q_scale, k_scale,
-            S, H, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *pstr,
-            float(sm_scale) * LOG2E, rope.cos, rope.sin, rope.cos.stride(0), rope.cos.stride(2),
-            rope.cos.stride(3), rope.sin.stride(0), rope.sin.stride(2), rope.sin.stride(3), int(rope.lo),
-            int(rope.hi), D=D, BK=BLOCK_K, HPP=hpp, HAS_PERM=perm is not None, FP8_OUT=qk_format == "fp8",
-            INTERPRET=interpret(), PAIR_TABLE=rope.pair_table(D), TAB_WORDS=tab_words,
-            num_warps=ROPE_SHARE_WARPS if D == 128 else ROPE_SHARE_WARPS // 2)
-        return QKQuant(q8, q_scale, k8, k_scale, k_mean, float(sm_scale))
     _qk_quant_kernel[grid](
         q, k, p, kbar.contiguous(), hpm, q8, k8, q_scale, k_scale,
         S, H, *q.stride(), *k.stride(), *pstr,
@@ -647,7 +541,9 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
         FP8_OUT=qk_format == "fp8", INTERPRET=interpret(),
         DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=8 if D == 128 else 4,
         **_rope_kwargs(rope, D),
-        **({"HEAD_FAST": ROPE_HEAD_FAST, "PACKED": packed, "TAB_WORDS": tab_words} if rope is not None else {}))
+        **({"HEAD_FAST": ROPE_HEAD_FAST, "PACKED": packed,
+            "TAB_WORDS": packed and not rope.pair_table(D) and _pair_words_ok(rope.cos, rope.sin)}
+           if rope is not None else {}))
     return QKQuant(q8, q_scale, k8, k_scale, k_mean, float(sm_scale))
 
 
