@@ -123,6 +123,29 @@ def test_zero_blocks_get_scale_one():
     assert int(vq.v8t[0, 0, 5].view(torch.uint8).sum()) == 0
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_tiny_rows_quantise_as_zero(fmt):
+    """A Q row / V channel whose amax is below reference.quant.TINY_AMAX (2^-96) gets scale 1 and zero
+    codes: qmax / amax would overflow fp32 (127 / 2e-37 = 6e38) and turn the codes into inf/NaN."""
+    B, H, S, D = 1, 1, 200, 64
+    q, k, v = (t.clone() for t in make_qkv(B, H, S, D, torch.bfloat16))
+    q[:, :, 10] = 2e-37
+    q[:, :, 11] = 0.0
+    q[:, :, 11, ::2] = -3e-38
+    v[..., 7] = 2e-37 * torch.randn(S).to(v.device).sign().to(v.dtype)
+    a = tpl.preprocess_qk(q, k, sm_scale=D ** -0.5, qk_format=fmt)
+    b = ref.preprocess_qk(q, k, sm_scale=D ** -0.5, qk_format=fmt)
+    sm = D ** -0.5 * 1.4426950408889634
+    for x in (a, b):
+        assert torch.isfinite(x.q_scale).all()
+        torch.testing.assert_close(x.q_scale[0, 0, 10:12].cpu(), torch.full((2,), sm), rtol=1e-6, atol=0)
+        assert int(x.q8[0, 0, 10:12].float().abs().sum()) == 0
+    assert_codes(a.q8, b.q8, exact=EXACT, what="q8")
+    va, vb = tpl.preprocess_v(v), ref.preprocess_v(v)
+    for x in (va, vb):
+        assert x.v_scale[0, 0, 7].item() == 1.0 and x.v8t[0, 0, 7].float().abs().sum().item() == 0  # +-0
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("fmt,hadamard", [("int8", False), ("fp8", True)])
 @pytest.mark.parametrize("which,bad", [("q", "nan"), ("q", "-inf"), ("k", "nan"), ("k", "inf"), ("v", "nan"),

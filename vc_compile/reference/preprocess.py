@@ -52,6 +52,7 @@ import torch
 from .quant import (
     FP8_MAX,
     LOG2E,
+    TINY_AMAX,
     expand_blocks,
     finite_part,
     hadamard_matrix,
@@ -152,7 +153,8 @@ def preprocess_v(v, perm=None, *, smooth: bool = True) -> VQuant:
     resid = vf - mu.repeat_interleave(BLOCK_V, dim=2)[:, :, :S]
     resid, bad = finite_part(resid)
     bad = bad.any(dim=2)  # [B, H, D] channels with a non-finite value
-    amax = torch.where(bad, torch.zeros_like(bad, dtype=resid.dtype), resid.abs().amax(dim=2))  # [B, H, D]
+    amax = resid.abs().amax(dim=2)  # [B, H, D]
+    amax = torch.where(bad | (amax < TINY_AMAX), torch.zeros_like(amax), amax)
     v_scale = safe_scale(amax, FP8_MAX)  # (1 for a NaN channel: codes of its finite part, as the kernel)
     v8 = quantize_fp8_rcp(resid, recip_scale(amax, FP8_MAX).unsqueeze(2))
     v_scale = poison(v_scale, bad)

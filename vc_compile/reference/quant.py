@@ -32,6 +32,9 @@ LOG2E = 1.4426950408889634
 INT8_MAX = 127.0
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
+# A block whose amax is below this is quantised as all zero (scale 1): qmax / amax would overflow fp32
+# below ~2^-119 (bf16 reaches 2^-133), and such a block is zero at any attention scale.
+TINY_AMAX = 2.0 ** -96
 # P~ is the probability scaled so that the row maximum is 2^8 = 256 (SPEC 3.3): every probability
 # >= 2^-14 of the row max then lands in the normal E4M3 range.
 P_SCALE_LOG2 = 8.0
@@ -105,7 +108,7 @@ def quantize_blocks(x: torch.Tensor, block: int, fmt: str):
     xf = x.float()
     amax = block_amax(xf, block)  # NaN if the block holds a NaN, +inf if an Inf (torch.amax propagates)
     bad = ~torch.isfinite(amax)
-    amax = torch.where(bad, torch.zeros_like(amax), amax)
+    amax = torch.where(bad | (amax < TINY_AMAX), torch.zeros_like(amax), amax)
     badt = expand_blocks(bad, block, x.shape[-2]).unsqueeze(-1)
     xf = torch.where(badt, torch.zeros_like(xf), xf)  # all-zero codes in a non-finite block
     inv = expand_blocks(recip_scale(amax, qmax), block, x.shape[-2]).unsqueeze(-1)
