@@ -141,9 +141,7 @@ def main(argv=None):
             name = f"c{C}_BN{cfg[0]}_w{cfg[1]}_s{cfg[2]}" + "".join(f"_{kk}{v:g}" for kk, v in sw.items())
             out[name] = kernel_stats(k, cfg[1])
             if a.dump:
-                for ext in ("ttgir", "ptx"):
-                    with open(f"{a.dump}_{name}.{ext}", "w") as f:
-                        f.write(k.asm[ext])
+                cs.dump_asm(k, f"{a.dump}_{name}")
     if a.json:
         print(json.dumps(out))
     else:

@@ -74,6 +74,13 @@ def stats(k) -> dict:
             "stores": dict(Counter(re.findall(r"st\.global[.\w]*", ptx)))}
 
 
+def dump_asm(k, prefix: str) -> None:
+    """Write a compiled kernel's TTGIR and PTX to PREFIX.ttgir / PREFIX.ptx."""
+    for ext in ("ttgir", "ptx"):
+        with open(f"{prefix}.{ext}", "w") as f:
+            f.write(k.asm[ext])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--S", type=int, default=32760)
@@ -101,9 +108,7 @@ def main(argv=None):
     for name, kk in COMPILED:
         out[name] = stats(kk)
         if a.dump:
-            for ext in ("ttgir", "ptx"):
-                with open(f"{a.dump}_{name}.{ext}", "w") as f:
-                    f.write(kk.asm[ext])
+            dump_asm(kk, f"{a.dump}_{name}")
     if a.json:
         print(json.dumps(out))
     else:
