@@ -226,7 +226,8 @@ def test_residual_none_vs_bf16(name, impl):
     assert m_none.residual is None and m_res.residual is not None and m_res.residual.dtype == torch.bfloat16
     assert torch.equal(m_none.idx, m_res.idx) and torch.equal(m_none.sigma, m_res.sigma)
     assert torch.equal(a_none, a_res)  # the anchor returns O_dense either way
-    sparse = M._sparse_fn(impl, "bf16")(q, k, v, m_none.sigma, m_none.idx, sm_scale=sm, group_size=64)
+    C = VCConfig.from_options(base).group_size
+    sparse = M._sparse_fn(impl, "bf16")(q, k, v, m_none.sigma, m_none.idx, sm_scale=sm, group_size=C)
     assert torch.allclose(r_none.float(), sparse.float(), atol=1e-6)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
     assert (r_res.float() - a_res.float()).abs().max() <= tol  # O_sparse + R == O_dense
@@ -243,16 +244,16 @@ def test_every_step_reselects_from_current_inputs():
     _, meta = M.run(q, k, v, phase=Phase.ANCHOR, meta=None, cfg=cfg, sm_scale=D ** -0.5, impl=impl)
     q2, k2, v2, _ = inputs(S, S, D, torch.float32, seed=1)
     out, meta2 = M.run(q2, k2, v2, phase=Phase.REUSE, meta=meta, cfg=cfg, sm_scale=D ** -0.5, impl=impl)
-    idx2 = M.select(impl, q2, k2, meta.sigma, None, sm_scale=D ** -0.5, group_size=64,
+    idx2 = M.select(impl, q2, k2, meta.sigma, None, sm_scale=D ** -0.5, group_size=cfg.group_size,
                     keep=meta.idx.shape[-1], selection=Selection.MEAN_POOL, unit=SelectionUnit.BLOCK)
     assert not torch.equal(idx2, meta.idx)
-    want = impl.sparse_attn.sparse_attention(q2, k2, v2, meta.sigma, idx2, sm_scale=D ** -0.5, group_size=64)
+    want = impl.sparse_attn.sparse_attention(q2, k2, v2, meta.sigma, idx2, sm_scale=D ** -0.5, group_size=cfg.group_size)
     assert torch.allclose(out, want, atol=1e-6)
     # 'anchor' refresh reuses the anchor's selection instead
     cfg_a = dataclasses.replace(cfg, selection_refresh=SelectionRefresh.ANCHOR)
     out_a, _ = M.run(q2, k2, v2, phase=Phase.REUSE, meta=meta, cfg=cfg_a, sm_scale=D ** -0.5, impl=impl)
     want_a = impl.sparse_attn.sparse_attention(q2, k2, v2, meta.sigma, meta.idx, sm_scale=D ** -0.5,
-                                               group_size=64)
+                                               group_size=cfg.group_size)
     assert torch.allclose(out_a, want_a, atol=1e-6)
 
 
