@@ -125,8 +125,8 @@ def test_zero_blocks_get_scale_one():
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_tiny_rows_quantise_as_zero(fmt):
-    """A Q row / V channel whose amax is below reference.quant.TINY_AMAX (2^-112) gets scale 1 and zero
-    codes: qmax / amax would overflow fp32 (127 / 2e-37 = 6e38) and turn the codes into inf/NaN."""
+    """A Q row / V channel whose qmax / amax overflows fp32 (127 / 2e-37 = 6e38; reference.quant.flush_tiny)
+    gets scale 1 and zero codes instead of inf/NaN codes."""
     B, H, S, D = 1, 1, 200, 64
     q, k, v = (t.clone() for t in make_qkv(B, H, S, D, torch.bfloat16))
     q[:, :, 10] = 2e-37

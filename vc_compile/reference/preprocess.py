@@ -52,14 +52,13 @@ import torch
 from .quant import (
     FP8_MAX,
     LOG2E,
-    TINY_AMAX,
     expand_blocks,
     finite_part,
+    flush_tiny,
     hadamard_matrix,
     poison,
     quantize_blocks,
     quantize_fp8_rcp,
-    recip_scale,
     safe_scale,
 )
 
@@ -154,9 +153,9 @@ def preprocess_v(v, perm=None, *, smooth: bool = True) -> VQuant:
     resid, bad = finite_part(resid)
     bad = bad.any(dim=2)  # [B, H, D] channels with a non-finite value
     amax = resid.abs().amax(dim=2)  # [B, H, D]
-    amax = torch.where(bad | (amax < TINY_AMAX), torch.zeros_like(amax), amax)
+    amax, inv = flush_tiny(torch.where(bad, torch.zeros_like(amax), amax), FP8_MAX)
     v_scale = safe_scale(amax, FP8_MAX)  # (1 for a NaN channel: codes of its finite part, as the kernel)
-    v8 = quantize_fp8_rcp(resid, recip_scale(amax, FP8_MAX).unsqueeze(2))
+    v8 = quantize_fp8_rcp(resid, inv.unsqueeze(2))
     v_scale = poison(v_scale, bad)
     S_pad = nb * BLOCK_V
     v8t = torch.zeros(B, H, D, S_pad, dtype=v8.dtype, device=v.device)

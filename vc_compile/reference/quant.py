@@ -32,10 +32,6 @@ LOG2E = 1.4426950408889634
 INT8_MAX = 127.0
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
-# A block whose amax is below this is quantised as all zero (scale 1): qmax / amax overflows fp32 below
-# 448 / 3.4e38 ~ 2^-119 (bf16 reaches 2^-133). 2^-112 (1.9e-34) leaves a margin and still quantises the
-# hostile suite's "tiny" case (V ~ 1e-32, tests/test_hostile.py) normally.
-TINY_AMAX = 2.0 ** -112
 # P~ is the probability scaled so that the row maximum is 2^8 = 256 (SPEC 3.3): every probability
 # >= 2^-14 of the row max then lands in the normal E4M3 range.
 P_SCALE_LOG2 = 8.0
@@ -53,9 +49,18 @@ def safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 
 
 def recip_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """``qmax / amax`` (one IEEE division, as the kernels' ``div_rn``), or 1 where the block is all zero."""
+    """``qmax / amax`` (one IEEE division, as the kernels' ``div_rn``), or 1 where the block is all zero.
+    Can be +inf for amax below ~qmax / 3.4e38 (bf16 reaches 1e-40): see ``flush_tiny``."""
     a = torch.where(amax == 0, torch.full_like(amax, qmax), amax)
     return torch.full_like(a, qmax) / a
+
+
+def flush_tiny(amax: torch.Tensor, qmax: float):
+    """(amax, inv) with the blocks whose ``qmax / amax`` overflows fp32 treated as all zero (amax 0, inv 1:
+    their values, < ~1e-36, round to code 0). The kernels apply the same rule to the same IEEE quotient."""
+    inv = recip_scale(amax, qmax)
+    tiny = torch.isinf(inv)
+    return torch.where(tiny, torch.zeros_like(amax), amax), torch.where(tiny, torch.ones_like(inv), inv)
 
 
 def finite_part(x: torch.Tensor):
@@ -109,10 +114,10 @@ def quantize_blocks(x: torch.Tensor, block: int, fmt: str):
     xf = x.float()
     amax = block_amax(xf, block)  # NaN if the block holds a NaN, +inf if an Inf (torch.amax propagates)
     bad = ~torch.isfinite(amax)
-    amax = torch.where(bad | (amax < TINY_AMAX), torch.zeros_like(amax), amax)
+    amax, inv = flush_tiny(torch.where(bad, torch.zeros_like(amax), amax), qmax)
     badt = expand_blocks(bad, block, x.shape[-2]).unsqueeze(-1)
     xf = torch.where(badt, torch.zeros_like(xf), xf)  # all-zero codes in a non-finite block
-    inv = expand_blocks(recip_scale(amax, qmax), block, x.shape[-2]).unsqueeze(-1)
+    inv = expand_blocks(inv, block, x.shape[-2]).unsqueeze(-1)
     codes = quantize_int8(xf, inv) if fmt == "int8" else quantize_fp8_rcp(xf, inv)
     return codes, poison(safe_scale(amax, qmax), bad)
 

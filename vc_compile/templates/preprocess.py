@@ -89,7 +89,6 @@ import triton.language as tl
 
 from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, QKQuant, VQuant, k_mean_stride
 from vc_compile.reference.quant import LOG2E, hadamard_matrix
-from vc_compile.reference.quant import TINY_AMAX as _TINY_AMAX
 
 FP8 = torch.float8_e4m3fn
 # RoPE prologue switches (module globals so that benchmarks/bench_preprocess.py can A/B them in one run)
@@ -125,7 +124,6 @@ def round_e4m3(x):
     return tl.where(tl.abs(x) < 0.015625, sub, nrm)
 
 
-TINY_AMAX = tl.constexpr(_TINY_AMAX)  # reference.quant.TINY_AMAX
 MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: fp32 x + MAGIC (|x| < 2^22) is round-to-nearest-even(x) in the low bits
 
 
@@ -160,11 +158,14 @@ def _codes(x, inv, bad, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr):
 def _scales(amax, QMAX: tl.constexpr):
     """amax (NaN-propagating: NaN / +inf when the row/block holds a non-finite value) -> (scale, inv, bad):
     scale = amax / QMAX (NaN when bad, 1 for an all-zero row), inv = QMAX / amax (1 when bad or zero), one
-    IEEE division each per row/block. amax < TINY_AMAX counts as zero (QMAX / amax would overflow)."""
+    IEEE division each per row/block. A row whose QMAX / amax overflows counts as zero (reference
+    ``quant.flush_tiny``)."""
     bad = ~(amax < float("inf"))
-    a = tl.where(bad | (amax < TINY_AMAX), QMAX, amax)  # below TINY_AMAX: all-zero codes, scale 1
-    scale = tl.where(bad, float("nan"), tl.math.div_rn(a, tl.full(a.shape, QMAX, tl.float32)))
-    return scale, tl.math.div_rn(tl.full(a.shape, QMAX, tl.float32), a), bad
+    a = tl.where(bad | (amax == 0.0), QMAX, amax)
+    inv = tl.math.div_rn(tl.full(a.shape, QMAX, tl.float32), a)
+    tiny = ~(inv < float("inf"))  # QMAX / amax overflows (amax < ~1e-36): all-zero codes, scale 1
+    scale = tl.where(bad, float("nan"), tl.where(tiny, 1.0, tl.math.div_rn(a, tl.full(a.shape, QMAX, tl.float32))))
+    return scale, tl.where(tiny, 1.0, inv), bad
 
 
 @triton.jit
@@ -602,9 +603,12 @@ def _v_quant_kernel(V, PERM, VMEAN, VAMAX, V8T, VSCALE, S, S_pad, H, svb, svh, s
     mu = tl.load(VMEAN + (bh * nb + blk).to(tl.int64) * D + d)
     amax = tl.load(VAMAX + bh * D + d)
     bad = amax == float("inf")  # a non-finite value in this channel: scale NaN, codes of the finite part
-    a = tl.where((amax < TINY_AMAX) | bad, 448.0, amax)
-    scale = tl.math.div_rn(a, tl.full(a.shape, 448.0, tl.float32))
+    a = tl.where((amax == 0.0) | bad, 448.0, amax)
     inv = tl.math.div_rn(tl.full(a.shape, 448.0, tl.float32), a)  # per channel; a multiply per element
+    tiny = ~(inv < float("inf"))  # 448 / amax overflows: the channel quantises as zero, scale 1
+    a = tl.where(tiny, 448.0, a)
+    inv = tl.where(tiny, 1.0, inv)
+    scale = tl.math.div_rn(a, tl.full(a.shape, 448.0, tl.float32))
     r = v - mu[None, :]
     r = tl.where(rmask[:, None] & (tl.abs(r) < float("inf")), r, 0.0)
     y = tl.minimum(tl.maximum(r * inv[None, :], -448.0), 448.0)
