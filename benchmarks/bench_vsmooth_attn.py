@@ -182,6 +182,14 @@ def bench_shape(B, H, S, D, n_rows, quick):
         vq = tpre.preprocess_v(v, p, smooth=smooth)
         out = tattn.vsmooth_attention(qk, vq, expcast=ec)  # O is in query order (only K/V permuted)
         add(f"{name}_kernel", bench_ms(lambda: tattn.vsmooth_attention(qk, vq, expcast=ec), wu, rep), out)
+        if tattn.use_sm90(q.device, qk.q8.dtype != torch.int8):  # the row above ran the Gluon kernel
+            tattn.SM90_KERNEL = False
+            try:
+                out_t = tattn.vsmooth_attention(qk, vq, expcast=ec)
+                add(f"{name}_kernel_triton", bench_ms(lambda: tattn.vsmooth_attention(qk, vq, expcast=ec), wu,
+                                                      rep), out_t)
+            finally:
+                tattn.SM90_KERNEL = None
 
         def op(p=p, smooth=smooth, ec=ec):
             a = tpre.preprocess_qk(q, k, p, sm_scale=sm)
@@ -415,6 +423,10 @@ def variant_note(r) -> str:
     v = r["variant"]
     if not v.startswith(("naive8", "vsmooth")):
         return ""
+    if "group_step" not in v and not v.endswith("_triton") and torch.cuda.is_available() and \
+            tattn.use_sm90(torch.device("cuda"), False):
+        from vc_compile.templates import vsmooth_attn_sm90 as g
+        return f"gluon_sm90 cfg={g.DEFAULT_CONFIG[r['D']]} rowsum=fp16 mean={0 if v.startswith('naive8') else 1}"
     cfg, rs, mean = tattn.DEFAULT_VARIANTS[(r["D"], "expcast" in v)]
     mode = f" expcast_mode={tattn.DEFAULT_EXPCAST_MODE}" if "expcast" in v else ""
     return f"cfg={cfg} rowsum={rs} mean={0 if v.startswith('naive8') else mean}{mode}"

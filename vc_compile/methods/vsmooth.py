@@ -41,6 +41,17 @@ def _warm_start(centroids: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, centroids, init_centroids(v, centroids.shape[2]))
 
 
+def path_label(path: str, phase, cfg) -> str:
+    """The kernel path recorded in ``report()``: ``"triton/gluon_sm90"`` where the attention runs the Gluon
+    sm_90 kernel (templates/vsmooth_attn_sm90.py; INT8 Q/K on an sm_90 GPU), else ``path``."""
+    if path == "triton" and cfg.qk_format.value == "int8" and torch.cuda.is_available():
+        from ..templates import vsmooth_attn as tattn
+
+        if tattn.use_sm90(torch.device("cuda", torch.cuda.current_device()), False):
+            return "triton/gluon_sm90"
+    return path
+
+
 def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl, rope=None):
     """``rope``: q and k are un-rotated, the preprocessing applies this RoPE (issue 7 prologue fusion)."""
     perm = None

@@ -117,6 +117,13 @@ ROWSUM_OVERRIDE: Optional[int] = None
 DEFAULT_WARP_SPEC = False
 WARP_SPEC_OVERRIDE: Optional[bool] = None
 
+# The Gluon kernel (vsmooth_attn_sm90.py: the MMAs overlapped with the softmax) runs instead of this one on
+# sm_90 GPUs for INT8 Q/K when no launch configuration is given. None = that rule, False = never (the
+# Triton kernel everywhere: benchmarks' side-by-side rows), True = also refuse to fall back silently.
+# NOTE (H200, S = 32760, B = 1, H = 40, D = 128, same run): V-Smooth 34.49 vs 38.57 ms, + ExpCast 34.69
+# vs 38.97, naive 8-bit 30.59 vs 34.85 (cuDNN 38.43); docs/kernels_notes.md "v3".
+SM90_KERNEL: Optional[bool] = None
+
 MAGIC_I2F = 0x4B400000  # bits of 1.5 * 2^23
 MAGIC_F = 12582912.0  # 1.5 * 2^23
 
@@ -321,6 +328,24 @@ def _lookup(qk: QKQuant, vq: VQuant, expcast: bool, out_dtype, return_lse: bool)
                           bench=lookup.validated_bench(launch))[0]
 
 
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def use_sm90(device: torch.device, qk_fp8: bool, config: Optional[Dict[str, int]] = None) -> bool:
+    """Whether ``vsmooth_attention`` runs the Gluon sm_90 kernel for these inputs (see SM90_KERNEL)."""
+    if SM90_KERNEL is False:
+        return False
+    overridden = (config, CONFIG_OVERRIDE, ROWSUM_OVERRIDE, MEAN_MODE_OVERRIDE, EXPCAST_MODE_OVERRIDE) != (None,) * 5
+    ok = (device.type == "cuda" and not interpret() and not qk_fp8 and not overridden
+          and _is_sm90(device.index if device.index is not None else torch.cuda.current_device()))
+    if SM90_KERNEL is True and not ok:
+        raise RuntimeError("vsmooth_attn.SM90_KERNEL = True, but these inputs cannot use the sm_90 kernel "
+                           "(needs an sm_90 GPU, INT8 Q/K, no Triton launch configuration/overrides)")
+    return ok
+
+
 def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dtype=torch.bfloat16,
                       return_lse: bool = False, config: Optional[Dict[str, int]] = None):
     """8-bit attention: O [B, H, S, D] in ``out_dtype`` (and the base-2 LSE of the smoothed logits,
@@ -338,6 +363,11 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
     if q_scale.shape != (B, H, S):
         raise ValueError(f"q_scale must be per query token [B, H, S] = {[B, H, S]}, got "
                          f"{list(q_scale.shape)}")
+    if use_sm90(q8.device, qk_fp8, config):
+        from vc_compile.templates import vsmooth_attn_sm90
+
+        return vsmooth_attn_sm90.vsmooth_attention_sm90(qk, vq, expcast=expcast, out_dtype=out_dtype,
+                                                        return_lse=return_lse)
     if config is None:
         config = _lookup(qk, vq, expcast, out_dtype, return_lse)
     (BM, BN, nw, ns), rowsum, mean, mode = _variant(D, expcast, config)

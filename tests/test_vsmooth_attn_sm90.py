@@ -1,0 +1,135 @@
+"""The Gluon sm_90 V-Smooth kernel (``templates/vsmooth_attn_sm90.py``).
+
+On CPU: it compiles for sm_90 (offline, ``scripts/codegen_vsmooth.py``) without spills, two or more CTAs per
+SM, and with the softmax inside the window where PV_{j-1} runs on the tensor cores (the point of the kernel);
+the dispatch rule of ``vsmooth_attn.vsmooth_attention``. On an sm_90 GPU: against the reference and an fp32
+truth with the Triton kernel's tolerances (tests/test_vsmooth_attn.py explains them), and against the Triton
+kernel itself: the same arithmetic up to the order of fp32 additions (two-level PV accumulation in both, the
+row sum of P~ in fp16 as the Triton kernel's ROWSUM = 2), so <= 1e-2 relative L2 (measured <= 1.6e-2 max abs
+on bf16 outputs of magnitude ~2, i.e. one bf16 step).
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from test_vsmooth_attn import make_qkv, quantise, ref_tolerance, rel, truth_of
+from vc_compile.reference import preprocess as ref_pre
+from vc_compile.reference import vsmooth_attn as ref
+from vc_compile.templates import vsmooth_attn as tpl
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+requires_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (H100/H200)")
+
+
+@pytest.fixture(scope="module")
+def codegen():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "codegen_vsmooth.py"), "--json"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("variant", ["d128_exp2", "d128_expcast", "d128_naive", "d64_exp2", "d64_expcast"])
+def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
+    st = codegen[variant]
+    assert st["spill_bytes"] == 0 and not st["wgmma_serialized"]
+    assert st["ctas_per_sm"] >= 2  # 8 warps per SM: the other CTA's softmax also hides MMA latency
+    w = st["window"]
+    assert w["found"], "no wgmma wait with one group outstanding: S_j and PV_{j-1} are not overlapped"
+    # the whole softmax of a [64, 128] tile (64 scores per thread) runs while PV_{j-1} is in flight
+    if variant.endswith("expcast"):
+        assert w["fmnmx"] >= 64
+    else:
+        assert w["mufu_ex2"] >= 64
+    assert w["sts"] >= 16  # P~_j goes to shared memory (PV's A operand) inside the window too
+
+
+def test_dispatch_rule_on_cpu(monkeypatch):
+    cpu = torch.device("cpu")
+    assert not tpl.use_sm90(cpu, False)
+    monkeypatch.setattr(tpl, "SM90_KERNEL", True)
+    with pytest.raises(RuntimeError, match="sm_90"):
+        tpl.use_sm90(cpu, False)
+
+
+def _both(qk, vq, expcast, return_lse=False, out_dtype=torch.bfloat16):
+    o = tpl.vsmooth_attention(qk, vq, expcast=expcast, return_lse=return_lse, out_dtype=out_dtype)
+    old = tpl.SM90_KERNEL
+    tpl.SM90_KERNEL = False
+    try:
+        t = tpl.vsmooth_attention(qk, vq, expcast=expcast, return_lse=return_lse, out_dtype=out_dtype)
+    finally:
+        tpl.SM90_KERNEL = old
+    return o, t
+
+
+@requires_sm90
+def test_gpu_dispatches_to_sm90():
+    assert tpl.use_sm90(torch.device("cuda"), False)
+    assert not tpl.use_sm90(torch.device("cuda"), True)  # FP8 Q/K: the Triton kernel
+    assert not tpl.use_sm90(torch.device("cuda"), False, config=tpl.as_config(tpl.DEFAULT_VARIANTS[(128, False)]))
+
+
+@requires_sm90
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("S", [100, 256, 4096, 4173])
+@pytest.mark.parametrize("expcast", [False, True])
+def test_gpu_matches_reference_truth_and_triton(D, S, expcast):
+    """S = 100: one (tail) block only; 256: no tail; 4173: full blocks + a 77-key tail."""
+    q, k, v = make_qkv(1, 4, S, D, torch.bfloat16, device="cuda")
+    truth = truth_of(q, k, v)
+    for smooth in (True, False):
+        qk, vq = quantise(q, k, v, "int8", smooth)
+        (o, lse), (t, tlse) = _both(qk, vq, expcast, return_lse=True)
+        ro, rlse = ref.vsmooth_attention(qk, vq, expcast=expcast, return_lse=True)
+        assert torch.isfinite(o).all()
+        assert rel(o, ro) <= ref_tolerance(expcast, 2)
+        assert rel(o, truth) <= 1.25 * rel(ro, truth) + 1e-3
+        assert rel(o, t) <= 1e-2
+        assert (lse - rlse).abs().mean().item() <= 1e-2 and (lse - tlse).abs().max().item() <= 1e-2
+
+
+@requires_sm90
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_gpu_out_dtypes(out_dtype):
+    q, k, v = make_qkv(2, 3, 777, 128, torch.float16, device="cuda")
+    qk, vq = quantise(q, k, v)
+    o, t = _both(qk, vq, False, out_dtype=out_dtype)
+    assert o.dtype == out_dtype and rel(o, t) <= 1e-2
+
+
+@requires_sm90
+@pytest.mark.parametrize("expcast", [False, True])
+def test_gpu_zero_sm_scale_uniform_rows(expcast):
+    """qs = 0 on every row: the tail block must scale before its -inf mask (0 * -inf = NaN otherwise)."""
+    q, k, v = make_qkv(1, 2, 200, 64, torch.bfloat16, device="cuda")
+    qk, vq = ref_pre.preprocess_qk(q, k, sm_scale=0.0), ref_pre.preprocess_v(v)
+    o = tpl.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=torch.float32)
+    assert torch.isfinite(o).all()
+    assert rel(o, v.float().mean(dim=2, keepdim=True).expand_as(o)) <= 2e-2
+
+
+@requires_sm90
+def test_gpu_nan_rows_stay_nan():
+    """A NaN in one query row: that row NaN (q_scale NaN), every other row finite and as the Triton kernel."""
+    q, k, v = make_qkv(1, 2, 300, 128, torch.bfloat16, device="cuda")
+    q[0, 1, 17, 5] = float("nan")
+    qk, vq = quantise(q, k, v)
+    o, t = _both(qk, vq, False)
+    bad = ~torch.isfinite(o).all(-1)
+    assert bad[0, 1, 17] and int(bad.sum()) == 1
+    keep = ~bad
+    assert rel(o[keep], t[keep]) <= 1e-2

@@ -1,0 +1,274 @@
+"""8-bit V-Smooth attention for sm_90 in Gluon: the same contract as ``vsmooth_attn.py`` (reference:
+``vc_compile/reference/vsmooth_attn.py``), with the MMAs overlapped with the softmax inside a warp group.
+
+Why a second kernel: in plain Triton every ``tl.dot`` of the key loop is waited for right after it is
+issued (SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` after each QK and PV group), so a CTA runs QK MMA ->
+softmax -> PV MMA strictly in series and only the two CTAs of an SM overlap each other. Gluon exposes
+``warpgroup_mma(..., is_async=True)`` and ``warpgroup_mma_wait(num_outstanding)``, so this kernel keeps
+the tensor cores busy during the softmax (FA3's intra-warpgroup pipelining):
+
+    iteration j:  issue S_j = Q K_j^T        (async)
+                  issue PV_{j-1} = P~_{j-1} V_{j-1}   (async, fresh accumulator: two-level accumulation)
+                  wait until 1 group is outstanding    -> S_j is ready, PV_{j-1} still runs
+                  softmax of S_j -> P~_j, alpha_j, r_j (while PV_{j-1} runs)
+                  wait for PV_{j-1}; acc = acc * alpha_{j-1} + PV_{j-1} + r_{j-1} mu'_{j-1}
+                  refill the freed K and V stages (TMA)
+
+Notation (as ``vsmooth_attn.py``)
+--------
+BM, BN, D   query rows per program, keys per block (BN = 128 = BLOCK_V), head dim.
+s~          = (q8 . k8) ks: the K-scaled scores, formed as fma(t, ks, -1.5 * 2^23 ks) from t = bits(qk +
+            0x4B400000) (the magic-number int32 -> float conversion, no I2F); ks is one scale per 64 keys,
+            two scalars per block selected per column. The key tail is one masked block after the loop
+            (qs applied before its -inf mask, as in vsmooth_attn.py).
+qs          [BM] per-token Q scale (sm_scale * log2 e folded in); the base-2 logit is qs_i s~.
+m_i, l_i    running row max / row sum (of the decoded P~, summed in fp16 as ROWSUM = 2).
+P~          fp8(256 * 2^(s - m_i)) (exp2 + cast) or the ExpCast E4M3 code (mode 2, the reference's rounding).
+acc         the PV accumulator in units of v_scale; O = acc * v_scale / l_i.
+
+Parallelisation: grid ``(ceil(S / BM), B * H)``; one program = BM query rows of one (b, h), num_warps / 4
+warp groups splitting the rows (16 rows per warp); K / V stream through a STAGES-deep TMA ring with one
+mbarrier per stage and tensor. sm_90 only (wgmma, TMA); no interpreter path: CPU tests compile it for
+sm_90 offline, GPU tests compare it with the reference and with ``vsmooth_attn.py``.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+
+
+@gluon.jit
+def _softmax_block(s_i32, j, Sk, KS_bh, qs, m_i, s_layout: gl.constexpr, BN: gl.constexpr,
+                   BKS: gl.constexpr, EXPCAST: gl.constexpr, MASK: gl.constexpr):
+    """One key block's online-softmax step: (P~ fp8 [BM, BN], alpha [BM], r [BM], m_new [BM])."""
+    # k_scale: BN / BKS = 2 values per block, loaded as scalars and selected per column (a [BN] load would
+    # hold 2 x 32 registers per thread for ks and kb)
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+    ks0 = gl.load(KS_bh + j * (BN // BKS))
+    ks1 = gl.load(KS_bh + j * (BN // BKS) + 1, mask=j * BN + BKS < Sk, other=0.0)  # the tail may hold one
+    ks = gl.where(cols < BKS, ks0, ks1)
+    t = (s_i32 + 0x4B400000).to(gl.float32, bitcast=True)  # 1.5 * 2^23 + qk, exact (|qk| < 2^22)
+    s = t * ks[None, :] + (ks * -12582912.0)[None, :]  # one FFMA
+    if MASK:  # the key tail (one block): scale the rows BEFORE the -inf mask (qs = 0 would give 0 * -inf)
+        s = gl.where((j * BN + cols < Sk)[None, :], s * qs[:, None], float("-inf"))
+        qr = gl.full(qs.shape, 1.0, gl.float32, qs.type.layout)
+    else:
+        qr = qs
+    rmax = gl.max(s, 1) * qr
+    m_new = gl.maximum(m_i, rmax)
+    alpha = gl.exp2(m_i - m_new)
+    if EXPCAST:
+        x = s * (8.0 * qr)[:, None] + (119.65 - 8.0 * m_new)[:, None]
+        x = gl.maximum(x + 8388608.0, 8388608.0)
+        p8 = x.to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+    else:
+        p = gl.exp2(s * qr[:, None] - (m_new - 8.0)[:, None])  # one FFMA + MUFU
+        p8 = p.to(gl.float8e4nv)
+    r = gl.sum(p8.to(gl.float16), 1).to(gl.float32)  # decoded P~, fp16 sum (2^-11 relative)
+    return p8, alpha, r, m_new
+
+
+@gluon.jit
+def _load_v(desc_v, desc_m, v_smem, m_smem, vbar, slot, vt_row, m_row, blk, pred, BN: gl.constexpr,
+            MEAN: gl.constexpr):
+    """TMA of V^T block ``blk`` (and its mean row mu', when MEAN) into stage ``slot``."""
+    if MEAN:
+        mbarrier.expect(vbar.index(slot), desc_v.block_type.nbytes + desc_m.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(desc_m, [m_row + blk, 0], vbar.index(slot), m_smem.index(slot), pred=pred)
+    else:
+        mbarrier.expect(vbar.index(slot), desc_v.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc_v, [vt_row, blk * BN], vbar.index(slot), v_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k,
+                    desc_v, desc_m, m_row,
+                    kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, s_layout: gl.constexpr,
+                    o_layout: gl.constexpr, p_layout: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                    BKS: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr,
+                    MASK: gl.constexpr):
+    """Key block j: S_j (async) and PV_{j-1} (async) on the tensor cores while the softmax of S_j runs."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    ks_slot = j % STAGES
+    mbarrier.wait(kbar.index(ks_slot), (j // STAGES) & 1)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(ks_slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    vslot = (j - 1) % STAGES
+    mbarrier.wait(vbar.index(vslot), ((j - 1) // STAGES) & 1)
+    pv_tok = warpgroup_mma(p_smem.index((j - 1) % 2), v_smem.index(vslot).permute((1, 0)), zero_o,
+                           use_acc=False, is_async=True)
+    s_i = warpgroup_mma_wait(1, deps=[s_tok])  # S_j ready; PV_{j-1} still in flight
+    p8n, alpha_n, r_n, m_i = _softmax_block(s_i, j, Sk, KS_bh, qs, m_i, s_layout, BN, BKS, EXPCAST, MASK)
+    p_smem.index(j % 2).store(p8n)  # read by PV_j in the next step (PV_{j-2}, its last reader, is done)
+    fence_async_shared()
+    nk = j + STAGES  # K stage ks_slot is free (S_j done): refill it
+    mbarrier.expect(kbar.index(ks_slot), desc_k.block_type.nbytes, pred=nk < nb)
+    tma.async_copy_global_to_shared(desc_k, [kv_row + nk * BN, 0], kbar.index(ks_slot), k_smem.index(ks_slot),
+                                    pred=nk < nb)
+    # the softmax results go through the wait so that the compiler cannot sink the softmax below it
+    # (it did: the whole softmax ran after the PV wait, serialising the step again)
+    pv, alpha_n, r_n, m_i = warpgroup_mma_wait(0, deps=[pv_tok, alpha_n, r_n, m_i])
+    gl.thread_barrier()  # every warp's rows of P~_j are in shared memory before PV_j is issued
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
+    if MEAN:
+        mu = m_smem.index(vslot).load(o_layout)  # [1, D]: staged by TMA with V_{j-1}
+        acc += gl.convert_layout(r, row_o)[:, None] * mu
+    nv = j - 1 + STAGES  # V stage vslot is free (PV_{j-1} done): refill it
+    _load_v(desc_v, desc_m, v_smem, m_smem, vbar, vslot, vt_row, m_row, nv, nv < nb, BN, MEAN)
+    l_i = l_i * alpha_n + r_n
+    return acc, l_i, m_i, alpha_n, r_n
+
+
+@gluon.jit
+def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, LSE, S, Sk, nb,
+                              BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
+                              BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
+                              MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
+                              num_warps: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BN, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float8e4nv)
+
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    start_m = pid_m * BM
+    kv_row = bh * Sk
+    vt_row = bh * D
+    m_row = bh * gl.cdiv(Sk, BV)
+
+    q_smem = gl.allocate_shared_memory(desc_q.dtype, [BM, D], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BN, D], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES, D, BN], desc_v.layout)
+    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BM, BN], p_shared)  # P~ double buffer (PV's A)
+    m_smem = gl.allocate_shared_memory(desc_m.dtype, [STAGES, 1, D], desc_m.layout)  # mu' rows, with V
+    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    vbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(qbar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kbar.index(i), count=1)
+        mbarrier.init(vbar.index(i), count=1)
+
+    mbarrier.expect(qbar, desc_q.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_q, [bh * S + start_m, 0], qbar, q_smem)
+    for i in gl.static_range(STAGES):
+        mbarrier.expect(kbar.index(i), desc_k.block_type.nbytes, pred=i < nb)
+        tma.async_copy_global_to_shared(desc_k, [kv_row + i * BN, 0], kbar.index(i), k_smem.index(i), pred=i < nb)
+        _load_v(desc_v, desc_m, v_smem, m_smem, vbar, i, vt_row, m_row, i, i < nb, BN, MEAN)
+
+    rows = start_m + gl.arange(0, BM, layout=row_s)
+    qs = gl.load(QS + bh.to(gl.int64) * S + rows, mask=rows < S, other=1.0)
+    dcol = gl.arange(0, D, layout=col_o)
+    KS_bh = KS + bh * gl.cdiv(Sk, BKS)
+    zero_s = gl.zeros([BM, BN], gl.int32, s_layout)
+    zero_o = gl.zeros([BM, D], gl.float32, o_layout)
+
+    # block 0: S_0 and its softmax (nothing to overlap with yet); masked when it may hold the key tail
+    mbarrier.wait(qbar, 0)
+    mbarrier.wait(kbar.index(0), 0)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s_i = warpgroup_mma_wait(0, deps=[s_tok])
+    m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
+    p8, alpha, r, m_i = _softmax_block(s_i, 0, Sk, KS_bh, qs, m_i, s_layout, BN, BKS, EXPCAST, HAS_TAIL)
+    l_i = r
+    p_smem.index(0).store(p8)
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = zero_o
+    mbarrier.expect(kbar.index(0), desc_k.block_type.nbytes, pred=STAGES < nb)
+    tma.async_copy_global_to_shared(desc_k, [kv_row + STAGES * BN, 0], kbar.index(0), k_smem.index(0),
+                                    pred=STAGES < nb)
+    n_full = Sk // BN
+    for j in range(1, n_full):
+        acc, l_i, m_i, alpha, r = _pipelined_step(
+            j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k, desc_v,
+            desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, s_layout, o_layout, p_layout, BN, D, BKS,
+            STAGES, EXPCAST, MEAN, False)
+    if HAS_TAIL:
+        if n_full > 0:
+            acc, l_i, m_i, alpha, r = _pipelined_step(
+                n_full, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k,
+                desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, s_layout, o_layout, p_layout,
+                BN, D, BKS, STAGES, EXPCAST, MEAN, True)
+
+    # the last block's PV
+    vslot = (nb - 1) % STAGES
+    mbarrier.wait(vbar.index(vslot), ((nb - 1) // STAGES) & 1)
+    pv_tok = warpgroup_mma(p_smem.index((nb - 1) % 2), v_smem.index(vslot).permute((1, 0)), zero_o,
+                           use_acc=False, is_async=True)
+    pv = warpgroup_mma_wait(0, deps=[pv_tok])
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
+    if MEAN:
+        mu = m_smem.index(vslot).load(o_layout)
+        acc += gl.convert_layout(r, row_o)[:, None] * mu
+
+    mbarrier.invalidate(qbar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(kbar.index(i))
+        mbarrier.invalidate(vbar.index(i))
+
+    l_i = gl.where(qs < float("inf"), l_i, float("nan"))  # undefined logits (NaN/Inf in q or K): NaN row
+    vs = gl.load(VS + bh * D + dcol)
+    o = acc * (vs[None, :] / gl.convert_layout(l_i, row_o)[:, None])
+    rows_o = start_m + gl.arange(0, BM, layout=row_o)
+    gl.store(OUT + (bh.to(gl.int64) * S + rows_o[:, None]) * D + dcol[None, :],
+             o.to(OUT.dtype.element_ty), mask=(rows_o < S)[:, None])
+    if RETURN_LSE:
+        gl.store(LSE + bh.to(gl.int64) * S + rows, m_i + gl.log2(l_i) - 8.0, mask=rows < S)
+
+
+# (BM, num_warps, STAGES) per head dim. NOTE (H200, S = 32760, D = 128, naive 8-bit / V-Smooth, ms):
+# (64, 4, 2) 30.85 / 37.78, (64, 4, 3) 44.73 / 59.02 (122 KB of shared memory: one CTA per SM),
+# (128, 8, 2) 35.54 / 44.60 (one CTA of two warp groups, no ping-pong between them); cuDNN 38.85. Both
+# head dims run two CTAs (8 warps) per SM at (64, 4, 2); D = 64 fits three (168 registers).
+DEFAULT_CONFIG = {128: (64, 4, 2), 64: (64, 4, 2)}
+CONFIG_OVERRIDE = None
+
+
+def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, return_lse: bool = False,
+                           config=None):
+    """As ``vsmooth_attn.vsmooth_attention`` (INT8 QK only): O [B, H, S, D] (and the base-2 LSE)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from vc_compile.reference.preprocess import BLOCK_K, BLOCK_V
+
+    out_dtype = out_dtype or torch.bfloat16
+    q8, q_scale, k8, k_scale = qk.q8, qk.q_scale, qk.k8, qk.k_scale
+    B, H, S, D = q8.shape
+    Sk = k8.shape[2]
+    if D not in (64, 128):
+        raise ValueError(f"head dim {D} is not supported (64 or 128)")
+    if q8.dtype != torch.int8 or k8.dtype != torch.int8:
+        raise ValueError(f"the sm_90 kernel takes INT8 Q/K codes, got {q8.dtype}, {k8.dtype}")
+    BM, nw, stages = config or CONFIG_OVERRIDE or DEFAULT_CONFIG[D]
+    BN = BLOCK_V
+    q8, k8, v8t = q8.contiguous(), k8.contiguous(), vq.v8t.contiguous()
+    S_pad = v8t.shape[-1]
+    lay = gl.NVMMASharedLayout.get_default_for
+    desc_q = TensorDescriptor.from_tensor(q8.view(B * H * S, D), [BM, D], lay([BM, D], gl.int8))
+    desc_k = TensorDescriptor.from_tensor(k8.view(B * H * Sk, D), [BN, D], lay([BN, D], gl.int8))
+    desc_v = TensorDescriptor.from_tensor(v8t.view(B * H * D, S_pad), [D, BN], lay([D, BN], gl.float8e4nv))
+    out = torch.empty(B, H, S, D, device=q8.device, dtype=out_dtype)
+    lse = torch.empty(B, H, S, device=q8.device, dtype=torch.float32) if return_lse else out
+    mean = 0 if getattr(vq.v_mean, "_vc_zero_mean", False) else 1
+    nb = -(-Sk // BN)
+    # mu' = mu / v_scale (the mean in units of v_scale), [B, H, nb, D] fp32: one small op here instead of a
+    # [D] reciprocal held in 32 registers per thread through the key loop
+    if mean:
+        mu_prime = (vq.v_mean / vq.v_scale.unsqueeze(2)).contiguous().view(-1, D)
+    else:  # never read (MEAN = 0); any fp32 [rows, D] tensor makes a valid descriptor
+        mu_prime = torch.zeros(1, D, device=q8.device)
+    desc_m = TensorDescriptor.from_tensor(mu_prime, [1, D], lay([1, D], gl.float32))
+    _vsmooth_attn_sm90_kernel[(-(-S // BM), B * H)](
+        desc_q, desc_k, desc_v, desc_m, q_scale.contiguous(), k_scale.contiguous(), vq.v_scale.contiguous(), out, lse, S, Sk, nb,
+        BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, STAGES=stages, EXPCAST=2 if expcast else 0, MEAN=mean,
+        HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), num_warps=nw)
+    return (out, lse) if return_lse else out
