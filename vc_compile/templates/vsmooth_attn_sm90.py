@@ -268,7 +268,8 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         mu_prime = torch.zeros(1, D, device=q8.device)
     desc_m = TensorDescriptor.from_tensor(mu_prime, [1, D], lay([1, D], gl.float32))
     _vsmooth_attn_sm90_kernel[(-(-S // BM), B * H)](
-        desc_q, desc_k, desc_v, desc_m, q_scale.contiguous(), k_scale.contiguous(), vq.v_scale.contiguous(), out, lse, S, Sk, nb,
+        desc_q, desc_k, desc_v, desc_m, q_scale.contiguous(), k_scale.contiguous(), vq.v_scale.contiguous(), out,
+        lse, S, Sk, nb,
         BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, STAGES=stages, EXPCAST=2 if expcast else 0, MEAN=mean,
         HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), num_warps=nw)
     return (out, lse) if return_lse else out
