@@ -83,14 +83,25 @@ def _load_v(desc_v, desc_m, v_smem, m_smem, vbar, slot, vt_row, m_row, blk, pred
 
 
 @gluon.jit
+def _fold_pv(acc, alpha, r, pv, m_smem, vslot, o_layout: gl.constexpr, MEAN: gl.constexpr):
+    """acc = acc * alpha + PV (two-level: PV came from a fresh accumulator), + r mu' (V-Smooth's mean term,
+    mu' staged by TMA with the block's V in stage ``vslot``)."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
+    if MEAN:
+        mu = m_smem.index(vslot).load(o_layout)  # [1, D]
+        acc += gl.convert_layout(r, row_o)[:, None] * mu
+    return acc
+
+
+@gluon.jit
 def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k,
                     desc_v, desc_m, m_row,
                     kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, s_layout: gl.constexpr,
-                    o_layout: gl.constexpr, p_layout: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                    BKS: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr,
+                    o_layout: gl.constexpr, BN: gl.constexpr, BKS: gl.constexpr, STAGES: gl.constexpr,
+                    EXPCAST: gl.constexpr, MEAN: gl.constexpr,
                     MASK: gl.constexpr):
     """Key block j: S_j (async) and PV_{j-1} (async) on the tensor cores while the softmax of S_j runs."""
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     ks_slot = j % STAGES
     mbarrier.wait(kbar.index(ks_slot), (j // STAGES) & 1)
     s_tok = warpgroup_mma(q_smem, k_smem.index(ks_slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -110,10 +121,7 @@ def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_sm
     # (it did: the whole softmax ran after the PV wait, serialising the step again)
     pv, alpha_n, r_n, m_i = warpgroup_mma_wait(0, deps=[pv_tok, alpha_n, r_n, m_i])
     gl.thread_barrier()  # every warp's rows of P~_j are in shared memory before PV_j is issued
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
-    if MEAN:
-        mu = m_smem.index(vslot).load(o_layout)  # [1, D]: staged by TMA with V_{j-1}
-        acc += gl.convert_layout(r, row_o)[:, None] * mu
+    acc = _fold_pv(acc, alpha, r, pv, m_smem, vslot, o_layout, MEAN)
     nv = j - 1 + STAGES  # V stage vslot is free (PV_{j-1} done): refill it
     _load_v(desc_v, desc_m, v_smem, m_smem, vbar, vslot, vt_row, m_row, nv, nv < nb, BN, MEAN)
     l_i = l_i * alpha_n + r_n
@@ -130,7 +138,6 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, L
                                                        instr_shape=[16, BN, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, D, 32])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
@@ -189,14 +196,14 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, L
     for j in range(1, n_full):
         acc, l_i, m_i, alpha, r = _pipelined_step(
             j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k, desc_v,
-            desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, s_layout, o_layout, p_layout, BN, D, BKS,
-            STAGES, EXPCAST, MEAN, False)
+            desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, s_layout, o_layout, BN, BKS, STAGES,
+            EXPCAST, MEAN, False)
     if HAS_TAIL:
         if n_full > 0:
             acc, l_i, m_i, alpha, r = _pipelined_step(
                 n_full, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k,
-                desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, s_layout, o_layout, p_layout,
-                BN, D, BKS, STAGES, EXPCAST, MEAN, True)
+                desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, s_layout, o_layout, BN,
+                BKS, STAGES, EXPCAST, MEAN, True)
 
     # the last block's PV
     vslot = (nb - 1) % STAGES
@@ -204,10 +211,7 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, L
     pv_tok = warpgroup_mma(p_smem.index((nb - 1) % 2), v_smem.index(vslot).permute((1, 0)), zero_o,
                            use_acc=False, is_async=True)
     pv = warpgroup_mma_wait(0, deps=[pv_tok])
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
-    if MEAN:
-        mu = m_smem.index(vslot).load(o_layout)
-        acc += gl.convert_layout(r, row_o)[:, None] * mu
+    acc = _fold_pv(acc, alpha, r, pv, m_smem, vslot, o_layout, MEAN)
 
     mbarrier.invalidate(qbar)
     for i in gl.static_range(STAGES):
