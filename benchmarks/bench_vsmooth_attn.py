@@ -12,7 +12,9 @@ Inputs are the model's layout ([B, S, H, D] viewed as [B, H, S, D]), structured:
 clustered V (clusters scattered over the tokens) with token outliers. Fidelity on 512 sampled query rows
 of every head against an fp32 reference: rel_l2, cos_sim, rel_l1; for naive and V-Smooth the share of
 the output error carried by P_q (V - V_q) (||E2||^2 / (||E1||^2 + ||E2||^2), E1 = (P - P_q) V'); and the
-share of V's energy removed by the block means (identity order / k-means order).
+share of V's energy removed by the block means (identity order / k-means order); and ``fp8_probs_only``:
+the error of an FP8 P~ alone (exact logits and V), the floor of any FP8-P~ kernel, to set against
+sageattention's (fp16 P and V).
 --check: correctness of every kernel against the reference on the GPU first (exit 1 on failure).
 --sweep: attention configurations (BM, BN, warps, stages, row sum on MMA) at S = 32760.
 --ab: attention variants (config, ExpCast mode, mean mode, row sum, QK format): correctness (NaN, vs the
@@ -98,6 +100,22 @@ def error_split(q, k, v, qk, vq, perm, rows):
         e1 += ((p - pq) @ vp).pow(2).sum().item()
         e2 += (pq @ (vp - vdeq[:, h])).pow(2).sum().item()
     return e2 / max(e1 + e2, 1e-30)
+
+
+def p8_only_rel_l2(q, k, v, rows):
+    """Relative L2 error (sampled rows, vs fp32) of FP8 P~ ALONE: exact fp32 logits and V, P~ = fp8(256 *
+    2^(s - m)) normalised by its decoded sum. The error floor of any kernel that multiplies an FP8 P~
+    (ours, whatever QK or V do), to hold against sageattention 1.0.6, whose P and V are fp16."""
+    num = den = 0.0
+    for h in range(q.shape[1]):
+        s = q[:, h, rows].float() @ k[:, h].float().transpose(-1, -2) * (q.shape[-1] ** -0.5 * math.log2(math.e))
+        p = torch.softmax(s * math.log(2.0), -1)
+        pq, _ = ref_attn.quantized_probs(s, False)
+        pq = pq / pq.sum(-1, keepdim=True)
+        o = p @ v[:, h].float()
+        num += ((pq - p) @ v[:, h].float()).pow(2).sum().item()
+        den += o.pow(2).sum().item()
+    return math.sqrt(num / den)
 
 
 def mean_energy_share(v, vq):
@@ -208,6 +226,9 @@ def bench_shape(B, H, S, D, n_rows, quick):
             op_row["err_share_pv"] = share
             log(f"    share of ||O - O_q||^2 in P_q (V - V_q): {share:.3f}")
         del qk, vq, out
+    p8 = p8_only_rel_l2(q, k, v, rows_idx)
+    add("fp8_probs_only", float("nan"), None, tf=False, rel_l2=p8)
+    log(f"    FP8 P~ alone (exact logits and V): rel_l2 {p8:.3e}")
     # energy removed by the block means, identity order vs k-means order
     e_id = mean_energy_share(v, tpre.preprocess_v(v, None, smooth=True))
     e_km = mean_energy_share(v, tpre.preprocess_v(v, perm, smooth=True))

@@ -99,7 +99,11 @@ def test_gpu_matches_reference_truth_and_triton(D, S, expcast):
         assert rel(o, ro) <= ref_tolerance(expcast, 2)
         assert rel(o, truth) <= 1.25 * rel(ro, truth) + 1e-3
         assert rel(o, t) <= 1e-2
-        assert (lse - rlse).abs().mean().item() <= 1e-2 and (lse - tlse).abs().max().item() <= 1e-2
+        assert (lse - rlse).abs().mean().item() <= 1e-2 and (lse - tlse).abs().mean().item() <= 1e-3
+        # the exp2 path forms its logits with one rounding fewer than the Triton kernel (the scales fold
+        # into the exponent's FFMA), so an element at an FP8 rounding boundary may round the other way:
+        # one P~ element off by one code changes l by at most 1/16 of l, log2(1 + 1/16) = 0.0875
+        assert (lse - tlse).abs().max().item() <= 0.0875
 
 
 @requires_sm90

@@ -19,10 +19,11 @@ Notation (as ``vsmooth_attn.py``)
 BM, BN, D   query rows per program, keys per block (BN = 128 = BLOCK_V), head dim.
 t           = bits(qk + 0x4B400000) = qk + C, C = 1.5 * 2^23: the magic-number int32 -> float conversion
             of the INT8 scores (no I2F). ks is one K scale per 64 keys: two scalars per block (ks0, ks1),
-            loaded one step ahead. On a full block the base-2 logit (t - C) ks qs, the max subtraction and
-            the P~ scale are ONE FFMA inside the exponent, with coefficients per (row, 64-key half); the
-            row max comes from the exact integer maxima of the two halves. The key tail is one masked
-            block after the loop (s = (t - C) ks qs formed first, qs applied before its -inf mask).
+            loaded one step ahead. exp2 path, full block: the base-2 logit (t - C) ks qs, the max
+            subtraction and the P~ scale are ONE FFMA inside the exponent, with coefficients per (row,
+            64-key half); the row max comes from the exact integer maxima of the two halves. ExpCast and
+            the masked key-tail block (one, after the loop) form s = (t - C) ks first, then scale rows
+            (the tail: qs applied before its -inf mask).
 qs          [BM] per-token Q scale (sm_scale * log2 e folded in); the base-2 logit is (t - C) ks qs_i.
 m_i, l_i    running row max / row sum (of the decoded P~, summed in fp16 as ROWSUM = 2).
 P~          fp8(256 * 2^(s - m_i)) (exp2 + cast) or the ExpCast E4M3 code (mode 2, the reference's rounding).
@@ -49,33 +50,35 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     lo = (cols < BKS)[None, :]  # constant per register in the MMA layout: selects, not per-element work
     t = (s_i32 + 0x4B400000).to(gl.float32, bitcast=True)  # 1.5 * 2^23 + qk, exact (|qk| < 2^22)
-    if MASK:  # the key tail (one block): scale the rows BEFORE the -inf mask (qs = 0 would give 0 * -inf)
+    if MASK or EXPCAST != 0:
+        # s = (t - C) ks, then the row scale (NOTE: the fold below measured 35.1 / 35.3 ms against 34.7 /
+        # 34.8 ms unfolded for ExpCast, H200, S = 32760, D = 128: ExpCast keeps this form)
         s = t * gl.where(lo, ks0, ks1) + gl.where(lo, ks0 * -12582912.0, ks1 * -12582912.0)
-        s = gl.where((j * BN + cols < Sk)[None, :], s * qs[:, None], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        if EXPCAST:
-            y = s * 8.0 + (119.65 - 8.0 * m_new)[:, None]
+        if MASK:  # the key tail (one block): scale the rows BEFORE the -inf mask (qs = 0: 0 * -inf)
+            s = gl.where((j * BN + cols < Sk)[None, :], s * qs[:, None], float("-inf"))
+            qr = gl.full(qs.shape, 1.0, gl.float32, qs.type.layout)
         else:
-            y = s - (m_new - 8.0)[:, None]
+            qr = qs
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qr)
+        if EXPCAST:  # code = 8 (logit - m) + 119.65
+            y = s * (8.0 * qr)[:, None] + (119.65 - 8.0 * m_new)[:, None]
+        else:
+            y = s * qr[:, None] - (m_new - 8.0)[:, None]
     else:
-        # the base-2 logit (t - C) ks qs as ONE FFMA inside the exponent, with per-(row, key-half)
-        # coefficients a = ks qs and b = -C a - m (+ the P~ scale); the row max from the integer maxima
-        # of each half (exact), scaled by the same a. NOTE (H200, S = 32760, D = 128, V-Smooth kernel):
-        # 33.56 ms with s = t ks + c then exp2(s qs - m) -> 31.86 ms folded with the K-scale prefetch
-        # (32.74 prefetch alone, 33.89 fold alone: the fold needs the scales early); naive 31.25 -> 29.80.
+        # exp2 on a full block: the base-2 logit (t - C) ks qs, the max subtraction and the P~ scale 2^8 as
+        # ONE FFMA inside the exponent, with coefficients per (row, 64-key half) a = ks qs, b = 8 - m - C a;
+        # the row max from the exact integer maxima of the two halves, scaled by the same a.
+        # NOTE (H200, S = 32760, D = 128, V-Smooth kernel): 33.56 ms unfolded -> 31.86 ms folded with the
+        # K-scale prefetch (32.74 prefetch alone, 33.89 fold alone: the fold needs the scales early);
+        # naive 31.25 -> 29.80.
         mt0 = gl.max(gl.where(lo, t, float("-inf")), 1) - 12582912.0
         mt1 = gl.max(gl.where(lo, float("-inf"), t), 1) - 12582912.0
         a0 = ks0 * qs
         a1 = ks1 * qs
         m_new = gl.maximum(m_i, gl.maximum(mt0 * a0, mt1 * a1))
-        if EXPCAST:  # code = 8 (logit - m) + 119.65, one FFMA
-            b0 = (119.65 - 8.0 * m_new) - (8.0 * 12582912.0) * a0
-            b1 = (119.65 - 8.0 * m_new) - (8.0 * 12582912.0) * a1
-            y = t * gl.where(lo, (8.0 * a0)[:, None], (8.0 * a1)[:, None]) + gl.where(lo, b0[:, None], b1[:, None])
-        else:  # logit - m + 8 (the P~ scale 2^8), one FFMA
-            b0 = (8.0 - m_new) - 12582912.0 * a0
-            b1 = (8.0 - m_new) - 12582912.0 * a1
-            y = t * gl.where(lo, a0[:, None], a1[:, None]) + gl.where(lo, b0[:, None], b1[:, None])
+        b0 = (8.0 - m_new) - 12582912.0 * a0
+        b1 = (8.0 - m_new) - 12582912.0 * a1
+        y = t * gl.where(lo, a0[:, None], a1[:, None]) + gl.where(lo, b0[:, None], b1[:, None])
     alpha = gl.exp2(m_i - m_new)
     if EXPCAST:
         y = gl.maximum(y + 8388608.0, 8388608.0)  # round to the integer code (magic add), clamp at 0
