@@ -1,7 +1,7 @@
 """8-bit attention on the H200 (issue 4): speed and fidelity of every variant, side by side.
 
     python benchmarks/bench_vsmooth_attn.py [--quick] [--out DIR] [--sweep] [--check] [--ab [--auto]]
-                                            [--smoke] [--no-bench] [--no-csv]
+                                            [--smoke] [--no-bench] [--no-csv] [--captured-only]
 
 Variants per shape (B = 1, H = 40; D = 128 at S in {8190, 32760, 75600}, D = 64 at S = 32760):
 SDPA cuDNN / flash (bf16), sageattention 1.0.6 (if importable), naive 8-bit (smooth=False, identity
@@ -14,7 +14,8 @@ of every head against an fp32 reference: rel_l2, cos_sim, rel_l1; for naive and 
 the output error carried by P_q (V - V_q) (||E2||^2 / (||E1||^2 + ||E2||^2), E1 = (P - P_q) V'); and the
 share of V's energy removed by the block means (identity order / k-means order); and ``fp8_probs_only``:
 the error of an FP8 P~ alone (exact logits and V), the floor of any FP8-P~ kernel, to set against
-sageattention's (fp16 P and V).
+sageattention's (fp16 P and V). Last, ``captured_*`` rows: the same fidelity on the (q, k, v) that the trained
+demo model hands to SDPA in a 50-step sampling run at 32K tokens (4 layers x 4 steps; median over them).
 --check: correctness of every kernel against the reference on the GPU first (exit 1 on failure).
 --sweep: attention configurations (BM, BN, warps, stages, row sum on MMA) at S = 32760.
 --ab: attention variants (config, ExpCast mode, mean mode, row sum, QK format): correctness (NaN, vs the
@@ -439,6 +440,59 @@ def ab(smoke=False, plan_name="default"):
     return results
 
 
+def captured(n_rows: int, smoke: bool):
+    """Fidelity on attention inputs captured from the trained demo model (its SDPA calls during a 50-step
+    CFG sampling run at 32K tokens, like bench_e2e.py's ``32k``): rel. L2 vs fp32 of every variant per
+    capture; one row per variant with the median over the captures (note: mean, max and how often the
+    variant beats sageattention on the same capture). Smoke: a 256-token, 4-step run."""
+    from vc_compile.demo.capture import capture_run
+    from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
+
+    frames, height, width, n_steps, steps = (4, 16, 16, 4, {0, 3}) if smoke else (21, 60, 104, 50, {0, 10, 25, 49})
+    layers = {0, 2, 3, 5}
+    tr, te, cfg, _ = load_demo(None, device=DEV, dtype=torch.bfloat16)
+    cond = encode(te, parse_prompt(DEFAULT_PROMPT, cfg.max_sprites), torch.bfloat16)
+    uncond = encode(te, parse_prompt("", cfg.max_sprites), torch.bfloat16)
+    t0 = time.time()
+    kept = capture_run(tr, cond, uncond, frames=frames, height=height, width=width, num_steps=n_steps,
+                       layers=layers, steps=steps)
+    log(f"\n=== captured: {len(kept)} (q, k, v) from the demo model ({frames} x {height} x {width} px, "
+        f"layers {sorted(layers)}, steps {sorted(steps)}, cond branch) in {time.time() - t0:.0f} s")
+    per = {}
+    for rec in kept:
+        q, k, v = (rec[n].to(DEV) for n in ("q", "k", "v"))
+        B, H, S, D = q.shape
+        rows = torch.randperm(S, device=DEV)[:n_rows].sort().values
+        truth = truth_rows(q, k, v, rows)
+        outs = {}
+        if DEV == "cuda":
+            outs["sdpa_cudnn"] = sdpa_fn(q, k, v, "cudnn")()
+            fn = sage_fn(q, k, v)
+            if fn is not None:
+                outs["sageattn_1.0.6"] = fn()
+        perm = tkm.kmeans_perm(v, min(N_CLUSTERS, S), 10).perm
+        for name, p, smooth, ec in (("naive8", None, False, False), ("vsmooth", perm, True, False),
+                                    ("vsmooth_expcast", perm, True, True)):
+            a = tpre.preprocess_qk(q, k, p, sm_scale=D ** -0.5)
+            outs[name] = tattn.vsmooth_attention(a, tpre.preprocess_v(v, p, smooth=smooth), expcast=ec)
+        res = {n: metrics(o[:, :, rows].float(), truth)["rel_l2"] for n, o in outs.items()}
+        res["fp8_probs_only"] = p8_only_rel_l2(q, k, v, rows)
+        log(f"  L{rec['layer']} s{rec['step']}: " + "  ".join(f"{n} {e:.2e}" for n, e in res.items()))
+        for n, e in res.items():
+            per.setdefault(n, []).append(e)
+    sage = per.get("sageattn_1.0.6")
+    out = []
+    for n, errs in per.items():
+        t = torch.tensor(errs)
+        note = f"demo model, {len(errs)} captures; mean {t.mean().item():.3e}, max {t.max().item():.3e}"
+        if sage is not None and n != "sageattn_1.0.6":
+            note += f"; below sage on {sum(e < s for e, s in zip(errs, sage))}/{len(errs)}"
+        out.append(dict(variant=f"captured_{n}", B=1, H=H, S=S, D=D, density=1.0, ms=float("nan"),
+                        rel_l2=t.median().item(), note=note))
+        log(f"  captured_{n:18s} median rel_l2 {t.median().item():.3e}  ({note})")
+    return out
+
+
 def variant_note(r) -> str:
     """Which kernel variant produced an 8-bit row (cfg / row sum / mean / ExpCast mode)."""
     v = r["variant"]
@@ -485,6 +539,7 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-csv", action="store_true")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep / --ab")
+    ap.add_argument("--captured-only", action="store_true", help="only the captured_* fidelity rows")
     ap.add_argument("--ab", action="store_true", help="A/B of kernel variants (correctness + speed)")
     ap.add_argument("--ab-plan", choices=sorted(PLANS), default="default",
                     help="with --ab: which variants (ws: automatic warp specialisation)")
@@ -502,7 +557,9 @@ def main():
             choose(res)
     if a.no_bench:
         return
-    if a.smoke:
+    if a.captured_only:
+        shapes = []
+    elif a.smoke:
         shapes = [(1, 2, 300, 64)]
     elif a.quick:
         shapes = [(1, 40, 32760, 128), (1, 40, 8190, 64)]
@@ -520,6 +577,10 @@ def main():
             log("csv:", append_rows(BENCH, part))
         if a.out:
             plot(rows, a.out)
+    cap = captured(64 if a.smoke else 512, a.smoke)
+    if not a.no_csv and not a.smoke:
+        log("csv:", append_rows(BENCH, cap))
+    rows += cap
     log("")
     print_table(rows, cols)
 
