@@ -6,8 +6,8 @@
 Variants per shape (B = 1, H = 40; D = 128 at S in {8190, 32760, 75600}, D = 64 at S = 32760):
 SDPA cuDNN / flash (bf16), sageattention 1.0.6 (if importable), naive 8-bit (smooth=False, identity
 order), V-Smooth, V-Smooth + ExpCast -- each as the kernel alone (pre-quantised inputs) and as the whole
-op (preprocessing included, cached k-means order = a reuse step), plus the grouping step (k-means K=256,
-3 warm-started iterations + the whole op) and our k-means vs flash-kmeans 0.3.1 on the same V.
+op (preprocessing included, cached k-means order = a reuse step), plus the grouping step (k-means with the
+backend's K = default_clusters(S): 256 at S >= 32640, 64 at 8190; 3 warm-started iterations + the whole op) and our k-means vs flash-kmeans 0.3.1 on the same V.
 Inputs are the model's layout ([B, S, H, D] viewed as [B, H, S, D]), structured: channel-biased K,
 clustered V (clusters scattered over the tokens) with token outliers. Fidelity on 512 sampled query rows
 of every head against an fp32 reference: rel_l2, cos_sim, rel_l1; for naive and V-Smooth the share of
@@ -51,7 +51,7 @@ from vc_compile.templates import vsmooth_attn as tattn  # noqa: E402
 
 BENCH = "bench_vsmooth_attn"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-N_CLUSTERS, N_ITERS = 256, 3
+N_ITERS = 3  # k-means iterations of a grouping step (warm-started); K = the backend's default_clusters(S)
 
 
 def log(*a):
@@ -188,7 +188,7 @@ def bench_shape(B, H, S, D, n_rows, quick):
     if fn is not None:
         add("sageattn_1.0.6", bench_ms(fn, wu, rep), fn())
     # --- grouping (k-means on V) and our variants
-    K = min(N_CLUSTERS, S)
+    K = ref_km.default_clusters(S)  # what the backend groups with (256 from S = 32640 up, 64 at S = 8190)
     km0 = tkm.kmeans_perm(v, K, 10)  # "previous step" centroids for the warm start
     init = km0.centroids
     km = tkm.kmeans_perm(v, K, N_ITERS, init=init)
@@ -470,7 +470,7 @@ def captured(n_rows: int, smoke: bool):
             fn = sage_fn(q, k, v)
             if fn is not None:
                 outs["sageattn_1.0.6"] = fn()
-        perm = tkm.kmeans_perm(v, min(N_CLUSTERS, S), 10).perm
+        perm = tkm.kmeans_perm(v, ref_km.default_clusters(S), 10).perm
         for name, p, smooth, ec in (("naive8", None, False, False), ("vsmooth", perm, True, False),
                                     ("vsmooth_expcast", perm, True, True)):
             a = tpre.preprocess_qk(q, k, p, sm_scale=D ** -0.5)
@@ -540,6 +540,7 @@ def main():
     ap.add_argument("--no-csv", action="store_true")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep / --ab")
     ap.add_argument("--captured-only", action="store_true", help="only the captured_* fidelity rows")
+    ap.add_argument("--shapes", default=None, help="comma-separated SxD (B = 1, H = 40), e.g. 8190x128")
     ap.add_argument("--ab", action="store_true", help="A/B of kernel variants (correctness + speed)")
     ap.add_argument("--ab-plan", choices=sorted(PLANS), default="default",
                     help="with --ab: which variants (ws: automatic warp specialisation)")
@@ -559,6 +560,8 @@ def main():
         return
     if a.captured_only:
         shapes = []
+    elif a.shapes:
+        shapes = [(1, 40, *(int(x) for x in sd.split("x"))) for sd in a.shapes.split(",")]
     elif a.smoke:
         shapes = [(1, 2, 300, 64)]
     elif a.quick:
@@ -577,7 +580,7 @@ def main():
             log("csv:", append_rows(BENCH, part))
         if a.out:
             plot(rows, a.out)
-    cap = captured(64 if a.smoke else 512, a.smoke)
+    cap = [] if a.shapes else captured(64 if a.smoke else 512, a.smoke)
     if not a.no_csv and not a.smoke:
         log("csv:", append_rows(BENCH, cap))
     rows += cap
