@@ -7,7 +7,8 @@ Variants per shape (B = 1, H = 40; D = 128 at S in {8190, 32760, 75600}, D = 64 
 SDPA cuDNN / flash (bf16), sageattention 1.0.6 (if importable), naive 8-bit (smooth=False, identity
 order), V-Smooth, V-Smooth + ExpCast -- each as the kernel alone (pre-quantised inputs) and as the whole
 op (preprocessing included, cached k-means order = a reuse step), plus the grouping step (k-means with the
-backend's K = default_clusters(S): 256 at S >= 32640, 64 at 8190; 3 warm-started iterations + the whole op) and our k-means vs flash-kmeans 0.3.1 on the same V.
+backend's K = default_clusters(S): 256 at S >= 32640, 64 at 8190; 3 warm-started iterations + the whole
+op) and our k-means vs flash-kmeans 0.3.1 on the same V.
 Inputs are the model's layout ([B, S, H, D] viewed as [B, H, S, D]), structured: channel-biased K,
 clustered V (clusters scattered over the tokens) with token outliers. Fidelity on 512 sampled query rows
 of every head against an fp32 reference: rel_l2, cos_sim, rel_l1; for naive and V-Smooth the share of
