@@ -582,7 +582,7 @@ def main():
         if a.out:
             plot(rows, a.out)
     cap = [] if a.shapes else captured(64 if a.smoke else 512, a.smoke)
-    if not a.no_csv and not a.smoke:
+    if cap and not a.no_csv and not a.smoke:
         log("csv:", append_rows(BENCH, cap))
     rows += cap
     log("")
