@@ -52,6 +52,8 @@ from vc_compile.templates import vsmooth_attn as tattn  # noqa: E402
 
 BENCH = "bench_vsmooth_attn"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# our 8-bit variants: (name, uses the k-means order, smooth V, ExpCast)
+VARIANTS = (("naive8", False, False, False), ("vsmooth", True, True, False), ("vsmooth_expcast", True, True, True))
 N_ITERS = 3  # k-means iterations of a grouping step (warm-started); K = the backend's default_clusters(S)
 
 
@@ -194,8 +196,7 @@ def bench_shape(B, H, S, D, n_rows, quick):
     init = km0.centroids
     km = tkm.kmeans_perm(v, K, N_ITERS, init=init)
     perm = km.perm
-    variants = [("naive8", None, False, False), ("vsmooth", perm, True, False),
-                ("vsmooth_expcast", perm, True, True)]
+    variants = [(name, perm if grouped else None, smooth, ec) for name, grouped, smooth, ec in VARIANTS]
     op_ms = {}
     for name, p, smooth, ec in variants:
         qk = tpre.preprocess_qk(q, k, p, sm_scale=sm)
@@ -472,8 +473,8 @@ def captured(n_rows: int, smoke: bool):
             if fn is not None:
                 outs["sageattn_1.0.6"] = fn()
         perm = tkm.kmeans_perm(v, ref_km.default_clusters(S), 10).perm
-        for name, p, smooth, ec in (("naive8", None, False, False), ("vsmooth", perm, True, False),
-                                    ("vsmooth_expcast", perm, True, True)):
+        for name, grouped, smooth, ec in VARIANTS:
+            p = perm if grouped else None
             a = tpre.preprocess_qk(q, k, p, sm_scale=D ** -0.5)
             outs[name] = tattn.vsmooth_attention(a, tpre.preprocess_v(v, p, smooth=smooth), expcast=ec)
         res = {n: metrics(o[:, :, rows].float(), truth)["rel_l2"] for n, o in outs.items()}
