@@ -503,7 +503,8 @@ def variant_note(r) -> str:
     if "group_step" not in v and not v.endswith("_triton") and torch.cuda.is_available() and \
             tattn.use_sm90(torch.device("cuda"), False):
         from vc_compile.templates import vsmooth_attn_sm90 as g
-        return f"gluon_sm90 cfg={g.DEFAULT_CONFIG[r['D']]} rowsum=fp16 mean={0 if v.startswith('naive8') else 1}"
+        cfg = g.config_for(r["D"], "expcast" in v)  # (BM, warps, stages, warp-specialised, register P~)
+        return f"gluon_sm90 cfg={cfg} rowsum=fp16 mean={0 if v.startswith('naive8') else 1}"
     cfg, rs, mean = tattn.DEFAULT_VARIANTS[(r["D"], "expcast" in v)]
     mode = f" expcast_mode={tattn.DEFAULT_EXPCAST_MODE}" if "expcast" in v else ""
     return f"cfg={cfg} rowsum={rs} mean={0 if v.startswith('naive8') else mean}{mode}"

@@ -1,9 +1,12 @@
 """Compile the Gluon sm_90 V-Smooth kernel (``templates/vsmooth_attn_sm90.py``) for sm_90 WITHOUT a GPU and
 print per variant: registers and spills (ptxas -v), shared memory and CTAs per H200 SM, and how the key
-loop overlaps the MMAs with the softmax: the SASS between the loop's ``WARPGROUP.DEPBAR.LE gsb0, 0x1``
-(S_j ready, PV_{j-1} still running) and its ``0x0`` wait (PV_{j-1} done) must hold the softmax (MUFU.EX2
-or the ExpCast FMNMX clamps). A compiler that sinks the softmax below the PV wait serialises the loop
-again (it did, before the softmax results were passed through the wait: 31 instructions in the window).
+loop overlaps the MMAs with the softmax. Shared-memory P~ (the default): the SASS between the loop's
+``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S_j ready, PV_{j-1} still running) and its ``0x0`` wait (PV_{j-1} done)
+must hold the softmax (MUFU.EX2 or the ExpCast FMNMX clamps); a compiler that sinks the softmax below the
+PV wait serialises the loop again (it did, before the softmax results were passed through the wait: 31
+instructions in the window). Register P~ (ExpCast, PREG): in the key loop the QK MMA of the next block is
+issued before the softmax and PV takes P~ from registers (``QGMMA ... R, gdesc``) after it, with no
+P~ stores to shared memory.
 
     python3 scripts/codegen_vsmooth.py [--S 32760] [--json]
 
@@ -25,13 +28,16 @@ import codegen_sparse as csp  # noqa: E402  (pops TRITON_INTERPRET, imports torc
 import codegen_stats as cs  # noqa: E402
 import torch  # noqa: E402
 
-VARIANTS = {  # name: (head dim, expcast, mean)
-    "d128_exp2": (128, False, True), "d128_expcast": (128, True, True), "d128_naive": (128, False, False),
-    "d64_exp2": (64, False, True), "d64_expcast": (64, True, True),
+VARIANTS = {  # name: (head dim, expcast, mean, launch config: None = the kernel's default)
+    "d128_exp2": (128, False, True, None), "d128_expcast": (128, True, True, None),
+    "d128_naive": (128, False, False, None), "d64_exp2": (64, False, True, None),
+    "d64_expcast": (64, True, True, None),
+    "d128_expcast_preg": (128, True, True, (64, 4, 2, 0, 1)),  # register P~ without warp specialisation
+    "d128_expcast_smem": (128, True, True, (64, 4, 2, 0, 0)),  # shared-memory P~ (the A/B baseline)
 }
 
 
-def compile_one(S, D, expcast, mean):
+def compile_one(S, D, expcast, mean, config=None):
     from vc_compile.reference.preprocess import QKQuant, VQuant
     from vc_compile.templates import vsmooth_attn_sm90 as g
     B, H, S_pad = 1, 40, -(-S // 128) * 128
@@ -43,10 +49,10 @@ def compile_one(S, D, expcast, mean):
     vq = VQuant(torch.empty(B, H, D, S_pad, dtype=torch.float8_e4m3fn), torch.empty(B, H, D), vm, S)
     cs.COMPILED.clear()
     try:
-        g.vsmooth_attention_sm90(qk, vq, expcast=expcast)
+        g.vsmooth_attention_sm90(qk, vq, expcast=expcast, config=config)
     except Exception:  # noqa: BLE001 - host code after the (fake) launch
         pass
-    return [k for name, k in cs.COMPILED if name == "_vsmooth_attn_sm90_kernel"][-1]
+    return [k for name, k in cs.COMPILED if name.startswith("_vsmooth_attn_sm90")][-1]
 
 
 def overlap_window(sass: str) -> dict:
@@ -63,6 +69,30 @@ def overlap_window(sass: str) -> dict:
             "sts": sum(n for op, n in ops.items() if op.startswith("STS"))}
 
 
+def register_p_loop(sass: str) -> dict:
+    """Order of the MMAs and the softmax in the key loop (the backward branch around a QK IGMMA) of a
+    register-P~ kernel: the next block's IGMMA, then the softmax, then a QGMMA with a register A operand."""
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    loop = None
+    for i, (a, t) in enumerate(ins):
+        m = re.search(r"BRA \S*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            body = [x for _, x in ins[at[int(m.group(1), 16)]:i + 1]]
+            if any("IGMMA" in x for x in body) and (loop is None or len(body) < len(loop)):
+                loop = body
+    if loop is None:
+        return {"found": False}
+    soft = [k for k, x in enumerate(loop) if "MUFU.EX2" in x or re.sub(r"^@!?U?P\w+\s+", "", x).startswith("FMNMX")]
+    ig = max(k for k, x in enumerate(loop) if "IGMMA" in x)  # the last QK instruction of the next block
+    qg = [k for k, x in enumerate(loop) if re.search(r"QGMMA\S* R\d+, R\d+, gdesc", x)]
+    return {"found": True, "instructions": len(loop),
+            # share of the softmax (exp2 or ExpCast clamps) issued after the next block's QK MMA
+            "softmax_after_qk": round(sum(k > ig for k in soft) / max(len(soft), 1), 3),
+            "pv_from_registers_after_softmax": bool(qg) and bool(soft) and min(qg) > max(soft),
+            "sts": sum(1 for x in loop if re.sub(r"^@!?U?P\w+\s+", "", x).startswith("STS"))}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--S", type=int, default=32760)
@@ -70,13 +100,16 @@ def main(argv=None):
     a = p.parse_args(argv)
     cs._install()
     out = {}
-    for name, (D, expcast, mean) in VARIANTS.items():
-        k = compile_one(a.S, D, expcast, mean)
+    from vc_compile.templates import vsmooth_attn_sm90 as g
+    for name, (D, expcast, mean, config) in VARIANTS.items():
+        k = compile_one(a.S, D, expcast, mean, config)
         st = csp.kernel_stats(k, k.metadata.num_warps)
         sass, _ = csp.sass_of(k.asm["ptx"])
         out[name] = {key: st[key] for key in ("registers", "spill_bytes", "smem_bytes", "ctas_per_sm",
                                               "wgmma_serialized")}
-        out[name]["window"] = overlap_window(sass)
+        preg = g.config_for(D, expcast, config)[4]
+        out[name]["register_p"] = bool(preg)
+        out[name]["window"] = register_p_loop(sass) if preg else overlap_window(sass)
     if a.json:
         print(json.dumps(out))
     else:

@@ -29,10 +29,18 @@ m_i, l_i    running row max / row sum (of the decoded P~, summed in fp16 as ROWS
 P~          fp8(256 * 2^(s - m_i)) (exp2 + cast) or the ExpCast E4M3 code (mode 2, the reference's rounding).
 acc         the PV accumulator in units of v_scale; O = acc * v_scale / l_i.
 
+ExpCast (PREG): P~ stays in registers as the PV MMA's A operand (no shared-memory round trip, no barrier
+before PV): the keys of each 128-block are relabelled so that the QK accumulator's registers already are
+the A operand's (``_p_operand``), V^T's key columns are stored in the same order (``key_order_sm90``), and
+the step order changes (``_reg_step``): S_{j+1} is issued before the softmax of S_j, PV_j right after it,
+both retired within the step (an MMA in flight across the loop's back edge makes ptxas serialise them all).
+
 Parallelisation: grid ``(ceil(S / BM), B * H)``; one program = BM query rows of one (b, h), num_warps / 4
 warp groups splitting the rows (16 rows per warp); K / V stream through a STAGES-deep TMA ring with one
-mbarrier per stage and tensor. sm_90 only (wgmma, TMA); no interpreter path: CPU tests compile it for
-sm_90 offline, GPU tests compare it with the reference and with ``vsmooth_attn.py``.
+mbarrier per stage and tensor. Warp-specialised (WS, ExpCast): grid ``(ceil(S / 2 BM), B * H)``, two
+consumer warp groups of BM rows and a producer warp that runs the TMA ring (ready / empty mbarriers),
+one CTA per SM. sm_90 only (wgmma, TMA); no interpreter path: CPU tests compile it for sm_90 offline, GPU
+tests compare it with the reference and with ``vsmooth_attn.py``.
 """
 from __future__ import annotations
 
@@ -44,9 +52,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 @gluon.jit
 def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: gl.constexpr,
-                   BKS: gl.constexpr, EXPCAST: gl.constexpr, MASK: gl.constexpr):
+                   BKS: gl.constexpr, EXPCAST: gl.constexpr, MASK: gl.constexpr, o_layout: gl.constexpr,
+                   PREG: gl.constexpr):
     """One key block's online-softmax step: (P~ fp8 [BM, BN], alpha [BM], r [BM], m_new [BM]). ``ks0``,
-    ``ks1``: the block's two K scales (keys [0, BKS) and [BKS, BN)), loaded a step ahead by the caller."""
+    ``ks1``: the block's two K scales (keys [0, BKS) and [BKS, BN)), loaded a step ahead by the caller.
+    PREG: P~ comes back as the PV MMA's register A operand (keys relabelled, ``_p_operand``)."""
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     lo = (cols < BKS)[None, :]  # constant per register in the MMA layout: selects, not per-element work
     t = (s_i32 + 0x4B400000).to(gl.float32, bitcast=True)  # 1.5 * 2^23 + qk, exact (|qk| < 2^22)
@@ -80,13 +90,48 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
         b1 = (8.0 - m_new) - 12582912.0 * a1
         y = t * gl.where(lo, a0[:, None], a1[:, None]) + gl.where(lo, b0[:, None], b1[:, None])
     alpha = gl.exp2(m_i - m_new)
+    if PREG:  # fp32: a renaming of registers; the fp8 packing below then lands in the A operand's registers
+        y = _p_operand(y, o_layout)
     if EXPCAST:
         y = gl.maximum(y + 8388608.0, 8388608.0)  # round to the integer code (magic add), clamp at 0
         p8 = y.to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
     else:
         p8 = gl.exp2(y).to(gl.float8e4nv)  # MUFU + cast
     r = gl.sum(p8.to(gl.float16), 1).to(gl.float32)  # decoded P~, fp16 sum (2^-11 relative)
+    if PREG:
+        r = gl.convert_layout(r, gl.SliceLayout(1, s_layout))
     return p8, alpha, r, m_new
+
+
+@gluon.jit
+def _p_operand(x, o_layout: gl.constexpr):
+    """P~ [BM, 128] (the QK accumulator's layout) as the PV MMA's register A operand, without moving data:
+    each thread holds the same rows in both layouts, and 32 keys of each row; relabelling the keys
+    n = 32 c + 16 h + 8 i1 + 2 q + e (accumulator: q = lane % 4) as k = 32 c + 16 h + 4 q + 2 i1 + e (A
+    operand: 4 consecutive k per register) makes the conversion a byte permute within registers. V^T's key
+    columns are stored in the same order (``key_order_sm90``), so P~ V is unchanged."""
+    BM: gl.constexpr = x.shape[0]
+    BN: gl.constexpr = x.shape[1]
+    x = x.reshape([BM, BN // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([BM, BN])
+    return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+
+
+def key_order_sm90(BN: int = 128):
+    """k -> n: the key stored in column k of each BN-key block of V^T for ``_p_operand``'s relabelling."""
+    order = []
+    for k in range(BN):
+        c, h, q, i1, e = k // 32, (k // 16) % 2, (k // 4) % 4, (k // 2) % 2, k % 2
+        order.append(32 * c + 16 * h + 8 * i1 + 2 * q + e)
+    return order
+
+
+@gluon.jit
+def _load_mu(m_smem, vslot, o_layout: gl.constexpr, MEAN: gl.constexpr):
+    """The mu' row [1, D] of V stage ``vslot`` (MEAN), else a placeholder."""
+    if MEAN:
+        return m_smem.index(vslot).load(o_layout)
+    else:
+        return 0.0
 
 
 @gluon.jit
@@ -102,13 +147,12 @@ def _load_v(desc_v, desc_m, v_smem, m_smem, vbar, slot, vt_row, m_row, blk, pred
 
 
 @gluon.jit
-def _fold_pv(acc, alpha, r, pv, m_smem, vslot, o_layout: gl.constexpr, MEAN: gl.constexpr):
+def _fold_pv(acc, alpha, r, pv, mu, o_layout: gl.constexpr, MEAN: gl.constexpr):
     """acc = acc * alpha + PV (two-level: PV came from a fresh accumulator), + r mu' (V-Smooth's mean term,
-    mu' staged by TMA with the block's V in stage ``vslot``)."""
+    ``mu``: the block's mu' row [1, D], staged by TMA with its V)."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = acc * gl.convert_layout(alpha, row_o)[:, None] + pv
     if MEAN:
-        mu = m_smem.index(vslot).load(o_layout)  # [1, D]
         acc += gl.convert_layout(r, row_o)[:, None] * mu
     return acc
 
@@ -132,7 +176,8 @@ def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_sm
     # block j+1's K scales, a step ahead: loaded here they would stall the softmax (global-load latency)
     ks0n = gl.load(KS_bh + (j + 1) * (BN // BKS), mask=(j + 1) * BN < Sk, other=0.0)
     ks1n = gl.load(KS_bh + (j + 1) * (BN // BKS) + 1, mask=(j + 1) * BN + BKS < Sk, other=0.0)
-    p8n, alpha_n, r_n, m_i = _softmax_block(s_i, j, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, MASK)
+    p8n, alpha_n, r_n, m_i = _softmax_block(s_i, j, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, MASK,
+                                            o_layout, False)
     p_smem.index(j % 2).store(p8n)  # read by PV_j in the next step (PV_{j-2}, its last reader, is done)
     fence_async_shared()
     nk = j + STAGES  # K stage ks_slot is free (S_j done): refill it
@@ -143,7 +188,7 @@ def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_sm
     # (it did: the whole softmax ran after the PV wait, serialising the step again)
     pv, alpha_n, r_n, m_i = warpgroup_mma_wait(0, deps=[pv_tok, alpha_n, r_n, m_i])
     gl.thread_barrier()  # every warp's rows of P~_j are in shared memory before PV_j is issued
-    acc = _fold_pv(acc, alpha, r, pv, m_smem, vslot, o_layout, MEAN)
+    acc = _fold_pv(acc, alpha, r, pv, _load_mu(m_smem, vslot, o_layout, MEAN), o_layout, MEAN)
     nv = j - 1 + STAGES  # V stage vslot is free (PV_{j-1} done): refill it
     _load_v(desc_v, desc_m, v_smem, m_smem, vbar, vslot, vt_row, m_row, nv, nv < nb, BN, MEAN)
     l_i = l_i * alpha_n + r_n
@@ -151,46 +196,84 @@ def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, LSE, S, Sk, nb,
-                              BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
-                              BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
-                              MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                              num_warps: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+def _reg_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k, desc_v,
+              desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout: gl.constexpr,
+              o_layout: gl.constexpr, BN: gl.constexpr, BKS: gl.constexpr, STAGES: gl.constexpr,
+              EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr, WS: gl.constexpr,
+              NEXT: gl.constexpr):
+    """Key block j with P~ in registers (PREG). Enters with S_j computed (``s_i``); issues S_{j+1} (NEXT) so
+    that it runs during the softmax of S_j, then PV_j = P~_j V_j straight from the softmax's registers;
+    both are retired before the step ends. WS = 0: this warp group refills the K / V stages itself; WS = 1:
+    it frees them to the producer warp (kempty / vempty)."""
+    slot = j % STAGES
+    nslot = (j + 1) % STAGES
+    if NEXT:
+        mbarrier.wait(kbar.index(nslot), ((j + 1) // STAGES) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    # K stage `slot` is free (S_j was retired in the previous step)
+    if WS == 0:
+        nk = j + STAGES
+        mbarrier.expect(kbar.index(slot), desc_k.block_type.nbytes, pred=nk < nb)
+        tma.async_copy_global_to_shared(desc_k, [kv_row + nk * BN, 0], kbar.index(slot), k_smem.index(slot),
+                                        pred=nk < nb)
+    else:
+        mbarrier.arrive(kempty.index(slot), count=1)
+    # block j+1's K scales, a step ahead: loaded here they would stall the softmax (global-load latency)
+    ks0n = gl.load(KS_bh + (j + 1) * (BN // BKS), mask=(j + 1) * BN < Sk, other=0.0)
+    ks1n = gl.load(KS_bh + (j + 1) * (BN // BKS) + 1, mask=(j + 1) * BN + BKS < Sk, other=0.0)
+    p8, alpha, r, m_i = _softmax_block(s_i, j, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, MASK, o_layout,
+                                       True)
+    mbarrier.wait(vbar.index(slot), (j // STAGES) & 1)
+    pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    l_i = l_i * alpha + r
+    if NEXT:
+        s_n, pv = warpgroup_mma_wait(0, deps=[s_tok, pv_tok])
+    else:
+        pv = warpgroup_mma_wait(0, deps=[pv_tok])
+        s_n = s_i
+    mu = _load_mu(m_smem, slot, o_layout, MEAN)
+    acc = _fold_pv(acc, alpha, r, pv, mu, o_layout, MEAN)
+    if WS == 0:  # V stage `slot` is free (PV_j done): refill it (the compiler puts a barrier before, for mu')
+        nv = j + STAGES
+        _load_v(desc_v, desc_m, v_smem, m_smem, vbar, slot, vt_row, m_row, nv, nv < nb, BN, MEAN)
+    else:
+        fence_async_shared()
+        gl.thread_barrier()  # every warp of this warp group has read mu'_j
+        mbarrier.arrive(vempty.index(slot), count=1)
+    return acc, l_i, m_i, s_n, ks0n, ks1n
+
+
+@gluon.jit
+def _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem, p_smem, qbar, kbar, vbar, kempty,
+                 vempty, QS, KS, VS, OUT, LSE, S, Sk, nb, start_m, BM: gl.constexpr, BN: gl.constexpr,
+                 D: gl.constexpr, BKS: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
+                 MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr, WS: gl.constexpr,
+                 PREG: gl.constexpr):
+    """BM query rows from ``start_m`` of head ``program_id(1)`` through all key blocks; O (and the LSE) stored.
+    WS = 0: the warps also load K / V; WS = 1 (PREG only): a producer warp does (kbar / vbar filled by it,
+    kempty / vempty freed here) and this is one of two consumer warp groups."""
+    gl.static_assert(WS == 0 or PREG == 1, "warp specialisation is built on the register-P~ step")
+    NW: gl.constexpr = gl.num_warps()  # the partition's warps under warp specialisation
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BN, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, D, 32])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-    p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float8e4nv)
-
-    pid_m = gl.program_id(0)
     bh = gl.program_id(1)
-    start_m = pid_m * BM
     kv_row = bh * Sk
     vt_row = bh * D
     m_row = bh * gl.cdiv(Sk, BV)
 
-    q_smem = gl.allocate_shared_memory(desc_q.dtype, [BM, D], desc_q.layout)
-    k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BN, D], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES, D, BN], desc_v.layout)
-    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BM, BN], p_shared)  # P~ double buffer (PV's A)
-    m_smem = gl.allocate_shared_memory(desc_m.dtype, [STAGES, 1, D], desc_m.layout)  # mu' rows, with V
-    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    vbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(qbar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(kbar.index(i), count=1)
-        mbarrier.init(vbar.index(i), count=1)
-
     mbarrier.expect(qbar, desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [bh * S + start_m, 0], qbar, q_smem)
-    for i in gl.static_range(STAGES):
-        mbarrier.expect(kbar.index(i), desc_k.block_type.nbytes, pred=i < nb)
-        tma.async_copy_global_to_shared(desc_k, [kv_row + i * BN, 0], kbar.index(i), k_smem.index(i), pred=i < nb)
-        _load_v(desc_v, desc_m, v_smem, m_smem, vbar, i, vt_row, m_row, i, i < nb, BN, MEAN)
+    if WS == 0:
+        for i in gl.static_range(STAGES):
+            mbarrier.expect(kbar.index(i), desc_k.block_type.nbytes, pred=i < nb)
+            tma.async_copy_global_to_shared(desc_k, [kv_row + i * BN, 0], kbar.index(i), k_smem.index(i),
+                                            pred=i < nb)
+            _load_v(desc_v, desc_m, v_smem, m_smem, vbar, i, vt_row, m_row, i, i < nb, BN, MEAN)
 
     rows = start_m + gl.arange(0, BM, layout=row_s)
     qs = gl.load(QS + bh.to(gl.int64) * S + rows, mask=rows < S, other=1.0)
@@ -199,50 +282,60 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, L
     zero_s = gl.zeros([BM, BN], gl.int32, s_layout)
     zero_o = gl.zeros([BM, D], gl.float32, o_layout)
 
-    # block 0: S_0 and its softmax (nothing to overlap with yet); masked when it may hold the key tail
     mbarrier.wait(qbar, 0)
     mbarrier.wait(kbar.index(0), 0)
-    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    s_i = warpgroup_mma_wait(0, deps=[s_tok])
     m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
     ks0 = gl.load(KS_bh)
     ks1 = gl.load(KS_bh + 1, mask=BKS < Sk, other=0.0)
-    p8, alpha, r, m_i = _softmax_block(s_i, 0, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, HAS_TAIL)
-    ks0 = gl.load(KS_bh + (BN // BKS), mask=BN < Sk, other=0.0)  # block 1's, for the first loop step
-    ks1 = gl.load(KS_bh + (BN // BKS) + 1, mask=BN + BKS < Sk, other=0.0)
-    l_i = r
-    p_smem.index(0).store(p8)
-    fence_async_shared()
-    gl.thread_barrier()
     acc = zero_o
-    mbarrier.expect(kbar.index(0), desc_k.block_type.nbytes, pred=STAGES < nb)
-    tma.async_copy_global_to_shared(desc_k, [kv_row + STAGES * BN, 0], kbar.index(0), k_smem.index(0),
-                                    pred=STAGES < nb)
     n_full = Sk // BN
-    for j in range(1, n_full):
-        acc, l_i, m_i, alpha, r, ks0, ks1 = _pipelined_step(
-            j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k, desc_v,
-            desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS, STAGES,
-            EXPCAST, MEAN, False)
-    if HAS_TAIL:
-        if n_full > 0:
+    if PREG:
+        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_i = warpgroup_mma_wait(0, deps=[s_tok])
+        l_i = gl.zeros([BM], gl.float32, row_s)  # alpha = 0 at block 0 (m_i = -inf): acc and l_i start at 0
+        for j in range(0, nb - 1):
+            acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(
+                j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k, desc_v,
+                desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS,
+                STAGES, EXPCAST, MEAN, False, WS, True)
+        acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(  # the last block: masked when it holds the key tail
+            nb - 1, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k, desc_v,
+            desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS,
+            STAGES, EXPCAST, MEAN, HAS_TAIL, WS, False)
+    else:
+        # block 0: S_0 and its softmax (nothing to overlap with yet); masked when it may hold the key tail
+        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_i = warpgroup_mma_wait(0, deps=[s_tok])
+        p8, alpha, r, m_i = _softmax_block(s_i, 0, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, HAS_TAIL,
+                                             o_layout, False)
+        ks0 = gl.load(KS_bh + (BN // BKS), mask=BN < Sk, other=0.0)  # block 1's, for the first loop step
+        ks1 = gl.load(KS_bh + (BN // BKS) + 1, mask=BN + BKS < Sk, other=0.0)
+        l_i = r
+        p_smem.index(0).store(p8)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.expect(kbar.index(0), desc_k.block_type.nbytes, pred=STAGES < nb)
+        tma.async_copy_global_to_shared(desc_k, [kv_row + STAGES * BN, 0], kbar.index(0), k_smem.index(0),
+                                        pred=STAGES < nb)
+        for j in range(1, n_full):
             acc, l_i, m_i, alpha, r, ks0, ks1 = _pipelined_step(
-                n_full, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k,
-                desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN,
-                BKS, STAGES, EXPCAST, MEAN, True)
+                j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k, desc_v,
+                desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS, STAGES,
+                EXPCAST, MEAN, False)
+        if HAS_TAIL:
+            if n_full > 0:
+                acc, l_i, m_i, alpha, r, ks0, ks1 = _pipelined_step(
+                    n_full, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k,
+                    desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN,
+                    BKS, STAGES, EXPCAST, MEAN, True)
 
-    # the last block's PV
-    vslot = (nb - 1) % STAGES
-    mbarrier.wait(vbar.index(vslot), ((nb - 1) // STAGES) & 1)
-    pv_tok = warpgroup_mma(p_smem.index((nb - 1) % 2), v_smem.index(vslot).permute((1, 0)), zero_o,
-                           use_acc=False, is_async=True)
-    pv = warpgroup_mma_wait(0, deps=[pv_tok])
-    acc = _fold_pv(acc, alpha, r, pv, m_smem, vslot, o_layout, MEAN)
-
-    mbarrier.invalidate(qbar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(kbar.index(i))
-        mbarrier.invalidate(vbar.index(i))
+        # the last block's PV
+        vslot = (nb - 1) % STAGES
+        mbarrier.wait(vbar.index(vslot), ((nb - 1) // STAGES) & 1)
+        pv_tok = warpgroup_mma(p_smem.index((nb - 1) % 2), v_smem.index(vslot).permute((1, 0)), zero_o,
+                               use_acc=False, is_async=True)
+        pv = warpgroup_mma_wait(0, deps=[pv_tok])
+        acc = _fold_pv(acc, alpha, r, pv, _load_mu(m_smem, vslot, o_layout, MEAN), o_layout, MEAN)
 
     l_i = gl.where(qs < float("inf"), l_i, float("nan"))  # undefined logits (NaN/Inf in q or K): NaN row
     vs = gl.load(VS + bh * D + dcol)
@@ -254,12 +347,118 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, L
         gl.store(LSE + bh.to(gl.int64) * S + rows, m_i + gl.log2(l_i) - 8.0, mask=rows < S)
 
 
-# (BM, num_warps, STAGES) per head dim. NOTE (H200, S = 32760, D = 128, naive 8-bit / V-Smooth, ms):
-# (64, 4, 2) 30.85 / 37.78, (64, 4, 3) 44.73 / 59.02 (122 KB of shared memory: one CTA per SM),
+@gluon.jit
+def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, LSE, S, Sk, nb,
+                              BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
+                              BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
+                              MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
+                              PREG: gl.constexpr, num_warps: gl.constexpr):
+    """BM rows per program, num_warps / 4 warp groups that also load K / V (at BM = 64: two CTAs per SM)."""
+    p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float8e4nv)
+    q_smem = gl.allocate_shared_memory(desc_q.dtype, [BM, D], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BN, D], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES, D, BN], desc_v.layout)
+    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BM, BN], p_shared)  # P~ double buffer (unless PREG)
+    m_smem = gl.allocate_shared_memory(desc_m.dtype, [STAGES, 1, D], desc_m.layout)  # mu' rows, with V
+    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    vbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(qbar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kbar.index(i), count=1)
+        mbarrier.init(vbar.index(i), count=1)
+    _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem, p_smem, qbar, kbar, vbar, kbar,
+                 vbar, QS, KS, VS, OUT, LSE, S, Sk, nb, gl.program_id(0) * BM,
+                 BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 0, PREG)
+    mbarrier.invalidate(qbar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(kbar.index(i))
+        mbarrier.invalidate(vbar.index(i))
+
+
+@gluon.jit
+def _ws_producer(desc_k, desc_v, desc_m, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, Sk, nb,
+                 BN: gl.constexpr, D: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, MEAN: gl.constexpr):
+    """The producer warp: K_j, then V_j and mu'_j, into the STAGES ring once both consumers freed the stage."""
+    bh = gl.program_id(1)
+    kv_row = bh * Sk
+    vt_row = bh * D
+    m_row = bh * gl.cdiv(Sk, BV)
+    for j in range(nb):
+        slot = j % STAGES
+        ph = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first round passes
+        mbarrier.wait(kempty.index(slot), ph)
+        mbarrier.expect(kbar.index(slot), desc_k.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_k, [kv_row + j * BN, 0], kbar.index(slot), k_smem.index(slot))
+        mbarrier.wait(vempty.index(slot), ph)
+        _load_v(desc_v, desc_m, v_smem, m_smem, vbar, slot, vt_row, m_row, j, True, BN, MEAN)
+
+
+@gluon.jit
+def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, LSE, S, Sk, nb,
+                                 BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
+                                 BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
+                                 MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
+                                 num_warps: gl.constexpr):
+    """Warp-specialised (register P~): two consumer warp groups of BM rows each (the default partition and a
+    worker) share a K / V ring that a producer warp fills; one CTA (12 warps) per SM."""
+    q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, BM, D], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BN, D], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES, D, BN], desc_v.layout)
+    m_smem = gl.allocate_shared_memory(desc_m.dtype, [STAGES, 1, D], desc_m.layout)
+    qbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    vbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    vempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(qbar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kbar.index(i), count=1)
+        mbarrier.init(vbar.index(i), count=1)
+        mbarrier.init(kempty.index(i), count=2)  # both consumers
+        mbarrier.init(vempty.index(i), count=2)
+    start = gl.program_id(0) * (2 * BM)
+    gl.warp_specialize([
+        (_attend_rows, (desc_q, desc_k, desc_v, desc_m, q_smem.index(0), k_smem, v_smem, m_smem, q_smem,
+                        qbar.index(0), kbar, vbar, kempty, vempty, QS, KS, VS, OUT, LSE, S, Sk, nb, start,
+                        BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1)),
+        (_attend_rows, (desc_q, desc_k, desc_v, desc_m, q_smem.index(1), k_smem, v_smem, m_smem, q_smem,
+                        qbar.index(1), kbar, vbar, kempty, vempty, QS, KS, VS, OUT, LSE, S, Sk, nb, start + BM,
+                        BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1)),
+        (_ws_producer, (desc_k, desc_v, desc_m, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, Sk, nb, BN, D,
+                        BV, STAGES, MEAN)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# (BM, num_warps, STAGES, WS, PREG) per (head dim, ExpCast). NOTE (H200, S = 32760, D = 128, naive 8-bit /
+# V-Smooth, ms): (64, 4, 2) 30.85 / 37.78, (64, 4, 3) 44.73 / 59.02 (122 KB of shared memory: one CTA per SM),
 # (128, 8, 2) 35.54 / 44.60 (one CTA of two warp groups, no ping-pong between them); cuDNN 38.85. Both
 # head dims run two CTAs (8 warps) per SM at (64, 4, 2); D = 64 fits three (168 registers).
-DEFAULT_CONFIG = {128: (64, 4, 2), 64: (64, 4, 2)}
+# NOTE (H200, 2026-11-30, S = 32760, D = 128, ExpCast kernel, ms, three runs): shared-memory P~ (64, 4, 2, 0, 0)
+# 34.79 / 35.85 / 35.56, register P~ (64, 4, 2, 0, 1) 31.78 / - / 32.66, + warp specialisation
+# (64, 4, 2, 1, 1) 31.43 / - / 31.55. Register P~ on the exp2 path: naive 8-bit 28.43 vs 29.31 ms, but NaN
+# rows whenever the mean term is on (V-Smooth; unexplained, kernels_notes v5), so it is ExpCast-only.
+DEFAULT_CONFIG = {(128, False): (64, 4, 2, 0, 0), (128, True): (64, 4, 2, 1, 1),
+                  (64, False): (64, 4, 2, 0, 0), (64, True): (64, 4, 2, 0, 0)}
 CONFIG_OVERRIDE = None
+# register split of a warp-specialised CTA (12 warps: 3 warp groups of 128 threads): producer 24 + consumer
+# 240 (worker) + consumer 240 (the default partition, what is left of 168 x 3) = 504 <= 65536 / 128
+CONSUMER_REGS = gl.constexpr(240)
+PRODUCER_REGS = gl.constexpr(24)
+WS_MAXNREG = 168
+
+
+def config_for(D: int, expcast: bool, config=None) -> tuple:
+    """The launch configuration (BM, num_warps, STAGES, WS, PREG), validated."""
+    cfg = tuple(config or CONFIG_OVERRIDE or DEFAULT_CONFIG[(D, bool(expcast))])
+    BM, nw, stages, ws, preg = (cfg + (0, 0))[:5]
+    if preg and not expcast:
+        raise ValueError("register P~ (PREG = 1) is ExpCast-only: on the exp2 path it gave NaN rows whenever the "
+                         "mean term is on (docs/kernels_notes.md, v5); use PREG = 0 without expcast")
+    if ws and (not preg or nw != 4 or BM != 64):
+        raise ValueError(f"warp specialisation needs PREG = 1, 4 warps and BM = 64 per consumer, got {cfg}")
+    return BM, nw, stages, ws, preg
 
 
 def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, return_lse: bool = False,
@@ -278,10 +477,13 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         raise ValueError(f"head dim {D} is not supported (64 or 128)")
     if q8.dtype != torch.int8 or k8.dtype != torch.int8:
         raise ValueError(f"the sm_90 kernel takes INT8 Q/K codes, got {q8.dtype}, {k8.dtype}")
-    BM, nw, stages = config or CONFIG_OVERRIDE or DEFAULT_CONFIG[D]
+    BM, nw, stages, ws, preg = config_for(D, expcast, config)
     BN = BLOCK_V
     q8, k8, v8t = q8.contiguous(), k8.contiguous(), vq.v8t.contiguous()
     S_pad = v8t.shape[-1]
+    if preg:  # V^T's key columns in _p_operand's order within each block: one copy of V^T (S D bytes per head)
+        order = torch.tensor(key_order_sm90(BN), device=v8t.device)
+        v8t = v8t.view(B, H, D, S_pad // BN, BN)[..., order].reshape(B, H, D, S_pad)
     lay = gl.NVMMASharedLayout.get_default_for
     desc_q = TensorDescriptor.from_tensor(q8.view(B * H * S, D), [BM, D], lay([BM, D], gl.int8))
     desc_k = TensorDescriptor.from_tensor(k8.view(B * H * Sk, D), [BN, D], lay([BN, D], gl.int8))
@@ -297,9 +499,12 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     else:  # never read (MEAN = 0); any fp32 [rows, D] tensor makes a valid descriptor
         mu_prime = torch.zeros(1, D, device=q8.device)
     desc_m = TensorDescriptor.from_tensor(mu_prime, [1, D], lay([1, D], gl.float32))
-    _vsmooth_attn_sm90_kernel[(-(-S // BM), B * H)](
-        desc_q, desc_k, desc_v, desc_m, q_scale.contiguous(), k_scale.contiguous(), vq.v_scale.contiguous(), out,
-        lse, S, Sk, nb,
-        BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, STAGES=stages, EXPCAST=2 if expcast else 0, MEAN=mean,
-        HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), num_warps=nw)
+    args = (desc_q, desc_k, desc_v, desc_m, q_scale.contiguous(), k_scale.contiguous(), vq.v_scale.contiguous(), out,
+            lse, S, Sk, nb)
+    consts = dict(BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, STAGES=stages, EXPCAST=2 if expcast else 0,
+                  MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse))
+    if ws:
+        _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
+    else:
+        _vsmooth_attn_sm90_kernel[(-(-S // BM), B * H)](*args, **consts, PREG=int(preg), num_warps=nw)
     return (out, lse) if return_lse else out
