@@ -107,7 +107,7 @@ def main(argv=None):
         sass, _ = csp.sass_of(k.asm["ptx"])
         out[name] = {key: st[key] for key in ("registers", "spill_bytes", "smem_bytes", "ctas_per_sm",
                                               "wgmma_serialized")}
-        preg = g.config_for(D, expcast, config)[4]
+        preg = g.config_for(D, expcast, config, a.S)[4]
         out[name]["register_p"] = bool(preg)
         out[name]["window"] = register_p_loop(sass) if preg else overlap_window(sass)
     if a.json:

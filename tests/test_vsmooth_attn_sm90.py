@@ -58,7 +58,7 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
         # of it: 0.30 measured)
         assert w["sts"] == 0 and w["pv_from_registers_after_softmax"]
         assert w["softmax_after_qk"] >= 0.2
-        # the warp-specialised default (12 warps: two consumer warp groups + the producer's) fills an SM alone
+        # the warp-specialised config (12 warps: two consumer warp groups + the producer's) fills an SM alone
         assert st["ctas_per_sm"] >= (1 if variant == "d128_expcast" else 2)
         return
     assert st["ctas_per_sm"] >= 2  # 8 warps per SM: the other CTA's softmax also hides MMA latency
@@ -82,7 +82,8 @@ def test_register_p_key_order_is_a_permutation_of_each_block():
 
 def test_config_validation():
     from vc_compile.templates import vsmooth_attn_sm90 as g
-    assert g.config_for(128, True) == (64, 4, 2, 1, 1) and g.config_for(128, False) == (64, 4, 2, 0, 0)
+    assert g.config_for(128, True, S=32760) == (64, 4, 2, 1, 1) and g.config_for(128, True, S=8190)[3:] == (0, 0)
+    assert g.config_for(128, False, S=32760) == (64, 4, 2, 0, 0) and g.config_for(64, True, S=32760)[3:] == (0, 0)
     assert g.config_for(64, False, (64, 4, 2)) == (64, 4, 2, 0, 0)
     with pytest.raises(ValueError, match="ExpCast-only"):
         g.config_for(128, False, (64, 4, 2, 0, 1))

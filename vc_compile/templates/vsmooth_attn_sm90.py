@@ -439,8 +439,14 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT
 # 34.79 / 35.85 / 35.56, register P~ (64, 4, 2, 0, 1) 31.78 / - / 32.66, + warp specialisation
 # (64, 4, 2, 1, 1) 31.43 / - / 31.55. Register P~ on the exp2 path: naive 8-bit 28.43 vs 29.31 ms, but NaN
 # rows whenever the mean term is on (V-Smooth; unexplained, kernels_notes v5), so it is ExpCast-only.
-DEFAULT_CONFIG = {(128, False): (64, 4, 2, 0, 0), (128, True): (64, 4, 2, 1, 1),
+# NOTE (H200, 5f2bd7e vs ae07fe5, ExpCast kernel x cuDNN): warp-specialised register P~ 1.22 / 1.26 at
+# S = 32760 / 75600 (shared-memory P~ 1.09 / 1.09) but 1.01 at S = 8190 (shared memory 1.08: one CTA of 12
+# warps per SM leaves 19 waves with a ragged tail): it takes over from WS_MIN_S keys (between the two
+# measured lengths; not measured at the boundary).
+DEFAULT_CONFIG = {(128, False): (64, 4, 2, 0, 0), (128, True): (64, 4, 2, 0, 0),
                   (64, False): (64, 4, 2, 0, 0), (64, True): (64, 4, 2, 0, 0)}
+LONG_CONFIG = {(128, True): (64, 4, 2, 1, 1)}  # from WS_MIN_S query rows
+WS_MIN_S = 16384
 CONFIG_OVERRIDE = None
 # register split of a warp-specialised CTA (12 warps: 3 warp groups of 128 threads): producer 24 + consumer
 # 240 (worker) + consumer 240 (the default partition, what is left of 168 x 3) = 504 <= 65536 / 128
@@ -449,9 +455,11 @@ PRODUCER_REGS = gl.constexpr(24)
 WS_MAXNREG = 168
 
 
-def config_for(D: int, expcast: bool, config=None) -> tuple:
-    """The launch configuration (BM, num_warps, STAGES, WS, PREG), validated."""
-    cfg = tuple(config or CONFIG_OVERRIDE or DEFAULT_CONFIG[(D, bool(expcast))])
+def config_for(D: int, expcast: bool, config=None, S: int = 0) -> tuple:
+    """The launch configuration (BM, num_warps, STAGES, WS, PREG) for S query rows, validated."""
+    key = (D, bool(expcast))
+    cfg = tuple(config or CONFIG_OVERRIDE or (LONG_CONFIG.get(key) if S >= WS_MIN_S else None)
+                or DEFAULT_CONFIG[key])
     BM, nw, stages, ws, preg = (cfg + (0, 0))[:5]
     if preg and not expcast:
         raise ValueError("register P~ (PREG = 1) is ExpCast-only: on the exp2 path it gave NaN rows whenever the "
@@ -477,7 +485,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         raise ValueError(f"head dim {D} is not supported (64 or 128)")
     if q8.dtype != torch.int8 or k8.dtype != torch.int8:
         raise ValueError(f"the sm_90 kernel takes INT8 Q/K codes, got {q8.dtype}, {k8.dtype}")
-    BM, nw, stages, ws, preg = config_for(D, expcast, config)
+    BM, nw, stages, ws, preg = config_for(D, expcast, config, S)
     BN = BLOCK_V
     q8, k8, v8t = q8.contiguous(), k8.contiguous(), vq.v8t.contiguous()
     S_pad = v8t.shape[-1]
