@@ -78,6 +78,15 @@ def test_register_p_key_order_is_a_permutation_of_each_block():
     # within a 32-key k-step of the MMA, the 4 lanes of a quad keep their own 8 keys (no data crosses threads)
     for k, n in enumerate(order):
         assert k // 32 == n // 32 and (k // 4) % 4 == (n // 2) % 4
+    # _p_operand's reshape / permute of P~ is the same relabelling, so P~' V' = P~ V with V's rows in `order`
+    P, V = torch.randn(64, 128, dtype=torch.float64), torch.randn(128, 32, dtype=torch.float64)
+    idx = torch.tensor(order)
+    relabelled = P.reshape(64, 4, 2, 2, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(64, 128)
+    assert torch.equal(relabelled, P[:, idx])
+    assert torch.allclose(relabelled @ V[idx], P @ V, rtol=0, atol=1e-12)
+    # the index tensor is made once per device (no host-to-device copy per call)
+    t = g._key_order_tensor("cpu", 128)
+    assert t.tolist() == order and g._key_order_tensor("cpu", 128) is t
 
 
 def test_config_validation():

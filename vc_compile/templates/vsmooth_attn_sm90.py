@@ -455,6 +455,19 @@ PRODUCER_REGS = gl.constexpr(24)
 WS_MAXNREG = 168
 
 
+_KEY_ORDER = {}
+
+
+def _key_order_tensor(device, BN: int):
+    """``key_order_sm90`` as an index tensor on ``device``, made once (no host-to-device copy per call, which
+    CUDA-graph capture would refuse)."""
+    key = (str(device), BN)
+    if key not in _KEY_ORDER:
+        import torch
+        _KEY_ORDER[key] = torch.tensor(key_order_sm90(BN), device=device)
+    return _KEY_ORDER[key]
+
+
 def config_for(D: int, expcast: bool, config=None, S: int = 0) -> tuple:
     """The launch configuration (BM, num_warps, STAGES, WS, PREG) for S query rows, validated."""
     key = (D, bool(expcast))
@@ -490,8 +503,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     q8, k8, v8t = q8.contiguous(), k8.contiguous(), vq.v8t.contiguous()
     S_pad = v8t.shape[-1]
     if preg:  # V^T's key columns in _p_operand's order within each block: one copy of V^T (S D bytes per head)
-        order = torch.tensor(key_order_sm90(BN), device=v8t.device)
-        v8t = v8t.view(B, H, D, S_pad // BN, BN)[..., order].reshape(B, H, D, S_pad)
+        v8t = v8t.view(B, H, D, S_pad // BN, BN)[..., _key_order_tensor(v8t.device, BN)].reshape(B, H, D, S_pad)
     lay = gl.NVMMASharedLayout.get_default_for
     desc_q = TensorDescriptor.from_tensor(q8.view(B * H * S, D), [BM, D], lay([BM, D], gl.int8))
     desc_k = TensorDescriptor.from_tensor(k8.view(B * H * Sk, D), [BN, D], lay([BN, D], gl.int8))
