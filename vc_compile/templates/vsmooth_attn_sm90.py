@@ -320,14 +320,14 @@ def _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem,
         for j in range(1, n_full):
             acc, l_i, m_i, alpha, r, ks0, ks1 = _pipelined_step(
                 j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k, desc_v,
-                desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS, STAGES,
-                EXPCAST, MEAN, False)
+                desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS,
+                STAGES, EXPCAST, MEAN, False)
         if HAS_TAIL:
             if n_full > 0:
                 acc, l_i, m_i, alpha, r, ks0, ks1 = _pipelined_step(
                     n_full, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k,
-                    desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN,
-                    BKS, STAGES, EXPCAST, MEAN, True)
+                    desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout,
+                    BN, BKS, STAGES, EXPCAST, MEAN, True)
 
         # the last block's PV
         vslot = (nb - 1) % STAGES
