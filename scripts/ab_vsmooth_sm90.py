@@ -1,7 +1,15 @@
-"""H200 A/B of the Gluon sm_90 V-Smooth kernel (templates/vsmooth_attn_sm90.py) against the Triton one
-(templates/vsmooth_attn.py) on the benchmark's structured inputs: agreement, fidelity vs fp32, time.
+"""H200 A/B of launch configurations of the Gluon sm_90 V-Smooth kernel (templates/vsmooth_attn_sm90.py) on the
+benchmark's structured inputs: NaN rows, agreement with the shipped configuration and the reference, fidelity
+vs fp32, time (median, with SDPA cuDNN of the same run).
 
-    python3 scripts/ab_vsmooth_sm90.py [--shapes 4173x128,32760x128] [--configs 64/4/2,64/4/3] [--out F.json]
+    python3 scripts/ab_vsmooth_sm90.py [--check-shapes 300x128,4173x128] [--shapes 32760x128]
+        [--variants "vsmooth:64/4/2/0/0,expcast@3:64/4/2/1/1/2,..."] [--triton] [--out F.json]
+
+A variant is METHOD[@EXPCAST_MODE]:CONFIG with METHOD in naive8 / vsmooth / expcast and CONFIG the kernel's
+(BM, warps, stages, WS, PREG, PP) joined by '/'; configs that ``config_for`` refuses are reported and skipped.
+--check-shapes run first, on H = 4 (correctness only: NaN rows, rel. L2 vs the shipped config and vs the
+reference); --shapes are timed on H = 40 (and checked against the fp32 truth on 256 sampled rows).
+--triton adds the Triton kernel's row per method.
 """
 from __future__ import annotations
 
@@ -17,64 +25,128 @@ import torch  # noqa: E402
 
 from benchmarks.bench_vsmooth_attn import make_inputs, truth_rows  # noqa: E402
 from benchmarks.common import bench_ms, metrics, sdpa_backend  # noqa: E402
+from vc_compile.reference import vsmooth_attn as ref  # noqa: E402
 from vc_compile.templates import kmeans as tkm  # noqa: E402
 from vc_compile.templates import preprocess as tpre  # noqa: E402
 from vc_compile.templates import vsmooth_attn as tattn  # noqa: E402
 from vc_compile.templates import vsmooth_attn_sm90 as g  # noqa: E402
 
+DEFAULT_VARIANTS = ("naive8:64/4/2/0/0,vsmooth:64/4/2/0/0,expcast:64/4/2/1/1/0,"
+                    "naive8:64/4/2/1/1/2,vsmooth:64/4/2/1/1/2,vsmooth:64/4/2/1/1/1,vsmooth:64/4/2/0/1/1,"
+                    "expcast:64/4/2/1/1/2,expcast:64/4/2/1/1/1,expcast@3:64/4/2/1/1/0,expcast@3:64/4/2/1/1/2,"
+                    "expcast@3:64/4/2/1/1/1,expcast@3:64/4/3/1/1/2,expcast@3:64/4/2/0/1/1")
+METHODS = {"naive8": (False, False), "vsmooth": (True, False), "expcast": (True, True)}  # (smooth, expcast)
+
+
+def parse(spec):
+    out = []
+    for item in spec.split(","):
+        head, cfg = item.split(":")
+        method, _, mode = head.partition("@")
+        out.append((item, method, int(mode) if mode else None, tuple(int(x) for x in cfg.split("/"))))
+    return out
+
+
+def inputs(S, D, H, perm_k):
+    q, k, v = make_inputs(1, H, S, D)
+    perm = tkm.kmeans_perm(v, min(perm_k, S), 3).perm
+    quant = {}
+    for method, (smooth, _) in METHODS.items():
+        pm = perm if smooth else None
+        quant[method] = (tpre.preprocess_qk(q, k, pm, sm_scale=D ** -0.5), tpre.preprocess_v(v, pm, smooth=smooth))
+    return q, k, v, quant
+
+
+def run(qk, vq, method, mode, cfg, lse=False):
+    return g.vsmooth_attention_sm90(qk, vq, expcast=METHODS[method][1], return_lse=lse, config=cfg,
+                                    expcast_mode=mode)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check(shape, variants, res):
+    S, D = shape
+    q, k, v, quant = inputs(S, D, 4, 64)
+    print(f"\n=== check S={S} D={D} H=4", flush=True)
+    for item, method, mode, cfg in variants:
+        qk, vq = quant[method]
+        try:
+            g.config_for(D, METHODS[method][1], cfg, S)
+            o, lse = run(qk, vq, method, mode, cfg, lse=True)
+            base, blse = g.vsmooth_attention_sm90(qk, vq, expcast=METHODS[method][1], return_lse=True,
+                                                  expcast_mode=2, config=(64, 4, 2, 0, 0))
+            ro = ref.vsmooth_attention(qk, vq, expcast=METHODS[method][1])
+            nan = int((~torch.isfinite(o)).any(-1).sum()) + int((~torch.isfinite(lse)).sum())
+            d = dict(kind="check", S=S, D=D, variant=item, nan=nan, vs_base=rel(o, base), vs_ref=rel(o, ro),
+                     lse_diff=(lse - blse).abs().max().item())
+            print(f"  {item:28s} nan {nan:5d}  vs shipped-config kernel {d['vs_base']:.2e}  vs reference "
+                  f"{d['vs_ref']:.2e}  lse {d['lse_diff']:.2e}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            d = dict(kind="check", S=S, D=D, variant=item, error=f"{type(e).__name__}: {str(e)[:200]}")
+            print(f"  {item:28s} FAILED {d['error']}", flush=True)
+        res.append(d)
+
+
+def timing(shape, variants, res, triton):
+    S, D = shape
+    H = 40
+    q, k, v, quant = inputs(S, D, H, 256)
+    rows = torch.randperm(S, device="cuda")[:256].sort().values
+    truth = truth_rows(q, k, v, rows)
+    wu, rep = (25, 100) if S <= 10000 else ((25, 200) if S <= 40000 else (10, 30))
+    with sdpa_backend("cudnn"):
+        cud = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), wu, rep)
+    flops = 4 * H * S * S * D
+    print(f"\n=== time S={S} D={D} H={H}: cudnn {cud:.3f} ms ({flops / cud / 1e9:.0f} TFLOP/s)", flush=True)
+    res.append(dict(kind="time", S=S, D=D, variant="sdpa_cudnn", ms=cud))
+    if triton:
+        for method, (_, ec) in METHODS.items():
+            qk, vq = quant[method]
+            tms = bench_ms(lambda: tattn.vsmooth_attention(qk, vq, expcast=ec, config=tattn.as_config(
+                tattn.DEFAULT_VARIANTS[(D, ec)])), wu, rep)
+            print(f"  {method + ' triton':28s} {tms:8.3f} ms x{cud / tms:.3f}", flush=True)
+            res.append(dict(kind="time", S=S, D=D, variant=method + "_triton", ms=tms, speedup=cud / tms))
+    for item, method, mode, cfg in variants:
+        qk, vq = quant[method]
+        try:
+            g.config_for(D, METHODS[method][1], cfg, S)
+            t0 = time.time()
+            o = run(qk, vq, method, mode, cfg)
+            torch.cuda.synchronize()
+            first = time.time() - t0
+            ms = bench_ms(lambda: run(qk, vq, method, mode, cfg), wu, rep)
+            m = metrics(o[:, :, rows].float(), truth)
+            nan = int((~torch.isfinite(o)).any(-1).sum())
+            d = dict(kind="time", S=S, D=D, variant=item, ms=ms, speedup=cud / ms, tflops=flops / ms / 1e9,
+                     rel_l2=m["rel_l2"], nan=nan)
+            print(f"  {item:28s} {ms:8.3f} ms x{cud / ms:.3f} {d['tflops']:5.0f} TFLOP/s rel_l2 {m['rel_l2']:.3e}"
+                  f" nan rows {nan} | first call {first:.1f}s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            d = dict(kind="time", S=S, D=D, variant=item, error=f"{type(e).__name__}: {str(e)[:200]}")
+            print(f"  {item:28s} FAILED {d['error']}", flush=True)
+            traceback.print_exc(limit=2)
+        res.append(d)
+    del q, k, v, quant
+    torch.cuda.empty_cache()
+
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shapes", default="4173x128,32760x128,75600x128,32760x64,8190x128")
-    p.add_argument("--configs", default="64/4/2,64/4/3,128/8/2")
-    p.add_argument("--H", type=int, default=40)
+    p.add_argument("--check-shapes", default="300x128,4173x128")
+    p.add_argument("--shapes", default="32760x128")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--triton", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    cfgs = [tuple(int(x) for x in c.split("/")) for c in a.configs.split(",")]
+    variants = parse(a.variants)
     res = []
-    for shp in a.shapes.split(","):
-        S, D = (int(x) for x in shp.split("x"))
-        H = a.H
-        q, k, v = make_inputs(1, H, S, D)
-        rows = torch.randperm(S, device="cuda")[:256].sort().values
-        truth = truth_rows(q, k, v, rows)
-        wu, rep = (25, 100) if S <= 10000 else ((25, 200) if S <= 40000 else (50, 600))
-        with sdpa_backend("cudnn"):
-            cud = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), wu, rep)
-        print(f"\n=== S={S} D={D} H={H}: cudnn {cud:.3f} ms", flush=True)
-        res.append(dict(S=S, D=D, variant="sdpa_cudnn", ms=cud))
-        perm = tkm.kmeans_perm(v, min(256, S), 3).perm
-        for name, pm, smooth, ec in (("naive8", None, False, False), ("vsmooth", perm, True, False),
-                                     ("vsmooth_expcast", perm, True, True)):
-            qk = tpre.preprocess_qk(q, k, pm, sm_scale=D ** -0.5)
-            vq = tpre.preprocess_v(v, pm, smooth=smooth)
-            ot, lt = tattn.vsmooth_attention(qk, vq, expcast=ec, return_lse=True)
-            tms = bench_ms(lambda: tattn.vsmooth_attention(qk, vq, expcast=ec), wu, rep)
-            mt = metrics(ot[:, :, rows].float(), truth)
-            print(f"  {name:16s} triton        {tms:8.3f} ms x{cud / tms:.3f}  rel_l2 {mt['rel_l2']:.3e}", flush=True)
-            res.append(dict(S=S, D=D, variant=name + "_triton", ms=tms, speedup=cud / tms, rel_l2=mt["rel_l2"]))
-            for cfg in cfgs:
-                try:
-                    t0 = time.time()
-                    og, lg = g.vsmooth_attention_sm90(qk, vq, expcast=ec, return_lse=True, config=cfg)
-                    torch.cuda.synchronize()
-                    first = time.time() - t0
-                    gms = bench_ms(lambda: g.vsmooth_attention_sm90(qk, vq, expcast=ec, config=cfg), wu, rep)
-                    mg = metrics(og[:, :, rows].float(), truth)
-                    d = (og.float() - ot.float()).abs()
-                    nan = int(torch.isnan(og).any(-1).sum())
-                    dl = (lg - lt).abs().max().item()
-                    print(f"  {name:16s} gluon {cfg}  {gms:8.3f} ms x{cud / gms:.3f}  rel_l2 {mg['rel_l2']:.3e} "
-                          f"| vs triton max {d.max().item():.3e} mean {d.mean().item():.3e} lse {dl:.2e} "
-                          f"nan rows {nan} | first {first:.1f}s", flush=True)
-                    res.append(dict(S=S, D=D, variant=name + "_gluon", cfg=list(cfg), ms=gms, speedup=cud / gms,
-                                    rel_l2=mg["rel_l2"], max_diff=d.max().item(), nan_rows=nan, lse_diff=dl))
-                except Exception as e:  # noqa: BLE001
-                    print(f"  {name} gluon {cfg} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    traceback.print_exc(limit=2)
-            del qk, vq, ot
-        del q, k, v
-        torch.cuda.empty_cache()
+    shp = lambda s: [tuple(int(x) for x in t.split("x")) for t in s.split(",") if t]  # noqa: E731
+    for s in shp(a.check_shapes):
+        check(s, variants, res)
+    for s in shp(a.shapes):
+        timing(s, variants, res, a.triton)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

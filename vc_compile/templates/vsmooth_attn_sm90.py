@@ -60,9 +60,10 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     lo = (cols < BKS)[None, :]  # constant per register in the MMA layout: selects, not per-element work
     t = (s_i32 + 0x4B400000).to(gl.float32, bitcast=True)  # 1.5 * 2^23 + qk, exact (|qk| < 2^22)
-    if MASK or EXPCAST != 0:
-        # s = (t - C) ks, then the row scale (NOTE: the fold below measured 35.1 / 35.3 ms against 34.7 /
-        # 34.8 ms unfolded for ExpCast, H200, S = 32760, D = 128: ExpCast keeps this form)
+    if MASK or EXPCAST == 2:
+        # s = (t - C) ks, then the row scale (ExpCast mode 2 and the key-tail block; NOTE: the exp2-style fold
+        # alone measured 35.1 / 35.3 ms against 34.7 / 34.8 ms for ExpCast in the shared-memory-P~ kernel,
+        # H200, S = 32760, D = 128; mode 3 below also moves the rounding into the FFMA)
         s = t * gl.where(lo, ks0, ks1) + gl.where(lo, ks0 * -12582912.0, ks1 * -12582912.0)
         if MASK:  # the key tail (one block): scale the rows BEFORE the -inf mask (qs = 0: 0 * -inf)
             s = gl.where((j * BN + cols < Sk)[None, :], s * qs[:, None], float("-inf"))
@@ -74,6 +75,32 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
             y = s * (8.0 * qr)[:, None] + (119.65 - 8.0 * m_new)[:, None]
         else:
             y = s * qr[:, None] - (m_new - 8.0)[:, None]
+    elif EXPCAST == 3:
+        # ExpCast on a full block, folded: code = 8 (t - C) ks qs - 8 m + 119.65 rounded to an integer by ONE
+        # FFMA, fma(t, A', K) in [2^23, 2^24) (ulp 1: the FFMA's own rounding is the round-to-nearest-even of
+        # the code), then one clamp at 2^23 (code 0). K = 2^23 + floor(X) - n must be an integer for that,
+        # X = 119.65 - 8 m, so the fraction of X rides in the product: A' = (n + frac X) / C with
+        # n = round(C A - frac X), A = 8 ks qs, and C A' + K - 2^23 = X (to ~1e-3 code units, the fp32
+        # rounding of n + frac X); |C A' - C A| <= 1/2, so a score's code moves by <= |qk| / (2 C) <= 0.08
+        # (|qk| <= 127^2 * 128), a shift common to the scores of similar qk (near the row max: < 1e-3).
+        # Exact while |K| < 2^24, i.e. 8 ks qs < ~0.6 (one INT8 step of QK < 1/13 of a log2 unit). Per score:
+        # IADD, FMNMX (row max on t), FFMA, FMNMX -- against IADD, FFMA, FMNMX, FFMA, FADD, FMNMX (mode 2).
+        mt0 = gl.max(gl.where(lo, t, float("-inf")), 1) - 12582912.0
+        mt1 = gl.max(gl.where(lo, float("-inf"), t), 1) - 12582912.0
+        a0 = ks0 * qs
+        a1 = ks1 * qs
+        m_new = gl.maximum(m_i, gl.maximum(mt0 * a0, mt1 * a1))
+        X = 119.65 - 8.0 * m_new
+        fl = gl.floor(X)
+        fx = X - fl
+        n0 = gl.floor(a0 * (8.0 * 12582912.0) - fx + 0.5)
+        n1 = gl.floor(a1 * (8.0 * 12582912.0) - fx + 0.5)
+        A0 = (n0 + fx) * (1.0 / 12582912.0)
+        A1 = (n1 + fx) * (1.0 / 12582912.0)
+        K0 = (8388608.0 + fl) - n0
+        K1 = (8388608.0 + fl) - n1
+        y = gl.fma(t, gl.where(lo, A0[:, None], A1[:, None]), gl.where(lo, K0[:, None], K1[:, None]))
+        y = gl.maximum(y, 8388608.0)  # code 0 below (the row's underflow tail)
     else:
         # exp2 on a full block: the base-2 logit (t - C) ks qs, the max subtraction and the P~ scale 2^8 as
         # ONE FFMA inside the exponent, with coefficients per (row, 64-key half) a = ks qs, b = 8 - m - C a;
@@ -93,7 +120,8 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
     if PREG:  # fp32: a renaming of registers; the fp8 packing below then lands in the A operand's registers
         y = _p_operand(y, o_layout)
     if EXPCAST:
-        y = gl.maximum(y + 8388608.0, 8388608.0)  # round to the integer code (magic add), clamp at 0
+        if MASK or EXPCAST == 2:
+            y = gl.maximum(y + 8388608.0, 8388608.0)  # round to the integer code (magic add), clamp at 0
         p8 = y.to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
     else:
         p8 = gl.exp2(y).to(gl.float8e4nv)  # MUFU + cast
@@ -244,11 +272,68 @@ def _reg_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, v
 
 
 @gluon.jit
+def _pp_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, desc_k,
+             desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout: gl.constexpr,
+             o_layout: gl.constexpr, BN: gl.constexpr, BKS: gl.constexpr, STAGES: gl.constexpr,
+             EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr, WS: gl.constexpr, PP: gl.constexpr,
+             CID: gl.constexpr, NEXT: gl.constexpr):
+    """Key block j with P~ in registers, the MMAs batched after the softmax (PP >= 1): softmax(S_j) -> issue
+    PV_j and S_{j+1} together -> retire PV_j (S_{j+1} still running) -> fold -> retire S_{j+1}. Nothing of
+    this warp group's runs on the tensor cores during its softmax; PP = 2 (two consumer warp groups) takes
+    turns at the issue point (FA3's ping-pong): consumer CID waits on ``turn[CID]`` before issuing and
+    arrives on ``turn[1 - CID]`` after, so one group's MMAs run during the other's softmax."""
+    slot = j % STAGES
+    nslot = (j + 1) % STAGES
+    p8, alpha, r, m_i = _softmax_block(s_i, j, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, MASK, o_layout,
+                                       True)
+    # K stage `slot` is free (S_j was retired in the previous step)
+    if WS == 0:
+        nk = j + STAGES
+        mbarrier.expect(kbar.index(slot), desc_k.block_type.nbytes, pred=nk < nb)
+        tma.async_copy_global_to_shared(desc_k, [kv_row + nk * BN, 0], kbar.index(slot), k_smem.index(slot),
+                                        pred=nk < nb)
+    else:
+        mbarrier.arrive(kempty.index(slot), count=1)
+    # block j+1's K scales: in flight during the MMAs
+    ks0n = gl.load(KS_bh + (j + 1) * (BN // BKS), mask=(j + 1) * BN < Sk, other=0.0)
+    ks1n = gl.load(KS_bh + (j + 1) * (BN // BKS) + 1, mask=(j + 1) * BN + BKS < Sk, other=0.0)
+    mbarrier.wait(vbar.index(slot), (j // STAGES) & 1)
+    if NEXT:
+        mbarrier.wait(kbar.index(nslot), ((j + 1) // STAGES) & 1)
+    if PP == 2:  # this group's j-th turn; a fresh barrier counts as phase 1 complete: consumer 0 goes first
+        mbarrier.wait(turn.index(CID), (j + 1 - CID) & 1)
+    pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    if NEXT:
+        s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if PP == 2:
+        mbarrier.arrive(turn.index(1 - CID), count=1)
+    l_i = l_i * alpha + r
+    if NEXT:
+        pv = warpgroup_mma_wait(1, deps=[pv_tok])  # PV_j done (groups retire in order); S_{j+1} still runs
+    else:
+        pv = warpgroup_mma_wait(0, deps=[pv_tok])
+    mu = _load_mu(m_smem, slot, o_layout, MEAN)
+    acc = _fold_pv(acc, alpha, r, pv, mu, o_layout, MEAN)
+    if WS == 0:
+        nv = j + STAGES
+        _load_v(desc_v, desc_m, v_smem, m_smem, vbar, slot, vt_row, m_row, nv, nv < nb, BN, MEAN)
+    else:
+        fence_async_shared()
+        gl.thread_barrier()  # every warp of this warp group has read mu'_j
+        mbarrier.arrive(vempty.index(slot), count=1)
+    if NEXT:
+        s_n = warpgroup_mma_wait(0, deps=[s_tok])
+    else:
+        s_n = s_i
+    return acc, l_i, m_i, s_n, ks0n, ks1n
+
+
+@gluon.jit
 def _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem, p_smem, qbar, kbar, vbar, kempty,
-                 vempty, QS, KS, VS, OUT, LSE, S, Sk, nb, start_m, BM: gl.constexpr, BN: gl.constexpr,
+                 vempty, turn, QS, KS, VS, OUT, LSE, S, Sk, nb, start_m, BM: gl.constexpr, BN: gl.constexpr,
                  D: gl.constexpr, BKS: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                  MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr, WS: gl.constexpr,
-                 PREG: gl.constexpr):
+                 PREG: gl.constexpr, PP: gl.constexpr, CID: gl.constexpr):
     """BM query rows from ``start_m`` of head ``program_id(1)`` through all key blocks; O (and the LSE) stored.
     WS = 0: the warps also load K / V; WS = 1 (PREG only): a producer warp does (kbar / vbar filled by it,
     kempty / vempty freed here) and this is one of two consumer warp groups."""
@@ -293,15 +378,26 @@ def _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem,
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s_i = warpgroup_mma_wait(0, deps=[s_tok])
         l_i = gl.zeros([BM], gl.float32, row_s)  # alpha = 0 at block 0 (m_i = -inf): acc and l_i start at 0
-        for j in range(0, nb - 1):
-            acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(
-                j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k, desc_v,
-                desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS,
-                STAGES, EXPCAST, MEAN, False, WS, True)
-        acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(  # the last block: masked when it holds the key tail
-            nb - 1, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k, desc_v,
-            desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS,
-            STAGES, EXPCAST, MEAN, HAS_TAIL, WS, False)
+        if PP == 0:
+            for j in range(0, nb - 1):
+                acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(
+                    j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k,
+                    desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout,
+                    o_layout, BN, BKS, STAGES, EXPCAST, MEAN, False, WS, True)
+            acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(  # the last block: masked when it holds the key tail
+                nb - 1, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k,
+                desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout,
+                BN, BKS, STAGES, EXPCAST, MEAN, HAS_TAIL, WS, False)
+        else:
+            for j in range(0, nb - 1):
+                acc, l_i, m_i, s_i, ks0, ks1 = _pp_step(
+                    j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
+                    desc_k, desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout,
+                    o_layout, BN, BKS, STAGES, EXPCAST, MEAN, False, WS, PP, CID, True)
+            acc, l_i, m_i, s_i, ks0, ks1 = _pp_step(  # the last block: masked when it holds the key tail
+                nb - 1, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
+                desc_k, desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout,
+                o_layout, BN, BKS, STAGES, EXPCAST, MEAN, HAS_TAIL, WS, PP, CID, False)
     else:
         # block 0: S_0 and its softmax (nothing to overlap with yet); masked when it may hold the key tail
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -352,7 +448,7 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, L
                               BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
                               BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                               MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                              PREG: gl.constexpr, num_warps: gl.constexpr):
+                              PREG: gl.constexpr, PP: gl.constexpr, num_warps: gl.constexpr):
     """BM rows per program, num_warps / 4 warp groups that also load K / V (at BM = 64: two CTAs per SM)."""
     p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float8e4nv)
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [BM, D], desc_q.layout)
@@ -368,8 +464,8 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, L
         mbarrier.init(kbar.index(i), count=1)
         mbarrier.init(vbar.index(i), count=1)
     _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem, p_smem, qbar, kbar, vbar, kbar,
-                 vbar, QS, KS, VS, OUT, LSE, S, Sk, nb, gl.program_id(0) * BM,
-                 BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 0, PREG)
+                 vbar, kbar, QS, KS, VS, OUT, LSE, S, Sk, nb, gl.program_id(0) * BM,
+                 BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 0, PREG, PP, 0)
     mbarrier.invalidate(qbar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(kbar.index(i))
@@ -399,7 +495,7 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT
                                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
                                  BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                                  MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                                 num_warps: gl.constexpr):
+                                 PP: gl.constexpr, num_warps: gl.constexpr):
     """Warp-specialised (register P~): two consumer warp groups of BM rows each (the default partition and a
     worker) share a K / V ring that a producer warp fills; one CTA (12 warps) per SM."""
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, BM, D], desc_q.layout)
@@ -411,8 +507,10 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT
     vbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     vempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PP = 2: MMA-issue turns
     for i in gl.static_range(2):
         mbarrier.init(qbar.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(kbar.index(i), count=1)
         mbarrier.init(vbar.index(i), count=1)
@@ -421,11 +519,11 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT
     start = gl.program_id(0) * (2 * BM)
     gl.warp_specialize([
         (_attend_rows, (desc_q, desc_k, desc_v, desc_m, q_smem.index(0), k_smem, v_smem, m_smem, q_smem,
-                        qbar.index(0), kbar, vbar, kempty, vempty, QS, KS, VS, OUT, LSE, S, Sk, nb, start,
-                        BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1)),
+                        qbar.index(0), kbar, vbar, kempty, vempty, turn, QS, KS, VS, OUT, LSE, S, Sk, nb, start,
+                        BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1, PP, 0)),
         (_attend_rows, (desc_q, desc_k, desc_v, desc_m, q_smem.index(1), k_smem, v_smem, m_smem, q_smem,
-                        qbar.index(1), kbar, vbar, kempty, vempty, QS, KS, VS, OUT, LSE, S, Sk, nb, start + BM,
-                        BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1)),
+                        qbar.index(1), kbar, vbar, kempty, vempty, turn, QS, KS, VS, OUT, LSE, S, Sk, nb,
+                        start + BM, BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1, PP, 1)),
         (_ws_producer, (desc_k, desc_v, desc_m, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, Sk, nb, BN, D,
                         BV, STAGES, MEAN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -447,6 +545,9 @@ DEFAULT_CONFIG = {(128, False): (64, 4, 2, 0, 0), (128, True): (64, 4, 2, 0, 0),
                   (64, False): (64, 4, 2, 0, 0), (64, True): (64, 4, 2, 0, 0)}
 LONG_CONFIG = {(128, True): (64, 4, 2, 1, 1)}  # from WS_MIN_S query rows
 WS_MIN_S = 16384
+# ExpCast's code arithmetic on full blocks: 2 = the reference's two roundings (s, then the code), 3 = folded into
+# one FFMA that also rounds (``_softmax_block``); the key-tail block always runs mode 2
+EXPCAST_MODE = 2
 CONFIG_OVERRIDE = None
 # register split of a warp-specialised CTA (12 warps: 3 warp groups of 128 threads): producer 24 + consumer
 # 240 (worker) + consumer 240 (the default partition, what is left of 168 x 3) = 504 <= 65536 / 128
@@ -469,21 +570,27 @@ def _key_order_tensor(device, BN: int):
 
 
 def config_for(D: int, expcast: bool, config=None, S: int = 0) -> tuple:
-    """The launch configuration (BM, num_warps, STAGES, WS, PREG) for S query rows, validated."""
+    """The launch configuration (BM, num_warps, STAGES, WS, PREG, PP) for S query rows, validated. PP (register
+    P~ only): 0 = S_{j+1} issued before the softmax of S_j and PV_j after it (``_reg_step``); 1 = both issued
+    together after the softmax (``_pp_step``); 2 = as 1, the two consumer warp groups taking turns (WS)."""
     key = (D, bool(expcast))
     cfg = tuple(config or CONFIG_OVERRIDE or (LONG_CONFIG.get(key) if S >= WS_MIN_S else None)
                 or DEFAULT_CONFIG[key])
-    BM, nw, stages, ws, preg = (cfg + (0, 0))[:5]
-    if preg and not expcast:
-        raise ValueError("register P~ (PREG = 1) is ExpCast-only: on the exp2 path it gave NaN rows whenever the "
-                         "mean term is on (docs/kernels_notes.md, v5); use PREG = 0 without expcast")
+    BM, nw, stages, ws, preg, pp = (cfg + (0, 0, 0))[:6]
+    if preg and not expcast and pp == 0:
+        raise ValueError("register P~ with PP = 0 is ExpCast-only: on the exp2 path it gave NaN rows whenever the "
+                         "mean term is on (docs/kernels_notes.md, v5); use PREG = 0 or PP >= 1 without expcast")
     if ws and (not preg or nw != 4 or BM != 64):
         raise ValueError(f"warp specialisation needs PREG = 1, 4 warps and BM = 64 per consumer, got {cfg}")
-    return BM, nw, stages, ws, preg
+    if pp and not preg:
+        raise ValueError(f"PP (the MMA issue order of the register-P~ step) needs PREG = 1, got {cfg}")
+    if pp not in (0, 1, 2) or (pp == 2 and not ws):
+        raise ValueError(f"PP is 0, 1 or 2 (2 = ping-pong of two consumer warp groups: needs WS = 1), got {cfg}")
+    return BM, nw, stages, ws, preg, pp
 
 
 def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, return_lse: bool = False,
-                           config=None):
+                           config=None, expcast_mode=None):
     """As ``vsmooth_attn.vsmooth_attention`` (INT8 QK only): O [B, H, S, D] (and the base-2 LSE)."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -498,7 +605,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         raise ValueError(f"head dim {D} is not supported (64 or 128)")
     if q8.dtype != torch.int8 or k8.dtype != torch.int8:
         raise ValueError(f"the sm_90 kernel takes INT8 Q/K codes, got {q8.dtype}, {k8.dtype}")
-    BM, nw, stages, ws, preg = config_for(D, expcast, config, S)
+    BM, nw, stages, ws, preg, pp = config_for(D, expcast, config, S)
     BN = BLOCK_V
     q8, k8, v8t = q8.contiguous(), k8.contiguous(), vq.v8t.contiguous()
     S_pad = v8t.shape[-1]
@@ -521,8 +628,11 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     desc_m = TensorDescriptor.from_tensor(mu_prime, [1, D], lay([1, D], gl.float32))
     args = (desc_q, desc_k, desc_v, desc_m, q_scale.contiguous(), k_scale.contiguous(), vq.v_scale.contiguous(), out,
             lse, S, Sk, nb)
-    consts = dict(BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, STAGES=stages, EXPCAST=2 if expcast else 0,
-                  MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse))
+    mode = expcast_mode or EXPCAST_MODE
+    if mode not in (2, 3):
+        raise ValueError(f"expcast_mode is 2 (two roundings, as the reference) or 3 (folded), got {mode}")
+    consts = dict(BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, STAGES=stages, EXPCAST=mode if expcast else 0,
+                  MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), PP=pp)
     if ws:
         _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
     else:
