@@ -123,12 +123,31 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
         if MASK or EXPCAST == 2:
             y = gl.maximum(y + 8388608.0, 8388608.0)  # round to the integer code (magic add), clamp at 0
         p8 = y.to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+    elif PREG:
+        p8 = _e4m3x4(gl.exp2(y))  # MUFU + cast, packed without ptxas's F2FP.MERGE_C chain (see _e4m3x4)
     else:
         p8 = gl.exp2(y).to(gl.float8e4nv)  # MUFU + cast
     r = gl.sum(p8.to(gl.float16), 1).to(gl.float32)  # decoded P~, fp16 sum (2^-11 relative)
     if PREG:
         r = gl.convert_layout(r, gl.SliceLayout(1, s_layout))
     return p8, alpha, r, m_new
+
+
+@gluon.jit
+def _e4m3x4(x):
+    """fp32 -> E4M3 (round to nearest even, saturating), four consecutive register elements per 32-bit word.
+    ``.to(gl.float8e4nv)`` emits a 16-bit cvt per pair and ``mov.b32 {lo, hi}``, which ptxas may fuse into
+    ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C`` chains; every register-P~ exp2 compile with such a chain (C not
+    RZ) returned wrong or NaN rows on the H200 (those with F2FP + PRMT did not; kernels_notes v6). Here each
+    pair is widened to 32 bits and the halves joined by an explicit PRMT."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 l, h; .reg .b32 l32, h32;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 l, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 h, $4, $3;\n"
+        "cvt.u32.u16 l32, l;\n"
+        "cvt.u32.u16 h32, h;\n"
+        "prmt.b32 $0, l32, h32, 0x5410; }",
+        "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -577,9 +596,6 @@ def config_for(D: int, expcast: bool, config=None, S: int = 0) -> tuple:
     cfg = tuple(config or CONFIG_OVERRIDE or (LONG_CONFIG.get(key) if S >= WS_MIN_S else None)
                 or DEFAULT_CONFIG[key])
     BM, nw, stages, ws, preg, pp = (cfg + (0, 0, 0))[:6]
-    if preg and not expcast and pp == 0:
-        raise ValueError("register P~ with PP = 0 is ExpCast-only: on the exp2 path it gave NaN rows whenever the "
-                         "mean term is on (docs/kernels_notes.md, v5); use PREG = 0 or PP >= 1 without expcast")
     if ws and (not preg or nw != 4 or BM != 64):
         raise ValueError(f"warp specialisation needs PREG = 1, 4 warps and BM = 64 per consumer, got {cfg}")
     if pp and not preg:
