@@ -28,11 +28,13 @@ import codegen_sparse as csp  # noqa: E402  (pops TRITON_INTERPRET, imports torc
 import codegen_stats as cs  # noqa: E402
 import torch  # noqa: E402
 
-VARIANTS = {  # name: (head dim, expcast, mean, launch config: None = the kernel's default)
+VARIANTS = {  # name: (head dim, expcast, mean, launch config: None = the kernel's default at --S)
     "d128_exp2": (128, False, True, None), "d128_expcast": (128, True, True, None),
     "d128_naive": (128, False, False, None), "d64_exp2": (64, False, True, None),
     "d64_expcast": (64, True, True, None),
-    "d128_expcast_preg": (128, True, True, (64, 4, 2, 0, 1)),  # register P~ without warp specialisation
+    "d128_exp2_smem": (128, False, True, (64, 4, 2, 0, 0)),  # shared-memory P~ (the default below WS_MIN_S)
+    "d128_exp2_preg_pp1": (128, False, True, (64, 4, 2, 0, 1, 1)),  # register P~, no warp specialisation
+    "d128_expcast_pp0": (128, True, True, (64, 4, 2, 1, 1, 0)),  # S_{j+1} issued before the softmax
     "d128_expcast_smem": (128, True, True, (64, 4, 2, 0, 0)),  # shared-memory P~ (the A/B baseline)
 }
 
@@ -109,6 +111,10 @@ def main(argv=None):
                                               "wgmma_serialized")}
         preg = g.config_for(D, expcast, config, a.S)[4]
         out[name]["register_p"] = bool(preg)
+        out[name]["pp"] = g.config_for(D, expcast, config, a.S)[5]
+        # ptxas's F2FP...PACK_AB_MERGE_C with a live C operand: every register-P~ exp2 compile that had these
+        # returned wrong or NaN rows on the H200 (kernels_notes v6); _e4m3x4 packs P~ so that none appear
+        out[name]["f2fp_merge_chained"] = len(re.findall(r"PACK_AB_MERGE_C R\d+, R\d+, R\d+, R\d+", sass))
         out[name]["window"] = register_p_loop(sass) if preg else overlap_window(sass)
     if a.json:
         print(json.dumps(out))

@@ -560,13 +560,22 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT
 # S = 32760 / 75600 (shared-memory P~ 1.09 / 1.09) but 1.01 at S = 8190 (shared memory 1.08: one CTA of 12
 # warps per SM leaves 19 waves with a ragged tail): it takes over from WS_MIN_S keys (between the two
 # measured lengths; not measured at the boundary).
-DEFAULT_CONFIG = {(128, False): (64, 4, 2, 0, 0), (128, True): (64, 4, 2, 0, 0),
-                  (64, False): (64, 4, 2, 0, 0), (64, True): (64, 4, 2, 0, 0)}
-LONG_CONFIG = {(128, True): (64, 4, 2, 1, 1)}  # from WS_MIN_S query rows
+# NOTE (H200, 2026-12-01, 940b993 + _e4m3x4, kernel alone, ms; cuDNN 38.01 / 205.1 / 2.429 / 25.93 at S = 32760 /
+# 75600 / 8190 (D = 128) / 32760 (D = 64)), (BM, warps, STAGES, WS, PREG, PP):
+#   ExpCast mode 3: (64,4,2,1,1,1) 29.15 / 154.8 / 2.070 / 22.68; (64,4,2,0,1,1) 31.04 / 167.3 / 2.076 / 21.58;
+#     shared-memory P~ (64,4,2,0,0) 34.73 / 181.3 / 2.215 / 26.28. Mode 2 at (64,4,2,1,1,1): 30.07 / 158.1;
+#     the previous default (64,4,2,1,1,0) mode 2: 31.17 / 166.0 / 2.235 / 23.74. Turns (PP = 2): 31.09 at 32760
+#     (against 29.40 for PP = 1 in the same run): the two consumer warp groups overlap better on their own.
+#   exp2 (V-Smooth): shared-memory P~ 32.24 / 177.2 / 2.103 / 23.55; (64,4,2,1,1,0) 32.36 / 170.2 / 2.306 / 26.02;
+#     (64,4,2,1,1,1) 32.52 / 170.6 / 2.327 / 25.26; (64,4,2,0,1,1) 32.34 / 170.6 / 2.161 / 22.98.
+#   naive 8-bit (exp2, no mean term): shared memory 29.54 / 157.5; (64,4,2,1,1,1) 28.84 / 152.8.
+DEFAULT_CONFIG = {(128, False): (64, 4, 2, 0, 0), (128, True): (64, 4, 2, 1, 1, 1),
+                  (64, False): (64, 4, 2, 0, 1, 1), (64, True): (64, 4, 2, 0, 1, 1)}
+LONG_CONFIG = {(128, False): (64, 4, 2, 1, 1, 0)}  # from WS_MIN_S query rows
 WS_MIN_S = 16384
 # ExpCast's code arithmetic on full blocks: 2 = the reference's two roundings (s, then the code), 3 = folded into
 # one FFMA that also rounds (``_softmax_block``); the key-tail block always runs mode 2
-EXPCAST_MODE = 2
+EXPCAST_MODE = 3
 CONFIG_OVERRIDE = None
 # register split of a warp-specialised CTA (12 warps: 3 warp groups of 128 threads): producer 24 + consumer
 # 240 (worker) + consumer 240 (the default partition, what is left of 168 x 3) = 504 <= 65536 / 128
