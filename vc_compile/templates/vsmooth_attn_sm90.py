@@ -26,14 +26,18 @@ t           = bits(qk + 0x4B400000) = qk + C, C = 1.5 * 2^23: the magic-number i
             (the tail: qs applied before its -inf mask).
 qs          [BM] per-token Q scale (sm_scale * log2 e folded in); the base-2 logit is (t - C) ks qs_i.
 m_i, l_i    running row max / row sum (of the decoded P~, summed in fp16 as ROWSUM = 2).
-P~          fp8(256 * 2^(s - m_i)) (exp2 + cast) or the ExpCast E4M3 code (mode 2, the reference's rounding).
+P~          fp8(256 * 2^(s - m_i)) (exp2 + cast) or the ExpCast E4M3 code: mode 2 rounds as the reference
+            (s, then the code), mode 3 (the default) forms and rounds the code in ONE FFMA (``_softmax_block``).
 acc         the PV accumulator in units of v_scale; O = acc * v_scale / l_i.
 
-ExpCast (PREG): P~ stays in registers as the PV MMA's A operand (no shared-memory round trip, no barrier
+Register P~ (PREG): P~ stays in registers as the PV MMA's A operand (no shared-memory round trip, no barrier
 before PV): the keys of each 128-block are relabelled so that the QK accumulator's registers already are
 the A operand's (``_p_operand``), V^T's key columns are stored in the same order (``key_order_sm90``), and
-the step order changes (``_reg_step``): S_{j+1} is issued before the softmax of S_j, PV_j right after it,
-both retired within the step (an MMA in flight across the loop's back edge makes ptxas serialise them all).
+the step order changes. PP = 0 (``_reg_step``): S_{j+1} is issued before the softmax of S_j, PV_j right after
+it; PP = 1 (``_pp_step``): both issued after the softmax, PV_j retired first; PP = 2: as 1, the two consumer
+warp groups taking turns at the issue point (FA3's ping-pong; measured slower). Every MMA is retired within
+its step (one in flight across the loop's back edge makes ptxas serialise them all). On the exp2 path P~ is
+packed by ``_e4m3x4`` (ptxas's fused F2FP.MERGE_C packing gave wrong / NaN rows with the mean term on).
 
 Parallelisation: grid ``(ceil(S / BM), B * H)``; one program = BM query rows of one (b, h), num_warps / 4
 warp groups splitting the rows (16 rows per warp); K / V stream through a STAGES-deep TMA ring with one
@@ -554,8 +558,8 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT
 # head dims run two CTAs (8 warps) per SM at (64, 4, 2); D = 64 fits three (168 registers).
 # NOTE (H200, 2026-11-30, S = 32760, D = 128, ExpCast kernel, ms, three runs): shared-memory P~ (64, 4, 2, 0, 0)
 # 34.79 / 35.85 / 35.56, register P~ (64, 4, 2, 0, 1) 31.78 / - / 32.66, + warp specialisation
-# (64, 4, 2, 1, 1) 31.43 / - / 31.55. Register P~ on the exp2 path: naive 8-bit 28.43 vs 29.31 ms, but NaN
-# rows whenever the mean term is on (V-Smooth; unexplained, kernels_notes v5), so it is ExpCast-only.
+# (64, 4, 2, 1, 1) 31.43 / - / 31.55. (Register P~ on the exp2 path gave NaN rows with the mean term on until
+# _e4m3x4, 2026-12-01: kernels_notes v6.)
 # NOTE (H200, 5f2bd7e vs ae07fe5, ExpCast kernel x cuDNN): warp-specialised register P~ 1.22 / 1.26 at
 # S = 32760 / 75600 (shared-memory P~ 1.09 / 1.09) but 1.01 at S = 8190 (shared memory 1.08: one CTA of 12
 # warps per SM leaves 19 waves with a ragged tail): it takes over from WS_MIN_S keys (between the two
