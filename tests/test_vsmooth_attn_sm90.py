@@ -42,7 +42,7 @@ def codegen():
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-VARIANTS = ["d128_exp2", "d128_expcast", "d128_naive", "d64_exp2", "d64_expcast", "d128_exp2_smem",
+VARIANTS = ["d128_exp2", "d128_expcast", "d128_naive", "d64_exp2", "d64_expcast", "d128_exp2_ws",
             "d128_exp2_preg_pp1", "d128_expcast_pp0", "d128_expcast_smem"]
 
 
@@ -97,7 +97,8 @@ def test_register_p_key_order_is_a_permutation_of_each_block():
 def test_config_validation():
     from vc_compile.templates import vsmooth_attn_sm90 as g
     assert g.config_for(128, True, S=32760) == g.config_for(128, True, S=8190) == (64, 4, 2, 1, 1, 1)
-    assert g.config_for(128, False, S=32760) == (64, 4, 2, 1, 1, 0) and g.config_for(128, False, S=8190)[3:] == (0,) * 3
+    assert g.config_for(128, True, S=4096)[3:] == (0,) * 3  # short: shared-memory P~ (LONG_CONFIG's NOTE)
+    assert g.config_for(128, False, S=75600) == (64, 4, 2, 1, 1, 0) and g.config_for(128, False, S=32760)[3:] == (0,) * 3
     assert g.config_for(64, True, S=32760) == g.config_for(64, False, S=32760) == (64, 4, 2, 0, 1, 1)
     assert g.config_for(64, False, (64, 4, 2)) == (64, 4, 2, 0, 0, 0)
     assert g.config_for(128, False, (64, 4, 2, 0, 1)) == (64, 4, 2, 0, 1, 0)  # register P~ on the exp2 path too

@@ -562,8 +562,7 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT
 # _e4m3x4, 2026-12-01: kernels_notes v6.)
 # NOTE (H200, 5f2bd7e vs ae07fe5, ExpCast kernel x cuDNN): warp-specialised register P~ 1.22 / 1.26 at
 # S = 32760 / 75600 (shared-memory P~ 1.09 / 1.09) but 1.01 at S = 8190 (shared memory 1.08: one CTA of 12
-# warps per SM leaves 19 waves with a ragged tail): it takes over from WS_MIN_S keys (between the two
-# measured lengths; not measured at the boundary).
+# warps per SM leaves 19 waves with a ragged tail).
 # NOTE (H200, 2026-12-01, 940b993 + _e4m3x4, kernel alone, ms; cuDNN 38.01 / 205.1 / 2.429 / 25.93 at S = 32760 /
 # 75600 / 8190 (D = 128) / 32760 (D = 64)), (BM, warps, STAGES, WS, PREG, PP):
 #   ExpCast mode 3: (64,4,2,1,1,1) 29.15 / 154.8 / 2.070 / 22.68; (64,4,2,0,1,1) 31.04 / 167.3 / 2.076 / 21.58;
@@ -573,10 +572,17 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT
 #   exp2 (V-Smooth): shared-memory P~ 32.24 / 177.2 / 2.103 / 23.55; (64,4,2,1,1,0) 32.36 / 170.2 / 2.306 / 26.02;
 #     (64,4,2,1,1,1) 32.52 / 170.6 / 2.327 / 25.26; (64,4,2,0,1,1) 32.34 / 170.6 / 2.161 / 22.98.
 #   naive 8-bit (exp2, no mean term): shared memory 29.54 / 157.5; (64,4,2,1,1,1) 28.84 / 152.8.
-DEFAULT_CONFIG = {(128, False): (64, 4, 2, 0, 0), (128, True): (64, 4, 2, 1, 1, 1),
+# NOTE (same day, D = 128, ms at S = 2048 / 4096 / 16380 / 24570; cuDNN 0.142 / 0.561 / 9.636 / 21.78): ExpCast mode 3
+#   (64,4,2,1,1,1) 0.197 / 0.603 / 7.529 / 16.91, (64,4,2,0,1,1) 0.190 / 0.588 / 8.092 / 18.26, shared-memory P~
+#   0.175 / 0.570 / 8.789 / 20.14 -> warp-specialised register P~ from 6144 rows (between 4096 and 8190, where it
+#   leads: 2.070 vs 2.215); V-Smooth shared-memory P~ 0.161 / 0.581 / 8.262 / 18.73, (64,4,2,1,1,0) 0.211 / 0.665 /
+#   8.400 / 18.87 -> register P~ only from 49152 rows (it is level at 32760 and 4% ahead at 75600; not measured
+#   between). Below ~4096 rows both 8-bit kernels are slower than cuDNN (0.81-0.97x): a short head has too few
+#   key blocks to fill the pipeline.
+DEFAULT_CONFIG = {(128, False): (64, 4, 2, 0, 0), (128, True): (64, 4, 2, 0, 0),
                   (64, False): (64, 4, 2, 0, 1, 1), (64, True): (64, 4, 2, 0, 1, 1)}
-LONG_CONFIG = {(128, False): (64, 4, 2, 1, 1, 0)}  # from WS_MIN_S query rows
-WS_MIN_S = 16384
+# (head dim, ExpCast) -> (from this many query rows, launch configuration)
+LONG_CONFIG = {(128, False): (49152, (64, 4, 2, 1, 1, 0)), (128, True): (6144, (64, 4, 2, 1, 1, 1))}
 # ExpCast's code arithmetic on full blocks: 2 = the reference's two roundings (s, then the code), 3 = folded into
 # one FFMA that also rounds (``_softmax_block``); the key-tail block always runs mode 2
 EXPCAST_MODE = 3
@@ -606,8 +612,8 @@ def config_for(D: int, expcast: bool, config=None, S: int = 0) -> tuple:
     P~ only): 0 = S_{j+1} issued before the softmax of S_j and PV_j after it (``_reg_step``); 1 = both issued
     together after the softmax (``_pp_step``); 2 = as 1, the two consumer warp groups taking turns (WS)."""
     key = (D, bool(expcast))
-    cfg = tuple(config or CONFIG_OVERRIDE or (LONG_CONFIG.get(key) if S >= WS_MIN_S else None)
-                or DEFAULT_CONFIG[key])
+    long = LONG_CONFIG.get(key)
+    cfg = tuple(config or CONFIG_OVERRIDE or (long[1] if long and S >= long[0] else None) or DEFAULT_CONFIG[key])
     BM, nw, stages, ws, preg, pp = (cfg + (0, 0, 0))[:6]
     if ws and (not preg or nw != 4 or BM != 64):
         raise ValueError(f"warp specialisation needs PREG = 1, 4 warps and BM = 64 per consumer, got {cfg}")
