@@ -209,6 +209,34 @@ def _fold_pv(acc, alpha, r, pv, mu, o_layout: gl.constexpr, MEAN: gl.constexpr):
 
 
 @gluon.jit
+def _release_k(j, nb, slot, k_smem, kbar, kempty, desc_k, kv_row, BN: gl.constexpr, STAGES: gl.constexpr,
+               WS: gl.constexpr):
+    """K stage ``slot`` (block j) is no longer read: WS = 0 refills it with block j + STAGES itself, WS = 1 frees
+    it to the producer warp."""
+    if WS == 0:
+        nk = j + STAGES
+        mbarrier.expect(kbar.index(slot), desc_k.block_type.nbytes, pred=nk < nb)
+        tma.async_copy_global_to_shared(desc_k, [kv_row + nk * BN, 0], kbar.index(slot), k_smem.index(slot),
+                                        pred=nk < nb)
+    else:
+        mbarrier.arrive(kempty.index(slot), count=1)
+
+
+@gluon.jit
+def _release_v(j, nb, slot, v_smem, m_smem, vbar, vempty, desc_v, desc_m, vt_row, m_row, BN: gl.constexpr,
+               STAGES: gl.constexpr, MEAN: gl.constexpr, WS: gl.constexpr):
+    """V stage ``slot`` (block j: PV_j retired, mu'_j read) is free: WS = 0 refills it (the compiler puts a barrier
+    before, for mu'), WS = 1 frees it to the producer warp once every warp of this group has read mu'_j."""
+    if WS == 0:
+        nv = j + STAGES
+        _load_v(desc_v, desc_m, v_smem, m_smem, vbar, slot, vt_row, m_row, nv, nv < nb, BN, MEAN)
+    else:
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(vempty.index(slot), count=1)
+
+
+@gluon.jit
 def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_smem, m_smem, kbar, vbar, desc_k,
                     desc_v, desc_m, m_row,
                     kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout: gl.constexpr,
@@ -261,14 +289,7 @@ def _reg_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, v
     if NEXT:
         mbarrier.wait(kbar.index(nslot), ((j + 1) // STAGES) & 1)
         s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    # K stage `slot` is free (S_j was retired in the previous step)
-    if WS == 0:
-        nk = j + STAGES
-        mbarrier.expect(kbar.index(slot), desc_k.block_type.nbytes, pred=nk < nb)
-        tma.async_copy_global_to_shared(desc_k, [kv_row + nk * BN, 0], kbar.index(slot), k_smem.index(slot),
-                                        pred=nk < nb)
-    else:
-        mbarrier.arrive(kempty.index(slot), count=1)
+    _release_k(j, nb, slot, k_smem, kbar, kempty, desc_k, kv_row, BN, STAGES, WS)  # S_j retired last step
     # block j+1's K scales, a step ahead: loaded here they would stall the softmax (global-load latency)
     ks0n = gl.load(KS_bh + (j + 1) * (BN // BKS), mask=(j + 1) * BN < Sk, other=0.0)
     ks1n = gl.load(KS_bh + (j + 1) * (BN // BKS) + 1, mask=(j + 1) * BN + BKS < Sk, other=0.0)
@@ -284,13 +305,7 @@ def _reg_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, v
         s_n = s_i
     mu = _load_mu(m_smem, slot, o_layout, MEAN)
     acc = _fold_pv(acc, alpha, r, pv, mu, o_layout, MEAN)
-    if WS == 0:  # V stage `slot` is free (PV_j done): refill it (the compiler puts a barrier before, for mu')
-        nv = j + STAGES
-        _load_v(desc_v, desc_m, v_smem, m_smem, vbar, slot, vt_row, m_row, nv, nv < nb, BN, MEAN)
-    else:
-        fence_async_shared()
-        gl.thread_barrier()  # every warp of this warp group has read mu'_j
-        mbarrier.arrive(vempty.index(slot), count=1)
+    _release_v(j, nb, slot, v_smem, m_smem, vbar, vempty, desc_v, desc_m, vt_row, m_row, BN, STAGES, MEAN, WS)
     return acc, l_i, m_i, s_n, ks0n, ks1n
 
 
@@ -309,14 +324,7 @@ def _pp_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vb
     nslot = (j + 1) % STAGES
     p8, alpha, r, m_i = _softmax_block(s_i, j, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, MASK, o_layout,
                                        True)
-    # K stage `slot` is free (S_j was retired in the previous step)
-    if WS == 0:
-        nk = j + STAGES
-        mbarrier.expect(kbar.index(slot), desc_k.block_type.nbytes, pred=nk < nb)
-        tma.async_copy_global_to_shared(desc_k, [kv_row + nk * BN, 0], kbar.index(slot), k_smem.index(slot),
-                                        pred=nk < nb)
-    else:
-        mbarrier.arrive(kempty.index(slot), count=1)
+    _release_k(j, nb, slot, k_smem, kbar, kempty, desc_k, kv_row, BN, STAGES, WS)  # S_j retired last step
     # block j+1's K scales: in flight during the MMAs
     ks0n = gl.load(KS_bh + (j + 1) * (BN // BKS), mask=(j + 1) * BN < Sk, other=0.0)
     ks1n = gl.load(KS_bh + (j + 1) * (BN // BKS) + 1, mask=(j + 1) * BN + BKS < Sk, other=0.0)
@@ -337,13 +345,7 @@ def _pp_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vb
         pv = warpgroup_mma_wait(0, deps=[pv_tok])
     mu = _load_mu(m_smem, slot, o_layout, MEAN)
     acc = _fold_pv(acc, alpha, r, pv, mu, o_layout, MEAN)
-    if WS == 0:
-        nv = j + STAGES
-        _load_v(desc_v, desc_m, v_smem, m_smem, vbar, slot, vt_row, m_row, nv, nv < nb, BN, MEAN)
-    else:
-        fence_async_shared()
-        gl.thread_barrier()  # every warp of this warp group has read mu'_j
-        mbarrier.arrive(vempty.index(slot), count=1)
+    _release_v(j, nb, slot, v_smem, m_smem, vbar, vempty, desc_v, desc_m, vt_row, m_row, BN, STAGES, MEAN, WS)
     if NEXT:
         s_n = warpgroup_mma_wait(0, deps=[s_tok])
     else:
