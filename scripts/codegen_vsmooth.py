@@ -109,9 +109,9 @@ def main(argv=None):
         sass, _ = csp.sass_of(k.asm["ptx"])
         out[name] = {key: st[key] for key in ("registers", "spill_bytes", "smem_bytes", "ctas_per_sm",
                                               "wgmma_serialized")}
-        preg = g.config_for(D, expcast, config, a.S)[4]
+        preg, pp = g.config_for(D, expcast, config, a.S)[4:]
         out[name]["register_p"] = bool(preg)
-        out[name]["pp"] = g.config_for(D, expcast, config, a.S)[5]
+        out[name]["pp"] = pp
         # ptxas's F2FP...PACK_AB_MERGE_C with a live C operand: every register-P~ exp2 compile that had these
         # returned wrong or NaN rows on the H200 (kernels_notes v6); _e4m3x4 packs P~ so that none appear
         out[name]["f2fp_merge_chained"] = len(re.findall(r"PACK_AB_MERGE_C R\d+, R\d+, R\d+, R\d+", sass))

@@ -33,7 +33,7 @@ acc         the PV accumulator in units of v_scale; O = acc * v_scale / l_i.
 Register P~ (PREG): P~ stays in registers as the PV MMA's A operand (no shared-memory round trip, no barrier
 before PV): the keys of each 128-block are relabelled so that the QK accumulator's registers already are
 the A operand's (``_p_operand``), V^T's key columns are stored in the same order (``key_order_sm90``), and
-the step order changes. PP = 0 (``_reg_step``): S_{j+1} is issued before the softmax of S_j, PV_j right after
+the step order changes. PP = 0 (``_prefetch_step``): S_{j+1} is issued before the softmax of S_j, PV_j right after
 it; PP = 1 (``_pp_step``): both issued after the softmax, PV_j retired first; PP = 2: as 1, the two consumer
 warp groups taking turns at the issue point (FA3's ping-pong; measured slower). Every MMA is retired within
 its step (one in flight across the loop's back edge makes ptxas serialise them all). On the exp2 path P~ is
@@ -52,6 +52,25 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
+
+
+@gluon.jit
+def _half_scales_max(t, lo, qs, m_i, ks0, ks1):
+    """Per (row, 64-key half) logit scales a_h = ks_h qs and the new row max from the exact integer maxima of the
+    two halves of t (= C + qk), scaled by the same a_h."""
+    mt0 = gl.max(gl.where(lo, t, float("-inf")), 1) - 12582912.0
+    mt1 = gl.max(gl.where(lo, float("-inf"), t), 1) - 12582912.0
+    a0 = ks0 * qs
+    a1 = ks1 * qs
+    return a0, a1, gl.maximum(m_i, gl.maximum(mt0 * a0, mt1 * a1))
+
+
+@gluon.jit
+def _k_scales(KS_bh, blk, Sk, BN: gl.constexpr, BKS: gl.constexpr):
+    """The two K scales of key block ``blk`` (keys [0, BKS) and [BKS, BN) of it; 0 past Sk)."""
+    ks0 = gl.load(KS_bh + blk * (BN // BKS), mask=blk * BN < Sk, other=0.0)
+    ks1 = gl.load(KS_bh + blk * (BN // BKS) + 1, mask=blk * BN + BKS < Sk, other=0.0)
+    return ks0, ks1
 
 
 @gluon.jit
@@ -89,11 +108,7 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
         # (|qk| <= 127^2 * 128), a shift common to the scores of similar qk (near the row max: < 1e-3).
         # Exact while |K| < 2^24, i.e. 8 ks qs < ~0.6 (one INT8 step of QK < 1/13 of a log2 unit). Per score:
         # IADD, FMNMX (row max on t), FFMA, FMNMX -- against IADD, FFMA, FMNMX, FFMA, FADD, FMNMX (mode 2).
-        mt0 = gl.max(gl.where(lo, t, float("-inf")), 1) - 12582912.0
-        mt1 = gl.max(gl.where(lo, float("-inf"), t), 1) - 12582912.0
-        a0 = ks0 * qs
-        a1 = ks1 * qs
-        m_new = gl.maximum(m_i, gl.maximum(mt0 * a0, mt1 * a1))
+        a0, a1, m_new = _half_scales_max(t, lo, qs, m_i, ks0, ks1)
         X = 119.65 - 8.0 * m_new
         fl = gl.floor(X)
         fx = X - fl
@@ -112,11 +127,7 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
         # NOTE (H200, S = 32760, D = 128, V-Smooth kernel): 33.56 ms unfolded -> 31.86 ms folded with the
         # K-scale prefetch (32.74 prefetch alone, 33.89 fold alone: the fold needs the scales early);
         # naive 31.25 -> 29.80.
-        mt0 = gl.max(gl.where(lo, t, float("-inf")), 1) - 12582912.0
-        mt1 = gl.max(gl.where(lo, float("-inf"), t), 1) - 12582912.0
-        a0 = ks0 * qs
-        a1 = ks1 * qs
-        m_new = gl.maximum(m_i, gl.maximum(mt0 * a0, mt1 * a1))
+        a0, a1, m_new = _half_scales_max(t, lo, qs, m_i, ks0, ks1)
         b0 = (8.0 - m_new) - 12582912.0 * a0
         b1 = (8.0 - m_new) - 12582912.0 * a1
         y = t * gl.where(lo, a0[:, None], a1[:, None]) + gl.where(lo, b0[:, None], b1[:, None])
@@ -253,8 +264,7 @@ def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_sm
                            use_acc=False, is_async=True)
     s_i = warpgroup_mma_wait(1, deps=[s_tok])  # S_j ready; PV_{j-1} still in flight
     # block j+1's K scales, a step ahead: loaded here they would stall the softmax (global-load latency)
-    ks0n = gl.load(KS_bh + (j + 1) * (BN // BKS), mask=(j + 1) * BN < Sk, other=0.0)
-    ks1n = gl.load(KS_bh + (j + 1) * (BN // BKS) + 1, mask=(j + 1) * BN + BKS < Sk, other=0.0)
+    ks0n, ks1n = _k_scales(KS_bh, j + 1, Sk, BN, BKS)
     p8n, alpha_n, r_n, m_i = _softmax_block(s_i, j, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, MASK,
                                             o_layout, False)
     p_smem.index(j % 2).store(p8n)  # read by PV_j in the next step (PV_{j-2}, its last reader, is done)
@@ -275,12 +285,32 @@ def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _reg_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k, desc_v,
-              desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout: gl.constexpr,
-              o_layout: gl.constexpr, BN: gl.constexpr, BKS: gl.constexpr, STAGES: gl.constexpr,
-              EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr, WS: gl.constexpr,
-              NEXT: gl.constexpr):
-    """Key block j with P~ in registers (PREG). Enters with S_j computed (``s_i``); issues S_{j+1} (NEXT) so
+def _reg_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, desc_k,
+              desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1,
+              s_layout: gl.constexpr, o_layout: gl.constexpr, BN: gl.constexpr, BKS: gl.constexpr,
+              STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr, WS: gl.constexpr,
+              PP: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr):
+    """Key block j with P~ in registers, in the MMA issue order PP (``config_for``)."""
+    if PP == 0:
+        acc, l_i, m_i, s_n, ks0n, ks1n = _prefetch_step(
+            j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k, desc_v,
+            desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS,
+            STAGES, EXPCAST, MEAN, MASK, WS, NEXT)
+    else:
+        acc, l_i, m_i, s_n, ks0n, ks1n = _pp_step(
+            j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, desc_k,
+            desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN,
+            BKS, STAGES, EXPCAST, MEAN, MASK, WS, PP, CID, NEXT)
+    return acc, l_i, m_i, s_n, ks0n, ks1n
+
+
+@gluon.jit
+def _prefetch_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k,
+                   desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1,
+                   s_layout: gl.constexpr, o_layout: gl.constexpr, BN: gl.constexpr, BKS: gl.constexpr,
+                   STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr,
+                   WS: gl.constexpr, NEXT: gl.constexpr):
+    """PP = 0: key block j with P~ in registers. Enters with S_j computed (``s_i``); issues S_{j+1} (NEXT) so
     that it runs during the softmax of S_j, then PV_j = P~_j V_j straight from the softmax's registers;
     both are retired before the step ends. WS = 0: this warp group refills the K / V stages itself; WS = 1:
     it frees them to the producer warp (kempty / vempty)."""
@@ -291,8 +321,7 @@ def _reg_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, v
         s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     _release_k(j, nb, slot, k_smem, kbar, kempty, desc_k, kv_row, BN, STAGES, WS)  # S_j retired last step
     # block j+1's K scales, a step ahead: loaded here they would stall the softmax (global-load latency)
-    ks0n = gl.load(KS_bh + (j + 1) * (BN // BKS), mask=(j + 1) * BN < Sk, other=0.0)
-    ks1n = gl.load(KS_bh + (j + 1) * (BN // BKS) + 1, mask=(j + 1) * BN + BKS < Sk, other=0.0)
+    ks0n, ks1n = _k_scales(KS_bh, j + 1, Sk, BN, BKS)
     p8, alpha, r, m_i = _softmax_block(s_i, j, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, MASK, o_layout,
                                        True)
     mbarrier.wait(vbar.index(slot), (j // STAGES) & 1)
@@ -326,8 +355,7 @@ def _pp_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vb
                                        True)
     _release_k(j, nb, slot, k_smem, kbar, kempty, desc_k, kv_row, BN, STAGES, WS)  # S_j retired last step
     # block j+1's K scales: in flight during the MMAs
-    ks0n = gl.load(KS_bh + (j + 1) * (BN // BKS), mask=(j + 1) * BN < Sk, other=0.0)
-    ks1n = gl.load(KS_bh + (j + 1) * (BN // BKS) + 1, mask=(j + 1) * BN + BKS < Sk, other=0.0)
+    ks0n, ks1n = _k_scales(KS_bh, j + 1, Sk, BN, BKS)
     mbarrier.wait(vbar.index(slot), (j // STAGES) & 1)
     if NEXT:
         mbarrier.wait(kbar.index(nslot), ((j + 1) // STAGES) & 1)
@@ -395,7 +423,7 @@ def _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem,
     mbarrier.wait(qbar, 0)
     mbarrier.wait(kbar.index(0), 0)
     m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
-    ks0 = gl.load(KS_bh)
+    ks0 = gl.load(KS_bh)  # block 0's (it always has keys)
     ks1 = gl.load(KS_bh + 1, mask=BKS < Sk, other=0.0)
     acc = zero_o
     n_full = Sk // BN
@@ -403,34 +431,22 @@ def _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem,
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s_i = warpgroup_mma_wait(0, deps=[s_tok])
         l_i = gl.zeros([BM], gl.float32, row_s)  # alpha = 0 at block 0 (m_i = -inf): acc and l_i start at 0
-        if PP == 0:
-            for j in range(0, nb - 1):
-                acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(
-                    j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k,
-                    desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout,
-                    o_layout, BN, BKS, STAGES, EXPCAST, MEAN, False, WS, True)
-            acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(  # the last block: masked when it holds the key tail
-                nb - 1, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k,
+        for j in range(0, nb - 1):
+            acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(
+                j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, desc_k,
                 desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout,
-                BN, BKS, STAGES, EXPCAST, MEAN, HAS_TAIL, WS, False)
-        else:
-            for j in range(0, nb - 1):
-                acc, l_i, m_i, s_i, ks0, ks1 = _pp_step(
-                    j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
-                    desc_k, desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout,
-                    o_layout, BN, BKS, STAGES, EXPCAST, MEAN, False, WS, PP, CID, True)
-            acc, l_i, m_i, s_i, ks0, ks1 = _pp_step(  # the last block: masked when it holds the key tail
-                nb - 1, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
-                desc_k, desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout,
-                o_layout, BN, BKS, STAGES, EXPCAST, MEAN, HAS_TAIL, WS, PP, CID, False)
+                BN, BKS, STAGES, EXPCAST, MEAN, False, WS, PP, CID, True)
+        acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(  # the last block: masked when it holds the key tail
+            nb - 1, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, desc_k,
+            desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN,
+            BKS, STAGES, EXPCAST, MEAN, HAS_TAIL, WS, PP, CID, False)
     else:
         # block 0: S_0 and its softmax (nothing to overlap with yet); masked when it may hold the key tail
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s_i = warpgroup_mma_wait(0, deps=[s_tok])
         p8, alpha, r, m_i = _softmax_block(s_i, 0, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, HAS_TAIL,
                                              o_layout, False)
-        ks0 = gl.load(KS_bh + (BN // BKS), mask=BN < Sk, other=0.0)  # block 1's, for the first loop step
-        ks1 = gl.load(KS_bh + (BN // BKS) + 1, mask=BN + BKS < Sk, other=0.0)
+        ks0, ks1 = _k_scales(KS_bh, 1, Sk, BN, BKS)  # block 1's, for the first loop step
         l_i = r
         p_smem.index(0).store(p8)
         fence_async_shared()
