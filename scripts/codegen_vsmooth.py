@@ -36,6 +36,9 @@ VARIANTS = {  # name: (head dim, expcast, mean, launch config: None = the kernel
     "d128_exp2_preg_pp1": (128, False, True, (64, 4, 2, 0, 1, 1)),  # register P~, no warp specialisation
     "d128_expcast_pp0": (128, True, True, (64, 4, 2, 1, 1, 0)),  # S_{j+1} issued before the softmax
     "d128_expcast_smem": (128, True, True, (64, 4, 2, 0, 0)),  # shared-memory P~ (the A/B baseline)
+    "d128_expcast_ws_pp1": (128, True, True, (64, 4, 2, 1, 1, 1)),  # the defaults before MS (row sums on the ALUs)
+    "d64_expcast_preg": (64, True, True, (64, 4, 2, 0, 1, 1)),  # register P~, no WS (D = 64 below 6144 rows)
+    "d128_exp2_ms_nows": (128, False, True, (64, 4, 2, 0, 1, 1, 1)),  # MS without warp specialisation
 }
 
 
@@ -88,11 +91,20 @@ def register_p_loop(sass: str) -> dict:
     soft = [k for k, x in enumerate(loop) if "MUFU.EX2" in x or re.sub(r"^@!?U?P\w+\s+", "", x).startswith("FMNMX")]
     ig = max(k for k, x in enumerate(loop) if "IGMMA" in x)  # the last QK instruction of the next block
     qg = [k for k, x in enumerate(loop) if re.search(r"QGMMA\S* R\d+, R\d+, gdesc", x)]
+    op = lambda x: re.sub(r"^@!?U?P\w+\s+", "", x).split()[0]  # noqa: E731
     return {"found": True, "instructions": len(loop),
             # share of the softmax (exp2 or ExpCast clamps) issued after the next block's QK MMA
             "softmax_after_qk": round(sum(k > ig for k in soft) / max(len(soft), 1), 3),
-            "pv_from_registers_after_softmax": bool(qg) and bool(soft) and min(qg) > max(soft),
-            "sts": sum(1 for x in loop if re.sub(r"^@!?U?P\w+\s+", "", x).startswith("STS"))}
+            # PV from registers after (at least 97% of) the softmax: ptxas may sink the two row-rescale exponents
+            # exp2(m_old - m_new), needed only by the fold, below the MMA issue (MS)
+            "pv_from_registers_after_softmax": bool(qg) and bool(soft) and sum(k < min(qg) for k in soft)
+            >= 0.97 * len(soft),
+            "sts": sum(1 for x in loop if op(x).startswith("STS")),
+            "lds": sum(1 for x in loop if op(x).startswith("LDS")),
+            # MS: the row-sum MMA (N = 8) and the mean term's tf32 MMAs in the loop; no fp16 row sum (unpacks)
+            "rowsum_mma": sum(1 for x in loop if op(x).startswith("QGMMA.64x8x32")),
+            "tf32_mma": sum(1 for x in loop if op(x).startswith("HGMMA") and "TF32" in op(x)),
+            "fp8_unpack": sum(1 for x in loop if op(x).startswith("F2FP.F16.E4M3.UNPACK"))}
 
 
 def main(argv=None):
@@ -109,9 +121,11 @@ def main(argv=None):
         sass, _ = csp.sass_of(k.asm["ptx"])
         out[name] = {key: st[key] for key in ("registers", "spill_bytes", "smem_bytes", "ctas_per_sm",
                                               "wgmma_serialized")}
-        preg, pp = g.config_for(D, expcast, config, a.S)[4:]
+        preg, pp, ms = g.config_for(D, expcast, config, a.S)[4:7]
         out[name]["register_p"] = bool(preg)
         out[name]["pp"] = pp
+        out[name]["ms"] = ms
+        out[name]["mean"] = mean
         # ptxas's F2FP...PACK_AB_MERGE_C with a live C operand: every register-P~ exp2 compile that had these
         # returned wrong or NaN rows on the H200 (kernels_notes v6); _e4m3x4 packs P~ so that none appear
         out[name]["f2fp_merge_chained"] = len(re.findall(r"PACK_AB_MERGE_C R\d+, R\d+, R\d+, R\d+", sass))

@@ -43,7 +43,8 @@ def codegen():
 
 
 VARIANTS = ["d128_exp2", "d128_expcast", "d128_naive", "d64_exp2", "d64_expcast", "d128_exp2_ws",
-            "d128_exp2_preg_pp1", "d128_expcast_pp0", "d128_expcast_smem"]
+            "d128_exp2_preg_pp1", "d128_expcast_pp0", "d128_expcast_smem", "d128_expcast_ws_pp1", "d64_expcast_preg",
+            "d128_exp2_ms_nows"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -61,8 +62,13 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
             # the next block's QK MMA is in flight during part of the softmax (ptxas places its last k-step
             # after ~70% of it: 0.29-0.47 measured)
             assert w["softmax_after_qk"] >= 0.2
-        else:  # PP >= 1: both MMAs are issued after the whole softmax
-            assert w["softmax_after_qk"] == 0.0
+        else:  # PP >= 1: both MMAs are issued after the softmax (MS: ptxas may sink the 2 alpha exponents)
+            assert w["softmax_after_qk"] <= (0.02 if st["ms"] else 0.0)
+        if st["ms"]:  # row sums by MMA (4 k-steps of N = 8), the mean term by 3 tf32 MMAs per 8 blocks
+            assert w["rowsum_mma"] == 4 and w["fp8_unpack"] == 0 and w["lds"] == 0
+            assert w["tf32_mma"] == (3 if st["mean"] else 0)
+        else:
+            assert w["rowsum_mma"] == 0 and w["tf32_mma"] == 0
         # the warp-specialised configs (12 warps: two consumer warp groups + the producer's) fill an SM alone
         assert st["ctas_per_sm"] >= 1
         return
@@ -96,12 +102,17 @@ def test_register_p_key_order_is_a_permutation_of_each_block():
 
 def test_config_validation():
     from vc_compile.templates import vsmooth_attn_sm90 as g
-    assert g.config_for(128, True, S=32760) == g.config_for(128, True, S=8190) == (64, 4, 2, 1, 1, 1)
-    assert g.config_for(128, True, S=4096)[3:] == (0,) * 3  # short: shared-memory P~ (LONG_CONFIG's NOTE)
-    assert g.config_for(128, False, S=75600) == (64, 4, 2, 1, 1, 0) and g.config_for(128, False, S=32760)[3:] == (0,) * 3
-    assert g.config_for(64, True, S=32760) == g.config_for(64, False, S=32760) == (64, 4, 2, 0, 1, 1)
-    assert g.config_for(64, False, (64, 4, 2)) == (64, 4, 2, 0, 0, 0)
-    assert g.config_for(128, False, (64, 4, 2, 0, 1)) == (64, 4, 2, 0, 1, 0)  # register P~ on the exp2 path too
+    ms = (64, 4, 2, 1, 1, 1, 1)  # warp-specialised register P~, row sums and mean term by MMA (LONG_CONFIG's NOTE)
+    assert g.config_for(128, True, S=32760) == g.config_for(128, True, S=4096) == ms
+    assert g.config_for(128, True, S=4095)[3:] == (0,) * 4  # short: shared-memory P~
+    assert g.config_for(128, False, S=75600) == g.config_for(128, False, S=8190) == ms
+    assert g.config_for(128, False, S=4096)[3:] == (0,) * 4
+    assert g.config_for(64, True, S=32760) == g.config_for(64, False, S=32760) == ms
+    assert g.config_for(64, True, S=4096) == (64, 4, 2, 0, 1, 1, 0)
+    assert g.config_for(64, False, (64, 4, 2)) == (64, 4, 2, 0, 0, 0, 0)
+    assert g.config_for(128, False, (64, 4, 2, 0, 1)) == (64, 4, 2, 0, 1, 0, 0)  # register P~ on the exp2 path too
+    with pytest.raises(ValueError, match="MS"):
+        g.config_for(128, True, (64, 4, 2, 1, 1, 0, 1))  # MS is built on the PP >= 1 step
     with pytest.raises(ValueError, match="warp specialisation needs PREG"):
         g.config_for(128, True, (64, 4, 2, 1, 0))
     with pytest.raises(ValueError, match="needs PREG"):
@@ -195,9 +206,10 @@ def test_gpu_nan_rows_stay_nan(expcast):
 
 @requires_sm90
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("S", [100, 256, 300, 4173])
+@pytest.mark.parametrize("S", [100, 256, 300, 2048, 4173])
 @pytest.mark.parametrize("config", [(64, 4, 2, 0, 1), (64, 4, 2, 1, 1), (64, 4, 3, 1, 1), (64, 4, 2, 0, 1, 1),
-                                    (64, 4, 2, 1, 1, 1), (64, 4, 2, 1, 1, 2)])
+                                    (64, 4, 2, 1, 1, 1), (64, 4, 2, 1, 1, 2), (64, 4, 2, 1, 1, 1, 1),
+                                    (64, 4, 2, 0, 1, 1, 1), (64, 4, 2, 1, 1, 2, 1)])
 @pytest.mark.parametrize("expcast", [False, True])
 def test_gpu_register_p_configs_match_shared_memory_p(D, S, config, expcast):
     """P~ in registers (keys relabelled, V^T reordered), with and without warp specialisation, in every MMA issue
@@ -205,7 +217,8 @@ def test_gpu_register_p_configs_match_shared_memory_p(D, S, config, expcast):
     and of the fp16 row sum differs (measured max abs 2e-3 on outputs ~1 at S = 32760). S = 300 leaves the
     second consumer warp group of the warp-specialised kernel with rows past S. On the exp2 path (V-Smooth and
     naive 8-bit) these compiles returned wrong or NaN rows with the mean term on until P~ was packed by
-    ``_e4m3x4`` (kernels_notes v6)."""
+    ``_e4m3x4`` (kernels_notes v6). MS (7th entry): row sums exact in fp32 instead of an fp16 sum, the mean term
+    added per 8 blocks (S = 2048: 16 blocks, both windows full; 4173: four full windows and a 1-block one)."""
     from vc_compile.templates import vsmooth_attn_sm90 as g
     q, k, v = make_qkv(1, 3, S, D, torch.bfloat16, device="cuda")
     for smooth in (True, False):
@@ -237,3 +250,23 @@ def test_gpu_expcast_mode3_matches_mode2_and_reference(D, S, config):
         assert rel(o, ro) <= ref_tolerance(True, 2) and rel(o, t) <= 1e-2
         assert rel(o, truth) <= 1.1 * rel(t, truth) + 1e-3
         assert (lse - tlse).abs().max().item() <= 1e-2
+
+
+@requires_sm90
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("expcast", [False, True])
+def test_gpu_ms_mean_term_keeps_fp32_accuracy_on_large_means(D, expcast):
+    """MS adds the mean term r mu' by tf32 MMAs. V = residual + 64 x a channel bias: the output is ~64 while its
+    attention-dependent part is ~1, so an 11-bit (one tf32 MMA) mean term would be off by ~64 * 2^-11 = 3% of that
+    part; the hi / lo split (3 MMAs) keeps ~2^-20. Against the shared-memory-P~ kernel (mean term in fp32 FFMAs),
+    fp32 outputs, error relative to the attention-dependent part O - mean(V): <= 2e-3 (the codes and scales are the
+    same; what differs is the fp32 summation order and the fp16 vs exact row sum, ~1e-3)."""
+    from vc_compile.templates import vsmooth_attn_sm90 as g
+    q, k, v = make_qkv(1, 2, 2500, D, torch.bfloat16, device="cuda")
+    bias = 64 * (1 + torch.rand(D, device="cuda"))
+    v = (v.float() + bias).to(torch.bfloat16)
+    qk, vq = quantise(q, k, v, "int8", True)
+    ms = g.vsmooth_attention_sm90(qk, vq, expcast=expcast, out_dtype=torch.float32, config=(64, 4, 2, 1, 1, 1, 1))
+    sm = g.vsmooth_attention_sm90(qk, vq, expcast=expcast, out_dtype=torch.float32, config=(64, 4, 2, 0, 0))
+    part = sm - v.float().mean(dim=2, keepdim=True)
+    assert ((ms - sm).norm() / part.norm()).item() <= 2e-3

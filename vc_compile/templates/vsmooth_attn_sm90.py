@@ -76,10 +76,11 @@ def _k_scales(KS_bh, blk, Sk, BN: gl.constexpr, BKS: gl.constexpr):
 @gluon.jit
 def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: gl.constexpr,
                    BKS: gl.constexpr, EXPCAST: gl.constexpr, MASK: gl.constexpr, o_layout: gl.constexpr,
-                   PREG: gl.constexpr):
+                   PREG: gl.constexpr, ROWSUM: gl.constexpr = True):
     """One key block's online-softmax step: (P~ fp8 [BM, BN], alpha [BM], r [BM], m_new [BM]). ``ks0``,
     ``ks1``: the block's two K scales (keys [0, BKS) and [BKS, BN)), loaded a step ahead by the caller.
-    PREG: P~ comes back as the PV MMA's register A operand (keys relabelled, ``_p_operand``)."""
+    PREG: P~ comes back as the PV MMA's register A operand (keys relabelled, ``_p_operand``). ROWSUM = 0: r is
+    not formed here (the MMA sums P~, ``_row_sum_mma``)."""
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     lo = (cols < BKS)[None, :]  # constant per register in the MMA layout: selects, not per-element work
     t = (s_i32 + 0x4B400000).to(gl.float32, bitcast=True)  # 1.5 * 2^23 + qk, exact (|qk| < 2^22)
@@ -142,9 +143,12 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
         p8 = _e4m3x4(gl.exp2(y))  # MUFU + cast, packed without ptxas's F2FP.MERGE_C chain (see _e4m3x4)
     else:
         p8 = gl.exp2(y).to(gl.float8e4nv)  # MUFU + cast
-    r = gl.sum(p8.to(gl.float16), 1).to(gl.float32)  # decoded P~, fp16 sum (2^-11 relative)
-    if PREG:
-        r = gl.convert_layout(r, gl.SliceLayout(1, s_layout))
+    if ROWSUM:
+        r = gl.sum(p8.to(gl.float16), 1).to(gl.float32)  # decoded P~, fp16 sum (2^-11 relative)
+        if PREG:
+            r = gl.convert_layout(r, gl.SliceLayout(1, s_layout))
+    else:
+        r = 0.0
     return p8, alpha, r, m_new
 
 
@@ -219,6 +223,70 @@ def _fold_pv(acc, alpha, r, pv, mu, o_layout: gl.constexpr, MEAN: gl.constexpr):
     return acc
 
 
+@gluon.constexpr_function
+def _rs_layout(o_layout):
+    """MS: the layout of the row-sum MMA's [BM, 8] accumulator (and of the mean window Rb)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=o_layout.warps_per_cta, instr_shape=[16, 8, 32])
+
+
+@gluon.jit
+def _row_sum_mma(p8, ones_smem, o_layout: gl.constexpr):
+    """MS: r_j = P~_j 1 on the tensor cores, issued beside PV_j (same register A operand, N = 8 columns of ones
+    in shared memory): [BM, 8] fp32 in the MMA layout (``_rs_layout``), every column the row sum of the decoded
+    P~."""
+    BM: gl.constexpr = p8.shape[0]
+    r_layout: gl.constexpr = _rs_layout(o_layout)
+    a = gl.convert_layout(p8, gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=4))
+    return warpgroup_mma(a, ones_smem.permute((1, 0)), gl.zeros([BM, 8], gl.float32, r_layout), use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _mean_slot(Rb, rs, alpha, i):
+    """MS: the deferred mean term's weights: every buffered r moves to the current max (x alpha_j) and r_j (rs)
+    takes window slot i = j % 8. Slot i is accumulator column 2 (i % 4) + i // 4, which ``_flush_mean``'s
+    relabelling turns into tf32 A-operand column i (the row of block 8 w + i's mu' in the group tile)."""
+    r_layout: gl.constexpr = rs.type.layout
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, r_layout))
+    a = gl.convert_layout(alpha, gl.SliceLayout(1, r_layout))[:, None]
+    return gl.where((cols == 2 * (i % 4) + i // 4)[None, :], rs, Rb * a)
+
+
+@gluon.jit
+def _flush_mean(acc, Rb, mg_smem, mgbar, w, o_layout: gl.constexpr):
+    """MS: acc += R_w mu'_w for window w (8 key blocks) as tf32 MMAs, async: R [BM, 8] the blocks' row sums at
+    the current max (``_mean_slot``), mu'_w [8, D] their mean rows (shared-memory buffer w % 2, K-major: [D, 8],
+    hi and lo tf32 parts). Three MMAs, R_hi mu_hi + R_lo mu_hi + R_hi mu_lo, keep ~2^-20 relative (one tf32 MMA
+    alone truncates both to 11 bits)."""
+    BM: gl.constexpr = Rb.shape[0]
+    D: gl.constexpr = acc.shape[1]
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=o_layout.warps_per_cta,
+                                                       instr_shape=[16, D, 8])
+    # accumulator column 2 t + e (t = lane % 4) -> A-operand column 4 e + t: a renaming of registers
+    ra = gl.convert_layout(Rb.reshape([BM, 4, 2]).permute((0, 2, 1)).reshape([BM, 8]),
+                           gl.DotOperandLayout(operand_index=0, parent=t_layout, k_width=1))
+    hi = (ra.to(gl.int32, bitcast=True) & -8192).to(gl.float32, bitcast=True)  # the 11 bits tf32 keeps
+    lo = ra - hi
+    buf = w % 2
+    mbarrier.wait(mgbar.index(buf), (w // 2) & 1)
+    mhi = mg_smem.index(2 * buf).permute((1, 0))
+    acc = gl.convert_layout(acc, t_layout)  # the same registers: the MMA takes its K step from the layout
+    acc = warpgroup_mma(hi, mhi, acc, is_async=True)
+    acc = warpgroup_mma(lo, mhi, acc, is_async=True)
+    return warpgroup_mma(hi, mg_smem.index(2 * buf + 1).permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _load_mean_group(desc_g, mg_smem, mgbar, g_row, w, ng, D: gl.constexpr):
+    """MS: TMA of window w's mu' group tile (hi, lo: [2, D, 8] fp32) into buffer w % 2 (when w < ng)."""
+    buf = w % 2
+    pred = w < ng
+    mbarrier.expect(mgbar.index(buf), 2 * desc_g.block_type.nbytes, pred=pred)
+    for h in gl.static_range(2):
+        tma.async_copy_global_to_shared(desc_g, [(g_row + w * 2 + h) * D, 0], mgbar.index(buf),
+                                        mg_smem.index(2 * buf + h), pred=pred)
+
+
 @gluon.jit
 def _release_k(j, nb, slot, k_smem, kbar, kempty, desc_k, kv_row, BN: gl.constexpr, STAGES: gl.constexpr,
                WS: gl.constexpr):
@@ -285,23 +353,25 @@ def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _reg_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, desc_k,
-              desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, BN: gl.constexpr, BKS: gl.constexpr,
-              STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr, WS: gl.constexpr,
-              PP: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr):
+def _reg_step(j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, ones_smem,
+              mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s, zero_o, Sk,
+              KS_bh, qs, ks0, ks1, s_layout: gl.constexpr, o_layout: gl.constexpr, BN: gl.constexpr,
+              BKS: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr,
+              WS: gl.constexpr, PP: gl.constexpr, MS: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr):
     """Key block j with P~ in registers, in the MMA issue order PP (``config_for``)."""
     if PP == 0:
+        gl.static_assert(MS == 0, "MMA row sums (MS) are built on the PP >= 1 step")
         acc, l_i, m_i, s_n, ks0n, ks1n = _prefetch_step(
             j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k, desc_v,
             desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS,
             STAGES, EXPCAST, MEAN, MASK, WS, NEXT)
     else:
-        acc, l_i, m_i, s_n, ks0n, ks1n = _pp_step(
-            j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, desc_k,
-            desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN,
-            BKS, STAGES, EXPCAST, MEAN, MASK, WS, PP, CID, NEXT)
-    return acc, l_i, m_i, s_n, ks0n, ks1n
+        acc, l_i, m_i, s_n, Rb, ks0n, ks1n = _pp_step(
+            j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
+            ones_smem, mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s,
+            zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS, STAGES, EXPCAST, MEAN, MASK, WS, PP, MS,
+            CID, NEXT)
+    return acc, l_i, m_i, s_n, Rb, ks0n, ks1n
 
 
 @gluon.jit
@@ -339,20 +409,24 @@ def _prefetch_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kb
 
 
 @gluon.jit
-def _pp_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, desc_k,
-             desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout: gl.constexpr,
-             o_layout: gl.constexpr, BN: gl.constexpr, BKS: gl.constexpr, STAGES: gl.constexpr,
-             EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr, WS: gl.constexpr, PP: gl.constexpr,
-             CID: gl.constexpr, NEXT: gl.constexpr):
+def _pp_step(j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, ones_smem,
+             mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s, zero_o, Sk,
+             KS_bh, qs, ks0, ks1, s_layout: gl.constexpr, o_layout: gl.constexpr, BN: gl.constexpr,
+             BKS: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr,
+             WS: gl.constexpr, PP: gl.constexpr, MS: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr):
     """Key block j with P~ in registers, the MMAs batched after the softmax (PP >= 1): softmax(S_j) -> issue
     PV_j and S_{j+1} together -> retire PV_j (S_{j+1} still running) -> fold -> retire S_{j+1}. Nothing of
     this warp group's runs on the tensor cores during its softmax; PP = 2 (two consumer warp groups) takes
     turns at the issue point (FA3's ping-pong): consumer CID waits on ``turn[CID]`` before issuing and
-    arrives on ``turn[1 - CID]`` after, so one group's MMAs run during the other's softmax."""
+    arrives on ``turn[1 - CID]`` after, so one group's MMAs run during the other's softmax.
+    MS = 1: the row sum r_j = P~_j 1 is a third MMA beside PV_j (``_row_sum_mma``; l_i is then [BM, 8], every
+    column the running sum), and the mean term waits in Rb for 8 blocks, added by tf32 MMAs (``_flush_mean``)
+    with the last S wait of every 8th step instead of r_j mu'_j per step."""
     slot = j % STAGES
     nslot = (j + 1) % STAGES
+    MU: gl.constexpr = MEAN and not MS  # mu'_j rows staged with V and added per step
     p8, alpha, r, m_i = _softmax_block(s_i, j, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, MASK, o_layout,
-                                       True)
+                                       True, not MS)
     _release_k(j, nb, slot, k_smem, kbar, kempty, desc_k, kv_row, BN, STAGES, WS)  # S_j retired last step
     # block j+1's K scales: in flight during the MMAs
     ks0n, ks1n = _k_scales(KS_bh, j + 1, Sk, BN, BKS)
@@ -362,35 +436,57 @@ def _pp_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vb
     if PP == 2:  # this group's j-th turn; a fresh barrier counts as phase 1 complete: consumer 0 goes first
         mbarrier.wait(turn.index(CID), (j + 1 - CID) & 1)
     pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    if MS:
+        rs_tok = _row_sum_mma(p8, ones_smem, o_layout)
     if NEXT:
         s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     if PP == 2:
         mbarrier.arrive(turn.index(1 - CID), count=1)
-    l_i = l_i * alpha + r
-    if NEXT:
-        pv = warpgroup_mma_wait(1, deps=[pv_tok])  # PV_j done (groups retire in order); S_{j+1} still runs
+    if not MS:
+        l_i = l_i * alpha + r
+    if MS:
+        pv, rs = warpgroup_mma_wait(1 if NEXT else 0, deps=[pv_tok, rs_tok])  # S_{j+1} may still run
+        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, _rs_layout(o_layout)))[:, None] + rs
     else:
-        pv = warpgroup_mma_wait(0, deps=[pv_tok])
-    mu = _load_mu(m_smem, slot, o_layout, MEAN)
-    acc = _fold_pv(acc, alpha, r, pv, mu, o_layout, MEAN)
-    _release_v(j, nb, slot, v_smem, m_smem, vbar, vempty, desc_v, desc_m, vt_row, m_row, BN, STAGES, MEAN, WS)
-    if NEXT:
+        pv = warpgroup_mma_wait(1 if NEXT else 0, deps=[pv_tok])  # PV_j done (groups retire in order)
+    mu = _load_mu(m_smem, slot, o_layout, MU)
+    acc = _fold_pv(acc, alpha, r, pv, mu, o_layout, MU)
+    _release_v(j, nb, slot, v_smem, m_smem, vbar, vempty, desc_v, desc_m, vt_row, m_row, BN, STAGES, MU, WS)
+    if MS and MEAN:
+        Rb = _mean_slot(Rb, rs, alpha, j % 8)
+        if NEXT:
+            if j % 8 == 7:  # the window's last block: R_w mu'_w on the tensor cores, behind S_{j+1}
+                acc = _flush_mean(acc, Rb, mg_smem, mgbar, j // 8, o_layout)
+                s_n, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
+                acc = gl.convert_layout(acc, o_layout)
+                Rb = gl.zeros([acc.shape[0], 8], gl.float32, _rs_layout(o_layout))
+                _load_mean_group(desc_g, mg_smem, mgbar, g_row, j // 8 + 2, ng, acc.shape[1])  # its buffer is free
+            else:
+                s_n = warpgroup_mma_wait(0, deps=[s_tok])
+        else:  # the last block: whatever the window holds
+            acc = _flush_mean(acc, Rb, mg_smem, mgbar, j // 8, o_layout)
+            acc = gl.convert_layout(warpgroup_mma_wait(0, deps=[acc]), o_layout)
+            s_n = s_i
+    elif NEXT:
         s_n = warpgroup_mma_wait(0, deps=[s_tok])
     else:
         s_n = s_i
-    return acc, l_i, m_i, s_n, ks0n, ks1n
+    return acc, l_i, m_i, s_n, Rb, ks0n, ks1n
 
 
 @gluon.jit
-def _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem, p_smem, qbar, kbar, vbar, kempty,
-                 vempty, turn, QS, KS, VS, OUT, LSE, S, Sk, nb, start_m, BM: gl.constexpr, BN: gl.constexpr,
-                 D: gl.constexpr, BKS: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
-                 MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr, WS: gl.constexpr,
-                 PREG: gl.constexpr, PP: gl.constexpr, CID: gl.constexpr):
+def _attend_rows(desc_q, desc_k, desc_v, desc_m, desc_g, q_smem, k_smem, v_smem, m_smem, p_smem, ones_smem, mg_smem,
+                 qbar, kbar, vbar, kempty, vempty, turn, mgbar, QS, KS, VS, OUT, LSE, S, Sk, nb, start_m,
+                 BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr, BV: gl.constexpr,
+                 STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr,
+                 RETURN_LSE: gl.constexpr, WS: gl.constexpr, PREG: gl.constexpr, PP: gl.constexpr, MS: gl.constexpr,
+                 CID: gl.constexpr):
     """BM query rows from ``start_m`` of head ``program_id(1)`` through all key blocks; O (and the LSE) stored.
     WS = 0: the warps also load K / V; WS = 1 (PREG only): a producer warp does (kbar / vbar filled by it,
-    kempty / vempty freed here) and this is one of two consumer warp groups."""
+    kempty / vempty freed here) and this is one of two consumer warp groups. MS = 1 (PP >= 1): row sums and
+    the mean term on the tensor cores (``_pp_step``); ``mg_smem`` / ``mgbar`` this group's mu' group buffers."""
     gl.static_assert(WS == 0 or PREG == 1, "warp specialisation is built on the register-P~ step")
+    gl.static_assert(MS == 0 or (PREG == 1 and PP >= 1), "MMA row sums (MS) are built on the PP >= 1 step")
     NW: gl.constexpr = gl.num_warps()  # the partition's warps under warp specialisation
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BN, 32])
@@ -403,6 +499,8 @@ def _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem,
     kv_row = bh * Sk
     vt_row = bh * D
     m_row = bh * gl.cdiv(Sk, BV)
+    ng = gl.cdiv(nb, 8)  # MS: mu' groups (windows of 8 key blocks)
+    g_row = bh * ng * 2
 
     mbarrier.expect(qbar, desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [bh * S + start_m, 0], qbar, q_smem)
@@ -411,7 +509,12 @@ def _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem,
             mbarrier.expect(kbar.index(i), desc_k.block_type.nbytes, pred=i < nb)
             tma.async_copy_global_to_shared(desc_k, [kv_row + i * BN, 0], kbar.index(i), k_smem.index(i),
                                             pred=i < nb)
-            _load_v(desc_v, desc_m, v_smem, m_smem, vbar, i, vt_row, m_row, i, i < nb, BN, MEAN)
+            _load_v(desc_v, desc_m, v_smem, m_smem, vbar, i, vt_row, m_row, i, i < nb, BN, MEAN and not MS)
+    if MS:
+        _fill_ones(ones_smem)
+        if MEAN:
+            for w in gl.static_range(2):
+                _load_mean_group(desc_g, mg_smem, mgbar, g_row, w, ng, D)
 
     rows = start_m + gl.arange(0, BM, layout=row_s)
     qs = gl.load(QS + bh.to(gl.int64) * S + rows, mask=rows < S, other=1.0)
@@ -430,16 +533,25 @@ def _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem,
     if PREG:
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s_i = warpgroup_mma_wait(0, deps=[s_tok])
-        l_i = gl.zeros([BM], gl.float32, row_s)  # alpha = 0 at block 0 (m_i = -inf): acc and l_i start at 0
+        # alpha = 0 at block 0 (m_i = -inf): acc, l_i (and MS's window Rb) start at 0
+        Rb = gl.zeros([BM, 8], gl.float32, _rs_layout(o_layout))
+        if MS:
+            l_i = Rb
+        else:
+            l_i = gl.zeros([BM], gl.float32, row_s)
         for j in range(0, nb - 1):
-            acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(
-                j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, desc_k,
-                desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout,
-                BN, BKS, STAGES, EXPCAST, MEAN, False, WS, PP, CID, True)
-        acc, l_i, m_i, s_i, ks0, ks1 = _reg_step(  # the last block: masked when it holds the key tail
-            nb - 1, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, desc_k,
-            desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN,
-            BKS, STAGES, EXPCAST, MEAN, HAS_TAIL, WS, PP, CID, False)
+            acc, l_i, m_i, s_i, Rb, ks0, ks1 = _reg_step(
+                j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
+                ones_smem, mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s,
+                zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS, STAGES, EXPCAST, MEAN, False, WS, PP,
+                MS, CID, True)
+        acc, l_i, m_i, s_i, Rb, ks0, ks1 = _reg_step(  # the last block: masked when it holds the key tail
+            nb - 1, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
+            ones_smem, mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s,
+            zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS, STAGES, EXPCAST, MEAN, HAS_TAIL, WS, PP, MS,
+            CID, False)
+        if MS:  # every column holds the row sum
+            l_i = gl.convert_layout(gl.max(l_i, 1), row_s)
     else:
         # block 0: S_0 and its softmax (nothing to overlap with yet); masked when it may hold the key tail
         s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -485,11 +597,40 @@ def _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem,
 
 
 @gluon.jit
-def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, LSE, S, Sk, nb,
+def _ones_operand(BN: gl.constexpr):
+    """MS: shared memory for the B operand [8, BN] fp8 of the row-sum MMA (filled by ``_fill_ones``)."""
+    return gl.allocate_shared_memory(gl.float8e4nv, [8, BN],
+                                     gl.NVMMASharedLayout.get_default_for([8, BN], gl.float8e4nv))
+
+
+@gluon.jit
+def _fill_ones(ones_smem):
+    """MS: all ones into this warp group's row-sum operand, visible to its MMAs (every warp's part written).
+    The bytes are written as 0x38 (E4M3 1.0): a converted constant ``gl.full(1.0).to(gl.float8e4nv)`` read back
+    wrong by the MMA on the H200 (row sums off by 0.5-100x; the same tile loaded from memory was exact)."""
+    fill: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
+    ones_smem.store(gl.full(ones_smem.shape, 0x38, gl.uint8, fill).to(gl.float8e4nv, bitcast=True))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _mean_group_buffers(desc_g, D: gl.constexpr, MS: gl.constexpr):
+    """MS: one consumer's mu' group buffers [2 windows x (hi, lo), D, 8] fp32 and their barriers (a 2-row
+    placeholder otherwise)."""
+    mg_smem = gl.allocate_shared_memory(gl.float32, [4, D, 8] if MS else [2, 8, 8], desc_g.layout)
+    mgbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(mgbar.index(i), count=1)
+    return mg_smem, mgbar
+
+
+@gluon.jit
+def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS, VS, OUT, LSE, S, Sk, nb,
                               BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
                               BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                               MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                              PREG: gl.constexpr, PP: gl.constexpr, num_warps: gl.constexpr):
+                              PREG: gl.constexpr, PP: gl.constexpr, MS: gl.constexpr, num_warps: gl.constexpr):
     """BM rows per program, num_warps / 4 warp groups that also load K / V (at BM = 64: two CTAs per SM)."""
     p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float8e4nv)
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [BM, D], desc_q.layout)
@@ -497,6 +638,8 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, L
     v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES, D, BN], desc_v.layout)
     p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BM, BN], p_shared)  # P~ double buffer (unless PREG)
     m_smem = gl.allocate_shared_memory(desc_m.dtype, [STAGES, 1, D], desc_m.layout)  # mu' rows, with V
+    ones_smem = _ones_operand(BN)  # (1 KB; read only when MS)
+    mg_smem, mgbar = _mean_group_buffers(desc_g, D, MS)
     qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     vbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -504,9 +647,9 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, L
     for i in gl.static_range(STAGES):
         mbarrier.init(kbar.index(i), count=1)
         mbarrier.init(vbar.index(i), count=1)
-    _attend_rows(desc_q, desc_k, desc_v, desc_m, q_smem, k_smem, v_smem, m_smem, p_smem, qbar, kbar, vbar, kbar,
-                 vbar, kbar, QS, KS, VS, OUT, LSE, S, Sk, nb, gl.program_id(0) * BM,
-                 BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 0, PREG, PP, 0)
+    _attend_rows(desc_q, desc_k, desc_v, desc_m, desc_g, q_smem, k_smem, v_smem, m_smem, p_smem, ones_smem, mg_smem,
+                 qbar, kbar, vbar, kbar, vbar, kbar, mgbar, QS, KS, VS, OUT, LSE, S, Sk, nb, gl.program_id(0) * BM,
+                 BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 0, PREG, PP, MS, 0)
     mbarrier.invalidate(qbar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(kbar.index(i))
@@ -516,7 +659,8 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, L
 @gluon.jit
 def _ws_producer(desc_k, desc_v, desc_m, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, Sk, nb,
                  BN: gl.constexpr, D: gl.constexpr, BV: gl.constexpr, STAGES: gl.constexpr, MEAN: gl.constexpr):
-    """The producer warp: K_j, then V_j and mu'_j, into the STAGES ring once both consumers freed the stage."""
+    """The producer warp: K_j, then V_j (and mu'_j, when MEAN), into the STAGES ring once both consumers freed
+    the stage."""
     bh = gl.program_id(1)
     kv_row = bh * Sk
     vt_row = bh * D
@@ -532,11 +676,11 @@ def _ws_producer(desc_k, desc_v, desc_m, k_smem, v_smem, m_smem, kbar, vbar, kem
 
 
 @gluon.jit
-def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT, LSE, S, Sk, nb,
+def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS, VS, OUT, LSE, S, Sk, nb,
                                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
                                  BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                                  MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                                 PP: gl.constexpr, num_warps: gl.constexpr):
+                                 PP: gl.constexpr, MS: gl.constexpr, num_warps: gl.constexpr):
     """Warp-specialised (register P~): two consumer warp groups of BM rows each (the default partition and a
     worker) share a K / V ring that a producer warp fills; one CTA (12 warps) per SM."""
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, BM, D], desc_q.layout)
@@ -549,6 +693,10 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT
     kempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     vempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PP = 2: MMA-issue turns
+    ones0 = _ones_operand(BN)  # MS: a row-sum operand and mu' group buffers per consumer
+    ones1 = _ones_operand(BN)
+    mg0, mgbar0 = _mean_group_buffers(desc_g, D, MS)
+    mg1, mgbar1 = _mean_group_buffers(desc_g, D, MS)
     for i in gl.static_range(2):
         mbarrier.init(qbar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
@@ -559,14 +707,16 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT
         mbarrier.init(vempty.index(i), count=2)
     start = gl.program_id(0) * (2 * BM)
     gl.warp_specialize([
-        (_attend_rows, (desc_q, desc_k, desc_v, desc_m, q_smem.index(0), k_smem, v_smem, m_smem, q_smem,
-                        qbar.index(0), kbar, vbar, kempty, vempty, turn, QS, KS, VS, OUT, LSE, S, Sk, nb, start,
-                        BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1, PP, 0)),
-        (_attend_rows, (desc_q, desc_k, desc_v, desc_m, q_smem.index(1), k_smem, v_smem, m_smem, q_smem,
-                        qbar.index(1), kbar, vbar, kempty, vempty, turn, QS, KS, VS, OUT, LSE, S, Sk, nb,
-                        start + BM, BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1, PP, 1)),
+        (_attend_rows, (desc_q, desc_k, desc_v, desc_m, desc_g, q_smem.index(0), k_smem, v_smem, m_smem, q_smem,
+                        ones0, mg0, qbar.index(0), kbar, vbar, kempty, vempty, turn, mgbar0, QS, KS, VS, OUT, LSE,
+                        S, Sk, nb, start, BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1, PP,
+                        MS, 0)),
+        (_attend_rows, (desc_q, desc_k, desc_v, desc_m, desc_g, q_smem.index(1), k_smem, v_smem, m_smem, q_smem,
+                        ones1, mg1, qbar.index(1), kbar, vbar, kempty, vempty, turn, mgbar1, QS, KS, VS, OUT, LSE,
+                        S, Sk, nb, start + BM, BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1,
+                        PP, MS, 1)),
         (_ws_producer, (desc_k, desc_v, desc_m, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, Sk, nb, BN, D,
-                        BV, STAGES, MEAN)),
+                        BV, STAGES, MEAN and not MS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -597,10 +747,19 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, QS, KS, VS, OUT
 #   8.400 / 18.87 -> register P~ only from 49152 rows (it is level at 32760 and 4% ahead at 75600; not measured
 #   between). Below ~4096 rows both 8-bit kernels are slower than cuDNN (0.81-0.97x): a short head has too few
 #   key blocks to fill the pipeline.
+# NOTE (H200, 2026-12-01, MS = row sums and the mean term on the tensor cores, kernel alone, ms, x cuDNN of the run):
+#   S = 32760, D = 128: ExpCast (64,4,2,1,1,1) 29.42 -> MS (64,4,2,1,1,1,1) 25.66 (1.31x -> 1.50x), MS without WS 27.08;
+#     V-Smooth shared-memory P~ 32.88 / (64,4,2,1,1,0) 33.34 -> MS WS 27.33 (1.41x), MS without WS 30.55;
+#     naive (64,4,2,1,1,1) 29.06 -> MS 27.71. S = 75600: ExpCast 161.5 -> 136.4, V-Smooth 170.5 -> 146.5.
+#   S = 8190: ExpCast 2.141 -> 1.787 (shared-memory P~ 2.174), V-Smooth shared memory 2.085 -> MS WS 1.945;
+#   S = 4096 (cuDNN 0.565): ExpCast MS WS 0.529 (shared memory 0.566), V-Smooth MS WS 0.590 (shared memory 0.571).
+#   D = 64, S = 32760 (cuDNN 26.38): ExpCast (64,4,2,0,1,1) 21.58 -> MS WS 18.70; V-Smooth 22.98 -> MS WS 21.88.
+#   Loop (sm_90 SASS, ExpCast D = 128): 716 -> ~556 instructions per key block outside the 1-in-8 flush.
 DEFAULT_CONFIG = {(128, False): (64, 4, 2, 0, 0), (128, True): (64, 4, 2, 0, 0),
                   (64, False): (64, 4, 2, 0, 1, 1), (64, True): (64, 4, 2, 0, 1, 1)}
 # (head dim, ExpCast) -> (from this many query rows, launch configuration)
-LONG_CONFIG = {(128, False): (49152, (64, 4, 2, 1, 1, 0)), (128, True): (6144, (64, 4, 2, 1, 1, 1))}
+LONG_CONFIG = {(128, False): (6144, (64, 4, 2, 1, 1, 1, 1)), (128, True): (4096, (64, 4, 2, 1, 1, 1, 1)),
+               (64, False): (6144, (64, 4, 2, 1, 1, 1, 1)), (64, True): (6144, (64, 4, 2, 1, 1, 1, 1))}
 # ExpCast's code arithmetic on full blocks: 2 = the reference's two roundings (s, then the code), 3 = folded into
 # one FFMA that also rounds (``_softmax_block``); the key-tail block always runs mode 2
 EXPCAST_MODE = 3
@@ -626,20 +785,34 @@ def _key_order_tensor(device, BN: int):
 
 
 def config_for(D: int, expcast: bool, config=None, S: int = 0) -> tuple:
-    """The launch configuration (BM, num_warps, STAGES, WS, PREG, PP) for S query rows, validated. PP (register
-    P~ only): 0 = S_{j+1} issued before the softmax of S_j and PV_j after it (``_reg_step``); 1 = both issued
-    together after the softmax (``_pp_step``); 2 = as 1, the two consumer warp groups taking turns (WS)."""
+    """The launch configuration (BM, num_warps, STAGES, WS, PREG, PP, MS) for S query rows, validated. PP
+    (register P~ only): 0 = S_{j+1} issued before the softmax of S_j and PV_j after it (``_reg_step``); 1 = both
+    issued together after the softmax (``_pp_step``); 2 = as 1, the two consumer warp groups taking turns (WS).
+    MS (PP >= 1): the row sums and the mean term on the tensor cores (``_pp_step``)."""
     key = (D, bool(expcast))
     long = LONG_CONFIG.get(key)
     cfg = tuple(config or CONFIG_OVERRIDE or (long[1] if long and S >= long[0] else None) or DEFAULT_CONFIG[key])
-    BM, nw, stages, ws, preg, pp = (cfg + (0, 0, 0))[:6]
+    BM, nw, stages, ws, preg, pp, ms = (cfg + (0, 0, 0, 0))[:7]
     if ws and (not preg or nw != 4 or BM != 64):
         raise ValueError(f"warp specialisation needs PREG = 1, 4 warps and BM = 64 per consumer, got {cfg}")
     if pp and not preg:
         raise ValueError(f"PP (the MMA issue order of the register-P~ step) needs PREG = 1, got {cfg}")
     if pp not in (0, 1, 2) or (pp == 2 and not ws):
         raise ValueError(f"PP is 0, 1 or 2 (2 = ping-pong of two consumer warp groups: needs WS = 1), got {cfg}")
-    return BM, nw, stages, ws, preg, pp
+    if ms and (not preg or not pp):
+        raise ValueError(f"MS (row sums and the mean term by MMA) needs PREG = 1 and PP >= 1, got {cfg}")
+    return BM, nw, stages, ws, preg, pp, ms
+
+
+def _mean_groups(mu_prime):
+    """MS: mu' [BH, nb, D] as the tf32 MMAs' B tiles, [BH * ng * 2 * D, 8] fp32: per window of 8 key blocks
+    (zero-padded to ng windows) the hi and lo tf32 parts of mu'^T [D, 8] (K-major, the blocks along the 8)."""
+    import torch
+    BH, nb, D = mu_prime.shape
+    ng = -(-nb // 8)
+    m = torch.nn.functional.pad(mu_prime, (0, 0, 0, ng * 8 - nb)).view(BH, ng, 8, D).transpose(-1, -2)
+    hi = (m.contiguous().view(torch.int32) & -8192).view(torch.float32)
+    return torch.stack((hi, m - hi), dim=2).contiguous().view(-1, 8)
 
 
 def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, return_lse: bool = False,
@@ -658,7 +831,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         raise ValueError(f"head dim {D} is not supported (64 or 128)")
     if q8.dtype != torch.int8 or k8.dtype != torch.int8:
         raise ValueError(f"the sm_90 kernel takes INT8 Q/K codes, got {q8.dtype}, {k8.dtype}")
-    BM, nw, stages, ws, preg, pp = config_for(D, expcast, config, S)
+    BM, nw, stages, ws, preg, pp, ms = config_for(D, expcast, config, S)
     BN = BLOCK_V
     q8, k8, v8t = q8.contiguous(), k8.contiguous(), vq.v8t.contiguous()
     S_pad = v8t.shape[-1]
@@ -679,13 +852,18 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     else:  # never read (MEAN = 0); any fp32 [rows, D] tensor makes a valid descriptor
         mu_prime = torch.zeros(1, D, device=q8.device)
     desc_m = TensorDescriptor.from_tensor(mu_prime, [1, D], lay([1, D], gl.float32))
-    args = (desc_q, desc_k, desc_v, desc_m, q_scale.contiguous(), k_scale.contiguous(), vq.v_scale.contiguous(), out,
+    if ms and mean:
+        mu_groups = _mean_groups(mu_prime.view(B * H, nb, D))
+    else:  # never read; a valid [rows, 8] fp32 descriptor
+        mu_groups = torch.zeros(D, 8, device=q8.device)
+    desc_g = TensorDescriptor.from_tensor(mu_groups, [D, 8], lay([D, 8], gl.float32))
+    args = (desc_q, desc_k, desc_v, desc_m, desc_g, q_scale.contiguous(), k_scale.contiguous(), vq.v_scale.contiguous(), out,
             lse, S, Sk, nb)
     mode = expcast_mode or EXPCAST_MODE
     if mode not in (2, 3):
         raise ValueError(f"expcast_mode is 2 (two roundings, as the reference) or 3 (folded), got {mode}")
     consts = dict(BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, STAGES=stages, EXPCAST=mode if expcast else 0,
-                  MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), PP=pp)
+                  MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), PP=pp, MS=int(ms))
     if ws:
         _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
     else:
