@@ -25,7 +25,10 @@ t           = bits(qk + 0x4B400000) = qk + C, C = 1.5 * 2^23: the magic-number i
             the masked key-tail block (one, after the loop) form s = (t - C) ks first, then scale rows
             (the tail: qs applied before its -inf mask).
 qs          [BM] per-token Q scale (sm_scale * log2 e folded in); the base-2 logit is (t - C) ks qs_i.
-m_i, l_i    running row max / row sum (of the decoded P~, summed in fp16 as ROWSUM = 2).
+m_i, l_i    running row max / row sum (of the decoded P~, summed in fp16 as ROWSUM = 2; MS: exact, by an MMA,
+            l_i a [BM, 8] tile whose columns all hold the sum).
+R_w         MS: the mean term's window, r_j at the current max for the 8 key blocks of window w (slot j % 8),
+            added as acc += R_w mu'_w by tf32 MMAs every 8th block.
 P~          fp8(256 * 2^(s - m_i)) (exp2 + cast) or the ExpCast E4M3 code: mode 2 rounds as the reference
             (s, then the code), mode 3 (the default) forms and rounds the code in ONE FFMA (``_softmax_block``).
 acc         the PV accumulator in units of v_scale; O = acc * v_scale / l_i.
@@ -35,9 +38,11 @@ before PV): the keys of each 128-block are relabelled so that the QK accumulator
 the A operand's (``_p_operand``), V^T's key columns are stored in the same order (``key_order_sm90``), and
 the step order changes. PP = 0 (``_prefetch_step``): S_{j+1} is issued before the softmax of S_j, PV_j right after
 it; PP = 1 (``_pp_step``): both issued after the softmax, PV_j retired first; PP = 2: as 1, the two consumer
-warp groups taking turns at the issue point (FA3's ping-pong; measured slower). Every MMA is retired within
-its step (one in flight across the loop's back edge makes ptxas serialise them all). On the exp2 path P~ is
-packed by ``_e4m3x4`` (ptxas's fused F2FP.MERGE_C packing gave wrong / NaN rows with the mean term on).
+warp groups taking turns at the issue point (FA3's ping-pong; measured slower). MS (PP >= 1): the row sum and
+the V-Smooth mean term leave the ALUs for the tensor cores (``_row_sum_mma``, ``_flush_mean``; kernels_notes
+v7). Every MMA is retired within its step (one in flight across the loop's back edge makes ptxas serialise
+them all). On the exp2 path P~ is packed by ``_e4m3x4`` (ptxas's fused F2FP.MERGE_C packing gave wrong / NaN
+rows with the mean term on).
 
 Parallelisation: grid ``(ceil(S / BM), B * H)``; one program = BM query rows of one (b, h), num_warps / 4
 warp groups splitting the rows (16 rows per warp); K / V stream through a STAGES-deep TMA ring with one
@@ -353,9 +358,9 @@ def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _reg_step(j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, ones_smem,
-              mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s, zero_o, Sk,
-              KS_bh, qs, ks0, ks1, s_layout: gl.constexpr, o_layout: gl.constexpr, BN: gl.constexpr,
+def _reg_step(j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
+              ones_smem, mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s,
+              zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout: gl.constexpr, o_layout: gl.constexpr, BN: gl.constexpr,
               BKS: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr,
               WS: gl.constexpr, PP: gl.constexpr, MS: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr):
     """Key block j with P~ in registers, in the MMA issue order PP (``config_for``)."""
@@ -720,7 +725,8 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# (BM, num_warps, STAGES, WS, PREG) per (head dim, ExpCast). NOTE (H200, S = 32760, D = 128, naive 8-bit /
+# (BM, num_warps, STAGES, WS, PREG, PP, MS) per (head dim, ExpCast) (missing entries are 0).
+# NOTE (H200, S = 32760, D = 128, naive 8-bit /
 # V-Smooth, ms): (64, 4, 2) 30.85 / 37.78, (64, 4, 3) 44.73 / 59.02 (122 KB of shared memory: one CTA per SM),
 # (128, 8, 2) 35.54 / 44.60 (one CTA of two warp groups, no ping-pong between them); cuDNN 38.85. Both
 # head dims run two CTAs (8 warps) per SM at (64, 4, 2); D = 64 fits three (168 registers).
@@ -857,8 +863,8 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     else:  # never read; a valid [rows, 8] fp32 descriptor
         mu_groups = torch.zeros(D, 8, device=q8.device)
     desc_g = TensorDescriptor.from_tensor(mu_groups, [D, 8], lay([D, 8], gl.float32))
-    args = (desc_q, desc_k, desc_v, desc_m, desc_g, q_scale.contiguous(), k_scale.contiguous(), vq.v_scale.contiguous(), out,
-            lse, S, Sk, nb)
+    args = (desc_q, desc_k, desc_v, desc_m, desc_g, q_scale.contiguous(), k_scale.contiguous(),
+            vq.v_scale.contiguous(), out, lse, S, Sk, nb)
     mode = expcast_mode or EXPCAST_MODE
     if mode not in (2, 3):
         raise ValueError(f"expcast_mode is 2 (two roundings, as the reference) or 3 (folded), got {mode}")
