@@ -83,6 +83,57 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     assert w["sts"] >= 16  # P~_j goes to shared memory (PV's A operand) inside the window too
 
 
+def _tf32(x):
+    """What a tf32 MMA reads of an fp32 value: the top 19 bits (10 stored mantissa bits)."""
+    return (x.contiguous().view(torch.int32) & -8192).view(torch.float32)
+
+
+def test_ms_mean_groups_layout_matches_a_dense_reference():
+    """``_mean_groups``: per (b, h) and window w of 8 key blocks, tile 2 w holds tf32(mu'^T) [D, 8] and tile 2 w + 1
+    the rest, blocks past nb zero; hi + lo = mu' exactly, and hi is exactly tf32."""
+    from vc_compile.templates import vsmooth_attn_sm90 as g
+    BH, nb, D = 3, 19, 64  # 19 blocks: two full windows and one of 3
+    mu = torch.randn(BH, nb, D, dtype=torch.float64).mul(50).float()
+    t = g._mean_groups(mu).view(BH, 3, 2, D, 8)
+    pad = torch.zeros(BH, 24, D)
+    pad[:, :nb] = mu
+    want = pad.view(BH, 3, 8, D).transpose(-1, -2)
+    assert torch.equal(t[:, :, 0], _tf32(want)) and torch.equal(t[:, :, 0] + t[:, :, 1], want)
+    assert torch.equal(t[:, 2, :, :, 3:], torch.zeros_like(t[:, 2, :, :, 3:]))
+
+
+def test_ms_window_slot_lands_in_a_operand_column_i():
+    """``_mean_slot`` puts block i of a window in accumulator column 2 (i % 4) + i // 4; ``_flush_mean``'s relabelling
+    (reshape [BM, 4, 2], swap the last two axes) must bring it to A-operand column i, the row of mu'_i in the tile."""
+    for i in range(8):
+        x = torch.zeros(1, 8)
+        x[0, 2 * (i % 4) + i // 4] = 1.0
+        y = x.reshape(1, 4, 2).permute(0, 2, 1).reshape(1, 8)
+        assert y[0].nonzero().flatten().tolist() == [i]
+
+
+def test_ms_hi_lo_split_is_needed_for_large_means():
+    """The mean term R mu' as ``_flush_mean`` forms it (R_hi mu_hi + R_lo mu_hi + R_hi mu_lo, each operand read as
+    tf32) against one tf32 product, with mu' ~100x the residual's scale (a channel mean 64-128x the residual range):
+    the single product is off by up to 2^-10 of the mean term (measured 1.1e-3), i.e. 12% of the attention-dependent
+    part; the split stays at ~2^-20 of the mean term (6e-7), 6e-5 of that part."""
+    from vc_compile.templates import vsmooth_attn_sm90 as g
+    gen = torch.Generator().manual_seed(0)
+    BM, D = 64, 128
+    R = torch.rand(BM, 8, generator=gen) * 3e4  # row sums of P~ (<= 128 * 256), rescaled by the alphas
+    mu = 64 * (1 + torch.rand(1, 8, D, generator=gen)) * 448 / 3  # mu' = mu / v_scale, v_scale = amax(resid) / 448
+    tiles = g._mean_groups(mu).view(2, D, 8)
+    mhi, mlo = tiles[0].T, tiles[1].T  # [8, D]
+    rhi = _tf32(R)
+    rlo = R - rhi
+    exact = R.double() @ mu[0].double()
+    split = (rhi.double() @ mhi.double() + _tf32(rlo).double() @ mhi.double() + rhi.double() @ _tf32(mlo).double())
+    single = _tf32(R).double() @ _tf32(mu[0]).double()
+    part = R.double().sum(1, keepdim=True) * 448 / 3  # the attention-dependent part: ~1 in units of the residual
+    assert ((single - exact).abs() / part).max() > 3e-2
+    assert ((split - exact).abs() / exact.abs()).max() < 2e-6 and ((split - exact).abs() / part).max() < 2e-4
+
+
 def test_register_p_key_order_is_a_permutation_of_each_block():
     from vc_compile.templates import vsmooth_attn_sm90 as g
     order = g.key_order_sm90(128)
@@ -258,8 +309,8 @@ def test_gpu_expcast_mode3_matches_mode2_and_reference(D, S, config):
 @pytest.mark.parametrize("expcast", [False, True])
 def test_gpu_ms_mean_term_keeps_fp32_accuracy_on_large_means(D, expcast):
     """MS adds the mean term r mu' by tf32 MMAs. V = residual + 64 x a channel bias: the output is ~64 while its
-    attention-dependent part is ~1, so an 11-bit (one tf32 MMA) mean term would be off by ~64 * 2^-11 = 3% of that
-    part; the hi / lo split (3 MMAs) keeps ~2^-20. Against the shared-memory-P~ kernel (mean term in fp32 FFMAs),
+    attention-dependent part is ~1, so an 11-bit (one tf32 MMA) mean term would be off by 3-12% of that part
+    (``test_ms_hi_lo_split_is_needed_for_large_means``); the hi / lo split (3 MMAs) keeps ~2^-20. Against the shared-memory-P~ kernel (mean term in fp32 FFMAs),
     fp32 outputs, error relative to the attention-dependent part O - mean(V): <= 2e-3 (the codes and scales are the
     same; what differs is the fp32 summation order and the fp16 vs exact row sum, ~1e-3)."""
     from vc_compile.templates import vsmooth_attn_sm90 as g
