@@ -310,9 +310,10 @@ def test_gpu_expcast_mode3_matches_mode2_and_reference(D, S, config):
 def test_gpu_ms_mean_term_keeps_fp32_accuracy_on_large_means(D, expcast):
     """MS adds the mean term r mu' by tf32 MMAs. V = residual + 64 x a channel bias: the output is ~64 while its
     attention-dependent part is ~1, so an 11-bit (one tf32 MMA) mean term would be off by 3-12% of that part
-    (``test_ms_hi_lo_split_is_needed_for_large_means``); the hi / lo split (3 MMAs) keeps ~2^-20. Against the shared-memory-P~ kernel (mean term in fp32 FFMAs),
-    fp32 outputs, error relative to the attention-dependent part O - mean(V): <= 2e-3 (the codes and scales are the
-    same; what differs is the fp32 summation order and the fp16 vs exact row sum, ~1e-3)."""
+    (``test_ms_hi_lo_split_is_needed_for_large_means``); the hi / lo split (3 MMAs) keeps ~2^-20. Against the
+    shared-memory-P~ kernel (mean term in fp32 FFMAs), fp32 outputs, error relative to the attention-dependent part
+    O - mean(V): <= 2e-3 (the codes and scales are the same; what differs is the fp32 summation order and the fp16
+    vs exact row sum, ~1e-3)."""
     from vc_compile.templates import vsmooth_attn_sm90 as g
     q, k, v = make_qkv(1, 2, 2500, D, torch.bfloat16, device="cuda")
     bias = 64 * (1 + torch.rand(D, device="cuda"))
