@@ -502,9 +502,10 @@ def variant_note(r) -> str:
         return ""
     if not v.endswith("_triton") and torch.cuda.is_available() and tattn.use_sm90(torch.device("cuda"), False):
         from vc_compile.templates import vsmooth_attn_sm90 as g
-        cfg = g.config_for(r["D"], "expcast" in v, S=r["S"])  # (BM, warps, stages, WS, register P~, PP)
+        cfg = g.config_for(r["D"], "expcast" in v, S=r["S"])  # (BM, warps, stages, WS, register P~, PP, MS)
         mode = f" expcast_mode={g.EXPCAST_MODE}" if "expcast" in v else ""
-        return f"gluon_sm90 cfg={cfg} rowsum=fp16 mean={0 if v.startswith('naive8') else 1}{mode}"
+        rowsum = "mma" if cfg[6] else "fp16"  # MS: exact fp32 row sums by an MMA
+        return f"gluon_sm90 cfg={cfg} rowsum={rowsum} mean={0 if v.startswith('naive8') else 1}{mode}"
     cfg, rs, mean = tattn.DEFAULT_VARIANTS[(r["D"], "expcast" in v)]
     mode = f" expcast_mode={tattn.DEFAULT_EXPCAST_MODE}" if "expcast" in v else ""
     return f"cfg={cfg} rowsum={rs} mean={0 if v.startswith('naive8') else mean}{mode}"

@@ -6,7 +6,7 @@ vs fp32, time (median, with SDPA cuDNN of the same run).
         [--variants "vsmooth:64/4/2/0/0,expcast@3:64/4/2/1/1/2,..."] [--triton] [--out F.json]
 
 A variant is METHOD[@EXPCAST_MODE]:CONFIG with METHOD in naive8 / vsmooth / expcast and CONFIG the kernel's
-(BM, warps, stages, WS, PREG, PP) joined by '/'; configs that ``config_for`` refuses are reported and skipped.
+(BM, warps, stages, WS, PREG, PP, MS) joined by '/'; configs that ``config_for`` refuses are reported and skipped.
 --check-shapes run first, on H = 4 (correctness only: NaN rows, rel. L2 vs the shipped config and vs the
 reference); --shapes are timed on H = 40 (and checked against the fp32 truth on 256 sampled rows).
 --triton adds the Triton kernel's row per method.

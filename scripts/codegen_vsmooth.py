@@ -32,7 +32,7 @@ VARIANTS = {  # name: (head dim, expcast, mean, launch config: None = the kernel
     "d128_exp2": (128, False, True, None), "d128_expcast": (128, True, True, None),
     "d128_naive": (128, False, False, None), "d64_exp2": (64, False, True, None),
     "d64_expcast": (64, True, True, None),
-    "d128_exp2_ws": (128, False, True, (64, 4, 2, 1, 1, 0)),  # V-Smooth's LONG_CONFIG (from 49152 rows)
+    "d128_exp2_ws": (128, False, True, (64, 4, 2, 1, 1, 0)),  # V-Smooth's long-head default before MS
     "d128_exp2_preg_pp1": (128, False, True, (64, 4, 2, 0, 1, 1)),  # register P~, no warp specialisation
     "d128_expcast_pp0": (128, True, True, (64, 4, 2, 1, 1, 0)),  # S_{j+1} issued before the softmax
     "d128_expcast_smem": (128, True, True, (64, 4, 2, 0, 0)),  # shared-memory P~ (the A/B baseline)
