@@ -54,7 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import vc_compile  # noqa: E402
 from benchmarks.common import (Drift, add_speedup, append_rows, attn_flops, fa4_fn, fa4_status,  # noqa: E402
-                               metrics, print_table, sdpa_backend)
+                               kernel_times, metrics, print_table, sdpa_backend)
 
 BENCH = "bench_generation"
 METHODS = {
@@ -229,10 +229,7 @@ def _profile_call(fn, cuda):
         fn()
         if cuda:
             torch.cuda.synchronize()
-    kern = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kern[e.name] = kern.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    kern = kernel_times(prof)
     is_attn = {n: any(p in n.lower() for p in ATTN_KERNELS) for n in kern}
     top = sorted(kern.items(), key=lambda x: -x[1])
     return {"kernels": top,
@@ -315,10 +312,16 @@ def bench_shape(S, H, args, device, t_start):
                 rows.append(dict(base, variant=f"{label}:reuse_breakdown", ms=b["ms"], density=row.get("density"),
                                  attn_kernel_ms=b["attn_kernel_ms"], other_kernels_ms=b["other_kernels_ms"],
                                  gap_ms=b["gap_ms"], host_ms=b["host_ms"], outside_share=b["outside_share"],
-                                 note=f"reuse step; kernels (ms): {top}"))
-                log(f"    reuse step {b['ms']:.2f} ms: attention kernels {b['attn_kernel_ms']:.2f}, other kernels "
-                    f"{b['other_kernels_ms']:.2f}, gaps {b['gap_ms']:.2f}, op host time {b['host_ms']:.2f} ms; "
-                    f"outside the attention kernels {100 * b['outside_share']:.1f}% (target <= 5%)")
+                                 note=f"reuse step (profiled step's phase: {b['profiled_phase']}); "
+                                      f"kernels (ms): {top}"))
+                if b["kernels"]:
+                    log(f"    reuse step {b['ms']:.2f} ms: attention kernels {b['attn_kernel_ms']:.2f}, other "
+                        f"kernels {b['other_kernels_ms']:.2f}, gaps {b['gap_ms']:.2f}, op host time "
+                        f"{b['host_ms']:.2f} ms; outside the attention kernels {100 * b['outside_share']:.1f}% "
+                        f"(target <= 5%; profiled step's phase: {b['profiled_phase']})")
+                else:
+                    log(f"    reuse step {b['ms']:.2f} ms, op host time {b['host_ms']:.2f} ms (no CUDA kernels to "
+                        "profile on this device)")
                 for n, t in b["kernels"][:8]:
                     log(f"      {t:8.3f} ms  {n[:100]}")
         del out, qkv

@@ -57,7 +57,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 import vc_compile  # noqa: E402
-from benchmarks.common import append_rows, metrics, prefer_cudnn, print_table  # noqa: E402
+from benchmarks.common import append_rows, kernel_times, metrics, prefer_cudnn, print_table  # noqa: E402
 
 BENCH = "bench_pipeline"
 RANDOM_NOTE = "random weights: speed only, not quality"
@@ -227,10 +227,7 @@ def stock_attention_kernel(pipe, call, guidance) -> str:
     with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
         pipe(**{**call, "latents": call["latents"].clone()}, num_inference_steps=1, guidance_scale=guidance)
         torch.cuda.synchronize()
-    kern: Dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and any(p in e.name.lower() for p in ATTN_KERNELS):
-            kern[e.name] = kern.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    kern = {n: t for n, t in kernel_times(prof).items() if any(p in n.lower() for p in ATTN_KERNELS)}
     if not kern:
         return "no attention kernel found"
     name = max(kern, key=kern.get)

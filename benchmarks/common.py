@@ -152,6 +152,20 @@ def fa4_fn(q, k, v) -> Optional[Callable]:
     return run
 
 
+def kernel_times(prof) -> Dict[str, float]:
+    """GPU time (ms) by kernel name from a finished ``torch.profiler.profile``: its device-side events, or,
+    where a torch version lists none, the kernels it attached to the CPU ops."""
+    out: Dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name] = out.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    if not out:
+        for e in prof.events():
+            for k in getattr(e, "kernels", None) or []:
+                out[k.name] = out.get(k.name, 0.0) + k.duration / 1e3
+    return out
+
+
 def structured_inputs(B, H, S, D, seed=0, device="cpu", dtype=torch.bfloat16):
     """[B, S, H, D] q, k, v (the model's layout; view them with ``.transpose(1, 2)`` for SDPA): channel-
     biased K, V in 64 clusters per head scattered over the tokens plus 1% token outliers, as
