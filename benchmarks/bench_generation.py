@@ -37,8 +37,8 @@ Rows are appended to ``benchmarks/results/bench_generation.csv`` per shape (``--
 from __future__ import annotations
 
 import argparse
-import math
-import os
+import contextlib
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -71,6 +71,7 @@ ATTN_KERNELS = ("attn", "attention", "fmha", "flash", "sdpa", "cudnn")
 # budget: measured times replace them as the run goes)
 PRIOR_RATIO = {"vsmooth": 0.85, "vsmooth+expcast": 0.8, "mcsparse@0.15": 0.45, "mcsparse@0.25": 0.5}
 JIT_PRIOR_S = 15.0  # first call of a method's kernels in this process (issue 20: 9.4-10 s)
+_SITES = itertools.count(900_000)  # call-site ids of this script's op calls (one per method and shape)
 EXTRAS = ["steps", "speedup_vs_fa4", "first_generation_s", "ms_per_step_median",
           *(f"ms_{p}" for p in PHASES), *(f"n_{p}" for p in PHASES), "attn_kernel_ms", "other_kernels_ms",
           "gap_ms", "host_ms", "outside_share", "step_ms", "note"]
@@ -125,24 +126,23 @@ class Runner:
         self.S, self.H, self.D, self.steps, self.seed = S, H, D, steps, seed
         self.device, self.smoke = device, smoke
         self.cuda = device.type == "cuda"
-        self.site = 900_000 + (hash((S, H)) % 1000) * 100  # op sites of this script, one per method
 
     def drift(self):
         return Drift(1, self.H, self.S, self.D, seed=self.seed, device=self.device)
 
-    def op(self, label, opts, idx):
+    def op(self, opts):
         extra = {"kernels": "reference", "min_seq_len": 16} if self.smoke else {}
         cfg = vc_compile.VCConfig.from_options({**opts, **extra}).to_json()
-        site = self.site + idx
+        site = next(_SITES)
         return site, lambda q, k, v: torch.ops.vcattn.attention(q, k, v, None, site, cfg, None)
 
-    def generation(self, call, site=None, timed=True, stop=None):
+    def generation(self, call, site=None, timed=True):
         """Run ``steps`` steps; returns (per-step ms, per-step phase, last output, last inputs, wall s).
         ``site`` given: the call is the vcattn op (explicit steps, phases recorded)."""
         clock, phases = Clock(self.cuda), []
         drift, out, qkv = self.drift(), None, None
         t0 = time.perf_counter()
-        ctx = vc_compile.sampling(num_steps=self.steps) if site is not None else _null()
+        ctx = vc_compile.sampling(num_steps=self.steps) if site is not None else contextlib.nullcontext()
         with ctx, sdpa_backend("cudnn" if self.cuda else "math"):
             for i in range(self.steps):
                 qkv = tuple(t.transpose(1, 2) for t in drift.step())  # [B, H, S, D] views
@@ -152,20 +152,10 @@ class Runner:
                 out = clock.time(lambda: call(*qkv)) if timed else call(*qkv)
                 if site is not None:
                     phases.append(_step_phase(before, _phase_counts(site)))
-                if stop is not None and stop(i, phases, out):
-                    break
         ms = clock.ms() if timed else []
         if self.cuda:
             torch.cuda.synchronize()
         return ms, phases, out, qkv, time.perf_counter() - t0
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def truth_rows(q, k, v, rows):
@@ -295,10 +285,10 @@ def bench_shape(S, H, args, device, t_start):
     elif runner.cuda:
         log(f"  {fa4_note}")
     # the methods, through the op
-    for idx, label in enumerate(args.methods):
+    for label in args.methods:
         if not fits(label):
             continue
-        site, call = runner.op(label, METHODS[label], idx)
+        site, call = runner.op(METHODS[label])
         first = runner.generation(call, site=site, timed=False)[-1]
         vc_compile.reset()  # zero the counts of the untimed generation
         ms, phases, out, qkv, _ = runner.generation(call, site=site)

@@ -104,7 +104,7 @@ def log(*a):
 
 
 def tokens(spec) -> int:
-    c, p = spec["cfg"], spec["cfg"]["patch_size"]
+    p = spec["cfg"]["patch_size"]
     return ((spec["frames"] - 1) // 4 + 1) // p[0] * (spec["height"] // 8 // p[1]) * (spec["width"] // 8 // p[2])
 
 
@@ -352,8 +352,14 @@ def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
     cut = [] if layers == cfg["num_layers"] else [f"cut to {layers} of {cfg['num_layers']} layers"]
     if a.steps != 50:
         cut.append(f"{a.steps} of 50 steps")
+    n = len(res.gens_s)
+    bad = res.latents is not None and not bool(torch.isfinite(res.latents).all())
     row["note"] = "; ".join([RANDOM_NOTE, *cut, f"{spec['height']}x{spec['width']}x{spec['frames']} px",
-                             f"CFG {a.guidance:g}", f"timed: median of {len(res.gens_s)}",
+                             f"CFG {a.guidance:g}",
+                             f"timed: median of {n} generations" if n > 1 else "timed: 1 generation",
+                             *(["profiled generation left out (budget)"] if res.label != "stock" and a.profiled
+                               and not res.attn else []),
+                             *(["NON-FINITE final latents"] if bad else []),
                              *(["CPU smoke: eager, reference kernels"] if a.smoke else [])])
     return row
 
