@@ -47,10 +47,11 @@ def test_smoke_regional_every_method_phase_split_and_no_rows_appended():
 
 def test_smoke_whole_model_compile():
     rows = bp.main(["--smoke", "--compile", "whole", "--methods", "mcsparse@0.25", "--timed", "1",
-                    "--no-profiled"])
+                    "--no-profiled", "--layers", "1"])
     assert [(r["variant"], r["compile"]) for r in rows] == [("stock", "whole"), ("mcsparse@0.25", "whole")]
     r = rows[1]
-    assert r["sites"] == "2 rewritten; stock SDPA: 2 cross-attention too short"  # one site per layer
+    assert r["sites"] == "1 rewritten; stock SDPA: 1 cross-attention too short"
+    assert r["layers"] == 1 and "cut to 1 of 2 layers" in r["note"]
     assert 0 < r["rel_l2"] < 0.05
     assert "attn_ms" not in r and r["phases"] == "anchor:2"
 
