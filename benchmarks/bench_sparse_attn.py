@@ -413,7 +413,7 @@ def main():
         for r in new:
             for c in EXTRAS:
                 r.setdefault(c, "")
-        path = append_rows("bench_sparse_attn", new)  # per size: a timeout later keeps these rows
+        path = append_rows("bench_sparse_attn", new, extras=EXTRAS)  # per size: a timeout later keeps these rows
         if args.csv:
             with open(path) as f_in, open(args.csv, "w", newline="") as f_out:
                 f_out.write(f_in.read())

@@ -587,7 +587,7 @@ def main():
             r["note"] = variant_note(r)
         rows += part
         if not a.no_csv and not a.smoke:
-            log("csv:", append_rows(BENCH, part))
+            log("csv:", append_rows(BENCH, part, extras=["speedup_vs_fa4"]))
         if a.out:
             plot(rows, a.out)
     cap = [] if a.shapes else captured(64 if a.smoke else 512, a.smoke)

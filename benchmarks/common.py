@@ -207,9 +207,9 @@ def append_rows(bench: str, rows: List[Dict[str, object]], path: Optional[str] =
     """Append rows (dicts with the COLUMNS and optional extras) to results/<bench>.csv (or ``path``).
 
     A new file gets the agreed COLUMNS, then ``extras`` (if given, in that order), then any other keys of
-    the rows. An existing file whose header lacks an extra column that the rows carry is rewritten once
-    with that column added at the end (older rows get an empty cell): new columns such as
-    ``speedup_vs_fa4`` are kept instead of silently dropped."""
+    the rows. An existing file keeps its header and drops row keys it lacks, except the columns named in
+    ``extras``: a header without one of those is rewritten once with it added at the end (older rows get
+    an empty cell), so a new column such as ``speedup_vs_fa4`` is kept instead of silently dropped."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
     path = path or os.path.join(RESULTS_DIR, f"{bench}.csv")
     d = os.path.dirname(os.path.abspath(path))
@@ -223,7 +223,7 @@ def append_rows(bench: str, rows: List[Dict[str, object]], path: Optional[str] =
             cols = next(reader)
         if cols[:len(COLUMNS)] != COLUMNS:
             raise RuntimeError(f"{path} does not start with the agreed columns {COLUMNS}")
-        missing = [k for k in wanted if k not in cols]
+        missing = [k for k in (extras or []) if k not in cols and k not in COLUMNS]
         if missing:  # widen the header: rewrite the file once with the new columns at the end
             with open(path, newline="") as f:
                 old = list(csv.DictReader(f))

@@ -36,6 +36,9 @@ def test_append_rows_widens_the_header(tmp_path):
     assert list(rows[0])[-2:] == ["extra1", "extra2"]
     assert (rows[0]["extra1"], rows[0]["extra2"]) == ("5", "")
     assert (rows[1]["extra1"], rows[1]["extra2"], rows[1]["bench"]) == ("", "7", "x")
+    common.append_rows("x", [{"variant": "c", "ms": 3.0, "junk": 1}], path=path)  # not named in extras
+    with open(path, newline="") as f:
+        assert "junk" not in next(csv.reader(f))  # an existing header only grows by the named extras
 
 
 def test_render_latest_rows_tables_and_plots(tmp_path, capsys):
