@@ -47,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import append_rows, attn_flops, bench_ms, metrics, print_table, sdpa_fn  # noqa: E402
+from common import (add_speedup, append_rows, attn_flops, bench_ms, fa4_fn, fa4_status, metrics,  # noqa: E402
+                    print_table, sdpa_fn)
 from vc_compile.reference.dense import dense_attention_lse  # noqa: E402
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse  # noqa: E402
 from vc_compile.reference.sparse_attn_q8 import sparse_attention_q8  # noqa: E402
@@ -59,7 +60,7 @@ B, H, D, C = 1, 40, 128, 64
 DENSITIES = (0.10, 0.15, 0.25)
 # C = 64 was swept on the first H200 run (sparse_attn._CONFIGS); C = 128 is swept here
 SWEEP_C128 = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 8, 3), (128, 4, 3)]
-EXTRAS = ["efficiency", "config", "group_size", "note"]
+EXTRAS = ["efficiency", "config", "group_size", "speedup_vs_fa4", "note"]
 
 
 def random_idx(S, keep, G, device, heads_per_chunk=4):
@@ -204,6 +205,14 @@ def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn", group_sizes=
     t_flash = bench_ms(sdpa_fn(q, k, v, "flash" if dev == "cuda" else "math"), warmup=wu, rep=rp)
     rows.append(row("sdpa_flash", S, 1.0, t_flash, t_cudnn))
     log(f"S={S}: cudnn {t_cudnn:.2f} ms, flash {t_flash:.2f} ms")
+    fa4 = fa4_fn(q, k, v) if dev == "cuda" else None  # FlashAttention-4 bf16: the headline baseline (issue 21)
+    if fa4 is not None:
+        t_fa4 = bench_ms(fa4, warmup=wu, rep=rp)
+        rows.append(row("fa4-bf16", S, 1.0, t_fa4, t_cudnn))
+        log(f"S={S}: fa4-bf16 {t_fa4:.2f} ms")
+    elif dev == "cuda":
+        log(f"S={S}: {fa4_status()[1]}")
+    del fa4
 
     # grouping: Fast PDDP vs flash-kmeans on the same queries
     sigmas, t_pddp = {}, {}
@@ -400,17 +409,18 @@ def main():
             new = bench_focus(S, log, first=(i == 0))
         else:
             new = bench_size(S, do_sweep=(i == 0 and not args.no_sweep), log=log)
+        add_speedup(new, "fa4-bf16", "speedup_vs_fa4")
         for r in new:
             for c in EXTRAS:
                 r.setdefault(c, "")
-        path = append_rows("bench_sparse_attn", new)  # per size: a timeout later keeps these rows
+        path = append_rows("bench_sparse_attn", new, extras=EXTRAS)  # per size: a timeout later keeps these rows
         if args.csv:
             with open(path) as f_in, open(args.csv, "w", newline="") as f_out:
                 f_out.write(f_in.read())
         rows += new
         torch.cuda.empty_cache()
-    print_table(rows, ["variant", "S", "density", "ms", "tflops", "speedup_vs_cudnn", "efficiency", "rel_l2",
-                       "cos_sim", "config", "group_size"])
+    print_table(rows, ["variant", "S", "density", "ms", "tflops", "speedup_vs_cudnn", "speedup_vs_fa4", "efficiency",
+                       "rel_l2", "cos_sim", "config", "group_size"])
     print(f"rows appended to {path}")
 
 

@@ -40,8 +40,8 @@ if __name__ == "__main__" and "--smoke" in sys.argv and not __import__("torch").
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (append_rows, attn_flops, bench_ms, metrics, print_table,  # noqa: E402
-                               sage_fn, sdpa_fn)
+from benchmarks.common import (add_speedup, append_rows, attn_flops, bench_ms, fa4_fn,  # noqa: E402
+                               fa4_status, metrics, print_table, sage_fn, sdpa_fn)
 from vc_compile.reference import kmeans as ref_km  # noqa: E402
 from vc_compile.reference import preprocess as ref_pre  # noqa: E402
 from vc_compile.reference import vsmooth_attn as ref_attn  # noqa: E402
@@ -187,6 +187,11 @@ def bench_shape(B, H, S, D, n_rows, quick):
             add(name, bench_ms(fn, wu, rep), fn())
         except Exception as e:  # noqa: BLE001
             log(f"  {name} failed: {type(e).__name__}: {e}")
+    fn = fa4_fn(q, k, v) if DEV == "cuda" else None  # FlashAttention-4 bf16: the headline baseline (issue 21)
+    if fn is not None:
+        add("fa4-bf16", bench_ms(fn, wu, rep), fn())
+    elif DEV == "cuda":
+        log(f"  {fa4_status()[1]}")
     fn = sage_fn(q, k, v) if DEV == "cuda" else None
     if fn is not None:
         add("sageattn_1.0.6", bench_ms(fn, wu, rep), fn())
@@ -257,6 +262,7 @@ def bench_shape(B, H, S, D, n_rows, quick):
     cud = next((r["ms"] for r in res if r["variant"] == "sdpa_cudnn"), float("nan"))
     for r in res:
         r["speedup_vs_cudnn"] = cud / r["ms"]
+    add_speedup(res, "fa4-bf16", "speedup_vs_fa4")
     del q, k, v
     torch.cuda.empty_cache() if DEV == "cuda" else None
     return res
@@ -573,15 +579,15 @@ def main():
     else:
         shapes = [(1, 40, 32760, 128), (1, 40, 75600, 128), (1, 40, 8190, 128), (1, 40, 32760, 64)]
     rows = []
-    cols = ["variant", "D", "S", "ms", "tflops", "speedup_vs_cudnn", "rel_l2", "cos_sim", "err_share_pv",
-            "mean_energy_share", "group_overhead"]
+    cols = ["variant", "D", "S", "ms", "tflops", "speedup_vs_cudnn", "speedup_vs_fa4", "rel_l2", "cos_sim",
+            "err_share_pv", "mean_energy_share", "group_overhead"]
     for sh in shapes:  # rows are appended per shape, so a time limit loses at most the shape under way
         part = bench_shape(*sh, n_rows=64 if a.smoke else 512, quick=a.quick)
         for r in part:
             r["note"] = variant_note(r)
         rows += part
         if not a.no_csv and not a.smoke:
-            log("csv:", append_rows(BENCH, part))
+            log("csv:", append_rows(BENCH, part, extras=["speedup_vs_fa4"]))
         if a.out:
             plot(rows, a.out)
     cap = [] if a.shapes else captured(64 if a.smoke else 512, a.smoke)

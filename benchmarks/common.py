@@ -84,6 +84,19 @@ def sdpa_backend(name: str):
                         "math": SDPBackend.MATH}[name])
 
 
+def prefer_cudnn():
+    """SDPA backend priority cuDNN > flash > efficient > math for everything inside, compiled graphs
+    included (runtime dispatch), as ``bench_e2e.prefer_cudnn``: the stock baseline's attention is cuDNN's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.MATH]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:  # older torch without set_priority: allow all, default order
+        return sdpa_kernel(order)
+
+
 def sdpa_fn(q, k, v, backend: str):
     def run():
         with sdpa_backend(backend):
@@ -100,20 +113,128 @@ def sage_fn(q, k, v) -> Optional[Callable]:
     return lambda: sageattn(q, k, v, tensor_layout="HND", is_causal=False)
 
 
-def append_rows(bench: str, rows: List[Dict[str, object]]) -> str:
-    """Append rows (dicts with the COLUMNS and optional extras) to results/<bench>.csv."""
+_FA4: Optional[tuple] = None
+
+
+def fa4_status() -> tuple:
+    """``(flash_attn_func or None, one-line note)``: FlashAttention-4 (CuTe DSL; bf16, [B, S, H, D]) when
+    ``flash_attn.cute`` imports and a sm_90+ GPU is present. Optional: never a requirement of the package
+    (install notes: issue 21; the sm_90 forward is bf16/fp16 only)."""
+    global _FA4
+    if _FA4 is None:
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+            _FA4 = (None, "fa4-bf16 skipped: needs a sm_90+ CUDA GPU")
+        else:
+            try:
+                from flash_attn.cute import flash_attn_func
+                _FA4 = (flash_attn_func, "fa4-bf16: flash_attn.cute.flash_attn_func")
+            except Exception as e:  # noqa: BLE001 - not installed / CuTe DSL missing
+                _FA4 = (None, f"fa4-bf16 skipped: flash_attn.cute not importable ({type(e).__name__}: "
+                              f"{str(e)[:120]}); install notes in issue 21")
+    return _FA4
+
+
+def fa4_fn(q, k, v) -> Optional[Callable]:
+    """FA4 bf16 on [B, H, S, D] inputs (any strides) as a no-argument callable returning [B, H, S, D],
+    or None (see :func:`fa4_status`). FA4 takes [B, S, H, D]: inputs that are permuted views of a
+    [B, S, H, D] tensor (the model's layout) are passed as they are; others are copied once, here, so the
+    callable times the kernel alone, like ``sdpa_fn``."""
+    func, _ = fa4_status()
+    if func is None or q.dtype != torch.bfloat16:
+        return None
+    qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+    qs, ks, vs = (t if t.is_contiguous() else t.contiguous() for t in (qs, ks, vs))
+
+    def run():
+        out = func(qs, ks, vs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out.transpose(1, 2)
+    return run
+
+
+def kernel_times(prof) -> Dict[str, float]:
+    """GPU time (ms) by kernel name from a finished ``torch.profiler.profile``: its device-side events, or,
+    where a torch version lists none, the kernels it attached to the CPU ops."""
+    out: Dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name] = out.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    if not out:
+        for e in prof.events():
+            for k in getattr(e, "kernels", None) or []:
+                out[k.name] = out.get(k.name, 0.0) + k.duration / 1e3
+    return out
+
+
+def structured_inputs(B, H, S, D, seed=0, device="cpu", dtype=torch.bfloat16):
+    """[B, S, H, D] q, k, v (the model's layout; view them with ``.transpose(1, 2)`` for SDPA): channel-
+    biased K, V in 64 clusters per head scattered over the tokens plus 1% token outliers, as
+    ``bench_vsmooth_attn.make_inputs``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=device, generator=g)  # noqa: E731
+    q = 1.5 * r(B, S, H, D)
+    k = r(B, S, H, D) + 3.0 * r(1, 1, H, D)
+    centers = 2.0 * r(H, 64, D)
+    lab = torch.randint(0, 64, (B, S, H), device=device, generator=g)
+    v = centers[torch.arange(H, device=device).view(1, 1, H), lab] + 0.4 * r(B, S, H, D)
+    v = v + (torch.rand(B, S, H, 1, device=device, generator=g) < 0.01) * 12.0 * r(B, S, H, D)
+    return tuple(t.to(dtype) for t in (q, k, v))
+
+
+class Drift:
+    """Structured inputs that drift a little each step, like a denoiser's attention inputs: a random walk
+    ``x_{i+1} = x_i + rate * std(x_0) * N(0, 1)`` on each of q, k, v from :func:`structured_inputs`
+    (rate 0.05: after 50 steps x has moved ~0.35 of its spread). Deterministic from the seed, so every
+    method sees the same sequence. ``step()`` returns the next [B, S, H, D] triple (the first call returns
+    x_0); generation happens outside any timed region."""
+
+    def __init__(self, B, H, S, D, seed=0, device="cpu", rate=0.05):
+        self.x = [t.float() for t in structured_inputs(B, H, S, D, seed, device)]
+        self.std = [t.std().item() for t in self.x]
+        self.g = torch.Generator(device=device).manual_seed(seed + 1)
+        self.rate, self.i = rate, 0
+
+    def step(self):
+        if self.i > 0:
+            for x, s in zip(self.x, self.std):
+                x.add_(torch.randn(x.shape, device=x.device, generator=self.g), alpha=self.rate * s)
+        self.i += 1
+        return tuple(x.to(torch.bfloat16) for x in self.x)
+
+
+def append_rows(bench: str, rows: List[Dict[str, object]], path: Optional[str] = None,
+                extras: Optional[List[str]] = None) -> str:
+    """Append rows (dicts with the COLUMNS and optional extras) to results/<bench>.csv (or ``path``).
+
+    A new file gets the agreed COLUMNS, then ``extras`` (if given, in that order), then any other keys of
+    the rows. An existing file keeps its header and drops row keys it lacks, except the columns named in
+    ``extras``: a header without one of those is rewritten once with it added at the end (older rows get
+    an empty cell), so a new column such as ``speedup_vs_fa4`` is kept instead of silently dropped."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"{bench}.csv")
+    path = path or os.path.join(RESULTS_DIR, f"{bench}.csv")
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
     info = env_info()
-    if os.path.exists(path):
-        with open(path) as f:
-            cols = next(csv.reader(f))  # keep the existing header; extras it lacks are dropped
+    wanted = list(dict.fromkeys([*(extras or []), *(k for r in rows for k in r if k not in COLUMNS)]))
+    wanted = [k for k in wanted if k not in COLUMNS and k not in info and k != "bench"]
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        with open(path, newline="") as f:
+            reader = csv.reader(f)
+            cols = next(reader)
         if cols[:len(COLUMNS)] != COLUMNS:
             raise RuntimeError(f"{path} does not start with the agreed columns {COLUMNS}")
+        missing = [k for k in (extras or []) if k not in cols and k not in COLUMNS]
+        if missing:  # widen the header: rewrite the file once with the new columns at the end
+            with open(path, newline="") as f:
+                old = list(csv.DictReader(f))
+            cols = cols + missing
+            with open(path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+                w.writeheader()
+                w.writerows(old)
         new = False
     else:
-        extras = list(dict.fromkeys(k for r in rows for k in r if k not in COLUMNS))
-        cols, new = COLUMNS + extras, True
+        cols, new = COLUMNS + wanted, True
     with open(path, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         if new:
@@ -122,6 +243,21 @@ def append_rows(bench: str, rows: List[Dict[str, object]]) -> str:
             full = {**info, "bench": bench, **r}
             w.writerow({c: _fmt(full.get(c, "")) for c in cols})
     return path
+
+
+def add_speedup(rows: List[Dict[str, object]], base_variant: str, column: str,
+                keys=("B", "H", "S", "D")) -> None:
+    """``row[column] = base.ms / row.ms`` for every timed row, ``base`` being the ``base_variant`` row of
+    the same shape (``keys``); rows without such a base (or untimed rows) get ""."""
+    base = {tuple(r.get(k) for k in keys): r["ms"] for r in rows
+            if r.get("variant") == base_variant and _finite(r.get("ms"))}
+    for r in rows:
+        b = base.get(tuple(r.get(k) for k in keys))
+        r[column] = b / r["ms"] if b is not None and _finite(r.get("ms")) and r["ms"] > 0 else ""
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _fmt(x):

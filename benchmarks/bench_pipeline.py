@@ -1,0 +1,565 @@
+"""A real diffusers WanPipeline at real sizes, every method against stock Inductor (issue 20 item 1).
+
+    python -m benchmarks.bench_pipeline --plan-only                  # the plan and its time estimate (any machine)
+    python -m benchmarks.bench_pipeline --csv $OUT/bench_pipeline.csv        # H200: 1.3B 480p, regional, all methods
+    python -m benchmarks.bench_pipeline --sizes 14b-720p --layers 8 --steps 10 --csv $OUT/bench_pipeline.csv
+    python -m benchmarks.bench_pipeline --compile whole --methods vsmooth+expcast,mcsparse@0.15
+    python -m benchmarks.bench_pipeline --smoke                      # CPU: tiny config, 2 steps, nothing appended
+
+What runs: ``WanPipeline(tokenizer=None, text_encoder=None, vae=None)`` with a ``WanTransformer3DModel`` of
+the published Wan 2.1 T2V configuration (``1.3b-480p``: 30 layers, 12 heads x 128, ffn 8960, text_dim 4096,
+in/out channels 16, patch (1, 2, 2); 480 x 832 x 81 frames -> latents 21 x 60 x 104 = 32760 tokens;
+``14b-720p``: 40 layers, 40 heads x 128, ffn 13824; 720 x 1280 x 81 -> 21 x 90 x 160 = 75600 tokens).
+RANDOM seeded weights in bf16 (``_keep_in_fp32_modules`` kept fp32, as ``from_pretrained(torch_dtype=bf16)``
+leaves them): these rows measure speed, not quality. Prompt embeddings are seeded tensors [1, 512, 4096]
+(no text encoder), the scheduler is FlowMatchEulerDiscreteScheduler (shift 3 at 480p, 5 at 720p), the output
+the final latents (no VAE), ``--steps`` steps (50), CFG ``--guidance`` (5: two transformer forwards per
+step). The same initial noise for every variant.
+
+Variants, in one process: ``stock`` (``torch.compile`` with Inductor, SDPA on cuDNN: ``common.prefer_cudnn``
+for the whole run, and the stock attention kernel is checked by torch.profiler over one step:
+``sdpa_kernel`` column) and each method through ``backend="vcattn"`` -- ``--compile regional``
+(``transformer.compile_repeated_blocks(backend=..., options=...)``), ``whole`` (``torch.compile(transformer,
+...)``) or ``both``. Per variant (cache dirs fresh per variant with ``--caches fresh``):
+1. the first generation of a fresh compile: ``first_generation_s`` (torch.compile + kernel builds + 50
+   steps; ``first_generation_extra_s`` = minus stock's). Kernels an earlier variant built in this process
+   stay in memory (e.g. V-Smooth's preprocessing for V-Smooth + ExpCast): run one variant per process for
+   a strictly cold figure.
+2. ``--timed`` (2) timed generations: ``ms`` = median wall time of a generation; CUDA events per step give
+   ``ms_per_step`` and ``step_<phase>_ms`` (step time summed by the phase the op ran in that step).
+3. a separate profiled generation (recompiled with ``profile=True``; events per attention call, read per
+   step): ``attn_<phase>_ms`` = attention time summed over the generation by phase, ``attn_ms`` their sum,
+   ``profile_overhead`` = its steps 1..n against the timed steps 1..n.
+``speedup_vs_stock`` (= ``speedup_vs_cudnn``): stock's median over the variant's, same compile mode;
+``rel_l2`` / ``cos_sim``: final latents against stock's (random weights: not a quality measure either).
+``--budget`` seconds: items are run only if their estimate fits, the first generation and one timed
+generation of every variant before any extra (second timed, profiled); what is left out is listed, and
+the plan with its estimate is printed before starting. Rows go to ``benchmarks/results/bench_pipeline.csv``
+as each variant finishes (``--csv``: also to that file).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+# --- sys.path: lets `python benchmarks/bench_pipeline.py` import the repository (one place; the packaging
+# change replaces it with `python -m benchmarks.bench_pipeline`) ---------------------------------------
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# ------------------------------------------------------------------------------------------------------
+
+import torch  # noqa: E402
+
+import vc_compile  # noqa: E402
+from benchmarks.common import append_rows, kernel_times, metrics, prefer_cudnn, print_table  # noqa: E402
+
+BENCH = "bench_pipeline"
+RANDOM_NOTE = "random weights: speed only, not quality"
+WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+                rope_max_seq_len=1024)
+WAN_14B = {**WAN_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
+SIZES = {  # name -> model, transformer config, pixels, flow shift, text tokens
+    "1.3b-480p": dict(model="wan2.1-t2v-1.3b", cfg=WAN_1_3B, height=480, width=832, frames=81, shift=3.0, text=512),
+    "14b-720p": dict(model="wan2.1-t2v-14b", cfg=WAN_14B, height=720, width=1280, frames=81, shift=5.0, text=512),
+    "smoke": dict(model="tiny-wan", cfg={**WAN_1_3B, "num_attention_heads": 2, "attention_head_dim": 64,
+                                         "in_channels": 4, "out_channels": 4, "text_dim": 16, "freq_dim": 32,
+                                         "ffn_dim": 64, "num_layers": 2, "rope_max_seq_len": 32},
+                  height=128, width=128, frames=9, shift=3.0, text=8),
+}
+METHODS = {"vsmooth": {"method": "vsmooth"}, "vsmooth+expcast": {"method": "vsmooth", "expcast": True},
+           "mcsparse@0.15": {"method": "mcsparse", "density": 0.15},
+           "mcsparse@0.25": {"method": "mcsparse", "density": 0.25},
+           "dense": {"method": "dense"}}  # dense: stock SDPA through the op (its overhead); not in the default
+DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse@0.25"
+SMOKE_OPTS = {"compiler": "eager", "kernels": "reference", "min_seq_len": 64, "kmeans_init_iters": 2,
+              "kmeans_iters": 1}
+PHASES = ("dense", "group", "anchor", "reuse")
+EXTRAS = ["model", "layers", "steps", "guidance", "compile", "first_generation_s", "first_generation_extra_s",
+          "speedup_vs_stock", "ms_per_step", "timed_generations", "generation_ms_all", "attn_ms",
+          *(f"attn_{p}_ms" for p in PHASES), *(f"step_{p}_ms" for p in PHASES), "phases", "profile_overhead",
+          "sites", "sdpa_kernel", "caches", "note"]
+ATTN_KERNELS = ("cudnn", "fmha", "flash", "sdpa", "attention", "attn")
+# ---- planning priors (replaced by measurements as the run goes) ----
+# generation time relative to stock: issue 20's end-to-end speed-ups (H200, 2026-12-01, this configuration)
+PRIOR_RATIO = {"stock": 1.0, "dense": 1.02, "vsmooth": 1 / 1.18, "vsmooth+expcast": 1 / 1.23,
+               "mcsparse@0.15": 1 / 1.59, "mcsparse@0.25": 1 / 1.43}
+COMPILE_S = {"regional": 15.0, "whole": 90.0}  # torch.compile of the transformer, empty caches (guess)
+RECOMPILE_S = {"regional": 10.0, "whole": 45.0}  # the same graph again with profile=True (guess)
+JIT_S = 10.0  # a method's Triton kernels built at their first calls (issue 20: 9.4-10 s)
+# stock step time from FLOPs: cuDNN attention ~520 TFLOP/s, GEMMs ~600: 1.03 s for 1.3B at 32760 tokens
+# with CFG, where issue 20 measured 1.04 s (the calibration point)
+ATTN_TFLOPS, GEMM_TFLOPS = 5.2e14, 6.0e14
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def tokens(spec) -> int:
+    p = spec["cfg"]["patch_size"]
+    return ((spec["frames"] - 1) // 4 + 1) // p[0] * (spec["height"] // 8 // p[1]) * (spec["width"] // 8 // p[2])
+
+
+# ---- the pipeline -----------------------------------------------------------------------------------------
+def build_pipeline(spec, layers, device, seed):
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        tr = WanTransformer3DModel(**{**spec["cfg"], "num_layers": layers})
+    keep = WanTransformer3DModel._keep_in_fp32_modules or []
+    for name, p in tr.named_parameters():  # as from_pretrained(torch_dtype=bf16): listed modules stay fp32
+        if not any(k in name.split(".") for k in keep):
+            p.data = p.data.to(torch.bfloat16)
+    tr.eval().requires_grad_(False)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=tr,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=spec["shift"]))
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    text_dim, n_text = spec["cfg"]["text_dim"], spec["text"]
+
+    def embeds():  # a 16-token prompt, zero-padded to the text length as the pipeline pads UMT5's output
+        e = torch.zeros(1, n_text, text_dim, device=device)
+        e[:, :min(16, n_text)] = torch.randn(1, min(16, n_text), text_dim, device=device, generator=g)
+        return e.to(torch.bfloat16)
+    shape = (1, spec["cfg"]["in_channels"], (spec["frames"] - 1) // 4 + 1, spec["height"] // 8, spec["width"] // 8)
+    call = dict(prompt_embeds=embeds(), negative_prompt_embeds=embeds(), height=spec["height"],
+                width=spec["width"], num_frames=spec["frames"], output_type="latent", return_dict=False,
+                latents=torch.randn(shape, device=device, generator=g))
+    return pipe, tr, call
+
+
+def uncompile(module):
+    for m in module.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
+
+
+def compile_variant(pipe, base, label, opts, mode, smoke):
+    torch._dynamo.reset()
+    vc_compile.reset(report=True)
+    uncompile(base)
+    pipe.transformer = base
+    kw = ({"backend": "eager"} if smoke else {}) if label == "stock" else {"backend": "vcattn", "options": opts}
+    if mode == "regional":
+        base.compile_repeated_blocks(**kw)
+    else:
+        pipe.transformer = torch.compile(base, **kw)
+
+
+def phase_totals() -> Dict[str, int]:
+    c: Dict[str, int] = {}
+    for s in vc_compile.report().sites:  # no sync unless profile=True left events to resolve
+        for p, n in s.phases.items():
+            c[p] = c.get(p, 0) + n
+    return c
+
+
+class StepRecorder:
+    """``callback_on_step_end``: a CUDA event per step (no sync), the phase the op ran in the step (the
+    most frequent one among the calls launched in it) and, with ``attn``, the attention time of the step
+    (``vc_compile.report()``, which syncs: profiled generations only)."""
+
+    def __init__(self, cuda, steps, prefix, attn=False, t0=None):
+        self.cuda, self.steps, self.prefix, self.attn = cuda, steps, prefix, attn
+        self.t0 = t0 or time.perf_counter()
+        self.marks, self.phases, self.attn_ms = [], [], []
+        self.counts = phase_totals()
+        self.total = vc_compile.report().total_time_ms if attn else 0.0
+        self._mark()
+
+    def _mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def __call__(self, pipe, i, t, kw):
+        self._mark()
+        now = phase_totals()
+        delta = {p: now.get(p, 0) - self.counts.get(p, 0) for p in now}
+        delta = {p: n for p, n in delta.items() if n > 0}
+        self.phases.append(max(sorted(delta), key=delta.get) if delta else "stock")
+        self.counts = now
+        if self.attn:
+            total = vc_compile.report().total_time_ms
+            self.attn_ms.append(total - self.total)
+            self.total = total
+        every = max(1, self.steps // 5)
+        if (i + 1) % every == 0 or i + 1 == self.steps:
+            log(f"    {self.prefix}: step {i + 1}/{self.steps} [{time.perf_counter() - self.t0:.0f} s]")
+        return kw
+
+    def step_ms(self) -> List[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def generate(pipe, call, steps, guidance, rec: StepRecorder):
+    if rec.cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = pipe(**{**call, "latents": call["latents"].clone()}, num_inference_steps=steps,
+                   guidance_scale=guidance, callback_on_step_end=rec)[0]
+    if rec.cuda:
+        torch.cuda.synchronize()
+    return out.float(), time.perf_counter() - t0
+
+
+def stock_attention_kernel(pipe, call, guidance) -> str:
+    """Which attention kernels the compiled stock model launches: torch.profiler over a 1-step generation
+    (same shapes, same graph: no recompile). ``"cudnn: <top kernel>"`` or what else ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        pipe(**{**call, "latents": call["latents"].clone()}, num_inference_steps=1, guidance_scale=guidance)
+        torch.cuda.synchronize()
+    kern = {n: t for n, t in kernel_times(prof).items() if any(p in n.lower() for p in ATTN_KERNELS)}
+    if not kern:
+        return "no attention kernel found"
+    name = max(kern, key=kern.get)
+    kind = "cudnn" if "cudnn" in name.lower() or "sdpa" in name.lower() else "NOT cuDNN"
+    return f"{kind}: {name[:80]} ({kern[name]:.0f} ms of {sum(kern.values()):.0f} ms attention in 1 step)"
+
+
+def site_summary() -> str:
+    rep = vc_compile.report()
+    fb: Dict[str, int] = {}
+    for s in rep.fallbacks:
+        fb[s.reason or "?"] = fb.get(s.reason or "?", 0) + 1
+    rt: Dict[str, int] = {}
+    for s in rep.rewritten:
+        for r, n in s.runtime_fallbacks.items():
+            rt[r] = rt.get(r, 0) + n
+    out = f"{len(rep.rewritten)} rewritten"
+    if fb:
+        out += "; stock SDPA: " + ", ".join(f"{n} {r}" for r, n in fb.items())
+    if rt:
+        out += "; run-time fallbacks: " + ", ".join(f"{r} x{n}" for r, n in rt.items())
+    return out
+
+
+# ---- one variant ------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    label: str
+    mode: str
+    first_s: float = float("nan")
+    gens_s: List[float] = field(default_factory=list)
+    step_ms: List[float] = field(default_factory=list)
+    phases: List[str] = field(default_factory=list)
+    latents: Optional[torch.Tensor] = None
+    attn: Dict[str, float] = field(default_factory=dict)
+    prof_step_ms: List[float] = field(default_factory=list)
+    sites: str = ""
+    sdpa_kernel: str = ""
+    skipped: List[str] = field(default_factory=list)
+
+
+def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reserve_s) -> Result:
+    """Cold generation, timed generation(s), profiled generation, each if the budget allows."""
+    cuda = a.device.type == "cuda"
+    res = Result(label, mode)
+    opts = None if label == "stock" else {**METHODS[label], **(SMOKE_OPTS if a.smoke else {})}
+    tag = f"{label} [{mode}]"
+
+    def left():
+        return (a.budget - (time.perf_counter() - t_start)) if a.budget else float("inf")
+
+    if est.item_s("cold", label, mode) + est.item_s("timed", label, mode) > left():
+        res.skipped.append(f"{tag}: everything (needs ~{est.item_s('cold', label, mode):.0f} s + "
+                           f"{est.item_s('timed', label, mode):.0f} s, {max(0, left()):.0f} s left)")
+        return res
+    log(f"  {tag}: first generation (compile{'' if label == 'stock' else ' + kernel builds'}) ...")
+    compile_variant(pipe, base, label, opts, mode, a.smoke)
+    res.latents, res.first_s = generate(pipe, call, a.steps, a.guidance,
+                                        StepRecorder(cuda, a.steps, f"{tag} first"))
+    res.sites = site_summary() if label != "stock" else ""
+    for k in range(a.timed):
+        if k > 0 and est.item_s("timed", label, mode) + reserve_s > left():
+            res.skipped.append(f"{tag}: timed generation {k + 1}")
+            continue
+        vc_compile.reset()
+        rec = StepRecorder(cuda, a.steps, f"{tag} timed {k + 1}")
+        lat, s = generate(pipe, call, a.steps, a.guidance, rec)
+        res.gens_s.append(s)
+        if k == 0:
+            res.step_ms, res.phases, res.latents = rec.step_ms(), rec.phases, lat
+    est.observe(label, mode, first_s=res.first_s, gen_s=statistics.median(res.gens_s))
+    if label == "stock" and cuda:
+        res.sdpa_kernel = stock_attention_kernel(pipe, call, a.guidance)
+        log(f"    stock attention kernel: {res.sdpa_kernel}")
+    if label != "stock" and a.profiled:
+        if est.item_s("profiled", label, mode) + reserve_s > left():
+            res.skipped.append(f"{tag}: profiled generation")
+        else:
+            log(f"  {tag}: profiled generation (recompile with profile=True) ...")
+            compile_variant(pipe, base, label, {**opts, "profile": True}, mode, a.smoke)
+            rec = StepRecorder(cuda, a.steps, f"{tag} profiled", attn=True)
+            _, s = generate(pipe, call, a.steps, a.guidance, rec)
+            est.observe(label, mode, profiled_s=s)
+            res.prof_step_ms = rec.step_ms()
+            for p in PHASES:
+                res.attn[p] = sum(t for t, ph in zip(rec.attn_ms, rec.phases) if ph == p)
+            res.attn["total"] = sum(rec.attn_ms)
+    uncompile(base)
+    pipe.transformer = base
+    torch._dynamo.reset()
+    return res
+
+
+def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
+    cfg = spec["cfg"]
+    H, Dh, S = cfg["num_attention_heads"], cfg["attention_head_dim"], tokens(spec)
+    med = statistics.median(res.gens_s) * 1e3 if res.gens_s else float("nan")
+    row = dict(variant=res.label, B=1, H=H, S=S, D=Dh, ms=med, model=spec["model"], layers=layers,
+               steps=a.steps, guidance=a.guidance, compile=res.mode, first_generation_s=res.first_s,
+               ms_per_step=med / a.steps, timed_generations=len(res.gens_s),
+               generation_ms_all=" ".join(f"{s * 1e3:.0f}" for s in res.gens_s), sites=res.sites,
+               sdpa_kernel=res.sdpa_kernel, caches=a.caches,
+               density=METHODS.get(res.label, {}).get("density", 1.0))
+    if stock is not None and stock.gens_s and res.gens_s:
+        sp = statistics.median(stock.gens_s) * 1e3 / med
+        row.update(speedup_vs_stock=sp, speedup_vs_cudnn=sp,
+                   first_generation_extra_s=res.first_s - stock.first_s)
+        if res is not stock and stock.latents is not None and res.latents is not None:
+            m = metrics(res.latents, stock.latents)
+            row.update(rel_l2=m["rel_l2"], cos_sim=m["cos_sim"])
+    if res.label != "stock" and res.phases:
+        for p in PHASES:
+            row[f"step_{p}_ms"] = sum(t for t, ph in zip(res.step_ms, res.phases) if ph == p)
+        row["phases"] = " ".join(f"{p}:{res.phases.count(p)}" for p in PHASES if p in res.phases)
+    if res.attn:
+        row["attn_ms"] = res.attn["total"]
+        row.update({f"attn_{p}_ms": res.attn[p] for p in PHASES})
+        calls = a.steps * (2 if a.guidance > 1 else 1) * layers
+        row["tflops"] = 4.0 * H * S * S * Dh * calls / (res.attn["total"] * 1e-3) / 1e12
+        if len(res.prof_step_ms) > 1 and len(res.step_ms) > 1:
+            row["profile_overhead"] = sum(res.prof_step_ms[1:]) / sum(res.step_ms[1:]) - 1.0
+    cut = [] if layers == cfg["num_layers"] else [f"cut to {layers} of {cfg['num_layers']} layers"]
+    if a.steps != 50:
+        cut.append(f"{a.steps} of 50 steps")
+    n = len(res.gens_s)
+    bad = res.latents is not None and not bool(torch.isfinite(res.latents).all())
+    row["note"] = "; ".join([RANDOM_NOTE, *cut, f"{spec['height']}x{spec['width']}x{spec['frames']} px",
+                             f"CFG {a.guidance:g}",
+                             f"timed: median of {n} generations" if n > 1 else "timed: 1 generation",
+                             *(["profiled generation left out (budget)"] if res.label != "stock" and a.profiled
+                               and not res.attn else []),
+                             *(["NON-FINITE final latents"] if bad else []),
+                             *(["CPU smoke: eager, reference kernels"] if a.smoke else [])])
+    return row
+
+
+# ---- budget ------------------------------------------------------------------------------------------------
+class Estimator:
+    """Seconds per planned item: FLOP-based priors first, measured values once a variant has run."""
+
+    def __init__(self, cfg, layers, S, steps, guidance, cuda):
+        d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        per_fwd = (4.0 * S * S * d / ATTN_TFLOPS + 2.0 * S * (6 * d * d + 2 * d * cfg["ffn_dim"]) / GEMM_TFLOPS)
+        self.step_s = (2 if guidance > 1 else 1) * layers * per_fwd if cuda else 0.0
+        self.steps, self.cuda = steps, cuda
+        self.build_s = (5.0 + 1e-9 * layers * (8 * d * d + 2 * d * cfg["ffn_dim"])) if cuda else 0.0  # guess
+        self.gen: Dict[str, float] = {}
+        self.overhead: Dict[tuple, float] = {}  # (mode, stock?) -> first generation - steady generation
+        self.recompile: Dict[str, float] = {}
+
+    def gen_s(self, label):
+        if label in self.gen:
+            return self.gen[label]
+        stock = self.gen.get("stock", self.step_s * self.steps)
+        return stock * PRIOR_RATIO.get(label, 1.0)
+
+    def item_s(self, item, label, mode):
+        if not self.cuda:
+            return 0.0
+        g = self.gen_s(label)
+        if item == "timed":
+            return g
+        if item == "cold":
+            prior = COMPILE_S[mode] + (self.step_s if label == "stock" else JIT_S)  # stock: + the SDPA check
+            return g + self.overhead.get((mode, label == "stock"), prior)
+        return 1.02 * g + self.recompile.get(mode, RECOMPILE_S[mode])  # profiled
+
+    def observe(self, label, mode, first_s=None, gen_s=None, profiled_s=None):
+        if gen_s is not None:
+            self.gen[label] = gen_s
+            if first_s is not None:
+                self.overhead[(mode, label == "stock")] = max(0.0, first_s - gen_s)
+        if profiled_s is not None and label in self.gen:
+            self.recompile[mode] = max(0.0, profiled_s - self.gen[label])
+
+
+def plan_items(est: Estimator, labels, modes, timed, profiled, budget, spent):
+    """The plan as printable lines and its total estimate; with a budget, what the run's rules (first
+    generation + one timed generation of every variant first, extras only if the rest still fits) would
+    leave out with today's estimates."""
+    lines, total, t = [f"build the pipeline ~{est.build_s:.0f} s"], est.build_s, spent + est.build_s
+    seq = [(m, lab) for m in modes for lab in labels]
+    for j, (mode, lab) in enumerate(seq):
+        ess = est.item_s("cold", lab, mode) + est.item_s("timed", lab, mode)
+        reserve = sum(est.item_s("cold", l2, m2) + est.item_s("timed", l2, m2) for m2, l2 in seq[j + 1:])
+        extras = [("timed", f"timed {k + 1}") for k in range(1, timed)]
+        extras += [("profiled", "profiled")] if profiled and lab != "stock" else []
+        full = ess + sum(est.item_s(kind, lab, mode) for kind, _ in extras)
+        total += full
+        if budget and t + ess > budget:
+            lines.append(f"{lab:16s} [{mode}] ~{full:5.0f} s: LEFT OUT (budget)")
+            continue
+        t += ess
+        done, out = ["first", "timed 1"], []
+        for kind, name in extras:
+            s = est.item_s(kind, lab, mode)
+            if budget and t + s + reserve > budget:
+                out.append(name)
+            else:
+                t += s
+                done.append(name)
+        lines.append(f"{lab:16s} [{mode}] ~{full:5.0f} s: " + ", ".join(done)
+                     + (f"; left out: {', '.join(out)}" if out else ""))
+    return lines, total
+
+
+# ---- main -------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1.3b-480p", help=f"comma-separated, from {[s for s in SIZES if s != 'smoke']}")
+    ap.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {list(METHODS)}")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--guidance", type=float, default=5.0)
+    ap.add_argument("--compile", choices=("regional", "whole", "both"), default="regional")
+    ap.add_argument("--layers", type=int, default=None, help="transformer layers (cut the 14B model; default all)")
+    ap.add_argument("--timed", type=int, default=2, help="timed generations per variant (median)")
+    ap.add_argument("--no-profiled", dest="profiled", action="store_false",
+                    help="skip the profiled generation (per-phase attention time)")
+    ap.add_argument("--caches", choices=("fresh", "shared"), default="fresh",
+                    help="fresh: new Inductor/Triton cache dirs per variant (cold first generations)")
+    ap.add_argument("--budget", type=float, default=510.0, help="seconds for the whole run (0 = no limit)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--csv", default=None, help="also append the rows to this CSV")
+    ap.add_argument("--plan-only", action="store_true", help="print the plan and its estimate, run nothing")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny config, 2 steps, eager compiler, reference "
+                    "kernels, no rows appended")
+    a = ap.parse_args(argv)
+    a.methods = [m for m in a.methods.split(",") if m]
+    bad = [m for m in a.methods if m not in METHODS]
+    if bad:
+        ap.error(f"unknown methods {bad}; known: {list(METHODS)}")
+    a.sizes = ["smoke"] if a.smoke else [s for s in a.sizes.split(",") if s]
+    if any(s not in SIZES for s in a.sizes):
+        ap.error(f"unknown sizes {a.sizes}; known: {list(SIZES)}")
+    if a.smoke:
+        a.steps, a.caches, a.budget = min(a.steps, 2), "shared", 0.0
+    a.modes = ["regional", "whole"] if a.compile == "both" else [a.compile]
+    a.budget = a.budget or None
+    a.device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    return a
+
+
+def main(argv=None):
+    smoke_threads = "--smoke" in (sys.argv[1:] if argv is None else argv)
+    threads = torch.get_num_threads()
+    if smoke_threads:  # tiny CPU ops: one thread is ~6x faster than two on a shared 2-core machine
+        torch.set_num_threads(1)
+    try:
+        with prefer_cudnn():
+            return _main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(argv=None):
+    t_start = time.perf_counter()
+    a = parse_args(argv)
+    if not a.smoke and a.device.type != "cuda" and not a.plan_only:
+        sys.exit("bench_pipeline: needs a CUDA GPU (or --smoke / --plan-only)")
+    all_rows, skipped = [], []
+    for size in a.sizes:
+        spec = SIZES[size]
+        layers = a.layers or spec["cfg"]["num_layers"]
+        est = Estimator(spec["cfg"], layers, tokens(spec), a.steps, a.guidance,
+                        cuda=a.device.type == "cuda" or (a.plan_only and not a.smoke))
+        labels = ["stock", *a.methods]
+        log(f"[bench_pipeline] {size}: {spec['model']} config, {layers} layers, {tokens(spec)} tokens, {a.steps} "
+            f"steps, CFG {a.guidance:g}, compile {'+'.join(a.modes)}; {RANDOM_NOTE}")
+        plan, total = plan_items(est, labels, a.modes, a.timed, a.profiled, a.budget,
+                                 time.perf_counter() - t_start)
+        for line in plan:
+            log("  plan: " + line)
+        log(f"  plan: estimated {total:.0f} s" + (f" of a {a.budget:.0f} s budget" if a.budget else ""))
+        if a.plan_only:
+            continue
+        pipe, base, call = build_pipeline(spec, layers, a.device, a.seed)
+        log(f"  built in {time.perf_counter() - t_start:.0f} s")
+        for mode in a.modes:
+            stock = None
+            for j, label in enumerate(labels):
+                reserve = sum(est.item_s("cold", lab, mode) + est.item_s("timed", lab, mode) for lab in labels[j + 1:])
+                reserve += sum(est.item_s("cold", lab, m) + est.item_s("timed", lab, m)
+                               for m in a.modes[a.modes.index(mode) + 1:] for lab in labels)
+                with _cache_scope(a.caches):
+                    res = run_variant(pipe, base, call, label, mode, a, est, t_start, reserve)
+                skipped += res.skipped
+                if not res.gens_s:
+                    if label == "stock":
+                        skipped.append(f"every method [{mode}]: no stock baseline")
+                        break
+                    continue
+                stock = res if label == "stock" else stock
+                row = make_row(res, stock, spec, layers, a)
+                all_rows.append(row)
+                log(f"  {label} [{mode}]: {row['ms'] / 1e3:.1f} s/generation ({row['ms_per_step']:.0f} ms/step), "
+                    f"x{row.get('speedup_vs_stock', float('nan')):.2f} vs stock, first generation "
+                    f"{row['first_generation_s']:.1f} s, attention {row.get('attn_ms', float('nan')) / 1e3:.1f} s, "
+                    f"rel_l2 {row.get('rel_l2', float('nan')):.2e}; {res.sites} "
+                    f"[{time.perf_counter() - t_start:.0f} s]")
+                if not a.smoke:
+                    path = append_rows(BENCH, [row], extras=EXTRAS)
+                    if a.csv:
+                        append_rows(BENCH, [row], path=a.csv, extras=EXTRAS)
+        del pipe, base, call
+        if a.device.type == "cuda":
+            torch.cuda.empty_cache()
+    if all_rows:
+        log("")
+        print_table(all_rows, ["variant", "compile", "S", "ms", "ms_per_step", "speedup_vs_stock", "first_generation_s",
+                               "first_generation_extra_s", "attn_ms", *(f"attn_{p}_ms" for p in PHASES), "rel_l2"])
+        log(f"({RANDOM_NOTE})")
+        if not a.smoke:
+            log(f"[bench_pipeline] rows appended to {path}")
+    if skipped:
+        log("[bench_pipeline] left out (budget): " + "; ".join(skipped))
+    log(f"[bench_pipeline] {time.perf_counter() - t_start:.0f} s in all")
+    return all_rows
+
+
+@contextlib.contextmanager
+def _cache_scope(kind):
+    """``fresh``: a new, empty Inductor + Triton cache dir for the variant (torch's own ``fresh_cache``),
+    deleted after it; ``shared``: the process's caches as they are."""
+    if kind != "fresh":
+        yield
+        return
+    from torch._inductor import utils as iu
+
+    fresh = getattr(iu, "fresh_cache", None) or iu.fresh_inductor_cache
+    with fresh():
+        yield
+
+
+if __name__ == "__main__":
+    main()

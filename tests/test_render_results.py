@@ -1,0 +1,67 @@
+"""scripts/render_results.py on small CSVs written through benchmarks.common.append_rows: the latest row of
+each variant wins, the README headline table and the generation tables render, plots when matplotlib is
+installed; and append_rows widens an existing header instead of dropping new columns."""
+import csv
+import importlib.util
+import os
+
+import pytest
+
+from benchmarks import common
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("render_results", os.path.join(ROOT, "scripts", "render_results.py"))
+render = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(render)
+
+PIPE = dict(model="wan2.1-t2v-1.3b", B=1, H=12, S=32760, D=128, layers=30, steps=50, guidance=5.0,
+            compile="regional")
+
+
+def _pipe_rows(stock_ms, vs_ms):
+    return [dict(PIPE, variant="stock", ms=stock_ms, speedup_vs_stock=1.0, first_generation_s=70.0,
+                 first_generation_extra_s=0.0),
+            dict(PIPE, variant="vsmooth", ms=vs_ms, speedup_vs_stock=stock_ms / vs_ms, first_generation_s=75.0,
+                 first_generation_extra_s=5.0, attn_ms=30000.0, attn_dense_ms=0.0, attn_group_ms=9000.0,
+                 attn_anchor_ms=0.0, attn_reuse_ms=21000.0, rel_l2=0.01)]
+
+
+def test_append_rows_widens_the_header(tmp_path):
+    path = str(tmp_path / "x.csv")
+    common.append_rows("x", [{"variant": "a", "ms": 1.0, "extra1": 5}], path=path)
+    common.append_rows("x", [{"variant": "b", "ms": 2.0, "extra2": 7}], path=path, extras=["extra1", "extra2"])
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0])[:len(common.COLUMNS)] == common.COLUMNS
+    assert list(rows[0])[-2:] == ["extra1", "extra2"]
+    assert (rows[0]["extra1"], rows[0]["extra2"]) == ("5", "")
+    assert (rows[1]["extra1"], rows[1]["extra2"], rows[1]["bench"]) == ("", "7", "x")
+    common.append_rows("x", [{"variant": "c", "ms": 3.0, "junk": 1}], path=path)  # not named in extras
+    with open(path, newline="") as f:
+        assert "junk" not in next(csv.reader(f))  # an existing header only grows by the named extras
+
+
+def test_render_latest_rows_tables_and_plots(tmp_path, capsys):
+    res, img = tmp_path / "results", tmp_path / "img"
+    p = str(res / "bench_pipeline.csv")
+    common.append_rows("bench_pipeline", _pipe_rows(60000.0, 50000.0), path=p)
+    common.append_rows("bench_pipeline", _pipe_rows(52000.0, 40000.0), path=p)  # a later run: it wins
+    g = str(res / "bench_generation.csv")
+    base = dict(B=1, H=40, S=32760, D=128, steps=3)
+    common.append_rows("bench_generation", [
+        dict(base, variant="sdpa_cudnn", ms=114.0, speedup_vs_cudnn=1.0, step_ms="38 38 38", rel_l2=1.7e-3),
+        dict(base, variant="mcsparse@0.15", ms=70.0, speedup_vs_cudnn=114 / 70, step_ms="38 24 8", n_dense=1,
+             ms_dense=38.0, n_group=0, ms_group=0.0, n_anchor=1, ms_anchor=24.0, n_reuse=1, ms_reuse=8.0),
+        dict(base, variant="mcsparse@0.15:reuse_breakdown", ms=8.0, attn_kernel_ms=7.7, other_kernels_ms=0.1,
+             gap_ms=0.2, host_ms=0.3, outside_share=0.0375)], path=g)
+    text = render.main(["--results-dir", str(res), "--img-dir", str(img)])
+    assert "| V-Smooth | 40.0 | 1.30x | 75.0 (+5.0) | 30.0 | 0.0 / 9.0 / 0.0 / 21.0 | 1.00e-02 |" in text
+    assert "| stock (Inductor + cuDNN) | 52.0 | 1.00x |" in text and "60.0" not in text
+    assert "| MC-Sparse s = 0.15 | 70 | 1.63x | - | 38 (1) / 0 (0) / 24 (1) / 8 (1) |" in text
+    assert "| MC-Sparse s = 0.15 | 8.00 | 7.70 | 0.10 | 0.20 | 0.30 | 3.8% |" in text
+    assert "random weights: speed only, not quality" in text
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "plots skipped" in capsys.readouterr().err
+        pytest.skip("matplotlib not installed: tables checked, plots skipped")
+    for name in ("bench_pipeline_speedup.png", "bench_generation_phases.png", "bench_generation_steps.png"):
+        assert os.path.getsize(img / name) > 1000
