@@ -5,7 +5,8 @@
 # Stages: e2e (demo table + end-to-end at 32K), e2e75 (end-to-end at 75K), soak (GPU memory over many
 # generations), cp (two GPUs: Ulysses benchmark), tune (issue 8 start-up times and tuned-vs-shipped),
 # ladder (issue 5: MC-Sparse Table-5 ablation ladder at 16K, s = 0.15 and 0.25, 50 steps),
-# sparseab / sparseab75 (issue 5: the gather kernel's switch x config A/B at S = 32760 / 75600).
+# sparseab / sparseab75 (issue 5: the gather kernel's switch x config A/B at S = 32760 / 75600),
+# pkg (issue 24: NVML fields and the tuning key on the GPU, then the enable()/package tests).
 # Each stage has its own time limit so that one slow stage still leaves the others' results in $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -71,6 +72,11 @@ for s in "$@"; do
       stage preprocess 80 python3 -m benchmarks.bench_preprocess --budget 70 --csv "$OUT/bench_preprocess.csv" ;;
     tune)
       stage tune 140 python3 -m benchmarks.bench_tune --methods vsmooth --budget 130 --csv "$OUT/bench_tune.csv" ;;
+    pkg)
+      stage pkg 240 bash -c 'python3 -c "from vc_compile import nvml; print(nvml.limits(0)); print(nvml.state(0))"
+        python3 -c "from vc_compile.tune.cache import current_arch as a, cache_dir as d; print(a().dirname, d())"
+        python3 -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/test_pipeline_calls.py \
+          tests/test_package.py' ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -231,7 +231,8 @@ def test_to_stderr_adds_one_handler():
     h1, h2 = log.to_stderr("INFO"), log.to_stderr("DEBUG")
     try:
         assert h1 is h2 and log.logger.level == logging.DEBUG
-        assert log.get_logger("tune").name == "vc_compile.tune" and log.get_logger("vc_compile.x").name == "vc_compile.x"
+        assert log.get_logger("tune").name == "vc_compile.tune"
+        assert log.get_logger("vc_compile.x").name == "vc_compile.x"
     finally:
         log.logger.removeHandler(h1)
         log.logger.setLevel(logging.NOTSET)

@@ -188,6 +188,11 @@ def test_enable_validates_before_changing_anything():
     with pytest.raises(VCConfigError, match="unknown vcattn option"):
         vc_compile.enable(pipe, desnity=0.2)
     assert not compiled(pipe.transformer.blocks[0]) and not pipeline_calls.is_tracked(pipe)
+    tr = pipe.transformer
+    pipe.transformer = torch.compile(tr, backend="vcattn")
+    with pytest.raises(ValueError, match=r"already torch.compile'd.*_orig_mod"):
+        vc_compile.enable(pipe)
+    assert not compiled(tr.blocks[0]) and not pipeline_calls.is_tracked(pipe)
 
 
 def test_enable_a_bare_module():

@@ -124,6 +124,9 @@ def transformers_of(pipe) -> Dict[str, Any]:
         ModelMixin = ()
     found = {}
     for name, comp in comps.items():
+        if comp is not None and hasattr(comp, "_orig_mod") and _is_module(getattr(comp, "_orig_mod", None)):
+            raise ValueError(f"vc_compile.enable: pipe.{name} is already torch.compile'd; give enable() the "
+                             f"pipeline with its eager module (pipe.{name} = pipe.{name}._orig_mod)")
         if comp is None or not _is_module(comp) or (ModelMixin and not isinstance(comp, ModelMixin)):
             continue
         if "transformer" in name.lower() or "transformer" in type(comp).__name__.lower():

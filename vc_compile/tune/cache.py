@@ -12,8 +12,9 @@ persistent cache, ``$XDG_CACHE_HOME/vc_compile/tune`` (``~/.cache/vc_compile/tun
 as Triton's compiled kernels in ``~/.triton`` do). The NVML part of the key (``vc_compile/nvml.py``) keeps a
 power-capped or down-clocked board from reusing another's measurements; without NVML (no nvidia-ml-py, no
 driver) it is empty and the key is the one used before it existed, so such entries keep their meaning (a
-cache written without NVML is re-tuned once where NVML is present). Writes are atomic (temp file + ``os.replace``) under a file lock, so
-several processes tuning at once never lose or corrupt each other's entries. A corrupt or stale file is
+cache written without NVML is re-tuned once where NVML is present). Writes are atomic (temp file +
+``os.replace``) under a file lock, so several processes tuning at once never lose or corrupt each other's
+entries. A corrupt or stale file is
 reported once and ignored, never fatal.
 
 Where a configuration comes from (reported per call site): ``shipped`` (the table measured on the H200
