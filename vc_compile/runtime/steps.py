@@ -15,8 +15,8 @@ Step signal, first that applies wins:
    steps = the pipeline's public ``num_timesteps``. Reads no frame and no diffusers internals, so it
    survives changes to the loop's variable names; the frame probe below is the fallback for pipelines
    compiled by hand.
-   **diffusers** (the frame probe): the call stack holds a diffusers pipeline ``__call__`` frame (``self`` has a
-   ``scheduler``) whose locals have the loop index ``i`` (every diffusers 0.42 denoising loop is
+   **diffusers** (the frame probe): the call stack holds a diffusers pipeline ``__call__`` frame (``self``
+   has a ``scheduler``) whose locals have the loop index ``i`` (every diffusers 0.42 denoising loop is
    ``for i, t in enumerate(...)``): step = ``i``, steps = ``pipe._num_timesteps`` (set before the loop;
    it is ``len(step_matrix)`` in SkyReels diffusion forcing) or ``len(timesteps)``. Python ints read from
    the frame: no GPU sync. Cost: one walk up the stack per attention call (~10-15 us on our slow 2-core
@@ -426,7 +426,6 @@ def _pipeline_loop_read(f):
         return None
     token = timesteps if timesteps is not None else getattr(pipe.scheduler, "timesteps", None)
     return token, pipe, i, n
-
 
 
 def _module_t_param(mod_type: type):
