@@ -1,9 +1,9 @@
 """Ulysses context parallelism on 2 x H200 (issue 9): vcattn V-Smooth and MC-Sparse vs SDPA cuDNN.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py                 # S=75600, H=40, D=128
-    torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --density 0.15 --csv $OUT/cp.csv
-    torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --diffusers     # + a Wan CP check
-    torchrun --standalone --nproc-per-node 2 benchmarks/bench_context_parallel.py --smoke   # CPU, gloo
+    torchrun --nproc-per-node 2 -m benchmarks.bench_context_parallel                 # S=75600, H=40, D=128
+    torchrun --nproc-per-node 2 -m benchmarks.bench_context_parallel --density 0.15 --csv $OUT/cp.csv
+    torchrun --nproc-per-node 2 -m benchmarks.bench_context_parallel --diffusers     # + a Wan CP check
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.bench_context_parallel --smoke   # CPU, gloo
 
 Every rank holds S/N tokens of all H heads ([B, S/N, H, D], the diffusers layout). The Ulysses block
 (``vc_compile.parallel.ulysses_attention``: all-to-all to [B, H/N, S, D], SDPA, all-to-all back) is
@@ -45,13 +45,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import vc_compile  # noqa: E402
-from common import append_rows, attn_flops, metrics, print_table  # noqa: E402
-from vc_compile.parallel import _all_to_all, enable_diffusers_ulysses, ulysses_attention  # noqa: E402
+import vc_compile
+from benchmarks.common import append_rows, attn_flops, metrics, print_table
+from vc_compile.parallel import _all_to_all, enable_diffusers_ulysses, ulysses_attention
 
 BENCH = "bench_context_parallel"
 EXTRAS = ["world", "scope", "phases", "compiler", "max_rank_spread_ms", "note"]

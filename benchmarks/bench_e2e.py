@@ -1,9 +1,9 @@
 """End-to-end benchmark: the demo video DiT at ~32K and ~75K tokens, 50 steps, every vcattn method.
 
-    python benchmarks/bench_e2e.py                 # H200: both sizes, 50 steps (several minutes)
-    python benchmarks/bench_e2e.py --quick         # 32K tokens only, 20 steps
-    python benchmarks/bench_e2e.py --sizes 75k --csv $OUT/bench_e2e.csv
-    python benchmarks/bench_e2e.py --sizes 16k --ladder --csv $OUT/bench_e2e.csv   # MC-Sparse ablation
+    python -m benchmarks.bench_e2e                 # H200: both sizes, 50 steps (several minutes)
+    python -m benchmarks.bench_e2e --quick         # 32K tokens only, 20 steps
+    python -m benchmarks.bench_e2e --sizes 75k --csv $OUT/bench_e2e.csv
+    python -m benchmarks.bench_e2e --sizes 16k --ladder --csv $OUT/bench_e2e.csv   # MC-Sparse ablation
 
 Sizes mirror Wan 2.1's token counts (patch (1, 2, 2) on pixels): ``32k`` = 21 x 60 x 104 px =
 21 * 30 * 52 = 32760 tokens (Wan 480p), ``75k`` = 21 x 90 x 160 px = 21 * 45 * 80 = 75600 tokens (Wan
@@ -32,22 +32,19 @@ FLOPs for sparse methods, i.e. "effective") over the profiled attention time.
 from __future__ import annotations
 
 import argparse
-import csv
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.common import env_info  # noqa: E402
-from vc_compile.demo.metrics import compare  # noqa: E402
-from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt  # noqa: E402
-from vc_compile.demo.runner import (METHODS, compile_full, compile_regional, ladder_methods,  # noqa: E402
+from benchmarks.common import append_csv, env_info
+from vc_compile.demo.metrics import compare
+from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
+from vc_compile.demo.runner import (METHODS, compile_full, compile_regional, ladder_methods,
                                     run_config)
-from vc_compile.demo.sampler import print_progress, sample  # noqa: E402
+from vc_compile.demo.sampler import print_progress, sample
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SIZES = {"32k": (21, 60, 104), "75k": (21, 90, 160), "16k": (16, 64, 64), "4k": (16, 32, 32),
          "1k": (4, 32, 32)}  # 1k: a CPU check of this script
@@ -147,12 +144,7 @@ def main(argv=None):
         """Each row goes to the CSV as soon as its run finishes: a run cut short by a time limit keeps
         the rows it finished."""
         rows.append(row)
-        new = not path.exists()
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=HEADER, extrasaction="ignore")
-            if new:
-                w.writeheader()
-            w.writerow(row)
+        append_csv(str(path), [row], columns=HEADER)  # + the GPU columns (benchmarks/common.py)
 
     for size in sizes:
         F_, Hpx, Wpx = SIZES[size]

@@ -41,13 +41,6 @@ import contextlib
 import itertools
 import sys
 import time
-from pathlib import Path
-
-# --- sys.path: lets `python benchmarks/bench_generation.py` import the repository (one place; the
-# packaging change replaces it with `python -m benchmarks.bench_generation`) ---------------------------
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# ------------------------------------------------------------------------------------------------------
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

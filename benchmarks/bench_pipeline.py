@@ -45,14 +45,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional
-
-# --- sys.path: lets `python benchmarks/bench_pipeline.py` import the repository (one place; the packaging
-# change replaces it with `python -m benchmarks.bench_pipeline`) ---------------------------------------
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# ------------------------------------------------------------------------------------------------------
 
 import torch  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Prologue fusion on the H200 (issue 7): the Q/K preprocessing chain with and without the model's RoPE
 folded into our kernel, against a device-to-device copy of the same bytes.
 
-    python3 benchmarks/bench_preprocess.py [--csv PATH] [--smoke] [--no-results] [--shapes S,S] [--no-op] [--no-ab]
+    python3 -m benchmarks.bench_preprocess [--csv PATH] [--smoke] [--no-results] [--shapes S,S] [--no-op] [--no-ab]
 
 Per S in {32760, 75600}, B = 1, H = 40, D = 128, bf16; q and k are the projection outputs [B, S, H, D]
 (not rotated), cos/sin Wan's pair tables [1, S, 1, D/2] fp32 (``freqs[..., 0::2]``, interleaved form):
@@ -52,7 +52,6 @@ if __name__ == "__main__" and "--smoke" in sys.argv and not __import__("torch").
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import COLUMNS, _fmt, append_rows, bench_ms, env_info, print_table  # noqa: E402
 
 BENCH = "bench_preprocess"

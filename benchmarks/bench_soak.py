@@ -1,7 +1,7 @@
 """Soak: many generations through one compiled model; memory per generation must stay flat.
 
-    python benchmarks/bench_soak.py                              # 50 generations, vsmooth + mcsparse
-    python benchmarks/bench_soak.py --generations 200 --methods mcsparse --seq 1024 --plot soak.png
+    python -m benchmarks.bench_soak                              # 50 generations, vsmooth + mcsparse
+    python -m benchmarks.bench_soak --generations 200 --methods mcsparse --seq 1024 --plot soak.png
 
 Per generation it prints the metadata vcattn holds (``vc_compile.runtime.state.bytes_held()``), the
 number of metadata entries, call sites and tracker entries, the process RSS and, on CUDA,
@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-import vc_compile  # noqa: E402
-from vc_compile import ops  # noqa: E402
-from vc_compile.runtime import state  # noqa: E402
-from vc_compile.runtime.steps import TRACKER  # noqa: E402
+import vc_compile
+from vc_compile import ops
+from vc_compile.runtime import state
+from vc_compile.runtime.steps import TRACKER
 
 METHOD_OPTS = {
     "vsmooth": {"method": "vsmooth"},
@@ -46,7 +43,7 @@ def rss_mb() -> float:
 
 
 def build(method: str, seq: int, device: str, dtype, compiler: str, dim: int, heads: int):
-    import tiny_dit
+    from tests import tiny_dit  # the tests' tiny model (run from the repository root)
 
     torch.manual_seed(0)
     m = tiny_dit.TinyDiT(dim=dim, heads=heads, seq=seq).to(device=device, dtype=dtype).eval()

@@ -1,9 +1,9 @@
 """MC-Sparse kernels on the H200: token-gather sparse attention, reuse and anchor steps, Fast PDDP.
 
-    python benchmarks/bench_sparse_attn.py            # S in {32760, 75600}, H = 40, D = 128, B = 1
-    python benchmarks/bench_sparse_attn.py --quick    # S = 32760 only
-    python benchmarks/bench_sparse_attn.py --csv $OUT/bench_sparse_attn.csv   # also copy rows there
-    python benchmarks/bench_sparse_attn.py --ab [--sizes 32760,75600] [--budget 200]   # switch A/B
+    python -m benchmarks.bench_sparse_attn            # S in {32760, 75600}, H = 40, D = 128, B = 1
+    python -m benchmarks.bench_sparse_attn --quick    # S = 32760 only
+    python -m benchmarks.bench_sparse_attn --csv $OUT/bench_sparse_attn.csv   # also copy rows there
+    python -m benchmarks.bench_sparse_attn --ab [--sizes 32760,75600] [--budget 200]   # switch A/B
 
 Rows (``variant``), all with B = 1, H = 40, D = 128, C = 64, bf16 inputs:
 * ``sdpa_cudnn`` / ``sdpa_flash``: dense baselines measured in the same process.
@@ -36,19 +36,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 if "--smoke" in sys.argv:  # CPU dry run of this script (Triton interpreter, tiny shapes)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import (add_speedup, append_rows, attn_flops, bench_ms, fa4_fn, fa4_status, metrics,  # noqa: E402
-                    print_table, sdpa_fn)
+from benchmarks.common import (add_speedup, append_rows, attn_flops, bench_ms, fa4_fn, fa4_status,  # noqa: E402
+                               metrics, print_table, sdpa_fn)
 from vc_compile.reference.dense import dense_attention_lse  # noqa: E402
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse  # noqa: E402
 from vc_compile.reference.sparse_attn_q8 import sparse_attention_q8  # noqa: E402

@@ -1,9 +1,9 @@
 """Autotuning cache on the H200: start-up cost of a first (tuning) run vs a second (cache-hit) run vs the
 shipped table, and the tuned vs the shipped-default kernel time.
 
-    python benchmarks/bench_tune.py                           # S = 32760, H = 40, D = 128, bf16, B = 1
-    python benchmarks/bench_tune.py --csv $OUT/bench_tune.csv # also copy the rows there
-    python benchmarks/bench_tune.py --smoke                   # CPU dry run (interpreter, tiny, nothing saved)
+    python -m benchmarks.bench_tune                           # S = 32760, H = 40, D = 128, bf16, B = 1
+    python -m benchmarks.bench_tune --csv $OUT/bench_tune.csv # also copy the rows there
+    python -m benchmarks.bench_tune --smoke                   # CPU dry run (interpreter, tiny, nothing saved)
 
 (a) Start-up: each row is a fresh subprocess, timed from its spawn to the end of its first finished
 vcattn op call (``vcattn::vsmooth_attention`` / ``vcattn::sparse_attention`` at density 0.15, synchronised),
@@ -35,8 +35,6 @@ from pathlib import Path
 
 T_START = time.time()  # the child's own start (the parent measures from spawn)
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 B, H, S, D, DENSITY = 1, 40, 32760, 128, 0.15
 SMOKE_SHAPE = (1, 1, 256, 64)
@@ -95,9 +93,9 @@ def spawn(method: str, mode: str, dirs: dict, smoke: bool, timeout: float):
            "TORCHINDUCTOR_CACHE_DIR": dirs["inductor"], "PYTHONPATH": str(ROOT)}
     if smoke:
         env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", method, mode] + (["--smoke"] if smoke else [])
+    cmd = [sys.executable, "-m", "benchmarks.bench_tune", "--child", method, mode] + (["--smoke"] if smoke else [])
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("BENCH_TUNE ")]
     if r.returncode != 0 or not line:
         raise RuntimeError(f"{method}/{mode} failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
@@ -123,7 +121,7 @@ def main() -> None:
         return child(*args.child, args.smoke)
     import torch
 
-    from common import print_table
+    from benchmarks.common import print_table
 
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_tune: needs a CUDA GPU (H200); --smoke for a CPU dry run")
@@ -170,7 +168,7 @@ def main() -> None:
 
 
 def save(rows, csv_copy) -> None:
-    from common import append_rows
+    from benchmarks.common import append_rows
 
     if not rows:
         return

@@ -1,6 +1,6 @@
 """8-bit attention on the H200 (issue 4): speed and fidelity of every variant, side by side.
 
-    python benchmarks/bench_vsmooth_attn.py [--quick] [--out DIR] [--sweep] [--check] [--ab [--auto]]
+    python -m benchmarks.bench_vsmooth_attn [--quick] [--out DIR] [--sweep] [--check] [--ab [--auto]]
                                             [--smoke] [--no-bench] [--no-csv] [--captured-only]
 
 Variants per shape (B = 1, H = 40; D = 128 at S in {8190, 32760, 75600}, D = 64 at S = 32760):
@@ -39,7 +39,6 @@ if __name__ == "__main__" and "--smoke" in sys.argv and not __import__("torch").
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (add_speedup, append_rows, attn_flops, bench_ms, fa4_fn,  # noqa: E402
                                fa4_status, metrics, print_table, sage_fn, sdpa_fn)
 from vc_compile.reference import kmeans as ref_km  # noqa: E402

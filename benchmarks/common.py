@@ -1,7 +1,14 @@
 """Shared benchmark harness: timing, baselines, accuracy metrics and the results CSV.
 
 Every benchmark prints a table side by side with the baselines measured in the same run and appends its
-rows to ``benchmarks/results/<bench>.csv`` with the agreed columns (extra columns may follow).
+rows to ``benchmarks/results/<bench>.csv`` with the agreed columns (extra columns may follow). Each row
+also carries what NVML says about the GPU (``GPU_COLUMNS``: the board's UUID, driver, memory, power limit
+and maximum clocks, and its clocks, temperature, power draw and clock-event reasons when the row was
+written: they explain noisy runs); a file whose header lacks a column a row brings is rewritten with the
+column added at the end (older rows leave it empty).
+
+Benchmarks are modules of the ``benchmarks`` package, run from the repository root:
+``python -m benchmarks.bench_vsmooth_attn`` (no ``sys.path`` edits).
 """
 from __future__ import annotations
 
@@ -15,8 +22,12 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from vc_compile import nvml
+from vc_compile.table import fmt_cell, format_table
+
 COLUMNS = ["date", "commit", "gpu", "torch", "triton", "bench", "variant", "B", "H", "S", "D",
            "density", "ms", "tflops", "speedup_vs_cudnn", "rel_l2", "cos_sim"]
+GPU_COLUMNS = list(nvml.LIMIT_FIELDS + nvml.STATE_FIELDS)  # after a benchmark's own extras
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -43,7 +54,15 @@ def env_info() -> Dict[str, str]:
         tv = "none"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-            "commit": commit, "gpu": gpu, "torch": torch.__version__, "triton": tv}
+            "commit": commit, "gpu": gpu, "torch": torch.__version__, "triton": tv, **gpu_info()}
+
+
+def gpu_info() -> Dict[str, object]:
+    """NVML's view of the current CUDA device for a results row ({} on a CPU or without NVML)."""
+    if not torch.cuda.is_available():
+        return {}
+    index = torch.cuda.current_device()
+    return {**(nvml.limits(index) or {}), **nvml.state(index)}
 
 
 def bench_ms(fn: Callable[[], object], warmup: int = 50, rep: int = 200) -> float:
@@ -84,6 +103,13 @@ def sdpa_backend(name: str):
                         "math": SDPBackend.MATH}[name])
 
 
+def sdpa_fn(q, k, v, backend: str):
+    def run():
+        with sdpa_backend(backend):
+            return F.scaled_dot_product_attention(q, k, v)
+    return run
+
+
 def prefer_cudnn():
     """SDPA backend priority cuDNN > flash > efficient > math for everything inside, compiled graphs
     included (runtime dispatch), as ``bench_e2e.prefer_cudnn``: the stock baseline's attention is cuDNN's."""
@@ -95,13 +121,6 @@ def prefer_cudnn():
         return sdpa_kernel(order, set_priority=True)
     except TypeError:  # older torch without set_priority: allow all, default order
         return sdpa_kernel(order)
-
-
-def sdpa_fn(q, k, v, backend: str):
-    def run():
-        with sdpa_backend(backend):
-            return F.scaled_dot_product_attention(q, k, v)
-    return run
 
 
 def sage_fn(q, k, v) -> Optional[Callable]:
@@ -205,43 +224,49 @@ class Drift:
 def append_rows(bench: str, rows: List[Dict[str, object]], path: Optional[str] = None,
                 extras: Optional[List[str]] = None) -> str:
     """Append rows (dicts with the COLUMNS and optional extras) to results/<bench>.csv (or ``path``).
-
-    A new file gets the agreed COLUMNS, then ``extras`` (if given, in that order), then any other keys of
-    the rows. An existing file keeps its header and drops row keys it lacks, except the columns named in
-    ``extras``: a header without one of those is rewritten once with it added at the end (older rows get
-    an empty cell), so a new column such as ``speedup_vs_fa4`` is kept instead of silently dropped."""
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = path or os.path.join(RESULTS_DIR, f"{bench}.csv")
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
+    ``extras``: columns kept even when an existing file's header lacks them (the header is widened once,
+    see :func:`append_csv`), so a new column such as ``speedup_vs_fa4`` is kept instead of dropped."""
     info = env_info()
-    wanted = list(dict.fromkeys([*(extras or []), *(k for r in rows for k in r if k not in COLUMNS)]))
-    wanted = [k for k in wanted if k not in COLUMNS and k not in info and k != "bench"]
-    if os.path.exists(path) and os.path.getsize(path) > 0:
+    return append_csv(path or os.path.join(RESULTS_DIR, f"{bench}.csv"),
+                      [{**info, "bench": bench, **r} for r in rows], widen=extras)
+
+
+def append_csv(path: str, rows: List[Dict[str, object]], columns: Optional[List[str]] = None,
+               widen: Optional[List[str]] = None) -> str:
+    """Append complete rows to a results CSV: a new file gets ``COLUMNS``, the rows' extras, then
+    ``GPU_COLUMNS``; an existing one keeps its header (extras it lacks are dropped), widened (the file
+    rewritten) only by the ``GPU_COLUMNS`` it lacks. The header must start with the agreed ``COLUMNS``.
+    ``columns``: a new file's header before the GPU columns (default: COLUMNS + ``widen`` + the rows' other
+    extras). ``widen``: extra columns an existing header gains too (added at the end, like GPU_COLUMNS)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    old: List[List[str]] = []
+    if os.path.exists(path):
         with open(path, newline="") as f:
-            reader = csv.reader(f)
-            cols = next(reader)
+            old = list(csv.reader(f))
+    if old:
+        cols = old[0]
         if cols[:len(COLUMNS)] != COLUMNS:
             raise RuntimeError(f"{path} does not start with the agreed columns {COLUMNS}")
-        missing = [k for k in (extras or []) if k not in cols and k not in COLUMNS]
-        if missing:  # widen the header: rewrite the file once with the new columns at the end
-            with open(path, newline="") as f:
-                old = list(csv.DictReader(f))
-            cols = cols + missing
-            with open(path, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-                w.writeheader()
-                w.writerows(old)
-        new = False
+        add = [k for k in (widen or []) if k not in cols and k not in COLUMNS]
+        wider = cols + add + [k for k in GPU_COLUMNS if k in keys and k not in cols and k not in add]
+        # other extras: dropped
     else:
-        cols, new = COLUMNS + wanted, True
+        first = list(columns) if columns else COLUMNS + _extras(list(dict.fromkeys([*(widen or []), *keys])))
+        cols = wider = first + [c for c in GPU_COLUMNS if c in keys and c not in first]
+    if wider != cols:  # rewrite with the new columns at the end (a temp file, then an atomic rename)
+        tmp = path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(wider)
+            w.writerows(r + [""] * (len(wider) - len(r)) for r in old[1:])
+        os.replace(tmp, path)
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        if new:
+        w = csv.DictWriter(f, fieldnames=wider, extrasaction="ignore")
+        if not old:
             w.writeheader()
         for r in rows:
-            full = {**info, "bench": bench, **r}
-            w.writerow({c: _fmt(full.get(c, "")) for c in cols})
+            w.writerow({c: _fmt(r.get(c, "")) for c in wider})
     return path
 
 
@@ -260,16 +285,13 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def _extras(keys: List[str]) -> List[str]:
+    return [k for k in keys if k not in COLUMNS and k not in GPU_COLUMNS]
+
+
 def _fmt(x):
-    if isinstance(x, float):
-        return f"{x:.6g}" if math.isfinite(x) else str(x)
-    return x
+    return fmt_cell(x) if isinstance(x, float) else x
 
 
 def print_table(rows: List[Dict[str, object]], cols: List[str]) -> None:
-    widths = [max(len(c), *(len(str(_fmt(r.get(c, "")))) for r in rows)) for c in cols]
-    line = " | ".join(c.ljust(w) for c, w in zip(cols, widths))
-    print(line)
-    print("-+-".join("-" * w for w in widths))
-    for r in rows:
-        print(" | ".join(str(_fmt(r.get(c, ""))).ljust(w) for c, w in zip(cols, widths)))
+    print(format_table(rows, cols))

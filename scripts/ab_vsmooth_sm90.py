@@ -2,7 +2,7 @@
 benchmark's structured inputs: NaN rows, agreement with the shipped configuration and the reference, fidelity
 vs fp32, time (median, with SDPA cuDNN of the same run).
 
-    python3 scripts/ab_vsmooth_sm90.py [--check-shapes 300x128,4173x128] [--shapes 32760x128]
+    python3 -m scripts.ab_vsmooth_sm90 [--check-shapes 300x128,4173x128] [--shapes 32760x128]
         [--variants "vsmooth:64/4/2/0/0,expcast@3:64/4/2/1/1/2,..."] [--triton] [--out F.json]
 
 A variant is METHOD[@EXPCAST_MODE]:CONFIG with METHOD in naive8 / vsmooth / expcast and CONFIG the kernel's
@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
+import torch
 
-from benchmarks.bench_vsmooth_attn import make_inputs, truth_rows  # noqa: E402
-from benchmarks.common import bench_ms, metrics, sdpa_backend  # noqa: E402
-from vc_compile.reference import vsmooth_attn as ref  # noqa: E402
-from vc_compile.templates import kmeans as tkm  # noqa: E402
-from vc_compile.templates import preprocess as tpre  # noqa: E402
-from vc_compile.templates import vsmooth_attn as tattn  # noqa: E402
-from vc_compile.templates import vsmooth_attn_sm90 as g  # noqa: E402
+from benchmarks.bench_vsmooth_attn import make_inputs, truth_rows
+from benchmarks.common import bench_ms, metrics, sdpa_backend
+from vc_compile.reference import vsmooth_attn as ref
+from vc_compile.templates import kmeans as tkm
+from vc_compile.templates import preprocess as tpre
+from vc_compile.templates import vsmooth_attn as tattn
+from vc_compile.templates import vsmooth_attn_sm90 as g
 
 DEFAULT_VARIANTS = ("naive8:64/4/2/0/0,vsmooth:64/4/2/0/0,expcast:64/4/2/1/1/0,"
                     "naive8:64/4/2/1/1/2,vsmooth:64/4/2/1/1/2,vsmooth:64/4/2/1/1/1,vsmooth:64/4/2/0/1/1,"

@@ -4,7 +4,7 @@ that fit on an H200 SM, whether the gathered K/V rows go through cp.async (LDGST
 wgmma waits sit (TTGIR), whether ptxas serialised the wgmmas (C7514 / C7515), and the SASS instruction mix of
 the inner loop (the largest backward branch; both sides of an `if` in it are counted).
 
-    python3 scripts/codegen_sparse.py [--S 32760] [--C 64,128] [--configs 64/4/3,32/4/3]
+    python3 -m scripts.codegen_sparse [--S 32760] [--C 64,128] [--configs 64/4/3,32/4/3]
         [--switches rescale_tau=8] [--json] [--dump PREFIX]
 
 Same fake-driver warm-up compile as scripts/codegen_stats.py (shapes of the benchmark: B = 1, H = 40,
@@ -17,13 +17,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import codegen_stats as cs  # noqa: E402  (pops TRITON_INTERPRET, imports torch and triton)
-import torch  # noqa: E402
+from scripts import codegen_stats as cs  # (pops TRITON_INTERPRET, imports torch and triton)
+
+import torch  # noqa: E402  (after codegen_stats)
 import triton  # noqa: E402
 
 SMEM_PER_SM, SMEM_PER_CTA_RESERVED, REGS_PER_SM = 228 * 1024, 1024, 65536

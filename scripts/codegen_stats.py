@@ -3,7 +3,7 @@ does per kernel: registers and spills (ptxas -v), layout conversions (TTGIR), gl
 (PTX). Used to find why the RoPE prologue was 10x slower than the no-RoPE path (scalar loads, 243
 registers; see the NOTE in vc_compile/templates/preprocess.py) and by tests/test_rope_fuse.py to keep it so.
 
-    python3 scripts/codegen_stats.py [--S 32760] [--form interleaved|rotate-half] [--full] [--json]
+    python3 -m scripts.codegen_stats [--S 32760] [--form interleaved|rotate-half] [--full] [--json]
         [--dump PREFIX]
 
 Triton's JIT is run with a fake driver (target cuda:90) and every launch turned into a warm-up compile;
@@ -17,7 +17,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from collections import Counter
 
@@ -27,8 +26,6 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class _FakeDriver:

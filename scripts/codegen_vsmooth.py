@@ -8,7 +8,7 @@ instructions in the window). Register P~ (ExpCast, PREG): in the key loop the QK
 issued before the softmax and PV takes P~ from registers (``QGMMA ... R, gdesc``) after it, with no
 P~ stores to shared memory.
 
-    python3 scripts/codegen_vsmooth.py [--S 32760] [--json]
+    python3 -m scripts.codegen_vsmooth [--S 32760] [--json]
 
 Same fake-driver warm-up compile as scripts/codegen_stats.py (B = 1, H = 40). Never run under
 TRITON_INTERPRET=1.
@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import sys
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import codegen_sparse as csp  # noqa: E402  (pops TRITON_INTERPRET, imports torch and triton)
-import codegen_stats as cs  # noqa: E402
-import torch  # noqa: E402
+from scripts import codegen_sparse as csp  # (pops TRITON_INTERPRET, imports torch and triton)
+from scripts import codegen_stats as cs
+
+import torch  # noqa: E402  (after codegen_stats)
 
 VARIANTS = {  # name: (head dim, expcast, mean, launch config: None = the kernel's default at --S)
     "d128_exp2": (128, False, True, None), "d128_expcast": (128, True, True, None),

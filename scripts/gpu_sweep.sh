@@ -5,7 +5,8 @@
 # Stages: e2e (demo table + end-to-end at 32K), e2e75 (end-to-end at 75K), soak (GPU memory over many
 # generations), cp (two GPUs: Ulysses benchmark), tune (issue 8 start-up times and tuned-vs-shipped),
 # ladder (issue 5: MC-Sparse Table-5 ablation ladder at 16K, s = 0.15 and 0.25, 50 steps),
-# sparseab / sparseab75 (issue 5: the gather kernel's switch x config A/B at S = 32760 / 75600).
+# sparseab / sparseab75 (issue 5: the gather kernel's switch x config A/B at S = 32760 / 75600),
+# pkg (issue 24: NVML fields and the tuning key on the GPU, then the enable()/package tests).
 # Each stage has its own time limit so that one slow stage still leaves the others' results in $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -32,28 +33,28 @@ for s in "$@"; do
   case $s in
     e2e)
       stage demo 260 python3 -m vc_compile.demo --regional --out "$OUT/demo"
-      stage e2e32k 270 python3 benchmarks/bench_e2e.py --sizes 32k --regional --csv "$OUT/bench_e2e.csv" ;;
+      stage e2e32k 270 python3 -m benchmarks.bench_e2e --sizes 32k --regional --csv "$OUT/bench_e2e.csv" ;;
     e2e75)
-      stage e2e75k 400 python3 benchmarks/bench_e2e.py --sizes 75k --regional --csv "$OUT/bench_e2e.csv" ;;
+      stage e2e75k 400 python3 -m benchmarks.bench_e2e --sizes 75k --regional --csv "$OUT/bench_e2e.csv" ;;
     c128)  # issue 5: MC-Sparse with C = 128 query groups against the C = 64 default, plus V-Smooth, at 16K
-      stage c128 300 python3 benchmarks/bench_e2e.py --sizes 16k --regional --no-floor \
+      stage c128 300 python3 -m benchmarks.bench_e2e --sizes 16k --regional --no-floor \
         --methods vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse-c128@0.15,mcsparse@0.25,mcsparse-c128@0.25 \
         --csv "$OUT/bench_e2e.csv" ;;
     ladder)
-      stage ladder16k 170 python3 benchmarks/bench_e2e.py --sizes 16k --ladder --regional \
+      stage ladder16k 170 python3 -m benchmarks.bench_e2e --sizes 16k --ladder --regional \
         --csv "$OUT/bench_e2e.csv" ;;
     sparseab)
-      stage sparseab 260 python3 benchmarks/bench_sparse_attn.py --ab --budget 200 \
+      stage sparseab 260 python3 -m benchmarks.bench_sparse_attn --ab --budget 200 \
         --csv "$OUT/bench_sparse_attn.csv" ;;
     sparseab75)
-      stage sparseab75 200 python3 benchmarks/bench_sparse_attn.py --ab --sizes 75600 --budget 150 \
+      stage sparseab75 200 python3 -m benchmarks.bench_sparse_attn --ab --sizes 75600 --budget 150 \
         --group-sizes 128 --ab-switches base,kvoff \
         --csv "$OUT/bench_sparse_attn.csv" ;;
     soak)
-      stage soak 170 python3 benchmarks/bench_soak.py --generations 60 --steps 6 --seq 4096 --alt-seq 3072 \
+      stage soak 170 python3 -m benchmarks.bench_soak --generations 60 --steps 6 --seq 4096 --alt-seq 3072 \
         --heads 8 --dim 1024 --cfg --plot "$OUT/soak_cuda.png" ;;
     cp)
-      stage cp 380 torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --diffusers \
+      stage cp 380 torchrun --nproc-per-node 2 -m benchmarks.bench_context_parallel --diffusers \
         --csv "$OUT/bench_context_parallel.csv" ;;
     gputests)
       stage gputests 210 python3 -m pytest -q -n 8 --timeout 170 -p no:cacheprovider -rfE \
@@ -66,11 +67,16 @@ for s in "$@"; do
         tests/test_rope_fuse.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py \
         tests/test_mcsparse_ladder.py tests/test_hostile.py -k "gpu or cuda or kernels" ;;
     vsmooth)
-      stage vsmooth 170 python3 benchmarks/bench_vsmooth_attn.py --quick --ab --ab-plan ws ;;
+      stage vsmooth 170 python3 -m benchmarks.bench_vsmooth_attn --quick --ab --ab-plan ws ;;
     preprocess)
-      stage preprocess 80 python3 benchmarks/bench_preprocess.py --budget 70 --csv "$OUT/bench_preprocess.csv" ;;
+      stage preprocess 80 python3 -m benchmarks.bench_preprocess --budget 70 --csv "$OUT/bench_preprocess.csv" ;;
     tune)
-      stage tune 140 python3 benchmarks/bench_tune.py --methods vsmooth --budget 130 --csv "$OUT/bench_tune.csv" ;;
+      stage tune 140 python3 -m benchmarks.bench_tune --methods vsmooth --budget 130 --csv "$OUT/bench_tune.csv" ;;
+    pkg)
+      stage pkg 240 bash -c 'python3 -c "from vc_compile import nvml; print(nvml.limits(0)); print(nvml.state(0))"
+        python3 -c "from vc_compile.tune.cache import current_arch as a, cache_dir as d; print(a().dirname, d())"
+        python3 -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/test_pipeline_calls.py \
+          tests/test_package.py' ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

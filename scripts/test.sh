@@ -4,5 +4,5 @@
 # tests are skipped (marker `requires_cuda`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh  # pip install -e ".[test,demo]" (torch kept)
 exec ${PYTHON:-python3} -m pytest -q -ra --durations=15 tests "$@"

@@ -13,6 +13,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+import vc_compile.ops  # noqa: E402,F401  (``import vc_compile`` is lazy: tests call torch.ops.vcattn.* directly)
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -552,7 +552,7 @@ def test_rope_prologue_codegen_sm90():
     root = Path(__file__).parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, str(root / "scripts" / "codegen_stats.py"), "--json"], env=env,
+    r = subprocess.run([sys.executable, "-m", "scripts.codegen_stats", "--json"], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600)
     if r.returncode != 0 or not r.stdout.strip():
         pytest.skip(f"offline sm_90 compile unavailable here: {r.stderr.strip()[-300:]}")

@@ -237,8 +237,8 @@ def test_gather_kernel_codegen_sm90():
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     st = {}
     for sw in ("kv_off=0", "kv_off=1"):
-        r = subprocess.run([sys.executable, str(root / "scripts" / "codegen_sparse.py"), "--C", "128", "--json",
-                            "--switches", sw], env=env, capture_output=True, text=True, timeout=600)
+        r = subprocess.run([sys.executable, "-m", "scripts.codegen_sparse", "--C", "128", "--json",
+                            "--switches", sw], env=env, cwd=root, capture_output=True, text=True, timeout=600)
         if r.returncode != 0 or not r.stdout.strip():
             pytest.skip(f"offline sm_90 compile unavailable here: {r.stderr.strip()[-300:]}")
         st[sw] = next(iter(json.loads(r.stdout.strip().splitlines()[-1]).values()))

@@ -37,7 +37,7 @@ requires_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (H100
 @pytest.fixture(scope="module")
 def codegen():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "codegen_vsmooth.py"), "--json"], env=env,
+    r = subprocess.run([sys.executable, "-m", "scripts.codegen_vsmooth", "--json"], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -2,31 +2,61 @@
 
     model = torch.compile(transformer, backend="vcattn")                      # no import needed
     model = torch.compile(transformer, backend="vcattn", options={"method": "mcsparse", "density": 0.15})
+    pipe = vc_compile.enable(pipe, method="vsmooth")                          # a whole diffusers pipeline
 
-Public API (small on purpose): ``report()``, ``sampling()``, ``step()``, ``diffusers_callback``,
-``reset()``, ``VCConfig``.
+Public API (small on purpose): ``enable()``, ``disable()``, ``report()``, ``sampling()``, ``step()``,
+``diffusers_callback``, ``reset()``, ``VCConfig``; the ``vc_compile`` logger (``vc_compile.log``).
+
+Importing is cheap (names resolve on first use): torch._dynamo is imported when the backend runs, the
+``torch.ops.vcattn.*`` custom ops are registered when the backend (``vc_compile.backend``, loaded by
+torch.compile through the ``torch_dynamo_backends`` entry point) or ``vc_compile.ops`` is first imported.
+Code that calls ``torch.ops.vcattn.*`` itself, or loads an exported program holding them, imports
+``vc_compile.ops`` first.
 """
 from __future__ import annotations
 
-from . import ops  # noqa: F401  (registers torch.ops.vcattn.*)
-from .config import Method, QKFormat, VCConfig, VCConfigError
-from .runtime.report import Report, report
-from .runtime.steps import diffusers_callback, sampling, step
+from ._version import __version__
 
-__all__ = ["report", "Report", "sampling", "step", "diffusers_callback", "reset", "VCConfig",
-           "VCConfigError", "Method", "QKFormat"]
-__version__ = "0.1.0"
+__all__ = ["enable", "disable", "report", "Report", "sampling", "step", "diffusers_callback", "reset",
+           "VCConfig", "VCConfigError", "Method", "QKFormat", "__version__"]
+
+_LAZY = {
+    "enable": "vc_compile.pipeline", "disable": "vc_compile.pipeline",
+    "report": "vc_compile.runtime.report", "Report": "vc_compile.runtime.report",
+    "sampling": "vc_compile.runtime.steps", "step": "vc_compile.runtime.steps",
+    "diffusers_callback": "vc_compile.runtime.steps",
+    "VCConfig": "vc_compile.config", "VCConfigError": "vc_compile.config", "Method": "vc_compile.config",
+    "QKFormat": "vc_compile.config",
+}
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'vc_compile' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def _register_without_entry_point() -> None:
     """``backend="vcattn"`` also for a source checkout on ``PYTHONPATH`` (not pip-installed, so no
-    ``torch_dynamo_backends`` entry point): register on import. With the entry point present torch loads
-    the backend lazily itself and registering here would make it raise "duplicate name: vcattn"."""
+    ``torch_dynamo_backends`` entry point): register on import. With the entry point present (the usual
+    case; a ~50 ms scan of the installed distributions) torch loads the backend lazily itself, and
+    registering here would make it raise "duplicate name: vcattn"."""
     from importlib.metadata import entry_points
 
-    from torch._dynamo.backends import registry
+    if "vcattn" in entry_points(group="torch_dynamo_backends").names:
+        return
+    from torch._dynamo.backends import registry  # only here: a source checkout pays for Dynamo's import
 
-    if "vcattn" in entry_points(group="torch_dynamo_backends").names or "vcattn" in registry._COMPILER_FNS:
+    if "vcattn" in registry._COMPILER_FNS:
         return
     from .backend import vcattn
 

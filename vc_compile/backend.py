@@ -1,6 +1,6 @@
 """``backend="vcattn"``: validate options, rewrite SDPA on the Dynamo graph, hand the graph to Inductor.
 
-Registered only through the ``torch_dynamo_backends`` entry point (setup.py), so
+Registered only through the ``torch_dynamo_backends`` entry point (pyproject.toml), so
 ``torch.compile(model, backend="vcattn")`` works in a fresh interpreter that never imported
 ``vc_compile``. This module must not call ``register_backend`` itself: torch would then raise
 "duplicate name: vcattn" on the lazy entry-point path.
@@ -14,11 +14,16 @@ from typing import Optional
 
 import torch
 
+from . import ops  # noqa: F401  (registers torch.ops.vcattn.*: also for graphs loaded from Inductor's cache)
 from .config import Compiler, VCConfig, VCConfigError
+from .log import get_logger
 from .passes.cp_detect import detect_context_parallel
 from .passes.rope_detect import detect_rope
 from .passes.rope_fuse import fuse_rope
 from .passes.sdpa_rewrite import rewrite_sdpa
+from .pipeline import apply_env, options_dict
+
+log = get_logger(__name__)
 
 _GRAPH_IDS = itertools.count(1)
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -58,7 +63,17 @@ def inductor_patches(cfg: VCConfig) -> dict:
 
 
 def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None, **_):
-    cfg = VCConfig.from_options(options, mode)
+    # options: a dict or a VCConfig; $VCATTN_METHOD (vc_compile/pipeline.py) may switch the method or, with
+    # "off", compile this graph with Inductor and no rewrite (stock torch.compile: the A/B baseline)
+    opts, off = apply_env(options_dict(options), "backend='vcattn'")
+    cfg = VCConfig.from_options(opts, mode)
+    if off:
+        log.info("backend='vcattn': VCATTN_METHOD=off: graph compiled without the attention rewrite")
+        if cfg.compiler == Compiler.EAGER:
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=inductor_patches(cfg))
     name = f"vcattn_graph_{next(_GRAPH_IDS)}"
     detect_context_parallel(gm, cfg, graph_name=name)  # report-only: ring / DTensor / Ulysses findings
     stats = rewrite_sdpa(gm, cfg, graph_name=name)

@@ -97,7 +97,7 @@ OPTION_DOCS: Dict[str, str] = {
     "compiler": "'inductor' | 'eager': what compiles the rewritten graph.",
     "profile": "Time every attention call (CUDA events) into vc_compile.report().",
     "tune_cache_dir": "Directory of the kernel autotuning cache. None = $VCATTN_CACHE_DIR, else "
-                      "<Inductor cache>/vcattn.",
+                      "~/.cache/vc_compile/tune ($XDG_CACHE_HOME).",
     "mode": "Inductor mode, as torch.compile's mode= (which torch refuses together with options=).",
 }
 
@@ -176,6 +176,10 @@ class VCConfig:
         return cls(**kw)
 
     def __post_init__(self):
+        # types and enums coerced and checked here too, so that VCConfig(method="bogus") fails when built
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), f.default))
+
         def bad(key, accepted):
             raise VCConfigError(f"vcattn option {key}={getattr(self, key)!r} is invalid; accepted: {accepted}")
 

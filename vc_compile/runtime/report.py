@@ -165,10 +165,9 @@ class Report:
             if self.graphs_without_sdpa:
                 msg += f"\ngraphs with no SDPA captured: {', '.join(self.graphs_without_sdpa)}"
             return msg
-        w = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-        lines = [" | ".join(c.ljust(w[i]) for i, c in enumerate(cols)),
-                 "-+-".join("-" * x for x in w)]
-        lines += [" | ".join(r[i].ljust(w[i]) for i in range(len(cols))) for r in rows]
+        from ..table import format_table
+
+        lines = [format_table(rows, cols)]
         n_rw = len(self.rewritten)
         lines.append(f"{n_rw} of {len(self.sites)} call sites rewritten; attention time "
                      f"{self.total_time_ms:.2f} ms; metadata held {self.bytes_held / 2**20:.1f} MB")

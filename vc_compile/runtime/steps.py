@@ -9,8 +9,14 @@ Step signal, first that applies wins:
 1. **explicit**: ``vc_compile.step(i)`` (usually inside ``with vc_compile.sampling(num_steps=n):``), or
    the ``vc_compile.diffusers_callback`` helper. Always wins; ``sampling(num_steps=n)`` also overrides
    the step count of every other signal.
-2. **diffusers**: the call stack holds a diffusers pipeline ``__call__`` frame (``self`` has a
-   ``scheduler``) whose locals have the loop index ``i`` (every diffusers 0.42 denoising loop is
+2. **callback** (a pipeline set up by ``vc_compile.enable``): its ``__call__`` is wrapped and a step-end
+   callback is chained after the user's own ``callback_on_step_end`` (diffusers' documented per-step hook,
+   ``runtime/pipeline_calls.py``): step 0 when the call starts, ``i + 1`` after the callback of step ``i``,
+   steps = the pipeline's public ``num_timesteps``. Reads no frame and no diffusers internals, so it
+   survives changes to the loop's variable names; the frame probe below is the fallback for pipelines
+   compiled by hand.
+   **diffusers** (the frame probe): the call stack holds a diffusers pipeline ``__call__`` frame (``self``
+   has a ``scheduler``) whose locals have the loop index ``i`` (every diffusers 0.42 denoising loop is
    ``for i, t in enumerate(...)``): step = ``i``, steps = ``pipe._num_timesteps`` (set before the loop;
    it is ``len(step_matrix)`` in SkyReels diffusion forcing) or ``len(timesteps)``. Python ints read from
    the frame: no GPU sync. Cost: one walk up the stack per attention call (~10-15 us on our slow 2-core
@@ -134,6 +140,8 @@ class _Tracker:
         self.diff_token: Any = None  # the loop's timesteps object (strong reference)
         self.diff_pipe = 0  # id() of the pipeline
         self.diff_step = -1
+        # pipeline calls tracked through their callback_on_step_end (vc_compile.enable), innermost last
+        self.calls: list = []
         # fallbacks
         self.ts = _TimestepState()
         self.learned_steps: Optional[int] = None
@@ -185,6 +193,13 @@ class _Tracker:
                 self._new_generation_locked()
             if self.explicit_step is not None:
                 step, n, src = self.explicit_step, self.explicit_steps or default_steps, "explicit"
+            elif self.calls:
+                call = self.calls[-1]
+                if call.restart:  # the loop ran its last step and goes on (a segment loop): a new generation
+                    call.restart = False
+                    self._new_generation_locked()
+                step, src = call.step, "callback"
+                n = self.explicit_steps or call.num_steps(default_steps)
             else:
                 found, t_frame = _probe()
                 if found is not None:
@@ -531,7 +546,10 @@ def diffusers_callback(pipe, i, t, callback_kwargs):
     """``callback_on_step_end`` helper for diffusers pipelines whose loop the frame probe does not
     recognise: declares step ``i + 1`` explicitly (the callback runs after step ``i``). Step 0 comes from
     the frame probe or the fallbacks; after the last step the declaration is dropped, so the next
-    pipeline call starts a new generation at step 0."""
+    pipeline call starts a new generation at step 0. Inside a call tracked by ``vc_compile.enable`` it does
+    nothing (the tracker already follows the loop's own callback)."""
+    if any(call.pipe_ref() is pipe for call in TRACKER.calls):
+        return callback_kwargs
     n = getattr(pipe, "_num_timesteps", None) or getattr(pipe, "num_timesteps", None)
     n = int(n) if n else None
     if n is not None and int(i) + 1 >= n:

@@ -7,11 +7,11 @@ variant, device) in the process, comes from, in this order:
 ``shipped``  ``shipped_<family>.json`` (sm90: the configurations measured on the H200, generated from the
              kernels' default tables by ``python -m vc_compile.tune.shipped``): an H100/H200 tunes nothing;
 ``cache``    a JSON file per (GPU, compute capability, CUDA, Triton) and (kernel, source hash) under
-             ``cache_dir()`` (``$VCATTN_CACHE_DIR``, else ``<Inductor cache>/vcattn``), written by an
+             ``cache_dir()`` (``$VCATTN_CACHE_DIR``, else ``~/.cache/vc_compile/tune``), written by an
              earlier run on this machine;
 ``tuned``    benchmarked now with ``triton.testing.do_bench`` over the kernel's candidates (the
              variants that exist in its tables, the measured default first), each output validated
-             against the default's, one progress line on stderr, stored in the cache;
+             against the default's, a tqdm progress bar, stored in the cache;
 ``default``  under ``TRITON_INTERPRET``, off CUDA, during CUDA graph capture or when every candidate
              failed: the first candidate, never tuned.
 

@@ -2,18 +2,24 @@
 
 A kernel configuration (tile sizes, warps, stages, variant switches) is chosen per
 
-    (GPU name, compute capability, CUDA version, Triton version)        -> one JSON file per kernel source
+    (GPU name, compute capability, CUDA version, Triton version,
+     memory, power limit, max SM clock (NVML))                          -> one JSON file per kernel source
     (kernel, kernel source hash)                                        -> the file name
     (dtype, head dim, sequence-length bucket, method/variant)           -> an entry in that file
 
-Files live under ``cache_dir()``: the ``cache_dir`` argument, else ``$VCATTN_CACHE_DIR``, else
-``<Inductor's cache dir>/vcattn``. Writes are atomic (temp file + ``os.replace``) under a file lock, so
-several processes tuning at once never lose or corrupt each other's entries. A corrupt or stale file is
+Files live under ``cache_dir()``: the ``cache_dir`` argument, else ``$VCATTN_CACHE_DIR``, else the user's
+persistent cache, ``$XDG_CACHE_HOME/vc_compile/tune`` (``~/.cache/vc_compile/tune``; it survives reboots,
+as Triton's compiled kernels in ``~/.triton`` do). The NVML part of the key (``vc_compile/nvml.py``) keeps a
+power-capped or down-clocked board from reusing another's measurements; without NVML (no nvidia-ml-py, no
+driver) it is empty and the key is the one used before it existed, so such entries keep their meaning (a
+cache written without NVML is re-tuned once where NVML is present). Writes are atomic (temp file +
+``os.replace``) under a file lock, so several processes tuning at once never lose or corrupt each other's
+entries. A corrupt or stale file is
 reported once and ignored, never fatal.
 
 Where a configuration comes from (reported per call site): ``shipped`` (the table measured on the H200
 that ships in ``vc_compile/tune/shipped_<arch>.json``: a first run on a known GPU tunes nothing),
-``cache`` (an earlier run on this machine), ``tuned`` (benchmarked now, with a progress line), or
+``cache`` (an earlier run on this machine), ``tuned`` (benchmarked now, with a progress bar), or
 ``default`` (no GPU to tune on, e.g. under ``TRITON_INTERPRET``: the first candidate; never tuned).
 """
 from __future__ import annotations
@@ -23,7 +29,6 @@ import functools
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -58,11 +63,13 @@ class Arch:
     cc: Tuple[int, int]
     cuda: str
     triton: str
+    hw: str = ""  # NVML: "<mem>GB-<power limit>W-<max SM clock>MHz", "" when unknown
 
     @property
     def dirname(self) -> str:
         safe = "".join(c if c.isalnum() else "_" for c in self.gpu)
-        return f"{safe}-sm{self.cc[0]}{self.cc[1]}-cuda{self.cuda}-triton{self.triton}"
+        name = f"{safe}-sm{self.cc[0]}{self.cc[1]}-cuda{self.cuda}-triton{self.triton}"
+        return f"{name}-{self.hw}" if self.hw else name
 
     @property
     def family(self) -> str:
@@ -77,9 +84,12 @@ def current_arch(device=None) -> Arch:
     except Exception:
         tv = "none"
     if torch.cuda.is_available():
+        from ..nvml import tuning_suffix
+
         dev = torch.device(device or "cuda")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
         return Arch(torch.cuda.get_device_name(dev), tuple(torch.cuda.get_device_capability(dev)),
-                    str(torch.version.cuda), tv)
+                    str(torch.version.cuda), tv, tuning_suffix(index))
     return Arch("cpu", (0, 0), "none", tv)
 
 
@@ -107,18 +117,21 @@ def make_key(kernel: str, src_files: Sequence[str], dtype, head_dim: int, seq_le
 
 
 def cache_dir(override: Optional[str] = None) -> str:
+    """``override``, else ``$VCATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/vc_compile/tune`` (default
+    ``~/.cache/vc_compile/tune``; a temporary folder when there is no home directory)."""
     if override:
         return override
     env = os.environ.get("VCATTN_CACHE_DIR")
     if env:
         return env
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
-
-        base = inductor_cache_dir()
-    except Exception:
-        base = os.path.join(tempfile.gettempdir(), f"torchinductor_{os.environ.get('USER', 'user')}")
-    return os.path.join(base, "vcattn")
+    base = os.environ.get("XDG_CACHE_HOME") or ""
+    if not base:
+        home = os.path.expanduser("~")
+        base = os.path.join(home, ".cache") if home not in ("~", "", "/") else ""
+    if not base:
+        base = os.path.join(tempfile.gettempdir(), f"vc_compile_{os.environ.get('USER', 'user')}")
+        return os.path.join(base, "tune")
+    return os.path.join(base, "vc_compile", "tune")
 
 
 _REPORTED = set()
@@ -195,12 +208,22 @@ def interpreting() -> bool:
 
 
 def _line_progress(key: TuneKey, arch: Arch, n: int) -> Callable[[int, Config, Optional[float]], None]:
-    """The default progress report: ONE line on stderr, a dot per benchmarked configuration."""
-    print(f"vcattn: tuning {key.kernel} [{key.entry}] on {arch.gpu}: {n} configs ", end="",
-          file=sys.stderr, flush=True)
+    """The default progress report: a tqdm bar (``vc_compile.log.Progress``) that stacks under a running
+    diffusers bar and disappears when done, then one INFO line on the ``vc_compile.tune`` logger."""
+    from ..log import Progress, get_logger
+
+    log = get_logger("vc_compile.tune")
+    bar = Progress(n, f"vcattn: tuning {key.kernel} [{key.entry}]", log)
+    best: list = [None]
 
     def step(i: int, cfg: Config, ms: Optional[float]) -> None:
-        print("." if ms is not None else "x", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
+        if ms is not None and (best[0] is None or ms < best[0]):
+            best[0] = ms
+        bar.update(ms is not None, f"best {best[0]:.3f} ms" if best[0] is not None else "")
+        if i + 1 >= n:
+            bar.close()
+            log.info("tuned %s [%s] on %s: %d configs, %d failed, best %s ms", key.kernel, key.entry, arch.gpu,
+                     n, bar.failed, f"{best[0]:.3f}" if best[0] is not None else "-")
     return step
 
 
@@ -215,7 +238,7 @@ def get_config(key: TuneKey, candidates: List[Config], bench: Optional[Callable[
     then tuning: ``bench(config) -> ms`` runs one candidate (it may raise: that candidate is skipped)
     and the fastest is stored. Tuning never happens under ``TRITON_INTERPRET`` or without ``bench``:
     then the first candidate (the measured default) is used, source ``default``, nothing is written.
-    ``progress(i, config, ms or None)`` is called after each candidate (default: one line on stderr).
+    ``progress(i, config, ms or None)`` is called after each candidate (default: a tqdm bar, then an INFO line).
     ``force=True`` skips the shipped table and the cache: it always tunes (where tuning is possible).
     """
     if not candidates:

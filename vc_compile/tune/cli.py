@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--group-size", type=int, choices=(64, 128), default=64, help="mcsparse")
     ap.add_argument("--sparse-qk", choices=("bf16", "fp8"), default="bf16", help="mcsparse: QK precision")
     ap.add_argument("--force", action="store_true", help="re-tune even when shipped or cached")
-    ap.add_argument("--cache-dir", default=None, help="default: $VCATTN_CACHE_DIR, else <Inductor cache>/vcattn")
+    ap.add_argument("--cache-dir", default=None, help="default: $VCATTN_CACHE_DIR, else ~/.cache/vc_compile/tune")
     return ap
 
 
@@ -152,13 +152,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"vc_compile tune: cannot tune here: {why}.", file=sys.stderr)
         return 1
     rows = run(a)
-    w = {c: max(len(c), *(len(f"{r[c]:.3f}" if c == "ms" else str(r[c])) for r in rows))
-         for c in ("kernel", "which", "source", "config", "ms")}
-    print(" | ".join(c.ljust(n) for c, n in w.items()))
-    print("-+-".join("-" * n for n in w.values()))
-    for r in rows:
-        print(" | ".join((f"{r[c]:.3f}" if c == "ms" else str(r[c])).ljust(n) for c, n in w.items()))
+    from ..table import format_table
     from .cache import cache_dir
+
+    print(format_table([{**r, "ms": f"{r['ms']:.3f}"} for r in rows], ["kernel", "which", "source", "config", "ms"]))
 
     print(f"cache: {cache_dir(a.cache_dir)}")
     return 0

@@ -1,7 +1,7 @@
 """The one lookup a kernel launcher makes for its launch configuration (``resolve``).
 
 Order: shipped table of the GPU family -> local cache -> tune on first use (``triton.testing.do_bench``
-over the kernel's candidates, each output validated against the first candidate's, one progress line,
+over the kernel's candidates, each output validated against the first candidate's, a progress bar,
 stored in the cache). Under ``TRITON_INTERPRET`` or off CUDA: the first candidate (the measured default),
 source ``default``, no file I/O, never tuned.
 
@@ -44,7 +44,7 @@ def configure(*, cache_dir: Optional[str] = None, shipped: Optional[bool] = None
     """Set the tuning policy for this process (None = keep) and forget memoised answers.
 
     ``cache_dir``: where tuned configurations are stored (default: ``$VCATTN_CACHE_DIR``, else
-    ``<Inductor cache>/vcattn``; pass "" to go back to the default). ``shipped=False``: ignore the
+    ``~/.cache/vc_compile/tune``; pass "" to go back to the default). ``shipped=False``: ignore the
     shipped table (tune as on an unknown GPU). ``force=True``: re-tune every key once, even when it is
     shipped or cached. ``progress``: callback ``(i, config, ms or None)`` (the CLI draws a bar)."""
     with _LOCK:

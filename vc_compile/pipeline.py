@@ -1,0 +1,260 @@
+"""``vc_compile.enable(pipe)`` / ``vc_compile.disable(pipe)``: the backend on a whole diffusers pipeline.
+
+    import vc_compile
+    pipe = vc_compile.enable(pipe)                                   # V-Smooth on every transformer
+    pipe = vc_compile.enable(pipe, method="mcsparse", density=0.15)  # any option of the options table
+    vc_compile.disable(pipe)                                         # back to the pipeline as it was
+
+``enable`` compiles every transformer of the pipeline (``transformer``, and ``transformer_2`` for Wan 2.2's
+two experts: every diffusers ``ModelMixin`` component whose attribute or class name says transformer) with
+``backend="vcattn"``, in place (``module.compile``: ``pipe.transformer`` stays the same object):
+
+* regional by default: each repeated block class listed in the model's ``_repeated_blocks`` (what diffusers'
+  ``compile_repeated_blocks`` compiles) is compiled once and shared by all blocks -- seconds instead of
+  minutes of compile, the same kernels; ``regional=False``, or a model without ``_repeated_blocks``,
+  compiles the whole model;
+* the attention backend: diffusers' dispatcher only reaches ``scaled_dot_product_attention`` (what the
+  backend rewrites) through its ``"native"`` backend; any other (``set_attention_backend("flash")``,
+  ``DIFFUSERS_ATTN_BACKEND=sage``, ...) hides attention from us. ``enable`` sets the model's processors to
+  ``"native"`` and warns, naming the backend it replaced (``disable`` restores it);
+  ``reset_attention_backend=False`` only warns. Processors set up for context parallelism keep their
+  backend when ``"native"`` cannot run it (a warning says so);
+* the steps: the pipeline's calls are followed through its ``callback_on_step_end`` (chained after the
+  user's own callback; ``runtime/pipeline_calls.py``), not through diffusers' loop variables.
+
+The switch ``VCATTN_METHOD`` (environment), read by every ``enable`` call and every compile of
+``backend="vcattn"``, changes the method without a code change (A/B in production):
+
+    VCATTN_METHOD=off        enable() leaves the pipeline untouched; backend="vcattn" compiles with Inductor
+                             and no attention rewrite (stock torch.compile)
+    VCATTN_METHOD=dense|vsmooth|mcsparse|auto   this method, whatever the code or options say
+
+(unset or empty: the code's choice; any other value is an error naming the accepted ones).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .log import get_logger
+
+log = get_logger(__name__)
+
+ENV_METHOD = "VCATTN_METHOD"
+_ENV_VALUES = ("off", "auto", "dense", "vsmooth", "mcsparse")
+
+
+def method_from_env() -> Optional[str]:
+    """``$VCATTN_METHOD`` lower-cased: None when unset or empty, else one of off/auto/dense/vsmooth/mcsparse
+    (anything else raises ``VCConfigError`` naming the accepted values)."""
+    raw = os.environ.get(ENV_METHOD, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in _ENV_VALUES:
+        from .config import VCConfigError
+
+        raise VCConfigError(f"{ENV_METHOD}={os.environ[ENV_METHOD]!r} is invalid; accepted: "
+                            f"{', '.join(_ENV_VALUES)} (or unset)")
+    return raw
+
+
+def options_dict(options: Any) -> Dict[str, Any]:
+    """``options=`` as a plain dict: a ``VCConfig`` (every field), a mapping (as given) or None ({})."""
+    from .config import VCConfig, VCConfigError
+
+    if options is None:
+        return {}
+    if isinstance(options, VCConfig):
+        return json.loads(options.to_json())
+    if isinstance(options, Mapping):
+        return dict(options)
+    raise VCConfigError(f"vcattn options must be a VCConfig or a dict of option -> value, got "
+                        f"{type(options).__name__} {options!r}; e.g. options={{'method': 'vsmooth'}}")
+
+
+def apply_env(opts: Dict[str, Any], where: str) -> Tuple[Dict[str, Any], bool]:
+    """(options with ``$VCATTN_METHOD``'s method, off?) -- the switch applied to one compile or enable."""
+    env = method_from_env()
+    if env is None:
+        return opts, False
+    if env == "off":
+        return opts, True
+    given = opts.get("method")
+    given = getattr(given, "value", given)
+    if given not in (None, env):
+        log.warning("%s: %s=%s overrides method=%r", where, ENV_METHOD, env, given)
+    return {**opts, "method": env}, False
+
+
+# ---- enable / disable ---------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Enabled:
+    """What ``enable`` changed on a pipeline, for ``disable``."""
+
+    options: Dict[str, Any]
+    compiled: List[Any]  # modules whose _compiled_call_impl we set
+    backends: List[Tuple[Any, Any]]  # (processor, its previous _attention_backend)
+    tracked: bool
+    components: List[str]
+
+
+_STATE_ATTR = "_vc_compile_enabled"
+
+
+def _is_module(x) -> bool:
+    import torch
+
+    return isinstance(x, torch.nn.Module)
+
+
+def transformers_of(pipe) -> Dict[str, Any]:
+    """The pipeline's transformer components by attribute name (a bare ``nn.Module``: ``{"model": it}``)."""
+    if _is_module(pipe):
+        return {"model": pipe}
+    comps = getattr(pipe, "components", None)
+    if not isinstance(comps, Mapping):
+        raise TypeError(f"vc_compile.enable expects a diffusers pipeline or a torch.nn.Module, got "
+                        f"{type(pipe).__name__}")
+    try:
+        from diffusers import ModelMixin
+    except ImportError:  # pragma: no cover - a pipeline object implies diffusers
+        ModelMixin = ()
+    found = {}
+    for name, comp in comps.items():
+        if comp is not None and hasattr(comp, "_orig_mod") and _is_module(getattr(comp, "_orig_mod", None)):
+            raise ValueError(f"vc_compile.enable: pipe.{name} is already torch.compile'd; give enable() the "
+                             f"pipeline with its eager module (pipe.{name} = pipe.{name}._orig_mod)")
+        if comp is None or not _is_module(comp) or (ModelMixin and not isinstance(comp, ModelMixin)):
+            continue
+        if "transformer" in name.lower() or "transformer" in type(comp).__name__.lower():
+            found[name] = comp
+    return found
+
+
+def _blocks(model) -> List[Any]:
+    """The modules regional compile compiles: instances of the classes named in ``_repeated_blocks``."""
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names] if names else []
+
+
+def _fix_attention_backends(model, name: str, reset: bool) -> List[Tuple[Any, Any]]:
+    """Processors whose diffusers attention backend is not ``"native"``: set to native (``reset``) and
+    warned about. Returns (processor, previous value) for ``disable``."""
+    procs = [m.processor for m in model.modules()
+             if hasattr(getattr(m, "processor", None), "_attention_backend")]
+    if not procs:
+        return []  # diffusers < 0.35 processors call scaled_dot_product_attention directly
+    try:
+        from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+        active = getattr(_AttentionBackendRegistry, "_active_backend", "native")
+        cp_ok = "native" in getattr(_AttentionBackendRegistry, "_supports_context_parallel", {"native"})
+    except ImportError:  # pragma: no cover
+        return []
+    native = AttentionBackendName("native")
+    changed, kept, seen = [], set(), set()
+    for p in procs:
+        eff = getattr(p._attention_backend or active, "value", p._attention_backend or active)
+        if eff == "native":
+            continue
+        seen.add(str(eff))
+        if not reset or (getattr(p, "_parallel_config", None) is not None and not cp_ok):
+            kept.add(str(eff))
+            continue
+        changed.append((p, p._attention_backend))
+        p._attention_backend = native
+    if changed:
+        warnings.warn(f"vc_compile.enable: {name} used the diffusers attention backend(s) "
+                      f"{sorted(seen - kept)}, which hide scaled_dot_product_attention from backend='vcattn'; "
+                      "set to 'native' (vc_compile.disable restores them; reset_attention_backend=False keeps "
+                      "them).", UserWarning, stacklevel=3)
+    if kept:
+        warnings.warn(f"vc_compile.enable: {name} keeps the diffusers attention backend(s) {sorted(kept)}: "
+                      "its attention is not rewritten (no call site will show in vc_compile.report()). "
+                      "Call set_attention_backend('native') to let vcattn run it.", UserWarning, stacklevel=3)
+    return changed
+
+
+def enable(pipe, method: Optional[str] = None, *, options: Any = None, regional: bool = True,
+           components: Optional[Sequence[str]] = None, reset_attention_backend: bool = True,
+           compile_kwargs: Optional[Mapping[str, Any]] = None, **option_kwargs):
+    """Compile every transformer of ``pipe`` with ``backend="vcattn"`` and return ``pipe``.
+
+    ``method`` and ``option_kwargs`` are the backend's options (the README's table), on top of
+    ``options`` (a dict or a ``VCConfig``); they are validated here, before anything changes.
+    ``regional``: compile the repeated blocks (default) or the whole model. ``components``: attribute names
+    to compile instead of every transformer. ``compile_kwargs``: more ``torch.compile`` arguments
+    (``fullgraph``, ``dynamic``). ``$VCATTN_METHOD`` overrides the method or (``off``) disables all of this.
+    A second ``enable`` first undoes the first. ``pipe`` may also be a single ``nn.Module``."""
+    from .config import VCConfig
+
+    opts = options_dict(options)
+    if method is not None:
+        opts["method"] = method
+    opts.update(option_kwargs)
+    opts, off = apply_env(opts, "vc_compile.enable")
+    cfg = VCConfig.from_options(opts)  # fail before changing anything
+    if getattr(pipe, _STATE_ATTR, None) is not None:
+        disable(pipe)
+    if off:
+        log.warning("vc_compile.enable: %s=off: %s left unchanged", ENV_METHOD, type(pipe).__name__)
+        return pipe
+    found = transformers_of(pipe)
+    if components is not None:
+        missing = [c for c in components if c not in found and getattr(pipe, c, None) is None]
+        if missing:
+            raise ValueError(f"vc_compile.enable: {type(pipe).__name__} has no component(s) {missing}; "
+                             f"its transformers: {sorted(found)}")
+        found = {c: found.get(c, getattr(pipe, c, None)) for c in components}
+    if not found:
+        raise ValueError(f"vc_compile.enable: no transformer found in {type(pipe).__name__} (components: "
+                         f"{sorted(getattr(pipe, 'components', {}) or {})}); pass components=[...]")
+    plain = json.loads(cfg.to_json())  # what the backend receives: plain JSON values
+    kw = dict(compile_kwargs or {})
+    compiled, backends, what = [], [], []
+    for name, model in found.items():
+        backends += _fix_attention_backends(model, name, reset_attention_backend)
+        blocks = _blocks(model) if regional else []
+        for m in blocks or [model]:
+            m.compile(backend="vcattn", options=plain, **kw)
+            compiled.append(m)
+        what.append(f"{name} ({len(blocks)} blocks)" if blocks else f"{name} (whole model)")
+    tracked = False
+    if not _is_module(pipe):
+        from .runtime import pipeline_calls
+
+        tracked = pipeline_calls.track(pipe)
+    object.__setattr__(pipe, _STATE_ATTR, _Enabled(plain, compiled, backends, tracked, list(found)))
+    log.info("vc_compile.enable: method=%s on %s; steps from %s", cfg.resolved_method.value, ", ".join(what),
+             "callback_on_step_end" if tracked else "the frame probe / timestep")
+    return pipe
+
+
+def disable(pipe):
+    """Undo ``enable``: the modules run eagerly again (their compiled code is dropped), attention backends
+    and the pipeline's class are restored, cached metadata is dropped. Returns ``pipe``."""
+    st = getattr(pipe, _STATE_ATTR, None)
+    if st is None:
+        return pipe
+    for m in st.compiled:
+        m._compiled_call_impl = None  # what nn.Module.compile set
+    for proc, prev in st.backends:
+        proc._attention_backend = prev
+    if st.tracked:
+        from .runtime import pipeline_calls
+
+        pipeline_calls.untrack(pipe)
+    object.__delattr__(pipe, _STATE_ATTR)
+    from .runtime.steps import TRACKER
+
+    TRACKER.new_generation()  # drops the metadata of the sites these modules fed
+    log.info("vc_compile.disable: %s restored", ", ".join(st.components))
+    return pipe
+
+
+def enabled_options(pipe) -> Optional[Dict[str, Any]]:
+    """The options ``enable`` compiled ``pipe`` with, or None."""
+    st = getattr(pipe, _STATE_ATTR, None)
+    return dict(st.options) if st is not None else None
