@@ -7,6 +7,7 @@ options table is generated from ``OPTION_DOCS``). An unknown key or a bad value 
 from __future__ import annotations
 
 import os
+import sys
 
 import dataclasses
 import enum
@@ -254,9 +255,23 @@ _INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "
 _FLOATS = ("group_fraction", "density", "residual_budget_gb")
 
 
+def _plain_scalar(value: Any) -> Any:
+    """A numpy scalar (``np.float32(0.2)``, ``np.int64(3)``, ``np.bool_``) or a one-element 0-d tensor
+    (``torch.tensor(3)``) as the Python value it holds; anything else unchanged. The option then goes
+    through the same checks as a Python value (``np.float32(2.0)`` is still no int)."""
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return value.item()
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    return value
+
+
 def _coerce(key: str, value: Any, default: Any) -> Any:
     def fail(accepted):
         raise VCConfigError(f"vcattn option {key}={value!r} is invalid; accepted: {accepted}")
+
+    value = _plain_scalar(value)
 
     if key in _ENUMS:
         enum_cls = _ENUMS[key]
