@@ -75,6 +75,16 @@ def site(site_id: int) -> SiteRecord:
     return rec
 
 
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (``65536`` -> ``"64.0 KiB"``): a
+    small size never prints as ``0.00 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def note_empty_graph(name: str) -> None:
     _EMPTY_GRAPHS.append(name)
 
