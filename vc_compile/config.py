@@ -97,6 +97,7 @@ OPTION_DOCS: Dict[str, str] = {
     "kernels": "'auto' | 'triton' | 'reference': which implementation runs the ops.",
     "compiler": "'inductor' | 'eager': what compiles the rewritten graph.",
     "profile": "Time every attention call (CUDA events) into vc_compile.report().",
+    "warn_fallbacks": "Warn once per compiled graph whose attention stays (partly) stock SDPA, with the fix.",
     "tune_cache_dir": "Directory of the kernel autotuning cache. None = $VCATTN_CACHE_DIR, else "
                       "<Inductor cache>/vcattn.",
     "mode": "Inductor mode, as torch.compile's mode= (which torch refuses together with options=).",
@@ -151,6 +152,7 @@ class VCConfig:
     kernels: Kernels = Kernels.AUTO
     compiler: Compiler = Compiler.INDUCTOR
     profile: bool = False
+    warn_fallbacks: bool = True
     tune_cache_dir: Optional[str] = None
     mode: Optional[str] = None
 
@@ -250,7 +252,7 @@ class VCConfig:
 _ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler": Compiler,
           "selection": Selection, "selection_unit": SelectionUnit, "query_grouping": QueryGrouping,
           "selection_refresh": SelectionRefresh}
-_BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion")
+_BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion", "warn_fallbacks")
 _INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "num_steps", "min_seq_len")
 _FLOATS = ("group_fraction", "density", "residual_budget_gb")
 

@@ -568,12 +568,13 @@ def step(i: int, num_steps: Optional[int] = None) -> None:
                                             "int >= 1")
     if not TRACKER.explicit_active and "step-outside-sampling" not in _WARNED:
         _WARNED.add("step-outside-sampling")
-        n = num_steps if num_steps is not None else (TRACKER.explicit_steps or "the num_steps option's")
+        n = num_steps if num_steps is not None else TRACKER.explicit_steps
+        n = f"{n} steps per generation" if n else "steps per generation from the num_steps option"
         warnings.warn(
             f"vcattn: vc_compile.step({i}) outside `with vc_compile.sampling(num_steps=n):` pins step {i} for "
-            f"every later model call until the next vc_compile.step() or vc_compile.reset() ({n} steps per "
-            "generation). In a sampling loop call step(i) before every step inside `with "
-            "vc_compile.sampling(num_steps=n):` (which also ends the declaration when the loop ends).",
+            f"every later model call until the next vc_compile.step() or vc_compile.reset() ({n}). In a "
+            "sampling loop call step(i) before every step inside `with vc_compile.sampling(num_steps=n):` "
+            "(which also ends the declaration when the loop ends).",
             UserWarning, stacklevel=2)
     _declare(i, num_steps)
 
