@@ -13,6 +13,14 @@ when the graph has symbolic lengths). Anything else stays stock SDPA, with the r
 Block identity: the op gets the weight that feeds q's projection (found by walking q's producers back to
 a ``linear``), so graphs shared by many blocks (regional compile, Wan 2.2's experts) key their
 metadata per block at run time.
+
+Dynamic shapes (``dynamic=True``, ``mark_dynamic``): the head dim is compared symbolically, which
+guards on it (specialises it: one graph per head dim) while the sequence length stays symbolic.
+
+Site identity: the same call site in a recompiled graph of the same model (another grad mode, a guard
+failure) gets the same site id, so its metadata carries over (``_site_keys``). The report's module
+column is a module path (``passes/names.py``); a graph whose sites stay (partly) stock gets one warning
+naming the most common reason and its fix (``passes/fallback_notes.py``).
 """
 from __future__ import annotations
 
