@@ -215,7 +215,9 @@ def test_hunyuan_masked_joint_attention_falls_back():
     mods = [s.module for s in rep.sites]  # module paths (passes/names.py), e.g. transformer_blocks.0.attn
     for prefix in ("context_embedder.token_refiner.", "transformer_blocks.", "single_transformer_blocks."):
         assert any(m.startswith(prefix) for m in mods), (prefix, mods)
-    assert counters["vcattn"]["rewrite"] == 0 and counters["vcattn"]["fallback:masked"] == len(rep.sites)
+    # the counter counts per compiled graph; the report has one record per call site (the recompile
+    # for the pipeline's timestep dtype, below, finds the same sites)
+    assert counters["vcattn"]["rewrite"] == 0 and counters["vcattn"]["fallback:masked"] == len(rep.sites) * graphs()
     assert counters["vcattn"]["graphs_without_sdpa"] == 0  # SDPA was seen: no false warning
     assert torch.equal(out, ref)
     # the pipeline itself changes the timestep dtype after step 0 (one diffusers-side recompile);

@@ -24,7 +24,10 @@ pytestmark = pytest.mark.usefixtures("fresh_vcattn")
 
 @pytest.fixture(autouse=True)
 def _fresh_notes(monkeypatch):
-    monkeypatch.setattr(sdpa_rewrite, "_NOTED", set(), raising=False)
+    from vc_compile.passes import fallback_notes
+
+    monkeypatch.setattr(fallback_notes, "_NOTED", set())
+    monkeypatch.setattr(fallback_notes, "_WARNED", set())
 
 
 def f(q, k, v):
@@ -95,6 +98,23 @@ def test_diffusers_style_mark_dynamic_on_the_sequence():
 
 
 @torch.no_grad()
+def test_diffusers_wan_mark_dynamic_frames():
+    """diffusers' recipe for several resolutions: mark the latent's frame dim dynamic (S = 64 * frames)."""
+    import tiny_diffusers
+
+    m, (x, t, ctx), _ = tiny_diffusers.wan()
+    cm = torch.compile(m, backend="vcattn", options=BASE)
+    for n in (3, 5, 7):
+        xs = torch.randn(1, 4, n, 16, 16, dtype=BF)
+        torch._dynamo.mark_dynamic(xs, 2)
+        assert torch.equal(cm(xs, t, ctx).sample, m(xs, t, ctx).sample)
+    assert frames() == 1
+    selfattn = vc_compile.report().sites[0]
+    assert selfattn.module == "blocks.0.attn1" and selfattn.rewritten and selfattn.calls == 3
+    assert selfattn.shape.endswith("x64") and "s" in selfattn.shape.split("x")[2]
+
+
+@torch.no_grad()
 def test_head_dim_marked_dynamic_stays_stock_and_says_why():
     """Specialising a dim the user marked dynamic would be a ConstraintViolationError: stock SDPA, and
     the warning names the fix."""
@@ -141,6 +161,27 @@ def test_partial_rewrite_for_short_cross_attention_is_quiet_but_all_short_warns(
 
 
 @torch.no_grad()
+def test_masked_attention_warns_unless_it_is_short_anyway():
+    """Long masked attention (HunyuanVideo's joint attention) is worth a warning; a short masked one
+    (Mochi's 1-query caption pooling) would stay stock anyway: quiet."""
+    def g(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q, k, v = qkv(40)
+    with pytest.warns(UserWarning, match=r"0 of 1 .*'masked'"):
+        torch.compile(g, backend="vcattn", options=BASE)(q, k, v, torch.ones(40, 40, dtype=torch.bool))
+    torch._dynamo.reset()
+
+    def pool(q, k, v, mask):  # another function: not deduplicated against g's warning
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(pool, backend="vcattn", options=BASE)(q[:, :, :1], k, v, torch.ones(1, 40, dtype=torch.bool))
+    assert not vc_warnings(caught) and vc_compile.report().sites[-1].reason == "masked"
+
+
+@torch.no_grad()
 def test_fallback_warning_is_per_graph_and_can_be_silenced():
     """Two graphs with the same problem warn twice under Python's default filter (which shows one
     message text once per location); warn_fallbacks=False silences it."""
@@ -158,6 +199,30 @@ def test_fallback_warning_is_per_graph_and_can_be_silenced():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.compile(m1, backend="vcattn", options={**BASE, "warn_fallbacks": False})(x, ctx)
+
+
+class TwoAttn(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.a, self.b = Attn(dtype=dtype), Attn(dtype=dtype)
+
+    def forward(self, x):
+        y = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(y)
+
+
+@torch.no_grad()
+def test_fallback_warning_once_per_model_and_reason_across_graph_breaks():
+    """A model cut into pieces by graph breaks (here 2) says the same thing once, not once per piece."""
+    m = TwoAttn(torch.float32)
+    x = torch.randn(2, 64, 128)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(m, backend="vcattn", options=BASE)(x)
+    assert frames() == 2 and len(vc_compile.report().sites) == 2
+    assert len(vc_warnings(caught)) == 1 and counters["vcattn"]["fallback_warnings"] == 1
+    assert [s.module for s in vc_compile.report().sites] == ["TwoAttn.a", "TwoAttn.b"]  # no list index: qualified
 
 
 # ---- the reference path says once that it is the reference -------------------------------------------

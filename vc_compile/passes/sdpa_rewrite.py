@@ -213,6 +213,13 @@ def _fake_value(node: fx.Node):
         return None
 
 
+def _short(a: dict, cfg: VCConfig) -> bool:
+    """Is this call's query or key length known at compile time and below ``min_seq_len``? (Such a
+    site would stay stock whatever else it is: e.g. Mochi's masked 1-query caption pooling.)"""
+    lens = [getattr(_val(a[x]), "shape", (None,) * 4) for x in "qk"]
+    return any(len(s) == 4 and _static(s[2]) is not None and s[2] < cfg.min_seq_len for s in lens)
+
+
 def _site_keys(nodes, labels, root_id, cfg_json: str, mod_name: str) -> dict:
     """A key per SDPA node that is the same for the same call site in a recompiled graph.
 
@@ -236,7 +243,7 @@ def _site_keys(nodes, labels, root_id, cfg_json: str, mod_name: str) -> dict:
 
 def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -> dict:
     """Rewrite ``gm`` in place (and its nested GraphModules). Returns {'rewritten': n, 'fallback': m}."""
-    stats = {"rewritten": 0, "fallback": 0, "sdpa": 0, "sites": [], "records": []}
+    stats = {"rewritten": 0, "fallback": 0, "sdpa": 0, "sites": [], "records": [], "short": set()}
     cfg_json = cfg.to_json()
     method = cfg.resolved_method.value
     root = _names.compiled_root()
@@ -259,7 +266,10 @@ def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -
                           method=method)
             key = site_keys[node] and site_keys[node] + (rec_kw["dtype"], rec_kw["shape"], reason)
             if reason is not None:
-                stats["records"].append(_report.register_site(rewritten=False, reason=reason, key=key, **rec_kw))
+                rec = _report.register_site(rewritten=False, reason=reason, key=key, **rec_kw)
+                stats["records"].append(rec)
+                if _short(a, cfg):
+                    stats["short"].add(rec.site)
                 counters["vcattn"][f"fallback:{reason}"] += 1
                 stats["fallback"] += 1
                 continue
@@ -289,7 +299,7 @@ def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -
     if stats["sdpa"] == 0 and not getattr(cp, "has_ring", False):  # ring calls got their own warning
         _warn_no_sdpa(gm, graph_name)
     elif stats["fallback"] and cfg.warn_fallbacks:
-        _notes.warn_fallbacks(stats["records"], cfg, graph_name)
+        _notes.warn_fallbacks(stats["records"], stats["short"], cfg, graph_name, root_id)
     return stats
 
 
