@@ -212,9 +212,12 @@ def test_hunyuan_masked_joint_attention_falls_back():
     # refiner, dual-stream and single-stream attention all carry the padding mask: stock SDPA, said so
     assert rep.sites and not rep.rewritten
     assert {s.reason for s in rep.sites} == {"masked"}
-    for part in ("token_refiner", "'transformer_blocks'", "single_transformer_blocks"):
-        assert any(part in s.module for s in rep.sites), part
-    assert counters["vcattn"]["rewrite"] == 0 and counters["vcattn"]["fallback:masked"] == len(rep.sites)
+    mods = [s.module for s in rep.sites]  # module paths (passes/names.py), e.g. transformer_blocks.0.attn
+    for prefix in ("context_embedder.token_refiner.", "transformer_blocks.", "single_transformer_blocks."):
+        assert any(m.startswith(prefix) for m in mods), (prefix, mods)
+    # the counter counts per compiled graph; the report has one record per call site (the recompile
+    # for the pipeline's timestep dtype, below, finds the same sites)
+    assert counters["vcattn"]["rewrite"] == 0 and counters["vcattn"]["fallback:masked"] == len(rep.sites) * graphs()
     assert counters["vcattn"]["graphs_without_sdpa"] == 0  # SDPA was seen: no false warning
     assert torch.equal(out, ref)
     # the pipeline itself changes the timestep dtype after step 0 (one diffusers-side recompile);

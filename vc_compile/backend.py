@@ -7,6 +7,7 @@ Registered only through the ``torch_dynamo_backends`` entry point (pyproject.tom
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import warnings
 import weakref
@@ -27,6 +28,22 @@ log = get_logger(__name__)
 
 _GRAPH_IDS = itertools.count(1)
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+_LIVE: collections.Counter = collections.Counter()  # site id -> live compiled graphs that call it
+
+
+def _graph_freed(sites) -> None:
+    from .runtime import state
+
+    dead = []
+    for site in sites:
+        _LIVE[site] -= 1
+        if _LIVE[site] <= 0:
+            del _LIVE[site]
+            dead.append(site)
+    if dead:
+        state.drop_sites(dead)
 
 
 def cudagraph_partition_supported() -> bool:
@@ -80,10 +97,11 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
     findings = detect_rope(gm, graph_name=name)  # RoPE producer forms (issue 7 step 1), graph unchanged
     fuse_rope(gm, findings, cfg, graph_name=name)  # RoPE + permute into the preprocessing kernel (step 2)
     if stats["sites"]:
-        # torch._dynamo.reset() or a deleted model frees the graph: its metadata goes with it
-        from .runtime import state
-
-        weakref.finalize(gm, state.drop_sites, tuple(stats["sites"]))
+        # torch._dynamo.reset() or a deleted model frees the graph: its metadata goes with it, once no
+        # other live graph has the site (a recompile for another grad mode keeps its site ids)
+        sites = tuple(stats["sites"])
+        _LIVE.update(sites)
+        weakref.finalize(gm, _graph_freed, sites)
     if cfg.compiler == Compiler.EAGER:
         if cfg.mode not in (None, "default"):
             warnings.warn(f"vcattn: mode={cfg.mode!r} has no effect with compiler='eager' (Inductor is not "

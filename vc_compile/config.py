@@ -7,6 +7,7 @@ options table is generated from ``OPTION_DOCS``). An unknown key or a bad value 
 from __future__ import annotations
 
 import os
+import sys
 
 import dataclasses
 import enum
@@ -96,6 +97,7 @@ OPTION_DOCS: Dict[str, str] = {
     "kernels": "'auto' | 'triton' | 'reference': which implementation runs the ops.",
     "compiler": "'inductor' | 'eager': what compiles the rewritten graph.",
     "profile": "Time every attention call (CUDA events) into vc_compile.report().",
+    "warn_fallbacks": "Warn once per compiled graph whose attention stays (partly) stock SDPA, with the fix.",
     "tune_cache_dir": "Directory of the kernel autotuning cache. None = $VCATTN_CACHE_DIR, else "
                       "~/.cache/vc_compile/tune ($XDG_CACHE_HOME).",
     "mode": "Inductor mode, as torch.compile's mode= (which torch refuses together with options=).",
@@ -150,6 +152,7 @@ class VCConfig:
     kernels: Kernels = Kernels.AUTO
     compiler: Compiler = Compiler.INDUCTOR
     profile: bool = False
+    warn_fallbacks: bool = True
     tune_cache_dir: Optional[str] = None
     mode: Optional[str] = None
 
@@ -253,14 +256,28 @@ class VCConfig:
 _ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler": Compiler,
           "selection": Selection, "selection_unit": SelectionUnit, "query_grouping": QueryGrouping,
           "selection_refresh": SelectionRefresh}
-_BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion")
+_BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion", "warn_fallbacks")
 _INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "num_steps", "min_seq_len")
 _FLOATS = ("group_fraction", "density", "residual_budget_gb")
+
+
+def _plain_scalar(value: Any) -> Any:
+    """A numpy scalar (``np.float32(0.2)``, ``np.int64(3)``, ``np.bool_``) or a one-element 0-d tensor
+    (``torch.tensor(3)``) as the Python value it holds; anything else unchanged. The option then goes
+    through the same checks as a Python value (``np.float32(2.0)`` is still no int)."""
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return value.item()
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    return value
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
     def fail(accepted):
         raise VCConfigError(f"vcattn option {key}={value!r} is invalid; accepted: {accepted}")
+
+    value = _plain_scalar(value)
 
     if key in _ENUMS:
         enum_cls = _ENUMS[key]

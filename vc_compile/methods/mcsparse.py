@@ -49,6 +49,7 @@ from ..reference import dense as ref_dense
 from ..reference import select as ref_select
 from ..reference.quant import FP8_DTYPE, FP8_MAX, safe_scale
 from ..reference.select import KV_TILE, n_keep
+from ..runtime import report as _report
 from ..runtime import state
 from ..runtime.steps import Phase
 from . import finish_output, kernel_out_dtype
@@ -150,14 +151,14 @@ def _check_memory(resid: torch.Tensor, cfg) -> None:
             "'residual_budget_gb', or fewer sparse layers/branches")
     if held + need > budget:
         raise RuntimeError(
-            f"vcattn mcsparse: caching this residual ({need / 2**30:.2f} GiB) would bring the metadata "
-            f"held to {(held + need) / 2**30:.2f} GiB, over residual_budget_gb={cfg.residual_budget_gb}: {hint}.")
+            f"vcattn mcsparse: caching this residual ({_report.fmt_bytes(need)}) would bring the metadata "
+            f"held to {_report.fmt_bytes(held + need)}, over residual_budget_gb={cfg.residual_budget_gb}: {hint}.")
     if resid.is_cuda:
         free, _ = torch.cuda.mem_get_info(resid.device)
         if need > free:
             raise RuntimeError(
-                f"vcattn mcsparse: the residual needs {need / 2**30:.2f} GiB but the GPU has "
-                f"{free / 2**30:.2f} GiB free: {hint}.")
+                f"vcattn mcsparse: the residual needs {_report.fmt_bytes(need)} but the GPU has "
+                f"{_report.fmt_bytes(free)} free: {hint}.")
 
 
 def _sparse_fn(impl, qk_format: str):

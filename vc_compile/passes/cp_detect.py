@@ -180,11 +180,10 @@ def _sdpa_qkv(node: fx.Node):
 
 
 def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        path = list(stack.values())[-1]
-        return path[0] if isinstance(path, tuple) else str(path)
-    return ""
+    """The report's module label of ``node`` (``blocks.0.attn1``; see passes/names.py)."""
+    from .names import compiled_root, site_label
+
+    return site_label(node, compiled_root())
 
 
 def _shape(node: fx.Node) -> str:

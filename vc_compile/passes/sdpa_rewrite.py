@@ -13,6 +13,14 @@ when the graph has symbolic lengths). Anything else stays stock SDPA, with the r
 Block identity: the op gets the weight that feeds q's projection (found by walking q's producers back to
 a ``linear``), so graphs shared by many blocks (regional compile, Wan 2.2's experts) key their
 metadata per block at run time.
+
+Dynamic shapes (``dynamic=True``, ``mark_dynamic``): the head dim is compared symbolically, which
+guards on it (specialises it: one graph per head dim) while the sequence length stays symbolic.
+
+Site identity: the same call site in a recompiled graph of the same model (another grad mode, a guard
+failure) gets the same site id, so its metadata carries over (``_site_keys``). The report's module
+column is a module path (``passes/names.py``); a graph whose sites stay (partly) stock gets one warning
+naming the most common reason and its fix (``passes/fallback_notes.py``).
 """
 from __future__ import annotations
 
@@ -27,8 +35,9 @@ from torch._dynamo.utils import counters
 from .. import ops  # noqa: F401  (registers torch.ops.vcattn.*)
 from ..config import VCConfig
 from ..runtime import report as _report
+from . import fallback_notes as _notes
+from . import names as _names
 from .cp_detect import META_KEY as _CP_META_KEY
-from .cp_detect import _module_path
 from .cp_detect import dtensor_reason
 
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
@@ -59,8 +68,63 @@ def _static(n) -> Optional[int]:
     return n if isinstance(n, int) else None
 
 
-def ineligible(a: dict, cfg: VCConfig) -> Optional[str]:
-    """The reason this SDPA call must stay stock, or None."""
+HEAD_DIM_DYNAMIC = "head_dim marked dynamic"
+
+
+def _marked_dynamic(dims, gm: Optional[fx.GraphModule]) -> bool:
+    """Does a symbolic head dim come from an input dim the user marked dynamic
+    (``torch._dynamo.mark_dynamic``)? Specialising it would then fail the compile
+    (ConstraintViolationError) instead of recompiling."""
+    if gm is None:
+        return False
+    syms = set()
+    env = None
+    for d in dims:
+        if isinstance(d, torch.SymInt):
+            syms |= d.node.expr.free_symbols
+            env = d.node.shape_env
+    if env is None:
+        return False
+    args = [n.meta["grapharg"] for n in gm.graph.nodes if n.op == "placeholder" and "grapharg" in n.meta]
+    for sym in syms:
+        for src in env.var_to_sources.get(sym, ()):
+            base, idx = getattr(src, "base", None), getattr(src, "idx", None)
+            for ga in args:
+                if ga.source == base:
+                    try:
+                        example = ga.example
+                    except Exception:
+                        continue
+                    if idx in getattr(example, "_dynamo_dynamic_indices", ()):
+                        return True
+    return False
+
+
+def _head_dim_reason(q, k, v, cfg: VCConfig, gm: Optional[fx.GraphModule]) -> Optional[str]:
+    """None when q, k, v share a head dim in ``cfg.head_dims``.
+
+    Under ``dynamic=True`` every dim is symbolic, the head dim too. Every DiT has one fixed head dim, so
+    the comparison below is allowed to guard on it: Dynamo specialises the head dim (a new one
+    recompiles, at most once per head dim) while the sequence length stays symbolic (checked against
+    ``min_seq_len`` at run time). Not when the user marked the head dim dynamic: specialising it
+    would fail the compile, so it stays stock (the fallback warning names the fix)."""
+    dims = [t.shape[-1] for t in (q, k, v)]
+    if not all(isinstance(d, int) for d in dims):
+        try:
+            if _marked_dynamic(dims, gm):
+                return HEAD_DIM_DYNAMIC
+        except Exception:  # internal structures: never let the check break a compile
+            pass
+    try:
+        ok = any(dims[0] == d for d in cfg.head_dims) and dims[1] == dims[0] and dims[2] == dims[0]
+    except Exception:  # a data-dependent (unbacked) head dim: no guard possible
+        return "head_dim unsupported"
+    return None if ok else "head_dim unsupported"
+
+
+def ineligible(a: dict, cfg: VCConfig, gm: Optional[fx.GraphModule] = None) -> Optional[str]:
+    """The reason this SDPA call must stay stock, or None. ``gm``: the graph being compiled (lets a
+    symbolic head dim be told apart from one the user marked dynamic)."""
     if a["attn_mask"] is not None:
         return "masked"
     if a["is_causal"] is True or isinstance(a["is_causal"], fx.Node):
@@ -86,9 +150,9 @@ def ineligible(a: dict, cfg: VCConfig) -> Optional[str]:
         return "dtype unsupported"
     if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:
         return "gqa"
-    D, Dk, Dv = (_static(t.shape[-1]) for t in (q, k, v))
-    if D is None or D not in cfg.head_dims or Dk != D or Dv != D:
-        return "head_dim unsupported"
+    hd = _head_dim_reason(q, k, v, cfg, gm)
+    if hd is not None:
+        return hd
     Sq, Sk = _static(q.shape[2]), _static(k.shape[2])
     if Sq is not None and Sq < cfg.min_seq_len:
         return "sequence too short"
@@ -149,33 +213,70 @@ def _fake_value(node: fx.Node):
         return None
 
 
+def _short(a: dict, cfg: VCConfig) -> bool:
+    """Is this call's query or key length known at compile time and below ``min_seq_len``? (Such a
+    site would stay stock whatever else it is: e.g. Mochi's masked 1-query caption pooling.)"""
+    lens = [getattr(_val(a[x]), "shape", (None,) * 4) for x in "qk"]
+    return any(len(s) == 4 and _static(s[2]) is not None and s[2] < cfg.min_seq_len for s in lens)
+
+
+def _site_keys(nodes, labels, root_id, cfg_json: str, mod_name: str) -> dict:
+    """A key per SDPA node that is the same for the same call site in a recompiled graph.
+
+    Dynamo recompiles the same model for another grad mode (``no_grad`` <-> ``inference_mode``), a
+    new static shape, or after a guard failure; each recompile used to get fresh site ids, so the
+    site's metadata started over (an extra MC-Sparse anchor, a V-Smooth re-grouping). The key holds
+    what names the call site: the compiled callable (``root_id``: its module instance or code object),
+    the nested graph, the module path, the user-code stack of the call and its occurrence among equal
+    ones; and what must not be shared: the options (another method's metadata), q's dtype and shape
+    string, and the outcome. Two model instances share no key (``root_id``); a shared graph's blocks
+    are kept apart at run time by the block identity, as before."""
+    keys, seen = {}, {}
+    if root_id is None:  # not inside a Dynamo compile (a graph handed over by hand): no sharing
+        return dict.fromkeys(nodes)
+    for node in nodes:
+        where = (labels[node], node.meta.get("stack_trace") or node.name)
+        n = seen[where] = seen.get(where, -1) + 1
+        keys[node] = (root_id, mod_name, *where, n, cfg_json)
+    return keys
+
+
 def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -> dict:
     """Rewrite ``gm`` in place (and its nested GraphModules). Returns {'rewritten': n, 'fallback': m}."""
-    stats = {"rewritten": 0, "fallback": 0, "sdpa": 0, "sites": []}
+    stats = {"rewritten": 0, "fallback": 0, "sdpa": 0, "sites": [], "records": [], "short": set()}
     cfg_json = cfg.to_json()
     method = cfg.resolved_method.value
+    root = _names.compiled_root()
+    root_id = _names.compiled_root_id()
     for mod_name, mod in gm.named_modules():
         if not isinstance(mod, fx.GraphModule):
             continue
         changed = False
-        for node in list(mod.graph.nodes):
-            if node.op != "call_function" or node.target not in SDPA_TARGETS:
-                continue
+        nodes = [n for n in mod.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+        labels = {n: _names.site_label(n, root) for n in nodes}
+        site_keys = _site_keys(nodes, labels, root_id, cfg_json, mod_name)
+        for node in nodes:
             stats["sdpa"] += 1
             a = sdpa_args(node)
-            reason = ineligible(a, cfg)
+            reason = ineligible(a, cfg, gm)
             q = _val(a["q"])
             rec_kw = dict(graph=f"{graph_name}{'.' + mod_name if mod_name else ''}", node=node.name,
-                          module=_module_path(node), shape=_shape_str(a),
+                          module=labels[node], shape=_shape_str(a),
                           dtype=str(q.dtype).replace("torch.", "") if isinstance(q, torch.Tensor) else "?",
                           method=method)
+            key = site_keys[node] and site_keys[node] + (rec_kw["dtype"], rec_kw["shape"], reason)
             if reason is not None:
-                _report.register_site(rewritten=False, reason=reason, **rec_kw)
+                rec = _report.register_site(rewritten=False, reason=reason, key=key, **rec_kw)
+                stats["records"].append(rec)
+                if _short(a, cfg):
+                    stats["short"].add(rec.site)
                 counters["vcattn"][f"fallback:{reason}"] += 1
                 stats["fallback"] += 1
                 continue
             ident = find_block_identity(a["q"])
-            rec = _report.register_site(rewritten=True, has_identity=ident is not None, **rec_kw)
+            rec = _report.register_site(rewritten=True, has_identity=ident is not None, key=key, **rec_kw)
+            stats["records"].append(rec)
+            _notes.note_reference_path(cfg, q)
             with mod.graph.inserting_before(node):
                 new = mod.graph.call_function(
                     torch.ops.vcattn.attention.default,
@@ -197,6 +298,8 @@ def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -
     cp = getattr(gm, "meta", {}).get(_CP_META_KEY)
     if stats["sdpa"] == 0 and not getattr(cp, "has_ring", False):  # ring calls got their own warning
         _warn_no_sdpa(gm, graph_name)
+    elif stats["fallback"] and cfg.warn_fallbacks:
+        _notes.warn_fallbacks(stats["records"], stats["short"], cfg, graph_name, root_id)
     return stats
 
 

@@ -22,6 +22,7 @@ _LOCK = threading.Lock()
 _SITES: Dict[int, "SiteRecord"] = {}
 _NEXT = itertools.count(1)
 _EMPTY_GRAPHS: List[str] = []
+_BY_KEY: Dict[tuple, int] = {}  # call-site identity (rewrite pass) -> site id
 
 
 @dataclass
@@ -58,10 +59,19 @@ class SiteRecord:
             self._pending.clear()
 
 
-def register_site(**kw) -> SiteRecord:
+def register_site(key: Optional[tuple] = None, **kw) -> SiteRecord:
+    """A new site record, or with ``key`` (the rewrite pass's call-site identity, the same in a
+    recompiled graph: see ``passes/sdpa_rewrite._site_keys``) the record already registered under it,
+    so a recompile for another grad mode finds the site id, and with it the metadata, it had."""
     with _LOCK:
+        if key is not None:
+            rec = _SITES.get(_BY_KEY.get(key, -1))
+            if rec is not None:
+                return rec
         rec = SiteRecord(site=next(_NEXT), **kw)
         _SITES[rec.site] = rec
+        if key is not None:
+            _BY_KEY[key] = rec.site
         return rec
 
 
@@ -73,6 +83,16 @@ def site(site_id: int) -> SiteRecord:
                 site=site_id, graph="?", node="?", module="?", shape="?", dtype="?", method="?",
                 rewritten=True))
     return rec
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (``65536`` -> ``"64.0 KiB"``): a
+    small size never prints as ``0.00 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def note_empty_graph(name: str) -> None:
@@ -102,6 +122,11 @@ class Timer:
                 self.rec._pending.append((self.a, self.b))
             else:
                 self.rec.time_ms += (time.perf_counter() - self.t0) * 1e3
+
+
+def _clip(text: str, width: int) -> str:
+    """The end of a long module path (its most specific part), marked as clipped."""
+    return text if len(text) <= width else "..." + text[-(width - 3):]
 
 
 def config_column(sources: collections.Counter) -> str:
@@ -155,7 +180,7 @@ class Report:
         rows = []
         for s in self.sites:
             fb = s.reason or ", ".join(f"{k} x{v}" for k, v in s.runtime_fallbacks.items())
-            rows.append([str(s.site), s.module[-40:], s.shape, s.method if s.rewritten else "sdpa",
+            rows.append([str(s.site), _clip(s.module or "-", 48), s.shape, s.method if s.rewritten else "sdpa",
                          str(s.calls), " ".join(f"{k}:{v}" for k, v in sorted(s.phases.items())),
                          ",".join(sorted(s.kernel_path)), config_column(s.config_sources) or "-",
                          fb or "-", f"{s.time_ms:.2f}",
@@ -197,6 +222,7 @@ def clear() -> None:
     with _LOCK:
         _SITES.clear()
         _EMPTY_GRAPHS.clear()
+        _BY_KEY.clear()
 
 
 def reset_counts() -> None:

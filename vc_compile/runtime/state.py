@@ -1,8 +1,9 @@
 """Per-call-site metadata, kept outside the graph and keyed at run time (SPEC 2, 4).
 
 Key: ``(site, block identity, branch, shape, device)``.
-* ``site``: the call site id the rewrite pass baked into the graph (unique per compiled graph node, so two
-  compiled models never share a key).
+* ``site``: the call site id the rewrite pass baked into the graph (one per call site of a compiled model;
+  a recompile of the same model, e.g. for another grad mode, keeps it, so its metadata carries over;
+  models share one only where Dynamo serves them one graph, and the block identity keeps them apart).
 * block identity: ``data_ptr`` of the weight that feeds the block's q projection, passed into the op as a
   tensor. Regional compile and Wan 2.2's two experts run one graph for many blocks; the weight tells
   them apart. (CPU offloading that moves weights changes the pointer: metadata is then recomputed.)

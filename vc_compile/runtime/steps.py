@@ -79,9 +79,11 @@ import contextlib
 import enum
 import inspect
 import math
+import operator
 import os
 import sys
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Set, Tuple
@@ -151,6 +153,7 @@ class _Tracker:
         self.branch_seen: Dict[tuple, Tuple[int, int, int]] = {}  # key -> (gen, step, branch)
         self.call_counts: Dict[tuple, Tuple[int, int]] = {}  # key -> (gen, count)
         self.step_forwards = 0  # max branch + 1 seen in the current (gen, step) of signal 3
+        self.stale_warned: Optional[Tuple[int, int]] = None  # (gen, step) of the last stale-step warning
 
     # ---- generations ---------------------------------------------------------------------------
     def new_generation(self) -> int:
@@ -172,9 +175,13 @@ class _Tracker:
         return gen
 
     def reset(self) -> None:
+        """``vc_compile.reset()``: a fresh generation with no step declared. Inside ``sampling()`` the
+        block's own state (its ``num_steps``, explicit mode) survives: ``sampling()`` restores it on exit,
+        and a reset between two generations of one block must not fall back to ``num_steps=50``."""
         with self.lock:
-            self.explicit_active = False
-            self.explicit_steps = self.explicit_step = None
+            if not self.explicit_active:
+                self.explicit_steps = None
+            self.explicit_step = None
             self.pending_generation = False
             self.diff_token, self.diff_pipe, self.diff_step = None, 0, -1
             _LOOP.frame_id, _LOOP.pipe_ref, _LOOP.current_t, _LOOP.result = 0, None, None, None
@@ -237,6 +244,9 @@ class _Tracker:
             branch = prev[2] + 1 if prev is not None and prev[:2] == (gen, step) else 0
             if src == "call-count":
                 branch = 0
+            elif src == "explicit" and branch == MAX_BRANCHES and self.stale_warned != (gen, step):
+                self.stale_warned = (gen, step)
+                _warn_stale_step(step, branch + 1)
             self.branch_seen[key] = (gen, step, branch)
             if src == "timestep":
                 self.step_forwards = max(self.step_forwards, branch + 1)
@@ -503,13 +513,45 @@ def _read_timestep(t) -> Tuple[float, Optional[int], tuple]:
 
 
 # ---- public API ----------------------------------------------------------------------------------
+# More calls of one (site, block) within one declared step than any CFG scheme makes (cond / uncond /
+# image guidance: <= 3 forwards per step) mean the declaration went stale: nobody advances the step.
+MAX_BRANCHES = 8
+_WARNED: Set[str] = set()  # one-time warnings already given in this process
+
+
+def _as_index(x, minimum: int, error: str) -> int:
+    """``x`` as a Python int >= ``minimum``: ints, numpy integers and 0-d integer tensors (``step(t)``
+    with ``t = torch.tensor(3)``) are accepted; floats, bools and arrays raise ``ValueError(error)``."""
+    ok = not isinstance(x, bool) and "bool" not in str(getattr(x, "dtype", "")) and getattr(x, "ndim", 0) == 0
+    try:
+        v = operator.index(x) if ok else None
+    except TypeError:
+        v = None
+    if v is None or v < minimum:
+        raise ValueError(error)
+    return v
+
+
+def _warn_stale_step(step: int, calls: int) -> None:
+    _bump("stale_explicit_step")
+    warnings.warn(
+        f"vcattn: step {step} was declared (vc_compile.step({step})) and one attention call site has run "
+        f"{calls} times in it since: each call counts as another CFG branch of that step, so every call "
+        f"recomputes its metadata (MC-Sparse re-anchors every call) and the metadata held grows. In a "
+        f"sampling loop call vc_compile.step(i) before every step's forward, inside `with "
+        f"vc_compile.sampling(num_steps=n):`; or call vc_compile.reset() to drop the declaration.",
+        UserWarning, stacklevel=4)
+
+
 @contextlib.contextmanager
 def sampling(num_steps: Optional[int] = None):
     """One generation of ``num_steps`` steps. Inside, ``vc_compile.step(i)`` declares each step; without
     it, the diffusers frame or the timestep input gives the step (``num_steps`` still overrides their
-    step count), else each call of a site counts as one step."""
-    if num_steps is not None and (type(num_steps) is not int or num_steps < 1):
-        raise ValueError(f"vc_compile.sampling(num_steps={num_steps!r}): num_steps must be an int >= 1")
+    step count), else each call of a site counts as one step. ``vc_compile.reset()`` inside the block
+    starts a new generation and keeps ``num_steps``."""
+    if num_steps is not None:
+        num_steps = _as_index(num_steps, 1, f"vc_compile.sampling(num_steps={num_steps!r}): num_steps must be "
+                                            "an int >= 1")
     with TRACKER.lock:
         saved = (TRACKER.explicit_active, TRACKER.explicit_steps, TRACKER.explicit_step)
         TRACKER.explicit_active, TRACKER.explicit_steps, TRACKER.explicit_step = True, num_steps, None
@@ -527,12 +569,32 @@ def sampling(num_steps: Optional[int] = None):
 
 def step(i: int, num_steps: Optional[int] = None) -> None:
     """Declare that the next model calls belong to step ``i`` (0-based). A step index lower than the
-    previous one starts a new generation. Outside ``sampling()`` the declaration stays in force until
-    ``vc_compile.reset()``."""
-    if type(i) is not int or i < 0:
-        raise ValueError(f"vc_compile.step({i!r}): the step index must be an int >= 0")
-    if num_steps is not None and (type(num_steps) is not int or num_steps < 1):
-        raise ValueError(f"vc_compile.step(num_steps={num_steps!r}): num_steps must be an int >= 1")
+    previous one starts a new generation. ``i`` may be an int, a numpy integer or a 0-d integer tensor.
+
+    Outside ``sampling()`` the declaration is pinned: it stays in force for every later call until the
+    next ``step()`` or ``vc_compile.reset()`` (said once per process, with a warning). Pinned, not "the
+    next call only": one step is many attention calls (every block, every CFG forward) and nothing else
+    marks where it ends. A declared step that keeps being re-entered (more than ``MAX_BRANCHES`` calls of
+    one call site: no sampler makes that many forwards per step) warns at run time."""
+    i = _as_index(i, 0, f"vc_compile.step({i!r}): the step index must be an int >= 0 (a Python or numpy "
+                        "integer, or a 0-d integer tensor)")
+    if num_steps is not None:
+        num_steps = _as_index(num_steps, 1, f"vc_compile.step(num_steps={num_steps!r}): num_steps must be an "
+                                            "int >= 1")
+    if not TRACKER.explicit_active and "step-outside-sampling" not in _WARNED:
+        _WARNED.add("step-outside-sampling")
+        n = num_steps if num_steps is not None else TRACKER.explicit_steps
+        n = f"{n} steps per generation" if n else "steps per generation from the num_steps option"
+        warnings.warn(
+            f"vcattn: vc_compile.step({i}) outside `with vc_compile.sampling(num_steps=n):` pins step {i} for "
+            f"every later model call until the next vc_compile.step() or vc_compile.reset() ({n}). In a "
+            "sampling loop call step(i) before every step inside `with vc_compile.sampling(num_steps=n):` "
+            "(which also ends the declaration when the loop ends).",
+            UserWarning, stacklevel=2)
+    _declare(i, num_steps)
+
+
+def _declare(i: int, num_steps: Optional[int]) -> None:
     with TRACKER.lock:
         if TRACKER.explicit_step is not None and i < TRACKER.explicit_step:
             TRACKER.pending_generation = False
@@ -559,7 +621,7 @@ def diffusers_callback(pipe, i, t, callback_kwargs):
                 TRACKER.explicit_steps = None
             TRACKER.pending_generation = True
         return callback_kwargs
-    step(int(i) + 1, n)
+    _declare(int(i) + 1, n)  # the documented helper: no "outside sampling()" warning
     return callback_kwargs
 
 

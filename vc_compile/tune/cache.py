@@ -14,8 +14,9 @@ power-capped or down-clocked board from reusing another's measurements; without 
 driver) it is empty and the key is the one used before it existed, so such entries keep their meaning (a
 cache written without NVML is re-tuned once where NVML is present). Writes are atomic (temp file +
 ``os.replace``) under a file lock, so several processes tuning at once never lose or corrupt each other's
-entries. A corrupt or stale file is
-reported once and ignored, never fatal.
+entries. A corrupt or stale file is reported once and ignored, never fatal; so is an entry whose
+configuration is not among the kernel's candidates (re-tuned), and a directory that cannot be written
+(tuned without caching, one warning).
 
 Where a configuration comes from (reported per call site): ``shipped`` (the table measured on the H200
 that ships in ``vc_compile/tune/shipped_<arch>.json``: a first run on a known GPU tunes nothing),
@@ -149,7 +150,7 @@ def load(path: str) -> Dict[str, Config]:
     try:
         with open(path) as f:
             data = json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a directory on the way is a file: store() says so)
         return {}
     except (OSError, ValueError) as e:
         _report_bad(path, f"unreadable: {type(e).__name__}")
@@ -160,8 +161,30 @@ def load(path: str) -> Dict[str, Config]:
     return {k: v for k, v in data["entries"].items() if isinstance(v, dict) and isinstance(v.get("config"), dict)}
 
 
-def store(path: str, entry: str, record: Dict[str, object]) -> None:
-    """Add one entry, atomically, under a lock (read-modify-write: concurrent writers keep all entries)."""
+_UNWRITABLE = set()
+
+
+def store(path: str, entry: str, record: Dict[str, object]) -> bool:
+    """Add one entry, atomically, under a lock (read-modify-write: concurrent writers keep all entries).
+
+    Never fatal: a cache directory that cannot be created or written (a file in its place, no
+    permission, a full or read-only disk, a lock timeout) leaves the tuned result uncached, with one
+    warning per directory. Returns whether the entry was written."""
+    try:
+        _store(path, entry, record)
+        return True
+    except OSError as e:  # NotADirectoryError, FileExistsError, PermissionError, filelock.Timeout, ...
+        directory = os.path.dirname(path)
+        if directory not in _UNWRITABLE:
+            _UNWRITABLE.add(directory)
+            warnings.warn(f"vcattn: cannot write the tuning cache in {directory} ({type(e).__name__}: {e}); "
+                          "kernels are tuned without caching (again in every new process). Point "
+                          "options={'tune_cache_dir': ...} or $VCATTN_CACHE_DIR at a writable directory.",
+                          RuntimeWarning, stacklevel=3)
+        return False
+
+
+def _store(path: str, entry: str, record: Dict[str, object]) -> None:
     from filelock import FileLock
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -227,6 +250,16 @@ def _line_progress(key: TuneKey, arch: Arch, n: int) -> Callable[[int, Config, O
     return step
 
 
+def _as_candidate(cfg: object, candidates: List[Config]) -> Optional[Config]:
+    """The candidate equal to a cached ``cfg`` (compared as JSON: the file turns tuples into lists and
+    may reorder keys), or None when the cache holds something the kernel would not run."""
+    try:
+        want = json.dumps(cfg, sort_keys=True)
+        return next((dict(c) for c in candidates if json.dumps(c, sort_keys=True) == want), None)
+    except (TypeError, ValueError):
+        return None
+
+
 def get_config(key: TuneKey, candidates: List[Config], bench: Optional[Callable[[Config], float]] = None,
                *, arch: Optional[Arch] = None, directory: Optional[str] = None,
                shipped: bool = True, quiet: bool = False, force: bool = False,
@@ -251,7 +284,12 @@ def get_config(key: TuneKey, candidates: List[Config], bench: Optional[Callable[
     path = os.path.join(cache_dir(directory), arch.dirname, key.filename())
     hit = None if force else load(path).get(key.entry)
     if hit is not None:
-        return dict(hit["config"]), "cache"
+        cfg = _as_candidate(hit["config"], candidates)
+        if cfg is not None:
+            return cfg, "cache"
+        warnings.warn(f"vcattn: the tuning cache entry {key.entry} of {path} holds {hit['config']}, which is not "
+                      f"one of the kernel's candidate configurations (a stale or edited file); re-tuning.",
+                      RuntimeWarning, stacklevel=3)
     if bench is None or interpreting():
         return dict(candidates[0]), "default"
     if progress is None:
