@@ -742,7 +742,7 @@ def test_compiled_tiny_dit(method, dtype, seq, zero_q):
 
 # ---- options and environment ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("options,key", [
-    ("vsmooth", "options must be a dict"),
+    ("vsmooth", "options must be a (VCConfig or a )?dict"),
     ({"anchor_steps": [1.5]}, "anchor_steps"),
     ({"anchor_steps": ["3"]}, "anchor_steps"),
     ({"anchor_steps": [True, 5]}, "anchor_steps"),

@@ -150,21 +150,21 @@ def test_deleting_the_model_frees_its_metadata():
     assert state.bytes_held() == 0 and not ops._WATCHED
 
 def test_dynamo_reset_and_recompile():
-    """After ``torch._dynamo.reset()`` the model recompiles into new call sites; the old sites' metadata
-    is dropped at the next generation (documented), so it never accumulates."""
+    """After ``torch._dynamo.reset()`` the model recompiles into the same call sites (site identity is
+    the call site, ``passes/sdpa_rewrite._site_keys``), so the metadata held neither grows nor leaves
+    orphaned sites behind, however often it recompiles."""
     m, cm, x, ctx, before = make_model("vsmooth")
     generate(cm, x, ctx)
     one = state.bytes_held()
-    old = set(new_sites(before))
+    sites = set(new_sites(before))
+    assert sites and one > 0
     for _ in range(2):
         torch._dynamo.reset()
-        before = {s.site for s in vc_compile.report().sites}
+        n_before = len(vc_compile.report().sites)
         cm = torch.compile(m, backend="vcattn", options={**OPTS, **METHOD_OPTS["vsmooth"]})
         generate(cm, x, ctx)
-        cur = set(new_sites(before))
-        assert cur and not cur & old
-        assert state.bytes_held() == one and {k[0] for k in state._STORE} == cur
-        old = cur
+        assert len(vc_compile.report().sites) == n_before, "a recompile registered new call sites"
+        assert state.bytes_held() == one and {k[0] for k in state._STORE} == sites
 
 
 def test_new_generation_and_new_resolution_free_the_old():
