@@ -225,13 +225,14 @@ def test_pipeline_scheduler_takes_the_samplers_steps(shift):
 
 
 def test_pipeline_reproduces_the_sampler():
-    """WanPipeline (stock, no VAE/text encoder, output_type="latent") = sampler.sample: bit-for-bit up to
-    fp32 rounding with an fp32 model; with bf16 the pipeline's bf16 CFG sum and bf16 latents cost
-    precision only (measured 45-50 dB; asserted > 35)."""
+    """WanPipeline (stock, no VAE/text encoder, output_type="latent") = sampler.sample: the same clip up to
+    fp32 rounding with an fp32 model (measured 152 dB, max difference 1.4e-6); with bf16 the pipeline's
+    bf16 CFG sum and bf16 latents cost precision only (measured 64 dB here; the shipped model at
+    2 x 32 x 32 px, 4 steps: 45 dB)."""
     from vc_compile.demo.pipe import build_pipeline, generate
 
     kw = dict(frames=2, height=16, width=16, steps=3, seed=1, guidance=3.0)
-    for dtype, floor in ((torch.float32, 90.0), (torch.bfloat16, 35.0)):
+    for dtype, floor in ((torch.float32, 120.0), (torch.bfloat16, 45.0)):
         tr, cond, uncond = tiny_model(dtype)
         pipe = build_pipeline(tr)
         clip = generate(pipe, cond, uncond, progress=False, **kw)
