@@ -1,16 +1,28 @@
-"""Writing clips as images: a frame-grid PNG (rows = clips, columns = frames) and an animated GIF.
+"""Writing clips for people to look at: a labelled frame grid (PNG), an animated GIF and an MP4.
 
-Clips are [3, F, H, W] float tensors in [-1, 1]. Frames are upscaled (nearest) so a 32 x 32 clip is
-visible. Pillow draws the row labels and writes GIFs; without Pillow (possible on the bare GPU box)
-the PNG is written by a small zlib encoder without labels and the GIF is skipped with a message.
+Clips are [3, F, H, W] float tensors in [-1, 1] (latent = pixels). Frames are upscaled (nearest) so a
+32 x 32 clip is visible. Pillow draws every label (it is a requirement of the ``demo`` extra); the MP4
+goes through diffusers' ``export_to_video``, which needs ``imageio`` and ``imageio-ffmpeg`` (also in the
+``demo`` extra): without them :func:`write_mp4` raises :class:`VideoEncoderMissing`, whose message says
+what to install, and the caller still has the grid and the GIF.
+
+* :func:`write_grid`: rows = clips (a label and up to three lines of figures on the left), columns =
+  frames (the frame index above each column), an optional title (up to three lines) on top.
+* :func:`write_gif` / :func:`write_mp4`: the clips side by side, each under its label, one video frame
+  per clip frame.
 """
 from __future__ import annotations
 
-import struct
-import zlib
 from pathlib import Path
 
 import torch
+from PIL import Image, ImageDraw, ImageFont
+
+BG, INK, GREY = (255, 255, 255), (0, 0, 0), (90, 90, 90)
+
+
+class VideoEncoderMissing(RuntimeError):
+    """No MP4 encoder: diffusers' ``export_to_video`` needs ``imageio`` and ``imageio-ffmpeg``."""
 
 
 def to_uint8(clip: torch.Tensor) -> torch.Tensor:
@@ -23,102 +35,130 @@ def _upscale(frames: torch.Tensor, scale: int) -> torch.Tensor:
     return frames.repeat_interleave(scale, 1).repeat_interleave(scale, 2)
 
 
-def _auto_scale(h: int) -> int:
+def auto_scale(h: int) -> int:
+    """Integer upscale that makes a frame about 128 px high (at most 8x)."""
     return max(1, min(8, 128 // max(h, 1)))
 
 
-def grid_array(clips, max_frames: int = 16, scale: int | None = None, pad: int = 2,
-               label_width: int = 0) -> torch.Tensor:
-    """Clips (same size) -> one uint8 image [rows*(h+pad), label_width + cols*(w+pad), 3]."""
+def font(size: int):
+    """Pillow's bundled font at ``size`` px; the fixed bitmap font where Pillow lacks FreeType."""
+    try:
+        return ImageFont.load_default(size=size)
+    except (TypeError, ImportError, OSError):  # Pillow < 10.1 or no FreeType: one size only
+        return ImageFont.load_default()
+
+
+def _text_width(draw, text: str, f) -> int:
+    x0, _, x1, _ = draw.textbbox((0, 0), text, font=f)
+    return x1 - x0
+
+
+def write_grid(path, clips, labels=None, *, notes=None, title=None, max_frames: int = 16,
+               scale: int | None = None, pad: int = 2) -> Path:
+    """PNG grid: one row per clip, one column per frame (at most ``max_frames``).
+
+    ``labels``: one name per row (bold-ish, first line); ``notes``: per row a string or a list of up to
+    three lines of figures drawn under the name (e.g. PSNR/SSIM and time); ``title``: a string or lines
+    above the grid. Column headers give the frame index.
+    """
     frames = [to_uint8(c)[:max_frames] for c in clips]
     f, h, w, _ = frames[0].shape
-    s = scale or _auto_scale(h)
-    H, W = h * s + pad, w * s + pad
-    out = torch.full((len(frames) * H, label_width + f * W, 3), 255, dtype=torch.uint8)
+    s = scale or auto_scale(h)
+    cw, ch = w * s + pad, h * s + pad
+    f_label, f_note, f_title = font(15), font(12), font(16)
+    title_lines = [title] if isinstance(title, str) else list(title or [])
+    note_lines = [([n] if isinstance(n, str) else list(n or [])) for n in (notes or [None] * len(frames))]
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    label_w = 0
+    if labels or notes:
+        texts = [(t, f_label) for t in (labels or [])] + [(t, f_note) for ls in note_lines for t in ls]
+        label_w = max(_text_width(probe, t, fn) for t, fn in texts) + 16 if texts else 0
+    top_title = 8 + 20 * len(title_lines) if title_lines else 0
+    top_cols = 18
+    top = top_title + top_cols
+    W, H = label_w + f * cw, top + len(frames) * ch
+    W = max([W] + [_text_width(probe, t, f_title) + 12 for t in title_lines])
+    im = Image.new("RGB", (W, H), BG)
+    d = ImageDraw.Draw(im)
+    for i, line in enumerate(title_lines):
+        d.text((6, 4 + 20 * i), line, fill=INK, font=f_title)
+    for c in range(f):
+        text = f"frame {c}" if c == 0 else str(c)
+        x = label_w + c * cw + (w * s - _text_width(d, text, f_note)) // 2
+        d.text((x, top_title + 2), text, fill=GREY, font=f_note)
     for r, fr in enumerate(frames):
-        up = _upscale(fr, s)
+        up = _upscale(fr, s).numpy()
+        y = top + r * ch
         for c in range(f):
-            out[r * H:r * H + h * s, label_width + c * W:label_width + c * W + w * s] = up[c]
-    return out
-
-
-def write_png(path, image: torch.Tensor) -> Path:
-    """Write an [H, W, 3] uint8 image as PNG (Pillow if present, else a minimal encoder)."""
+            im.paste(Image.fromarray(up[c]), (label_w + c * cw, y))
+        lines = ([(labels[r], f_label)] if labels else []) + [(t, f_note) for t in note_lines[r]]
+        block = sum(18 if fn is f_label else 15 for _, fn in lines)
+        ty = y + max(0, (h * s - block) // 2)
+        for t, fn in lines:
+            d.text((6, ty), t, fill=INK if fn is f_label else GREY, font=fn)
+            ty += 18 if fn is f_label else 15
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        from PIL import Image
-
-        Image.fromarray(image.numpy()).save(path)
-        return path
-    except ImportError:
-        pass
-    h, w, _ = image.shape
-    raw = b"".join(b"\x00" + image[y].numpy().tobytes() for y in range(h))
-
-    def chunk(tag, data):
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-    path.write_bytes(png)
+    im.save(path)
     return path
 
 
-def _draw_labels(image: torch.Tensor, labels, row_height: int):
-    from PIL import Image, ImageDraw
-
-    im = Image.fromarray(image.numpy())
-    d = ImageDraw.Draw(im)
-    for r, text in enumerate(labels):
-        d.text((4, r * row_height + row_height // 2 - 6), text, fill=(0, 0, 0))
-    return im
-
-
-def write_grid(path, clips, labels=None, max_frames: int = 16, scale: int | None = None) -> Path:
-    """PNG grid: one row per clip (labelled when Pillow is available), one column per frame."""
-    h = clips[0].shape[-2]
-    s = scale or _auto_scale(h)
-    try:
-        import PIL  # noqa: F401
-        have_pil = True
-    except ImportError:
-        have_pil = False
-    lw = 150 if (labels and have_pil) else 0
-    img = grid_array(clips, max_frames, s, label_width=lw)
-    if lw:
-        im = _draw_labels(img, labels, h * s + 2)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        im.save(path)
-        return path
-    return write_png(path, img)
-
-
-def write_gif(path, clips, labels=None, fps: int = 8, scale: int | None = None):
-    """Animated GIF: the clips side by side (one column each), looping. Returns None without Pillow."""
-    try:
-        from PIL import Image, ImageDraw
-    except ImportError:
-        print(f"[vc_demo] Pillow not installed: skipped GIF {path}")
-        return None
+def side_by_side(clips, labels=None, scale: int | None = None, multiple: int = 1, pad: int = 2) -> list:
+    """One PIL image per frame: the clips side by side, each under its label. ``multiple``: pad the
+    image to a multiple of this many pixels (video codecs want 16)."""
     frames = [to_uint8(c) for c in clips]
     f, h, w, _ = frames[0].shape
-    s = scale or _auto_scale(h)
-    top = 14 if labels else 0
-    pad = 2
-    images = []
+    s = scale or auto_scale(h)
+    f_label = font(12)
+    top = 18 if labels else 0
+    cw = w * s + pad
+    W, H = len(frames) * cw, top + h * s
+    W, H = -(-W // multiple) * multiple, -(-H // multiple) * multiple
+    ups = [_upscale(fr, s).numpy() for fr in frames]
+    out = []
     for t in range(f):
-        canvas = torch.full((top + h * s, len(frames) * (w * s + pad), 3), 255, dtype=torch.uint8)
-        for i, fr in enumerate(frames):
-            canvas[top:, i * (w * s + pad):i * (w * s + pad) + w * s] = _upscale(fr[t:t + 1], s)[0]
-        im = Image.fromarray(canvas.numpy())
-        if labels:
-            d = ImageDraw.Draw(im)
-            for i, text in enumerate(labels):
-                d.text((i * (w * s + pad) + 2, 1), text, fill=(0, 0, 0))
-        images.append(im)
+        im = Image.new("RGB", (W, H), BG)
+        d = ImageDraw.Draw(im)
+        for i, up in enumerate(ups):
+            im.paste(Image.fromarray(up[t]), (i * cw, top))
+            if labels:
+                d.text((i * cw + 2, 2), labels[i], fill=INK, font=f_label)
+        out.append(im)
+    return out
+
+
+def write_gif(path, clips, labels=None, fps: int = 8, scale: int | None = None) -> Path:
+    """Animated GIF: the clips side by side, looping."""
+    images = side_by_side(clips, labels, scale)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     images[0].save(path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
+    return path
+
+
+def video_encoder_problem() -> str | None:
+    """None when diffusers' ``export_to_video`` can write MP4 here, else what is missing and the fix."""
+    try:
+        import imageio  # noqa: F401
+        import imageio_ffmpeg
+
+        imageio_ffmpeg.get_ffmpeg_exe()
+    except Exception as e:  # noqa: BLE001 - ImportError, or imageio-ffmpeg without its binary
+        return (f"no MP4 encoder ({type(e).__name__}: {e}); diffusers' export_to_video needs imageio and "
+                "imageio-ffmpeg: pip install imageio imageio-ffmpeg (both in vc_compile's 'demo' extra)")
+    return None
+
+
+def write_mp4(path, clips, labels=None, fps: int = 8, scale: int | None = None) -> Path:
+    """MP4 (H.264 through diffusers' ``export_to_video``): the clips side by side, each labelled.
+    Raises :class:`VideoEncoderMissing` when imageio / imageio-ffmpeg are not installed."""
+    problem = video_encoder_problem()
+    if problem:
+        raise VideoEncoderMissing(problem)
+    from diffusers.utils import export_to_video
+
+    images = side_by_side(clips, labels, scale, multiple=16)  # H.264 macro blocks: no rescaling
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    export_to_video(images, str(path), fps=fps, quality=8)  # 8 of 10: sprite edges stay sharp
     return path

@@ -15,9 +15,11 @@ dispatcher, SDPA, cross-attention to text), so nothing here re-implements the tr
   separate colour/shape/direction words could not say which colour belongs to which shape.
 
 One safetensors file holds both modules (keys ``transformer.*`` and ``text_encoder.*``, fp16) and the
-JSON :class:`DemoConfig` in its metadata. Without the file, :func:`load_demo` builds randomly
-initialised weights and warns loudly: random weights give near-uniform attention, which makes 8-bit
-and sparse attention look far safer than they are.
+JSON :class:`DemoConfig` in its metadata. The file is part of the git repository, not of the wheel:
+without it :func:`load_demo` raises :class:`DemoWeightsMissing`, whose message says where the file comes
+from. Random weights only on request (``allow_random=True``, the demo's ``--random-weights``), with a
+loud warning: random weights give near-uniform attention, which makes 8-bit and sparse attention look
+far safer than they are.
 """
 from __future__ import annotations
 
@@ -154,10 +156,8 @@ def save_weights(path, transformer, text_encoder, cfg: DemoConfig, extra_meta: d
     meta.update({k: str(v) for k, v in (extra_meta or {}).items()})
     tensors = state_dict_for_saving(transformer, text_encoder)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        from safetensors.torch import save_file
-    except ImportError:  # the GPU box may lack safetensors; the format is simple enough to write
-        from ._safetensors import save_file
+    from safetensors.torch import save_file
+
     save_file(tensors, str(path), metadata=meta)
     return Path(path)
 
@@ -179,13 +179,32 @@ def cast_for_inference(transformer, dtype):
     return transformer
 
 
-def load_demo(weights=None, device="cpu", dtype=torch.bfloat16, allow_random: bool = True, seed: int = 0):
+class DemoWeightsMissing(FileNotFoundError):
+    """The demo's weights file is not where it was looked for; the message says where it comes from."""
+
+
+def missing_weights_message(path) -> str:
+    return (
+        f"vc_compile demo: no weights file at {path}.\n"
+        f"The trained demo weights ({DEFAULT_WEIGHTS.name}, 12 MB) live in the vc_compile git repository "
+        f"(vc_compile/demo/weights/), not in the pip package. Either\n"
+        f"  * run the demo from a fresh clone of the repository (bash scripts/demo.sh), or\n"
+        f"  * pass the file: python -m vc_compile.demo --weights /path/to/clone/vc_compile/demo/weights/"
+        f"{DEFAULT_WEIGHTS.name}  (load_demo(weights=...) in Python), or\n"
+        f"  * train your own on one GPU (~6 min): python -m vc_compile.demo.train --out train_out, then "
+        f"--weights train_out/{DEFAULT_WEIGHTS.name}.\n"
+        f"--random-weights (allow_random=True) runs untrained weights instead: it shows the mechanics only, "
+        f"and its PSNR/SSIM figures are far too kind (near-uniform attention).")
+
+
+def load_demo(weights=None, device="cpu", dtype=torch.bfloat16, allow_random: bool = False, seed: int = 0):
     """Load (transformer, text_encoder, cfg, trained) for inference.
 
-    ``weights``: a safetensors path; default: the file shipped in ``vc_compile/demo/weights/``.
-    When it is absent and ``allow_random``, returns seeded random weights with ``trained=False`` and a
-    loud warning. The transformer's parameters are cast to ``dtype`` except Wan's fp32 modules; the
-    text encoder stays fp32 (its output is cast by :func:`encode`).
+    ``weights``: a safetensors path; default: the file in ``vc_compile/demo/weights/`` (present in a
+    clone of the repository, not in the wheel). A missing file raises :class:`DemoWeightsMissing`
+    (what to do is in its message), unless ``allow_random``: then seeded random weights,
+    ``trained=False`` and a loud warning. The transformer's parameters are cast to ``dtype`` except Wan's
+    fp32 modules; the text encoder stays fp32 (its output is cast by :func:`encode`).
     """
     path = Path(weights) if weights else DEFAULT_WEIGHTS
     cfg, trained = DemoConfig(), path.is_file()
@@ -194,11 +213,11 @@ def load_demo(weights=None, device="cpu", dtype=torch.bfloat16, allow_random: bo
         if "vc_demo_config" in meta:
             cfg = DemoConfig.from_json(meta["vc_demo_config"])
     elif not allow_random:
-        raise FileNotFoundError(f"demo weights not found: {path}")
+        raise DemoWeightsMissing(missing_weights_message(path))
     else:
         warnings.warn(
-            f"vc_compile demo: weights file {path} not found; using RANDOM weights. Random weights give "
-            "near-uniform attention, so the errors of 8-bit and sparse attention are UNDERSTATED.",
+            f"vc_compile demo: weights file {path} not found; using RANDOM weights (asked for). Random weights "
+            "give near-uniform attention, so the errors of 8-bit and sparse attention are UNDERSTATED.",
             stacklevel=2)
     torch.manual_seed(seed)
     transformer, text_encoder = build_transformer(cfg), SpriteTextEncoder(cfg)

@@ -1,18 +1,23 @@
-"""One generation of the demo model under one vcattn configuration, timed: shared by the demo and
-``benchmarks/bench_e2e.py``.
+"""One generation of the demo model under one vcattn configuration, timed: shared by the demo
+(:func:`run_pipeline`) and ``benchmarks/bench_e2e.py`` (:func:`run_config`).
 
 Per configuration: ``torch._dynamo.reset()`` and ``vc_compile.reset(report=True)`` (a fresh compile and
-fresh call-site records), ``torch.compile(transformer, backend="vcattn", options=...)``, an untimed
-warm-up generation of ``warmup`` steps (compilation and Triton JIT stay out of the timing; 6 steps
+fresh call-site records), the backend put on the transformer with ``backend="vcattn", options=...``, an
+untimed warm-up generation of ``warmup`` steps (compilation and Triton JIT stay out of the timing; 6 steps
 already pass through every phase of every method's default schedule: dense warm-up, V-Smooth grouping
 and reuse, MC-Sparse anchors and reuse; 1 step is enough where nothing is JIT-compiled, e.g. the CPU
 reference paths), ``vc_compile.reset()`` (drops metadata and counts, keeps the compiled graph), then the
-timed generation wrapped in the step API::
+timed generation.
 
-    with vc_compile.sampling(num_steps=n):
-        for i in range(n): vc_compile.step(i); model(...)
+* :func:`run_pipeline` (the demo): the generation is ``pipe(...)`` of a diffusers ``WanPipeline``
+  (``demo/pipe.py``); nothing tells vc_compile the step: the op reads it from the pipeline's loop.
+* :func:`run_config` (the benchmark): the demo's own Euler/CFG loop (``sampler.sample``) with the
+  explicit step API::
 
-End-to-end time is the wall clock of the timed sampling loop (CUDA synchronised); attention time is
+      with vc_compile.sampling(num_steps=n):
+          for i in range(n): vc_compile.step(i); model(...)
+
+End-to-end time is the wall clock of the timed generation (CUDA synchronised); attention time is
 ``vc_compile.report().total_time_ms`` when the ``profile`` option is on (CUDA events around every
 rewritten attention call; cross-attention to the few text tokens stays stock SDPA and is not counted).
 """
@@ -157,4 +162,39 @@ def run_config(transformer, cond, uncond, label: str, options: dict, *, frames: 
     rep = vc.report()
     attn = rep.total_time_ms if (profile and hasattr(rep, "total_time_ms")) else None
     uncompile(transformer)
+    return RunResult(label, options, clip.cpu(), e2e, attn, rep, summarize(rep), warm_s)
+
+
+def run_pipeline(pipe, cond, uncond, label: str, options: dict, *, frames: int, height: int, width: int,
+                 steps: int, seed: int, guidance: float, shift: float = 1.0, warmup: int = 6,
+                 regional: bool = False, profile: bool = True, progress: bool = True) -> RunResult:
+    """Compile ``pipe.transformer`` with ``options``, warm up, then time one ``pipe(...)`` generation."""
+    from .pipe import compile_pipe, generate, uncompile_pipe
+
+    vc, _ = vc_api()
+    opts = dict(options)
+    if profile:
+        opts["profile"] = True
+    torch._dynamo.reset()
+    vc.reset(report=True)
+    compile_pipe(pipe, opts, regional=regional)
+    kw = dict(frames=frames, height=height, width=width, seed=seed, guidance=guidance, shift=shift)
+    cuda = cond.device.type == "cuda"
+    try:
+        t0 = time.perf_counter()
+        if warmup > 0:  # compile (+ JIT), not timed
+            generate(pipe, cond, uncond, steps=warmup, progress=False, **kw)
+        warm_s = time.perf_counter() - t0
+        vc.reset()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        clip = generate(pipe, cond, uncond, steps=steps, progress=progress, desc=f"{label:<16}", **kw)
+        if cuda:
+            torch.cuda.synchronize()
+        e2e = (time.perf_counter() - t0) * 1e3
+    finally:
+        uncompile_pipe(pipe)
+    rep = vc.report()
+    attn = rep.total_time_ms if (profile and hasattr(rep, "total_time_ms")) else None
     return RunResult(label, options, clip.cpu(), e2e, attn, rep, summarize(rep), warm_s)
