@@ -17,6 +17,8 @@ Every builder returns (q, k, v) as [B, H, S, D] bf16 tensors (the model's dtype)
   within-region spread, per-token outliers in random channels, and a moderately peaked attention, so that the
   value term P_q (V - V_q) dominates the output error of a per-channel FP8 V (Sage2's) -- the regime of the
   paper's Wan 2.2 measurement (82% of the error in that term).
+* ``far_field``: a synthetic of the video family's mechanism for unit tests (a few keys per query ``gap``
+  octaves above all others).
 * ``gaussian``: q, k, v ~ N(0, 1) (the benign case).
 """
 from __future__ import annotations
@@ -127,9 +129,31 @@ def value_dominated(S, D=128, H=2, seed=0, *, peak=10.0, noise=2.0, v_mean=8.0, 
                  outlier_gain=outlier_gain)
 
 
+def far_field(S, D=128, H=2, seed=0, *, group=4, gap=16.0, v_gain=3.0):
+    """Each token belongs to a group of ``group`` tokens (random positions) sharing a random unit direction u_g:
+    q = k = a u_g (a^2 sm log2 e = ``gap``), so a query sees its group ``gap`` octaves above every other key, and
+    the other keys spread as N(-gap, (gap / sqrt(D))^2) (random directions' dot products). The far field's
+    mass grows with S: the mechanism of the video family in a few thousand tokens (unit tests).
+    V: ``v_gain`` x a random vector per group + N(0, 1)."""
+    g = _gen(seed)
+    ng = (S + group - 1) // group
+    lab = torch.randperm(S, generator=g) % ng
+    sm = D ** -0.5
+    a = math.sqrt(gap / (sm * math.log2(math.e)))
+    u = torch.randn(1, H, ng, D, generator=g, dtype=torch.float64)
+    u = u / u.norm(dim=-1, keepdim=True)
+    x = a * u[:, :, lab]
+    q = x + 0.05 * torch.randn(1, H, S, D, generator=g, dtype=torch.float64)
+    k = x + 0.05 * torch.randn(1, H, S, D, generator=g, dtype=torch.float64)
+    vc = v_gain * torch.randn(1, H, ng, D, generator=g, dtype=torch.float64)
+    v = vc[:, :, lab] + torch.randn(1, H, S, D, generator=g, dtype=torch.float64)
+    return [t.bfloat16().contiguous() for t in (q, k, v)]
+
+
 def gaussian(S, D=128, H=2, seed=0):
     g = _gen(seed)
     return [torch.randn(1, H, S, D, generator=g).bfloat16() for _ in range(3)]
 
 
-FAMILIES = {"structured": structured, "video": video, "value_dominated": value_dominated, "gaussian": gaussian}
+FAMILIES = {"structured": structured, "video": video, "value_dominated": value_dominated, "far_field": far_field,
+            "gaussian": gaussian}

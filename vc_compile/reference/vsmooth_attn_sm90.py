@@ -94,7 +94,8 @@ def _half_scales(qs: torch.Tensor, ks: torch.Tensor, nb: int) -> torch.Tensor:
 
 
 def block_probs(qk: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, Sk: int, *, p_mode: str = "expcast",
-                offset: Optional[float] = None, floor_code: float = 0.0, code_fn=None):
+                offset: Optional[float] = None, floor_code: float = 0.0, block_ref: Optional[float] = None,
+                code_fn=None):
     """P~ of every key block as the kernel forms it, and the running maxima.
 
     qk [.., n, nb*128] exact integer scores (fp32), qs [.., n], ks [.., nb*128] (0 past Sk). Returns
@@ -102,7 +103,9 @@ def block_probs(qk: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, Sk: int, *
     ``offset``: the code of u = 0 (ExpCast; default 119.65) or log2 of P~'s row max (exp2; default 8).
     ``floor_code``: the lowest ExpCast code (the clamp; 0 in the kernel). ``code_fn(u, full)``: a study hook
     returning P~ for the exact fp32 u = s - m (full: not the masked tail block); scripts/fidelity_decompose.py
-    uses it to isolate error sources."""
+    uses it to isolate error sources. ``block_ref`` = L (issue 21's fix): block j is quantised against its
+    own maximum b_j, floored at L below the running max (ref_j = max(b_j, m_j - L)) instead of the running
+    max m_j; the accumulator recurrence is unchanged with alpha = 2^(ref_{j-1} - ref_j), which may exceed 1."""
     *lead, n, L = qk.shape
     nb = L // BN
     a = _half_scales(qs, ks, nb)  # [.., n, nb, 2]
@@ -117,6 +120,8 @@ def block_probs(qk: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, Sk: int, *
         s_tail = torch.where(torch.arange(BN) < Sk - (nb - 1) * BN, s_tail, torch.full_like(s_tail, float("-inf")))
         bm[..., -1] = s_tail.amax(dim=-1)
     m = torch.cummax(bm, dim=-1).values
+    if block_ref is not None:
+        m = torch.maximum(bm, m - block_ref)
     ofs = (EXPCAST_OFFSET if p_mode == "expcast" else P_SCALE_LOG2) if offset is None else offset
     pb = torch.zeros_like(qkb)
     nf = int(full.sum())
@@ -155,7 +160,7 @@ def fp22_row_sums(p: torch.Tensor, bits: int = sage2.ACC_MANTISSA_BITS) -> torch
 
 
 def attention(qk: QKQuant, vq: VQuant, *, p_mode: str = "expcast", offset: Optional[float] = None,
-              floor_code: float = 0.0, rows: Optional[torch.Tensor] = None, chunk: int = 128,
+              floor_code: float = 0.0, block_ref: Optional[float] = None, rows: Optional[torch.Tensor] = None, chunk: int = 128,
               acc_bits: int = sage2.ACC_MANTISSA_BITS, rowsum: str = "mma", out_dtype=torch.bfloat16,
               code_fn=None, return_parts: bool = False):
     """The kernel's output for query ``rows`` (all when None), [B, H, n, D] in ``out_dtype`` (the kernel writes
@@ -178,7 +183,7 @@ def attention(qk: QKQuant, vq: VQuant, *, p_mode: str = "expcast", offset: Optio
         r = idx[i0:i0 + chunk]
         qk_int = qk.q8[:, :, r].float() @ kf.transpose(-1, -2)  # exact in fp32: |qk| < 2^22
         p, m = block_probs(qk_int, qk.q_scale[:, :, r], ks, Sk, p_mode=p_mode, offset=offset,
-                           floor_code=floor_code, code_fn=code_fn)
+                           floor_code=floor_code, block_ref=block_ref, code_fn=code_fn)
         w = torch.exp2((m - m[..., -1:]).double())  # [B, H, n, nb]
         rblk = p.unflatten(-1, (nb, BN)).double().sum(-1)  # exact block row sums r_j
         if rowsum == "mma":
