@@ -113,6 +113,10 @@ METHODS = {
     "vsmooth448": lambda c: run_ours(c, offset=8.807),
     "expcast": lambda c: run_ours(c, p_mode="expcast"),
     "expcast126": lambda c: run_ours(c, p_mode="expcast", offset=126.0),
+    # issue 21's fix: every 128-key block quantised against its own max (floored 32 below the running max)
+    "vsmooth_blk": lambda c: run_ours(c, block_ref=32.0),
+    "expcast_blk": lambda c: run_ours(c, p_mode="expcast", block_ref=32.0),
+    "naive8_blk": lambda c: run_ours(c, order=False, smooth=False, block_ref=32.0),
 }
 
 
