@@ -117,6 +117,7 @@ METHODS = {
     "vsmooth_blk": lambda c: run_ours(c, block_ref=32.0),
     "expcast_blk": lambda c: run_ours(c, p_mode="expcast", block_ref=32.0),
     "naive8_blk": lambda c: run_ours(c, order=False, smooth=False, block_ref=32.0),
+    "expcast126_blk": lambda c: run_ours(c, p_mode="expcast", offset=126.0, block_ref=32.0),
 }
 
 

@@ -117,7 +117,8 @@ def block_probs(qk: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, Sk: int, *
         full[-1] = False
         kst = ks.reshape(*ks.shape[:-1], nb, BN)[..., -1, :].float().unsqueeze(-2)  # [.., 1, 128]
         s_tail = _fma(qkb[..., -1, :] + C, kst, -C * kst) * qs.float().unsqueeze(-1)
-        s_tail = torch.where(torch.arange(BN) < Sk - (nb - 1) * BN, s_tail, torch.full_like(s_tail, float("-inf")))
+        valid = torch.arange(BN, device=qk.device) < Sk - (nb - 1) * BN
+        s_tail = torch.where(valid, s_tail, torch.full_like(s_tail, float("-inf")))
         bm[..., -1] = s_tail.amax(dim=-1)
     m = torch.cummax(bm, dim=-1).values
     if block_ref is not None:
@@ -160,9 +161,9 @@ def fp22_row_sums(p: torch.Tensor, bits: int = sage2.ACC_MANTISSA_BITS) -> torch
 
 
 def attention(qk: QKQuant, vq: VQuant, *, p_mode: str = "expcast", offset: Optional[float] = None,
-              floor_code: float = 0.0, block_ref: Optional[float] = None, rows: Optional[torch.Tensor] = None, chunk: int = 128,
-              acc_bits: int = sage2.ACC_MANTISSA_BITS, rowsum: str = "mma", out_dtype=torch.bfloat16,
-              code_fn=None, return_parts: bool = False):
+              floor_code: float = 0.0, block_ref: Optional[float] = None, rows: Optional[torch.Tensor] = None,
+              chunk: int = 128, acc_bits: int = sage2.ACC_MANTISSA_BITS, rowsum: str = "mma",
+              out_dtype=torch.bfloat16, code_fn=None, return_parts: bool = False):
     """The kernel's output for query ``rows`` (all when None), [B, H, n, D] in ``out_dtype`` (the kernel writes
     the input dtype; fp32 to see the emulation unrounded). Arguments: see ``block_probs``; ``return_parts``:
     also {"p_eff": P~ 2^(m_j - m) / l [B, H, n, Sk], "v_eff": V_q [B, H, Sk, D]} for error decompositions."""
