@@ -21,7 +21,8 @@ sage2 (SageAttention2 sm_90, Q smoothing on), sage2_noq (the released sm_90 INT8
 (exp2 + cast, per-channel FP8 V, identity order), vsmooth (exp2 + cast, k-means order, block means),
 expcast (mode 3 as shipped), and the variants under study (``METHODS`` below). ``--kernel`` (CUDA): also the
 shipped kernels (vc_compile.templates) on the same rows, to confirm the emulation on the H200.
-``--csv`` appends one row per (family, S, method) to benchmarks/results/fidelity_decompose.csv.
+``--csv`` appends one row per (family, S, method) to benchmarks/results/fidelity_decompose.csv;
+``--summarize CSV [--commit C]`` prints the tables of docs/fidelity_notes.md from such a file.
 """
 from __future__ import annotations
 
@@ -180,6 +181,40 @@ def captured_cases(path, max_cases):
         yield f"L{f['layer']}s{f['step']}", d["q"], d["k"], d["v"]
 
 
+def summarize(path, commit=None):
+    """Markdown tables from a fidelity_decompose CSV: rel. L2 per (family, S) and method, the ratios the issue
+    asks for, and the error terms (captured cases: medians over the captures)."""
+    import csv
+    import statistics
+
+    rows = [r for r in csv.DictReader(open(path)) if commit is None or r["commit"].startswith(commit)]
+    groups = {}
+    for r in rows:
+        fam = "captured (median)" if r["family"].startswith("captured") else r["family"]
+        groups.setdefault((fam, int(r["S"])), {}).setdefault(r["variant"], []).append(r)
+    methods = list(dict.fromkeys(r["variant"] for r in rows))
+
+    def med(rs, key):
+        return statistics.median(float(x[key]) for x in rs)
+
+    out = ["| family | S | " + " | ".join(methods) + " | vsmooth / sage2 | vsmooth_blk / sage2 | expcast / vsmooth"
+           " | expcast_blk / vsmooth_blk |", "|" + "---|" * (len(methods) + 6)]
+    for (fam, S), d in groups.items():
+        e = {m: med(d[m], "rel_l2") for m in d}
+        ratio = lambda a, b: f"{e[a] / e[b]:.2f}" if a in e and b in e else ""  # noqa: E731
+        out.append(f"| {fam} | {S} | " + " | ".join(f"{e[m]:.2e}" if m in e else "" for m in methods)
+                   + f" | {ratio('vsmooth', 'sage2')} | {ratio('vsmooth_blk', 'sage2')} | {ratio('expcast', 'vsmooth')}"
+                   f" | {ratio('expcast_blk', 'vsmooth_blk')} |")
+    out += ["", "| family | S | method | rel. L2 | QK | P | V | rest | V share |", "|---|---|---|---|---|---|---|---|---|"]
+    for (fam, S), d in groups.items():
+        for m in methods:
+            if m in d:
+                out.append(f"| {fam} | {S} | {m} | {med(d[m], 'rel_l2'):.2e} | {med(d[m], 'rel_qk'):.2e} | "
+                           f"{med(d[m], 'rel_p'):.2e} | {med(d[m], 'rel_v'):.2e} | {med(d[m], 'rel_rest'):.2e} | "
+                           f"{med(d[m], 'share_v'):.2f} |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default="video,structured,value_dominated,gaussian")
@@ -194,7 +229,12 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--kernel", action="store_true", help="also the shipped kernels (CUDA)")
     ap.add_argument("--csv", action="store_true")
+    ap.add_argument("--summarize", default=None, help="print markdown tables from this CSV and exit")
+    ap.add_argument("--commit", default=None, help="with --summarize: only rows of this commit")
     a = ap.parse_args(argv)
+    if a.summarize:
+        print(summarize(a.summarize, a.commit))
+        return []
     methods = a.methods.split(",")
     rows_out = []
     g = torch.Generator().manual_seed(a.seed)
