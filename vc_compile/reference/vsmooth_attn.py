@@ -22,26 +22,47 @@ from __future__ import annotations
 
 import torch
 
-from .preprocess import BLOCK_K, QKQuant, VQuant, dequantize_v
-from .quant import LOG2E, P_SCALE_LOG2, decode_e4m3, expand_blocks, expcast_codes, fp8_round
+from typing import Optional
+
+from .preprocess import BLOCK_K, BLOCK_V, QKQuant, VQuant, dequantize_v
+from .quant import (EXPCAST_OFFSET, LOG2E, P_SCALE_LOG2, decode_e4m3, expand_blocks, expcast_codes,
+                    fp8_round)
 
 
-def quantized_probs(s: torch.Tensor, expcast: bool):
-    """Base-2 logits [..., n, S] -> (P~ fp32 values, row max m)."""
+def quantized_probs(s: torch.Tensor, expcast: bool, *, block_ref: Optional[float] = None,
+                    p_log2: float = P_SCALE_LOG2, offset: float = EXPCAST_OFFSET):
+    """Base-2 logits [..., n, S] -> (P~ fp32 values, row max m).
+
+    ``block_ref`` = L (issue 21; docs/fidelity_notes.md): each key block of ``BLOCK_V`` keys is quantised against
+    its own reference r_j = max(max of the block, m - L) instead of the row max, and returned as
+    P~_j 2^(r_j - m) (what the kernel's accumulator holds after its rescaling): a block far below the row max
+    keeps FP8's full range instead of underflowing. ``p_log2``: log2 of P~'s value at u = 0 on the exp2 path;
+    ``offset``: ExpCast's code of u = 0."""
     m = s.amax(dim=-1, keepdim=True)
     # A row that is all -inf has no max; keep it finite so the row stays 0/0 -> NaN like SDPA.
-    u = s - m
+    ref = m
+    if block_ref is not None:
+        n = s.shape[-1]
+        nb = (n + BLOCK_V - 1) // BLOCK_V
+        sp = torch.nn.functional.pad(s, (0, nb * BLOCK_V - n), value=float("-inf"))
+        bmax = sp.unflatten(-1, (nb, BLOCK_V)).amax(dim=-1)
+        ref = torch.maximum(bmax, m - block_ref).repeat_interleave(BLOCK_V, dim=-1)[..., :n]
+    u = s - ref
     if expcast:
-        p = decode_e4m3(expcast_codes(u))
+        p = decode_e4m3(expcast_codes(u, offset))
     else:
-        p = fp8_round(torch.exp2(u + P_SCALE_LOG2))
+        p = fp8_round(torch.exp2(u + p_log2))
+    if block_ref is not None:
+        p = p * torch.exp2(ref - m)
     return p, m
 
 
 def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dtype=torch.bfloat16,
-                      return_lse: bool = False, chunk: int = 1024):
+                      return_lse: bool = False, chunk: int = 1024, block_ref: Optional[float] = None,
+                      p_log2: float = P_SCALE_LOG2, offset: float = EXPCAST_OFFSET):
     """8-bit attention. Returns O [B, H, S, D] (``out_dtype``) and, if asked, the base-2 LSE of the
-    *smoothed* logits, [B, H, S] fp32 (add ``lse_correction`` for the LSE of the true logits)."""
+    *smoothed* logits, [B, H, S] fp32 (add ``lse_correction`` for the LSE of the true logits).
+    ``block_ref``, ``p_log2``, ``offset``: see ``quantized_probs`` (defaults: the shipped kernels' numerics)."""
     B, H, S, D = qk.q8.shape
     Sk = qk.k8.shape[2]
     ks = expand_blocks(qk.k_scale, BLOCK_K, Sk)  # [B, H, Sk]
@@ -55,11 +76,12 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
     for i0 in range(0, S, chunk):
         i1 = min(S, i0 + chunk)
         s = (qk.q8[:, :, i0:i1].float() @ kf.transpose(-1, -2)) * qs[:, :, i0:i1, None] * ks[:, :, None, :]
-        p, m = quantized_probs(s, expcast)
+        p, m = quantized_probs(s, expcast, block_ref=block_ref, p_log2=p_log2, offset=offset)
         l = p.sum(dim=-1, keepdim=True)
         out[:, :, i0:i1] = ((p @ vdeq) / l).to(out_dtype)
         if return_lse:
-            lse[:, :, i0:i1] = (m + torch.log2(l) - P_SCALE_LOG2).squeeze(-1)
+            lse[:, :, i0:i1] = (m + torch.log2(l) - (p_log2 if not expcast else (offset + 0.35 - 56.0) / 8.0)
+                                ).squeeze(-1)
     return (out, lse) if return_lse else out
 
 
