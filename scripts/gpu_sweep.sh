@@ -1,85 +1,135 @@
 #!/usr/bin/env bash
-# One device call = one stage of the H200 measurement sweep (the numbers in docs/status.md came from
-# these).  Usage on the device machine, from the repo root, with the carried wheels in .whl/:
-#     VC_COMMIT=<sha> bash scripts/gpu_sweep.sh <stage> [<stage> ...]
-# Stages: e2e (demo table + end-to-end at 32K), e2e75 (end-to-end at 75K), soak (GPU memory over many
-# generations), cp (two GPUs: Ulysses benchmark), tune (issue 8 start-up times and tuned-vs-shipped),
-# ladder (issue 5: MC-Sparse Table-5 ablation ladder at 16K, s = 0.15 and 0.25, 50 steps),
-# sparseab / sparseab75 (issue 5: the gather kernel's switch x config A/B at S = 32760 / 75600),
-# pkg (issue 24: NVML fields and the tuning key on the GPU, then the enable()/package tests).
-# Each stage has its own time limit so that one slow stage still leaves the others' results in $OUT.
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-touch /tmp/gpu_sweep.start
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+# The H200 runs of a session, one stage or a few per device call (the device gives 10 minutes a call):
+#     bash scripts/gpu_sweep.sh STAGE [STAGE ...]
+# Stages (each under its own time limit, logged to $OUT/<stage>.log; a failing stage does not stop the next):
+#   fa4part DIR   copy the FA4 wheel parts carried in DIR (ignored, e.g. .fa4a) to /tmp/fa4 on the machine
+#   install       pip install the carried wheels (.whl/*.whl, /tmp/fa4 joined) into /tmp/site (--no-deps)
+#   tests         the GPU tests (pytest -n 8 over the kernel test files)
+#   kernels       kernel benchmarks, the tree in .old (if carried) and this one back to back, then the
+#                 per-row ratio new / old (scripts/compare_runs.py)
+#   pipeline | generation | anchor | guard | cold   the whole-generation benchmarks (issue 20, 23)
+#   earlier sessions' stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, soak,
+#   cp (two GPUs), gputests, gpukey, vsmooth (A/B), preprocess, tune, pkg (NVML, enable(), package tests)
+# Results: benchmarks/results/*.csv (and .old's) are copied to $OUT/results after every stage.
+# Environment: VC_COMMIT names the commit in the rows (the device's .git can lag); OLD_COMMIT the old tree's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/vc_out}
+mkdir -p "$OUT/results" /tmp/fa4 /tmp/site
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-stage() {  # stage <name> <seconds> <command...>: log to $OUT/<name>.log, keep going on failure
-  local name=$1 secs=$2; shift 2
-  echo "=== $name ($(date -u +%T), limit ${secs}s): $*"
+export VC_COMMIT=${VC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+PY=${PYTHON:-python3}
+
+run_stage() {  # name limit_s command...
+  local name=$1 lim=$2; shift 2
   local t0=$SECONDS
-  timeout --signal=INT --kill-after=20 "$secs" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name: start $(date -u +%T), limit ${lim} s"
+  timeout "$lim" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  echo "=== $name rc=$rc in $((SECONDS - t0)) s"; tail -n 40 "$OUT/$name.log"
+  echo "=== $name: rc=$rc after $((SECONDS - t0)) s"
+  grep -v -E "Warning|warn\(|^\s*$" "$OUT/$name.log" | tail -n "${TAIL:-25}"
+  cp benchmarks/results/*.csv "$OUT/results/" 2>/dev/null
+  if [ -d .old/benchmarks/results ]; then
+    mkdir -p "$OUT/results/old" && cp .old/benchmarks/results/*.csv "$OUT/results/old/" 2>/dev/null
+  fi
+  return 0
 }
-for s in "$@"; do
-  case $s in
+
+install_wheels() {
+  local parts=(/tmp/fa4/cu13.part*)
+  if [ ${#parts[@]} -eq 3 ] && [ -e "${parts[0]}" ]; then
+    cat /tmp/fa4/cu13.part00 /tmp/fa4/cu13.part01 /tmp/fa4/cu13.part02 \
+      >/tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+    md5sum /tmp/fa4/*.whl | grep cu13
+  fi
+  local wheels=(.whl/*.whl /tmp/fa4/*.whl)
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "${wheels[@]}" 2>&1 | grep -v -i warning
+  $PY -c "import diffusers, sageattention; print('diffusers', diffusers.__version__)"
+  $PY -c "from flash_attn.cute import flash_attn_func; print('flash-attn-4 ok')"
+}
+
+kernels() {
+  local old=${OLD_COMMIT:-old}
+  if [ -d .old ]; then
+    (cd .old && VC_COMMIT=$old $PY -m benchmarks.bench_vsmooth_attn --quick)
+    (cd .old && VC_COMMIT=$old $PY -m benchmarks.bench_sparse_attn --quick --no-sweep)
+  fi
+  $PY -m benchmarks.bench_vsmooth_attn --quick
+  $PY -m benchmarks.bench_sparse_attn --quick --no-sweep
+  if [ -d .old ]; then
+    for b in bench_vsmooth_attn bench_sparse_attn; do
+      $PY -m scripts.compare_runs --a ".old/benchmarks/results/$b.csv:$old" \
+        --b "benchmarks/results/$b.csv:$VC_COMMIT" --out "$OUT/compare_$b.txt"
+    done
+  fi
+}
+
+GPU_TESTS="tests/test_vsmooth_attn_sm90.py tests/test_vsmooth_attn.py tests/test_sparse_attn.py
+  tests/test_preprocess.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py tests/test_tune_lookup.py
+  tests/test_mcsparse_ladder.py tests/test_steps.py tests/test_rope_fuse.py tests/test_ops.py"
+
+while [ $# -gt 0 ]; do
+  case $1 in
+    fa4part) cp "$2"/cu13.part* /tmp/fa4/ && ls -la /tmp/fa4; [ -d "$2/small" ] && cp "$2"/small/*.whl /tmp/fa4/; shift ;;
+    install) run_stage install 240 install_wheels ;;
+    tests) run_stage tests "${TESTS_S:-240}" $PY -m pytest -n 8 -q -p no:cacheprovider -rfE $GPU_TESTS ;;
+    kernels) run_stage kernels "${KERNELS_S:-300}" kernels ;;
+    pipeline) run_stage pipeline "${PIPELINE_S:-560}" $PY -m benchmarks.bench_pipeline \
+                --budget $(( ${PIPELINE_S:-560} - 30 )) ${PIPELINE_ARGS:-} ;;
+    generation) run_stage generation "${GENERATION_S:-300}" $PY -m benchmarks.bench_generation \
+                  --budget $(( ${GENERATION_S:-300} - 20 )) ${GENERATION_ARGS:-} ;;
+    anchor) run_stage anchor "${ANCHOR_S:-200}" $PY -m benchmarks.bench_anchor_mass ${ANCHOR_ARGS:-} ;;
+    guard) run_stage guard "${GUARD_S:-200}" $PY -m benchmarks.bench_mcsparse_guard ${GUARD_ARGS:-} ;;
+    cold) run_stage cold "${COLD_S:-240}" $PY -m benchmarks.bench_cold_start ${COLD_ARGS:-} ;;
     e2e)
-      stage demo 260 python3 -m vc_compile.demo --regional --out "$OUT/demo"
-      stage e2e32k 270 python3 -m benchmarks.bench_e2e --sizes 32k --regional --csv "$OUT/bench_e2e.csv" ;;
+      run_stage demo 260 $PY -m vc_compile.demo --regional --out "$OUT/demo"
+      run_stage e2e32k 270 $PY -m benchmarks.bench_e2e --sizes 32k --regional --csv "$OUT/bench_e2e.csv" ;;
     e2e75)
-      stage e2e75k 400 python3 -m benchmarks.bench_e2e --sizes 75k --regional --csv "$OUT/bench_e2e.csv" ;;
+      run_stage e2e75k 400 $PY -m benchmarks.bench_e2e --sizes 75k --regional --csv "$OUT/bench_e2e.csv" ;;
     c128)  # issue 5: MC-Sparse with C = 128 query groups against the C = 64 default, plus V-Smooth, at 16K
-      stage c128 300 python3 -m benchmarks.bench_e2e --sizes 16k --regional --no-floor \
+      run_stage c128 300 $PY -m benchmarks.bench_e2e --sizes 16k --regional --no-floor \
         --methods vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse-c128@0.15,mcsparse@0.25,mcsparse-c128@0.25 \
         --csv "$OUT/bench_e2e.csv" ;;
     ladder)
-      stage ladder16k 170 python3 -m benchmarks.bench_e2e --sizes 16k --ladder --regional \
+      run_stage ladder16k 170 $PY -m benchmarks.bench_e2e --sizes 16k --ladder --regional \
         --csv "$OUT/bench_e2e.csv" ;;
     sparseab)
-      stage sparseab 260 python3 -m benchmarks.bench_sparse_attn --ab --budget 200 \
+      run_stage sparseab 260 $PY -m benchmarks.bench_sparse_attn --ab --budget 200 \
         --csv "$OUT/bench_sparse_attn.csv" ;;
     sparseab75)
-      stage sparseab75 200 python3 -m benchmarks.bench_sparse_attn --ab --sizes 75600 --budget 150 \
+      run_stage sparseab75 200 $PY -m benchmarks.bench_sparse_attn --ab --sizes 75600 --budget 150 \
         --group-sizes 128 --ab-switches base,kvoff \
         --csv "$OUT/bench_sparse_attn.csv" ;;
     soak)
-      stage soak 170 python3 -m benchmarks.bench_soak --generations 60 --steps 6 --seq 4096 --alt-seq 3072 \
+      run_stage soak 170 $PY -m benchmarks.bench_soak --generations 60 --steps 6 --seq 4096 --alt-seq 3072 \
         --heads 8 --dim 1024 --cfg --plot "$OUT/soak_cuda.png" ;;
     cp)
-      stage cp 380 torchrun --nproc-per-node 2 -m benchmarks.bench_context_parallel --diffusers \
+      run_stage cp 380 torchrun --nproc-per-node 2 -m benchmarks.bench_context_parallel --diffusers \
         --csv "$OUT/bench_context_parallel.csv" ;;
     gputests)
-      stage gputests 210 python3 -m pytest -q -n 8 --timeout 170 -p no:cacheprovider -rfE \
+      run_stage gputests 210 $PY -m pytest -q -n 8 --timeout 170 -p no:cacheprovider -rfE \
         tests/test_vsmooth_attn.py tests/test_preprocess.py tests/test_sparse_attn.py tests/test_hostile.py \
         tests/test_tune_lookup.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py \
         tests/test_mcsparse_ladder.py tests/test_ops.py tests/test_steps.py $(ls tests/test_rope_fuse.py 2>/dev/null) ;;
     gpukey)  # the GPU-only tests and the hostile suite's kernel cases (gputests in full does not fit a call)
-      stage gpukey 140 python3 -m pytest -q -n 8 --timeout 130 -p no:cacheprovider -rfE \
+      run_stage gpukey 140 $PY -m pytest -q -n 8 --timeout 130 -p no:cacheprovider -rfE \
         tests/test_tune_lookup.py tests/test_vsmooth_attn.py tests/test_sparse_attn.py tests/test_preprocess.py \
         tests/test_rope_fuse.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py \
         tests/test_mcsparse_ladder.py tests/test_hostile.py -k "gpu or cuda or kernels" ;;
     vsmooth)
-      stage vsmooth 170 python3 -m benchmarks.bench_vsmooth_attn --quick --ab --ab-plan ws ;;
+      run_stage vsmooth 170 $PY -m benchmarks.bench_vsmooth_attn --quick --ab --ab-plan ws ;;
     preprocess)
-      stage preprocess 80 python3 -m benchmarks.bench_preprocess --budget 70 --csv "$OUT/bench_preprocess.csv" ;;
+      run_stage preprocess 80 $PY -m benchmarks.bench_preprocess --budget 70 --csv "$OUT/bench_preprocess.csv" ;;
     tune)
-      stage tune 140 python3 -m benchmarks.bench_tune --methods vsmooth --budget 130 --csv "$OUT/bench_tune.csv" ;;
+      run_stage tune 140 $PY -m benchmarks.bench_tune --methods vsmooth --budget 130 --csv "$OUT/bench_tune.csv" ;;
     pkg)
-      stage pkg 240 bash -c 'python3 -c "from vc_compile import nvml; print(nvml.limits(0)); print(nvml.state(0))"
-        python3 -c "from vc_compile.tune.cache import current_arch as a, cache_dir as d; print(a().dirname, d())"
-        python3 -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/test_pipeline_calls.py \
+      run_stage pkg 240 bash -c '$PY -c "from vc_compile import nvml; print(nvml.limits(0)); print(nvml.state(0))"
+        $PY -c "from vc_compile.tune.cache import current_arch as a, cache_dir as d; print(a().dirname, d())"
+        $PY -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/test_pipeline_calls.py \
           tests/test_package.py' ;;
-    *) echo "unknown stage $s"; exit 2 ;;
+    *) echo "unknown stage $1"; exit 2 ;;
   esac
+  shift
 done
-# rows appended in the device's repo copy: bring back the result files this call touched (the device
-# returns a limited number of files, so not all of them; COPY_RESULTS=0 when every stage has --csv)
-if [ "${COPY_RESULTS:-1}" = 1 ]; then mkdir -p "$OUT/results" && find benchmarks/results -name '*.csv' -newer /tmp/gpu_sweep.start -exec cp {} "$OUT/results/" \; ; fi
