@@ -1,0 +1,171 @@
+"""``python -m vc_compile tune``: pre-tune the attention kernel of one method for one shape.
+
+    python -m vc_compile tune --heads 40 --head-dim 128 --seq 75600 --method vsmooth
+    python -m vc_compile tune --heads 40 --head-dim 128 --seq 32760 --method mcsparse --density 0.15
+
+Runs the kernel the runtime runs for that shape and the runtime's options (``VCConfig``'s defaults unless
+given: group size, density, QK formats; on an sm_90 GPU with INT8 Q/K that is the Gluon kernel) once on random
+inputs, through ``templates/dispatch.py``, i.e. the same lookup as a real run (shipped -> cache -> tune): a
+shipped or cached shape is not re-tuned unless ``--force``.
+While tuning, a progress bar per kernel; then a table of the chosen configuration, where it came from,
+its time and the default configuration's time (both ``triton.testing.do_bench`` medians). The other
+kernels of the methods (preprocessing, k-means, PDDP, selection) have one launch configuration each
+and are not tuned.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from vc_compile.config import VCConfig
+from vc_compile.templates import configs as C
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+_DEFAULTS = VCConfig()  # the runtime's defaults: the CLI tunes what a default run looks up
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m vc_compile tune", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", required=True, choices=("vsmooth", "mcsparse"))
+    ap.add_argument("--heads", type=int, required=True)
+    ap.add_argument("--head-dim", type=int, required=True)
+    ap.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    ap.add_argument("--expcast", action="store_true", default=_DEFAULTS.expcast,
+                    help="vsmooth: the ExpCast-FP8 kernel")
+    ap.add_argument("--qk-format", choices=("int8", "fp8"), default=_DEFAULTS.qk_format.value,
+                    help="vsmooth: Q/K format")
+    ap.add_argument("--density", type=float, default=_DEFAULTS.density, help="mcsparse: fraction of keys kept")
+    ap.add_argument("--group-size", type=int, choices=(64, 128), default=_DEFAULTS.group_size,
+                    help="mcsparse: queries per group (default: the runtime's)")
+    ap.add_argument("--sparse-qk", choices=("bf16", "fp8"), default=_DEFAULTS.sparse_qk,
+                    help="mcsparse: QK precision")
+    ap.add_argument("--force", action="store_true", help="re-tune even when shipped or cached")
+    ap.add_argument("--cache-dir", default=None, help="default: $VCATTN_CACHE_DIR, else <Inductor cache>/vcattn")
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if min(a.heads, a.seq, a.batch) < 1:
+        ap.error("--heads, --seq and --batch must be >= 1")
+    err = (C.vsmooth_head_dim_error(a.head_dim) if a.method == "vsmooth" else C.pow2_head_dim_error(a.head_dim))
+    if err:
+        ap.error(f"--head-dim {a.head_dim}: {err}")
+    if not 0.0 < a.density <= 1.0:
+        ap.error(f"--density {a.density}: must be in (0, 1]")
+
+
+def no_gpu_reason() -> Optional[str]:
+    import torch
+
+    from vc_compile.templates.interpret import interpreting
+
+    if interpreting():
+        return "TRITON_INTERPRET=1 is set: kernels run on the CPU interpreter and are never tuned"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU found: configurations are tuned by timing the kernels on the GPU they will run on"
+    return None
+
+
+class Bar:
+    """A one-line progress bar per tuned kernel (redrawn with \\r on a terminal, one line per step else)."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.times = total, label, []
+
+    def __call__(self, i: int, cfg, ms) -> None:
+        self.times.append((cfg, ms))
+        done = i + 1
+        bar = "#" * (20 * done // self.total) + "." * (20 - 20 * done // self.total)
+        last = f"{ms:.3f} ms" if ms is not None else "failed"
+        end = "\n" if done == self.total or not sys.stderr.isatty() else ""
+        print(f"\r{self.label} [{bar}] {done}/{self.total}  {fmt_cfg(cfg)}: {last}   ", end=end,
+              file=sys.stderr, flush=True)
+
+
+def fmt_cfg(cfg) -> str:
+    items = cfg.items() if isinstance(cfg, dict) else cfg.to_json().items()
+    return " ".join(f"{k}={v}" for k, v in items)
+
+
+def run(a: argparse.Namespace) -> List[dict]:
+    import torch
+    import triton.testing
+
+    from vc_compile.methods import kernel_out_dtype
+    from vc_compile.reference.select import n_keep
+    from vc_compile.templates import dispatch
+    from vc_compile.tune import lookup
+
+    T = dispatch.Impl.TRITON
+    dev = torch.device("cuda")
+    dtype = getattr(torch, DTYPES[a.dtype])
+    B, H, S, D = a.batch, a.heads, a.seq, a.head_dim
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=dtype, generator=g) for _ in range(3))
+    sm = D ** -0.5
+    if a.method == "vsmooth":
+        kernel = dispatch.vsmooth_kernel(dev, a.qk_format)
+        cls = C.VSmoothSm90Config if kernel == "vsmooth_attn_sm90" else C.VSmoothTritonConfig
+        cands = dispatch.vsmooth_candidates(kernel, D, a.expcast, S)
+        qk = dispatch.preprocess_qk(T, q, k, None, sm_scale=sm, qk_format=a.qk_format)
+        vq = dispatch.preprocess_v(T, v, None)
+        del q, k, v
+
+        def call(config=None):
+            return dispatch.vsmooth_attention(T, qk, vq, expcast=a.expcast, out_dtype=kernel_out_dtype(dtype),
+                                              launch=config)
+    else:
+        Cg = a.group_size
+        kernel, cls = "sparse_attn", C.SparseAttnConfig
+        cands = dispatch.sparse_candidates(a.sparse_qk, D, Cg)
+        keep, G = n_keep(S, a.density), -(-S // Cg)
+        sigma = torch.arange(S, device=dev).expand(B, H, S)
+        j = torch.arange(keep, device=dev)
+        lo, hi = (j * S) // keep, ((j + 1) * S) // keep  # one key per stride, at a random place in it
+        idx = (lo + (torch.rand(B, H, G, keep, device=dev, generator=g) * (hi - lo)).long()).to(torch.int32)
+        res = torch.randn(B, H, S, D, device=dev, dtype=dtype, generator=g) * 0.01
+
+        def call(config=None):
+            return dispatch.sparse_attention(T, q, k, v, sigma, idx, sm_scale=sm, group_size=Cg, residual=res,
+                                             out_dtype=kernel_out_dtype(dtype), qk_format=a.sparse_qk,
+                                             launch=config)
+    bar = Bar(len(cands), f"tuning {kernel}")
+    lookup.configure(cache_dir=a.cache_dir or "", force=a.force, progress=bar)
+    try:
+        with lookup.recording() as sources:
+            call()
+            torch.cuda.synchronize()
+    finally:
+        lookup.configure(force=False, progress=False)
+    source = next(iter(sources)).split(":")[1] if sources else "?"
+    chosen = cls.from_json(lookup.last_config(kernel))
+    rows = []
+    for name, cfg in (("chosen", chosen), ("default", cands[0])):
+        ms = triton.testing.do_bench(lambda: call(cfg), return_mode="median")
+        rows.append({"kernel": kernel, "which": name, "source": source if name == "chosen" else "-",
+                     "config": fmt_cfg(cfg), "ms": ms})
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = parser()
+    a = ap.parse_args(argv)
+    check_args(ap, a)
+    why = no_gpu_reason()
+    if why:
+        print(f"vc_compile tune: cannot tune here: {why}.", file=sys.stderr)
+        return 1
+    rows = run(a)
+    w = {c: max(len(c), *(len(f"{r[c]:.3f}" if c == "ms" else str(r[c])) for r in rows))
+         for c in ("kernel", "which", "source", "config", "ms")}
+    print(" | ".join(c.ljust(n) for c, n in w.items()))
+    print("-+-".join("-" * n for n in w.values()))
+    for r in rows:
+        print(" | ".join((f"{r[c]:.3f}" if c == "ms" else str(r[c])).ljust(n) for c, n in w.items()))
+    from vc_compile.tune.cache import cache_dir
+
+    print(f"cache: {cache_dir(a.cache_dir)}")
+    return 0
