@@ -1,6 +1,6 @@
 """``python -m vc_compile <command>``.
 
-    tune    pre-tune the attention kernels of a method for a shape (see ``vc_compile/tune/cli.py``)
+    tune    pre-tune the attention kernel of a method for a shape (see ``vc_compile/tune_cli.py``)
 
 (The demo is ``python -m vc_compile.demo``.)
 """
@@ -21,7 +21,7 @@ def main(argv=None) -> int:
             return 2
         print(msg, file=sys.stderr if not argv else sys.stdout)
         return 2 if not argv else 0
-    from vc_compile.tune.cli import main as tune_main
+    from vc_compile.tune_cli import main as tune_main
 
     return tune_main(argv[1:])
 

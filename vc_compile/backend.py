@@ -69,7 +69,7 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
         from .runtime import state
 
         weakref.finalize(gm, state.drop_sites, tuple(stats["sites"]))
-    if cfg.compiler == Compiler.EAGER:
+    if cfg.experimental.compiler == Compiler.EAGER:
         if cfg.mode not in (None, "default"):
             warnings.warn(f"vcattn: mode={cfg.mode!r} has no effect with compiler='eager' (Inductor is not "
                           "used); drop one of the two.", UserWarning, stacklevel=2)

@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from vc_compile.config import VCConfig
+from vc_compile.config import GROUP_SIZES, VCConfig
 from vc_compile.templates import configs as C
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--qk-format", choices=("int8", "fp8"), default=_DEFAULTS.qk_format.value,
                     help="vsmooth: Q/K format")
     ap.add_argument("--density", type=float, default=_DEFAULTS.density, help="mcsparse: fraction of keys kept")
-    ap.add_argument("--group-size", type=int, choices=(64, 128), default=_DEFAULTS.group_size,
+    ap.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=_DEFAULTS.group_size,
                     help="mcsparse: queries per group (default: the runtime's)")
     ap.add_argument("--sparse-qk", choices=("bf16", "fp8"), default=_DEFAULTS.sparse_qk,
                     help="mcsparse: QK precision")

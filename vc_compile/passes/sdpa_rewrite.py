@@ -24,11 +24,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from .. import ops  # noqa: F401  (registers torch.ops.vcattn.*)
+from .. import ops  # (registers torch.ops.vcattn.*)
 from ..config import VCConfig
 from ..runtime import report as _report
 from .cp_detect import META_KEY as _CP_META_KEY
-from .cp_detect import _module_path
+from .cp_detect import module_path
 from .cp_detect import dtensor_reason
 
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
@@ -36,7 +36,6 @@ SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_
 LINEAR_TARGETS = {F.linear, torch._C._nn.linear, torch.ops.aten.linear.default}
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def sdpa_args(node: fx.Node) -> dict:
@@ -82,7 +81,7 @@ def ineligible(a: dict, cfg: VCConfig) -> Optional[str]:
         return "not 4-D [B, H, S, D]"
     if any(t.requires_grad for t in (q, k, v)):
         return "requires grad"
-    if any(t.dtype not in _SUPPORTED_DTYPES for t in (q, k, v)) or len({q.dtype, k.dtype, v.dtype}) > 1:
+    if any(t.dtype not in ops.SUPPORTED_DTYPES for t in (q, k, v)) or len({q.dtype, k.dtype, v.dtype}) > 1:
         return "dtype unsupported"
     if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:
         return "gqa"
@@ -166,7 +165,7 @@ def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -
             reason = ineligible(a, cfg)
             q = _val(a["q"])
             rec_kw = dict(graph=f"{graph_name}{'.' + mod_name if mod_name else ''}", node=node.name,
-                          module=_module_path(node), shape=_shape_str(a),
+                          module=module_path(node), shape=_shape_str(a),
                           dtype=str(q.dtype).replace("torch.", "") if isinstance(q, torch.Tensor) else "?",
                           method=method)
             if reason is not None:

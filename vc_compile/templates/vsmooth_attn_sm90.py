@@ -58,6 +58,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
+from vc_compile.templates.configs import POperand, VSmoothSm90Config
+
 
 @gluon.jit
 def _half_scales_max(t, lo, qs, m_i, ks0, ks1):
@@ -89,22 +91,21 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     lo = (cols < BKS)[None, :]  # constant per register in the MMA layout: selects, not per-element work
     t = (s_i32 + 0x4B400000).to(gl.float32, bitcast=True)  # 1.5 * 2^23 + qk, exact (|qk| < 2^22)
-    if MASK or EXPCAST == 2:
-        # s = (t - C) ks, then the row scale (ExpCast mode 2 and the key-tail block; NOTE: the exp2-style fold
-        # alone measured 35.1 / 35.3 ms against 34.7 / 34.8 ms for ExpCast in the shared-memory-P~ kernel,
-        # H200, S = 32760, D = 128; mode 3 below also moves the rounding into the FFMA)
+    if MASK:
+        # the key-tail block: s = (t - C) ks, then the row scale, as the Triton kernel and the reference (NOTE:
+        # for ExpCast the exp2-style fold alone measured 35.1 / 35.3 ms against 34.7 / 34.8 ms in the
+        # shared-memory-P~ kernel, H200, S = 32760, D = 128; the full-block ExpCast below also moves the
+        # rounding into the FFMA)
         s = t * gl.where(lo, ks0, ks1) + gl.where(lo, ks0 * -12582912.0, ks1 * -12582912.0)
-        if MASK:  # the key tail (one block): scale the rows BEFORE the -inf mask (qs = 0: 0 * -inf)
-            s = gl.where((j * BN + cols < Sk)[None, :], s * qs[:, None], float("-inf"))
-            qr = gl.full(qs.shape, 1.0, gl.float32, qs.type.layout)
-        else:
-            qr = qs
+        # scale the rows BEFORE the -inf mask (qs = 0: 0 * -inf)
+        s = gl.where((j * BN + cols < Sk)[None, :], s * qs[:, None], float("-inf"))
+        qr = gl.full(qs.shape, 1.0, gl.float32, qs.type.layout)
         m_new = gl.maximum(m_i, gl.max(s, 1) * qr)
         if EXPCAST:  # code = 8 (logit - m) + 119.65
             y = s * (8.0 * qr)[:, None] + (119.65 - 8.0 * m_new)[:, None]
         else:
             y = s * qr[:, None] - (m_new - 8.0)[:, None]
-    elif EXPCAST == 3:
+    elif EXPCAST:
         # ExpCast on a full block, folded: code = 8 (t - C) ks qs - 8 m + 119.65 rounded to an integer by ONE
         # FFMA, fma(t, A', K) in [2^23, 2^24) (ulp 1: the FFMA's own rounding is the round-to-nearest-even of
         # the code), then one clamp at 2^23 (code 0). K = 2^23 + floor(X) - n must be an integer for that,
@@ -113,7 +114,8 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
         # rounding of n + frac X); |C A' - C A| <= 1/2, so a score's code moves by <= |qk| / (2 C) <= 0.08
         # (|qk| <= 127^2 * 128), a shift common to the scores of similar qk (near the row max: < 1e-3).
         # Exact while |K| < 2^24, i.e. 8 ks qs < ~0.6 (one INT8 step of QK < 1/13 of a log2 unit). Per score:
-        # IADD, FMNMX (row max on t), FFMA, FMNMX -- against IADD, FFMA, FMNMX, FFMA, FADD, FMNMX (mode 2).
+        # IADD, FMNMX (row max on t), FFMA, FMNMX -- against IADD, FFMA, FMNMX, FFMA, FADD, FMNMX (the
+        # reference's two roundings, as the key tail above).
         a0, a1, m_new = _half_scales_max(t, lo, qs, m_i, ks0, ks1)
         X = 119.65 - 8.0 * m_new
         fl = gl.floor(X)
@@ -141,7 +143,7 @@ def _softmax_block(s_i32, j, Sk, qs, m_i, ks0, ks1, s_layout: gl.constexpr, BN: 
     if PREG:  # fp32: a renaming of registers; the fp8 packing below then lands in the A operand's registers
         y = _p_operand(y, o_layout)
     if EXPCAST:
-        if MASK or EXPCAST == 2:
+        if MASK:
             y = gl.maximum(y + 8388608.0, 8388608.0)  # round to the integer code (magic add), clamp at 0
         p8 = y.to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
     elif PREG:
@@ -358,72 +360,15 @@ def _pipelined_step(j, nb, acc, l_i, m_i, alpha, r, p_smem, q_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _reg_step(j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
-              ones_smem, mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s,
-              zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout: gl.constexpr, o_layout: gl.constexpr, BN: gl.constexpr,
-              BKS: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr,
-              WS: gl.constexpr, PP: gl.constexpr, MS: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr):
-    """Key block j with P~ in registers, in the MMA issue order PP (``config_for``)."""
-    if PP == 0:
-        gl.static_assert(MS == 0, "MMA row sums (MS) are built on the PP >= 1 step")
-        acc, l_i, m_i, s_n, ks0n, ks1n = _prefetch_step(
-            j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k, desc_v,
-            desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS,
-            STAGES, EXPCAST, MEAN, MASK, WS, NEXT)
-    else:
-        acc, l_i, m_i, s_n, Rb, ks0n, ks1n = _pp_step(
-            j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
-            ones_smem, mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s,
-            zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS, STAGES, EXPCAST, MEAN, MASK, WS, PP, MS,
-            CID, NEXT)
-    return acc, l_i, m_i, s_n, Rb, ks0n, ks1n
-
-
-@gluon.jit
-def _prefetch_step(j, nb, acc, l_i, m_i, s_i, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, desc_k,
-                   desc_v, desc_m, m_row, kv_row, vt_row, zero_s, zero_o, Sk, KS_bh, qs, ks0, ks1,
-                   s_layout: gl.constexpr, o_layout: gl.constexpr, BN: gl.constexpr, BKS: gl.constexpr,
-                   STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr,
-                   WS: gl.constexpr, NEXT: gl.constexpr):
-    """PP = 0: key block j with P~ in registers. Enters with S_j computed (``s_i``); issues S_{j+1} (NEXT) so
-    that it runs during the softmax of S_j, then PV_j = P~_j V_j straight from the softmax's registers;
-    both are retired before the step ends. WS = 0: this warp group refills the K / V stages itself; WS = 1:
-    it frees them to the producer warp (kempty / vempty)."""
-    slot = j % STAGES
-    nslot = (j + 1) % STAGES
-    if NEXT:
-        mbarrier.wait(kbar.index(nslot), ((j + 1) // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    _release_k(j, nb, slot, k_smem, kbar, kempty, desc_k, kv_row, BN, STAGES, WS)  # S_j retired last step
-    # block j+1's K scales, a step ahead: loaded here they would stall the softmax (global-load latency)
-    ks0n, ks1n = _k_scales(KS_bh, j + 1, Sk, BN, BKS)
-    p8, alpha, r, m_i = _softmax_block(s_i, j, Sk, qs, m_i, ks0, ks1, s_layout, BN, BKS, EXPCAST, MASK, o_layout,
-                                       True)
-    mbarrier.wait(vbar.index(slot), (j // STAGES) & 1)
-    pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
-    l_i = l_i * alpha + r
-    if NEXT:
-        s_n, pv = warpgroup_mma_wait(0, deps=[s_tok, pv_tok])
-    else:
-        pv = warpgroup_mma_wait(0, deps=[pv_tok])
-        s_n = s_i
-    mu = _load_mu(m_smem, slot, o_layout, MEAN)
-    acc = _fold_pv(acc, alpha, r, pv, mu, o_layout, MEAN)
-    _release_v(j, nb, slot, v_smem, m_smem, vbar, vempty, desc_v, desc_m, vt_row, m_row, BN, STAGES, MEAN, WS)
-    return acc, l_i, m_i, s_n, ks0n, ks1n
-
-
-@gluon.jit
-def _pp_step(j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn, ones_smem,
+def _pp_step(j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, ones_smem,
              mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s, zero_o, Sk,
              KS_bh, qs, ks0, ks1, s_layout: gl.constexpr, o_layout: gl.constexpr, BN: gl.constexpr,
              BKS: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr, MASK: gl.constexpr,
-             WS: gl.constexpr, PP: gl.constexpr, MS: gl.constexpr, CID: gl.constexpr, NEXT: gl.constexpr):
-    """Key block j with P~ in registers, the MMAs batched after the softmax (PP >= 1): softmax(S_j) -> issue
+             WS: gl.constexpr, MS: gl.constexpr, NEXT: gl.constexpr):
+    """Key block j with P~ in registers, the MMAs batched after the softmax: softmax(S_j) -> issue
     PV_j and S_{j+1} together -> retire PV_j (S_{j+1} still running) -> fold -> retire S_{j+1}. Nothing of
-    this warp group's runs on the tensor cores during its softmax; PP = 2 (two consumer warp groups) takes
-    turns at the issue point (FA3's ping-pong): consumer CID waits on ``turn[CID]`` before issuing and
-    arrives on ``turn[1 - CID]`` after, so one group's MMAs run during the other's softmax.
+    this warp group's runs on the tensor cores during its softmax (with WS the other consumer warp group's
+    softmax overlaps them).
     MS = 1: the row sum r_j = P~_j 1 is a third MMA beside PV_j (``_row_sum_mma``; l_i is then [BM, 8], every
     column the running sum), and the mean term waits in Rb for 8 blocks, added by tf32 MMAs (``_flush_mean``)
     with the last S wait of every 8th step instead of r_j mu'_j per step."""
@@ -438,15 +383,11 @@ def _pp_step(j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar
     mbarrier.wait(vbar.index(slot), (j // STAGES) & 1)
     if NEXT:
         mbarrier.wait(kbar.index(nslot), ((j + 1) // STAGES) & 1)
-    if PP == 2:  # this group's j-th turn; a fresh barrier counts as phase 1 complete: consumer 0 goes first
-        mbarrier.wait(turn.index(CID), (j + 1 - CID) & 1)
     pv_tok = warpgroup_mma(p8, v_smem.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
     if MS:
         rs_tok = _row_sum_mma(p8, ones_smem, o_layout)
     if NEXT:
         s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    if PP == 2:
-        mbarrier.arrive(turn.index(1 - CID), count=1)
     if not MS:
         l_i = l_i * alpha + r
     if MS:
@@ -481,17 +422,16 @@ def _pp_step(j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar
 
 @gluon.jit
 def _attend_rows(desc_q, desc_k, desc_v, desc_m, desc_g, q_smem, k_smem, v_smem, m_smem, p_smem, ones_smem, mg_smem,
-                 qbar, kbar, vbar, kempty, vempty, turn, mgbar, QS, KS, VS, OUT, LSE, S, Sk, nb, start_m,
+                 qbar, kbar, vbar, kempty, vempty, mgbar, QS, KS, VS, OUT, LSE, S, Sk, nb, start_m,
                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr, BV: gl.constexpr,
                  STAGES: gl.constexpr, EXPCAST: gl.constexpr, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr,
-                 RETURN_LSE: gl.constexpr, WS: gl.constexpr, PREG: gl.constexpr, PP: gl.constexpr, MS: gl.constexpr,
-                 CID: gl.constexpr):
+                 RETURN_LSE: gl.constexpr, WS: gl.constexpr, PREG: gl.constexpr, MS: gl.constexpr):
     """BM query rows from ``start_m`` of head ``program_id(1)`` through all key blocks; O (and the LSE) stored.
     WS = 0: the warps also load K / V; WS = 1 (PREG only): a producer warp does (kbar / vbar filled by it,
-    kempty / vempty freed here) and this is one of two consumer warp groups. MS = 1 (PP >= 1): row sums and
+    kempty / vempty freed here) and this is one of two consumer warp groups. MS = 1 (PREG only): row sums and
     the mean term on the tensor cores (``_pp_step``); ``mg_smem`` / ``mgbar`` this group's mu' group buffers."""
     gl.static_assert(WS == 0 or PREG == 1, "warp specialisation is built on the register-P~ step")
-    gl.static_assert(MS == 0 or (PREG == 1 and PP >= 1), "MMA row sums (MS) are built on the PP >= 1 step")
+    gl.static_assert(MS == 0 or PREG == 1, "MMA row sums (MS) are built on the register-P~ step")
     NW: gl.constexpr = gl.num_warps()  # the partition's warps under warp specialisation
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BN, 32])
@@ -545,16 +485,16 @@ def _attend_rows(desc_q, desc_k, desc_v, desc_m, desc_g, q_smem, k_smem, v_smem,
         else:
             l_i = gl.zeros([BM], gl.float32, row_s)
         for j in range(0, nb - 1):
-            acc, l_i, m_i, s_i, Rb, ks0, ks1 = _reg_step(
-                j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
+            acc, l_i, m_i, s_i, Rb, ks0, ks1 = _pp_step(
+                j, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty,
                 ones_smem, mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s,
-                zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS, STAGES, EXPCAST, MEAN, False, WS, PP,
-                MS, CID, True)
-        acc, l_i, m_i, s_i, Rb, ks0, ks1 = _reg_step(  # the last block: masked when it holds the key tail
-            nb - 1, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, turn,
+                zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS, STAGES, EXPCAST, MEAN, False, WS,
+                MS, True)
+        acc, l_i, m_i, s_i, Rb, ks0, ks1 = _pp_step(  # the last block: masked when it holds the key tail
+            nb - 1, nb, acc, l_i, m_i, s_i, Rb, q_smem, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty,
             ones_smem, mg_smem, mgbar, desc_k, desc_v, desc_m, desc_g, m_row, g_row, ng, kv_row, vt_row, zero_s,
-            zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS, STAGES, EXPCAST, MEAN, HAS_TAIL, WS, PP, MS,
-            CID, False)
+            zero_o, Sk, KS_bh, qs, ks0, ks1, s_layout, o_layout, BN, BKS, STAGES, EXPCAST, MEAN, HAS_TAIL, WS, MS,
+            False)
         if MS:  # every column holds the row sum
             l_i = gl.convert_layout(gl.max(l_i, 1), row_s)
     else:
@@ -635,7 +575,7 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS, VS
                               BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
                               BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                               MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                              PREG: gl.constexpr, PP: gl.constexpr, MS: gl.constexpr, num_warps: gl.constexpr):
+                              PREG: gl.constexpr, MS: gl.constexpr, num_warps: gl.constexpr):
     """BM rows per program, num_warps / 4 warp groups that also load K / V (at BM = 64: two CTAs per SM)."""
     p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float8e4nv)
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [BM, D], desc_q.layout)
@@ -653,8 +593,8 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS, VS
         mbarrier.init(kbar.index(i), count=1)
         mbarrier.init(vbar.index(i), count=1)
     _attend_rows(desc_q, desc_k, desc_v, desc_m, desc_g, q_smem, k_smem, v_smem, m_smem, p_smem, ones_smem, mg_smem,
-                 qbar, kbar, vbar, kbar, vbar, kbar, mgbar, QS, KS, VS, OUT, LSE, S, Sk, nb, gl.program_id(0) * BM,
-                 BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 0, PREG, PP, MS, 0)
+                 qbar, kbar, vbar, kbar, vbar, mgbar, QS, KS, VS, OUT, LSE, S, Sk, nb, gl.program_id(0) * BM,
+                 BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 0, PREG, MS)
     mbarrier.invalidate(qbar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(kbar.index(i))
@@ -685,7 +625,7 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
                                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
                                  BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                                  MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                                 PP: gl.constexpr, MS: gl.constexpr, num_warps: gl.constexpr):
+                                 MS: gl.constexpr, num_warps: gl.constexpr):
     """Warp-specialised (register P~): two consumer warp groups of BM rows each (the default partition and a
     worker) share a K / V ring that a producer warp fills; one CTA (12 warps) per SM."""
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, BM, D], desc_q.layout)
@@ -697,14 +637,12 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
     vbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     vempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PP = 2: MMA-issue turns
     ones0 = _ones_operand(BN)  # MS: a row-sum operand and mu' group buffers per consumer
     ones1 = _ones_operand(BN)
     mg0, mgbar0 = _mean_group_buffers(desc_g, D, MS)
     mg1, mgbar1 = _mean_group_buffers(desc_g, D, MS)
     for i in gl.static_range(2):
         mbarrier.init(qbar.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(kbar.index(i), count=1)
         mbarrier.init(vbar.index(i), count=1)
@@ -713,63 +651,18 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
     start = gl.program_id(0) * (2 * BM)
     gl.warp_specialize([
         (_attend_rows, (desc_q, desc_k, desc_v, desc_m, desc_g, q_smem.index(0), k_smem, v_smem, m_smem, q_smem,
-                        ones0, mg0, qbar.index(0), kbar, vbar, kempty, vempty, turn, mgbar0, QS, KS, VS, OUT, LSE,
-                        S, Sk, nb, start, BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1, PP,
-                        MS, 0)),
+                        ones0, mg0, qbar.index(0), kbar, vbar, kempty, vempty, mgbar0, QS, KS, VS, OUT, LSE,
+                        S, Sk, nb, start, BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1,
+                        MS)),
         (_attend_rows, (desc_q, desc_k, desc_v, desc_m, desc_g, q_smem.index(1), k_smem, v_smem, m_smem, q_smem,
-                        ones1, mg1, qbar.index(1), kbar, vbar, kempty, vempty, turn, mgbar1, QS, KS, VS, OUT, LSE,
+                        ones1, mg1, qbar.index(1), kbar, vbar, kempty, vempty, mgbar1, QS, KS, VS, OUT, LSE,
                         S, Sk, nb, start + BM, BM, BN, D, BKS, BV, STAGES, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, 1,
-                        PP, MS, 1)),
+                        MS)),
         (_ws_producer, (desc_k, desc_v, desc_m, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, Sk, nb, BN, D,
                         BV, STAGES, MEAN and not MS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# (BM, num_warps, STAGES, WS, PREG, PP, MS) per (head dim, ExpCast) (missing entries are 0).
-# NOTE (H200, S = 32760, D = 128, naive 8-bit /
-# V-Smooth, ms): (64, 4, 2) 30.85 / 37.78, (64, 4, 3) 44.73 / 59.02 (122 KB of shared memory: one CTA per SM),
-# (128, 8, 2) 35.54 / 44.60 (one CTA of two warp groups, no ping-pong between them); cuDNN 38.85. Both
-# head dims run two CTAs (8 warps) per SM at (64, 4, 2); D = 64 fits three (168 registers).
-# NOTE (H200, 2026-11-30, S = 32760, D = 128, ExpCast kernel, ms, three runs): shared-memory P~ (64, 4, 2, 0, 0)
-# 34.79 / 35.85 / 35.56, register P~ (64, 4, 2, 0, 1) 31.78 / - / 32.66, + warp specialisation
-# (64, 4, 2, 1, 1) 31.43 / - / 31.55. (Register P~ on the exp2 path gave NaN rows with the mean term on until
-# _e4m3x4, 2026-12-01: kernels_notes v6.)
-# NOTE (H200, 5f2bd7e vs ae07fe5, ExpCast kernel x cuDNN): warp-specialised register P~ 1.22 / 1.26 at
-# S = 32760 / 75600 (shared-memory P~ 1.09 / 1.09) but 1.01 at S = 8190 (shared memory 1.08: one CTA of 12
-# warps per SM leaves 19 waves with a ragged tail).
-# NOTE (H200, 2026-12-01, 940b993 + _e4m3x4, kernel alone, ms; cuDNN 38.01 / 205.1 / 2.429 / 25.93 at S = 32760 /
-# 75600 / 8190 (D = 128) / 32760 (D = 64)), (BM, warps, STAGES, WS, PREG, PP):
-#   ExpCast mode 3: (64,4,2,1,1,1) 29.15 / 154.8 / 2.070 / 22.68; (64,4,2,0,1,1) 31.04 / 167.3 / 2.076 / 21.58;
-#     shared-memory P~ (64,4,2,0,0) 34.73 / 181.3 / 2.215 / 26.28. Mode 2 at (64,4,2,1,1,1): 30.07 / 158.1;
-#     the previous default (64,4,2,1,1,0) mode 2: 31.17 / 166.0 / 2.235 / 23.74. Turns (PP = 2): 31.09 at 32760
-#     (against 29.40 for PP = 1 in the same run): the two consumer warp groups overlap better on their own.
-#   exp2 (V-Smooth): shared-memory P~ 32.24 / 177.2 / 2.103 / 23.55; (64,4,2,1,1,0) 32.36 / 170.2 / 2.306 / 26.02;
-#     (64,4,2,1,1,1) 32.52 / 170.6 / 2.327 / 25.26; (64,4,2,0,1,1) 32.34 / 170.6 / 2.161 / 22.98.
-#   naive 8-bit (exp2, no mean term): shared memory 29.54 / 157.5; (64,4,2,1,1,1) 28.84 / 152.8.
-# NOTE (same day, D = 128, ms at S = 2048 / 4096 / 16380 / 24570; cuDNN 0.142 / 0.561 / 9.636 / 21.78): ExpCast mode 3
-#   (64,4,2,1,1,1) 0.197 / 0.603 / 7.529 / 16.91, (64,4,2,0,1,1) 0.190 / 0.588 / 8.092 / 18.26, shared-memory P~
-#   0.175 / 0.570 / 8.789 / 20.14 -> warp-specialised register P~ from 6144 rows (between 4096 and 8190, where it
-#   leads: 2.070 vs 2.215); V-Smooth shared-memory P~ 0.161 / 0.581 / 8.262 / 18.73, (64,4,2,1,1,0) 0.211 / 0.665 /
-#   8.400 / 18.87 -> register P~ only from 49152 rows (it is level at 32760 and 4% ahead at 75600; not measured
-#   between). Below ~4096 rows both 8-bit kernels are slower than cuDNN (0.81-0.97x): a short head has too few
-#   key blocks to fill the pipeline.
-# NOTE (H200, 2026-12-01, MS = row sums and the mean term on the tensor cores, kernel alone, ms, x cuDNN of the run):
-#   S = 32760, D = 128: ExpCast (64,4,2,1,1,1) 29.42 -> MS (64,4,2,1,1,1,1) 25.66 (1.31x -> 1.50x), MS without WS 27.08;
-#     V-Smooth shared-memory P~ 32.88 / (64,4,2,1,1,0) 33.34 -> MS WS 27.33 (1.41x), MS without WS 30.55;
-#     naive (64,4,2,1,1,1) 29.06 -> MS 27.71. S = 75600: ExpCast 161.5 -> 136.4, V-Smooth 170.5 -> 146.5.
-#   S = 8190: ExpCast 2.141 -> 1.787 (shared-memory P~ 2.174), V-Smooth shared memory 2.085 -> MS WS 1.945;
-#   S = 4096 (cuDNN 0.565): ExpCast MS WS 0.529 (shared memory 0.566), V-Smooth MS WS 0.590 (shared memory 0.571).
-#   D = 64, S = 32760 (cuDNN 26.38): ExpCast (64,4,2,0,1,1) 21.58 -> MS WS 18.70; V-Smooth 22.98 -> MS WS 21.88.
-#   Loop (sm_90 SASS, ExpCast D = 128): 716 -> ~556 instructions per key block outside the 1-in-8 flush.
-DEFAULT_CONFIG = {(128, False): (64, 4, 2, 0, 0), (128, True): (64, 4, 2, 0, 0),
-                  (64, False): (64, 4, 2, 0, 1, 1), (64, True): (64, 4, 2, 0, 1, 1)}
-# (head dim, ExpCast) -> (from this many query rows, launch configuration)
-LONG_CONFIG = {(128, False): (6144, (64, 4, 2, 1, 1, 1, 1)), (128, True): (4096, (64, 4, 2, 1, 1, 1, 1)),
-               (64, False): (6144, (64, 4, 2, 1, 1, 1, 1)), (64, True): (6144, (64, 4, 2, 1, 1, 1, 1))}
-# ExpCast's code arithmetic on full blocks: 2 = the reference's two roundings (s, then the code), 3 = folded into
-# one FFMA that also rounds (``_softmax_block``); the key-tail block always runs mode 2
-EXPCAST_MODE = 3
-CONFIG_OVERRIDE = None
 # register split of a warp-specialised CTA (12 warps: 3 warp groups of 128 threads): producer 24 + consumer
 # 240 (worker) + consumer 240 (the default partition, what is left of 168 x 3) = 504 <= 65536 / 128
 CONSUMER_REGS = gl.constexpr(240)
@@ -790,26 +683,6 @@ def _key_order_tensor(device, BN: int):
     return _KEY_ORDER[key]
 
 
-def config_for(D: int, expcast: bool, config=None, S: int = 0) -> tuple:
-    """The launch configuration (BM, num_warps, STAGES, WS, PREG, PP, MS) for S query rows, validated. PP
-    (register P~ only): 0 = S_{j+1} issued before the softmax of S_j and PV_j after it (``_reg_step``); 1 = both
-    issued together after the softmax (``_pp_step``); 2 = as 1, the two consumer warp groups taking turns (WS).
-    MS (PP >= 1): the row sums and the mean term on the tensor cores (``_pp_step``)."""
-    key = (D, bool(expcast))
-    long = LONG_CONFIG.get(key)
-    cfg = tuple(config or CONFIG_OVERRIDE or (long[1] if long and S >= long[0] else None) or DEFAULT_CONFIG[key])
-    BM, nw, stages, ws, preg, pp, ms = (cfg + (0, 0, 0, 0))[:7]
-    if ws and (not preg or nw != 4 or BM != 64):
-        raise ValueError(f"warp specialisation needs PREG = 1, 4 warps and BM = 64 per consumer, got {cfg}")
-    if pp and not preg:
-        raise ValueError(f"PP (the MMA issue order of the register-P~ step) needs PREG = 1, got {cfg}")
-    if pp not in (0, 1, 2) or (pp == 2 and not ws):
-        raise ValueError(f"PP is 0, 1 or 2 (2 = ping-pong of two consumer warp groups: needs WS = 1), got {cfg}")
-    if ms and (not preg or not pp):
-        raise ValueError(f"MS (row sums and the mean term by MMA) needs PREG = 1 and PP >= 1, got {cfg}")
-    return BM, nw, stages, ws, preg, pp, ms
-
-
 def _mean_groups(mu_prime):
     """MS: mu' [BH, nb, D] as the tf32 MMAs' B tiles, [BH * ng * 2 * D, 8] fp32: per window of 8 key blocks
     (zero-padded to ng windows) the hi and lo tf32 parts of mu'^T [D, 8] (K-major, the blocks along the 8)."""
@@ -822,22 +695,26 @@ def _mean_groups(mu_prime):
 
 
 def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, return_lse: bool = False,
-                           config=None, expcast_mode=None):
-    """As ``vsmooth_attn.vsmooth_attention`` (INT8 QK only): O [B, H, S, D] (and the base-2 LSE)."""
+                           launch: VSmoothSm90Config):
+    """As ``vsmooth_attn.vsmooth_attention`` (INT8 QK only): O [B, H, S, D] (and the base-2 LSE), with the launch
+    configuration ``launch``."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from vc_compile.reference.preprocess import BLOCK_K, BLOCK_V
+    from vc_compile.templates.vsmooth_attn import check_inputs
 
+    if not isinstance(launch, VSmoothSm90Config):
+        raise TypeError(f"launch must be a VSmoothSm90Config, got {type(launch).__name__}")
     out_dtype = out_dtype or torch.bfloat16
+    check_inputs(qk, vq)
     q8, q_scale, k8, k_scale = qk.q8, qk.q_scale, qk.k8, qk.k_scale
     B, H, S, D = q8.shape
     Sk = k8.shape[2]
-    if D not in (64, 128):
-        raise ValueError(f"head dim {D} is not supported (64 or 128)")
     if q8.dtype != torch.int8 or k8.dtype != torch.int8:
         raise ValueError(f"the sm_90 kernel takes INT8 Q/K codes, got {q8.dtype}, {k8.dtype}")
-    BM, nw, stages, ws, preg, pp, ms = config_for(D, expcast, config, S)
+    BM, nw, stages = launch.block_m, launch.num_warps, launch.stages
+    ws, preg, ms = launch.warp_specialize, launch.p_operand == POperand.REGISTERS, launch.mma_sums
     BN = BLOCK_V
     q8, k8, v8t = q8.contiguous(), k8.contiguous(), vq.v8t.contiguous()
     S_pad = v8t.shape[-1]
@@ -849,7 +726,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     desc_v = TensorDescriptor.from_tensor(v8t.view(B * H * D, S_pad), [D, BN], lay([D, BN], gl.float8e4nv))
     out = torch.empty(B, H, S, D, device=q8.device, dtype=out_dtype)
     lse = torch.empty(B, H, S, device=q8.device, dtype=torch.float32) if return_lse else out
-    mean = 0 if getattr(vq.v_mean, "_vc_zero_mean", False) else 1
+    mean = 0 if vq.zero_mean else 1
     nb = -(-Sk // BN)
     # mu' = mu / v_scale (the mean in units of v_scale), [B, H, nb, D] fp32: one small op here instead of a
     # [D] reciprocal held in 32 registers per thread through the key loop
@@ -865,11 +742,8 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     desc_g = TensorDescriptor.from_tensor(mu_groups, [D, 8], lay([D, 8], gl.float32))
     args = (desc_q, desc_k, desc_v, desc_m, desc_g, q_scale.contiguous(), k_scale.contiguous(),
             vq.v_scale.contiguous(), out, lse, S, Sk, nb)
-    mode = expcast_mode or EXPCAST_MODE
-    if mode not in (2, 3):
-        raise ValueError(f"expcast_mode is 2 (two roundings, as the reference) or 3 (folded), got {mode}")
-    consts = dict(BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, STAGES=stages, EXPCAST=mode if expcast else 0,
-                  MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), PP=pp, MS=int(ms))
+    consts = dict(BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, STAGES=stages, EXPCAST=3 if expcast else 0,
+                  MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), MS=int(ms))
     if ws:
         _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
     else:

@@ -190,10 +190,6 @@ def shipped_config(key: TuneKey, family: str) -> Optional[Config]:
     return dict(table[pats[0]]) if pats else None
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _line_progress(key: TuneKey, arch: Arch, n: int) -> Callable[[int, Config, Optional[float]], None]:
     """The default progress report: ONE line on stderr, a dot per benchmarked configuration."""
     print(f"vcattn: tuning {key.kernel} [{key.entry}] on {arch.gpu}: {n} configs ", end="",
@@ -213,8 +209,9 @@ def get_config(key: TuneKey, candidates: List[Config], bench: Optional[Callable[
 
     Order: the shipped table of the GPU family (skipped with ``shipped=False``), then the cache file,
     then tuning: ``bench(config) -> ms`` runs one candidate (it may raise: that candidate is skipped)
-    and the fastest is stored. Tuning never happens under ``TRITON_INTERPRET`` or without ``bench``:
-    then the first candidate (the measured default) is used, source ``default``, nothing is written.
+    and the fastest is stored. Tuning never happens without ``bench`` (the caller passes none where it
+    cannot time kernels, e.g. under ``TRITON_INTERPRET``): then the first candidate (the measured default)
+    is used, source ``default``, nothing is written.
     ``progress(i, config, ms or None)`` is called after each candidate (default: one line on stderr).
     ``force=True`` skips the shipped table and the cache: it always tunes (where tuning is possible).
     """
@@ -229,7 +226,7 @@ def get_config(key: TuneKey, candidates: List[Config], bench: Optional[Callable[
     hit = None if force else load(path).get(key.entry)
     if hit is not None:
         return dict(hit["config"]), "cache"
-    if bench is None or interpreting():
+    if bench is None:
         return dict(candidates[0]), "default"
     if progress is None:
         progress = (lambda i, cfg, ms: None) if quiet else _line_progress(key, arch, len(candidates))
