@@ -365,8 +365,12 @@ def test_schedule_tables():
     naive = VCConfig(method="vsmooth", experimental={"smooth_v": False})
     assert [vsmooth.phase_for(naive, s, 4, False) for s in range(4)] == [Phase.REUSE] * 4
     assert vsmooth.phase_for(VCConfig(warmup_steps=2), 1, 8, True) == Phase.DENSE
-    from vc_compile.methods import dense
+    from vc_compile.methods import METHODS, dense
     assert dense.phase_for(VCConfig(method="dense"), 3, 8, True) == Phase.DENSE
+    # every method provides the interface the op calls (methods/__init__.py)
+    for m in METHODS.values():
+        assert all(callable(getattr(m, f)) for f in ("phase_for", "needs_fp8", "ineligible", "path_label"))
+    assert not hasattr(dense, "run")  # Phase.DENSE is the op's own SDPA call
 
 
 def test_tracker_subscribers_are_explicit():

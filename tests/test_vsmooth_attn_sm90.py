@@ -106,7 +106,7 @@ def test_ms_mean_groups_layout_matches_a_dense_reference():
 
 
 def test_ms_window_slot_lands_in_a_operand_column_i():
-    """``_mean_slot`` puts block i of a window in accumulator column 2 (i % 4) + i // 4; ``_flush_mean``'s relabelling
+    """``mean_slot`` puts block i of a window in accumulator column 2 (i % 4) + i // 4; ``MeanWindow.flush``'s relabelling
     (reshape [BM, 4, 2], swap the last two axes) must bring it to A-operand column i, the row of mu'_i in the tile."""
     for i in range(8):
         x = torch.zeros(1, 8)
@@ -116,7 +116,7 @@ def test_ms_window_slot_lands_in_a_operand_column_i():
 
 
 def test_ms_hi_lo_split_is_needed_for_large_means():
-    """The mean term R mu' as ``_flush_mean`` forms it (R_hi mu_hi + R_lo mu_hi + R_hi mu_lo, each operand read as
+    """The mean term R mu' as ``MeanWindow.flush`` forms it (R_hi mu_hi + R_lo mu_hi + R_hi mu_lo, each operand read as
     tf32) against one tf32 product, with mu' ~100x the residual's scale (a channel mean 64-128x the residual range):
     the single product is off by up to 2^-10 of the mean term (measured 1.1e-3), i.e. 12% of the attention-dependent
     part; the split stays at ~2^-20 of the mean term (6e-7), 6e-5 of that part."""
@@ -144,7 +144,7 @@ def test_register_p_key_order_is_a_permutation_of_each_block():
     # within a 32-key k-step of the MMA, the 4 lanes of a quad keep their own 8 keys (no data crosses threads)
     for k, n in enumerate(order):
         assert k // 32 == n // 32 and (k // 4) % 4 == (n // 2) % 4
-    # _p_operand's reshape / permute of P~ is the same relabelling, so P~' V' = P~ V with V's rows in `order`
+    # p_operand's reshape / permute of P~ is the same relabelling, so P~' V' = P~ V with V's rows in `order`
     P, V = torch.randn(64, 128, dtype=torch.float64), torch.randn(128, 32, dtype=torch.float64)
     idx = torch.tensor(order)
     relabelled = P.reshape(64, 4, 2, 2, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(64, 128)
@@ -288,7 +288,7 @@ def test_gpu_register_p_configs_match_shared_memory_p(D, S, config, expcast):
     shared-memory-P~ kernel: the same codes and scales, only the order of fp32 additions in PV and of the fp16
     row sum differs (measured max abs 2e-3 on outputs ~1 at S = 32760). S = 300 leaves the second consumer warp
     group of the warp-specialised kernel with rows past S. On the exp2 path (V-Smooth and naive 8-bit) these
-    compiles returned wrong or NaN rows with the mean term on until P~ was packed by ``_e4m3x4``
+    compiles returned wrong or NaN rows with the mean term on until P~ was packed by ``e4m3x4``
     (kernels_notes v6). MS (row sums and the mean term by MMA): row sums exact in fp32 instead of an fp16 sum,
     the mean term added per 8 blocks (S = 2048: 16 blocks, both windows full; 4173: four full windows and a
     1-block one)."""
@@ -311,7 +311,7 @@ def test_gpu_register_p_configs_match_shared_memory_p(D, S, config, expcast):
 def test_gpu_folded_expcast_matches_two_roundings_and_reference(D, S, config):
     """The Gluon kernel's ExpCast on full blocks (the code's rounding folded into one FFMA) against the Triton
     kernel, which forms the code with the reference's two roundings (s, then the code; the Gluon kernel's
-    key-tail block does the same): codes move by <= |qk| / 2C < 0.08 of a code (``_softmax_block``), so a few per
+    key-tail block does the same): codes move by <= |qk| / 2C < 0.08 of a code (``softmax_block``), so a few per
     mille of them round the other way (CPU emulation: 0.5%, against 0.003% for the two roundings), each by one
     code. Bound: the reference tolerance. (Before the two-roundings full-block variant was deleted this compared
     the two modes inside the Gluon kernel; the Triton kernel's arithmetic is that variant's.)"""

@@ -223,11 +223,11 @@ _MS_WS = VSmoothSm90Config(p_operand=POperand.REGISTERS, warp_specialize=True, r
 # (64, 4, 2); D = 64 fits three (168 registers).
 # NOTE (H200, 2026-11-30, S = 32760, D = 128, ExpCast kernel, ms, three runs): shared-memory P~ 34.79 / 35.85 /
 # 35.56, register P~ 31.78 / - / 32.66, + warp specialisation 31.43 / - / 31.55. (Register P~ on the exp2 path
-# gave NaN rows with the mean term on until _e4m3x4, 2026-12-01: kernels_notes v6.)
+# gave NaN rows with the mean term on until e4m3x4, 2026-12-01: kernels_notes v6.)
 # NOTE (H200, 5f2bd7e vs ae07fe5, ExpCast kernel x cuDNN): warp-specialised register P~ 1.22 / 1.26 at
 # S = 32760 / 75600 (shared-memory P~ 1.09 / 1.09) but 1.01 at S = 8190 (shared memory 1.08: one CTA of 12
 # warps per SM leaves 19 waves with a ragged tail).
-# NOTE (H200, 2026-12-01, 940b993 + _e4m3x4, kernel alone, ms; cuDNN 38.01 / 205.1 / 2.429 / 25.93 at S = 32760 /
+# NOTE (H200, 2026-12-01, 940b993 + e4m3x4, kernel alone, ms; cuDNN 38.01 / 205.1 / 2.429 / 25.93 at S = 32760 /
 # 75600 / 8190 (D = 128) / 32760 (D = 64)); "WS" warp specialisation, "reg" register P~ (both MMAs issued
 # after the softmax):
 #   ExpCast: WS reg 29.15 / 154.8 / 2.070 / 22.68; reg 31.04 / 167.3 / 2.076 / 21.58; shared-memory P~

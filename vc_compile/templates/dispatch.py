@@ -51,7 +51,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # the files whose source keys a kernel's tuning cache entries (a change of the kernel re-tunes)
 SOURCES = {name: tuple(os.path.join(_HERE, f) for f in files) for name, files in {
     "vsmooth_attn": ("vsmooth_attn.py",),
-    "vsmooth_attn_sm90": ("vsmooth_attn_sm90.py",),
+    "vsmooth_attn_sm90": ("vsmooth_attn_sm90.py", "vsmooth_attn_sm90_softmax.py", "vsmooth_attn_sm90_steps.py"),
     "sparse_attn": ("sparse_attn.py",),
 }.items()}
 
