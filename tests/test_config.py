@@ -79,6 +79,17 @@ def test_experimental_knobs_live_in_one_option():
         VCConfig.from_options({"experimental": "reference"})
 
 
+def test_merge_options_merges_experimental():
+    from vc_compile.config import merge_options
+
+    ladder = {"method": "mcsparse", "residual": "none", "experimental": {"selection": "mean_pool"}}
+    got = merge_options(ladder, {"experimental": {"compiler": "eager"}, "density": 0.25})
+    assert got == {"method": "mcsparse", "residual": "none", "density": 0.25,
+                   "experimental": {"selection": "mean_pool", "compiler": "eager"}}
+    assert ladder["experimental"] == {"selection": "mean_pool"}  # inputs untouched
+    assert merge_options(None, {"method": "dense"}) == {"method": "dense"}
+
+
 def test_group_size_default_has_one_source():
     """MC-Sparse's query-group size: VCConfig's default is what the stateless op's schema, the tune CLI and the
     sparse kernel's shipped table assume (the tune CLI used 64 while the runtime used 128)."""

@@ -21,7 +21,6 @@ from .passes.rope_fuse import fuse_rope
 from .passes.sdpa_rewrite import rewrite_sdpa
 
 _GRAPH_IDS = itertools.count(1)
-_CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def cudagraph_partition_supported() -> bool:
