@@ -261,7 +261,8 @@ def test_kernels_and_tune_do_not_import_each_other():
     tdir, udir = os.path.join(ROOT, "vc_compile", "templates"), os.path.join(ROOT, "vc_compile", "tune")
     for f in sorted(os.listdir(tdir)):
         if f.endswith(".py") and f != "dispatch.py":
-            bad = [m for m in _imports(os.path.join(tdir, f)) if m.startswith(("vc_compile.tune", "vc_compile.methods"))]
+            bad = [m for m in _imports(os.path.join(tdir, f))
+                   if m.startswith(("vc_compile.tune", "vc_compile.methods"))]
             assert not bad, f"templates/{f} imports {bad}"
     for f in sorted(os.listdir(udir)):
         if f.endswith(".py"):

@@ -106,8 +106,9 @@ def test_ms_mean_groups_layout_matches_a_dense_reference():
 
 
 def test_ms_window_slot_lands_in_a_operand_column_i():
-    """``mean_slot`` puts block i of a window in accumulator column 2 (i % 4) + i // 4; ``MeanWindow.flush``'s relabelling
-    (reshape [BM, 4, 2], swap the last two axes) must bring it to A-operand column i, the row of mu'_i in the tile."""
+    """``mean_slot`` puts block i of a window in accumulator column 2 (i % 4) + i // 4; ``MeanWindow.flush``'s
+    relabelling (reshape [BM, 4, 2], swap the last two axes) must bring it to A-operand column i, the row of
+    mu'_i in the tile."""
     for i in range(8):
         x = torch.zeros(1, 8)
         x[0, 2 * (i % 4) + i // 4] = 1.0

@@ -8,13 +8,14 @@ The prologue (issue 7, ``rope=`` a ``reference.rope.RopeArgs``): ``_colsum_kerne
 ``_qk_quant_kernel`` rotate the rows they load (``x*cos + rot(x)*sin`` in fp32, rounded once to the input
 dtype like the models), so q and k are read un-rotated from the model's tensor and never written
 rotated. K rows are rotated at their own token position (before the perm gather). With RoPE the Q/K grid
-is (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``): the heads of one token block run back to back and the table
-rows come from L2; the Q tile runs as two 64-row halves (register pressure).
+is (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``): the heads of one token block run back to back and
+the table rows come from L2; the Q tile runs as two 64-row halves (register pressure).
 Every load and store must stay a 16-byte vector in ONE register layout, as in the no-RoPE path:
-- interleaved, 16-bit q/k with unit channel stride, no Hadamard (``PACKED``, ``PreprocessConfig.rope_packed``; Wan/Hunyuan/LTX/tiny_dit):
-  a pair (2i, 2i+1) is read as one 32-bit word (``load_pairs``), tables as [R, D/2] (pair table) or as
-  64-bit pair words (full fp32 table), the rotation done on the [R, D/2] even/odd halves and the codes
-  stored as int16 pairs (``preprocess._quant_pair``): x, partner, tables and codes share one layout;
+- interleaved, 16-bit q/k with unit channel stride, no Hadamard (``PACKED``, ``PreprocessConfig.rope_packed``;
+  Wan/Hunyuan/LTX/tiny_dit): a pair (2i, 2i+1) is read as one 32-bit word (``load_pairs``), tables as
+  [R, D/2] (pair table) or as 64-bit pair words (full fp32 table), the rotation done on the [R, D/2]
+  even/odd halves and the codes stored as int16 pairs (``preprocess._quant_pair``): x, partner, tables and
+  codes share one layout;
 - otherwise interleaved: reshape [R, D/2, 2] + split/join of the loaded [R, D] tile (``rope_rows``;
   vectorised, but sm_90 adds shared-memory layout conversions);
 - rotate-half: the partner ``x[(d + D/2) % D]`` is a second load of the same rows (L1/L2 hits), which
