@@ -230,7 +230,7 @@ def test_two_step_generation_through_vcattn(demo):
     cond = encode(te, parse_prompt("red circle right; blue square up"), torch.bfloat16)
     uncond = encode(te, parse_prompt(""), torch.bfloat16)
     kw = dict(frames=1, height=32, width=32, steps=2, seed=0, guidance=3.0, shift=1.0, warmup=1)
-    extra = {"compiler": "eager", "min_seq_len": 128}  # 256 tokens; eager keeps the test fast
+    extra = {"experimental": {"compiler": "eager"}, "min_seq_len": 128}  # 256 tokens; eager keeps the test fast
     dense = run_config(tr, cond, uncond, "dense", {"method": "dense", **extra}, **kw)
     for options in ({"method": "vsmooth"}, {"method": "mcsparse", "density": 0.25}):
         res = run_config(tr, cond, uncond, options["method"], {**options, **extra}, **kw)

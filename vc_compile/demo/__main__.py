@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from vc_compile.config import merge_options
+
 GPU_DEFAULTS = dict(steps=50, frames=16, height=64, width=64, compiler="inductor", warmup=6)
 # NOTE: 6 steps x 6 x 32 x 32 px (1536 tokens) keeps the CPU run to minutes: 8 steps at 8 x 32 x 32
 # took 190 s for V-Smooth alone (the reference path) on a loaded 2-core machine.
@@ -128,14 +130,14 @@ def main(argv=None):
     print(f"[vc_demo] prompt: {a.prompt}")
     cond = encode(text_encoder, parse_prompt(a.prompt, cfg.max_sprites), dtype)
     uncond = encode(text_encoder, parse_prompt("", cfg.max_sprites), dtype)
-    extra = {"compiler": a.compiler, **a.options}
+    extra = merge_options({"experimental": {"compiler": a.compiler}}, a.options)
     if tokens < 1024:
         extra["min_seq_len"] = tokens  # the backend's default leaves short attention to stock SDPA
 
     known, results = dict(METHODS), []
     for label in a.method_list:
         print(f"[vc_demo] {label}: compiling and warming up ({a.warmup} steps) ...", flush=True)
-        res = run_config(transformer, cond, uncond, label, {**known[label], **extra}, frames=a.frames,
+        res = run_config(transformer, cond, uncond, label, merge_options(known[label], extra), frames=a.frames,
                          height=a.height, width=a.width, steps=a.steps, seed=a.seed, guidance=a.guidance,
                          shift=a.shift, dtype=dtype, warmup=a.warmup, progress=_progress(label),
                          compile_fn=compile_regional if a.regional else compile_full)
