@@ -238,7 +238,8 @@ def test_cpu_reference_path_says_so_once_per_method():
         warnings.simplefilter("error")
         torch.compile(f, backend="vcattn", options=opts)(q, k, v)  # once per process and method
         torch._dynamo.reset()
-        torch.compile(f, backend="vcattn", options=merge_options(opts, {"method": "mcsparse", "experimental": {"kernels": "reference"}}))(q, k, v)
+        ref = merge_options(opts, {"method": "mcsparse", "experimental": {"kernels": "reference"}})
+        torch.compile(f, backend="vcattn", options=ref)(q, k, v)
         torch._dynamo.reset()
         torch.compile(f, backend="vcattn", options=BASE)(q, k, v)  # dense: stock SDPA, no reference
     torch._dynamo.reset()
@@ -325,7 +326,8 @@ def test_same_code_other_options_or_model_keep_separate_sites():
     m1, x, ctx = tiny_dit.make(seq=64)
     m2, _, _ = tiny_dit.make(seq=64)
     c1 = torch.compile(m1, backend="vcattn", options=BASE)
-    c2 = torch.compile(m2, backend="vcattn", options=merge_options(BASE, {"method": "vsmooth", "experimental": {"kmeans_init_iters": 1}}))
+    vs = merge_options(BASE, {"method": "vsmooth", "experimental": {"kmeans_init_iters": 1}})
+    c2 = torch.compile(m2, backend="vcattn", options=vs)
     c1(x, ctx)
     c2(x, ctx)
     rw = vc_compile.report().rewritten
