@@ -836,9 +836,13 @@ def test_without_triton_falls_back_with_a_warning(monkeypatch):
     the import error; kernels='triton' is a clear error."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setitem(sys.modules, "triton", None)
+    pkg = sys.modules["vc_compile.templates"]
     for name in list(sys.modules):
         if name.startswith("vc_compile.templates."):
             monkeypatch.delitem(sys.modules, name)
+            # also the package's attribute: `from vc_compile.templates import kmeans` returns it without an
+            # import once an earlier test imported the kernels (test order must not matter)
+            monkeypatch.delattr(pkg, name.rsplit(".", 1)[1], raising=False)
     with fresh_resolve_caches():
         for method in ("vsmooth", "mcsparse"):
             with pytest.warns(RuntimeWarning, match="kernels unavailable.*(ModuleNotFound|Import)Error"):
