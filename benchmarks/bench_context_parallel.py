@@ -190,7 +190,7 @@ def main():
     if cuda:
         torch.cuda.empty_cache()
 
-    base = {"min_seq_len": 64, "compiler": args.compiler, "num_steps": STEPS}
+    base = {"min_seq_len": 64, "experimental": {"compiler": args.compiler}, "num_steps": STEPS}
     methods = {
         "sdpa_cudnn": ({**base, "method": "dense"}, {"dense"}),
         "vsmooth_reuse": ({**base, "method": "vsmooth", "group_fraction": 0.0}, {"reuse"}),
@@ -339,7 +339,7 @@ def diffusers_check(args, cuda, rank, world):
         counters.clear()
         vc_compile.reset(report=True)
         cm = torch.compile(m, backend="vcattn", options={"min_seq_len": 1024 if cuda else 64,
-                                                          "compiler": args.compiler, **opts})
+                                                          "experimental": {"compiler": args.compiler}, **opts})
         dist.barrier()
         with torch.no_grad(), sdpa_prefer_cudnn(), vc_compile.sampling(num_steps=3):
             for i in range(3):  # mcsparse: anchor, reuse, reuse; vsmooth: group, reuse, reuse

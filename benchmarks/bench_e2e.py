@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import append_csv, env_info
+from vc_compile.config import merge_options
 from vc_compile.demo.metrics import compare
 from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
 from vc_compile.demo.runner import (METHODS, compile_full, compile_regional, ladder_methods,
@@ -160,7 +161,7 @@ def main(argv=None):
         results = {}
         with prefer_cudnn():
             for label in labels:
-                opts = {**known[label], "compiler": a.compiler}
+                opts = merge_options(known[label], {"experimental": {"compiler": a.compiler}})
                 r = run_config(tr, cond, uncond, label, opts, dtype=dtype, warmup=a.warmup, compile_fn=cfn,
                                progress=print_progress(f"{size} {label}", every=max(1, steps // 5)), **kw)
                 results[label] = r
@@ -185,7 +186,8 @@ def main(argv=None):
                 m = compare(results["dense"].clip, clip32)
                 append({**floor, "variant": "floor:bf16-vs-fp32", "ms": round(ms32, 2),
                         **{k: round(v, 6) for k, v in m.items()}})
-                r2 = run_config(tr, cond, uncond, "dense", {**known["dense"], "compiler": a.compiler},
+                r2 = run_config(tr, cond, uncond, "dense", merge_options(known["dense"],
+                                                                         {"experimental": {"compiler": a.compiler}}),
                                 dtype=dtype, warmup=1, compile_fn=cfn, **{**kw, "seed": a.seed + 1})
                 m = compare(r2.clip, results["dense"].clip)
                 append({**floor, "variant": "floor:seed-to-seed", "ms": round(r2.e2e_ms, 2),

@@ -48,6 +48,7 @@ import torch.nn.functional as F  # noqa: E402
 import vc_compile  # noqa: E402
 from benchmarks.common import (Drift, add_speedup, append_rows, attn_flops, fa4_fn, fa4_status,  # noqa: E402
                                kernel_times, metrics, print_table, sdpa_backend)
+from vc_compile.config import merge_options  # noqa: E402
 
 BENCH = "bench_generation"
 METHODS = {
@@ -124,8 +125,8 @@ class Runner:
         return Drift(1, self.H, self.S, self.D, seed=self.seed, device=self.device)
 
     def op(self, opts):
-        extra = {"kernels": "reference", "min_seq_len": 16} if self.smoke else {}
-        cfg = vc_compile.VCConfig.from_options({**opts, **extra}).to_json()
+        extra = {"min_seq_len": 16, "experimental": {"kernels": "reference"}} if self.smoke else {}
+        cfg = vc_compile.VCConfig.from_options(merge_options(opts, extra)).to_json()
         site = next(_SITES)
         return site, lambda q, k, v: torch.ops.vcattn.attention(q, k, v, None, site, cfg, None)
 

@@ -51,6 +51,7 @@ import torch  # noqa: E402
 
 import vc_compile  # noqa: E402
 from benchmarks.common import append_rows, kernel_times, metrics, prefer_cudnn, print_table  # noqa: E402
+from vc_compile.config import merge_options  # noqa: E402
 
 BENCH = "bench_pipeline"
 RANDOM_NOTE = "random weights: speed only, not quality"
@@ -72,8 +73,8 @@ METHODS = {"vsmooth": {"method": "vsmooth"}, "vsmooth+expcast": {"method": "vsmo
            "mcsparse@0.25": {"method": "mcsparse", "density": 0.25},
            "dense": {"method": "dense"}}  # dense: stock SDPA through the op (its overhead); not in the default
 DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse@0.25"
-SMOKE_OPTS = {"compiler": "eager", "kernels": "reference", "min_seq_len": 64, "kmeans_init_iters": 2,
-              "kmeans_iters": 1}
+SMOKE_OPTS = {"min_seq_len": 64, "kmeans_iters": 1,
+              "experimental": {"compiler": "eager", "kernels": "reference", "kmeans_init_iters": 2}}
 PHASES = ("dense", "group", "anchor", "reuse")
 EXTRAS = ["model", "layers", "steps", "guidance", "compile", "first_generation_s", "first_generation_extra_s",
           "speedup_vs_stock", "ms_per_step", "timed_generations", "generation_ms_all", "attn_ms",
@@ -266,7 +267,7 @@ def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reser
     """Cold generation, timed generation(s), profiled generation, each if the budget allows."""
     cuda = a.device.type == "cuda"
     res = Result(label, mode)
-    opts = None if label == "stock" else {**METHODS[label], **(SMOKE_OPTS if a.smoke else {})}
+    opts = None if label == "stock" else merge_options(METHODS[label], SMOKE_OPTS if a.smoke else None)
     tag = f"{label} [{mode}]"
 
     def left():

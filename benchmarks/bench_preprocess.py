@@ -175,6 +175,7 @@ def chain_inputs(S: int, H: int, D: int):
 def bench_chain(run: Run, S: int):
     from vc_compile.reference.preprocess import k_mean_mask
     from vc_compile.templates import preprocess as tpre
+    from vc_compile.templates.configs import PREPROCESS_DEFAULT, PreprocessConfig
 
     a, H, D = run.args, run.args.H, run.args.D
     dev, q, k, v, cos, sin, qb, kb, ra, rope_c, sm = chain_inputs(S, H, D)
@@ -184,8 +185,8 @@ def bench_chain(run: Run, S: int):
         qr, kr = rope_c(q, k, cos, sin)
         return tpre.preprocess_qk(qr, kr, None, sm_scale=sm)
 
-    def fused():
-        return tpre.preprocess_qk(qb, kb, None, sm_scale=sm, rope=ra)
+    def fused(launch=PREPROCESS_DEFAULT):
+        return tpre.preprocess_qk(qb, kb, None, sm_scale=sm, rope=ra, launch=launch)
 
     qr, kr = rope_c(q, k, cos, sin)  # compile (and warm) outside the timings
     n = q.numel()
@@ -206,20 +207,16 @@ def bench_chain(run: Run, S: int):
     ru = run.guarded("unfused", S, lambda: t("unfused", unfused, gb_rope + gb_pre))
     rf = run.guarded("fused", S, lambda: t("fused", fused, gb_fused))
     ab = []
-    if not a.no_ab:  # design A/B in the same run (module switches of templates/preprocess.py)
-        for name, attr in (("fused_unpacked", "ROPE_PACKED"), ("fused_rowmajor", "ROPE_HEAD_FAST")):
-            def one(name=name, attr=attr):
-                old = getattr(tpre, attr)
-                setattr(tpre, attr, False)
-                try:
-                    fused()  # compile outside the timing
-                    row = t(name, fused, gb_fused)
-                    a_, b_ = unfused(), fused()
-                    row["mismatch"] = ((a_.q8 != b_.q8).float().mean().item()
-                                       + (a_.k8 != b_.k8).float().mean().item()) / 2
-                    return row
-                finally:
-                    setattr(tpre, attr, old)
+    if not a.no_ab:  # design A/B in the same run (launch configs of templates/preprocess.py)
+        for name, cfg in (("fused_unpacked", PreprocessConfig(rope_packed=False)),
+                          ("fused_rowmajor", PreprocessConfig(rope_head_fast=False))):
+            def one(name=name, cfg=cfg):
+                fused(cfg)  # compile outside the timing
+                row = t(name, lambda: fused(cfg), gb_fused)
+                a_, b_ = unfused(), fused(cfg)
+                row["mismatch"] = ((a_.q8 != b_.q8).float().mean().item()
+                                   + (a_.k8 != b_.k8).float().mean().item()) / 2
+                return row
             ab.append(run.guarded(name, S, one))
     if not a.no_ab:  # V-Smooth's case: K' rows gathered through a key permutation (their table rows too)
         perm = torch.stack([torch.randperm(S, device=dev) for _ in range(H)]).view(1, H, S)
@@ -251,19 +248,16 @@ def bench_chain(run: Run, S: int):
 
 def bench_op(run: Run, S: int):
     """The whole V-Smooth op on a reuse step (cached k-means order), RoPE via Inductor vs prologue."""
-    import types
-
     from vc_compile.config import VCConfig
+    from vc_compile.methods import Phase
     from vc_compile.methods import vsmooth as mv
-    from vc_compile.runtime.steps import Phase
+    from vc_compile.templates import dispatch
     from vc_compile.templates import kmeans as tkm
-    from vc_compile.templates import preprocess as tpre
-    from vc_compile.templates import vsmooth_attn as tattn
 
     H, D = run.args.H, run.args.D
     dev, q, k, v, cos, sin, qb, kb, ra, rope_c, sm = chain_inputs(S, H, D)
     vb = v.permute(0, 2, 1, 3)
-    impl = types.SimpleNamespace(preprocess=tpre, vsmooth_attn=tattn, kmeans=tkm)
+    impl = dispatch.Impl.TRITON
     cfg = VCConfig.from_options({"method": "vsmooth"})
     km = tkm.kmeans_perm(vb, min(256, max(1, S // 128)), 3)
     meta = mv.VSmoothMeta(perm=km.perm, centroids=km.centroids)

@@ -14,21 +14,21 @@ Rows (``variant``), all with B = 1, H = 40, D = 128, C = 64, bf16 inputs:
   precision" is the same gather kernel at density 1.0 (idx = arange(S), broadcast), row ``dense_ours_*``.
 * ``reuse_{bf16,fp8}`` at s = 0.15: gather kernel + residual epilogue (bf16 R) = a whole reuse step.
 * ``anchor_*`` at s = 0.15 (bf16): pddp (grouping), pass1 (``dense_with_lse``: cuDNN + LSE), pass2+top-K
-  (``anchor_select``, heads chunked under 4 GiB of masses; ``anchor_pass2_mass`` times the mass kernel
+  (``methods/mcsparse.select``, heads chunked as the runtime does; ``anchor_pass2_mass`` times the mass kernel
   alone), sparse + residual subtraction, ``anchor_total``; ``speedup_vs_cudnn`` < 1 there is the cost
   relative to a dense cuDNN step.
 * ``pddp`` and ``flash_kmeans_it{3,10}`` (flash-kmeans 0.3.1, K = S / C clusters, fp16, if importable).
 * ``*_c128``: the same with C = 128 query groups (SPEC 3.4 allows C = 64 or 128): twice the MMA work
   per gathered K/V byte.
 * ``sweep_*_c128``: launch configs (BLOCK_N, warps, stages) at S = 32760, s = 0.15; the fastest is used
-  (C = 64 configs were swept on the first run, see sparse_attn._CONFIGS).
-* the log also prints per-level PDDP stage times (templates/pddp.PROFILE).
-* ``--ab``: the gather kernel's code-generation switches (sparse_attn.SWITCHES) x launch configs
-  (AB_CANDIDATES) at s = 0.15, C in {64, 128}: ``ab_<switches>_c<C>`` = kernel alone,
-  ``ab_<switches>_reuse_c<C>`` = with the residual epilogue (a reuse step); rel_l2 there is against the
-  default kernel (switches off, shipped config) on the same inputs, and a candidate above AB_TOL is
-  flagged WRONG. Candidates run in AB_CANDIDATES order until --budget seconds are spent; the rest are
-  listed as skipped.
+  (C = 64 configs were swept on the first run, see configs.SPARSE_DEFAULT).
+* the log also prints per-level PDDP stage times (``pddp_perm(marks=...)``).
+* ``--ab``: the gather kernel's shared K/V offsets (``SparseAttnConfig.kv_off``) x launch configs
+  (``ab_candidates``) at s = 0.15, C in {64, 128}: ``ab_<name>_c<C>`` = kernel alone,
+  ``ab_<name>_reuse_c<C>`` = with the residual epilogue (a reuse step); rel_l2 there is against the
+  first candidate (kv_off off, shipped config) on the same inputs, and a candidate above AB_TOL is
+  flagged WRONG. Candidates run in order until --budget seconds are spent; the rest are listed as skipped.
+Every kernel call passes its launch config explicitly (``launch=``).
 rel_l2 / cos_sim: against the fp32 reference on heads 0-1 (reference/sparse_attn{,_q8}.py, dense.py).
 """
 from __future__ import annotations
@@ -47,14 +47,20 @@ from benchmarks.common import (add_speedup, append_rows, attn_flops, bench_ms, f
 from vc_compile.reference.dense import dense_attention_lse  # noqa: E402
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse  # noqa: E402
 from vc_compile.reference.sparse_attn_q8 import sparse_attention_q8  # noqa: E402
+from vc_compile.methods import mcsparse as M  # noqa: E402
+from vc_compile.reference.select import n_keep  # noqa: E402
+from vc_compile.templates import configs as CF  # noqa: E402
+from vc_compile.templates import dispatch  # noqa: E402
 from vc_compile.templates import pddp as tpddp  # noqa: E402
 from vc_compile.templates import select as tsel  # noqa: E402
 from vc_compile.templates import sparse_attn as tsa  # noqa: E402
+from vc_compile.templates.configs import SparseAttnConfig  # noqa: E402
 
 B, H, D, C = 1, 40, 128, 64
 DENSITIES = (0.10, 0.15, 0.25)
-# C = 64 was swept on the first H200 run (sparse_attn._CONFIGS); C = 128 is swept here
-SWEEP_C128 = [(64, 4, 3), (64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 8, 3), (128, 4, 3)]
+# C = 64 was swept on the first H200 run (configs.SPARSE_DEFAULT); C = 128 is swept here
+SWEEP_C128 = [SparseAttnConfig(*c) for c in ((64, 4, 3), (64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 8, 3),
+                                             (128, 4, 3))]
 EXTRAS = ["efficiency", "config", "group_size", "speedup_vs_fa4", "note"]
 
 
@@ -82,7 +88,8 @@ def head_metrics(out, ref_fn):
 
 
 def cfg_name(cfg):
-    return "BN%d_w%d_s%d" % cfg
+    return f"BN{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}" + ("" if cfg.kv_off is None else
+                                                                       f"_kvoff{int(cfg.kv_off)}")
 
 
 def sweep(q, k, v, sigma, idx, sm, t_cudnn, S, dens, Cg, configs, log):
@@ -92,8 +99,8 @@ def sweep(q, k, v, sigma, idx, sm, t_cudnn, S, dens, Cg, configs, log):
         times = {}
         for cfg in configs:
             try:
-                fn = lambda: tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg,  # noqa
-                                                         qk_format=fmt, config=cfg, k_fp8=kf8)
+                fn = lambda: tsa.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg,  # noqa
+                                                  qk_format=fmt, launch=cfg, k_fp8=kf8)
                 times[cfg] = bench_ms(fn, warmup=10, rep=40)
             except Exception as e:  # a config that does not compile (registers / shared memory)
                 log(f"sweep C={Cg} {fmt} {cfg}: {type(e).__name__}: {str(e)[:120]}")
@@ -106,21 +113,20 @@ def sweep(q, k, v, sigma, idx, sm, t_cudnn, S, dens, Cg, configs, log):
 
 
 # --ab candidates per C, in the order they are timed (the most informative first; see docs/sparse_notes.md
-# "Codegen and A/B"): (switch set name, switches, config). s3 and s4 compile to the same two-buffer loop
-# (scripts/codegen_sparse.py), so only the shipped one of the two is timed.
-# "base" = every switch off (the kernel before the A/B); the shipped default is kv_off for C >= 128
-AB_SWITCHES = [("base", {"kv_off": False}), ("kvoff", {"kv_off": True}), ("tau8", {"kv_off": False, "rescale_tau": 8.0}),
-               ("kvoff+tau8", {"kv_off": True, "rescale_tau": 8.0})]
-AB_EXTRA_CONFIGS = {64: [(32, 4, 4)], 128: [(32, 4, 3)]}
+# "Codegen and A/B"): (name, launch config). s3 and s4 compile to the same two-buffer loop
+# (scripts/codegen_sparse.py), so only the shipped one of the two is timed. "base" = kv_off off (the kernel
+# before the A/B); the shipped default is kv_off for C >= 128. (The lazy-rescale variant, rescale_tau, is
+# gone: docs/kernels_notes.md "Removed variants".)
+AB_KV_OFF = [("base", False), ("kvoff", True)]
+AB_EXTRA_CONFIGS = {64: [SparseAttnConfig(32, 4, 4)], 128: [SparseAttnConfig(32, 4, 3)]}
 AB_TOL = 1e-2  # bf16 P in PV: the kernel's own error vs fp32 is ~2e-3 (rel_l2 column of sparse_* rows)
 
 
 def ab_candidates(Cg):
-    shipped = tsa.default_config("bf16", D, Cg)
-    out = [(name, sw, shipped) for name, sw in AB_SWITCHES]
-    for cfg in AB_EXTRA_CONFIGS[Cg]:
-        out += [(name, sw, cfg) for name, sw in AB_SWITCHES[:2]]
-    return out
+    import dataclasses
+
+    cfgs = [CF.sparse_default("bf16", D, Cg)] + AB_EXTRA_CONFIGS[Cg]
+    return [(name, dataclasses.replace(cfg, kv_off=kv)) for cfg in cfgs for name, kv in AB_KV_OFF]
 
 
 def bench_ab(S, log, budget_s, dev="cuda", dense_backend="cudnn", group_sizes=(64, 128), t_cudnn=None, only=()):
@@ -137,14 +143,14 @@ def bench_ab(S, log, budget_s, dev="cuda", dense_backend="cudnn", group_sizes=(6
         rows.append(row("sdpa_cudnn", S, 1.0, t_cudnn, t_cudnn, note="ab"))
     log(f"S={S}: cudnn {t_cudnn:.2f} ms")
     res = (0.01 * torch.randn(B, H, S, D, device=dev)).bfloat16()
-    keep = tsel.n_keep(S, 0.15)
+    keep = n_keep(S, 0.15)
     dens = keep / S
     for Cg in group_sizes:
         G = (S + Cg - 1) // Cg
         sigma = tpddp.pddp_perm(q, Cg)
         idx = random_idx(S, keep, G, dev)
         base = {}
-        for name, sw, cfg in ab_candidates(Cg):
+        for name, cfg in ab_candidates(Cg):
             if only and name not in only:
                 continue
             for residual, kind in ((None, ""), (res, "_reuse")):
@@ -155,8 +161,8 @@ def bench_ab(S, log, budget_s, dev="cuda", dense_backend="cudnn", group_sizes=(6
                     continue
 
                 def run():
-                    return tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg,
-                                                       residual=residual, config=cfg, switches=sw)
+                    return tsa.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg,
+                                                residual=residual, launch=cfg)
                 try:
                     o = run()
                     t = bench_ms(run, warmup=wu, rep=rp)
@@ -179,10 +185,9 @@ def bench_ab(S, log, budget_s, dev="cuda", dense_backend="cudnn", group_sizes=(6
 
 
 def pddp_profile(q, Cg, log):
-    tpddp.PROFILE = []
-    tpddp.pddp_perm(q, Cg)
+    ev = []
+    tpddp.pddp_perm(q, Cg, marks=ev)
     torch.cuda.synchronize()
-    ev, tpddp.PROFILE = tpddp.PROFILE, None
     parts = [f"{name} {ev[i - 1][1].elapsed_time(e):.3f}" for i, (name, e) in enumerate(ev) if i]
     log(f"pddp C={Cg} stages (ms): " + "; ".join(parts))
 
@@ -234,10 +239,10 @@ def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn", group_sizes=
         G = (S + Cg - 1) // Cg
         sigma = sigmas[Cg]
         sfx = "" if Cg == 64 else f"_c{Cg}"
-        best = {"bf16": tsa.default_config("bf16", D, Cg), "fp8": tsa.default_config("fp8", D, Cg)}
+        best = {"bf16": CF.sparse_default("bf16", D, Cg), "fp8": CF.sparse_default("fp8", D, Cg)}
         if do_sweep and Cg == 128:
-            idx15 = random_idx(S, tsel.n_keep(S, 0.15), G, dev)
-            srows, best = sweep(q, k, v, sigma, idx15, sm, t_cudnn, S, tsel.n_keep(S, 0.15) / S, Cg,
+            idx15 = random_idx(S, n_keep(S, 0.15), G, dev)
+            srows, best = sweep(q, k, v, sigma, idx15, sm, t_cudnn, S, n_keep(S, 0.15) / S, Cg,
                                 SWEEP_C128, log)
             rows += srows
             del idx15
@@ -248,8 +253,8 @@ def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn", group_sizes=
             kq = " incl. K quant" if fmt == "fp8" else ""
 
             def run(idx, residual=None):
-                return tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg,
-                                                   qk_format=fmt, config=cfg, residual=residual)
+                return tsa.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg,
+                                            qk_format=fmt, launch=cfg, residual=residual)
             t_dense = bench_ms(lambda: run(dense_idx), warmup=wu, rep=rp)
             o = run(dense_idx)
             mt = head_metrics(o, lambda: dense_attention_lse(q[:, :2], k[:, :2], v[:, :2], sm_scale=sm)[0])
@@ -257,7 +262,7 @@ def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn", group_sizes=
                             config=cfg_name(cfg), group_size=Cg, note="gather kernel at density 1.0" + kq, **mt))
             log(f"C={Cg} {fmt} dense-ours {t_dense:.2f} ms")
             for s in DENSITIES:
-                keep = tsel.n_keep(S, s)
+                keep = n_keep(S, s)
                 idx = random_idx(S, keep, G, dev)
                 t = bench_ms(lambda: run(idx), warmup=wu, rep=rp)
                 o = run(idx)
@@ -279,24 +284,26 @@ def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn", group_sizes=
     Cg = group_sizes[0]
     sigma = sigmas[Cg]
     G = (S + Cg - 1) // Cg
-    keep = tsel.n_keep(S, 0.15)
+    keep = n_keep(S, 0.15)
     dens = keep / S
     t_p1 = bench_ms(lambda: tsel.dense_with_lse(q, k, v, sm), warmup=wu, rep=rp)
     o_dense, lse2 = tsel.dense_with_lse(q, k, v, sm)
     hc = max(1, min(H, (4 << 30) // (G * S * 4)))
     t_mass = bench_ms(lambda: tsel.group_key_mass(q[:, :hc], k[:, :hc], sigma[:, :hc], lse2[:, :hc],
                                                   sm_scale=sm, group_size=Cg), warmup=wu, rep=rp) * H / hc
-    t_sel = bench_ms(lambda: tsel.anchor_select(q, k, sigma, lse2, sm_scale=sm, group_size=Cg, keep=keep),
+    T = dispatch.Impl.TRITON
+    t_sel = bench_ms(lambda: M.select(T, q, k, sigma, lse2, sm_scale=sm, group_size=Cg, keep=keep),
                      warmup=2, rep=10)
-    idx = tsel.anchor_select(q, k, sigma, lse2, sm_scale=sm, group_size=Cg, keep=keep)
+    idx = M.select(T, q, k, sigma, lse2, sm_scale=sm, group_size=Cg, keep=keep)
 
     def sparse_res():
-        return o_dense - tsa.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg)
+        return o_dense - tsa.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg,
+                                              launch=CF.sparse_default("bf16", D, Cg))
     t_sr = bench_ms(sparse_res, warmup=wu, rep=rp)
     total = t_pddp[Cg] + t_p1 + t_sel + t_sr
     for name, t, note in [("anchor_pddp", t_pddp[Cg], "grouping"), ("anchor_pass1", t_p1, "cuDNN + LSE"),
                           ("anchor_pass2_mass", t_mass, f"mass kernel only, {hc} heads per chunk"),
-                          ("anchor_pass2_topk", t_sel, "mass + torch.topk + sort (anchor_select)"),
+                          ("anchor_pass2_topk", t_sel, "mass + torch.topk + sort (mcsparse.select)"),
                           ("anchor_sparse_residual", t_sr, "sparse + R = O_dense - O_sparse"),
                           ("anchor_total", total, "pddp + pass1 + pass2/topk + sparse/residual")]:
         rows.append(row(name, S, dens, t, t_cudnn, group_size=Cg, note=note))
@@ -328,18 +335,18 @@ def bench_focus(S, log, first, dev="cuda", dense_backend="cudnn"):
         if dev == "cuda":
             pddp_profile(q, Cg, log)
         sfx = "" if Cg == 64 else f"_c{Cg}"
-        cfg = tsa.default_config("bf16", D, Cg)
+        cfg = CF.sparse_default("bf16", D, Cg)
 
         def run(idx, residual=None):
-            return tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg, config=cfg,
-                                               residual=residual)
+            return tsa.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=Cg, launch=cfg,
+                                        residual=residual)
         dense_idx = torch.arange(S, device=dev, dtype=torch.int32).expand(B, H, G, S)
         t_dense = bench_ms(lambda: run(dense_idx), warmup=wu, rep=rp)
         rows.append(row(f"dense_ours_bf16{sfx}", S, 1.0, t_dense, t_cudnn, efficiency=1.0, config=cfg_name(cfg),
                         group_size=Cg, note="gather kernel at density 1.0; FMA-folded scale"))
         log(f"C={Cg} bf16 dense-ours {t_dense:.2f} ms")
         for s in DENSITIES:
-            keep = tsel.n_keep(S, s)
+            keep = n_keep(S, s)
             idx = random_idx(S, keep, G, dev)
             t = bench_ms(lambda: run(idx), warmup=wu, rep=rp)
             mt = {}
@@ -367,10 +374,10 @@ def main():
     ap.add_argument("--csv", default=None, help="also write the rows to this CSV")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run: S = 200, H = 2, nothing saved")
     ap.add_argument("--focus", action="store_true", help="only PDDP and the bf16 gather kernel")
-    ap.add_argument("--ab", action="store_true", help="A/B of the gather kernel's switches x configs")
+    ap.add_argument("--ab", action="store_true", help="A/B of the gather kernel's kv_off x configs")
     ap.add_argument("--budget", type=float, default=200.0, help="--ab: seconds for all sizes together")
     ap.add_argument("--group-sizes", default="64,128", help="--ab: comma-separated C values")
-    ap.add_argument("--ab-switches", default="", help="--ab: only these switch sets (names of AB_SWITCHES)")
+    ap.add_argument("--ab-switches", default="", help="--ab: only these candidates (base, kvoff)")
     args = ap.parse_args()
     log = lambda m: print(m, flush=True)  # noqa: E731
     if args.smoke:

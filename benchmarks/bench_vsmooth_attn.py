@@ -18,10 +18,13 @@ the error of an FP8 P~ alone (exact logits and V), the floor of any FP8-P~ kerne
 sageattention's (fp16 P and V). Last, ``captured_*`` rows: the same fidelity on the (q, k, v) that the trained
 demo model hands to SDPA in a 50-step sampling run at 32K tokens (4 layers x 4 steps; median over them).
 --check: correctness of every kernel against the reference on the GPU first (exit 1 on failure).
---sweep: attention configurations (BM, BN, warps, stages, row sum on MMA) at S = 32760.
---ab: attention variants (config, ExpCast mode, mean mode, row sum, QK format): correctness (NaN, vs the
-reference and an fp32 truth on S = 4173) and speed at S = 32760; with --auto the benchmark then uses the
-fastest correct variant per (D, expcast) (how the committed results and DEFAULT_VARIANTS were made).
+--sweep: the Triton kernel's launch configurations (BM, BN, warps, stages, row sum on MMA) at S = 32760.
+--ab: the Triton kernel's variants (launch config: tiles, row sum, mean term; QK format): correctness (NaN, vs
+the reference and an fp32 truth on S = 4173) and speed at S = 32760; with --auto the benchmark's Triton rows
+then use the fastest correct variant per (D, expcast) (how the committed results and
+configs.VSMOOTH_TRITON_DEFAULT were made; the script prints the table to paste there).
+Every kernel row passes its launch config explicitly (``launch=``); ``*_kernel`` rows run what the runtime runs
+(``dispatch``: the Gluon kernel on sm_90 for INT8 Q/K), ``*_kernel_triton`` the Triton kernel beside it.
 --smoke: tiny shapes on any device (CPU: TRITON_INTERPRET=1), to exercise the script itself.
 """
 from __future__ import annotations
@@ -45,15 +48,30 @@ from vc_compile.reference import kmeans as ref_km  # noqa: E402
 from vc_compile.reference import preprocess as ref_pre  # noqa: E402
 from vc_compile.reference import vsmooth_attn as ref_attn  # noqa: E402
 from vc_compile.reference.quant import LOG2E  # noqa: E402
+from vc_compile.templates import configs as C  # noqa: E402
+from vc_compile.templates import dispatch  # noqa: E402
 from vc_compile.templates import kmeans as tkm  # noqa: E402
 from vc_compile.templates import preprocess as tpre  # noqa: E402
 from vc_compile.templates import vsmooth_attn as tattn  # noqa: E402
+from vc_compile.templates.configs import MeanTerm, RowSum, VSmoothTritonConfig  # noqa: E402
 
 BENCH = "bench_vsmooth_attn"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # our 8-bit variants: (name, uses the k-means order, smooth V, ExpCast)
 VARIANTS = (("naive8", False, False, False), ("vsmooth", True, True, False), ("vsmooth_expcast", True, True, True))
 N_ITERS = 3  # k-means iterations of a grouping step (warm-started); K = the backend's default_clusters(S)
+T = dispatch.Impl.TRITON
+
+
+def runtime_attn(qk, vq, expcast, **kw):
+    """The attention the runtime runs for these inputs (dispatch: Gluon on sm_90 for INT8 Q/K, else Triton)."""
+    return dispatch.vsmooth_attention(T, qk, vq, expcast=expcast, **kw)
+
+
+def triton_attn(qk, vq, expcast, launch=None, **kw):
+    """The Triton kernel with ``launch`` (default: its measured default for this head dim)."""
+    launch = launch or C.VSMOOTH_TRITON_DEFAULT[(qk.q8.shape[-1], bool(expcast))]
+    return tattn.vsmooth_attention(qk, vq, expcast=expcast, launch=launch, **kw)
 
 
 def log(*a):
@@ -154,7 +172,9 @@ def inertia(x, labels, cent):
     return (x.float() - c).pow(2).sum().item()
 
 
-def bench_shape(B, H, S, D, n_rows, quick):
+def bench_shape(B, H, S, D, n_rows, quick, launches=None):
+    """``launches``: {(D, expcast): VSmoothTritonConfig} (``--ab --auto``): the Triton rows use these."""
+    launches = launches or {}
     log(f"\n=== B={B} H={H} S={S} D={D} ===")
     q, k, v = make_inputs(B, H, S, D)
     sm = D ** -0.5
@@ -205,21 +225,17 @@ def bench_shape(B, H, S, D, n_rows, quick):
     for name, p, smooth, ec in variants:
         qk = tpre.preprocess_qk(q, k, p, sm_scale=sm)
         vq = tpre.preprocess_v(v, p, smooth=smooth)
-        out = tattn.vsmooth_attention(qk, vq, expcast=ec)  # O is in query order (only K/V permuted)
-        add(f"{name}_kernel", bench_ms(lambda: tattn.vsmooth_attention(qk, vq, expcast=ec), wu, rep), out)
-        if tattn.use_sm90(q.device, qk.q8.dtype != torch.int8):  # the row above ran the Gluon kernel
-            tattn.SM90_KERNEL = False
-            try:
-                out_t = tattn.vsmooth_attention(qk, vq, expcast=ec)
-                add(f"{name}_kernel_triton", bench_ms(lambda: tattn.vsmooth_attention(qk, vq, expcast=ec), wu,
-                                                      rep), out_t)
-            finally:
-                tattn.SM90_KERNEL = None
+        tl = launches.get((D, ec))
+        out = runtime_attn(qk, vq, ec)  # O is in query order (only K/V permuted)
+        add(f"{name}_kernel", bench_ms(lambda: runtime_attn(qk, vq, ec), wu, rep), out)
+        if dispatch.uses_sm90(q.device, "int8") or tl is not None:  # the row above ran the Gluon kernel
+            out_t = triton_attn(qk, vq, ec, tl)
+            add(f"{name}_kernel_triton", bench_ms(lambda: triton_attn(qk, vq, ec, tl), wu, rep), out_t)
 
         def op(p=p, smooth=smooth, ec=ec):
             a = tpre.preprocess_qk(q, k, p, sm_scale=sm)
             b = tpre.preprocess_v(v, p, smooth=smooth)
-            return tattn.vsmooth_attention(a, b, expcast=ec)
+            return runtime_attn(a, b, ec)
         op_ms[name] = bench_ms(op, wu, rep)
         op_row = add(f"{name}_op", op_ms[name], out)
         if p is not None:
@@ -292,30 +308,29 @@ def check(smoke=False):
             dv = (a.v8t.float() != b.v8t.float()).float().mean().item()
             ok &= dv <= 5e-3
             qk = ref_pre.preprocess_qk(q, k, p, sm_scale=D ** -0.5)
-            for ec, mode, rs, mean in ((False, None, None, None), (True, None, None, None),
-                                       (True, 1, None, None), (False, None, 1, 2), (True, 2, 2, 1)):
-                if True:
-                    tattn.ROWSUM_OVERRIDE, tattn.EXPCAST_MODE_OVERRIDE = rs, mode
-                    tattn.MEAN_MODE_OVERRIDE = mean
-                    try:
-                        o, lse = tattn.vsmooth_attention(qk, b, expcast=ec, return_lse=True)
-                    except Exception as e:  # noqa: BLE001
-                        ok = False
-                        log(f"check D={D} attn expcast={ec}/{mode} rowsum={rs} mean={mean}: FAILED "
-                            f"{type(e).__name__}: {str(e)[:400]}")
-                        continue
-                    ro, rlse = ref_attn.vsmooth_attention(qk, b, expcast=ec, return_lse=True)
-                    e_k, e_r = metrics(o, truth)["rel_l2"], metrics(ro, truth)["rel_l2"]
-                    kr = metrics(o, ro)["rel_l2"]
-                    dl = (lse - rlse).abs().mean().item()
-                    tol = 3e-2 if ec and mode == 1 else 2e-2
-                    nan = int(torch.isnan(o).any(-1).sum())
-                    good = kr <= tol and e_k <= 1.25 * e_r + 1e-3 and dl <= 1e-2
-                    ok &= good
-                    log(f"check D={D} attn smooth={smooth} expcast={ec}/{mode} rowsum={rs} mean={mean}:"
-                        f" kernel-vs-ref {kr:.2e}, vs truth {e_k:.3e} (ref {e_r:.3e}), |dlse| {dl:.1e} "
-                        f"nan rows {nan} {'OK' if good else 'FAIL'}")
-            tattn.ROWSUM_OVERRIDE = tattn.EXPCAST_MODE_OVERRIDE = tattn.MEAN_MODE_OVERRIDE = None
+            t64 = dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
+            for ec, launch in ((False, None), (True, None), (False, "triton"), (True, "triton"),
+                               (False, VSmoothTritonConfig(**t64, rowsum=RowSum.MMA, mean=MeanTerm.BF16_MMA)),
+                               (True, VSmoothTritonConfig(**t64, rowsum=RowSum.FP16, mean=MeanTerm.FFMA))):
+                tag = "runtime" if launch is None else ("triton default" if launch == "triton" else launch)
+                try:
+                    if launch is None:
+                        o, lse = runtime_attn(qk, b, ec, return_lse=True)
+                    else:
+                        o, lse = triton_attn(qk, b, ec, None if launch == "triton" else launch, return_lse=True)
+                except Exception as e:  # noqa: BLE001
+                    ok = False
+                    log(f"check D={D} attn expcast={ec} {tag}: FAILED {type(e).__name__}: {str(e)[:400]}")
+                    continue
+                ro, rlse = ref_attn.vsmooth_attention(qk, b, expcast=ec, return_lse=True)
+                e_k, e_r = metrics(o, truth)["rel_l2"], metrics(ro, truth)["rel_l2"]
+                kr = metrics(o, ro)["rel_l2"]
+                dl = (lse - rlse).abs().mean().item()
+                nan = int(torch.isnan(o).any(-1).sum())
+                good = kr <= 2e-2 and e_k <= 1.25 * e_r + 1e-3 and dl <= 1e-2
+                ok &= good
+                log(f"check D={D} attn smooth={smooth} expcast={ec} {tag}: kernel-vs-ref {kr:.2e}, vs truth "
+                    f"{e_k:.3e} (ref {e_r:.3e}), |dlse| {dl:.1e} nan rows {nan} {'OK' if good else 'FAIL'}")
             log(f"check D={D} v smooth={smooth}: v8t mismatch {dv:.2e}")
         ok &= lab_mis <= 1e-3
         log(f"check D={D} kmeans: label mismatch {lab_mis:.2e}, centroid max diff "
@@ -325,15 +340,14 @@ def check(smoke=False):
 
 
 def sweep():
-    """Attention configurations at S = 32760 (kernel alone, structured inputs, identity order)."""
+    """The Triton kernel's launch configurations at S = 32760 (kernel alone, structured inputs, identity
+    order): tiles x (row sum decoded in fp32, or on the tensor cores), the mean term at its default."""
     B, H, S = 1, 40, 32760
     out = []
     c0 = (64, 128, 4, 3)
-    plan = {128: [(c0, ec, mode, rs) for ec, mode in ((False, 2), (True, 2), (True, 1))
-                  for rs in (False, True)]
-            + [(c, ec, 2, False) for c in ((128, 128, 8, 3), (64, 64, 4, 4), (128, 128, 8, 2))
-               for ec in (False, True)],
-            64: [(c, ec, 2, False) for c in (c0, (128, 128, 8, 3), (128, 128, 4, 3)) for ec in (False, True)]}
+    plan = {128: [(c0, ec, rs) for ec in (False, True) for rs in (False, True)]
+            + [(c, ec, False) for c in ((128, 128, 8, 3), (128, 128, 8, 2)) for ec in (False, True)],
+            64: [(c, ec, False) for c in (c0, (128, 128, 8, 3), (128, 128, 4, 3)) for ec in (False, True)]}
     for D, combos in plan.items():
         q, k, v = make_inputs(B, H, S, D)
         qk = tpre.preprocess_qk(q, k, None, sm_scale=D ** -0.5)
@@ -341,70 +355,64 @@ def sweep():
         fl = attn_flops(B, H, S, S, D)
         cud = bench_ms(sdpa_fn(q, k, v, "cudnn"), 25, 200)
         log(f"sweep D={D} cudnn {cud:.2f} ms {fl / cud * 1e-9:.0f} TFLOP/s")
-        for cfg, ec, mode, rs in combos:
-            tattn.CONFIG_OVERRIDE, tattn.ROWSUM_OVERRIDE, tattn.EXPCAST_MODE_OVERRIDE = cfg, rs, mode
-            tag = f"sweep D={D} cfg={cfg} rowsum_mma={rs} expcast={ec}/{mode}"
+        for cfg, ec, rs in combos:
+            launch = VSmoothTritonConfig(*cfg, rowsum=RowSum.MMA if rs else RowSum.FP32,
+                                         mean=C.VSMOOTH_TRITON_DEFAULT[(D, ec)].mean)
+            tag = f"sweep D={D} cfg={cfg} rowsum_mma={rs} expcast={ec}"
             try:
                 t0 = time.time()
-                tattn.vsmooth_attention(qk, vq, expcast=ec)
+                triton_attn(qk, vq, ec, launch)
                 torch.cuda.synchronize()
                 ct = time.time() - t0
-                ms = bench_ms(lambda: tattn.vsmooth_attention(qk, vq, expcast=ec), 25, 200)
+                ms = bench_ms(lambda: triton_attn(qk, vq, ec, launch), 25, 200)
                 log(f"{tag}: {ms:.2f} ms {fl / ms * 1e-9:.0f} TFLOP/s x{cud / ms:.3f} cudnn "
                     f"(first call {ct:.1f} s)")
-                out.append((D, cfg, ec, mode, rs, ms))
+                out.append((D, cfg, ec, rs, ms))
             except Exception as e:  # noqa: BLE001
                 log(f"{tag}: FAILED {type(e).__name__}: {str(e)[:400]}")
-        tattn.CONFIG_OVERRIDE = tattn.ROWSUM_OVERRIDE = tattn.EXPCAST_MODE_OVERRIDE = None
         del q, k, v, qk, vq
         torch.cuda.empty_cache()
     return out
 
 
 C0, C1 = (64, 128, 4, 3), (128, 128, 4, 3)
-AB_PLAN = {  # D -> [(cfg, expcast mode (0 = exp2), mean mode (0 = naive), rowsum, qk_format)]
-    128: [(C0, 0, 1, 0, "int8"), (C0, 0, 1, 2, "int8"), (C0, 0, 1, 3, "int8"), (C0, 0, 1, 4, "int8"),
-          (C0, 0, 2, 2, "int8"), (C0, 0, 2, 3, "int8"), (C0, 0, 1, 1, "int8"), (C0, 2, 1, 0, "int8"),
-          (C0, 2, 1, 2, "int8"), (C0, 2, 2, 2, "int8"), (C0, 2, 2, 0, "int8"), (C0, 1, 2, 2, "int8"),
-          (C0, 0, 0, 2, "int8"), (C0, 0, 2, 2, "fp8")],
-    64: [(C0, 0, 1, 2, "int8"), (C0, 0, 2, 2, "int8"), (C0, 2, 2, 2, "int8"), (C0, 2, 1, 0, "int8"),
-         (C1, 0, 2, 2, "int8"), (C1, 2, 2, 2, "int8"), (C1, 2, 1, 0, "int8"), (C1, 0, 1, 2, "int8")],
+F32, MMA, F16 = RowSum.FP32, RowSum.MMA, RowSum.FP16
+FF, BF = MeanTerm.FFMA, MeanTerm.BF16_MMA
+AB_PLAN = {  # D -> [(tiles, ExpCast, mean term (None = naive 8-bit V), row sum, qk_format)]
+    128: [(C0, False, FF, F32, "int8"), (C0, False, FF, F16, "int8"), (C0, False, BF, F16, "int8"),
+          (C0, False, FF, MMA, "int8"), (C0, True, FF, F32, "int8"), (C0, True, FF, F16, "int8"),
+          (C0, True, BF, F16, "int8"), (C0, True, BF, F32, "int8"), (C0, False, None, F16, "int8"),
+          (C0, False, BF, F16, "fp8")],
+    64: [(C0, False, FF, F16, "int8"), (C0, False, BF, F16, "int8"), (C0, True, BF, F16, "int8"),
+         (C0, True, FF, F32, "int8"), (C1, False, BF, F16, "int8"), (C1, True, BF, F16, "int8"),
+         (C1, True, FF, F32, "int8"), (C1, False, FF, F16, "int8")],
 }
-
-# --ab-plan ws: Triton's automatic warp specialisation (6th field) at D = 128 against the defaults,
-# with one- and two-consumer-warpgroup tiles.
-C_WS = [(64, 128, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)]
-WS_PLAN = {128: [(C0, 0, 1, 1, "int8", False), (C0, 2, 1, 2, "int8", False), (C0, 0, 0, 2, "int8", False)]
-           + [(c, ec, mean, rs, "int8", True) for c in C_WS
-              for ec, mean, rs in ((0, 1, 1), (2, 1, 2), (0, 0, 2))]}
-PLANS = {"default": AB_PLAN, "ws": WS_PLAN}
 
 
 def choose(results):
-    """Fastest correct (no NaN, within the check tolerances) INT8-QK variant per (D, expcast) among the
-    contract's row sums (decoded: ROWSUM != 4) and ExpCast mode 2; sets tattn.DEFAULT_VARIANTS."""
+    """Fastest correct (no NaN, within the check tolerances) INT8-QK variant per (D, expcast): {(D, expcast):
+    VSmoothTritonConfig}, logged as the table to paste into configs.VSMOOTH_TRITON_DEFAULT."""
+    chosen = {}
     for D in AB_PLAN:
-        for ec in (0, 2):
-            ok = [r for r in results if r["D"] == D and r["ec"] == ec and r["mean"] > 0
-                  and r["fmt"] == "int8" and r["rs"] != 4 and r["nan"] == 0 and r["kr"] <= 2e-2
-                  and r["ek"] <= 1.25 * r["er"] + 1e-3]
+        for ec in (False, True):
+            ok = [r for r in results if r["D"] == D and r["ec"] == ec and r["mean"] is not None
+                  and r["fmt"] == "int8" and r["nan"] == 0 and r["kr"] <= 2e-2 and r["ek"] <= 1.25 * r["er"] + 1e-3]
             if ok:
                 best = min(ok, key=lambda r: r["ms"])
-                tattn.DEFAULT_VARIANTS[(D, ec > 0)] = (best["cfg"], best["rs"], best["mean"])
-                log(f"chosen D={D} expcast={ec > 0}: cfg={best['cfg']} rowsum={best['rs']} "
-                    f"mean={best['mean']} {best['ms']:.2f} ms")
+                chosen[(D, ec)] = best["launch"]
+                log(f"chosen D={D} expcast={ec}: {best['launch']} {best['ms']:.2f} ms")
             else:
-                log(f"chosen D={D} expcast={ec > 0}: nothing correct, keeping "
-                    f"{tattn.DEFAULT_VARIANTS[(D, ec > 0)]}")
+                log(f"chosen D={D} expcast={ec}: nothing correct, keeping {C.VSMOOTH_TRITON_DEFAULT[(D, ec)]}")
+    return chosen
 
 
-def ab(smoke=False, plan_name="default"):
+def ab(smoke=False):
     """A/B of kernel variants: correctness on a small problem (vs the reference and an fp32 truth, NaN
     check), then speed at S = 32760, H = 40 (identity order, structured inputs)."""
     B, H, S = (1, 2, 300) if smoke else (1, 40, 32760)
     Ss = 300 if smoke else 4173
     results = []
-    for D, plan in PLANS[plan_name].items():
+    for D, plan in AB_PLAN.items():
         qs_, ks_, vs_ = make_inputs(1, 4, Ss, D, seed=2)
         truth = truth_rows(qs_, ks_, vs_, torch.arange(Ss, device=DEV))
         small = {f: ref_pre.preprocess_qk(qs_, ks_, None, sm_scale=D ** -0.5, qk_format=f)
@@ -416,32 +424,27 @@ def ab(smoke=False, plan_name="default"):
         fl = attn_flops(B, H, S, S, D)
         cud = bench_ms(sdpa_fn(q, k, v, "cudnn"), 25, 200) if DEV == "cuda" else float("nan")
         log(f"ab D={D} cudnn {cud:.2f} ms {fl / cud * 1e-9:.0f} TFLOP/s")
-        for cfg, ec, mean, rs, fmt, *ws in plan:
-            ws = bool(ws and ws[0])
-            tattn.CONFIG_OVERRIDE, tattn.ROWSUM_OVERRIDE = cfg, rs
-            tattn.EXPCAST_MODE_OVERRIDE, tattn.MEAN_MODE_OVERRIDE = max(ec, 1), max(mean, 1)
-            tattn.WARP_SPEC_OVERRIDE = ws
-            tag = f"ab D={D} cfg={cfg} expcast={ec} mean={mean} rowsum={rs} qk={fmt} ws={int(ws)}"
+        for cfg, ec, mean, rs, fmt in plan:
+            launch = VSmoothTritonConfig(*cfg, rowsum=rs, mean=mean or FF)
+            tag = f"ab D={D} {launch} expcast={ec} mean={mean and mean.value} qk={fmt}"
             try:
                 t0 = time.time()
-                vq = small_v[min(mean, 1)]
-                o = tattn.vsmooth_attention(small[fmt], vq, expcast=ec > 0)
-                ro = ref_attn.vsmooth_attention(small[fmt], vq, expcast=ec > 0)
+                vq = small_v[int(mean is not None)]
+                o = triton_attn(small[fmt], vq, ec, launch)
+                ro = ref_attn.vsmooth_attention(small[fmt], vq, expcast=ec)
                 nan = int(torch.isnan(o).any(-1).sum())
                 kr, e_k = metrics(o, ro)["rel_l2"], metrics(o, truth)["rel_l2"]
                 e_r = metrics(ro, truth)["rel_l2"]
                 ct = time.time() - t0
-                vq = big_v[min(mean, 1)]
-                ms = bench_ms(lambda: tattn.vsmooth_attention(big[fmt], vq, expcast=ec > 0), 25, 200)
-                results.append(dict(D=D, cfg=cfg, ec=ec, mean=mean, rs=rs, fmt=fmt, ms=ms, nan=nan, kr=kr,
-                                    ek=e_k, er=e_r, ws=ws))
+                vq = big_v[int(mean is not None)]
+                ms = bench_ms(lambda: triton_attn(big[fmt], vq, ec, launch), 25, 200)
+                results.append(dict(D=D, launch=launch, ec=ec, mean=mean, fmt=fmt, ms=ms, nan=nan, kr=kr,
+                                    ek=e_k, er=e_r))
                 log(f"{tag}: {ms:.2f} ms {fl / ms * 1e-9:.0f} TFLOP/s x{cud / ms:.3f} cudnn | nan "
                     f"rows {nan} kernel-vs-ref {kr:.2e} vs-truth {e_k:.3e} (ref {e_r:.3e}) | first call "
                     f"{ct:.1f} s")
             except Exception as e:  # noqa: BLE001
                 log(f"{tag}: FAILED {type(e).__name__}: {str(e)[:600]}")
-        tattn.CONFIG_OVERRIDE = tattn.ROWSUM_OVERRIDE = tattn.WARP_SPEC_OVERRIDE = None
-        tattn.EXPCAST_MODE_OVERRIDE = tattn.MEAN_MODE_OVERRIDE = None
         del q, k, v, big, big_v
         torch.cuda.empty_cache() if DEV == "cuda" else None
     return results
@@ -481,7 +484,7 @@ def captured(n_rows: int, smoke: bool):
         for name, grouped, smooth, ec in VARIANTS:
             p = perm if grouped else None
             a = tpre.preprocess_qk(q, k, p, sm_scale=D ** -0.5)
-            outs[name] = tattn.vsmooth_attention(a, tpre.preprocess_v(v, p, smooth=smooth), expcast=ec)
+            outs[name] = runtime_attn(a, tpre.preprocess_v(v, p, smooth=smooth), ec)
         res = {n: metrics(o[:, :, rows].float(), truth)["rel_l2"] for n, o in outs.items()}
         res["fp8_probs_only"] = p8_only_rel_l2(q, k, v, rows)
         log(f"  L{rec['layer']} s{rec['step']}: " + "  ".join(f"{n} {e:.2e}" for n, e in res.items()))
@@ -500,20 +503,18 @@ def captured(n_rows: int, smoke: bool):
     return out
 
 
-def variant_note(r) -> str:
-    """Which kernel variant produced an 8-bit row (cfg / row sum / mean / ExpCast mode)."""
+def variant_note(r, launches=None) -> str:
+    """Which kernel and launch config produced an 8-bit row (the named fields of configs.py)."""
     v = r["variant"]
     if not v.startswith(("naive8", "vsmooth")):
         return ""
-    if not v.endswith("_triton") and torch.cuda.is_available() and tattn.use_sm90(torch.device("cuda"), False):
-        from vc_compile.templates import vsmooth_attn_sm90 as g
-        cfg = g.config_for(r["D"], "expcast" in v, S=r["S"])  # (BM, warps, stages, WS, register P~, PP, MS)
-        mode = f" expcast_mode={g.EXPCAST_MODE}" if "expcast" in v else ""
-        rowsum = "mma" if cfg[6] else "fp16"  # MS: exact fp32 row sums by an MMA
-        return f"gluon_sm90 cfg={cfg} rowsum={rowsum} mean={0 if v.startswith('naive8') else 1}{mode}"
-    cfg, rs, mean = tattn.DEFAULT_VARIANTS[(r["D"], "expcast" in v)]
-    mode = f" expcast_mode={tattn.DEFAULT_EXPCAST_MODE}" if "expcast" in v else ""
-    return f"cfg={cfg} rowsum={rs} mean={0 if v.startswith('naive8') else mean}{mode}"
+    ec = "expcast" in v
+    naive = " (naive: no mean term)" if v.startswith("naive8") else ""
+    if (not v.endswith("_triton") and torch.cuda.is_available()
+            and dispatch.uses_sm90(torch.device("cuda"), "int8")):
+        return f"gluon_sm90 {C.vsmooth_sm90_default(r['D'], ec, r['S']).to_json()}{naive}"
+    cfg = (launches or {}).get((r["D"], ec)) or C.VSMOOTH_TRITON_DEFAULT[(r["D"], ec)]
+    return f"triton {cfg.to_json()}{naive}"
 
 
 def plot(rows, out_dir):
@@ -550,9 +551,7 @@ def main():
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep / --ab")
     ap.add_argument("--captured-only", action="store_true", help="only the captured_* fidelity rows")
     ap.add_argument("--shapes", default=None, help="comma-separated SxD (B = 1, H = 40), e.g. 8190x128")
-    ap.add_argument("--ab", action="store_true", help="A/B of kernel variants (correctness + speed)")
-    ap.add_argument("--ab-plan", choices=sorted(PLANS), default="default",
-                    help="with --ab: which variants (ws: automatic warp specialisation)")
+    ap.add_argument("--ab", action="store_true", help="A/B of the Triton kernel's variants (correctness + speed)")
     ap.add_argument("--auto", action="store_true", help="with --ab: bench the fastest correct variants")
     a = ap.parse_args()
     if a.out:
@@ -561,10 +560,11 @@ def main():
         sys.exit(1)
     if a.sweep:
         sweep()
+    launches = None
     if a.ab:
-        res = ab(a.smoke, a.ab_plan)
+        res = ab(a.smoke)
         if a.auto:
-            choose(res)
+            launches = choose(res)
     if a.no_bench:
         return
     if a.captured_only:
@@ -581,9 +581,9 @@ def main():
     cols = ["variant", "D", "S", "ms", "tflops", "speedup_vs_cudnn", "speedup_vs_fa4", "rel_l2", "cos_sim",
             "err_share_pv", "mean_energy_share", "group_overhead"]
     for sh in shapes:  # rows are appended per shape, so a time limit loses at most the shape under way
-        part = bench_shape(*sh, n_rows=64 if a.smoke else 512, quick=a.quick)
+        part = bench_shape(*sh, n_rows=64 if a.smoke else 512, quick=a.quick, launches=launches)
         for r in part:
-            r["note"] = variant_note(r)
+            r["note"] = variant_note(r, launches)
         rows += part
         if not a.no_csv and not a.smoke:
             log("csv:", append_rows(BENCH, part, extras=["speedup_vs_fa4"]))

@@ -3,10 +3,12 @@ benchmark's structured inputs: NaN rows, agreement with the shipped configuratio
 vs fp32, time (median, with SDPA cuDNN of the same run).
 
     python3 -m scripts.ab_vsmooth_sm90 [--check-shapes 300x128,4173x128] [--shapes 32760x128]
-        [--variants "vsmooth:64/4/2/0/0,expcast@3:64/4/2/1/1/2,..."] [--triton] [--out F.json]
+        [--variants "vsmooth:smem,expcast:ms_ws,expcast:reg_ws/stages=3,..."] [--triton] [--out F.json]
 
-A variant is METHOD[@EXPCAST_MODE]:CONFIG with METHOD in naive8 / vsmooth / expcast and CONFIG the kernel's
-(BM, warps, stages, WS, PREG, PP, MS) joined by '/'; configs that ``config_for`` refuses are reported and skipped.
+A variant is METHOD:STRUCTURE[/FIELD=VALUE...] with METHOD in naive8 / vsmooth / expcast, STRUCTURE one of
+``STRUCTURES`` (shared-memory P~, register P~, + warp specialisation, + row sums and mean term by MMA) and
+optional fields of ``configs.VSmoothSm90Config`` (block_m, num_warps, stages); a launch config the dataclass
+refuses is reported and skipped.
 --check-shapes run first, on H = 4 (correctness only: NaN rows, rel. L2 vs the shipped config and vs the
 reference); --shapes are timed on H = 40 (and checked against the fp32 truth on 256 sampled rows).
 --triton adds the Triton kernel's row per method.
@@ -23,24 +25,37 @@ import torch
 from benchmarks.bench_vsmooth_attn import make_inputs, truth_rows
 from benchmarks.common import bench_ms, metrics, sdpa_backend
 from vc_compile.reference import vsmooth_attn as ref
+from vc_compile.templates import configs as C
 from vc_compile.templates import kmeans as tkm
 from vc_compile.templates import preprocess as tpre
 from vc_compile.templates import vsmooth_attn as tattn
 from vc_compile.templates import vsmooth_attn_sm90 as g
 
-DEFAULT_VARIANTS = ("naive8:64/4/2/0/0,vsmooth:64/4/2/0/0,expcast:64/4/2/1/1/0,"
-                    "naive8:64/4/2/1/1/2,vsmooth:64/4/2/1/1/2,vsmooth:64/4/2/1/1/1,vsmooth:64/4/2/0/1/1,"
-                    "expcast:64/4/2/1/1/2,expcast:64/4/2/1/1/1,expcast@3:64/4/2/1/1/0,expcast@3:64/4/2/1/1/2,"
-                    "expcast@3:64/4/2/1/1/1,expcast@3:64/4/3/1/1/2,expcast@3:64/4/2/0/1/1")
+_REG = dict(p_operand="registers")
+_MS = dict(rowsum="mma", mean="tf32_window")
+STRUCTURES = {"smem": {}, "reg": dict(_REG), "reg_ws": dict(_REG, warp_specialize=True), "ms": dict(_REG, **_MS),
+              "ms_ws": dict(_REG, warp_specialize=True, **_MS)}
+AB_VARIANTS = ("naive8:smem,vsmooth:smem,expcast:smem,naive8:ms_ws,vsmooth:reg,vsmooth:reg_ws,vsmooth:ms,"
+               "vsmooth:ms_ws,expcast:reg,expcast:reg_ws,expcast:reg_ws/stages=3,expcast:ms,expcast:ms_ws")
 METHODS = {"naive8": (False, False), "vsmooth": (True, False), "expcast": (True, True)}  # (smooth, expcast)
+BASE = C.VSmoothSm90Config()  # shared-memory P~: the yardstick of the --check-shapes comparison
 
 
 def parse(spec):
+    """[(item, method, VSmoothSm90Config or the error that refused it)]."""
     out = []
     for item in spec.split(","):
-        head, cfg = item.split(":")
-        method, _, mode = head.partition("@")
-        out.append((item, method, int(mode) if mode else None, tuple(int(x) for x in cfg.split("/"))))
+        method, cfg = item.split(":")
+        name, *fields = cfg.split("/")
+        kw = dict(STRUCTURES[name])
+        for f in fields:
+            key, val = f.split("=")
+            kw[key] = int(val) if val.isdigit() else val
+        try:
+            launch = C.VSmoothSm90Config(**kw)
+        except (TypeError, ValueError) as e:
+            launch = e
+        out.append((item, method, launch))
     return out
 
 
@@ -54,9 +69,8 @@ def inputs(S, D, H, perm_k):
     return q, k, v, quant
 
 
-def run(qk, vq, method, mode, cfg, lse=False):
-    return g.vsmooth_attention_sm90(qk, vq, expcast=METHODS[method][1], return_lse=lse, config=cfg,
-                                    expcast_mode=mode)
+def run(qk, vq, method, cfg, lse=False):
+    return g.vsmooth_attention_sm90(qk, vq, expcast=METHODS[method][1], return_lse=lse, launch=cfg)
 
 
 def rel(a, b):
@@ -67,18 +81,18 @@ def check(shape, variants, res):
     S, D = shape
     q, k, v, quant = inputs(S, D, 4, 64)
     print(f"\n=== check S={S} D={D} H=4", flush=True)
-    for item, method, mode, cfg in variants:
+    for item, method, cfg in variants:
         qk, vq = quant[method]
         try:
-            g.config_for(D, METHODS[method][1], cfg, S)
-            o, lse = run(qk, vq, method, mode, cfg, lse=True)
-            base, blse = g.vsmooth_attention_sm90(qk, vq, expcast=METHODS[method][1], return_lse=True,
-                                                  expcast_mode=2, config=(64, 4, 2, 0, 0))
+            if isinstance(cfg, Exception):
+                raise cfg
+            o, lse = run(qk, vq, method, cfg, lse=True)
+            base, blse = run(qk, vq, method, BASE, lse=True)
             ro = ref.vsmooth_attention(qk, vq, expcast=METHODS[method][1])
             nan = int((~torch.isfinite(o)).any(-1).sum()) + int((~torch.isfinite(lse)).sum())
             d = dict(kind="check", S=S, D=D, variant=item, nan=nan, vs_base=rel(o, base), vs_ref=rel(o, ro),
                      lse_diff=(lse - blse).abs().max().item())
-            print(f"  {item:28s} nan {nan:5d}  vs shipped-config kernel {d['vs_base']:.2e}  vs reference "
+            print(f"  {item:28s} nan {nan:5d}  vs shared-memory-P~ kernel {d['vs_base']:.2e}  vs reference "
                   f"{d['vs_ref']:.2e}  lse {d['lse_diff']:.2e}", flush=True)
         except Exception as e:  # noqa: BLE001
             d = dict(kind="check", S=S, D=D, variant=item, error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -101,19 +115,20 @@ def timing(shape, variants, res, triton):
     if triton:
         for method, (_, ec) in METHODS.items():
             qk, vq = quant[method]
-            tms = bench_ms(lambda: tattn.vsmooth_attention(qk, vq, expcast=ec, config=tattn.as_config(
-                tattn.DEFAULT_VARIANTS[(D, ec)])), wu, rep)
+            tms = bench_ms(lambda: tattn.vsmooth_attention(qk, vq, expcast=ec,
+                                                          launch=C.VSMOOTH_TRITON_DEFAULT[(D, ec)]), wu, rep)
             print(f"  {method + ' triton':28s} {tms:8.3f} ms x{cud / tms:.3f}", flush=True)
             res.append(dict(kind="time", S=S, D=D, variant=method + "_triton", ms=tms, speedup=cud / tms))
-    for item, method, mode, cfg in variants:
+    for item, method, cfg in variants:
         qk, vq = quant[method]
         try:
-            g.config_for(D, METHODS[method][1], cfg, S)
+            if isinstance(cfg, Exception):
+                raise cfg
             t0 = time.time()
-            o = run(qk, vq, method, mode, cfg)
+            o = run(qk, vq, method, cfg)
             torch.cuda.synchronize()
             first = time.time() - t0
-            ms = bench_ms(lambda: run(qk, vq, method, mode, cfg), wu, rep)
+            ms = bench_ms(lambda: run(qk, vq, method, cfg), wu, rep)
             m = metrics(o[:, :, rows].float(), truth)
             nan = int((~torch.isfinite(o)).any(-1).sum())
             d = dict(kind="time", S=S, D=D, variant=item, ms=ms, speedup=cud / ms, tflops=flops / ms / 1e9,
@@ -133,7 +148,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--check-shapes", default="300x128,4173x128")
     p.add_argument("--shapes", default="32760x128")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS)
+    p.add_argument("--variants", default=AB_VARIANTS)
     p.add_argument("--triton", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args()

@@ -1,11 +1,11 @@
 """Compile the MC-Sparse gather kernel (``sparse_attn._sparse_attn_kernel``) for sm_90 WITHOUT a GPU and
-print, per (C, config, switches): registers and spills (ptxas -v), shared memory per CTA and the CTAs
+print, per (C, launch config): registers and spills (ptxas -v), shared memory per CTA and the CTAs
 that fit on an H200 SM, whether the gathered K/V rows go through cp.async (LDGSTS), how the loop's
 wgmma waits sit (TTGIR), whether ptxas serialised the wgmmas (C7514 / C7515), and the SASS instruction mix of
 the inner loop (the largest backward branch; both sides of an `if` in it are counted).
 
     python3 -m scripts.codegen_sparse [--S 32760] [--C 64,128] [--configs 64/4/3,32/4/3]
-        [--switches rescale_tau=8] [--json] [--dump PREFIX]
+        [--kv-off auto|0|1] [--json] [--dump PREFIX]
 
 Same fake-driver warm-up compile as scripts/codegen_stats.py (shapes of the benchmark: B = 1, H = 40,
 D = 128, bf16, s = 0.15, residual epilogue on). Never run under TRITON_INTERPRET=1.
@@ -94,29 +94,20 @@ def kernel_stats(k, warps: int) -> dict:
             "sass_ldgsts": sass.count("LDGSTS"), "loop": loop_mix(sass)}
 
 
-def compile_one(S, C, cfg, switches):
-    from vc_compile.templates import select as tsel
+def compile_one(S, C, cfg):
+    from vc_compile.reference.select import n_keep
     from vc_compile.templates import sparse_attn as tsa
     B, H, D = 1, 40, 128
-    G, keep = -(-S // C), tsel.n_keep(S, 0.15)
+    G, keep = -(-S // C), n_keep(S, 0.15)
     q = torch.empty(B, H, S, D, dtype=torch.bfloat16)
     sig = torch.empty(B, H, S, dtype=torch.int64)
     idx = torch.empty(B, H, G, keep, dtype=torch.int32)
     cs.COMPILED.clear()
     try:
-        tsa.sparse_attention_launch(q, q, q, sig, idx, sm_scale=D ** -0.5, group_size=C, residual=q, config=cfg,
-                                    switches=switches)
+        tsa.sparse_attention(q, q, q, sig, idx, sm_scale=D ** -0.5, group_size=C, residual=q, launch=cfg)
     except Exception:  # noqa: BLE001 - host code after the (fake) launch
         pass
     return [kk for name, kk in cs.COMPILED if name == "_sparse_attn_kernel"][-1]
-
-
-def parse_switches(text):
-    out = {}
-    for kv in filter(None, (text or "").split(",")):
-        key, val = kv.split("=")
-        out[key] = float(val)
-    return out
 
 
 def main(argv=None):
@@ -124,21 +115,26 @@ def main(argv=None):
     p.add_argument("--S", type=int, default=32760)
     p.add_argument("--C", default="64,128")
     p.add_argument("--configs", default=None, help="BN/warps/stages,...; default: the shipped config per C")
-    p.add_argument("--switches", default="", help="e.g. rescale_tau=8 (sparse_attn.SWITCHES)")
+    p.add_argument("--kv-off", choices=("auto", "0", "1"), default="auto",
+                   help="SparseAttnConfig.kv_off (auto = the measured rule: on for C >= 128)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dump", default=None, help="write PREFIX_c<C>_<cfg>.ttgir/.ptx")
     a = p.parse_args(argv)
     cs._install()
-    from vc_compile.templates import sparse_attn as tsa
-    sw = parse_switches(a.switches)
+    import dataclasses
+
+    from vc_compile.templates import configs as CF
+    kv_off = None if a.kv_off == "auto" else a.kv_off == "1"
     out = {}
     for C in map(int, a.C.split(",")):
-        cfgs = ([tuple(map(int, c.split("/"))) for c in a.configs.split(",")] if a.configs
-                else [tsa.default_config("bf16", 128, C)])
+        cfgs = ([CF.SparseAttnConfig(*map(int, c.split("/"))) for c in a.configs.split(",")] if a.configs
+                else [CF.sparse_default("bf16", 128, C)])
         for cfg in cfgs:
-            k = compile_one(a.S, C, cfg, sw)
-            name = f"c{C}_BN{cfg[0]}_w{cfg[1]}_s{cfg[2]}" + "".join(f"_{kk}{v:g}" for kk, v in sw.items())
-            out[name] = kernel_stats(k, cfg[1])
+            cfg = dataclasses.replace(cfg, kv_off=kv_off)
+            k = compile_one(a.S, C, cfg)
+            name = f"c{C}_BN{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}" + ("" if kv_off is None else
+                                                                                 f"_kv_off{int(kv_off)}")
+            out[name] = kernel_stats(k, cfg.num_warps)
             if a.dump:
                 cs.dump_asm(k, f"{a.dump}_{name}")
     if a.json:

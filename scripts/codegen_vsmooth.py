@@ -4,9 +4,9 @@ loop overlaps the MMAs with the softmax. Shared-memory P~ (the default): the SAS
 ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S_j ready, PV_{j-1} still running) and its ``0x0`` wait (PV_{j-1} done)
 must hold the softmax (MUFU.EX2 or the ExpCast FMNMX clamps); a compiler that sinks the softmax below the
 PV wait serialises the loop again (it did, before the softmax results were passed through the wait: 31
-instructions in the window). Register P~ (ExpCast, PREG): in the key loop the QK MMA of the next block is
-issued before the softmax and PV takes P~ from registers (``QGMMA ... R, gdesc``) after it, with no
-P~ stores to shared memory.
+instructions in the window). Register P~ (``p_operand="registers"``): in the key loop both MMAs are issued
+after the softmax and PV takes P~ from registers (``QGMMA ... R, gdesc``), with no P~ stores to shared
+memory.
 
     python3 -m scripts.codegen_vsmooth [--S 32760] [--json]
 
@@ -25,17 +25,22 @@ from scripts import codegen_stats as cs
 
 import torch  # noqa: E402  (after codegen_stats)
 
+from vc_compile.templates.configs import (MeanTerm, POperand, RowSum, VSmoothSm90Config,  # noqa: E402
+                                          vsmooth_sm90_default)
+
+_REG = dict(p_operand=POperand.REGISTERS)
+_MS = dict(rowsum=RowSum.MMA, mean=MeanTerm.TF32_WINDOW)
 VARIANTS = {  # name: (head dim, expcast, mean, launch config: None = the kernel's default at --S)
     "d128_exp2": (128, False, True, None), "d128_expcast": (128, True, True, None),
     "d128_naive": (128, False, False, None), "d64_exp2": (64, False, True, None),
     "d64_expcast": (64, True, True, None),
-    "d128_exp2_ws": (128, False, True, (64, 4, 2, 1, 1, 0)),  # V-Smooth's long-head default before MS
-    "d128_exp2_preg_pp1": (128, False, True, (64, 4, 2, 0, 1, 1)),  # register P~, no warp specialisation
-    "d128_expcast_pp0": (128, True, True, (64, 4, 2, 1, 1, 0)),  # S_{j+1} issued before the softmax
-    "d128_expcast_smem": (128, True, True, (64, 4, 2, 0, 0)),  # shared-memory P~ (the A/B baseline)
-    "d128_expcast_ws_pp1": (128, True, True, (64, 4, 2, 1, 1, 1)),  # the defaults before MS (row sums on the ALUs)
-    "d64_expcast_preg": (64, True, True, (64, 4, 2, 0, 1, 1)),  # register P~, no WS (D = 64 below 6144 rows)
-    "d128_exp2_ms_nows": (128, False, True, (64, 4, 2, 0, 1, 1, 1)),  # MS without warp specialisation
+    # V-Smooth's long-head default before MS: warp-specialised register P~, row sums on the ALUs
+    "d128_exp2_ws": (128, False, True, VSmoothSm90Config(**_REG, warp_specialize=True)),
+    "d128_exp2_preg": (128, False, True, VSmoothSm90Config(**_REG)),  # register P~, no warp specialisation
+    "d128_expcast_smem": (128, True, True, VSmoothSm90Config()),  # shared-memory P~ (the A/B baseline)
+    "d128_expcast_ws": (128, True, True, VSmoothSm90Config(**_REG, warp_specialize=True)),
+    "d64_expcast_preg": (64, True, True, VSmoothSm90Config(**_REG)),  # the D = 64 default below 6144 rows
+    "d128_exp2_ms_nows": (128, False, True, VSmoothSm90Config(**_REG, **_MS)),  # MS without warp specialisation
 }
 
 
@@ -45,13 +50,12 @@ def compile_one(S, D, expcast, mean, config=None):
     B, H, S_pad = 1, 40, -(-S // 128) * 128
     q8 = torch.empty(B, H, S, D, dtype=torch.int8)
     vm = torch.empty(B, H, S_pad // 128, D)
-    if not mean:
-        vm._vc_zero_mean = True
     qk = QKQuant(q8, torch.empty(B, H, S), q8, torch.empty(B, H, -(-S // 64)), torch.empty(B, H, D), D ** -0.5)
-    vq = VQuant(torch.empty(B, H, D, S_pad, dtype=torch.float8_e4m3fn), torch.empty(B, H, D), vm, S)
+    vq = VQuant(torch.empty(B, H, D, S_pad, dtype=torch.float8_e4m3fn), torch.empty(B, H, D), vm, S,
+                zero_mean=not mean)
     cs.COMPILED.clear()
     try:
-        g.vsmooth_attention_sm90(qk, vq, expcast=expcast, config=config)
+        g.vsmooth_attention_sm90(qk, vq, expcast=expcast, launch=config or vsmooth_sm90_default(D, expcast, S))
     except Exception:  # noqa: BLE001 - host code after the (fake) launch
         pass
     return [k for name, k in cs.COMPILED if name.startswith("_vsmooth_attn_sm90")][-1]
@@ -111,22 +115,20 @@ def main(argv=None):
     a = p.parse_args(argv)
     cs._install()
     out = {}
-    from vc_compile.templates import vsmooth_attn_sm90 as g
     for name, (D, expcast, mean, config) in VARIANTS.items():
         k = compile_one(a.S, D, expcast, mean, config)
         st = csp.kernel_stats(k, k.metadata.num_warps)
         sass, _ = csp.sass_of(k.asm["ptx"])
         out[name] = {key: st[key] for key in ("registers", "spill_bytes", "smem_bytes", "ctas_per_sm",
                                               "wgmma_serialized")}
-        preg, pp, ms = g.config_for(D, expcast, config, a.S)[4:7]
-        out[name]["register_p"] = bool(preg)
-        out[name]["pp"] = pp
-        out[name]["ms"] = ms
+        cfg = config or vsmooth_sm90_default(D, expcast, a.S)
+        out[name]["register_p"] = cfg.p_operand == POperand.REGISTERS
+        out[name]["ms"] = int(cfg.mma_sums)
         out[name]["mean"] = mean
         # ptxas's F2FP...PACK_AB_MERGE_C with a live C operand: every register-P~ exp2 compile that had these
-        # returned wrong or NaN rows on the H200 (kernels_notes v6); _e4m3x4 packs P~ so that none appear
+        # returned wrong or NaN rows on the H200 (kernels_notes v6); e4m3x4 packs P~ so that none appear
         out[name]["f2fp_merge_chained"] = len(re.findall(r"PACK_AB_MERGE_C R\d+, R\d+, R\d+, R\d+", sass))
-        out[name]["window"] = register_p_loop(sass) if preg else overlap_window(sass)
+        out[name]["window"] = register_p_loop(sass) if out[name]["register_p"] else overlap_window(sass)
     if a.json:
         print(json.dumps(out))
     else:

@@ -41,8 +41,8 @@ pytestmark = pytest.mark.usefixtures("fresh_vcattn")
 
 
 def opts(method="dense", **kw):
-    return {"compiler": "eager", "min_seq_len": 64, "method": method, "kmeans_init_iters": 2,
-            "kmeans_iters": 1, **kw}
+    return {"min_seq_len": 64, "method": method, "kmeans_iters": 1,
+            "experimental": {"compiler": "eager", "kmeans_init_iters": 2}, **kw}
 
 
 def _quiet(p):

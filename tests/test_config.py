@@ -40,7 +40,6 @@ def test_unknown_key_lists_accepted():
     ("residual", "fp4", "'bf16', 'fp8' or 'none'"),
     ("min_seq_len", 0, ">= 1"),
     ("head_dims", (), "non-empty"),
-    ("kernels", "cuda", "triton"),
     ("mode", "fast", "max-autotune"),
     ("num_steps", 0, ">= 1"),
 ])
@@ -48,6 +47,70 @@ def test_bad_values_name_key_and_accepted(key, value, accepted):
     with pytest.raises(VCConfigError, match=key) as e:
         VCConfig.from_options({key: value})
     assert e.match(accepted)
+
+
+@pytest.mark.parametrize("key,value,accepted", [
+    ("kernels", "cuda", "triton"),
+    ("compiler", "aot", "inductor"),
+    ("smooth_v", 1, "True or False"),
+    ("kmeans_init_iters", 0, ">= 1"),
+    ("selection", "topk", "exact"),
+])
+def test_bad_experimental_values_name_key_and_accepted(key, value, accepted):
+    with pytest.raises(VCConfigError, match=rf"experimental\['{key}'\]") as e:
+        VCConfig.from_options({"experimental": {key: value}})
+    assert e.match(accepted)
+
+
+def test_experimental_knobs_live_in_one_option():
+    """The ablation / debug knobs are given as one ``experimental={...}`` option: validated, round-tripped, and
+    refused at the top level with an error that says where they go."""
+    cfg = VCConfig.from_options({"experimental": {"kernels": "reference", "compiler": "eager", "smooth_v": False}})
+    assert cfg.experimental.kernels.value == "reference" and cfg.experimental.smooth_v is False
+    assert VCConfig.from_json(cfg.to_json()) == cfg
+    assert VCConfig(experimental={"compiler": "eager"}).experimental.compiler.value == "eager"
+    for key in ("kernels", "compiler", "smooth_v", "kmeans_init_iters", "selection", "selection_unit",
+                "query_grouping", "selection_refresh"):
+        with pytest.raises(VCConfigError, match=rf"\['{key}'\] are experimental knobs: give them as experimental="):
+            VCConfig.from_options({key: VCConfig().experimental.to_dict()[key]})
+    with pytest.raises(VCConfigError, match=r"unknown vcattn experimental option\(s\) \['kernel'\]"):
+        VCConfig.from_options({"experimental": {"kernel": "triton"}})
+    with pytest.raises(VCConfigError, match="a dict of"):
+        VCConfig.from_options({"experimental": "reference"})
+
+
+def test_merge_options_merges_experimental():
+    from vc_compile.config import merge_options
+
+    ladder = {"method": "mcsparse", "residual": "none", "experimental": {"selection": "mean_pool"}}
+    got = merge_options(ladder, {"experimental": {"compiler": "eager"}, "density": 0.25})
+    assert got == {"method": "mcsparse", "residual": "none", "density": 0.25,
+                   "experimental": {"selection": "mean_pool", "compiler": "eager"}}
+    assert ladder["experimental"] == {"selection": "mean_pool"}  # inputs untouched
+    assert merge_options(None, {"method": "dense"}) == {"method": "dense"}
+
+
+def test_group_size_default_has_one_source():
+    """MC-Sparse's query-group size: VCConfig's default is what the stateless op's schema, the tune CLI and the
+    sparse kernel's shipped table assume (the tune CLI used 64 while the runtime used 128)."""
+    import json
+
+    import vc_compile  # noqa: F401  (registers torch.ops.vcattn)
+    from vc_compile import tune_cli
+    from vc_compile.tune.cache import SHIPPED_DIR
+
+    C = VCConfig().group_size
+    schema = torch.ops.vcattn.sparse_attention.default._schema
+    assert next(a for a in schema.arguments if a.name == "group_size").default_value == C
+    args = tune_cli.parser().parse_args(["--method", "mcsparse", "--heads", "1", "--head-dim", "128", "--seq", "64"])
+    assert args.group_size == C and args.density == VCConfig().density and args.sparse_qk == VCConfig().sparse_qk
+    vs = tune_cli.parser().parse_args(["--method", "vsmooth", "--heads", "1", "--head-dim", "128", "--seq", "64"])
+    assert vs.qk_format == VCConfig().qk_format.value and vs.expcast == VCConfig().expcast
+    with open(f"{SHIPPED_DIR}/shipped_sm90.json") as f:
+        assert any(f"-c{C}-" in key for key in json.load(f)["sparse_attn"])
+    # the head dims rewritten by default are the ones the 8-bit kernels take
+    from vc_compile.templates.configs import VSMOOTH_HEAD_DIMS
+    assert VCConfig().head_dims == VSMOOTH_HEAD_DIMS
 
 
 def test_anchor_steps_and_interval_exclusive():
@@ -87,17 +150,25 @@ def test_readme_options_table_lists_every_option():
         assert f"| `{f.name}` |" in readme, f"README options table lacks {f.name}"
 
 
+def _default_repr(f):
+    import enum
+
+    d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if dataclasses.is_dataclass(d):
+        return "{}"  # experimental: every knob at its default
+    return repr(d.value if isinstance(d, enum.Enum) else d)
+
+
 def test_readme_options_rows_match_option_docs():
     """Each README row is exactly ``| `name` | `default` | OPTION_DOCS[name] |`` (the table is generated
-    from OPTION_DOCS; a stale row fails here)."""
-    import enum
+    from OPTION_DOCS; a stale row fails here), and likewise the experimental knobs' table."""
     import os
 
-    from vc_compile.config import OPTION_DOCS
+    from vc_compile.config import EXPERIMENTAL_DOCS, OPTION_DOCS, Experimental
 
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    assert set(OPTION_DOCS) == {f.name for f in dataclasses.fields(VCConfig)}
-    for f in dataclasses.fields(VCConfig):
-        d = f.default.value if isinstance(f.default, enum.Enum) else f.default
-        row = f"| `{f.name}` | `{d!r}` | {OPTION_DOCS[f.name]} |"
-        assert row in readme, f"README options row for {f.name} differs from OPTION_DOCS: want {row}"
+    for cls, docs in ((VCConfig, OPTION_DOCS), (Experimental, EXPERIMENTAL_DOCS)):
+        assert set(docs) == {f.name for f in dataclasses.fields(cls)}
+        for f in dataclasses.fields(cls):
+            row = f"| `{f.name}` | `{_default_repr(f)}` | {docs[f.name]} |"
+            assert row in readme, f"README options row for {f.name} differs from its docs table: want {row}"

@@ -144,9 +144,7 @@ def _meta_summary():
     from vc_compile.runtime import state
 
     out = []
-    with state._LOCK:
-        items = sorted(((k, m) for k, m in state._STORE.items() if m is not None),
-                       key=lambda kv: (kv[0][0], kv[0][2]))
+    items = sorted(((k, m) for k, m in state.items() if m is not None), key=lambda kv: (kv[0][0], kv[0][2]))
     for key, meta in items:
         site, ident, branch = key[:3]  # (site, block identity, branch, q shape, k shape, device)
         shapes = [x for x in key[3:] if isinstance(x, tuple)]
@@ -241,7 +239,7 @@ def _ring_case(rank, world):
     counters.clear()
     cp_detect.clear()
     vc_compile.reset(report=True)
-    opts = {"compiler": "eager", "min_seq_len": MIN_SEQ, "method": "vsmooth"}
+    opts = {"experimental": {"compiler": "eager"}, "min_seq_len": MIN_SEQ, "method": "vsmooth"}
     cm = torch.compile(blk, backend=_wired_backend(opts))
     with torch.no_grad():
         out = cm(x[:, rank * S_loc:(rank + 1) * S_loc]).float()
@@ -270,7 +268,7 @@ def _ulysses_helper_case(rank, world):
     counters.clear()
     cp_detect.clear()
     vc_compile.reset(report=True)
-    opts = {"compiler": "eager", "min_seq_len": MIN_SEQ, "method": "dense"}
+    opts = {"experimental": {"compiler": "eager"}, "min_seq_len": MIN_SEQ, "method": "dense"}
     fn = torch.compile(lambda a, b, c: parallel.ulysses_attention(a, b, c), backend=_wired_backend(opts))
     with torch.no_grad():
         out = fn(q[:, sl], k[:, sl], v[:, sl])
@@ -310,7 +308,7 @@ def worker_main(rank, world, port, out_path):
         ref32 = _run_steps(m32, x, ctx, "call-count")
         ref16 = _run_steps(m, xb, ctxb, "call-count")
         del m32
-        vs_opts = {"compiler": "eager", "min_seq_len": MIN_SEQ, "method": "vsmooth"}
+        vs_opts = {"experimental": {"compiler": "eager"}, "min_seq_len": MIN_SEQ, "method": "vsmooth"}
         vs_single, vs_single_items, vs_single_info = _case(m, xb, ctxb, vs_opts, "explicit")
         res["timings"]["references"] = time.perf_counter() - t0
 
@@ -327,10 +325,12 @@ def worker_main(rank, world, port, out_path):
 
         enable_diffusers_ulysses(m, world)
         cases = {
-            "dense": ({"compiler": "eager", "min_seq_len": MIN_SEQ, "method": "dense", "num_steps": STEPS},
+            "dense": ({"experimental": {"compiler": "eager"}, "min_seq_len": MIN_SEQ, "method": "dense",
+                       "num_steps": STEPS},
                       "call-count"),
             "vsmooth": (vs_opts, "explicit"),
-            "mcsparse": ({"compiler": "eager", "min_seq_len": MIN_SEQ, "method": "mcsparse", "density": 1.0,
+            "mcsparse": ({"experimental": {"compiler": "eager"}, "min_seq_len": MIN_SEQ, "method": "mcsparse",
+                          "density": 1.0,
                           "warmup_steps": 1, "anchor_steps": (1,)}, "diffusers"),
             # per-token timesteps are split across ranks by Wan's _cp_plan: rank 0 holds only t = 0 tokens
             "vsmooth_t2d": ({**vs_opts, "num_steps": STEPS}, "timestep-2d"),

@@ -267,7 +267,7 @@ def test_pipeline_through_vcattn_reads_steps_from_the_pipeline(regional):
     # 4 steps: MC-Sparse's default schedule is then dense, anchor, anchor, reuse; V-Smooth's group, reuse x 3
     steps, kw = 4, dict(frames=1, height=32, width=32, seed=0, guidance=3.0, warmup=1, regional=regional,
                         progress=False)
-    extra = {"compiler": "eager", "min_seq_len": 128}  # 256 tokens; eager keeps the test fast
+    extra = {"experimental": {"compiler": "eager"}, "min_seq_len": 128}  # 256 tokens; eager keeps the test fast
     dense = run_pipeline(pipe, cond, uncond, "dense", {"method": "dense", **extra}, steps=steps, **kw)
     methods = ({"method": "vsmooth"}, {"method": "mcsparse", "density": 0.25})
     for options in methods[1:] if regional else methods:  # regional: one method keeps the test short
@@ -395,7 +395,7 @@ def test_benchmark_loop_through_vcattn():
 
     tr, cond, uncond = tiny_model(torch.bfloat16)
     kw = dict(frames=1, height=32, width=32, steps=2, seed=0, guidance=3.0, shift=1.0, warmup=1)
-    extra = {"compiler": "eager", "min_seq_len": 128}
+    extra = {"experimental": {"compiler": "eager"}, "min_seq_len": 128}  # 256 tokens; eager keeps the test fast
     dense = run_config(tr, cond, uncond, "dense", {"method": "dense", **extra}, **kw)
     res = run_config(tr, cond, uncond, "mcsparse", {"method": "mcsparse", "density": 0.25, **extra}, **kw)
     phases = res.report.phase_counts()

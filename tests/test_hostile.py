@@ -45,6 +45,7 @@ from vc_compile import methods
 from vc_compile.config import VCConfig, VCConfigError
 from vc_compile.runtime import report as _report
 from vc_compile.runtime import state
+from vc_compile.templates import dispatch
 
 U = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 TOL_8BIT = 0.08
@@ -54,7 +55,7 @@ METHODS = {
     "dense": dict(method="dense"),
     "vsmooth": dict(method="vsmooth"),
     "expcast": dict(method="vsmooth", expcast=True),
-    "naive": dict(method="vsmooth", smooth_v=False),
+    "naive": dict(method="vsmooth", experimental={"smooth_v": False}),
     "mcsparse": dict(method="mcsparse", warmup_steps=0, anchor_steps=(0,), density=0.3),
 }
 EIGHT_BIT = ("vsmooth", "expcast", "naive")
@@ -66,8 +67,13 @@ def new_site(method="test"):
                                  method=method, rewritten=True).site
 
 
+def with_kernels(options, kernels):
+    """``options`` with ``experimental['kernels']`` set (merged into any experimental knobs they have)."""
+    return {**options, "experimental": {**options.get("experimental", {}), "kernels": kernels}}
+
+
 def cfg_json(name, kernels="reference", **over):
-    return VCConfig.from_options({**METHODS[name], "min_seq_len": 1, "kernels": kernels, **over}).to_json()
+    return VCConfig.from_options(with_kernels({**METHODS[name], "min_seq_len": 1, **over}, kernels)).to_json()
 
 
 def run_op(q, k, v, name, *, steps=2, kernels="reference", scale=None, inputs=None, site=None, **over):
@@ -86,8 +92,7 @@ def run_op(q, k, v, name, *, steps=2, kernels="reference", scale=None, inputs=No
 
 def metas_of(site):
     """The metadata objects cached for one site (all blocks, branches, shapes)."""
-    with state._LOCK:
-        return [m for key, m in state._STORE.items() if key[0] == site and m is not None]
+    return [m for key, m in state.items() if key[0] == site and m is not None]
 
 
 def ref_sdpa(q, k, v, scale=None):
@@ -131,11 +136,7 @@ def templates_skip(name):
     method = METHODS[name]["method"]
     if method == "dense":
         return
-    mods = methods._TEMPLATE_MODULES[method]
-    missing = [m for m in mods if importlib.util.find_spec(f"vc_compile.templates.{m}") is None]
-    if missing:
-        pytest.skip(f"Triton kernel module(s) vc_compile/templates/{{{', '.join(missing)}}}.py not written yet")
-    _, err = methods._templates_or_error(method)
+    err = dispatch.triton_error()
     if err is not None:
         pytest.skip(f"Triton kernels of {method} fail to import: {err}")
 
@@ -688,7 +689,7 @@ def test_anchor_schedules(sched, expect):
     O_dense."""
     q, k, v = (t.bfloat16() for t in gaussian(B=1, S=150))
     site = new_site()
-    cj = VCConfig.from_options({"method": "mcsparse", "min_seq_len": 1, "kernels": "reference",
+    cj = VCConfig.from_options({"method": "mcsparse", "min_seq_len": 1, "experimental": {"kernels": "reference"},
                                 "density": 0.3, **sched}).to_json()
     ref = ref_sdpa(q, k, v)
     with vc_compile.sampling(num_steps=10):
@@ -709,7 +710,8 @@ def compiled_tiny(method, dtype=torch.bfloat16, seq=256, zero_q_block=None, **op
         with torch.no_grad():
             m.blocks[zero_q_block].q.weight.zero_()
             m.blocks[zero_q_block].q.bias.zero_()
-    options = {**METHODS[method], "compiler": "eager", "min_seq_len": 64, "kernels": "reference", **opts}
+    options = {**METHODS[method], "min_seq_len": 64, **opts}
+    options["experimental"] = {**options.get("experimental", {}), "compiler": "eager", "kernels": "reference"}
     cm = torch.compile(m, backend="vcattn", options=options)
     return m, cm, x, ctx
 
@@ -753,7 +755,8 @@ def test_compiled_tiny_dit(method, dtype, seq, zero_q):
     ({"method": ["vsmooth"]}, "method"),
     ({"density": float("nan")}, "density"),
     ({"group_fraction": float("inf")}, "group_fraction"),
-    ({"kmeans_init_iters": 0}, "kmeans_init_iters"),
+    ({"experimental": {"kmeans_init_iters": 0}}, "kmeans_init_iters"),
+    ({"smooth_v": False}, "experimental"),
     ({"sparse_qk": "int8"}, "sparse_qk"),
     ({"group_size": 96}, "group_size"),
 ])
@@ -792,18 +795,21 @@ def test_sparse_qk_fp8_on_the_reference_path():
 
 @contextlib.contextmanager
 def fresh_resolve_caches():
-    methods._templates_or_error.cache_clear()
-    methods._load.cache_clear()
-    methods._warn_once.cache_clear()
+    dispatch.triton_error.cache_clear()
+    dispatch._warn_once.cache_clear()
     try:
         yield
     finally:
-        methods._templates_or_error.cache_clear()
-        methods._load.cache_clear()
-        methods._warn_once.cache_clear()
+        dispatch.triton_error.cache_clear()
+        dispatch._warn_once.cache_clear()
 
 
 CUDA = torch.device("cuda")
+
+
+def choose(method, cfg, device):
+    """dispatch's choice for one op call of ``method`` with ``cfg`` (what ``ops.attention`` asks)."""
+    return dispatch.choose(method, cfg.experimental.kernels, methods.get(cfg.resolved_method).needs_fp8(cfg), device)
 
 
 def test_gpu_without_fp8_falls_back_with_a_warning(monkeypatch):
@@ -813,16 +819,16 @@ def test_gpu_without_fp8_falls_back_with_a_warning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with fresh_resolve_caches():
         with pytest.warns(RuntimeWarning, match="no FP8"):
-            mods, path = methods.resolve("vsmooth", VCConfig(), CUDA)
-        assert path == "reference" and mods is methods.reference("vsmooth")
-        if methods._templates_or_error("mcsparse")[0] is not None:
+            impl, path = choose("vsmooth", VCConfig(), CUDA)
+        assert path == "reference" and impl == dispatch.Impl.REFERENCE
+        if dispatch.triton_error() is None:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
-                assert methods.resolve("mcsparse", VCConfig(method="mcsparse"), CUDA)[1] == "triton"
+                assert choose("mcsparse", VCConfig(method="mcsparse"), CUDA)[1] == "triton"
         with pytest.warns(RuntimeWarning, match="no FP8"):
-            assert methods.resolve("mcsparse", VCConfig(method="mcsparse", sparse_qk="fp8"), CUDA)[1] == "reference"
+            assert choose("mcsparse", VCConfig(method="mcsparse", sparse_qk="fp8"), CUDA)[1] == "reference"
         with pytest.raises(RuntimeError, match="no FP8"):
-            methods.resolve("vsmooth", VCConfig(kernels="triton"), CUDA)
+            choose("vsmooth", VCConfig(experimental={"kernels": "triton"}), CUDA)
 
 
 def test_without_triton_falls_back_with_a_warning(monkeypatch):
@@ -830,19 +836,23 @@ def test_without_triton_falls_back_with_a_warning(monkeypatch):
     the import error; kernels='triton' is a clear error."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setitem(sys.modules, "triton", None)
+    pkg = sys.modules["vc_compile.templates"]
     for name in list(sys.modules):
         if name.startswith("vc_compile.templates."):
             monkeypatch.delitem(sys.modules, name)
+            # also the package's attribute: `from vc_compile.templates import kmeans` returns it without an
+            # import once an earlier test imported the kernels (test order must not matter)
+            monkeypatch.delattr(pkg, name.rsplit(".", 1)[1], raising=False)
     with fresh_resolve_caches():
         for method in ("vsmooth", "mcsparse"):
             with pytest.warns(RuntimeWarning, match="kernels unavailable.*(ModuleNotFound|Import)Error"):
-                mods, path = methods.resolve(method, VCConfig(method=method), CUDA)
-            assert mods is methods.reference(method) and path.startswith("reference")
+                impl, path = choose(method, VCConfig(method=method), CUDA)
+            assert impl == dispatch.Impl.REFERENCE and path.startswith("reference")
             with pytest.raises(RuntimeError, match="failed to load"):
-                methods.resolve(method, VCConfig(method=method, kernels="triton"), CUDA)
+                choose(method, VCConfig(method=method, experimental={"kernels": "triton"}), CUDA)
 
 
 def test_forced_triton_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        methods.resolve("vsmooth", VCConfig(kernels="triton"), torch.device("cpu"))
+        choose("vsmooth", VCConfig(experimental={"kernels": "triton"}), torch.device("cpu"))

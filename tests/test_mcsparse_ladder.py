@@ -14,27 +14,18 @@ import torch
 from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile.config import (QueryGrouping, Selection, SelectionRefresh, SelectionUnit, VCConfig,
                                VCConfigError)
+from vc_compile.methods import Phase
 from vc_compile.methods import mcsparse as M
-from vc_compile.methods import reference
 from vc_compile.reference import select as R
 from vc_compile.reference.dense import dense_attention_lse
-from vc_compile.runtime.steps import Phase
+from vc_compile.templates import dispatch
 
 DEV = KERNEL_DEVICE
 BLK = R.KV_TILE
 
 
-def _impls():
-    out = [("reference", reference("mcsparse"))]
-    from vc_compile.methods import _templates_or_error
-
-    mods, err = _templates_or_error("mcsparse")
-    assert mods is not None, err
-    out.append(("triton", mods))
-    return out
-
-
-IMPLS = _impls()
+assert dispatch.triton_error() is None, dispatch.triton_error()
+IMPLS = [("reference", dispatch.Impl.REFERENCE), ("triton", dispatch.Impl.TRITON)]
 
 
 def inputs(S, Sk, D, dtype, seed=0, perm=True):
@@ -128,7 +119,7 @@ def test_mean_pool_token_selection_is_bruteforce():
     S, D, C = 200, 64, 64
     q, k, _, sigma = inputs(S, S, D, torch.float32)
     keep = R.n_keep(S, 0.3)
-    idx = M.select(reference("mcsparse"), q, k, sigma, None, sm_scale=D ** -0.5, group_size=C, keep=keep,
+    idx = M.select(dispatch.Impl.REFERENCE, q, k, sigma, None, sm_scale=D ** -0.5, group_size=C, keep=keep,
                    selection=Selection.MEAN_POOL, unit=SelectionUnit.TOKEN)
     for h in range(2):
         for g in range(-(-S // C)):
@@ -158,7 +149,7 @@ def test_block_mass_and_group_means():
 @pytest.mark.parametrize("name,impl", IMPLS, ids=[n for n, _ in IMPLS])
 def test_none_grouping_is_identity(name, impl):
     q = torch.randn(1, 2, 200, 64, dtype=torch.bfloat16, device=DEV if name == "triton" else "cpu")
-    cfg = VCConfig(method="mcsparse", query_grouping=QueryGrouping.NONE)
+    cfg = VCConfig(method="mcsparse", experimental={"query_grouping": QueryGrouping.NONE})
     sigma = M.query_order(impl, q, cfg)
     assert sigma.dtype == torch.int64 and sigma.shape == (1, 2, 200)
     assert torch.equal(sigma.cpu(), torch.arange(200).expand(1, 2, 200))
@@ -167,16 +158,20 @@ def test_none_grouping_is_identity(name, impl):
     assert not torch.equal(pd.cpu(), sigma.cpu())
 
 
+def rung(residual=None, **experimental):
+    """A rung's options: the residual (a user option) and the ablation knobs (``experimental``)."""
+    return {**({"residual": residual} if residual else {}), **({"experimental": experimental} if experimental else {})}
+
+
 RUNGS = {
-    "1-bsa-meanpool": dict(selection="mean_pool", selection_unit="block", query_grouping="none",
-                           residual="none", selection_refresh="every_step"),
-    "1b-bsa-meanpool-reused": dict(selection="mean_pool", selection_unit="block", query_grouping="none",
-                                   residual="none"),
-    "2-bsa-exact": dict(selection_unit="block", query_grouping="none", residual="none"),
-    "3-token": dict(query_grouping="none", residual="none"),
-    "4-pddp": dict(residual="none"),
-    "5-residual": dict(),
-    "mean_pool-token-pddp-residual": dict(selection="mean_pool"),
+    "1-bsa-meanpool": rung("none", selection="mean_pool", selection_unit="block", query_grouping="none",
+                           selection_refresh="every_step"),
+    "1b-bsa-meanpool-reused": rung("none", selection="mean_pool", selection_unit="block", query_grouping="none"),
+    "2-bsa-exact": rung("none", selection_unit="block", query_grouping="none"),
+    "3-token": rung("none", query_grouping="none"),
+    "4-pddp": rung("none"),
+    "5-residual": rung(),
+    "mean_pool-token-pddp-residual": rung(selection="mean_pool"),
 }
 
 
@@ -220,14 +215,14 @@ def test_residual_none_vs_bf16(name, impl):
     q, k, v, _ = inputs(S, S, D, dtype)
     q, k, v = (t.to(dev) for t in (q, k, v))
     sm = D ** -0.5
-    base = {"method": "mcsparse", "density": 0.3, "query_grouping": "none"}
+    base = {"method": "mcsparse", "density": 0.3, "experimental": {"query_grouping": "none"}}
     a_none, r_none, m_none = _anchor_then_reuse(impl, q, k, v, VCConfig.from_options({**base, "residual": "none"}), sm)
     a_res, r_res, m_res = _anchor_then_reuse(impl, q, k, v, VCConfig.from_options(base), sm)
     assert m_none.residual is None and m_res.residual is not None and m_res.residual.dtype == torch.bfloat16
     assert torch.equal(m_none.idx, m_res.idx) and torch.equal(m_none.sigma, m_res.sigma)
     assert torch.equal(a_none, a_res)  # the anchor returns O_dense either way
     C = VCConfig.from_options(base).group_size
-    sparse = M._sparse_fn(impl, "bf16")(q, k, v, m_none.sigma, m_none.idx, sm_scale=sm, group_size=C)
+    sparse = dispatch.sparse_attention(impl, q, k, v, m_none.sigma, m_none.idx, sm_scale=sm, group_size=C)
     assert torch.allclose(r_none.float(), sparse.float(), atol=1e-6)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
     assert (r_res.float() - a_res.float()).abs().max() <= tol  # O_sparse + R == O_dense
@@ -237,7 +232,7 @@ def test_residual_none_vs_bf16(name, impl):
 
 
 def test_every_step_reselects_from_current_inputs():
-    impl = reference("mcsparse")
+    impl = dispatch.Impl.REFERENCE
     S, D = 256, 64
     q, k, v, _ = inputs(S, S, D, torch.float32)
     cfg = VCConfig.from_options({"method": "mcsparse", "density": 0.25, **RUNGS["1-bsa-meanpool"]})
@@ -247,19 +242,22 @@ def test_every_step_reselects_from_current_inputs():
     idx2 = M.select(impl, q2, k2, meta.sigma, None, sm_scale=D ** -0.5, group_size=cfg.group_size,
                     keep=meta.idx.shape[-1], selection=Selection.MEAN_POOL, unit=SelectionUnit.BLOCK)
     assert not torch.equal(idx2, meta.idx)
-    want = impl.sparse_attn.sparse_attention(q2, k2, v2, meta.sigma, idx2, sm_scale=D ** -0.5, group_size=cfg.group_size)
+    want = dispatch.sparse_attention(impl, q2, k2, v2, meta.sigma, idx2, sm_scale=D ** -0.5,
+                                     group_size=cfg.group_size)
     assert torch.allclose(out, want, atol=1e-6)
     # 'anchor' refresh reuses the anchor's selection instead
-    cfg_a = dataclasses.replace(cfg, selection_refresh=SelectionRefresh.ANCHOR)
+    cfg_a = dataclasses.replace(cfg, experimental=dataclasses.replace(cfg.experimental,
+                                                                      selection_refresh=SelectionRefresh.ANCHOR))
     out_a, _ = M.run(q2, k2, v2, phase=Phase.REUSE, meta=meta, cfg=cfg_a, sm_scale=D ** -0.5, impl=impl)
-    want_a = impl.sparse_attn.sparse_attention(q2, k2, v2, meta.sigma, meta.idx, sm_scale=D ** -0.5,
-                                               group_size=cfg.group_size)
+    want_a = dispatch.sparse_attention(impl, q2, k2, v2, meta.sigma, meta.idx, sm_scale=D ** -0.5,
+                                       group_size=cfg.group_size)
     assert torch.allclose(out_a, want_a, atol=1e-6)
 
 
 def test_options_defaults_validation_and_roundtrip():
     cfg = VCConfig()
-    assert (cfg.selection, cfg.selection_unit, cfg.query_grouping, cfg.selection_refresh, cfg.residual) == (
+    ex = cfg.experimental
+    assert (ex.selection, ex.selection_unit, ex.query_grouping, ex.selection_refresh, cfg.residual) == (
         Selection.EXACT, SelectionUnit.TOKEN, QueryGrouping.PDDP, SelectionRefresh.ANCHOR, "bf16")
     assert all(isinstance(e, str) for e in (Selection.EXACT, SelectionUnit.BLOCK, QueryGrouping.NONE))
     for rung in RUNGS.values():
@@ -268,11 +266,11 @@ def test_options_defaults_validation_and_roundtrip():
     for key, bad in (("selection", "topk"), ("selection_unit", "tile"), ("query_grouping", "kmeans"),
                      ("selection_refresh", "always")):
         with pytest.raises(VCConfigError, match=key):
-            VCConfig.from_options({key: bad})
-    with pytest.raises(VCConfigError, match="needs selection='mean_pool'"):
-        VCConfig.from_options({"selection_refresh": "every_step", "residual": "none"})
+            VCConfig.from_options({"experimental": {key: bad}})
+    with pytest.raises(VCConfigError, match="needs experimental\\['selection'\\]='mean_pool'"):
+        VCConfig.from_options({"experimental": {"selection_refresh": "every_step"}, "residual": "none"})
     with pytest.raises(VCConfigError, match="needs residual='none'"):
-        VCConfig.from_options({"selection_refresh": "every_step", "selection": "mean_pool"})
+        VCConfig.from_options({"experimental": {"selection_refresh": "every_step", "selection": "mean_pool"}})
 
 
 def test_path_label_names_torch_parts():
@@ -304,14 +302,12 @@ def test_runner_ladder_rungs():
 @requires_cuda
 def test_ladder_rungs_run_triton_on_cuda():
     """Every rung runs the gather kernel on CUDA (no reference fallback)."""
-    from vc_compile.methods import resolve
-
     S, D = 1024, 128
     q, k, v, _ = inputs(S, S, D, torch.bfloat16)
     q, k, v = (t.cuda() for t in (q, k, v))
     for rung, opts in RUNGS.items():
         cfg = VCConfig.from_options({"method": "mcsparse", "density": 0.25, **opts})
-        impl, path = resolve("mcsparse", cfg, q.device)
+        impl, path = dispatch.choose("mcsparse", cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
         assert path == "triton"
         out_a, out_r, meta = _anchor_then_reuse(impl, q, k, v, cfg, D ** -0.5)
         assert torch.isfinite(out_r).all() and meta.idx.is_cuda

@@ -177,7 +177,7 @@ def test_wheel_is_small_licensed_and_without_demo_weights(tmp_path):
 
 
 # ---- logging, progress, tables ----------------------------------------------------------------------------
-_PRINT_OK = {"vc_compile/__main__.py", "vc_compile/tune/cli.py", "vc_compile/tune/shipped.py"}  # CLIs
+_PRINT_OK = {"vc_compile/__main__.py", "vc_compile/tune_cli.py"}  # CLIs
 
 
 def test_no_print_in_library_code():
@@ -193,7 +193,7 @@ def test_no_print_in_library_code():
 
 
 def test_tuning_progress_is_a_bar_and_a_log_line(monkeypatch, caplog, capsys, tmp_path):
-    monkeypatch.setattr(C, "interpreting", lambda: False)
+    # (get_config tunes whenever given a bench: dispatch decides when tuning is possible, issue 22)
     key = C.make_key("k", [__file__], "bfloat16", 64, 4096, "v")
     arch = C.Arch("Test GPU", (9, 0), "13.0", "3.6.0")
     cands = [{"BM": 64}, {"BM": 128}, {"BM": 32}]

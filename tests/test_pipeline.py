@@ -23,7 +23,7 @@ from vc_compile.runtime.steps import TRACKER  # noqa: E402
 from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel  # noqa: E402
 
 BF = torch.bfloat16
-OPTS = {"compiler": "eager", "min_seq_len": 64, "kmeans_init_iters": 2, "kmeans_iters": 1}
+OPTS = {"min_seq_len": 64, "kmeans_iters": 1, "experimental": {"compiler": "eager", "kmeans_init_iters": 2}}
 pytestmark = pytest.mark.usefixtures("fresh_vcattn")
 
 
@@ -168,7 +168,8 @@ def test_user_callback_changes_latents_as_without_enable():
 # ---- options: VCConfig, whole model, re-enable, components ---------------------------------------------
 def test_vcconfig_options_whole_model_and_reenable():
     pipe, call = wan(layers=1)
-    cfg = VCConfig(method="vsmooth", compiler="eager", min_seq_len=64, kmeans_init_iters=2, kmeans_iters=1)
+    cfg = VCConfig(method="vsmooth", min_seq_len=64, kmeans_iters=1,
+                   experimental={"compiler": "eager", "kmeans_init_iters": 2})
     vc_compile.enable(pipe, options=cfg, regional=False)
     assert compiled(pipe.transformer) and not compiled(pipe.transformer.blocks[0])
     run(pipe, call, 2)
@@ -218,7 +219,7 @@ def test_vcconfig_validated_when_built():
 
 def test_backend_accepts_a_vcconfig():
     m = torch.nn.Linear(4, 4)
-    f = torch.compile(m, backend="vcattn", options=VCConfig(compiler="eager"))
+    f = torch.compile(m, backend="vcattn", options=VCConfig(experimental={"compiler": "eager"}))
     x = torch.randn(2, 4)
     torch.testing.assert_close(f(x), m(x))
 

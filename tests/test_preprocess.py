@@ -103,7 +103,7 @@ def test_v_matches_reference(S, D, dtype, smooth):
     assert int(a.v8t[..., S:].view(torch.uint8).abs().sum()) == 0, "padding must be zero codes"
     torch.testing.assert_close(a.v_scale, b.v_scale, rtol=1e-6, atol=0)
     torch.testing.assert_close(a.v_mean, b.v_mean, rtol=1e-5, atol=1e-6)
-    assert getattr(a.v_mean, "_vc_zero_mean", False) == (not smooth)
+    assert a.zero_mean == b.zero_mean == (not smooth)
 
 
 def test_zero_blocks_get_scale_one():

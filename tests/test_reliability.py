@@ -239,7 +239,7 @@ def test_lookup_survives_an_unusable_cache_dir(tmp_path, tuning, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", _Dev)
     lookup.clear_memo()
     with pytest.warns(RuntimeWarning, match="cannot write the tuning cache"):
-        out = lookup._lookup("vsmooth_attn", C.__file__, CANDS, torch.bfloat16, 128, 4096, "v",
-                             torch.device("cuda", 0), 0, _bench, directory=str(blocker))
+        out = lookup._lookup("vsmooth_attn", [C.__file__], CANDS, torch.bfloat16, 128, 4096, "v",
+                             torch.device("cuda", 0), 0, True, _bench, directory=str(blocker))
     assert out == (CANDS[1], "tuned")
     assert os.path.isfile(blocker)

@@ -13,11 +13,12 @@ from torch._dynamo.utils import counters
 
 import tiny_dit
 import vc_compile
+from vc_compile.config import merge_options
 from vc_compile.passes import sdpa_rewrite
 from vc_compile.runtime import state
 
 BF = torch.bfloat16
-BASE = {"compiler": "eager", "min_seq_len": 16, "method": "dense"}
+BASE = {"min_seq_len": 16, "method": "dense", "experimental": {"compiler": "eager"}}
 
 pytestmark = pytest.mark.usefixtures("fresh_vcattn")
 
@@ -229,7 +230,7 @@ def test_fallback_warning_once_per_model_and_reason_across_graph_breaks():
 @torch.no_grad()
 def test_cpu_reference_path_says_so_once_per_method():
     q, k, v = qkv(40)
-    opts = {**BASE, "method": "vsmooth", "kmeans_init_iters": 1}
+    opts = merge_options(BASE, {"method": "vsmooth", "experimental": {"kmeans_init_iters": 1}})
     with pytest.warns(RuntimeWarning, match="vsmooth runs the plain-PyTorch reference.*slow.*kernels"):
         torch.compile(f, backend="vcattn", options=opts)(q, k, v)
     torch._dynamo.reset()
@@ -237,7 +238,8 @@ def test_cpu_reference_path_says_so_once_per_method():
         warnings.simplefilter("error")
         torch.compile(f, backend="vcattn", options=opts)(q, k, v)  # once per process and method
         torch._dynamo.reset()
-        torch.compile(f, backend="vcattn", options={**opts, "method": "mcsparse", "kernels": "reference"})(q, k, v)
+        ref = merge_options(opts, {"method": "mcsparse", "experimental": {"kernels": "reference"}})
+        torch.compile(f, backend="vcattn", options=ref)(q, k, v)
         torch._dynamo.reset()
         torch.compile(f, backend="vcattn", options=BASE)(q, k, v)  # dense: stock SDPA, no reference
     torch._dynamo.reset()
@@ -324,7 +326,8 @@ def test_same_code_other_options_or_model_keep_separate_sites():
     m1, x, ctx = tiny_dit.make(seq=64)
     m2, _, _ = tiny_dit.make(seq=64)
     c1 = torch.compile(m1, backend="vcattn", options=BASE)
-    c2 = torch.compile(m2, backend="vcattn", options={**BASE, "method": "vsmooth", "kmeans_init_iters": 1})
+    vs = merge_options(BASE, {"method": "vsmooth", "experimental": {"kmeans_init_iters": 1}})
+    c2 = torch.compile(m2, backend="vcattn", options=vs)
     c1(x, ctx)
     c2(x, ctx)
     rw = vc_compile.report().rewritten

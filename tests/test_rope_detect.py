@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 
 import vc_compile
 import vc_compile.backend as backend
-from vc_compile.passes import rope_detect
+from vc_compile.passes import fx_nodes, rope_detect
 from vc_compile.passes.rope_detect import RopeMatch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -31,7 +31,7 @@ import tiny_dit  # noqa: E402
 import tiny_diffusers  # noqa: E402
 
 BF = torch.bfloat16
-OPTS = {"compiler": "eager", "min_seq_len": 16, "method": "dense"}
+OPTS = {"experimental": {"compiler": "eager"}, "min_seq_len": 16, "method": "dense"}
 
 
 pytestmark = pytest.mark.usefixtures("fresh_vcattn")
@@ -86,7 +86,7 @@ def test_wan_interleaved_setitem(monkeypatch):
     r = self_attn.result
     assert isinstance(r, RopeMatch) and r.layout == "BSHD" and r.q.token_slice is None
     assert r.q.input.meta["example_value"].shape == (1, 192, 2, 64)  # the un-rotated, head-split q
-    assert rope_detect._name(r.q.input) == "unflatten" and r.q.cos is not r.q.sin
+    assert fx_nodes.node_name(r.q.input) == "unflatten" and r.q.cos is not r.q.sin
     (s1,), (s2,) = sites_by_module("attn1"), sites_by_module("attn2")
     assert s1.rewritten and s1.rope == "interleaved-setitem BSHD" and s2.rope == "none"
     assert vc_compile.report().to_dict()["sites"][0]["rope"] == s1.rope
@@ -152,7 +152,7 @@ def test_cogvideox_in_place_slice_write(monkeypatch):
     assert r.q.token_slice == (8, None) == r.k.token_slice  # text tokens 0:8 stay unrotated
     assert r.q.input.meta["example_value"].shape == (1, 2, 200, 64)
     for t in (r.q.cos, r.q.sin):  # cos/sin are forward inputs: table[None, None].to(device)
-        assert rope_detect._strip(t).args[0].op == "placeholder"
+        assert fx_nodes.strip(t).args[0].op == "placeholder"
     (s,) = vc_compile.report().sites
     assert s.rewritten and s.rope == "slice-write BHSD (interleaved-stack) tokens 8:"
     check_unchanged(monkeypatch, m, out, *args, **kw)
@@ -186,7 +186,7 @@ def test_tiny_dit_stack_pairs(monkeypatch):
     assert len(rw) == 2 and {s.rope for s in rw} == {"interleaved-stack BSHD"}
     for f in found:
         if f.form != "none":
-            assert rope_detect._name(f.result.q.input) == "unflatten"  # q = self.q(y).unflatten(...)
+            assert fx_nodes.node_name(f.result.q.input) == "unflatten"  # q = self.q(y).unflatten(...)
             assert f.result.q.cos.meta["example_value"].shape == (1, 64, 1, 32)
     check_unchanged(monkeypatch, m, out, x, ctx)
 
@@ -272,7 +272,7 @@ def test_synthetic_rotate_half_on_q_and_k(monkeypatch):
     out, found = compile_run(monkeypatch, m, x)
     assert rope_counters() == {"rope:rotate-half": 1}
     r = found[0].result
-    assert r.layout == "BHSD" and rope_detect._name(r.q.input) == "permute" and r.q.input is not r.k.input
+    assert r.layout == "BHSD" and fx_nodes.node_name(r.q.input) == "permute" and r.q.input is not r.k.input
     check_unchanged(monkeypatch, m, out, x)
 
 
@@ -296,8 +296,8 @@ def test_synthetic_strided_pairs_cos_first(monkeypatch):
     out, found = compile_run(monkeypatch, m, x)
     assert rope_counters() == {"rope:interleaved-stack": 1}
     r = found[0].result
-    assert r.layout == "BSHD" and rope_detect._name(r.q.input) == "unflatten"
-    assert rope_detect._strip(r.q.cos).args[1][1] == slice(0, None, 2)  # the cos table, not x's even half
+    assert r.layout == "BSHD" and fx_nodes.node_name(r.q.input) == "unflatten"
+    assert fx_nodes.strip(r.q.cos).args[1][1] == slice(0, None, 2)  # the cos table, not x's even half
     check_unchanged(monkeypatch, m, out, x)
 
 

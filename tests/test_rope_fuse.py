@@ -48,9 +48,9 @@ BF = torch.bfloat16
 pytestmark = pytest.mark.usefixtures("fresh_vcattn")
 
 
-def opts(fuse=True, **kw):
-    return {"compiler": "eager", "min_seq_len": 16, "method": "vsmooth", "kmeans_init_iters": 2,
-            "rope_fusion": fuse, "kernels": "reference", **kw}
+def opts(fuse=True, kernels="reference", compiler="eager", **kw):
+    return {"min_seq_len": 16, "method": "vsmooth", "rope_fusion": fuse,
+            "experimental": {"compiler": compiler, "kmeans_init_iters": 2, "kernels": kernels}, **kw}
 
 
 def _snapshot(gm):
@@ -189,7 +189,7 @@ def test_tiny_dit_inductor_fused(monkeypatch):
     for fuse in (True, False):
         vc_compile.reset(report=True)
         counters.clear()
-        o = {**opts(fuse), "compiler": "inductor"}
+        o = opts(fuse, compiler="inductor")
         outs[fuse], _ = compile_run(monkeypatch, m, x, ctx, options=o)
         if fuse:
             assert fuse_counters() == {"rope_fused": 2, "rope_fused:interleaved-stack": 2}
@@ -420,7 +420,8 @@ def test_opcheck_attention_with_rope(method):
     v = torch.randn(1, S, H, D, dtype=BF).permute(0, 2, 1, 3)
     ang = torch.rand(1, S, 1, D // 2) * 6.3
     spec = R.RopeSpec("interleaved", "BSHD", H, None, None).to_json("test")
-    cfg = VCConfig.from_options({"method": method, "min_seq_len": 16, "kernels": "reference"}).to_json()
+    cfg = VCConfig.from_options({"method": method, "min_seq_len": 16,
+                                  "experimental": {"kernels": "reference"}}).to_json()
     kw = {"cos": ang.cos(), "sin": ang.sin(), "rope": spec}
     with vc_compile.sampling(num_steps=10):
         vc_compile.step(0)
@@ -510,6 +511,7 @@ def test_kernel_packed_pairs_equal_unpacked(monkeypatch, dtype, fmt, pair, toks)
     tables as [R, D/2] or pair words) gives the same codes and scales as the [R, D] path, non-finite
     inputs included."""
     from vc_compile.templates import preprocess as tpl
+    from vc_compile.templates.configs import PreprocessConfig
     B, H, S, D = 1, 2, 90, 64
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, S, H, D, generator=g).to(dtype)
@@ -533,8 +535,8 @@ def test_kernel_packed_pairs_equal_unpacked(monkeypatch, dtype, fmt, pair, toks)
             return launch
     monkeypatch.setattr(tpl, "_qk_quant_kernel", Spy())
     got = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, qk_format=fmt, rope=ra)
-    monkeypatch.setattr(tpl, "ROPE_PACKED", False)
-    want = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, qk_format=fmt, rope=ra)
+    want = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, qk_format=fmt, rope=ra,
+                             launch=PreprocessConfig(rope_packed=False))
     assert calls == [(True, not pair), (False, False)]
     for a, b in zip(got, want):
         if isinstance(a, torch.Tensor):

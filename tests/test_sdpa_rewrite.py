@@ -10,7 +10,7 @@ import tiny_dit
 import vc_compile
 from vc_compile.backend import vcattn
 
-BASE = {"compiler": "eager", "min_seq_len": 64, "method": "dense"}
+BASE = {"experimental": {"compiler": "eager"}, "min_seq_len": 64, "method": "dense"}
 
 
 pytestmark = pytest.mark.usefixtures("fresh_vcattn")

@@ -6,8 +6,10 @@ from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile.reference import select as R
 from vc_compile.reference.dense import dense_attention_lse
 from vc_compile.reference.quant import LOG2E
-from vc_compile.templates.select import (anchor_select, dense_with_lse, group_key_mass, n_keep,
-                                         select_topk)
+from vc_compile.methods import mcsparse as M
+from vc_compile.reference.select import n_keep, select_topk
+from vc_compile.templates import dispatch
+from vc_compile.templates.select import dense_with_lse, group_key_mass
 
 DEV = KERNEL_DEVICE
 
@@ -41,7 +43,7 @@ def test_selection_is_bruteforce_topk():
     S, D, C = 333, 64, 64
     q, k, v, sigma, lse2 = inputs(1, 2, S, S, D, torch.bfloat16)
     keep = n_keep(S, 0.25)
-    assert keep == R.n_keep(S, 0.25) == 128
+    assert keep == 128
     idx = select_topk(group_key_mass(q, k, sigma, lse2, sm_scale=D ** -0.5, group_size=C), keep)
     assert idx.dtype == torch.int32 and idx.shape == (1, 2, 6, keep)
     assert (idx[..., 1:] > idx[..., :-1]).all()  # sorted ascending, distinct
@@ -60,12 +62,15 @@ def test_selection_is_bruteforce_topk():
                     assert abs(m[j] - thr) <= 1e-5 * thr
 
 
-def test_anchor_select_chunks_heads():
+def test_anchor_selection_chunks_heads():
+    """The anchor step's selection (methods/mcsparse.select) passes heads in chunks under a byte budget for the
+    masses: chunked and whole give the same keys."""
     S, D = 200, 64
     q, k, _, sigma, lse2 = inputs(1, 3, S, S, D, torch.bfloat16)
     full = select_topk(group_key_mass(q, k, sigma, lse2, sm_scale=0.125, group_size=64), 64)
     one_head = 4 * 200 * 4  # bytes of one head's mass: forces 1 head per chunk
-    chunked = anchor_select(q, k, sigma, lse2, sm_scale=0.125, group_size=64, keep=64, max_mass_bytes=one_head)
+    chunked = M.select(dispatch.Impl.TRITON, q, k, sigma, lse2, sm_scale=0.125, group_size=64, keep=64,
+                       max_mass_bytes=one_head)
     assert torch.equal(full, chunked)
 
 

@@ -17,14 +17,15 @@ from vc_compile import ops
 from vc_compile.config import VCConfig
 from vc_compile.runtime import report as _report
 from vc_compile.runtime import state
-from vc_compile.runtime.steps import TRACKER, phase_for
+from vc_compile.methods import mcsparse as M_mcsparse
+from vc_compile.runtime.steps import TRACKER
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_dit  # noqa: E402
 
 GENERATIONS = int(os.environ.get("VC_SOAK_GENERATIONS", "4"))
 STEPS = 3
-OPTS = {"compiler": "eager", "min_seq_len": 64, "kernels": "reference"}
+OPTS = {"experimental": {"compiler": "eager", "kernels": "reference"}, "min_seq_len": 64}
 METHOD_OPTS = {
     "vsmooth": {"method": "vsmooth", "group_fraction": 0.34},
     "mcsparse": {"method": "mcsparse", "warmup_steps": 0, "anchor_steps": (0,), "density": 0.3},
@@ -38,8 +39,7 @@ def rss_bytes() -> int:
 
 def site_keys(sites):
     sites = set(sites)
-    with state._LOCK:
-        return [k for k in state._STORE if k[0] in sites]
+    return [k for k in state.keys() if k[0] in sites]
 
 
 def new_sites(before):
@@ -85,7 +85,7 @@ def test_many_generations_hold_flat_memory(method):
         y = generate(cm, x, ctx)
         assert torch.isfinite(y).all()
         gc.collect()
-        rows.append(dict(bytes=state.bytes_held(), keys=len(state._STORE), sites=len(vc_compile.report().sites),
+        rows.append(dict(bytes=state.bytes_held(), keys=len(state.keys()), sites=len(vc_compile.report().sites),
                          branch=len(TRACKER.branch_seen), watched=len(ops._WATCHED),
                          cfg_cache=ops._config.cache_info().currsize, rss=rss_bytes()))
     first = rows[0]
@@ -123,7 +123,7 @@ def test_two_models_never_share_metadata():
     for i in range(STEPS):
         assert torch.equal(both[i][0], alone_a[i]) and torch.equal(both[i][1], alone_b[i]), f"step {i}"
     assert not torch.equal(alone_a[-1], alone_b[-1])
-    idents = {k[1] for k in list(state._STORE)}
+    idents = {k[1] for k in state.keys()}
     assert len(idents) == 4  # 2 blocks x 2 models, each keyed by its own weight
 
 def test_deleting_the_model_frees_its_metadata():
@@ -138,7 +138,7 @@ def test_deleting_the_model_frees_its_metadata():
             cm(x, ctx)
             cm2(x, ctx)
     ptrs2 = {b.q.weight.data_ptr() for b in m2.blocks}
-    held_2 = sum(state.nbytes(state.get(k)) for k in list(state._STORE) if k[1] in ptrs2)
+    held_2 = sum(state.nbytes(state.get(k)) for k in state.keys() if k[1] in ptrs2)
     assert state.bytes_held() > held_2 > 0
     del m, cm
     gc.collect()
@@ -164,7 +164,7 @@ def test_dynamo_reset_and_recompile():
         cm = torch.compile(m, backend="vcattn", options={**OPTS, **METHOD_OPTS["vsmooth"]})
         generate(cm, x, ctx)
         assert len(vc_compile.report().sites) == n_before, "a recompile registered new call sites"
-        assert state.bytes_held() == one and {k[0] for k in state._STORE} == sites
+        assert state.bytes_held() == one and {k[0] for k in state.keys()} == sites
 
 
 def test_new_generation_and_new_resolution_free_the_old():
@@ -172,7 +172,8 @@ def test_new_generation_and_new_resolution_free_the_old():
     its own shapes."""
     site = _report.register_site(graph="soak", node="n", module="m", shape="?", dtype="?", method="mcsparse",
                                  rewritten=True).site
-    cj = VCConfig.from_options({**METHOD_OPTS["mcsparse"], "min_seq_len": 1, "kernels": "reference"}).to_json()
+    cj = VCConfig.from_options({**METHOD_OPTS["mcsparse"], "min_seq_len": 1,
+                                "experimental": {"kernels": "reference"}}).to_json()
     sizes = []
     for S in (160, 130, 160, 100):
         q, k, v = (torch.randn(1, 2, S, 64, dtype=torch.bfloat16) for _ in range(3))
@@ -191,14 +192,15 @@ def test_op_outside_any_sampling_context_counts_calls():
     step (runtime/steps.py, signal 4), ``num_steps`` from the option, and the phases follow the schedule."""
     site = _report.register_site(graph="soak", node="n", module="m", shape="?", dtype="?", method="mcsparse",
                                  rewritten=True).site
-    opts = {"method": "mcsparse", "num_steps": 5, "min_seq_len": 1, "kernels": "reference", "density": 0.3}
+    opts = {"method": "mcsparse", "num_steps": 5, "min_seq_len": 1, "experimental": {"kernels": "reference"},
+            "density": 0.3}
     cfg = VCConfig.from_options(opts)
     q, k, v = (torch.randn(1, 2, 130, 64, dtype=torch.bfloat16) for _ in range(3))
     expected = []
     for i in range(5):
         out = torch.ops.vcattn.attention(q, k, v, None, site, cfg.to_json(), None)
         assert torch.isfinite(out).all()
-        expected.append(phase_for(cfg, i, 5, i > 1).value)  # step 0 dense, 1 anchor, ...
+        expected.append(M_mcsparse.phase_for(cfg, i, 5, i > 1).value)  # step 0 dense, 1 anchor, ...
     rec = _report.site(site)
     assert dict(rec.step_sources) == {"call-count": 5}
     assert sorted(rec.phases.elements()) == sorted(expected)
@@ -212,7 +214,8 @@ def test_exception_inside_the_op_leaves_the_state_usable(monkeypatch):
 
     site = _report.register_site(graph="soak", node="n", module="m", shape="?", dtype="?", method="vsmooth",
                                  rewritten=True).site
-    cj = VCConfig.from_options({"method": "vsmooth", "min_seq_len": 1, "kernels": "reference"}).to_json()
+    cj = VCConfig.from_options({"method": "vsmooth", "min_seq_len": 1,
+                                "experimental": {"kernels": "reference"}}).to_json()
     q, k, v = (torch.randn(1, 2, 130, 64, dtype=torch.bfloat16) for _ in range(3))
     real = kmeans.kmeans_perm
     calls = {"n": 0}
@@ -237,7 +240,7 @@ def test_exception_inside_the_op_leaves_the_state_usable(monkeypatch):
     site2 = _report.register_site(graph="soak", node="n", module="m", shape="?", dtype="?", method="mcsparse",
                                   rewritten=True).site
     cj2 = VCConfig.from_options({"method": "mcsparse", "warmup_steps": 0, "min_seq_len": 1,
-                                 "kernels": "reference", "residual_budget_gb": 1e-6}).to_json()
+                                 "experimental": {"kernels": "reference"}, "residual_budget_gb": 1e-6}).to_json()
     with vc_compile.sampling(num_steps=4):
         vc_compile.step(0)
         with pytest.raises(RuntimeError, match="residual_budget_gb"):
@@ -245,7 +248,7 @@ def test_exception_inside_the_op_leaves_the_state_usable(monkeypatch):
         assert site_keys([site2]) == []
         vc_compile.step(1)
         cj3 = VCConfig.from_options({"method": "mcsparse", "warmup_steps": 0, "min_seq_len": 1,
-                                     "kernels": "reference", "residual": "none"}).to_json()
+                                     "experimental": {"kernels": "reference"}, "residual": "none"}).to_json()
         out = torch.ops.vcattn.attention(q, k, v, None, site2, cj3, None)
         assert torch.isfinite(out).all() and len(site_keys([site2])) == 1
 

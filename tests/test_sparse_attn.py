@@ -9,9 +9,18 @@ from vc_compile.reference.quant import FP8_DTYPE
 from vc_compile.reference.select import n_keep
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse
 from vc_compile.reference.sparse_attn_q8 import quantize_k_tokens, sparse_attention_q8
-from vc_compile.templates.sparse_attn import quantize_k_fp8, sparse_attention, sparse_attention_launch
+from vc_compile.templates import configs as C
+from vc_compile.templates import dispatch
+from vc_compile.templates import sparse_attn as tsa
+from vc_compile.templates.configs import SparseAttnConfig
+from vc_compile.templates.sparse_attn import quantize_k_fp8
 
 DEV = KERNEL_DEVICE
+
+
+def sparse_attention(*args, **kw):
+    """The gather kernel as the runtime launches it (dispatch: the tuned / default launch config)."""
+    return dispatch.sparse_attention(dispatch.Impl.TRITON, *args, **kw)
 
 
 def rel_l2(a, b):
@@ -128,42 +137,41 @@ def test_fp8_qk_matches_q8_reference(S, D, dtype):
     assert rel_l2(out, ref16) < 0.15
 
 
-# Every code-generation switch (sparse_attn.SWITCHES) against the reference and against the default
-# kernel. grow: K rows grow with the key index, so the running max of a row climbs across tiles by more
-# than the lazy threshold at times (rescales happen: 78-93 of 768 row-tiles at tau = 8, ~350 at 0.5) and
-# by less at others (stale max kept, p up to 2^tau); without it, at tau = 8, whole tiles skip the rescale.
-# n_keep = 45 with BLOCK_N = 16: three tiles, the last partial. Same tolerance as the default kernel:
-# the switches change only the order / reference point of fp32 arithmetic, and a 16-bit p <= 2^tau has
-# the same relative rounding as one <= 1 (fp16 max 65504 >> 2^8).
-SWITCH_CASES = [{"rescale_tau": 8.0}, {"rescale_tau": 0.5}, {"kv_off": True},
-                {"rescale_tau": 8.0, "kv_off": True}]
-
-
-@pytest.mark.parametrize("switches", SWITCH_CASES, ids=lambda sw: "-".join(f"{k}{v}" for k, v in sw.items()))
+# The V gather reusing the K gather's offsets (SparseAttnConfig.kv_off; the default turns it on for C >= 128)
+# against the reference and against the kernel without it, at C = 64 where the default leaves it off. grow: K
+# rows grow with the key index, so the running max of a row climbs across tiles. n_keep = 45 with BLOCK_N = 16:
+# three tiles, the last partial. Same tolerance as the default kernel: the offsets are the same numbers.
 @pytest.mark.parametrize("D,dtype", [(64, torch.bfloat16), (128, torch.float16), (64, torch.float16),
                                      (128, torch.bfloat16)])
 @pytest.mark.parametrize("grow", [True, False], ids=["grow", "flat"])
-def test_switches_match_reference(switches, D, dtype, grow):
-    S, C, keep = 150, 64, 45
+def test_kv_off_matches_reference(D, dtype, grow):
+    S, Cg, keep = 150, 64, 45
     q, k, v, sigma, _, res = make_inputs(1, 2, S, D, dtype, 0.3)
     if grow:
         k = (k.float() * torch.linspace(0.5, 3.0, S, device=DEV)[:, None]).to(dtype)
-    G = (S + C - 1) // C
+    G = (S + Cg - 1) // Cg
     idx = torch.rand(1, 2, G, S).topk(keep, -1).indices.sort(-1).values.int().to(DEV)
-    kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res, out_dtype=torch.float32)
-    out = sparse_attention_launch(q, k, v, sigma, idx, config=(16, 4, 2), switches=switches, **kw)
-    base = sparse_attention_launch(q, k, v, sigma, idx, config=(16, 4, 2), **kw)
+    kw = dict(sm_scale=D ** -0.5, group_size=Cg, residual=res, out_dtype=torch.float32)
+    out = tsa.sparse_attention(q, k, v, sigma, idx, launch=SparseAttnConfig(16, 4, 2, kv_off=True), **kw)
+    base = tsa.sparse_attention(q, k, v, sigma, idx, launch=SparseAttnConfig(16, 4, 2), **kw)
     ref = ref_sparse(q, k, v, sigma, idx, **kw)
     assert torch.isfinite(out).all()
     assert rel_l2(out, ref) < TOL[dtype]
     assert rel_l2(out, base) < TOL[dtype]
 
 
-def test_unknown_switch():
+def test_launch_config_validation():
+    cfg = SparseAttnConfig(64, 4, 3)
+    assert SparseAttnConfig.from_json(cfg.to_json()) == cfg and cfg.kv_off is None
+    with pytest.raises(ValueError, match="block_n"):
+        SparseAttnConfig(48, 4, 3)
+    with pytest.raises(ValueError, match="kv_off"):
+        SparseAttnConfig(64, 4, 3, kv_off=1)
+    with pytest.raises(ValueError, match="unknown field"):
+        SparseAttnConfig.from_json({"block_n": 64, "rescale_tau": 8.0})  # the lazy-rescale variant is gone
     q, k, v, sigma, idx, _ = make_inputs(1, 1, 100, 64, torch.bfloat16, 0.5)
-    with pytest.raises(ValueError, match="switch"):
-        sparse_attention_launch(q, k, v, sigma, idx, sm_scale=0.1, group_size=64, config=(16, 4, 2),
-                                switches={"lazy": 1})
+    with pytest.raises(TypeError, match="SparseAttnConfig"):
+        tsa.sparse_attention(q, k, v, sigma, idx, sm_scale=0.1, group_size=64, launch=(16, 4, 2))
 
 
 def test_bad_arguments():
@@ -202,24 +210,21 @@ def test_cuda_density_one_vs_sdpa():
 
 
 @requires_cuda
-@pytest.mark.parametrize("C", [64, 128])
+@pytest.mark.parametrize("Cg", [64, 128])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-def test_cuda_every_tuning_candidate(C, fmt):
-    """Every launch config the autotuner may pick (sparse_attn.SWEPT) matches the reference, with and
+def test_cuda_every_tuning_candidate(Cg, fmt):
+    """Every launch config the autotuner may pick (configs.SPARSE_SWEPT) matches the reference, with and
     without the residual, on a key count that is not a multiple of any BLOCK_N (masked tail)."""
-    from vc_compile.templates import sparse_attn as tsa
-
     S, D = 4000, 128
-    q, k, v, sigma, idx, res = make_inputs(1, 4, S, D, torch.bfloat16, 0.15, C=C, device="cuda")
+    q, k, v, sigma, idx, res = make_inputs(1, 4, S, D, torch.bfloat16, 0.15, C=Cg, device="cuda")
     idx = idx[..., :idx.shape[-1] - 7].contiguous()  # n_keep % 32 != 0
     reff = sparse_attention_q8 if fmt == "fp8" else ref_sparse
     for residual in (None, res):
-        ref = reff(q, k, v, sigma, idx, sm_scale=D ** -0.5, group_size=C, residual=residual,
+        ref = reff(q, k, v, sigma, idx, sm_scale=D ** -0.5, group_size=Cg, residual=residual,
                    out_dtype=torch.float32)
-        for cfg in tsa.candidates(fmt, D, C):
-            out = tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=D ** -0.5, group_size=C,
-                                              residual=residual, out_dtype=torch.float32, qk_format=fmt,
-                                              config=(cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]))
+        for cfg in C.sparse_candidates(fmt, D, Cg):
+            out = tsa.sparse_attention(q, k, v, sigma, idx, sm_scale=D ** -0.5, group_size=Cg,
+                                       residual=residual, out_dtype=torch.float32, qk_format=fmt, launch=cfg)
             assert rel_l2(out, ref) < TOL[torch.bfloat16], cfg
 
 
@@ -236,13 +241,13 @@ def test_gather_kernel_codegen_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     st = {}
-    for sw in ("kv_off=0", "kv_off=1"):
+    for sw in ("0", "1"):
         r = subprocess.run([sys.executable, "-m", "scripts.codegen_sparse", "--C", "128", "--json",
-                            "--switches", sw], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+                            "--kv-off", sw], env=env, cwd=root, capture_output=True, text=True, timeout=600)
         if r.returncode != 0 or not r.stdout.strip():
             pytest.skip(f"offline sm_90 compile unavailable here: {r.stderr.strip()[-300:]}")
         st[sw] = next(iter(json.loads(r.stdout.strip().splitlines()[-1]).values()))
-    base, kv = st["kv_off=0"], st["kv_off=1"]
+    base, kv = st["0"], st["1"]
     for s in (base, kv):
         assert s["sass_ldgsts"] > 0 and s["async_copies_in_loop"] == 3, st
         assert not s["wgmma_serialized"] and s["ctas_per_sm"] == 2, st

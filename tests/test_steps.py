@@ -17,7 +17,8 @@ import vc_compile
 from vc_compile.config import VCConfig, VCConfigError
 from vc_compile.runtime import report as _report
 from vc_compile.runtime import state
-from vc_compile.runtime.steps import TRACKER, Phase, phase_for
+from vc_compile.methods import Phase, mcsparse, vsmooth
+from vc_compile.runtime.steps import TRACKER
 
 from conftest import requires_cuda
 import tiny_dit
@@ -349,16 +350,38 @@ def test_plain_function_timestep_argument():
     assert [(c.step, c.source) for c in seen] == [(0, "timestep"), (1, "timestep"), (2, "timestep")]
 
 
-# ---- the schedule ------------------------------------------------------------------------------------
+# ---- the schedules (each method owns its own: methods/<method>.py phase_for) ---------------------------------
 def test_schedule_tables():
     vs = VCConfig(method="vsmooth")
-    assert [phase_for(vs, s, 8, s > 0).value for s in range(8)] == ["group"] * 2 + ["reuse"] * 6
+    assert [vsmooth.phase_for(vs, s, 8, s > 0).value for s in range(8)] == ["group"] * 2 + ["reuse"] * 6
     mc = VCConfig(method="mcsparse")
-    assert [phase_for(mc, s, 10, s > 2).value for s in range(10)] == (
+    assert [mcsparse.phase_for(mc, s, 10, s > 2).value for s in range(10)] == (
         ["dense"] * 2 + ["anchor"] + ["reuse"] * 2 + ["anchor"] + ["reuse"] * 4)
+    assert mcsparse.anchor_steps(mc, 50) == (10, 26)  # the paper's schedule
     # a reuse step without metadata (e.g. the second expert's first step) never reuses
-    assert phase_for(mc, 4, 10, False) == Phase.ANCHOR
-    assert phase_for(vs, 5, 8, False) == Phase.GROUP
+    assert mcsparse.phase_for(mc, 4, 10, False) == Phase.ANCHOR
+    assert vsmooth.phase_for(vs, 5, 8, False) == Phase.GROUP
+    # naive 8-bit has nothing to group; warm-up steps are dense for every method; dense is dense
+    naive = VCConfig(method="vsmooth", experimental={"smooth_v": False})
+    assert [vsmooth.phase_for(naive, s, 4, False) for s in range(4)] == [Phase.REUSE] * 4
+    assert vsmooth.phase_for(VCConfig(warmup_steps=2), 1, 8, True) == Phase.DENSE
+    from vc_compile.methods import METHODS, dense
+    assert dense.phase_for(VCConfig(method="dense"), 3, 8, True) == Phase.DENSE
+    # every method provides the interface the op calls (methods/__init__.py)
+    for m in METHODS.values():
+        assert all(callable(getattr(m, f)) for f in ("phase_for", "needs_fp8", "ineligible", "path_label"))
+    assert not hasattr(dense, "run")  # Phase.DENSE is the op's own SDPA call
+
+
+def test_tracker_subscribers_are_explicit():
+    """runtime/state.py subscribes nothing on import: ops.py wires the store to the tracker, once."""
+    import vc_compile.ops as ops
+    from vc_compile.runtime import state
+
+    assert state.clear in TRACKER._subscribers and ops._forget_watched in TRACKER._subscribers
+    n = len(TRACKER._subscribers)
+    TRACKER.subscribe(state.clear)
+    assert len(TRACKER._subscribers) == n
 
 
 # ---- through compiled graphs -------------------------------------------------------------------------
@@ -386,8 +409,8 @@ def test_compiled_no_recompiles_and_schedule():
     m, x, ctx = tiny_dit.make()
     model = TDiT(m)
     cm = torch.compile(model, backend="vcattn",
-                       options={"compiler": "eager", "min_seq_len": 64, "method": "vsmooth",
-                                "kmeans_init_iters": 2, "kmeans_iters": 1})
+                       options={"min_seq_len": 64, "method": "vsmooth", "kmeans_iters": 1,
+                                "experimental": {"compiler": "eager", "kmeans_init_iters": 2}})
     # generation 1: explicit, 4 steps, CFG as two forwards
     with vc_compile.sampling(num_steps=4):
         for i, t in enumerate(torch.tensor([999, 750, 500, 250])):
@@ -421,7 +444,7 @@ def test_dynamic_lengths_defer_min_seq_len_to_run_time():
     m, x, ctx = tiny_dit.make(seq=512)
     x = torch.randn(2, 512, 128, dtype=torch.bfloat16)
     cm = torch.compile(TDiT(m), backend="vcattn", dynamic=True,
-                       options={"compiler": "eager", "min_seq_len": 64, "method": "dense"})
+                       options={"experimental": {"compiler": "eager"}, "min_seq_len": 64, "method": "dense"})
     for S in (256, 32, 128):
         cm(x[:, :S], torch.tensor([999.0, 999.0]), ctx)
     assert counters["stats"]["unique_graphs"] == 1
@@ -480,7 +503,7 @@ def test_reduce_overhead_phases_advance_gpu(mode):
     # reference kernels: this test is about the op's Python running under CUDA graphs, not the kernels
     cm = torch.compile(model, backend="vcattn", options={
         "mode": mode, "min_seq_len": 64, "method": "mcsparse", "density": 0.5, "warmup_steps": 1,
-        "anchor_steps": (1, 3), "kernels": "reference"})
+        "anchor_steps": (1, 3), "experimental": {"kernels": "reference"}})
     calls = 0
     with vc_compile.sampling(num_steps=6):
         for i, t in enumerate(ts):

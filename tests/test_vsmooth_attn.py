@@ -3,18 +3,17 @@
 The kernel is fed the *reference's* QKQuant / VQuant, so only the attention arithmetic is compared.
 
 Why not code for code: the kernel rounds P~ = fp8(256 * 2^(s - m)) against the running row max of its
-online softmax, the reference against the final max; with ExpCast mode 1 the kernel's row reference
-is m' = m + delta, delta in [0, 1/8) (so the offset is an integer and one FMA rounds to the code); the
-INT8 logits are converted with the 2^23 magic (error < one unit of q8.k8 * scale). All are valid
-roundings of the same numbers: single P~ elements may differ by one E4M3 step (<= 12.5%), which moves
-rows dominated by one key by up to ~1e-2. Tolerances:
-* kernel vs reference: relative L2 <= 2e-2 (exp2, ExpCast mode 2) / 3e-2 (ExpCast mode 1, whose row
-  reference is shifted); measured <= 1.3e-2 / 2.5e-2 on peaked inputs.
+online softmax, the reference against the final max; the INT8 logits are converted with the 2^23 magic
+(error < one unit of q8.k8 * scale). All are valid roundings of the same numbers: single P~ elements may
+differ by one E4M3 step (<= 12.5%), which moves rows dominated by one key by up to ~1e-2. Tolerances:
+* kernel vs reference: relative L2 <= 2e-2 (exp2 and ExpCast); measured <= 1.3e-2 on peaked inputs.
 * kernel vs fp32 truth <= 1.25 x reference vs truth + 1e-3 (the "no worse than the reference" test).
 * where the arithmetic is the same (one key block: online max = final max, fp32 output), >= 80% of the
   rows agree to 1e-5 (measured 90%; the rest have a logit within ~1e-4 -- the magic-number conversion's
   error, or the interpreter's unfused FMA -- of an E4M3 rounding boundary).
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,20 @@ from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile.reference import kmeans as ref_km
 from vc_compile.reference import preprocess as ref_pre
 from vc_compile.reference import vsmooth_attn as ref
+from vc_compile.templates import configs as C
+from vc_compile.templates import dispatch
 from vc_compile.templates import vsmooth_attn as tpl
+from vc_compile.templates.configs import MeanTerm, RowSum
+
+
+def launch(D, expcast, **over):
+    """The Triton kernel's measured default for (D, expcast), with ``over`` fields replaced."""
+    return dataclasses.replace(C.VSMOOTH_TRITON_DEFAULT[(D, bool(expcast))], **over)
+
+
+def attn(qk, vq, expcast=False, **kw):
+    """The Triton kernel (templates/vsmooth_attn.py) at its measured default configuration."""
+    return tpl.vsmooth_attention(qk, vq, expcast=expcast, launch=launch(qk.q8.shape[-1], expcast), **kw)
 
 
 def rel(a, b):
@@ -63,23 +75,21 @@ CASES = [  # (S, D, fmt, smooth, expcast, out_dtype)
 ]
 
 
-def ref_tolerance(expcast: bool, mode: int) -> float:
-    return 3e-2 if expcast and mode == 1 else 2e-2
+REF_TOL = 2e-2  # kernel vs reference, relative L2 (module doc)
 
 
 @pytest.mark.parametrize("S,D,fmt,smooth,expcast,out_dtype", CASES)
-@pytest.mark.parametrize("rowsum,mode", [(0, 2), (1, 1), (2, 2)])
-def test_matches_reference_and_truth(S, D, fmt, smooth, expcast, out_dtype, rowsum, mode, monkeypatch):
-    monkeypatch.setattr(tpl, "ROWSUM_OVERRIDE", rowsum)
-    monkeypatch.setattr(tpl, "EXPCAST_MODE_OVERRIDE", mode)
+@pytest.mark.parametrize("rowsum", [RowSum.FP32, RowSum.MMA, RowSum.FP16])
+def test_matches_reference_and_truth(S, D, fmt, smooth, expcast, out_dtype, rowsum):
     B, H = 1, 2
     q, k, v = make_qkv(B, H, S, D, torch.bfloat16)
     qk, vq = quantise(q, k, v, fmt, smooth)
-    o, lse = tpl.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=True)
+    o, lse = tpl.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=True,
+                                   launch=launch(D, expcast, rowsum=rowsum))
     ro, rlse = ref.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=True)
     assert o.shape == ro.shape and o.dtype == out_dtype and lse.shape == rlse.shape
     assert torch.isfinite(o).all()
-    assert rel(o, ro) <= ref_tolerance(expcast, mode)
+    assert rel(o, ro) <= REF_TOL
     truth = truth_of(q, k, v)
     assert rel(o, truth) <= 1.25 * rel(ro, truth) + 1e-3
     dl = (lse - rlse).abs()
@@ -88,15 +98,14 @@ def test_matches_reference_and_truth(S, D, fmt, smooth, expcast, out_dtype, rows
 
 @pytest.mark.skipif(KERNEL_DEVICE == "cuda", reason="arithmetic equivalence is an interpreter check")
 @pytest.mark.parametrize("D", [64, 128])
-def test_same_arithmetic_single_block(D, monkeypatch):
+def test_same_arithmetic_single_block(D):
     """S = 100 < BN: one (masked) key block, so the online max is the final max and the kernel's P~ is
-    the reference's except at rounding boundaries. Exact row sums and mean term (ROWSUM=0, MEAN=1): the
-    defaults may use fp16 row sums / bf16 hi-lo means (2^-11 / 2^-16 relative) for speed."""
-    monkeypatch.setattr(tpl, "ROWSUM_OVERRIDE", 0)
-    monkeypatch.setattr(tpl, "MEAN_MODE_OVERRIDE", 1)
+    the reference's except at rounding boundaries. Exact row sums and mean term (fp32 row sums, FFMA mean):
+    the defaults may use fp16 row sums / bf16 hi-lo means (2^-11 / 2^-16 relative) for speed."""
     q, k, v = make_qkv(1, 2, 100, D, torch.bfloat16)
     qk, vq = quantise(q, k, v)
-    o = tpl.vsmooth_attention(qk, vq, out_dtype=torch.float32)
+    o = tpl.vsmooth_attention(qk, vq, out_dtype=torch.float32,
+                              launch=launch(D, False, rowsum=RowSum.FP32, mean=MeanTerm.FFMA))
     ro = ref.vsmooth_attention(qk, vq, out_dtype=torch.float32)
     row = (o - ro).norm(dim=-1) / ro.norm(dim=-1)
     assert (row <= 1e-5).float().mean().item() >= 0.8
@@ -116,10 +125,10 @@ def test_per_token_q_scales_rows(D, S, fmt, expcast, out_dtype):
     q = (q.float().cpu() * 10.0 ** (3 * torch.rand(1, 2, S, 1, generator=g) - 1.5)).bfloat16().to(q.device)
     qk, vq = quantise(q, k, v, fmt)
     assert qk.q_scale.shape == (1, 2, S)
-    o = tpl.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=out_dtype)
+    o = attn(qk, vq, expcast=expcast, out_dtype=out_dtype)
     ro = ref.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=out_dtype)
     assert torch.isfinite(o).all()
-    assert rel(o, ro) <= ref_tolerance(expcast, tpl.DEFAULT_EXPCAST_MODE)
+    assert rel(o, ro) <= REF_TOL
     truth = truth_of(q, k, v)
     assert rel(o, truth) <= 1.25 * rel(ro, truth) + 1e-3
 
@@ -132,7 +141,7 @@ def test_zero_sm_scale_uniform_rows(expcast):
     q, k, v = make_qkv(1, 2, S, D, torch.bfloat16)
     qk = ref_pre.preprocess_qk(q, k, sm_scale=0.0)
     vq = ref_pre.preprocess_v(v)
-    o = tpl.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=torch.float32)
+    o = attn(qk, vq, expcast=expcast, out_dtype=torch.float32)
     ro = ref.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=torch.float32)
     assert torch.isfinite(o).all()
     assert rel(o, ro) <= 2e-2
@@ -145,7 +154,7 @@ def test_rejects_per_block_q_scale(expcast):
     q, k, v = make_qkv(1, 1, 300, 64, torch.bfloat16)
     qk, vq = quantise(q, k, v)
     with pytest.raises(ValueError, match="per query token"):
-        tpl.vsmooth_attention(qk._replace(q_scale=qk.q_scale[..., ::128].contiguous()), vq, expcast=expcast)
+        attn(qk._replace(q_scale=qk.q_scale[..., ::128].contiguous()), vq, expcast=expcast)
 
 
 def test_padded_keys_get_zero_probability():
@@ -156,7 +165,7 @@ def test_padded_keys_get_zero_probability():
     k[:, 1] = 8.0 * q[:, 0, :1].expand(-1, S, -1)  # head 1's keys align with head 0's queries
     v[:, 1] = 100.0
     qk, vq = quantise(q, k, v)
-    o = tpl.vsmooth_attention(qk, vq, out_dtype=torch.float32)
+    o = attn(qk, vq, out_dtype=torch.float32)
     ro = ref.vsmooth_attention(qk, vq, out_dtype=torch.float32)
     assert rel(o[:, 0], ro[:, 0]) <= 1.5e-2
     assert o[:, 0].abs().max().item() < 50.0
@@ -174,10 +183,10 @@ def test_vsmooth_beats_naive_on_outliers():
     v = v.to(KERNEL_DEVICE)
     truth = truth_of(q, k, v)
     qk0, vq0 = quantise(q, k, v, smooth=False)
-    naive = tpl.vsmooth_attention(qk0, vq0, out_dtype=torch.float32)
+    naive = attn(qk0, vq0, out_dtype=torch.float32)
     perm = ref_km.kmeans_perm(v, 3, 5).perm
     qk1, vq1 = quantise(q, k, v, smooth=True, perm=perm)
-    smooth = tpl.vsmooth_attention(qk1, vq1, out_dtype=torch.float32)
+    smooth = attn(qk1, vq1, out_dtype=torch.float32)
     assert rel(smooth, truth) < 0.7 * rel(naive, truth)  # measured 0.58
 
 
@@ -185,23 +194,43 @@ def test_bad_inputs():
     q, k, v = make_qkv(1, 1, 64, 64, torch.bfloat16)
     qk, vq = quantise(q, k, v)
     with pytest.raises(ValueError):
-        tpl.vsmooth_attention(qk, vq._replace(S=63))
+        attn(qk, vq._replace(S=63))
+    with pytest.raises(TypeError, match="VSmoothTritonConfig"):
+        tpl.vsmooth_attention(qk, vq, launch=(64, 128, 4, 3))
+
+
+def test_launch_config_validation():
+    """Named fields, str enums, refused combinations name the field and what is accepted."""
+    cfg = C.VSmoothTritonConfig(rowsum="fp16", mean="bf16_mma")
+    assert cfg.rowsum is RowSum.FP16 and cfg.mean is MeanTerm.BF16_MMA
+    assert C.VSmoothTritonConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ValueError, match="rowsum.*accepted"):
+        C.VSmoothTritonConfig(rowsum="fp32_p")  # the undecoded-p row sum (old ROWSUM 4) is gone
+    with pytest.raises(ValueError, match="tf32_window is the Gluon kernel's"):
+        C.VSmoothTritonConfig(mean="tf32_window")
+    with pytest.raises(ValueError, match="num_warps"):
+        C.VSmoothTritonConfig(num_warps=3)
+    with pytest.raises(ValueError, match="block_n"):
+        C.VSmoothTritonConfig(block_n=64)  # one V mean per key block: BN = BLOCK_V
 
 
 @requires_cuda
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("fmt,expcast,mode", [("int8", False, 2), ("int8", True, 2), ("int8", True, 1),
-                                              ("fp8", False, 2)])
-def test_gpu_large(D, fmt, expcast, mode, monkeypatch):
-    monkeypatch.setattr(tpl, "EXPCAST_MODE_OVERRIDE", mode)
+@pytest.mark.parametrize("fmt,expcast", [("int8", False), ("int8", True), ("fp8", False)])
+@pytest.mark.parametrize("kernel", ["runtime", "triton"])
+def test_gpu_large(D, fmt, expcast, kernel):
+    """What the runtime runs (dispatch: the Gluon kernel on sm_90 for INT8) and the Triton kernel itself."""
     B, H, S = 1, 4, 4173
     q, k, v = make_qkv(B, H, S, D, torch.bfloat16, device="cuda")
     truth = truth_of(q, k, v)
     for smooth in (True, False):
         qk, vq = quantise(q, k, v, fmt, smooth)
-        o, lse = tpl.vsmooth_attention(qk, vq, expcast=expcast, return_lse=True)
+        if kernel == "runtime":
+            o, lse = dispatch.vsmooth_attention(dispatch.Impl.TRITON, qk, vq, expcast=expcast, return_lse=True)
+        else:
+            o, lse = attn(qk, vq, expcast=expcast, return_lse=True)
         ro, rlse = ref.vsmooth_attention(qk, vq, expcast=expcast, return_lse=True)
-        assert rel(o, ro) <= ref_tolerance(expcast, mode)
+        assert rel(o, ro) <= REF_TOL
         assert rel(o, truth) <= 1.25 * rel(ro, truth) + 1e-3
         assert (lse - rlse).abs().mean().item() <= 1e-2
 
@@ -210,23 +239,24 @@ def test_gpu_large(D, fmt, expcast, mode, monkeypatch):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("expcast", [False, True])
 @pytest.mark.parametrize("S", [4096, 4173])
-@pytest.mark.parametrize("mean", [None, 2])
-def test_gpu_no_nan_any_specialisation(D, expcast, S, mean, monkeypatch):
-    """NOTE on the H200 (triton 3.6) some exp2 + MEAN=1 variants gave NaN in ~40% of the rows
-    (code generation, not understood; see DEFAULT_VARIANTS): every specialisation of the defaults (key
-    tail or not, LSE or not) must be finite and match the reference; MEAN=2 is the fallback."""
+@pytest.mark.parametrize("mean", [None, MeanTerm.BF16_MMA])
+def test_gpu_no_nan_any_specialisation(D, expcast, S, mean):
+    """NOTE on the H200 (triton 3.6) some exp2 + FFMA-mean variants gave NaN in ~40% of the rows
+    (code generation, not understood; see configs.VSMOOTH_TRITON_DEFAULT): every specialisation of the
+    defaults (key tail or not, LSE or not) must be finite and match the reference; the bf16 MMA mean is the
+    fallback."""
     if mean is not None and (expcast or D == 64):
         pytest.skip("fallback only matters for the D=128 exp2 default")
-    monkeypatch.setattr(tpl, "MEAN_MODE_OVERRIDE", mean)
+    cfg = launch(D, expcast) if mean is None else launch(D, expcast, mean=mean)
     q, k, v = make_qkv(1, 4, S, D, torch.bfloat16, device="cuda")
     qk, vq = quantise(q, k, v)
     ro = ref.vsmooth_attention(qk, vq, expcast=expcast)
     for return_lse in (False, True):
-        o = tpl.vsmooth_attention(qk, vq, expcast=expcast, return_lse=return_lse)
+        o = tpl.vsmooth_attention(qk, vq, expcast=expcast, return_lse=return_lse, launch=cfg)
         o = o[0] if return_lse else o
         bad = int((~torch.isfinite(o)).any(-1).sum())
         assert bad == 0, f"{bad} rows not finite (return_lse={return_lse})"
-        assert rel(o, ro) <= ref_tolerance(expcast, 2)
+        assert rel(o, ro) <= REF_TOL
 
 
 @requires_cuda
@@ -234,16 +264,16 @@ def test_gpu_no_nan_any_specialisation(D, expcast, S, mean, monkeypatch):
 @pytest.mark.parametrize("expcast", [False, True])
 @pytest.mark.parametrize("S", [4096, 4173])
 def test_gpu_every_tuning_candidate(D, expcast, S):
-    """Every config the autotuner may pick (CANDIDATES, vc_compile/tune), in every specialisation (key
+    """Every config the autotuner may pick (configs.VSMOOTH_TRITON_CANDIDATES), in every specialisation (key
     tail or not, LSE or not): finite rows and the reference's tolerance, as the defaults above. (The
     tuner also rejects a candidate whose output is not finite or > 2e-2 from the default's.)"""
     q, k, v = make_qkv(1, 4, S, D, torch.bfloat16, device="cuda")
     qk, vq = quantise(q, k, v)
     ro = ref.vsmooth_attention(qk, vq, expcast=expcast)
-    for cfg in tpl.candidates(D, expcast):
+    for cfg in C.VSMOOTH_TRITON_CANDIDATES[(D, expcast)]:
         for return_lse in (False, True):
-            o = tpl.vsmooth_attention(qk, vq, expcast=expcast, return_lse=return_lse, config=cfg)
+            o = tpl.vsmooth_attention(qk, vq, expcast=expcast, return_lse=return_lse, launch=cfg)
             o = o[0] if return_lse else o
             bad = int((~torch.isfinite(o)).any(-1).sum())
             assert bad == 0, f"{bad} rows not finite ({cfg}, return_lse={return_lse})"
-            assert rel(o, ro) <= ref_tolerance(expcast, 2), cfg
+            assert rel(o, ro) <= REF_TOL, cfg

@@ -1,6 +1,6 @@
 """``python -m vc_compile <command>`` (also installed as ``vc-compile``).
 
-    tune    pre-tune the attention kernels of a method for a shape (see ``vc_compile/tune/cli.py``)
+    tune    pre-tune the attention kernel of a method for a shape (see ``vc_compile/tune_cli.py``)
 
 ``--version`` and ``--help`` import neither torch nor triton. (The demo is ``python -m vc_compile.demo``.)
 """
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
             print(f"vc_compile: unknown command {argv[0]!r}\n", file=sys.stderr)
         print(usage(), file=sys.stderr)
         return 2
-    from vc_compile.tune.cli import main as tune_main
+    from vc_compile.tune_cli import main as tune_main
 
     return tune_main(argv[1:])
 

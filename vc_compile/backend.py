@@ -27,7 +27,6 @@ from .pipeline import apply_env, options_dict
 log = get_logger(__name__)
 
 _GRAPH_IDS = itertools.count(1)
-_CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 _LIVE: collections.Counter = collections.Counter()  # site id -> live compiled graphs that call it
@@ -86,7 +85,7 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
     cfg = VCConfig.from_options(opts, mode)
     if off:
         log.info("backend='vcattn': VCATTN_METHOD=off: graph compiled without the attention rewrite")
-        if cfg.compiler == Compiler.EAGER:
+        if cfg.experimental.compiler == Compiler.EAGER:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx
 
@@ -102,7 +101,7 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
         sites = tuple(stats["sites"])
         _LIVE.update(sites)
         weakref.finalize(gm, _graph_freed, sites)
-    if cfg.compiler == Compiler.EAGER:
+    if cfg.experimental.compiler == Compiler.EAGER:
         if cfg.mode not in (None, "default"):
             warnings.warn(f"vcattn: mode={cfg.mode!r} has no effect with compiler='eager' (Inductor is not "
                           "used); drop one of the two.", UserWarning, stacklevel=2)

@@ -3,6 +3,12 @@
 Every option has one home here: its type, default, accepted values and what it does (the README's
 options table is generated from ``OPTION_DOCS``). An unknown key or a bad value raises
 ``VCConfigError`` naming the key and what is accepted, at compile time.
+
+Two tables: ``OPTION_DOCS``, what users tune; ``EXPERIMENTAL_DOCS``, the ablation and debug knobs, given
+together as ONE option, ``experimental={...}`` (``Experimental``): MC-Sparse's ablation ladder, naive 8-bit
+V, the first k-means step's iterations, which implementation runs the ops and what compiles the graph. They
+are validated as strictly as the others, but are for experiments and tests, not for tuning a model. A
+knob given at the top level that lives in ``experimental`` is refused with an error that says so.
 """
 from __future__ import annotations
 
@@ -65,16 +71,15 @@ class SelectionRefresh(str, enum.Enum):
 
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+GROUP_SIZES = (64, 128)  # MC-Sparse query groups = the gather kernel's query tiles (configs.SPARSE_DEFAULT)
 
 OPTION_DOCS: Dict[str, str] = {
     "method": "'auto' | 'vsmooth' | 'mcsparse' | 'dense'. auto = vsmooth (8-bit, full fidelity).",
     "expcast": "V-Smooth: write the softmax as E4M3 codes directly (ExpCast-FP8). Faster, ~1 dB less PSNR.",
     "hadamard": "Rotate Q and K by an orthonormal Hadamard matrix before quantising them.",
     "qk_format": "'int8' | 'fp8': 8-bit format of Q and K (fp8 is a little faster, less accurate).",
-    "smooth_v": "V-Smooth: cluster V rows and subtract 128-row block means (False = naive 8-bit PV).",
     "kmeans_clusters": "V-Smooth clusters per head; 0 = one per 128 tokens, at most 256.",
     "kmeans_iters": "Lloyd iterations per grouping step (warm-started from the previous step).",
-    "kmeans_init_iters": "Lloyd iterations for the first grouping step of a generation (no warm start).",
     "group_fraction": "V-Smooth: fraction of the steps, from the start, that re-group (default 0.25).",
     "density": "MC-Sparse: fraction of keys each query group keeps (0 < density <= 1).",
     "group_size": "MC-Sparse: queries per group (the sparse kernel's query tile): 64 or 128 (128: 17% faster "
@@ -84,23 +89,30 @@ OPTION_DOCS: Dict[str, str] = {
     "anchor_interval": "MC-Sparse: re-select every N steps after the warm-up (instead of anchor_steps).",
     "sparse_qk": "MC-Sparse: QK precision of the gather kernel: 'bf16' | 'fp8'.",
     "residual": "MC-Sparse residual storage: 'bf16' | 'fp8' (per-token scale, half the memory) | 'none'.",
-    "selection": "MC-Sparse ablation: 'exact' (two-pass attention mass) | 'mean_pool' (mean query x keys).",
-    "selection_unit": "MC-Sparse ablation: 'token' (top-K keys) | 'block' (top 64-key blocks, block-sparse).",
-    "query_grouping": "MC-Sparse ablation: 'pddp' (Fast PDDP groups) | 'none' (contiguous query tiles).",
-    "selection_refresh": "MC-Sparse ablation: 'anchor' (select at anchors, reuse) | 'every_step' (mean_pool).",
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
                    "Opt-in: on the H200 it saves 0.3-0.6 ms of preprocessing but only 0.2% of the op.",
     "min_seq_len": "Attention with fewer query or key tokens than this stays stock SDPA.",
     "head_dims": "Head dims that are rewritten (the kernels support 64 and 128).",
-    "kernels": "'auto' | 'triton' | 'reference': which implementation runs the ops.",
-    "compiler": "'inductor' | 'eager': what compiles the rewritten graph.",
     "profile": "Time every attention call (CUDA events) into vc_compile.report().",
     "warn_fallbacks": "Warn once per compiled graph whose attention stays (partly) stock SDPA, with the fix.",
     "tune_cache_dir": "Directory of the kernel autotuning cache. None = $VCATTN_CACHE_DIR, else "
                       "~/.cache/vc_compile/tune ($XDG_CACHE_HOME).",
     "mode": "Inductor mode, as torch.compile's mode= (which torch refuses together with options=).",
+    "experimental": "Ablation and debug knobs, as one dict (table EXPERIMENTAL_DOCS), e.g. "
+                    "{'kernels': 'reference', 'compiler': 'eager'}. Not for tuning a model.",
+}
+
+EXPERIMENTAL_DOCS: Dict[str, str] = {
+    "smooth_v": "V-Smooth: cluster V rows and subtract 128-row block means (False = naive 8-bit PV).",
+    "kmeans_init_iters": "Lloyd iterations for the first grouping step of a generation (no warm start).",
+    "selection": "MC-Sparse ablation: 'exact' (two-pass attention mass) | 'mean_pool' (mean query x keys).",
+    "selection_unit": "MC-Sparse ablation: 'token' (top-K keys) | 'block' (top 64-key blocks, block-sparse).",
+    "query_grouping": "MC-Sparse ablation: 'pddp' (Fast PDDP groups) | 'none' (contiguous query tiles).",
+    "selection_refresh": "MC-Sparse ablation: 'anchor' (select at anchors, reuse) | 'every_step' (mean_pool).",
+    "kernels": "'auto' | 'triton' | 'reference': which implementation runs the ops.",
+    "compiler": "'inductor' | 'eager': what compiles the rewritten graph.",
 }
 
 
@@ -113,15 +125,55 @@ def _tuple_of_ints(v) -> Tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class Experimental:
+    """The ``experimental={...}`` option: ablation and debug knobs (``EXPERIMENTAL_DOCS``)."""
+    smooth_v: bool = True
+    kmeans_init_iters: int = 8
+    selection: Selection = Selection.EXACT
+    selection_unit: SelectionUnit = SelectionUnit.TOKEN
+    query_grouping: QueryGrouping = QueryGrouping.PDDP
+    selection_refresh: SelectionRefresh = SelectionRefresh.ANCHOR
+    kernels: Kernels = Kernels.AUTO
+    compiler: Compiler = Compiler.INDUCTOR
+
+    @classmethod
+    def from_options(cls, options: Any) -> "Experimental":
+        if isinstance(options, Experimental):
+            return options
+        if options is None:
+            return cls()
+        if not isinstance(options, Mapping):
+            raise VCConfigError(f"vcattn option experimental={options!r} is invalid; accepted: a dict of "
+                                f"{sorted(EXPERIMENTAL_DOCS)} -> value, e.g. {{'kernels': 'reference'}}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise VCConfigError(f"unknown vcattn experimental option(s) {unknown}; accepted: {sorted(names)}")
+        kw = {f.name: _coerce(f.name, options[f.name], f.default, f"experimental['{f.name}']")
+              for f in dataclasses.fields(cls) if f.name in options}
+        return cls(**kw)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), f.default,
+                                                     f"experimental['{f.name}']"))
+        if self.kmeans_init_iters < 1:
+            raise VCConfigError(f"vcattn option experimental['kmeans_init_iters']={self.kmeans_init_iters!r} is "
+                                "invalid; accepted: an int >= 1")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {f.name: (v.value if isinstance(v, enum.Enum) else v)
+                for f in dataclasses.fields(self) for v in (getattr(self, f.name),)}
+
+
+@dataclass(frozen=True)
 class VCConfig:
     method: Method = Method.AUTO
     expcast: bool = False
     hadamard: bool = False
     qk_format: QKFormat = QKFormat.INT8
-    smooth_v: bool = True
     kmeans_clusters: int = 0
     kmeans_iters: int = 3
-    kmeans_init_iters: int = 8
     group_fraction: float = 0.25
     density: float = 0.15
     # NOTE 128 by default (H200, 2026-11-29, 3fc643d): the gather kernel's reuse step at s = 0.15 is 4.28x
@@ -134,10 +186,6 @@ class VCConfig:
     anchor_interval: Optional[int] = None
     sparse_qk: str = "bf16"
     residual: str = "bf16"
-    selection: Selection = Selection.EXACT
-    selection_unit: SelectionUnit = SelectionUnit.TOKEN
-    query_grouping: QueryGrouping = QueryGrouping.PDDP
-    selection_refresh: SelectionRefresh = SelectionRefresh.ANCHOR
     residual_budget_gb: float = 64.0
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
@@ -149,12 +197,11 @@ class VCConfig:
     rope_fusion: bool = False
     min_seq_len: int = 1024
     head_dims: Tuple[int, ...] = (64, 128)
-    kernels: Kernels = Kernels.AUTO
-    compiler: Compiler = Compiler.INDUCTOR
     profile: bool = False
     warn_fallbacks: bool = True
     tune_cache_dir: Optional[str] = None
     mode: Optional[str] = None
+    experimental: Experimental = field(default_factory=Experimental)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -168,13 +215,20 @@ class VCConfig:
         if mode is not None:
             opts["mode"] = mode
         names = {f.name for f in dataclasses.fields(cls)}
+        moved = sorted(set(opts) & set(EXPERIMENTAL_DOCS))
+        if moved:
+            raise VCConfigError(
+                f"vcattn option(s) {moved} are experimental knobs: give them as experimental="
+                f"{{{', '.join(repr(m) + ': ...' for m in moved)}}} (accepted there: {sorted(EXPERIMENTAL_DOCS)})")
         unknown = sorted(set(opts) - names)
         if unknown:
             raise VCConfigError(
                 f"unknown vcattn option(s) {unknown}; accepted options: {sorted(names)}")
         kw = {}
         for f in dataclasses.fields(cls):
-            if f.name in opts:
+            if f.name == "experimental" and f.name in opts:
+                kw[f.name] = Experimental.from_options(opts[f.name])
+            elif f.name in opts:
                 kw[f.name] = _coerce(f.name, opts[f.name], f.default)
         return cls(**kw)
 
@@ -186,18 +240,20 @@ class VCConfig:
         def bad(key, accepted):
             raise VCConfigError(f"vcattn option {key}={getattr(self, key)!r} is invalid; accepted: {accepted}")
 
+        if not isinstance(self.experimental, Experimental):  # VCConfig(experimental={...}) in code
+            object.__setattr__(self, "experimental", Experimental.from_options(self.experimental))
+        ex = self.experimental
+
         if not 0.0 < self.density <= 1.0:
             bad("density", "a float in (0, 1]")
         if not 0.0 <= self.group_fraction <= 1.0:
             bad("group_fraction", "a float in [0, 1]")
-        if self.group_size not in (64, 128):
-            bad("group_size", "64 or 128")
+        if self.group_size not in GROUP_SIZES:
+            bad("group_size", " or ".join(map(str, GROUP_SIZES)))
         if self.kmeans_clusters < 0:
             bad("kmeans_clusters", "an int >= 0 (0 = automatic)")
         if self.kmeans_iters < 1:
             bad("kmeans_iters", "an int >= 1")
-        if self.kmeans_init_iters < 1:
-            bad("kmeans_init_iters", "an int >= 1")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             bad("warmup_steps", "None or an int >= 0")
         if self.anchor_steps is not None and any(s < 0 for s in self.anchor_steps):
@@ -210,15 +266,15 @@ class VCConfig:
             bad("sparse_qk", "'bf16' or 'fp8'")
         if self.residual not in ("bf16", "fp8", "none"):
             bad("residual", "'bf16', 'fp8' or 'none'")
-        if self.selection_refresh == SelectionRefresh.EVERY_STEP and self.selection != Selection.MEAN_POOL:
+        if ex.selection_refresh == SelectionRefresh.EVERY_STEP and ex.selection != Selection.MEAN_POOL:
             raise VCConfigError(
-                f"vcattn option selection_refresh='every_step' needs selection='mean_pool' (exact selection "
-                f"needs a dense pass: every step would cost more than dense), got selection="
-                f"{self.selection.value!r}; accepted: selection_refresh='anchor', or selection='mean_pool'")
-        if self.selection_refresh == SelectionRefresh.EVERY_STEP and self.residual != "none":
+                f"vcattn option experimental['selection_refresh']='every_step' needs experimental['selection']="
+                f"'mean_pool' (exact selection needs a dense pass: every step would cost more than dense), got "
+                f"selection={ex.selection.value!r}; accepted: selection_refresh='anchor', or selection='mean_pool'")
+        if ex.selection_refresh == SelectionRefresh.EVERY_STEP and self.residual != "none":
             raise VCConfigError(
-                f"vcattn option selection_refresh='every_step' needs residual='none' (a residual cached with "
-                f"the anchor's selection does not belong to a selection made at another step), got "
+                f"vcattn option experimental['selection_refresh']='every_step' needs residual='none' (a residual "
+                f"cached with the anchor's selection does not belong to a selection made at another step), got "
                 f"residual={self.residual!r}; accepted: residual='none', or selection_refresh='anchor'")
         if not self.residual_budget_gb > 0:  # also refuses NaN (every comparison with NaN is False)
             bad("residual_budget_gb", "a positive float (float('inf') = no limit)")
@@ -245,12 +301,26 @@ class VCConfig:
         d = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if isinstance(v, Experimental):
+                v = v.to_dict()
             d[f.name] = v.value if isinstance(v, enum.Enum) else (list(v) if isinstance(v, tuple) else v)
         return json.dumps(d, sort_keys=True)
 
     @classmethod
     def from_json(cls, s: str) -> "VCConfig":
         return cls.from_options(json.loads(s))
+
+
+def merge_options(*options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """``options`` dicts merged left to right, later keys winning, with their ``experimental`` dicts merged the
+    same way (not replaced): e.g. a method's options plus ``{"experimental": {"compiler": "eager"}}``."""
+    out: Dict[str, Any] = {}
+    for opts in options:
+        for key, val in (opts or {}).items():
+            if key == "experimental" and isinstance(val, Mapping) and isinstance(out.get(key), Mapping):
+                val = {**out[key], **val}
+            out[key] = val
+    return out
 
 
 _ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler": Compiler,
@@ -273,9 +343,9 @@ def _plain_scalar(value: Any) -> Any:
     return value
 
 
-def _coerce(key: str, value: Any, default: Any) -> Any:
+def _coerce(key: str, value: Any, default: Any, label: Optional[str] = None) -> Any:
     def fail(accepted):
-        raise VCConfigError(f"vcattn option {key}={value!r} is invalid; accepted: {accepted}")
+        raise VCConfigError(f"vcattn option {label or key}={value!r} is invalid; accepted: {accepted}")
 
     value = _plain_scalar(value)
 

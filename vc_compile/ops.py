@@ -20,7 +20,10 @@
 
 ``vcattn::vsmooth_attention(q, k, v, perm, expcast, hadamard, qk_format, smooth_v, scale)`` and
 ``vcattn::sparse_attention(q, k, v, sigma, idx, residual, group_size, scale)``: stateless ops exposing
-the kernels themselves (benchmarks, users who manage metadata).
+the kernels themselves (benchmarks, users who manage metadata); their defaults are ``VCConfig``'s.
+
+The data path: op -> ``methods.get(method)`` (the method's schedule and its ``run``) -> ``templates/dispatch.py``
+(reference / Triton / Gluon, launch configs) -> the kernel.
 """
 from __future__ import annotations
 
@@ -35,18 +38,18 @@ import torch.nn.functional as F
 
 from . import methods
 from .config import Method, VCConfig
-from .methods import dense as m_dense
-from .methods import mcsparse as m_mcsparse
-from .methods import vsmooth as m_vsmooth
+from .methods import Phase
 from .reference import rope as _rope
 from .runtime import report as _report
 from .runtime import state
-from .runtime.steps import TRACKER, Phase, phase_for
+from .runtime.steps import TRACKER
+from .templates import dispatch
 from .tune import lookup as _tune
 
-_METHODS = {Method.DENSE: m_dense, Method.VSMOOTH: m_vsmooth, Method.MCSPARSE: m_mcsparse}
 _TAGS = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
-_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)  # as the rewrite (passes/sdpa_rewrite.py)
+# what the methods take; the rewrite pass (passes/sdpa_rewrite.py) checks the same tuple at compile time
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+_DEFAULTS = VCConfig()  # the stateless ops' defaults (one source of truth: VCConfig)
 
 
 @functools.lru_cache(maxsize=256)
@@ -64,7 +67,7 @@ def runtime_ineligible(q, k, v, cfg: VCConfig) -> Optional[str]:
         return "empty input"
     if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3]:
         return "gqa or shape mismatch"
-    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return "dtype unsupported"
     if q.shape[2] < cfg.min_seq_len:
         return "sequence too short"
@@ -86,7 +89,7 @@ _FREED: collections.deque = collections.deque()
 
 def _ident_freed(block: Tuple[int, int]) -> None:
     _FREED.append(block)
-    if not state._LOCK.locked() and not _report._LOCK.locked():  # (state.put may take the report's)
+    if not state.busy() and not _report.busy():  # (state.put may take the report's)
         _drain_freed()
 
 
@@ -120,7 +123,10 @@ def _forget_watched(_gen: int) -> None:  # a new generation cleared the store: t
         keys.clear()
 
 
-TRACKER.listeners.append(_forget_watched)
+# The wiring of the run-time pieces, in one place: a new generation (steps.py) drops the metadata store and
+# the watched blocks' key sets.
+TRACKER.subscribe(state.clear)
+TRACKER.subscribe(_forget_watched)
 
 
 def _rope_inputs(q, k, cos, sin, rope: str):
@@ -145,12 +151,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     rec = _report.site(site)
     rec.calls += 1
     method = cfg.resolved_method
+    M = methods.get(method)
     reason = runtime_ineligible(q, k, v, cfg)
     impl, path = None, "sdpa"
     if reason is None and method != Method.DENSE:
-        impl, path = methods.resolve(method.value, cfg, q.device)
-        if path == "triton":
-            reason = methods.kernel_ineligible(method.value, q, k, v)
+        impl, path = dispatch.choose(method.value, cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
+        if impl == dispatch.Impl.TRITON:
+            reason = M.ineligible(q, k, v)
     if rope_args is not None and (reason is not None or method != Method.VSMOOTH):
         q, k, rope_args = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args), None
     if reason is not None:
@@ -161,23 +168,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     info = TRACKER.current((site, ident_ptr), cfg.num_steps, shape=(tuple(q.shape), tuple(k.shape)))
     key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
     meta = state.get(key)
-    phase = phase_for(cfg, info.step, info.num_steps, meta is not None)
+    phase = M.phase_for(cfg, info.step, info.num_steps, meta is not None)
     kw = {} if rope_args is None else {"rope": rope_args}
     with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording(cfg.tune_cache_dir) as sources:
-        if phase == Phase.DENSE:  # warm-up steps of any method: stock SDPA (V-Smooth's run() used to ignore it)
+        if phase == Phase.DENSE:  # method="dense" and every method's warm-up steps: stock SDPA
             if rope_args is not None:
                 q, k = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args)
             out, new_meta = F.scaled_dot_product_attention(q, k, v, scale=sm).contiguous(), meta
         else:
-            out, new_meta = _METHODS[method].run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl,
-                                                 **kw)
+            out, new_meta = M.run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl, **kw)
     rec.config_sources.update(sources)
     if new_meta is not None and new_meta is not meta:
         state.put(key, new_meta)
         _watch(ident, key)
     rec.phases[phase.value] += 1
-    label = getattr(_METHODS[method], "path_label", None)
-    rec.kernel_path["sdpa" if phase == Phase.DENSE else (label(path, phase, cfg) if label else path)] += 1
+    rec.kernel_path["sdpa" if phase == Phase.DENSE else M.path_label(path, phase, cfg, q.device)] += 1
     rec.step_sources[info.source] += 1
     return out
 
@@ -191,17 +196,17 @@ def _(q, k, v, ident, site, config, scale=None, cos=None, sin=None, rope=""):
 
 @torch.library.custom_op("vcattn::vsmooth_attention", mutates_args=())
 def vsmooth_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: Optional[torch.Tensor],
-                      expcast: bool = False, hadamard: bool = False, qk_format: str = "int8",
-                      smooth_v: bool = True, scale: Optional[float] = None) -> torch.Tensor:
+                      expcast: bool = _DEFAULTS.expcast, hadamard: bool = _DEFAULTS.hadamard,
+                      qk_format: str = _DEFAULTS.qk_format.value, smooth_v: bool = _DEFAULTS.experimental.smooth_v,
+                      scale: Optional[float] = None) -> torch.Tensor:
     """Stateless V-Smooth attention with a given key/value permutation (None = identity)."""
     cfg = VCConfig(method=Method.VSMOOTH, expcast=expcast, hadamard=hadamard, qk_format=qk_format,
-                   smooth_v=smooth_v)
-    impl, _ = methods.resolve("vsmooth", cfg, q.device)
+                   experimental={"smooth_v": smooth_v})
+    impl, _ = dispatch.choose("vsmooth", cfg.experimental.kernels, methods.vsmooth.needs_fp8(cfg), q.device)
     sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    qk = impl.preprocess.preprocess_qk(q, k, perm, sm_scale=sm, hadamard=hadamard, qk_format=qk_format)
-    vq = impl.preprocess.preprocess_v(v, perm if smooth_v else None, smooth=smooth_v)
-    out = impl.vsmooth_attn.vsmooth_attention(qk, vq, expcast=expcast,
-                                              out_dtype=methods.kernel_out_dtype(q.dtype))
+    qk = dispatch.preprocess_qk(impl, q, k, perm, sm_scale=sm, hadamard=hadamard, qk_format=qk_format)
+    vq = dispatch.preprocess_v(impl, v, perm if smooth_v else None, smooth=smooth_v)
+    out = dispatch.vsmooth_attention(impl, qk, vq, expcast=expcast, out_dtype=methods.kernel_out_dtype(q.dtype))
     return methods.finish_output(out, q.dtype)  # fp16: saturate instead of rounding up to inf
 
 
@@ -212,16 +217,17 @@ def _(q, k, v, perm, expcast=False, hadamard=False, qk_format="int8", smooth_v=T
 
 @torch.library.custom_op("vcattn::sparse_attention", mutates_args=())
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
-                     idx: torch.Tensor, residual: Optional[torch.Tensor], group_size: int = 64,
+                     idx: torch.Tensor, residual: Optional[torch.Tensor], group_size: int = _DEFAULTS.group_size,
                      scale: Optional[float] = None) -> torch.Tensor:
-    """Stateless token-gather sparse attention with given query groups and key selection."""
-    impl, _ = methods.resolve("mcsparse", VCConfig(method=Method.MCSPARSE, group_size=group_size), q.device)
+    """Stateless token-gather sparse attention with given query groups and key selection (16-bit QK)."""
+    cfg = VCConfig(method=Method.MCSPARSE, group_size=group_size)
+    impl, _ = dispatch.choose("mcsparse", cfg.experimental.kernels, methods.mcsparse.needs_fp8(cfg), q.device)
     sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out = impl.sparse_attn.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=group_size,
-                                            residual=residual, out_dtype=methods.kernel_out_dtype(q.dtype))
+    out = dispatch.sparse_attention(impl, q, k, v, sigma, idx, sm_scale=sm, group_size=group_size,
+                                    residual=residual, out_dtype=methods.kernel_out_dtype(q.dtype))
     return methods.finish_output(out, q.dtype)  # fp16: saturate instead of rounding up to inf
 
 
 @sparse_attention.register_fake
-def _(q, k, v, sigma, idx, residual, group_size=64, scale=None):
+def _(q, k, v, sigma, idx, residual, group_size=_DEFAULTS.group_size, scale=None):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])

@@ -188,12 +188,12 @@ def enable(pipe, method: Optional[str] = None, *, options: Any = None, regional:
     to compile instead of every transformer. ``compile_kwargs``: more ``torch.compile`` arguments
     (``fullgraph``, ``dynamic``). ``$VCATTN_METHOD`` overrides the method or (``off``) disables all of this.
     A second ``enable`` first undoes the first. ``pipe`` may also be a single ``nn.Module``."""
-    from .config import VCConfig
+    from .config import VCConfig, merge_options
 
     opts = options_dict(options)
     if method is not None:
         opts["method"] = method
-    opts.update(option_kwargs)
+    opts = merge_options(opts, option_kwargs)  # an experimental={...} kwarg merges into options' own
     opts, off = apply_env(opts, "vc_compile.enable")
     cfg = VCConfig.from_options(opts)  # fail before changing anything
     if getattr(pipe, _STATE_ATTR, None) is not None:

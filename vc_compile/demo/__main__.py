@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from vc_compile.config import merge_options
+
 # Clip size on every device: the one the model was trained at (the weights' metadata: 16 x 32 x 32 px).
 # NOTE: measured flow-matching loss of the trained model on held-out data clips (mean over frames, fp32,
 # CPU, 2 clips): at t = 0.3 / 0.6: 16 x 32 x 32 0.040, 8 x 32 x 32 0.055, 6 x 32 x 32 (the old CPU
@@ -171,7 +173,7 @@ def main(argv=None):
     cond = encode(text_encoder, parse_prompt(a.prompt, cfg.max_sprites), dtype)
     uncond = encode(text_encoder, parse_prompt("", cfg.max_sprites), dtype)
     pipe = build_pipeline(transformer, a.steps, a.shift)
-    extra = {"compiler": a.compiler, **a.options}
+    extra = merge_options({"experimental": {"compiler": a.compiler}}, a.options)
     if tokens < 1024:
         extra["min_seq_len"] = tokens  # the backend's default leaves short attention to stock SDPA
 
@@ -179,7 +181,7 @@ def main(argv=None):
     t_all = time.perf_counter()
     for label in a.method_list:
         print(f"[vc_demo] {label}: compiling and warming up ({a.warmup} steps) ...", flush=True)
-        res = run_pipeline(pipe, cond, uncond, label, {**known[label], **extra}, frames=a.frames,
+        res = run_pipeline(pipe, cond, uncond, label, merge_options(known[label], extra), frames=a.frames,
                            height=a.height, width=a.width, steps=a.steps, seed=a.seed, guidance=a.guidance,
                            shift=a.shift, warmup=a.warmup, regional=a.regional)
         print(f"  {label}: {res.summary}", flush=True)

@@ -42,12 +42,13 @@ METHODS = (
 # adds one component to the previous one; L5 is the full method (the default options). L1b is not in the
 # paper: mean-pooled blocks selected at the anchors and reused, so L1 -> L1b isolates reuse and
 # L1b -> L2 the selection rule alone. Every rung has the same schedule (dense warm-up, dense anchor steps).
-_BSA = {"selection_unit": "block", "query_grouping": "none", "residual": "none"}
+_BSA = {"selection_unit": "block", "query_grouping": "none"}  # the ablation knobs are experimental options
 LADDER = (
-    ("L1:bsa-meanpool", {**_BSA, "selection": "mean_pool", "selection_refresh": "every_step"}),
-    ("L1b:bsa-meanpool-reused", {**_BSA, "selection": "mean_pool"}),
-    ("L2:bsa-exact-reused", dict(_BSA)),
-    ("L3:token", {"query_grouping": "none", "residual": "none"}),
+    ("L1:bsa-meanpool", {"residual": "none",
+                         "experimental": {**_BSA, "selection": "mean_pool", "selection_refresh": "every_step"}}),
+    ("L1b:bsa-meanpool-reused", {"residual": "none", "experimental": {**_BSA, "selection": "mean_pool"}}),
+    ("L2:bsa-exact-reused", {"residual": "none", "experimental": dict(_BSA)}),
+    ("L3:token", {"residual": "none", "experimental": {"query_grouping": "none"}}),
     ("L4:+pddp", {"residual": "none"}),
     ("L5:+residual", {}),
 )

@@ -1,8 +1,23 @@
-"""``method="dense"``: stock SDPA math (the baseline, and the warm-up phase of the other methods)."""
+"""``method="dense"``: stock SDPA through our op (the baseline). Every step is ``Phase.DENSE``, which the op
+runs itself (the same SDPA call as the other methods' warm-up steps), so this method has no ``run``."""
 from __future__ import annotations
 
-import torch.nn.functional as F
+from typing import Optional
+
+from .phase import Phase
 
 
-def run(q, k, v, *, sm_scale, **_):
-    return F.scaled_dot_product_attention(q, k, v, scale=sm_scale).contiguous(), None
+def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
+    return Phase.DENSE
+
+
+def needs_fp8(cfg) -> bool:
+    return False
+
+
+def ineligible(q, k, v) -> Optional[str]:
+    return None
+
+
+def path_label(path: str, phase: Phase, cfg, device) -> str:
+    return "sdpa"

@@ -3,7 +3,9 @@
 ANCHOR: Fast PDDP query groups (sigma), pass 1 dense attention with its LSE, pass 2 exact group masses,
 top-K keys per group, the sparse output with that selection and the residual ``R = O_dense - O_sparse``;
 returns ``O_dense``. REUSE: the sparse kernel with the cached sigma/selection on the current q, k, v,
-plus R. DENSE: stock SDPA (warm-up).
+plus R. DENSE (the warm-up, 20% of the steps by default): stock SDPA, run by the op.
+Schedule (``phase_for``): DENSE warm-up, ANCHOR at ``anchor_steps`` (default: the paper's 20% and 52% of the
+steps) and whenever no metadata is cached, REUSE otherwise.
 
 Metadata ``SparseMeta`` (the token-sparse analogue of FlexAttention's BlockMask):
   sigma     [B, H, S] int64     query order; group g = sigma[g*C:(g+1)*C] (last group may be partial)
@@ -24,7 +26,8 @@ Hostile inputs (tests/test_hostile.py):
 * fp16 outputs saturate at +-65504 instead of rounding up to inf (``methods.finish_output``).
 * ``sparse_qk="fp8"`` on the reference path runs ``reference/sparse_attn_q8.py``.
 
-Ablation switches (the ladder of the paper's Table 5, docs/sparse_notes.md; defaults = the full method):
+Ablation switches (``experimental={...}``; the ladder of the paper's Table 5, docs/sparse_notes.md; defaults =
+the full method):
 * ``query_grouping="none"``: sigma = arange(S) (contiguous query tiles of C), no PDDP.
 * ``selection="mean_pool"``: scores of each group's mean query against the keys (or key-block means),
   no pass 2 (the anchor still runs pass 1, so it returns the same O_dense as every other variant).
@@ -37,22 +40,24 @@ attention); ``report()`` names them in the kernel path (``path_label``).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from ..config import QueryGrouping, Selection, SelectionRefresh, SelectionUnit
-from ..reference import dense as ref_dense
 from ..reference import select as ref_select
 from ..reference.quant import FP8_DTYPE, FP8_MAX, safe_scale
 from ..reference.select import KV_TILE, n_keep
 from ..runtime import report as _report
 from ..runtime import state
-from ..runtime.steps import Phase
-from . import finish_output, kernel_out_dtype
+from ..templates import dispatch
+from .output import finish_output, kernel_out_dtype
+from .phase import Phase, warmup_steps
+
+# NOTE the paper's schedule: 10 dense warm-up steps of 50 (20%), anchors at steps 10 and 26 (20%, 52%)
+WARMUP_FRACTION = 0.2
+ANCHOR_FRACTION = 0.52
 
 _MASS_BYTES = 1 << 30  # pass-2 group masses are computed for as many heads as fit in 1 GiB at once
 
@@ -73,62 +78,83 @@ class SparseMeta:
         return (self.residual.float() * self.res_scale.unsqueeze(-1)).to(dtype)
 
 
-def _dense_with_lse(impl, q, k, v, sm_scale):
-    fn = getattr(impl.select, "dense_with_lse", None)
-    if fn is None:
-        return ref_dense.dense_attention_lse(q, k, v, sm_scale=sm_scale)
-    # The templates call SDPA's aten kernels directly, bypassing SDPA's own layout checks; the CPU flash
-    # kernel returns garbage (relative error ~1) for a K whose last dim is not contiguous.
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return fn(q, k, v, sm_scale)
+# ---- the schedule -----------------------------------------------------------------------------------------
+def anchor_steps(cfg, n: int) -> Tuple[int, ...]:
+    """The steps that re-select: the ``anchor_steps`` option, else every ``anchor_interval`` steps after the
+    warm-up, else the first step after the warm-up and step 52% of n."""
+    if cfg.anchor_steps is not None:
+        return tuple(cfg.anchor_steps)
+    w = warmup_steps(cfg, n, WARMUP_FRACTION)
+    if cfg.anchor_interval is not None:
+        return tuple(range(w, max(n, w + 1), cfg.anchor_interval))
+    return tuple(sorted({w, max(w, int(round(ANCHOR_FRACTION * n)))}))
+
+
+def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
+    if step < warmup_steps(cfg, n, WARMUP_FRACTION):
+        return Phase.DENSE
+    if step in anchor_steps(cfg, n) or not has_meta:
+        return Phase.ANCHOR
+    return Phase.REUSE
+
+
+def needs_fp8(cfg) -> bool:
+    """FP8 MMAs only with ``sparse_qk="fp8"``: the bf16 gather kernel, PDDP and selection run on any GPU Triton
+    supports (the FP8 residual is a plain torch cast)."""
+    return cfg.sparse_qk == "fp8"
+
+
+def ineligible(q, k, v) -> Optional[str]:
+    return dispatch.sparse_ineligible(q, k, v)
 
 
 def select(impl, q, k, sigma, lse2, *, sm_scale, group_size, keep, selection=Selection.EXACT,
-           unit=SelectionUnit.TOKEN):
+           unit=SelectionUnit.TOKEN, max_mass_bytes: int = _MASS_BYTES):
     """Scores + top-K (tokens) or top blocks expanded to tokens, a chunk of heads at a time so the
-    (S/C) x Sk scores stay within 1 GiB. ``selection="exact"``: pass 2 (exact group masses, needs lse2);
-    ``"mean_pool"``: mean query of each group against the keys / key-block means (lse2 unused)."""
+    (S/C) x Sk scores stay within ``max_mass_bytes``. ``selection="exact"``: pass 2 (exact group masses, needs
+    lse2); ``"mean_pool"``: mean query of each group against the keys / key-block means (lse2 unused)."""
     B, H, S, _ = q.shape
     Sk = k.shape[2]
     G = -(-S // group_size)
     block = unit == SelectionUnit.BLOCK
-    hc = max(1, min(H, _MASS_BYTES // max(1, B * G * Sk * 4)))
+    hc = max(1, min(H, max_mass_bytes // max(1, B * G * Sk * 4)))
     parts = []
     for h0 in range(0, H, hc):
         sl = slice(h0, h0 + hc)
         if selection == Selection.EXACT:
-            scores = impl.select.group_key_mass(q[:, sl], k[:, sl], sigma[:, sl], lse2[:, sl],
-                                                sm_scale=sm_scale, group_size=group_size)
+            scores = dispatch.group_key_mass(impl, q[:, sl], k[:, sl], sigma[:, sl], lse2[:, sl],
+                                             sm_scale=sm_scale, group_size=group_size)
             if block:
                 scores = ref_select.block_mass(scores, KV_TILE)
         else:
             scores = ref_select.mean_pool_scores(q[:, sl], k[:, sl], sigma[:, sl], sm_scale=sm_scale,
                                                  group_size=group_size, block=KV_TILE if block else 1)
         parts.append(ref_select.expand_blocks(scores, keep, Sk, KV_TILE) if block
-                     else impl.select.select_topk(scores, keep))
+                     else dispatch.select_topk(impl, scores, keep))
         del scores
     return torch.cat(parts, dim=1)
 
 
 def query_order(impl, q, cfg) -> torch.Tensor:
     """sigma [B, H, S]: Fast PDDP groups, or the identity (contiguous tiles) for ``query_grouping="none"``."""
-    if cfg.query_grouping == QueryGrouping.NONE:
+    if cfg.experimental.query_grouping == QueryGrouping.NONE:
         B, H, S, _ = q.shape
         return ref_select.identity_perm(B, H, S, q.device)
-    return impl.pddp.pddp_perm(q, cfg.group_size)
+    return dispatch.pddp_perm(impl, q, cfg.group_size)
 
 
-def path_label(path: str, phase, cfg) -> str:
+def path_label(path: str, phase, cfg, device=None) -> str:
     """The kernel path recorded in ``report()`` for this call: ``path`` ("triton", "reference", ...),
     plus the parts of the ablation variants that run as plain torch on the Triton path."""
+    ex = cfg.experimental
     if path != "triton" or phase not in (Phase.ANCHOR, Phase.REUSE):
         return path
-    selects = phase == Phase.ANCHOR or cfg.selection_refresh == SelectionRefresh.EVERY_STEP
+    selects = phase == Phase.ANCHOR or ex.selection_refresh == SelectionRefresh.EVERY_STEP
     if not selects:
         return path
-    if cfg.selection == Selection.MEAN_POOL:
+    if ex.selection == Selection.MEAN_POOL:
         return path + "+torch:mean_pool_select"
-    if cfg.selection_unit == SelectionUnit.BLOCK:
+    if ex.selection_unit == SelectionUnit.BLOCK:
         return path + "+torch:block_select"
     return path
 
@@ -161,45 +187,33 @@ def _check_memory(resid: torch.Tensor, cfg) -> None:
                 f"{_report.fmt_bytes(free)} free: {hint}.")
 
 
-def _sparse_fn(impl, qk_format: str):
-    """The gather kernel for this QK format. The templates take ``qk_format``; the reference keeps the
-    16-bit contract in ``sparse_attn.py`` and the FP8-QK one in ``sparse_attn_q8.py``."""
-    fn = impl.sparse_attn.sparse_attention
-    if qk_format != "fp8":
-        return fn
-    if fn.__module__.startswith("vc_compile.reference"):
-        from ..reference.sparse_attn_q8 import sparse_attention_q8
-
-        return sparse_attention_q8
-    return functools.partial(fn, qk_format="fp8")
-
-
 def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
-    if phase == Phase.DENSE:
-        return F.scaled_dot_product_attention(q, k, v, scale=sm_scale).contiguous(), meta
     C = cfg.group_size
-    sparse = _sparse_fn(impl, cfg.sparse_qk)
+    ex = cfg.experimental
     Sk = k.shape[2]
     keep = n_keep(Sk, cfg.density)
+
+    def sparse(sigma, idx, **kw):
+        return dispatch.sparse_attention(impl, q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C,
+                                         qk_format=cfg.sparse_qk, **kw)
     if phase == Phase.REUSE and meta is not None:
         idx = meta.idx
-        if cfg.selection_refresh == SelectionRefresh.EVERY_STEP:  # vanilla block-sparse: select again
+        if ex.selection_refresh == SelectionRefresh.EVERY_STEP:  # vanilla block-sparse: select again
             idx = select(impl, q, k, meta.sigma, None, sm_scale=sm_scale, group_size=C, keep=keep,
-                         selection=cfg.selection, unit=cfg.selection_unit)
-        out = sparse(q, k, v, meta.sigma, idx, sm_scale=sm_scale, group_size=C,
-                     residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype))
+                         selection=ex.selection, unit=ex.selection_unit)
+        out = sparse(meta.sigma, idx, residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype))
         return finish_output(out, q.dtype), meta
     # ANCHOR
     sigma = query_order(impl, q, cfg)
     # pass 1 for every variant (mean-pooled scores do not need the LSE): the anchor step returns the same
     # O_dense whatever the ablation switches, so the ladder's rungs differ only in what they switch
-    o_dense, lse2 = _dense_with_lse(impl, q, k, v, sm_scale)
+    o_dense, lse2 = dispatch.dense_with_lse(impl, q, k, v, sm_scale)
     out = o_dense.to(q.dtype).contiguous()
     idx = select(impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=C, keep=keep,
-                 selection=cfg.selection, unit=cfg.selection_unit)
+                 selection=ex.selection, unit=ex.selection_unit)
     residual = res_scale = None
     if cfg.residual != "none":
-        o_sparse = sparse(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C, out_dtype=torch.float32)
+        o_sparse = sparse(sigma, idx, out_dtype=torch.float32)
         resid = o_dense.float() - o_sparse.float()
         del o_sparse
         # One sync per anchor step (see the module docstring). The residual, not O_dense alone: a dense

@@ -18,14 +18,19 @@ Hostile inputs (tests/test_hostile.py):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..reference.kmeans import default_clusters, init_centroids
-from ..runtime.steps import Phase
-from . import finish_output, kernel_out_dtype
+from ..templates import dispatch
+from .output import finish_output, kernel_out_dtype
+from .phase import Phase, warmup_steps
+
+# NOTE no dense warm-up by default: the 8-bit attention keeps full fidelity from the first step
+WARMUP_FRACTION = 0.0
 
 
 @dataclass
@@ -41,14 +46,32 @@ def _warm_start(centroids: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, centroids, init_centroids(v, centroids.shape[2]))
 
 
-def path_label(path: str, phase, cfg) -> str:
+# ---- the schedule -----------------------------------------------------------------------------------------
+def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
+    """DENSE for the warm-up steps (none by default), then GROUP (re-cluster V) in the first ``group_fraction``
+    of the steps and whenever no grouping is cached, REUSE after; naive 8-bit (``smooth_v=False``) has nothing
+    to group: REUSE."""
+    if step < warmup_steps(cfg, n, WARMUP_FRACTION):
+        return Phase.DENSE
+    if not cfg.experimental.smooth_v:
+        return Phase.REUSE  # naive 8-bit: nothing to group
+    in_window = step < max(1, math.ceil(cfg.group_fraction * n)) if cfg.group_fraction > 0 else False
+    return Phase.GROUP if (in_window or not has_meta) else Phase.REUSE
+
+
+def needs_fp8(cfg) -> bool:
+    return True  # FP8 PV, whatever the options
+
+
+def ineligible(q, k, v) -> Optional[str]:
+    return dispatch.vsmooth_ineligible(q, k, v)
+
+
+def path_label(path: str, phase, cfg, device) -> str:
     """The kernel path recorded in ``report()``: ``"triton/gluon_sm90"`` where the attention runs the Gluon
     sm_90 kernel (templates/vsmooth_attn_sm90.py; INT8 Q/K on an sm_90 GPU), else ``path``."""
-    if path == "triton" and cfg.qk_format.value == "int8" and torch.cuda.is_available():
-        from ..templates import vsmooth_attn as tattn
-
-        if tattn.use_sm90(torch.device("cuda", torch.cuda.current_device()), False):
-            return "triton/gluon_sm90"
+    if path == "triton" and dispatch.uses_sm90(device, cfg.qk_format.value):
+        return "triton/gluon_sm90"
     return path
 
 
@@ -56,19 +79,19 @@ def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl, rop
     """``rope``: q and k are un-rotated, the preprocessing applies this RoPE (issue 7 prologue fusion)."""
     perm = None
     Sk = k.shape[2]
-    if cfg.smooth_v:
+    smooth = cfg.experimental.smooth_v
+    if smooth:
         if phase == Phase.GROUP or meta is None:
             n_clusters = min(cfg.kmeans_clusters or default_clusters(Sk), Sk)
             init = None
             if meta is not None and meta.centroids.shape[2] == n_clusters:
                 init = _warm_start(meta.centroids, v)
-            iters = cfg.kmeans_iters if init is not None else cfg.kmeans_init_iters
-            km = impl.kmeans.kmeans_perm(v, n_clusters, iters, init=init)
+            iters = cfg.kmeans_iters if init is not None else cfg.experimental.kmeans_init_iters
+            km = dispatch.kmeans_perm(impl, v, n_clusters, iters, init=init)
             meta = VSmoothMeta(perm=km.perm, centroids=km.centroids)
         perm = meta.perm
-    rope_kw = {} if rope is None else {"rope": rope}
-    qk = impl.preprocess.preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=cfg.hadamard,
-                                       qk_format=cfg.qk_format.value, **rope_kw)
-    vq = impl.preprocess.preprocess_v(v, perm, smooth=cfg.smooth_v)
-    out = impl.vsmooth_attn.vsmooth_attention(qk, vq, expcast=cfg.expcast, out_dtype=kernel_out_dtype(q.dtype))
+    qk = dispatch.preprocess_qk(impl, q, k, perm, sm_scale=sm_scale, hadamard=cfg.hadamard,
+                                qk_format=cfg.qk_format.value, rope=rope)
+    vq = dispatch.preprocess_v(impl, v, perm, smooth=smooth)
+    out = dispatch.vsmooth_attention(impl, qk, vq, expcast=cfg.expcast, out_dtype=kernel_out_dtype(q.dtype))
     return finish_output(out, q.dtype), meta

@@ -179,7 +179,7 @@ def _sdpa_qkv(node: fx.Node):
     return vals
 
 
-def _module_path(node: fx.Node) -> str:
+def module_path(node: fx.Node) -> str:
     """The report's module label of ``node`` (``blocks.0.attn1``; see passes/names.py)."""
     from .names import compiled_root, site_label
 
@@ -220,7 +220,7 @@ def detect_context_parallel(gm: fx.GraphModule, cfg=None, graph_name: str = "gra
             name = target_name(node.target)
             if is_lse_attention(node):
                 ring = det.collectives > 0
-                f = Finding(gname, node.name, "ring" if ring else "lse-attention", name, _module_path(node),
+                f = Finding(gname, node.name, "ring" if ring else "lse-attention", name, module_path(node),
                             rewritable=False,
                             reason=RING_REASON if ring else "attention kernel called directly (not SDPA)")
                 det.findings.append(f)
@@ -230,7 +230,7 @@ def detect_context_parallel(gm: fx.GraphModule, cfg=None, graph_name: str = "gra
                 q, k, v = _sdpa_qkv(node)
                 reason = dtensor_reason(q, k, v)
                 if reason is not None:
-                    det.findings.append(Finding(gname, node.name, "dtensor", name, _module_path(node),
+                    det.findings.append(Finding(gname, node.name, "dtensor", name, module_path(node),
                                                 rewritable=False, reason=reason))
                     continue
                 up_q, up_k = upstream_collective(q), upstream_collective(k)
@@ -238,7 +238,7 @@ def detect_context_parallel(gm: fx.GraphModule, cfg=None, graph_name: str = "gra
                         "allgather" if up_k == "all_gather" else
                         "kv-chunk" if up_k == "p2p" else None)
                 if kind is not None:
-                    det.findings.append(Finding(gname, node.name, kind, name, _module_path(node)))
+                    det.findings.append(Finding(gname, node.name, kind, name, module_path(node)))
     for f in det.findings:
         counters["vcattn"][f"cp:{f.kind}"] += 1
     for f, node in ring_nodes:

@@ -87,15 +87,16 @@ def warn_fallbacks(records: List, short: Set[int], cfg: VCConfig, graph_name: st
 
 def note_reference_path(cfg: VCConfig, q) -> None:
     """Say once per process and method that a rewritten site will run the plain-PyTorch reference: q
-    lives off CUDA and ``kernels="auto"`` (a GPU without FP8 is noted by ``methods.resolve``)."""
+    lives off CUDA and ``experimental["kernels"]`` is "auto" (a GPU without FP8 is noted by ``methods.resolve``)."""
     method = cfg.resolved_method
     dev = getattr(q, "device", None)
-    if cfg.kernels != Kernels.AUTO or method == Method.DENSE or dev is None or dev.type in ("cuda", "meta"):
+    if (cfg.experimental.kernels != Kernels.AUTO or method == Method.DENSE or dev is None
+            or dev.type in ("cuda", "meta")):
         return
     if method.value in _NOTED:
         return
     _NOTED.add(method.value)
     warnings.warn(
         f"vcattn: {method.value} runs the plain-PyTorch reference on {dev.type} (slow: it is there for CPU "
-        "tests and the demo; the Triton kernels run on CUDA GPUs). options={'kernels': 'reference'} asks "
-        "for it explicitly and silences this note.", RuntimeWarning, stacklevel=3)
+        "tests and the demo; the Triton kernels run on CUDA GPUs). options={'experimental': {'kernels': "
+        "'reference'}} asks for it explicitly and silences this note.", RuntimeWarning, stacklevel=3)

@@ -58,7 +58,6 @@ Step 2 (folding RoPE + permute into the preprocessing kernel) would need, from e
 from __future__ import annotations
 
 import itertools
-import operator
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -67,6 +66,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from ..runtime import report as _report
+from .fx_nodes import DTYPE_OPS, LAYOUT_OPS, MAX_WALK, arg, is_op, ndim, node_name, strip, val  # noqa: F401
 from .sdpa_rewrite import SDPA_TARGETS
 
 ATTENTION_TARGETS = set(SDPA_TARGETS)
@@ -76,14 +76,8 @@ except (AttributeError, RuntimeError):  # pragma: no cover - ops registers it on
     pass
 
 FORMS = ("interleaved-setitem", "interleaved-stack", "slice-write", "rotate-half")
-# repeat_interleave: the GQA head expansion (Cosmos; by 1 when H_q == H_kv)
-_LAYOUT_OPS = {"permute", "transpose", "unflatten", "view", "reshape", "type_as", "to", "float", "half",
-               "bfloat16", "contiguous", "clone", "getitem", "unbind", "chunk", "split",
-               "repeat_interleave", "unsqueeze", "squeeze", "expand"}
-_DTYPE_OPS = {"type_as", "to", "float", "half", "bfloat16", "contiguous", "clone"}
 _PROJ_OPS = {"linear", "layer_norm", "rms_norm", "group_norm", "addmm", "matmul", "bmm", "conv2d"}
 _NORM_WALK = {"mul", "to", "float", "type_as", "add", "rsqrt", "pow", "mean"}
-_MAX_WALK = 40
 
 Slice = Tuple[Optional[int], Optional[int]]
 
@@ -134,66 +128,18 @@ class _NoMatch(Exception):
     pass
 
 
-# ---- node helpers ----------------------------------------------------------------------------------------
-_OP_NAMES = {operator.mul: "mul", operator.add: "add", operator.sub: "sub", operator.neg: "neg",
-             operator.getitem: "getitem", operator.setitem: "setitem", operator.truediv: "div"}
-
-
-def _name(n) -> Optional[str]:
-    if not isinstance(n, fx.Node):
-        return None
-    if n.op == "call_method":
-        return n.target
-    if n.op == "call_function":
-        if n.target in _OP_NAMES:
-            return _OP_NAMES[n.target]
-        return getattr(n.target, "__name__", str(n.target)).split(".")[-1]
-    return n.op
-
-
-def _is(n, *names) -> bool:
-    return _name(n) in names
-
-
-def _val(n):
-    if isinstance(n, fx.Node):
-        return n.meta.get("example_value", n.meta.get("val"))
-    return None
-
-
-def _ndim(n) -> Optional[int]:
-    v = _val(n)
-    return v.dim() if isinstance(v, torch.Tensor) else None
-
-
-def _arg(n: fx.Node, i: int, kw: str, default=None):
-    if len(n.args) > i:
-        return n.args[i]
-    return n.kwargs.get(kw, default)
-
-
-def _strip(n):
-    """Follow dtype/device casts and copies (``float()``, ``to()``, ``type_as``, ``contiguous``)."""
-    for _ in range(_MAX_WALK):
-        if isinstance(n, fx.Node) and _is(n, *_DTYPE_OPS) and n.args and isinstance(n.args[0], fx.Node):
-            n = n.args[0]
-        else:
-            return n
-    return n
-
-
 def _dim_is_last(n: fx.Node, d) -> bool:
-    nd = _ndim(n)
+    nd = ndim(n)
     return d == -1 or (nd is not None and d == nd - 1)
 
 
 def _unbound(n) -> Optional[Tuple[fx.Node, int]]:
     """``n = unbind(u, dim)[i]`` (or ``chunk``): returns (u's source x, i) for the pairs split."""
-    n = _strip(n)
-    if not (_is(n, "getitem") and isinstance(n.args[1], int)):
+    n = strip(n)
+    if not (is_op(n, "getitem") and isinstance(n.args[1], int)):
         return None
     src = n.args[0]
-    if not _is(src, "unbind"):
+    if not is_op(src, "unbind"):
         return None
     return src, n.args[1]
 
@@ -201,8 +147,8 @@ def _unbound(n) -> Optional[Tuple[fx.Node, int]]:
 def _pairs_of(n) -> Optional[Tuple[fx.Node, int]]:
     """``n = x.unflatten(-1, (-1, 2)).unbind(-1)[i]`` / ``x.reshape(..., -1, 2).unbind(-1)[i]`` /
     ``x[..., i::2]`` (Mochi): returns (x, i)."""
-    s = _strip(n)
-    if _is(s, "getitem") and isinstance(s.args[1], tuple) and len(s.args[1]) == 2 and s.args[1][0] is Ellipsis:
+    s = strip(n)
+    if is_op(s, "getitem") and isinstance(s.args[1], tuple) and len(s.args[1]) == 2 and s.args[1][0] is Ellipsis:
         sl = s.args[1][1]
         if isinstance(sl, slice) and sl.step == 2 and (sl.start or 0) in (0, 1) and sl.stop is None:
             return s.args[0], sl.start or 0
@@ -210,32 +156,32 @@ def _pairs_of(n) -> Optional[Tuple[fx.Node, int]]:
     if ub is None:
         return None
     unb, i = ub
-    d = _arg(unb, 1, "dim", 0)
+    d = arg(unb, 1, "dim", 0)
     u = unb.args[0]
-    if not (_is(u, "unflatten", "reshape", "view") and _dim_is_last(u, d)):
+    if not (is_op(u, "unflatten", "reshape", "view") and _dim_is_last(u, d)):
         return None
-    v = _val(u)
+    v = val(u)
     if not isinstance(v, torch.Tensor) or v.shape[-1] != 2:
         return None
     return u.args[0], i
 
 
 def _mul_terms(n) -> Optional[Tuple[object, object]]:
-    n = _strip(n)
-    if _is(n, "mul") and len(n.args) == 2:
+    n = strip(n)
+    if is_op(n, "mul") and len(n.args) == 2:
         return n.args[0], n.args[1]
     return None
 
 
 def _same(a, b) -> bool:
-    return _strip(a) is _strip(b)
+    return strip(a) is strip(b)
 
 
 # ---- rotation matchers -----------------------------------------------------------------------------------
 def _pair_rotation(e0, e1) -> Tuple[fx.Node, fx.Node, fx.Node]:
     """``e0 = x1*cos - x2*sin``, ``e1 = x1*sin + x2*cos`` with (x1, x2) the interleaved pairs of x."""
-    e0, e1 = _strip(e0), _strip(e1)
-    if not (_is(e0, "sub") and _is(e1, "add")):
+    e0, e1 = strip(e0), strip(e1)
+    if not (is_op(e0, "sub") and is_op(e1, "add")):
         raise _NoMatch("the two halves are not (x1*cos - x2*sin, x1*sin + x2*cos)")
 
     def split(term):  # x1*c -> candidates (pair index, x, c); a strided cos table can look like a pair too
@@ -264,54 +210,54 @@ def _pair_rotation(e0, e1) -> Tuple[fx.Node, fx.Node, fx.Node]:
 
 def _rotated_term(r, x_expected=None) -> Tuple[str, fx.Node]:
     """The rotated copy of x in ``x*cos + rot(x)*sin``: returns (form, x)."""
-    r = _strip(r)
-    if _is(r, "flatten") and _is(r.args[0], "stack"):
+    r = strip(r)
+    if is_op(r, "flatten") and is_op(r.args[0], "stack"):
         st = r.args[0]
-        parts, d = _arg(st, 0, "tensors"), _arg(st, 1, "dim", 0)
+        parts, d = arg(st, 0, "tensors"), arg(st, 1, "dim", 0)
         if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and _dim_is_last(st, d)):
             raise _NoMatch("stack is not of two tensors on the last dim")
-        neg, real = _strip(parts[0]), parts[1]
-        if not _is(neg, "neg"):
+        neg, real = strip(parts[0]), parts[1]
+        if not is_op(neg, "neg"):
             raise _NoMatch("stack is not [-x_imag, x_real]")
         pi, pr = _pairs_of(neg.args[0]), _pairs_of(real)
         if pi is None or pr is None or pi[1] != 1 or pr[1] != 0 or pi[0] is not pr[0]:
             raise _NoMatch("stack is not [-x_imag, x_real] of the interleaved pairs of one tensor")
         return "interleaved-stack", pi[0]
-    if _is(r, "cat"):
-        parts, d = _arg(r, 0, "tensors"), _arg(r, 1, "dim", 0)
+    if is_op(r, "cat"):
+        parts, d = arg(r, 0, "tensors"), arg(r, 1, "dim", 0)
         if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and _dim_is_last(r, d)):
             raise _NoMatch("cat is not of two halves on the last dim")
-        neg, first = _strip(parts[0]), parts[1]
-        if not _is(neg, "neg"):
+        neg, first = strip(parts[0]), parts[1]
+        if not is_op(neg, "neg"):
             raise _NoMatch("cat is not rotate-half [-x2, x1]")
         h2, h1 = _half_of(neg.args[0]), _half_of(first)
         if h1 is None or h2 is None or h1[1] != 0 or h2[1] != 1 or h1[0] is not h2[0]:
             raise _NoMatch("cat is not rotate-half [-x2, x1] of the two halves of one tensor")
         return "rotate-half", h1[0]
-    raise _NoMatch(f"{_name(r)} is not a rotated copy of x")
+    raise _NoMatch(f"{node_name(r)} is not a rotated copy of x")
 
 
 def _half_of(n) -> Optional[Tuple[fx.Node, int]]:
     """n = x[..., :D/2] / x[..., D/2:] / x.chunk(2, -1)[i] / x.reshape(..., 2, -1).unbind(-2)[i]."""
-    n = _strip(n)
-    if not _is(n, "getitem"):
+    n = strip(n)
+    if not is_op(n, "getitem"):
         return None
     src, idx = n.args[0], n.args[1]
     if isinstance(idx, int):
-        if _is(src, "chunk") and _arg(src, 1, "chunks") == 2 and _dim_is_last(src.args[0], _arg(src, 2, "dim", 0)):
+        if is_op(src, "chunk") and arg(src, 1, "chunks") == 2 and _dim_is_last(src.args[0], arg(src, 2, "dim", 0)):
             return src.args[0], idx
-        if _is(src, "unbind"):
+        if is_op(src, "unbind"):
             u = src.args[0]
-            v = _val(u)
-            d = _arg(src, 1, "dim", 0)
-            if (_is(u, "reshape", "view", "unflatten") and isinstance(v, torch.Tensor) and v.dim() >= 2
+            v = val(u)
+            d = arg(src, 1, "dim", 0)
+            if (is_op(u, "reshape", "view", "unflatten") and isinstance(v, torch.Tensor) and v.dim() >= 2
                     and v.shape[-2] == 2 and d in (-2, v.dim() - 2)):
                 return u.args[0], idx
         return None
     if isinstance(idx, tuple) and idx and isinstance(idx[-1], slice) and isinstance(src, fx.Node):
         if not all(i is Ellipsis or i == slice(None) for i in idx[:-1]):
             return None
-        v = _val(src)
+        v = val(src)
         if not isinstance(v, torch.Tensor) or (idx[0] is not Ellipsis and len(idx) != v.dim()):
             return None
         D, sl = v.shape[-1], idx[-1]
@@ -326,9 +272,9 @@ def _half_of(n) -> Optional[Tuple[fx.Node, int]]:
 
 def _add_rotation(n) -> Tuple[str, fx.Node, fx.Node, fx.Node]:
     """``x*cos + rot(x)*sin``: returns (form, x, cos, sin)."""
-    n = _strip(n)
-    if not (_is(n, "add") and len(n.args) == 2):
-        raise _NoMatch(f"{_name(n)} is not x*cos + rot(x)*sin")
+    n = strip(n)
+    if not (is_op(n, "add") and len(n.args) == 2):
+        raise _NoMatch(f"{node_name(n)} is not x*cos + rot(x)*sin")
     ta, tb = _mul_terms(n.args[0]), _mul_terms(n.args[1])
     if ta is None or tb is None:
         raise _NoMatch("add of terms that are not products (not x*cos + rot(x)*sin)")
@@ -339,11 +285,11 @@ def _add_rotation(n) -> Tuple[str, fx.Node, fx.Node, fx.Node]:
                 form, x = _rotated_term(r)
             except _NoMatch as e:
                 # a cat/stack that is almost a rotation says more than "a cos table is not a rotation"
-                errors.append((_is(_strip(r), "cat", "flatten"), str(e)))
+                errors.append((is_op(strip(r), "cat", "flatten"), str(e)))
                 continue
             for xx, cos in (plain, plain[::-1]):
                 if _same(xx, x):
-                    return form, _strip(x), cos, sin
+                    return form, strip(x), cos, sin
             errors.append((True, "the unrotated term is not the same tensor as the rotated one"))
     errors.sort(key=lambda e: not e[0])
     raise _NoMatch(errors[0][1] if errors else "not x*cos + rot(x)*sin")
@@ -360,9 +306,9 @@ class _Op:
 def _is_norm(n) -> bool:
     """A projection/normalisation output: linear, layer_norm, rms_norm, or a hand-written RMSNorm
     (``x * rsqrt(mean(x^2) + eps)``, times a weight)."""
-    if _is(n, *_PROJ_OPS):
+    if is_op(n, *_PROJ_OPS):
         return True
-    if not _is(n, "mul"):
+    if not is_op(n, "mul"):
         return False
     seen, frontier = set(), [n]
     for _ in range(6):
@@ -371,9 +317,9 @@ def _is_norm(n) -> bool:
             if not isinstance(m, fx.Node) or m in seen:
                 continue
             seen.add(m)
-            if _is(m, "rsqrt", "rms_norm", "layer_norm"):
+            if is_op(m, "rsqrt", "rms_norm", "layer_norm"):
                 return True
-            if _is(m, *_NORM_WALK):
+            if is_op(m, *_NORM_WALK):
                 nxt.extend(a for a in m.args if isinstance(a, fx.Node))
         frontier = nxt
     return False
@@ -381,7 +327,7 @@ def _is_norm(n) -> bool:
 
 def _layout(x: fx.Node, perm: Optional[List[int]]) -> str:
     """``perm[i]``: the dim of x that holds dim i of the [B, H, S, D] attention input."""
-    if _ndim(x) == 3:
+    if ndim(x) == 3:
         return "BSC"
     if perm == [0, 1, 2, 3]:
         return "BHSD"
@@ -394,23 +340,23 @@ def _track(n: fx.Node, perm: Optional[List[int]]) -> Optional[List[int]]:
     """Carry the attention-dim mapping back through one layout node (None once a reshape loses it)."""
     if perm is None:
         return None
-    nd = _ndim(n.args[0])
-    if _is(n, "permute"):
+    nd = ndim(n.args[0])
+    if is_op(n, "permute"):
         p = list(n.args[1]) if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)) else list(n.args[1:])
         p = p or list(n.kwargs.get("dims", ()))
         if nd is None or not all(isinstance(d, int) for d in p) or len(p) != nd:
             return None
         p = [d % nd for d in p]
         return [p[c] for c in perm]
-    if _is(n, "transpose"):
+    if is_op(n, "transpose"):
         a, b = n.args[1], n.args[2]
         if nd is None or not isinstance(a, int) or not isinstance(b, int):
             return None
         a, b = a % nd, b % nd
         return [b if c == a else a if c == b else c for c in perm]
-    if _is(n, *_DTYPE_OPS, "repeat_interleave"):
+    if is_op(n, *DTYPE_OPS, "repeat_interleave"):
         return perm
-    if _is(n, "getitem") and _ndim(n) == nd:
+    if is_op(n, "getitem") and ndim(n) == nd:
         return perm
     return None
 
@@ -439,14 +385,14 @@ def _analyse(x, order: Dict[fx.Node, int], limit: int, depth: int = 0,
     if perm is None and depth == 0:
         perm = [0, 1, 2, 3]
     n = x
-    for _ in range(_MAX_WALK):
+    for _ in range(MAX_WALK):
         if not isinstance(n, fx.Node):
             raise _NoMatch("q/k is not a graph value")
-        writes = [u for u in n.users if _is(u, "setitem") and u.args[0] is n and order.get(u, limit) < limit]
+        writes = [u for u in n.users if is_op(u, "setitem") and u.args[0] is n and order.get(u, limit) < limit]
         if writes:
             return _in_place(n, writes, perm)
-        if _is(n, *_LAYOUT_OPS) and n.args and isinstance(n.args[0], fx.Node):
-            if _is(n, "getitem") and _is(n.args[0], "unbind", "chunk", "split") and _pairs_or_half(n):
+        if is_op(n, *LAYOUT_OPS) and n.args and isinstance(n.args[0], fx.Node):
+            if is_op(n, "getitem") and is_op(n.args[0], "unbind", "chunk", "split") and _pairs_or_half(n):
                 break  # a rotation's own pair/half split is not a layout step
             perm = _track(n, perm)
             n = n.args[0]
@@ -456,24 +402,24 @@ def _analyse(x, order: Dict[fx.Node, int], limit: int, depth: int = 0,
         raise _NoMatch("q/k is a graph input (a RoPE, if any, ran outside the compiled graph)")
     if _is_norm(n):
         return _Op("none")
-    if _is(n, "cat"):
+    if is_op(n, "cat"):
         return _token_cat(n, order, limit, perm, depth)
-    if _is(n, "add"):
+    if is_op(n, "add"):
         form, src, cos, sin = _add_rotation(n)
         return _Op(form, _layout(src, perm), RopeOperand(src, cos, sin))
-    if _is(n, "flatten") and _is(n.args[0], "stack"):
+    if is_op(n, "flatten") and is_op(n.args[0], "stack"):
         st = n.args[0]
-        parts = _arg(st, 0, "tensors")
-        if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and _dim_is_last(st, _arg(st, 1, "dim", 0))):
+        parts = arg(st, 0, "tensors")
+        if not (isinstance(parts, (list, tuple)) and len(parts) == 2 and _dim_is_last(st, arg(st, 1, "dim", 0))):
             raise _NoMatch("stack/flatten of other than two tensors on the last dim")
         try:
             src, cos, sin = _pair_rotation(parts[0], parts[1])
         except _NoMatch as e:
             raise _NoMatch(f"stack/flatten: {e}") from None
         return _Op("interleaved-stack", _layout(src, perm), RopeOperand(src, cos, sin))
-    if _is(n, "mul"):
+    if is_op(n, "mul"):
         raise _NoMatch("an elementwise multiply that is neither a normalisation nor x*cos + rot(x)*sin")
-    raise _NoMatch(f"producer {_name(n)!r} is not a RoPE form")
+    raise _NoMatch(f"producer {node_name(n)!r} is not a RoPE form")
 
 
 def _pairs_or_half(n) -> bool:
@@ -481,7 +427,7 @@ def _pairs_or_half(n) -> bool:
 
 
 def _in_place(n: fx.Node, writes: List[fx.Node], perm: Optional[List[int]]) -> _Op:
-    if _is(n, "empty_like"):  # Wan: out = empty_like(x); out[..., 0::2] = ...; out[..., 1::2] = ...
+    if is_op(n, "empty_like"):  # Wan: out = empty_like(x); out[..., 0::2] = ...; out[..., 1::2] = ...
         by_idx = {}
         for w in writes:
             idx = w.args[1]
@@ -494,14 +440,14 @@ def _in_place(n: fx.Node, writes: List[fx.Node], perm: Optional[List[int]]) -> _
         src, cos, sin = _pair_rotation(by_idx[0], by_idx[1])
         if not _same(src, n.args[0]):
             raise _NoMatch("the rotated pairs are not of the tensor empty_like copies")
-        return _Op("interleaved-setitem", _layout(src, perm), RopeOperand(_strip(src), cos, sin))
+        return _Op("interleaved-setitem", _layout(src, perm), RopeOperand(strip(src), cos, sin))
     if len(writes) != 1:
         raise _NoMatch(f"{len(writes)} in-place writes into q/k")
     (w,) = writes
     idx, value = w.args[1], w.args[2]
     inner, src, cos, sin = _add_rotation(value)
-    src = _strip(src)
-    if not (_is(src, "getitem") and src.args[0] is n and src.args[1] == idx):
+    src = strip(src)
+    if not (is_op(src, "getitem") and src.args[0] is n and src.args[1] == idx):
         raise _NoMatch("an in-place write into q/k that is not the rotation of the slice it overwrites")
     sl = _slice_of(idx)
     if sl is None or (perm is not None and sl[0] != perm[2]):
@@ -510,19 +456,19 @@ def _in_place(n: fx.Node, writes: List[fx.Node], perm: Optional[List[int]]) -> _
 
 
 def _token_cat(n: fx.Node, order, limit, perm: Optional[List[int]], depth: int) -> _Op:
-    parts, d = _arg(n, 0, "tensors"), _arg(n, 1, "dim", 0)
+    parts, d = arg(n, 0, "tensors"), arg(n, 1, "dim", 0)
     if not isinstance(parts, (list, tuple)) or depth > 2:
         raise _NoMatch("cat of unknown parts")
     if _dim_is_last(n, d):
         raise _NoMatch("cat along the channel dim that is not rotate-half")
-    nd = _ndim(n)
+    nd = ndim(n)
     d = d % nd if nd else d
     if perm is not None and d != perm[2]:
         raise _NoMatch(f"cat along dim {d}, which is not the token axis")
     found, start = [], 0
     for p in parts:
         op = _analyse(p, order, limit, depth + 1, perm)
-        v = _val(p)
+        v = val(p)
         size = v.shape[d] if isinstance(v, torch.Tensor) else None
         stop = start + size if isinstance(size, int) and isinstance(start, int) else None
         if op.form != "none":
@@ -558,11 +504,7 @@ def _site_result(q, k, order, limit) -> Union[RopeMatch, str]:
 def _record(graph: str, node: fx.Node, site: Optional[int]):
     if site is not None:
         return _report.site(site)
-    with _report._LOCK:
-        for rec in _report._SITES.values():
-            if rec.graph == graph and rec.node == node.name:
-                return rec
-    return None
+    return _report.find_site(graph, node.name)
 
 
 def detect_rope(gm: fx.GraphModule, graph_name: str = "graph") -> List[RopeFinding]:
@@ -585,8 +527,8 @@ def detect_rope(gm: fx.GraphModule, graph_name: str = "graph") -> List[RopeFindi
             if node.target is vc_target:
                 q, k, site = node.args[0], node.args[1], node.args[4]
             else:
-                q = _arg(node, 0, "query")
-                k = _arg(node, 1, "key")
+                q = arg(node, 0, "query")
+                k = arg(node, 1, "key")
                 site = None
             try:
                 result = _site_result(q, k, order, order[node])

@@ -63,7 +63,9 @@ from torch._dynamo.utils import counters
 from ..config import Method, VCConfig
 from ..reference import rope as _rope
 from ..runtime import report as _report
+from . import fx_nodes as _fx
 from . import rope_detect as _det
+from .fx_nodes import LAYOUT_OPS, is_op, val
 from .rope_detect import RopeFinding, RopeMatch
 
 _PAIRING = {"interleaved-setitem": "interleaved", "interleaved-stack": "interleaved", "rotate-half": "rotate-half"}
@@ -74,7 +76,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 @functools.lru_cache(maxsize=1)
 def _sources_hash() -> str:
     h = hashlib.sha256()
-    for mod in (_det, _rope):
+    for mod in (_det, _fx, _rope):
         h.update(inspect.getsource(mod).encode())
     h.update(open(__file__, "rb").read())
     return h.hexdigest()
@@ -95,7 +97,7 @@ class _NoFuse(Exception):
 
 
 def _val(n):
-    return _det._val(n)
+    return val(n)
 
 
 def _same_table(a, b, depth: int = 0) -> bool:
@@ -210,7 +212,7 @@ def _fuse_site(graph: fx.Graph, att: fx.Node, m: RopeMatch, cfg: VCConfig) -> No
         if m.form == "slice-write":
             if arg is not op.input:
                 raise _NoFuse("slice-write behind layout ops")
-            if _det._is(op.input, *_det._LAYOUT_OPS) or op.input.op == "placeholder":
+            if is_op(op.input, *LAYOUT_OPS) or op.input.op == "placeholder":
                 raise _NoFuse("slice-write into a view or a graph input")
             writes = _writes_into(op.input)
             if len(writes) != 1 or order[writes[0]] > order[att]:
@@ -229,7 +231,7 @@ def _fuse_site(graph: fx.Graph, att: fx.Node, m: RopeMatch, cfg: VCConfig) -> No
             if u in regions or u is att:
                 continue
             nv = _val(n)
-            if (_det._is(u, "type_as") and len(u.args) == 2 and u.args[1] is n and u.args[0] is not n
+            if (is_op(u, "type_as") and len(u.args) == 2 and u.args[1] is n and u.args[0] is not n
                     and not u.kwargs and isinstance(nv, torch.Tensor) and nv.dtype == qdt):
                 dtype_uses.append(u)
                 continue

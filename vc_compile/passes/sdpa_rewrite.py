@@ -32,7 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from .. import ops  # noqa: F401  (registers torch.ops.vcattn.*)
+from .. import ops  # (registers torch.ops.vcattn.*)
 from ..config import VCConfig
 from ..runtime import report as _report
 from . import fallback_notes as _notes
@@ -45,7 +45,6 @@ SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_
 LINEAR_TARGETS = {F.linear, torch._C._nn.linear, torch.ops.aten.linear.default}
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def sdpa_args(node: fx.Node) -> dict:
@@ -146,7 +145,7 @@ def ineligible(a: dict, cfg: VCConfig, gm: Optional[fx.GraphModule] = None) -> O
         return "not 4-D [B, H, S, D]"
     if any(t.requires_grad for t in (q, k, v)):
         return "requires grad"
-    if any(t.dtype not in _SUPPORTED_DTYPES for t in (q, k, v)) or len({q.dtype, k.dtype, v.dtype}) > 1:
+    if any(t.dtype not in ops.SUPPORTED_DTYPES for t in (q, k, v)) or len({q.dtype, k.dtype, v.dtype}) > 1:
         return "dtype unsupported"
     if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:
         return "gqa"

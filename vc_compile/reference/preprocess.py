@@ -82,6 +82,7 @@ class VQuant(NamedTuple):
     v_scale: torch.Tensor
     v_mean: torch.Tensor
     S: int
+    zero_mean: bool = False  # smooth=False: v_mean is all zeros and the attention kernels skip the mean term
 
 
 def apply_perm(x: torch.Tensor, perm: Optional[torch.Tensor]) -> torch.Tensor:
@@ -160,7 +161,7 @@ def preprocess_v(v, perm=None, *, smooth: bool = True) -> VQuant:
     S_pad = nb * BLOCK_V
     v8t = torch.zeros(B, H, D, S_pad, dtype=v8.dtype, device=v.device)
     v8t[..., :S] = v8.transpose(-1, -2)
-    return VQuant(v8t, v_scale, mu, S)
+    return VQuant(v8t, v_scale, mu, S, zero_mean=not smooth)
 
 
 def dequantize_v(vq: VQuant) -> torch.Tensor:

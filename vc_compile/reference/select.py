@@ -41,6 +41,7 @@ KV_TILE = 64
 
 
 def n_keep(Sk: int, density: float, tile: int = KV_TILE) -> int:
+    """Keys kept per group: round(density * Sk) rounded up to the KV tile, in [tile, Sk]."""
     k = int(round(density * Sk))
     k = tile * math.ceil(max(k, 1) / tile)
     return int(min(Sk, k))
@@ -73,6 +74,12 @@ def group_key_mass(q, k, sigma, lse2, *, sm_scale: float, group_size: int, chunk
 
 
 def select_topk(mass: torch.Tensor, keep: int) -> torch.Tensor:
+    """idx [..., keep] int32: the ``keep`` largest masses per row, sorted ascending (torch on every device; the
+    Triton path uses it too).
+
+    NOTE cost: torch.topk (radix select over each Sk row; unsorted output) then a sort of the kept
+    indices; measured in benchmarks/bench_sparse_attn.py ("topk" rows, docs/sparse_notes.md). It reads
+    the whole mass tensor once more (G * Sk * 4 bytes per head)."""
     idx = torch.topk(mass, keep, dim=-1, sorted=False).indices
     return torch.sort(idx, dim=-1).values.to(torch.int32)
 

@@ -95,6 +95,26 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def find_site(graph: str, node: str) -> Optional[SiteRecord]:
+    """The record of the call site at ``node`` of ``graph``, or None."""
+    with _LOCK:
+        return next((r for r in _SITES.values() if r.graph == graph and r.node == node), None)
+
+
+def busy() -> bool:
+    """Whether some thread holds the records' lock now (a weakref finalizer that runs inside a garbage
+    collection must not wait for it)."""
+    return _LOCK.locked()
+
+
+def set_bytes_held(sites=None, value: int = 0) -> None:
+    """Set the metadata bytes of ``sites`` (all sites when None) to ``value`` (the store was cleared)."""
+    with _LOCK:
+        recs = list(_SITES.values()) if sites is None else [_SITES[s] for s in sites if s in _SITES]
+    for rec in recs:
+        rec.bytes_held = value
+
+
 def note_empty_graph(name: str) -> None:
     _EMPTY_GRAPHS.append(name)
 

@@ -10,8 +10,9 @@ Key: ``(site, block identity, branch, shape, device)``.
 * branch: the n-th call of the same (site, block) within one step (CFG cond/uncond).
 * shape and device: a new resolution or batch never reuses metadata of another.
 
-Metadata belongs to one generation: when a generation starts, everything cached is dropped. Entries
-are written only after an op call succeeded, so an exception inside a call leaves the store usable.
+Metadata belongs to one generation: when a generation starts, everything cached is dropped (the op
+subscribes ``clear`` to the step tracker, ``ops.py``). Entries are written only after an op call succeeded,
+so an exception inside a call leaves the store usable.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import report as _report
-from .steps import TRACKER
 
 _LOCK = threading.Lock()
 _STORE: Dict[tuple, Any] = {}
@@ -67,16 +67,28 @@ def keys() -> list:
         return list(_STORE)
 
 
+def items() -> list:
+    """(key, metadata) pairs held now (a snapshot; diagnostics, tests and benchmarks)."""
+    with _LOCK:
+        return list(_STORE.items())
+
+
+def busy() -> bool:
+    """Whether some thread holds the store's lock now (a weakref finalizer that runs inside a garbage
+    collection must not wait for it)."""
+    return _LOCK.locked()
+
+
 def bytes_held() -> int:
     with _LOCK:
         return sum(nbytes(m) for m in _STORE.values())
 
 
-def clear() -> None:
+def clear(_generation: Optional[int] = None) -> None:
+    """Drop all metadata (``TRACKER.subscribe(state.clear)``: a new generation starts)."""
     with _LOCK:
         _STORE.clear()
-    for rec in list(_report._SITES.values()):
-        rec.bytes_held = 0
+    _report.set_bytes_held(None, 0)
 
 
 def drop_sites(sites) -> None:
@@ -85,14 +97,4 @@ def drop_sites(sites) -> None:
     with _LOCK:
         for key in [k for k in _STORE if k[0] in sites]:
             del _STORE[key]
-    for site in sites:
-        rec = _report._SITES.get(site)
-        if rec is not None:
-            rec.bytes_held = 0
-
-
-def _on_new_generation(_gen: int) -> None:
-    clear()
-
-
-TRACKER.listeners.append(_on_new_generation)
+    _report.set_bytes_held(sites, 0)

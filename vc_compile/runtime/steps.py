@@ -1,8 +1,8 @@
-"""Sampler-step tracking and the phase schedule (SPEC 4).
+"""Sampler-step tracking (SPEC 4): which denoising step of how many is this attention call in?
 
-Which denoising step is this attention call in, and what should it do? Everything here runs inside the
-opaque ``vcattn::attention`` op, at run time: Dynamo never sees it, so step, phase and branch changes
-never recompile.
+Everything here runs inside the opaque ``vcattn::attention`` op, at run time: Dynamo never sees it, so step
+and branch changes never recompile. What a step *does* (its phase) is each method's schedule
+(``methods/<method>.py: phase_for``).
 
 Step signal, first that applies wins:
 
@@ -58,16 +58,14 @@ Step signal, first that applies wins:
    ``vc_compile.sampling`` / ``vc_compile.step`` in such loops.
 
 In the fallback signals (3, 4), a call site seeing a new q/k shape (new resolution or batch) also starts
-a new generation. A new generation drops all cached metadata (``runtime/state.py`` listens).
+a new generation. A new generation drops all cached metadata: the op (``ops.py``) subscribes the store's
+``clear`` with ``TRACKER.subscribe``.
 
 Branch: within one (generation, step), the n-th call of the same (site, block identity) is branch n:
 the cond/uncond forwards of Wan-style CFG keep separate metadata. Batched CFG (CogVideoX, LTX: B = 2 in
 one call) is one branch; its rows are separate (b, h) slices of the per-(b, h) metadata. Counting calls
 (instead of trusting the block identity alone) also keeps blocks apart when offloading makes two blocks'
 weights reuse one address: their order within a step is fixed.
-
-Phases: DENSE (warm-up), GROUP (V-Smooth re-grouping), ANCHOR (MC-Sparse selection + residual),
-REUSE (run with cached metadata).
 
 One process-wide tracker serves every compiled graph (Wan 2.2's two experts, regional block graphs,
 graphs split by breaks). Two sampling loops running concurrently in different threads would share it:
@@ -76,9 +74,7 @@ use one loop at a time per process.
 from __future__ import annotations
 
 import contextlib
-import enum
 import inspect
-import math
 import operator
 import os
 import sys
@@ -86,16 +82,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Set, Tuple
-
-from ..config import Method, VCConfig
-
-
-class Phase(str, enum.Enum):
-    DENSE = "dense"
-    GROUP = "group"
-    ANCHOR = "anchor"
-    REUSE = "reuse"
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 
 @dataclass(frozen=True)
@@ -132,7 +119,7 @@ class _Tracker:
     def __init__(self):
         self.lock = threading.RLock()
         self.generation = 0
-        self.listeners = []  # callables(generation) run when a generation starts
+        self._subscribers: List[Callable[[int], None]] = []  # run when a generation starts (``subscribe``)
         # explicit API
         self.explicit_active = False
         self.explicit_steps: Optional[int] = None
@@ -156,6 +143,12 @@ class _Tracker:
         self.stale_warned: Optional[Tuple[int, int]] = None  # (gen, step) of the last stale-step warning
 
     # ---- generations ---------------------------------------------------------------------------
+    def subscribe(self, fn: Callable[[int], None]) -> None:
+        """Call ``fn(generation)`` whenever a generation starts (idempotent per function)."""
+        with self.lock:
+            if fn not in self._subscribers:
+                self._subscribers.append(fn)
+
     def new_generation(self) -> int:
         with self.lock:
             return self._new_generation_locked()
@@ -170,7 +163,7 @@ class _Tracker:
         self.ts = _TimestepState(forwards_per_step=fps)
         self.step_forwards = 0
         gen = self.generation
-        for fn in list(self.listeners):
+        for fn in list(self._subscribers):
             fn(gen)
         return gen
 
@@ -623,35 +616,3 @@ def diffusers_callback(pipe, i, t, callback_kwargs):
         return callback_kwargs
     _declare(int(i) + 1, n)  # the documented helper: no "outside sampling()" warning
     return callback_kwargs
-
-
-# ---- the schedule -------------------------------------------------------------------------------
-def warmup_steps(cfg: VCConfig, n: int) -> int:
-    if cfg.warmup_steps is not None:
-        return cfg.warmup_steps
-    return int(round(0.2 * n)) if cfg.resolved_method == Method.MCSPARSE else 0
-
-
-def anchor_steps(cfg: VCConfig, n: int) -> Tuple[int, ...]:
-    if cfg.anchor_steps is not None:
-        return tuple(cfg.anchor_steps)
-    w = warmup_steps(cfg, n)
-    if cfg.anchor_interval is not None:
-        return tuple(range(w, max(n, w + 1), cfg.anchor_interval))
-    # the paper's example: anchors at steps 10 and 26 of 50, after 10 dense warm-up steps
-    return tuple(sorted({w, max(w, int(round(0.52 * n)))}))
-
-
-def phase_for(cfg: VCConfig, step: int, n: int, has_meta: bool) -> Phase:
-    method = cfg.resolved_method
-    if method == Method.DENSE or step < warmup_steps(cfg, n):
-        return Phase.DENSE
-    if method == Method.VSMOOTH:
-        if not cfg.smooth_v:
-            return Phase.REUSE  # naive 8-bit: nothing to group
-        in_window = step < max(1, math.ceil(cfg.group_fraction * n)) if cfg.group_fraction > 0 else False
-        return Phase.GROUP if (in_window or not has_meta) else Phase.REUSE
-    # MC-Sparse
-    if step in anchor_steps(cfg, n) or not has_meta:
-        return Phase.ANCHOR
-    return Phase.REUSE

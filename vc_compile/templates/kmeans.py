@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from vc_compile.reference.kmeans import KMeansResult, init_centroids
-from vc_compile.templates.preprocess import interpret, loop_bound
+from vc_compile.templates.configs import pow2_head_dim_error
+from vc_compile.templates.interpret import interpreting, loop_bound
 
 
 @triton.jit
@@ -146,8 +147,9 @@ def kmeans_perm(x: torch.Tensor, n_clusters: int, n_iters: int,
         raise ValueError(f"kmeans needs at least one iteration, got n_iters={n_iters}")
     B, H, S, D = x.shape
     K = int(n_clusters)
-    if D not in (16, 32, 64, 128, 256):
-        raise ValueError(f"kmeans_perm supports power-of-two D in [16, 256], got {D}")
+    err = pow2_head_dim_error(D)
+    if err:
+        raise ValueError(f"kmeans_perm: {err}")
     dev = x.device
     c = (init.float().clone() if init is not None else init_centroids(x, K)).reshape(B * H, K, D)
     c = c.contiguous()
@@ -169,7 +171,7 @@ def kmeans_perm(x: torch.Tensor, n_clusters: int, n_iters: int,
     n_sub = rows_per_split // BS_U
     psum = torch.empty(B * H, n_split, K, D, device=dev, dtype=torch.float32)
     pcnt = torch.empty(B * H, n_split, K, device=dev, dtype=torch.int32)
-    itp = interpret()
+    itp = interpreting()
     for _ in range(n_iters):
         _assign_kernel[(triton.cdiv(S, BS_A), B * H)](
             x, c_hi, c_lo, c2, labels, S, H, K, *x.stride(), n_kc, loop_bound(n_kc),

@@ -37,13 +37,15 @@ projection -> the stable sort keeps the order: no NaN.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from ..reference.pddp import start_vector
-from .sparse_attn import dot_upcast, interpret_bound
+from .configs import pow2_head_dim_error
+from .interpret import dot_upcast, loop_bound
 
 CHUNK = 2048
 BLOCK_R = 64
@@ -87,7 +89,7 @@ def _moment_kernel(X, SIGMA, SHIFT, CNT, SUM, MOM, MEAN, VDIR, V0, W_SLOT, W_R0,
     shift = tl.load(SHIFT + seg * D + d)
     acc_s = tl.zeros([D], dtype=tl.float32)
     acc_m = tl.zeros([D, D], dtype=tl.float32)
-    for i in range(0, NB_I if NB_I > 0 else NB):  # NB_I: see sparse_attn.interpret_bound
+    for i in range(0, NB_I if NB_I >= 0 else NB):  # NB_I: interpret.loop_bound
         pos = r0 + i * BLOCK_R + tl.arange(0, BLOCK_R)
         pm = pos < r1
         x = _load_rows(X, SIGMA, bh, H, S, pos, pm, sxb, sxh, sxs, d)
@@ -150,7 +152,7 @@ def _proj_key_kernel(X, SIGMA, MEAN, VDIR, KEY, W_SLOT, W_R0, W_R1, SLOT_SID, sx
     seg = bh.to(tl.int64) * n_slots + slot
     mean = tl.load(MEAN + seg * D + d)
     v = tl.load(VDIR + seg * D + d)
-    for i in range(0, NB_I if NB_I > 0 else NB):  # NB_I: see sparse_attn.interpret_bound
+    for i in range(0, NB_I if NB_I >= 0 else NB):  # NB_I: interpret.loop_bound
         pos = r0 + i * BLOCK_R + tl.arange(0, BLOCK_R)
         pm = pos < r1
         x = _load_rows(X, SIGMA, bh, H, S, pos, pm, sxb, sxh, sxs, d)
@@ -244,22 +246,21 @@ def _plan(S: int, C: int, D: int, device: str):
     return levels
 
 
-PROFILE = None  # a list: pddp_perm appends (stage, cuda.Event) pairs (benchmarks/bench_sparse_attn.py)
-
-
-def _mark(name):
-    if PROFILE is not None:
+def _mark(marks, name):
+    if marks is not None:
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
-        PROFILE.append((name, ev))
+        marks.append((name, ev))
 
 
-def pddp_perm(q: torch.Tensor, group_size: int, n_iters: int = 8) -> torch.Tensor:
-    """sigma [B, H, S] int64: a permutation per (b, h) whose consecutive C-chunks are the groups."""
+def pddp_perm(q: torch.Tensor, group_size: int, n_iters: int = 8, *, marks: Optional[list] = None) -> torch.Tensor:
+    """sigma [B, H, S] int64: a permutation per (b, h) whose consecutive C-chunks are the groups. ``marks``: a
+    list that receives (stage, recorded cuda.Event) pairs (benchmarks/bench_sparse_attn.py times the stages)."""
     B, H, S, D = q.shape
     C = int(group_size)
-    if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(f"pddp_perm: head dim must be a power of two in [16, 256], got {D}")
+    err = pow2_head_dim_error(D)
+    if err:
+        raise ValueError(f"pddp_perm: {err}")
     if C < 1:
         raise ValueError(f"pddp_perm: group_size must be >= 1, got {C}")
     x = q if q.stride(-1) == 1 else q.contiguous()
@@ -269,7 +270,7 @@ def pddp_perm(q: torch.Tensor, group_size: int, n_iters: int = 8) -> torch.Tenso
     sigma = torch.arange(S, device=dev, dtype=torch.int64).expand(BH, S).contiguous()
     v0 = start_vector(D, dev).float().contiguous()
     strides = (x.stride(0), x.stride(1), x.stride(2))
-    _mark("start")
+    _mark(marks, "start")
     mean = torch.mean(x, dim=2, dtype=torch.float32).reshape(BH, 1, D)  # the root's shift
     for li, lv in enumerate(_plan(S, C, D, str(dev))):
         if lv.n_big:
@@ -282,25 +283,25 @@ def pddp_perm(q: torch.Tensor, group_size: int, n_iters: int = 8) -> torch.Tenso
                 sums, mom = torch.zeros(BH, n, D, **f32), torch.zeros(BH, n, D, D, **f32)
             _moment_kernel[(lv.n_work, BH)](x, sigma, shift, lv.cnt, sums, mom, mean, vdir, v0,
                                             lv.w_slot, lv.w_r0, lv.w_r1, *strides, H, S, n, lv.nb,
-                                            D=D, BLOCK_R=BLOCK_R, NB_I=interpret_bound(lv.nb), FUSED=lv.fused,
+                                            D=D, BLOCK_R=BLOCK_R, NB_I=loop_bound(lv.nb), FUSED=lv.fused,
                                             N_ITERS=int(n_iters), UPCAST=dot_upcast(torch.bfloat16), num_warps=8)
             if not lv.fused:
                 _power_kernel[(n, BH)](shift, lv.cnt, sums, mom, mean, vdir, v0, n, D=D,
                                        N_ITERS=int(n_iters), num_warps=8)
-            _mark(f"L{li} moments+power ({n} big)")
+            _mark(marks, f"L{li} moments+power ({n} big)")
             key = lv.key_base.expand(BH, S).contiguous()
             _proj_key_kernel[(lv.n_work, BH)](x, sigma, mean, vdir, key, lv.w_slot, lv.w_r0, lv.w_r1,
                                              lv.slot_sid, *strides, H, S, n, lv.nb,
-                                             D=D, BLOCK_R=BLOCK_R, NB_I=interpret_bound(lv.nb), num_warps=4)
-            _mark(f"L{li} proj")
+                                             D=D, BLOCK_R=BLOCK_R, NB_I=loop_bound(lv.nb), num_warps=4)
+            _mark(marks, f"L{li} proj")
             order = torch.sort(key, dim=1, stable=True).indices
             sigma = torch.gather(sigma, 1, order)
-            _mark(f"L{li} sort")
+            _mark(marks, f"L{li} sort")
         if lv.n_small:
             out = sigma.clone()  # leaves (g = 1) keep their rows
             _small_seg_kernel[(lv.n_small, BH)](x, sigma, out, lv.ss_r0, lv.ss_cnt, v0, *strides, H, S,
                                                D=D, BLOCK_L=lv.block_l, N_ITERS=int(n_iters),
                                                num_warps=8 if lv.block_l * D <= 16384 else 16)
             sigma = out
-            _mark(f"L{li} small ({lv.n_small} segs)")
+            _mark(marks, f"L{li} small ({lv.n_small} segs)")
     return sigma.view(B, H, S)

@@ -41,35 +41,10 @@ Kernels and grids
 * ``_v_quant_kernel`` grid (ceil(S/128), B*H): gathers the block again (the per-channel scale spans the
   whole head, so V is read twice), quantises R to E4M3 and stores it transposed, zero-padded to S_pad.
 * RoPE prologue (issue 7, ``rope=`` a ``reference.rope.RopeArgs``): ``_colsum_kernel`` and
-  ``_qk_quant_kernel`` rotate the rows they load (``x*cos + rot(x)*sin`` in fp32, rounded once to the input
-  dtype like the models), so q and k are read un-rotated from the model's tensor and never written
-  rotated. K rows are rotated at their own token position (before the perm gather). With RoPE the Q/K grid
-  is (B*H, ceil(S/128)) (``ROPE_HEAD_FAST``): the heads of one token block run back to back and the table
-  rows come from L2; the Q tile runs as two 64-row halves (register pressure).
-  Every load and store must stay a 16-byte vector in ONE register layout, as in the no-RoPE path:
-  - interleaved, 16-bit q/k with unit channel stride, no Hadamard (``PACKED``, Wan/Hunyuan/LTX/tiny_dit):
-    a pair (2i, 2i+1) is read as one 32-bit word (``_load_pairs``), tables as [R, D/2] (pair table) or as
-    64-bit pair words (full fp32 table), the rotation done on the [R, D/2] even/odd halves and the codes
-    stored as int16 pairs (``_quant_pair``): x, partner, tables and codes share one layout;
-  - otherwise interleaved: reshape [R, D/2, 2] + split/join of the loaded [R, D] tile (``_rope_rows``;
-    vectorised, but sm_90 adds shared-memory layout conversions);
-  - rotate-half: the partner ``x[(d + D/2) % D]`` is a second load of the same rows (L1/L2 hits), which
-    Triton proves contiguous in D/2 runs (vectorised).
-  NOTE measured on an H200 (torch 2.11, triton 3.6, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D],
-  Wan pair tables), before this design: Inductor's RoPE alone 0.46 / 1.06 ms, our preprocessing without
-  RoPE 0.70 / 1.57 ms, the unfused chain 1.16 / 2.63 ms, the FUSED chain 7.38 / 16.88 ms (185 GB/s, 4.4% of
-  a 4.16 TB/s copy; whole op at 75600 on a reuse step 221.5 ms fused vs 206.9 unfused). Cause, from the
-  sm_90 code (ptxas -v): the partner load ``x[d ^ 1]`` and the pair-table gather at column ``d // 2`` have
-  no provable contiguity, so they compiled to scalar 2- and 4-byte loads (384 per thread per program, vs 20
-  16-byte vectors without RoPE), plus 7 layout conversions through shared memory and 243 registers per
-  thread (1 CTA of 8 warps per SM, vs 127 registers / 2 CTAs); the K-mean pass likewise (168 vs 48
-  registers). Now (same compiler, offline): 48 16-byte vector loads + 17 scalar (K mean, once), 2
-  conversions, 128 registers; K-mean pass 96 registers, vector loads only.
-
-NOTE tried and reverted (H200, fcce80f): one program rotating 4 heads' rows with one read of the shared
-table rows (the per-head reads make the L2 -> SM traffic ~3x the HBM traffic) was SLOWER: 0.643 ms at
-S = 32760 (16 warps, 103 registers; 8 warps 0.732 ms) against 0.491 ms for this per-head path in the same
-run; the heads' load -> compute -> store phases ran one after another in one CTA per SM.
+  ``_qk_quant_kernel`` rotate the rows they load (``templates/rope.py``: the jit helpers, their layouts and the
+  measurements behind them), so q and k are read un-rotated from the model's tensor and never written rotated.
+  With RoPE the Q/K grid is (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``) and the Q tile runs as
+  two 64-row halves (register pressure).
 
 Exactness: the per-row/block divisions are ``div_rn`` (IEEE, like torch), INT8 codes are the low byte
 of ``fma(x, inv, 1.5 * 2^23)`` (round to nearest even of the exact product, = the reference's float64
@@ -81,47 +56,20 @@ carries into the exponent, subnormals), so values are first rounded to the E4M3 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, QKQuant, VQuant, k_mean_stride
 from vc_compile.reference.quant import LOG2E, hadamard_matrix
+from vc_compile.templates.configs import PREPROCESS_DEFAULT, PreprocessConfig, vsmooth_head_dim_error
+from vc_compile.templates.interpret import interpreting, loop_bound
+from vc_compile.templates.soft_round import round_e4m3
+from vc_compile.templates.rope import colsum_rope_kwargs, pair_words_ok, rope_kwargs, rope_pairs_packed, rope_rows
 
 FP8 = torch.float8_e4m3fn
-# RoPE prologue switches (module globals so that benchmarks/bench_preprocess.py can A/B them in one run)
-ROPE_PACKED = True     # interleaved pairs as 32-bit words + int16 code pairs (see _qk_quant_kernel PACKED)
-ROPE_HEAD_FAST = True  # Q/K grid (B*H, blocks) with RoPE: a token block's heads back to back
 TILE_Q = 128  # Q tokens per program of _qk_quant_kernel (its two 64-token K blocks sit at the same rows)
 assert BLOCK_Q == 1, "the kernel writes one Q scale per token"
-
-
-def interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def loop_bound(n: int) -> int:
-    """Constexpr copy of a runtime loop bound: ``n`` under the interpreter, else 0 (= use the runtime
-    value, one compile for all lengths); kernels write ``range(0, N_C if N_C >= 0 else n)``. NOTE the Triton
-    3.6 interpreter iterates ``range`` over a runtime scalar via ``int(np.array([n]))``, which numpy >= 2.4
-    refuses, and it rewrites every assignment ``x = v`` into ``x = to_tensor(v)``, so the bound must
-    not pass through a variable."""
-    return int(n) if interpret() else -1
-
-
-@triton.jit
-def round_e4m3(x):
-    """fp32 -> nearest E4M3 value (ties to even, saturating at +-448), in fp32/int32 arithmetic.
-    Interpreter only (see the module doc). Normal range: round the fp32 mantissa to 3 bits on the bit
-    pattern (carries into the exponent are then right); below 2^-6 the grid step is 2^-9."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    bits = x.to(tl.int32, bitcast=True)
-    lsb = (bits >> 20) & 1
-    nrm = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)
-    sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-    return tl.where(tl.abs(x) < 0.015625, sub, nrm)
 
 
 MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: fp32 x + MAGIC (|x| < 2^22) is round-to-nearest-even(x) in the low bits
@@ -204,125 +152,6 @@ def _quant_pair(xe, xo, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl
 
 
 @triton.jit
-def round_bf16(y):
-    """fp32 -> the nearest bf16 value (ties to even), still fp32. Interpreter only: Triton 3.6's
-    interpreter casts fp32 -> bf16 by truncation; the GPU cast rounds to nearest even."""
-    bits = y.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _load_pairs(P, row_off, mask, D: tl.constexpr):
-    """Rows of P (16- or 32-bit floats, unit channel stride) at element offsets ``row_off`` [R] (even, the
-    row start 2x-element aligned): each pair (2i, 2i+1) is loaded as ONE word of twice the width, so both
-    halves land in the same thread. Returns fp32 (even, odd) channels [R, D/2]; masked rows read 0."""
-    i = tl.arange(0, D // 2)
-    if P.dtype.element_ty.primitive_bitwidth == 16:
-        w = tl.load(P.to(tl.pointer_type(tl.int32)) + (row_off // 2)[:, None] + i[None, :], mask=mask[:, None],
-                    other=0)
-        if P.dtype.element_ty == tl.bfloat16:
-            e = (w << 16).to(tl.float32, bitcast=True)
-            o = (w & -65536).to(tl.float32, bitcast=True)
-        else:
-            e = (w & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            o = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        w = tl.load(P.to(tl.pointer_type(tl.int64)) + (row_off // 2)[:, None] + i[None, :], mask=mask[:, None],
-                    other=0)
-        e = w.to(tl.int32).to(tl.float32, bitcast=True)
-        o = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    return e, o
-
-
-@triton.jit
-def _rope_pair_math(xe, xo, t, inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd,
-                    D: tl.constexpr, PAIR_TABLE: tl.constexpr, TAB_WORDS: tl.constexpr = False):
-    """Interleaved RoPE on the even / odd channels xe, xo [R, D/2] (fp32) of rows at table rows t: fp32
-    (ye, yo), not rounded. Tables read as contiguous row segments ([R, D/2] pair table, or [R, D] split
-    in registers, or as pair words when TAB_WORDS). Rows outside the rotated range read cos 1, sin 0
-    (except with TAB_WORDS: 0, 0); callers select x there."""
-    R: tl.constexpr = xe.shape[0]
-    if PAIR_TABLE:
-        i = tl.arange(0, D // 2)
-        ce = tl.load(COS + c_off + t[:, None] * scs + i[None, :] * scd, mask=inr[:, None],
-                     other=1.0).to(tl.float32)
-        se = tl.load(SIN + s_off + t[:, None] * sss + i[None, :] * ssd, mask=inr[:, None],
-                     other=0.0).to(tl.float32)
-        co = ce
-        so = se
-    elif TAB_WORDS:  # full table, unit channel stride: (cos[2i], cos[2i+1]) as one word, like x
-        ce, co = _load_pairs(COS, c_off + t * scs, inr, D)
-        se, so = _load_pairs(SIN, s_off + t * sss, inr, D)
-    else:
-        d = tl.arange(0, D)
-        c = tl.load(COS + c_off + t[:, None] * scs + d[None, :] * scd, mask=inr[:, None], other=1.0)
-        sn = tl.load(SIN + s_off + t[:, None] * sss + d[None, :] * ssd, mask=inr[:, None], other=0.0)
-        ce, co = tl.split(tl.reshape(c.to(tl.float32), [R, D // 2, 2]))
-        se, so = tl.split(tl.reshape(sn.to(tl.float32), [R, D // 2, 2]))
-    # rot(x)[2i] = -x[2i+1], rot(x)[2i+1] = x[2i]; x*cos first, like the models and the reference
-    return xe * ce + (-xo) * se, xo * co + xe * so
-
-
-@triton.jit
-def _rope_pairs_packed(X, row_off, src, rmask, COS, SIN, c_off, s_off, scs, scd, sss, ssd, lo, hi,
-                       D: tl.constexpr, PAIR_TABLE: tl.constexpr, INTERPRET: tl.constexpr,
-                       TAB_WORDS: tl.constexpr):
-    """Interleaved RoPE of the rows of a 16-bit X (unit channel stride) at element offsets ``row_off`` [R]
-    (even): each pair (2i, 2i+1) is loaded as ONE 32-bit word (X viewed as int32 [.., D/2]), so x, its
-    partner and the pair tables are [R, D/2] tiles of one register layout (no second load, no shuffle).
-    Returns the even / odd channels of the rotated rows, rounded to X's dtype, as fp32 [R, D/2]."""
-    xe, xo = _load_pairs(X, row_off, rmask, D)
-    inr = rmask & (src >= lo) & (src < hi)
-    ye, yo = _rope_pair_math(xe, xo, (src - lo).to(tl.int64), inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd,
-                             D, PAIR_TABLE, TAB_WORDS)
-    if INTERPRET:
-        if X.dtype.element_ty == tl.bfloat16:
-            ye = round_bf16(ye)
-            yo = round_bf16(yo)
-    ye = ye.to(X.dtype.element_ty).to(tl.float32)
-    yo = yo.to(X.dtype.element_ty).to(tl.float32)
-    return tl.where(inr[:, None], ye, xe), tl.where(inr[:, None], yo, xo)
-
-
-@triton.jit
-def _rope_rows(x, ptr, src, rmask, sxd, COS, SIN, c_off, s_off, scs, scd, sss, ssd, lo, hi,
-               D: tl.constexpr, ROPE: tl.constexpr, PAIR_TABLE: tl.constexpr, INTERPRET: tl.constexpr):
-    """Prologue RoPE (reference/rope.py) of rows ``x`` [R, D] = X[src, :] loaded from ``ptr`` (row base
-    pointers [R, 1]): ``x*cos + rot(x)*sin`` in fp32 for the tokens src in [lo, hi), rounded once to x's
-    dtype. ROPE 1: interleaved pairs (2i, 2i+1); 2: rotate-half (i, i + D/2). PAIR_TABLE: one table
-    value per pair (last dim D/2).
-
-    Every load here is a contiguous row segment (16-byte vectors), as in the no-RoPE path:
-    * interleaved: a pair (2i, 2i+1) sits in one thread's vector of x, so x is split in registers
-      (reshape [R, D/2, 2] + split, no second load) and joined back; the tables are read as [R, D/2] (pair
-      table) or [R, D] split the same way. The [R, D/2] tiles get another thread layout than x's, so sm_90
-      converts through shared memory; the PACKED path of _qk_quant_kernel avoids that.
-    * rotate-half: the partner x[(d + D/2) % D] is a second load of the same rows (L1/L2 hits); Triton
-      proves that offset contiguous in 64-channel runs, so it is vectorised too.
-    NOTE the measurements that motivated this are in the module doc (RoPE prologue)."""
-    R: tl.constexpr = x.shape[0]
-    inr = rmask & (src >= lo) & (src < hi)
-    t = (src - lo).to(tl.int64)
-    if ROPE == 1:
-        xe, xo = tl.split(tl.reshape(x.to(tl.float32), [R, D // 2, 2]))  # x[:, 0::2], x[:, 1::2]
-        ye, yo = _rope_pair_math(xe, xo, t, inr, COS, SIN, c_off, s_off, scs, scd, sss, ssd, D, PAIR_TABLE)
-        y = tl.reshape(tl.join(ye, yo), [R, D])
-    else:
-        d = tl.arange(0, D)
-        dp = (d + D // 2) % D
-        sign = tl.where(d < D // 2, -1.0, 1.0)
-        xp = tl.load(ptr + dp[None, :] * sxd, mask=rmask[:, None], other=0.0)
-        c = tl.load(COS + c_off + t[:, None] * scs + d[None, :] * scd, mask=inr[:, None], other=1.0)
-        sn = tl.load(SIN + s_off + t[:, None] * sss + d[None, :] * ssd, mask=inr[:, None], other=0.0)
-        y = x.to(tl.float32) * c.to(tl.float32) + (xp.to(tl.float32) * sign[None, :]) * sn.to(tl.float32)
-    if INTERPRET:
-        if x.dtype == tl.bfloat16:
-            y = round_bf16(y)
-    return tl.where(inr[:, None], y.to(x.dtype), x)
-
-
-@triton.jit
 def _colsum_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_split, n_sub, N_SUB_C: tl.constexpr,
                    D: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                    COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
@@ -342,7 +171,7 @@ def _colsum_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_spl
         ok = (rows < S) & (smp < n_samp)
         x = tl.load(base + rows[:, None].to(tl.int64) * sxs + d[None, :] * sxd, mask=ok[:, None], other=0.0)
         if ROPE != 0:
-            x = _rope_rows(x, base + rows[:, None].to(tl.int64) * sxs, rows, ok, sxd, COS, SIN,
+            x = rope_rows(x, base + rows[:, None].to(tl.int64) * sxs, rows, ok, sxd, COS, SIN,
                            b.to(tl.int64) * scb + h.to(tl.int64) * sch, b.to(tl.int64) * ssb + h.to(tl.int64) * ssh,
                            scs, scd, sss, ssd, lo, hi, D, ROPE, PAIR_TABLE, INTERPRET)
         acc += x.to(tl.float32)
@@ -367,7 +196,7 @@ def _token_mean(x: torch.Tensor, rope=None) -> torch.Tensor:
     part = torch.empty(B * H, n_split, D, device=x.device, dtype=torch.float32)
     _colsum_kernel[(n_split, B * H)](x, part, S, H, *x.stride(), st, n_samp, per_split, n_sub,
                                      loop_bound(n_sub), D=D, BS=BS, BK=BLOCK_K, num_warps=4,
-                                     **_colsum_rope_kwargs(rope, D))
+                                     **colsum_rope_kwargs(rope, D))
     return (part.sum(dim=1) / count).view(B, H, D)
 
 
@@ -415,7 +244,7 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
         rows = pid * TQ + jq * QR + tl.arange(0, QR)
         rmask = rows < S
         if PACKED:
-            qe, qo = _rope_pairs_packed(Q, b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows.to(tl.int64) * sqs,
+            qe, qo = rope_pairs_packed(Q, b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows.to(tl.int64) * sqs,
                                         rows, rmask, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
                                         b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi,
                                         D, PAIR_TABLE, INTERPRET, TAB_WORDS)
@@ -426,7 +255,7 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
             q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs
                         + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
             if ROPE != 0:  # prologue RoPE (issue 7): q arrives un-rotated
-                q = _rope_rows(q, Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+                q = rope_rows(q, Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
                                + rows[:, None].to(tl.int64) * sqs,
                                rows, rmask, sqd, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
                                b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi,
@@ -452,7 +281,7 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
         else:
             src = rows
         if PACKED:
-            ke, ko = _rope_pairs_packed(K, b.to(tl.int64) * skb + h.to(tl.int64) * skh + src.to(tl.int64) * sks,
+            ke, ko = rope_pairs_packed(K, b.to(tl.int64) * skb + h.to(tl.int64) * skh + src.to(tl.int64) * sks,
                                         src, rmask, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
                                         b.to(tl.int64) * ssb + h.to(tl.int64) * ssh, scs, scd, sss, ssd, lo, hi,
                                         D, PAIR_TABLE, INTERPRET, TAB_WORDS)
@@ -465,7 +294,7 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
             k = tl.load(k_base + src[:, None].to(tl.int64) * sks + d[None, :] * skd, mask=rmask[:, None],
                         other=0.0)
             if ROPE != 0:  # rotated at its own token position src (before the perm gather moved it)
-                k = _rope_rows(k, k_base + src[:, None].to(tl.int64) * sks, src, rmask, skd, COS, SIN,
+                k = rope_rows(k, k_base + src[:, None].to(tl.int64) * sks, src, rmask, skd, COS, SIN,
                                b.to(tl.int64) * scb + h.to(tl.int64) * sch,
                                b.to(tl.int64) * ssb + h.to(tl.int64) * ssh,
                                scs, scd, sss, ssd, lo, hi, D, ROPE, PAIR_TABLE, INTERPRET)
@@ -482,41 +311,21 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
         tl.store(KS + bh * nbk + kb, scale, mask=kb < nbk)
 
 
-def _rope_kwargs(rope, D: int) -> dict:
-    """Kernel arguments of the prologue RoPE (``reference.rope.RopeArgs`` or None = no RoPE)."""
-    if rope is None:
-        return {}
-    return dict(COS=rope.cos, SIN=rope.sin, scb=rope.cos.stride(0), sch=rope.cos.stride(1),
-                scs=rope.cos.stride(2), scd=rope.cos.stride(3), ssb=rope.sin.stride(0), ssh=rope.sin.stride(1),
-                sss=rope.sin.stride(2), ssd=rope.sin.stride(3), lo=int(rope.lo), hi=int(rope.hi),
-                ROPE=1 if rope.form == "interleaved" else 2, PAIR_TABLE=rope.pair_table(D))
-
-
-def _pair_words_ok(*ts) -> bool:
-    """Each (2i, 2i+1) channel pair of these [B, H, S, D] views can be read as one word of twice the
-    element width: 16/32-bit floats, unit channel stride, even other strides, 2x-element aligned base."""
-    return all(t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.stride(3) == 1
-               and all(st % 2 == 0 for st in t.stride()[:3]) and t.data_ptr() % (2 * t.element_size()) == 0
-               for t in ts)
-
-
-def _colsum_rope_kwargs(rope, D: int) -> dict:
-    return dict(_rope_kwargs(rope, D), INTERPRET=interpret()) if rope is not None else {}
-
-
 def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
-                  qk_format: str = "int8", rope=None) -> QKQuant:
+                  qk_format: str = "int8", rope=None, launch: PreprocessConfig = PREPROCESS_DEFAULT) -> QKQuant:
     """Q, K [B, H, S, D] (any strides; bf16/fp16/fp32) -> QKQuant, like the reference. ``rope``: a
     ``reference.rope.RopeArgs`` when q and k arrive un-rotated (prologue fusion, issue 7): both kernels
-    rotate what they load (K's mean is of the rotated K), so q and k are read from the model's tensors."""
+    rotate what they load (K's mean is of the rotated K), so q and k are read from the model's tensors;
+    ``launch`` says how (``configs.PreprocessConfig``)."""
     if qk_format not in ("int8", "fp8"):
         raise ValueError(f"qk_format must be 'int8' or 'fp8', got {qk_format!r}")
     B, H, S, D = q.shape
     if k.shape != q.shape:
         raise ValueError(f"preprocess_qk needs q and k of one shape (self-attention), got "
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
-    if D not in (64, 128):
-        raise ValueError(f"head dim {D} is not supported (64 or 128)")
+    err = vsmooth_head_dim_error(D)
+    if err:
+        raise ValueError(err)
     dev = q.device
     k_mean = _token_mean(k, rope)
     kbar, hpm, h_norm = k_mean, q, 1.0  # hpm: any pointer when unused
@@ -533,19 +342,19 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
     k_scale = torch.empty(B, H, triton.cdiv(S, BLOCK_K), device=dev, dtype=torch.float32)
     p = perm if perm is not None else q8  # dummy pointer
     pstr = perm.stride() if perm is not None else (0, 0, 0)
-    grid = (B * H, nbq) if rope is not None and ROPE_HEAD_FAST else (nbq, B * H)
-    packed = (ROPE_PACKED and rope is not None and rope.form == "interleaved" and not hadamard
-              and q.dtype in (torch.bfloat16, torch.float16) and _pair_words_ok(q, k))
+    grid = (B * H, nbq) if rope is not None and launch.rope_head_fast else (nbq, B * H)
+    packed = (launch.rope_packed and rope is not None and rope.form == "interleaved" and not hadamard
+              and q.dtype in (torch.bfloat16, torch.float16) and pair_words_ok(q, k))
     _qk_quant_kernel[grid](
         q, k, p, kbar.contiguous(), hpm, q8, k8, q_scale, k_scale,
         S, H, *q.stride(), *k.stride(), *pstr,
         float(sm_scale) * LOG2E, h_norm,
         D=D, TQ=TILE_Q, BK=BLOCK_K, HAS_PERM=perm is not None, HADAMARD=hadamard,
-        FP8_OUT=qk_format == "fp8", INTERPRET=interpret(),
+        FP8_OUT=qk_format == "fp8", INTERPRET=interpreting(),
         DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=8 if D == 128 else 4,
-        **_rope_kwargs(rope, D),
-        **({"HEAD_FAST": ROPE_HEAD_FAST, "PACKED": packed,
-            "TAB_WORDS": packed and not rope.pair_table(D) and _pair_words_ok(rope.cos, rope.sin)}
+        **rope_kwargs(rope, D),
+        **({"HEAD_FAST": launch.rope_head_fast, "PACKED": packed,
+            "TAB_WORDS": packed and not rope.pair_table(D) and pair_words_ok(rope.cos, rope.sin)}
            if rope is not None else {}))
     return QKQuant(q8, q_scale, k8, k_scale, k_mean, float(sm_scale))
 
@@ -623,10 +432,11 @@ def _v_quant_kernel(V, PERM, VMEAN, VAMAX, V8T, VSCALE, S, S_pad, H, svb, svh, s
 
 def preprocess_v(v, perm=None, *, smooth: bool = True) -> VQuant:
     """V [B, H, S, D] (any strides) -> VQuant, like the reference. ``smooth=False``: zero means (plain
-    per-channel FP8 V, our "naive 8-bit"); its ``v_mean`` is tagged so the attention skips the mean term."""
+    per-channel FP8 V, our "naive 8-bit"), ``zero_mean`` set: the attention skips the mean term."""
     B, H, S, D = v.shape
-    if D not in (64, 128):
-        raise ValueError(f"head dim {D} is not supported (64 or 128)")
+    err = vsmooth_head_dim_error(D)
+    if err:
+        raise ValueError(err)
     dev = v.device
     nb = triton.cdiv(S, BLOCK_V)
     S_pad = nb * BLOCK_V
@@ -641,8 +451,6 @@ def preprocess_v(v, perm=None, *, smooth: bool = True) -> VQuant:
     _v_stats_kernel[(nb, B * H)](v, p, v_mean, v_amax, *args, D=D, BV=BLOCK_V,
                                  HAS_PERM=perm is not None, SMOOTH=smooth, num_warps=nw)
     _v_quant_kernel[(nb, B * H)](v, p, v_mean, v_amax, v8t, v_scale, S, S_pad, H, *v.stride(), *pstr,
-                                 D=D, BV=BLOCK_V, HAS_PERM=perm is not None, INTERPRET=interpret(),
+                                 D=D, BV=BLOCK_V, HAS_PERM=perm is not None, INTERPRET=interpreting(),
                                  num_warps=nw)
-    if not smooth:
-        v_mean._vc_zero_mean = True  # read by vsmooth_attention (HAS_MEAN=False); lost -> still correct
-    return VQuant(v8t, v_scale, v_mean, S)
+    return VQuant(v8t, v_scale, v_mean, S, zero_mean=not smooth)

@@ -1,7 +1,7 @@
 """MC-Sparse exact token selection at anchor steps (SPEC 3.4 step 2): pass 1 (dense + LSE), pass 2
 (group key mass), top-K.
 
-Contract: ``vc_compile/reference/select.py`` (mass, top-K) and ``reference/dense.py`` (LSE convention).
+Contract: ``vc_compile/reference/select.py`` (mass, ``n_keep``) and ``reference/dense.py`` (LSE convention).
 
 Notation
 --------
@@ -21,20 +21,19 @@ and their lse2 through sigma once, then loops over all Sk keys in BLOCK_N tiles:
 accumulate), p = exp2(s - lse2) (padded rows: lse2 = +inf -> p = 0), sums over the C rows ->
 BLOCK_N masses, stored (keys are the MMA's M side: s^T = k q^T, so the group sum is a cheap row
 reduction). Cost per head: 2 * S * Sk * D FLOPs (half a dense attention, no PV) + S * Sk
-exp2; it writes G * Sk * 4 bytes (16 MB per head at S = Sk = 32760, C = 64), which is why callers with
-many heads go through ``anchor_select`` (heads in chunks).
+exp2; it writes G * Sk * 4 bytes (16 MB per head at S = Sk = 32760, C = 64), which is why the caller
+(``methods/mcsparse.select``) passes heads in chunks. Top-K (``reference.select.select_topk``) is torch on
+every device.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .sparse_attn import LOG2E, dot_upcast, interpret_bound
-
-KV_TILE = 64
+from ..reference.quant import LOG2E
+from .configs import pow2_head_dim_error
+from .interpret import dot_upcast, loop_bound
 
 
 @triton.jit
@@ -56,7 +55,7 @@ def _group_mass_kernel(Q, K, SIGMA, LSE, MASS, sqb, sqh, sqs, skb, skh, sks,
         q = q.to(tl.float32)
     k_base = K + b * skb + h * skh
     m_base = MASS + (bh.to(tl.int64) * tl.num_programs(0) + g) * Sk
-    for n0 in range(0, SK_I if SK_I > 0 else Sk, BLOCK_N):  # SK_I: see interpret_bound
+    for n0 in range(0, SK_I if SK_I >= 0 else Sk, BLOCK_N):  # SK_I: interpret.loop_bound
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < Sk
         kt = tl.load(k_base + offs_n[:, None].to(tl.int64) * sks + d[None, :], mask=nmask[:, None], other=0.0)
@@ -84,8 +83,9 @@ def group_key_mass(q, k, sigma, lse2, *, sm_scale: float, group_size: int) -> to
     C = int(group_size)
     if C < 16 or C & (C - 1):
         raise ValueError(f"group_key_mass: group_size must be a power of two >= 16, got {C}")
-    if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(f"group_key_mass: head dim must be a power of two in [16, 256], got {D}")
+    err = pow2_head_dim_error(D)
+    if err:
+        raise ValueError(f"group_key_mass: {err}")
     G = triton.cdiv(S, C)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
@@ -96,40 +96,9 @@ def group_key_mass(q, k, sigma, lse2, *, sm_scale: float, group_size: int) -> to
     _group_mass_kernel[(G, B * H)](
         q, k, sigma, lse2, mass, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), H, S, Sk, float(sm_scale) * LOG2E,
-        C=C, D=D, BLOCK_N=BLOCK_N, SK_I=interpret_bound(Sk), UPCAST=dot_upcast(q.dtype, k.dtype),
+        C=C, D=D, BLOCK_N=BLOCK_N, SK_I=loop_bound(Sk), UPCAST=dot_upcast(q.dtype, k.dtype),
         IEEE=(q.dtype == torch.float32), num_warps=warps, num_stages=stages)
     return mass
-
-
-def select_topk(mass: torch.Tensor, keep: int) -> torch.Tensor:
-    """idx [..., keep] int32: the ``keep`` largest masses per row, sorted ascending.
-
-    NOTE cost: torch.topk (radix select over each Sk row; unsorted output) then a sort of the kept
-    indices; measured in benchmarks/bench_sparse_attn.py ("topk" rows, docs/sparse_notes.md). It reads
-    the whole mass tensor once more (G * Sk * 4 bytes per head)."""
-    idx = torch.topk(mass, int(keep), dim=-1, sorted=False).indices
-    return torch.sort(idx.to(torch.int32), dim=-1).values
-
-
-def anchor_select(q, k, sigma, lse2, *, sm_scale: float, group_size: int, keep: int,
-                  max_mass_bytes: int = 4 << 30) -> torch.Tensor:
-    """Pass 2 + top-K with heads processed in chunks so the fp32 mass buffer stays under
-    ``max_mass_bytes`` (e.g. 40 heads x 1182 groups x 75600 keys would be 14 GB). Returns idx
-    [B, H, G, keep] int32."""
-    B, H, S, _ = q.shape
-    Sk = k.shape[2]
-    G = triton.cdiv(S, group_size)
-    per_head = G * Sk * 4
-    hc = max(1, min(H, max_mass_bytes // max(per_head, 1)))
-    out = torch.empty(B, H, G, keep, device=q.device, dtype=torch.int32)
-    for b in range(B):
-        for h0 in range(0, H, hc):
-            sl = (slice(b, b + 1), slice(h0, h0 + hc))
-            mass = group_key_mass(q[sl], k[sl], sigma[sl], lse2[sl], sm_scale=sm_scale,
-                                  group_size=group_size)
-            out[sl] = select_topk(mass, keep)
-            del mass
-    return out
 
 
 def dense_with_lse(q, k, v, sm_scale: float):
@@ -152,9 +121,3 @@ def dense_with_lse(q, k, v, sm_scale: float):
         r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=float(sm_scale))
     out, lse = r[0], r[1]
     return out, lse.float().reshape(B, H, S) * LOG2E
-
-
-def n_keep(Sk: int, density: float, tile: int = KV_TILE) -> int:
-    """Keys kept per group: round(density * Sk) rounded up to the KV tile, in [tile, Sk]."""
-    k = int(round(density * Sk))
-    return int(min(Sk, tile * math.ceil(max(k, 1) / tile)))

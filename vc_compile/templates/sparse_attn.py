@@ -26,60 +26,23 @@ program gathers its C query rows through sigma, loops over its n_keep keys in BL
 (pointer-gathered K and V rows: Hopper has no TMA gather; Triton pipelines the indirect loads),
 and in the epilogue divides by the row sums, adds the residual and scatters row i to sigma[g*C + i].
 
-Launch configuration (BLOCK_N, warps, stages): ``config=``, else one lookup in ``vc_compile/tune``
-(shipped sm_90 table = ``_CONFIGS``, else the local cache, else the fastest of SWEPT, tuned on first
-use; the first candidate under the interpreter). docs/autotune.md.
+Launch configuration: a ``configs.SparseAttnConfig`` (BLOCK_N, warps, stages, kv_off; ``launch=``; the
+measured defaults and the tuner's candidates are in ``configs.py``, the choice per launch in
+``dispatch.py``). docs/autotune.md.
 
 Cost per program: 4 * C * n_keep * D FLOPs; n_keep * (D + Dv) * 2 bytes gathered (mostly L2 hits),
 i.e. C / 2 = 32 FLOP per gathered byte at C = 64 (128-row tiles would double it).
 """
 from __future__ import annotations
 
-import functools
-import os
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-FP8_MAX = 448.0
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def dot_upcast(*dtypes) -> bool:
-    """NOTE the Triton 3.6 interpreter's ``tl.dot`` multiplies bf16 operands as their uint16 bit
-    patterns (it stores bf16 as uint16 and calls np.matmul), so under the interpreter bf16 operands are
-    cast to fp32 first (after the same bf16 rounding the GPU path does)."""
-    return _interpret() and torch.bfloat16 in dtypes
-
-
-def interpret_bound(n: int) -> int:
-    """A loop bound's constexpr copy: ``n`` under the interpreter, 0 (use the runtime value) on GPU.
-
-    NOTE the Triton 3.6 interpreter runs ``range(0, n)`` on a runtime scalar through
-    ``int(np.array([n]))``, which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted").
-    Kernels therefore take every loop bound twice: runtime (GPU: one compile for all lengths) and
-    constexpr (interpreter only)."""
-    return int(n) if _interpret() else 0
-
-
-@triton.jit
-def round_e4m3(x):
-    """fp32 x (|x| <= 448) -> nearest E4M3 value (ties to even), in fp32 arithmetic.
-
-    Only used under the interpreter: its fp32 -> e4m3 cast mis-rounds when rounding carries into the
-    exponent (SPEC 6). Adding c = 1.5 * 2^(e+20) puts the fp32 ulp at 2^(e-3), the E4M3 ulp of
-    binade e (e >= -6: subnormals share the 2^-9 step)."""
-    ax = tl.abs(x)
-    e = tl.maximum(((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-    c = (((e + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    r = (ax + c) - c
-    return tl.where(x < 0, -r, r)
+from vc_compile.reference.quant import LOG2E
+from vc_compile.templates.configs import SparseAttnConfig, pow2_head_dim_error
+from vc_compile.templates.interpret import dot_upcast, interpreting, loop_bound
+from vc_compile.templates.soft_round import round_e4m3
 
 
 @triton.jit
@@ -119,7 +82,7 @@ def quantize_k_fp8(k: torch.Tensor):
     BLOCK = 64
     _quant_rows_fp8_kernel[(triton.cdiv(S, BLOCK), B * H)](
         k, kq, ks, H, S, k.stride(0), k.stride(1), k.stride(2),
-        D=D, BLOCK=BLOCK, SW_ROUND=_interpret(), num_warps=4)
+        D=D, BLOCK=BLOCK, SW_ROUND=interpreting(), num_warps=4)
     return kq, ks
 
 
@@ -131,8 +94,7 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
                         C: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_RES: tl.constexpr, QK_FP8: tl.constexpr,
                         SW_ROUND: tl.constexpr, N_KEEP_I: tl.constexpr,
-                        UPCAST: tl.constexpr, OFF64: tl.constexpr, RESCALE_TAU: tl.constexpr,
-                        KV_OFF: tl.constexpr):
+                        UPCAST: tl.constexpr, OFF64: tl.constexpr, KV_OFF: tl.constexpr):
     g = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -162,9 +124,9 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
     m_i = tl.full([C], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([C], dtype=tl.float32)
     acc = tl.zeros([C, DV], dtype=tl.float32)
-    # interpreter: N_KEEP_I (see interpret_bound); inline, since the interpreter turns every
+    # interpreter: N_KEEP_I (interpret.loop_bound); inline, since the interpreter turns every
     # assignment into a tensor
-    for n0 in range(0, N_KEEP_I if N_KEEP_I > 0 else N_KEEP, BLOCK_N):
+    for n0 in range(0, N_KEEP_I if N_KEEP_I >= 0 else N_KEEP, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if EVEN_N:
             kid = tl.load(i_base + offs_n * sin)
@@ -187,26 +149,14 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
         if not EVEN_N:
             s = tl.where((offs_n < N_KEEP)[None, :], s, float("-inf"))
         m_blk = tl.max(s, 1) if QK_FP8 else tl.max(s, 1) * sm_scale_log2
-        if RESCALE_TAU > 0:  # lazy: keep a stale max while it is within 2^tau of the block's
-            m_new = tl.where(m_blk > m_i + RESCALE_TAU, m_blk, m_i)
-        else:
-            m_new = tl.maximum(m_i, m_blk)
+        m_new = tl.maximum(m_i, m_blk)
         if QK_FP8:
             p = tl.exp2(s - m_new[:, None])
         else:
             p = tl.exp2(s * sm_scale_log2 - m_new[:, None])
-        if RESCALE_TAU > 0:
-            # tile-uniform skip of the C x DV rescale (a cross-warp max per tile); p <= 2^tau, exact up
-            # to rounding since acc and l_i share the same m
-            if tl.max((m_new > m_i).to(tl.int32), 0) > 0:
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-            l_i = l_i + tl.sum(p, 1)
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         if KV_OFF:
             vt = tl.load(v_base + kv_off)
         else:
@@ -225,101 +175,14 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
              mask=mrow[:, None])
 
 
-# NOTE configs (BLOCK_N, num_warps, num_stages) per (qk_format, D, C). H200, S = 32760, s = 0.15, C = 64
-# (first run, docs/sparse_notes.md): bf16 BN64/w4/s4 8.99 ms, s3 9.06, BN32/w4/s4 9.35, s2 11.5,
-# BN128/w4 12.5, 8 warps 12.9-15.7; fp8 BN64/w4/s3 9.68, s4 9.79, BN128 10.2, 8 warps 17.7-20.0.
-# C = 128 (second run): bf16 BN64/w4/s3 and s4 7.60 ms, BN128/w8 8.87, BN64/w8 9.16, BN128/w4 13.7;
-# fp8 BN128/w4/s3 8.13, BN64/w4 8.65, 8 warps 9.9-10.1.
-_CONFIGS = {
-    ("bf16", 64, 64): (128, 4, 3),
-    ("bf16", 128, 64): (64, 4, 4),
-    ("fp8", 64, 64): (128, 4, 3),
-    ("fp8", 128, 64): (64, 4, 3),
-    ("bf16", 128, 128): (64, 4, 3),
-    ("fp8", 128, 128): (128, 4, 3),
-}
-
-
-# The autotuner's candidates (vc_compile/tune): the configs both H200 sweeps compiled and timed
-# (C = 64 first run, C = 128 benchmarks/bench_sparse_attn.py SWEEP_C128); default_config's answer is
-# put first, so an untuned run launches exactly what it launched before the tuner existed.
-SWEPT = ((64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 4), (128, 4, 3), (64, 8, 3), (64, 8, 4), (128, 8, 3))
-
-
-# Code-generation switches of _sparse_attn_kernel (benchmarks/bench_sparse_attn.py --ab times them; the
-# defaults are the measured kernel). rescale_tau: 0 = rescale acc and l by exp2(m_old - m_new) every tile;
-# tau > 0 = FA4-style lazy rescaling: the running max moves only when a row's tile max exceeds it by more
-# than tau (log2 units), and the C x DV acc rescale is skipped when no row of the tile moved.
-# kv_off: the V gather reuses the K gather's offsets (applies only when K and V have the same row stride
-# and D == DV; ignored otherwise).
-# NOTE sm_90 codegen (scripts/codegen_sparse.py, S = 32760, bf16, residual on; docs/sparse_notes.md):
-# C = 128 BN64/w4: 255 registers, 228 B spilled, 96 KB smem, 2 CTAs/SM; key loop 720 SASS instructions
-# (41 of them spill loads/stores, 128 FMULs of the acc rescale, 68 MUFU); kv_off: 671, 13 spill
-# instructions. rescale_tau > 0: ptxas C7515 "wgmma serialized" (warpgroup waits in the loop 3 -> 48),
-# since the acc is defined inside an scf.if; expected slower, kept to measure what that costs.
-# NOTE measured (H200, S = 32760, s = 0.15, bf16, 2026-11-29, bf83f15, `--ab`): kv_off at C = 128 (BN64/w4)
-# 7.871 -> 7.482 ms kernel, 7.973 -> 7.585 ms reuse step (4.76x -> 5.00x cuDNN), identical output; at
-# C = 64 (BN64/w4/s4) 8.854 -> 9.015 ms (+1.8%). rescale_tau = 8: +4.3% (C = 128), +11% (C = 64). So
-# kv_off is on for C >= 128 (None = that rule), rescale_tau stays off.
-SWITCHES = {"rescale_tau": 0.0, "kv_off": None}
-
-
-def _switch_args(switches, same_kv_rows: bool, C: int) -> dict:
-    sw = dict(SWITCHES)
-    for key, val in (switches or {}).items():
-        if key not in sw:
-            raise ValueError(f"sparse_attention: unknown switch {key!r} (known: {sorted(sw)})")
-        sw[key] = val
-    kv_off = C >= 128 if sw["kv_off"] is None else bool(sw["kv_off"])
-    return {"RESCALE_TAU": float(sw["rescale_tau"]), "KV_OFF": kv_off and same_kv_rows}
-
-
-def default_config(qk_format: str, D: int, C: int):
-    return _CONFIGS.get((qk_format, D, C), (64, 4, 3))
-
-
-def as_config(cfg) -> dict:
-    bn, nw, ns = cfg
-    return {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
-
-
-@functools.lru_cache(maxsize=None)
-def candidates(qk_format: str, D: int, C: int):
-    """The tuner's candidates (``as_config`` form), the default first."""
-    first = default_config(qk_format, D, C)
-    return [as_config(c) for c in (first,) + tuple(c for c in SWEPT if c != first)]
-
-
-def tune_variant(qk_format: str, C: int, n_keep: int, Sk: int) -> str:
-    """The variant field of this kernel's tuning key: QK format, group size, density to 0.05."""
-    return f"{qk_format}-c{C}-p{int(round(20 * n_keep / Sk)) * 5}"
-
-
-def _lookup(q, k, v, sigma, idx, sm_scale, C, residual, out_dtype, fmt, k_fp8):
-    from vc_compile.tune import lookup
-
-    D, Sk, n_keep = q.shape[3], k.shape[2], idx.shape[3]
-
-    def launch(c):
-        return sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C, residual=residual,
-                                       out_dtype=out_dtype, qk_format=fmt, k_fp8=k_fp8,
-                                       config=(c["BLOCK_N"], c["num_warps"], c["num_stages"]))
-    c, _ = lookup.resolve("sparse_attn", __file__, candidates(fmt, D, C), dtype=q.dtype, head_dim=D,
-                          seq_len=q.shape[2], variant=tune_variant(fmt, C, n_keep, Sk), device=q.device,
-                          bench=lookup.validated_bench(launch))
-    return c["BLOCK_N"], c["num_warps"], c["num_stages"]
-
-
-def _check_dim(name, d):
-    if d < 16 or d > 256 or d & (d - 1):
-        raise ValueError(f"sparse_attention: {name} must be a power of two in [16, 256], got {d}")
-
-
-def sparse_attention_launch(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None,
-                            out_dtype=None, qk_format="bf16", config=None, k_fp8=None, switches=None):
-    """``sparse_attention`` with an explicit ``config = (BLOCK_N, num_warps, num_stages)`` (None = the
-    tuning lookup, vc_compile/tune), an optional pre-quantised ``k_fp8 = (codes, scale)`` (benchmarks
-    sweep configs with it) and ``switches``: overrides of ``SWITCHES`` (the A/B candidates)."""
+def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None, out_dtype=None,
+                     qk_format="bf16", launch: SparseAttnConfig, k_fp8=None):
+    """O[sigma[g*C+i]] = softmax over the keys idx[g] of group g (renormalised) @ V, + residual, with the launch
+    configuration ``launch``; ``k_fp8 = (codes, scale)``: K already quantised (``quantize_k_fp8``; benchmarks
+    sweep configs with it). Returns [B, H, S, Dv] in ``out_dtype`` (default q.dtype), in the original query
+    order."""
+    if not isinstance(launch, SparseAttnConfig):
+        raise TypeError(f"launch must be a SparseAttnConfig, got {type(launch).__name__}")
     B, H, S, D = q.shape
     Sk, DV = k.shape[2], v.shape[3]
     C = int(group_size)
@@ -328,8 +191,10 @@ def sparse_attention_launch(q, k, v, sigma, idx, *, sm_scale, group_size, residu
         raise ValueError(f"sparse_attention: qk_format must be 'bf16' or 'fp8', got {qk_format!r}")
     if C < 16 or C & (C - 1):
         raise ValueError(f"sparse_attention: group_size must be a power of two >= 16, got {C}")
-    _check_dim("head dim", D)
-    _check_dim("value head dim", DV)
+    for name, d in (("head dim", D), ("value head dim", DV)):
+        err = pow2_head_dim_error(d, name)
+        if err:
+            raise ValueError(f"sparse_attention: {err}")
     if k.shape[:2] != (B, H) or k.shape[3] != D or v.shape[:3] != (B, H, Sk):
         raise ValueError(f"sparse_attention: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
                          f"v {tuple(v.shape)} do not match")
@@ -348,8 +213,9 @@ def sparse_attention_launch(q, k, v, sigma, idx, *, sm_scale, group_size, residu
         kq, ks = k_fp8 if k_fp8 is not None else quantize_k_fp8(k)
     else:
         kq, ks = k, k  # KS unused
-    BLOCK_N, warps, stages = config or _lookup(q, k, v, sigma, idx, sm_scale, C, residual, out_dtype, fmt,
-                                               (kq, ks) if fmt == "fp8" else None)
+    BLOCK_N, warps, stages = launch.block_n, launch.num_warps, launch.num_stages
+    kv_off = C >= 128 if launch.kv_off is None else launch.kv_off
+    same_kv_rows = kq.stride(2) == v.stride(2) and D == DV and fmt == "bf16"
     has_res = residual is not None
     if has_res:
         if tuple(residual.shape) != (B, H, S, DV):
@@ -365,18 +231,9 @@ def sparse_attention_launch(q, k, v, sigma, idx, *, sm_scale, group_size, residu
         res.stride(0), res.stride(1), res.stride(2), out.stride(0), out.stride(1), out.stride(2),
         H, S, Sk, n_keep, float(sm_scale) * LOG2E,
         C=C, D=D, DV=DV, BLOCK_N=BLOCK_N, EVEN_N=(n_keep % BLOCK_N == 0), HAS_RES=has_res,
-        QK_FP8=(fmt == "fp8"), SW_ROUND=_interpret(), N_KEEP_I=interpret_bound(n_keep),
+        QK_FP8=(fmt == "fp8"), SW_ROUND=interpreting(), N_KEEP_I=loop_bound(n_keep),
         UPCAST=dot_upcast(q.dtype, v.dtype),
         OFF64=max(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(kq.stride(2), v.stride(2))) >= 2**31,
-        **_switch_args(switches, same_kv_rows=(kq.stride(2) == v.stride(2) and D == DV and fmt == "bf16"), C=C),
-        num_warps=warps, num_stages=stages)
+        KV_OFF=kv_off and same_kv_rows, num_warps=warps, num_stages=stages)
     return out
 
-
-def sparse_attention(q, k, v, sigma, idx, *, sm_scale: float, group_size: int,
-                     residual: Optional[torch.Tensor] = None, out_dtype=None, qk_format: str = "bf16"):
-    """O[sigma[g*C+i]] = softmax over the keys idx[g] of group g (renormalised) @ V, + residual.
-
-    Returns [B, H, S, Dv] in ``out_dtype`` (default q.dtype), in the original query order."""
-    return sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
-                                   residual=residual, out_dtype=out_dtype, qk_format=qk_format)

@@ -1,11 +1,12 @@
-"""Per-architecture autotuning of the attention kernels' launch configurations.
+"""Per-architecture autotuning of the attention kernels' launch configurations: a service below
+``templates/dispatch.py`` that stores configurations as JSON dicts and imports no kernel.
 
-Each tuned kernel launcher (``templates/vsmooth_attn.py``, ``templates/sparse_attn.py``) asks
-``lookup.resolve`` once per launch; the answer, memoised per (kernel, dtype, head dim, sequence length,
-variant, device) in the process, comes from, in this order:
+``dispatch`` asks ``lookup.resolve`` once per launch of a tuned kernel (the Triton and Gluon V-Smooth kernels,
+the sparse gather kernel); the answer, memoised per (kernel, dtype, head dim, sequence length, variant,
+device) in the process, comes from, in this order:
 
-``shipped``  ``shipped_<family>.json`` (sm90: the configurations measured on the H200, generated from the
-             kernels' default tables by ``python -m vc_compile.tune.shipped``): an H100/H200 tunes nothing;
+``shipped``  ``shipped_<family>.json`` (sm90: the configurations measured on the H200, generated from
+             ``templates/configs.py`` by ``python3 -m scripts.gen_shipped_table``): an H100/H200 tunes nothing;
 ``cache``    a JSON file per (GPU, compute capability, CUDA, Triton) and (kernel, source hash) under
              ``cache_dir()`` (``$VCATTN_CACHE_DIR``, else ``~/.cache/vc_compile/tune``), written by an
              earlier run on this machine;
@@ -16,7 +17,7 @@ variant, device) in the process, comes from, in this order:
              failed: the first candidate, never tuned.
 
 ``configure(cache_dir=, shipped=, force=)`` changes the policy at run time; ``python -m vc_compile tune``
-pre-tunes a shape (``cli.py``); ``vc_compile.report()`` shows the source per call site (``config``).
+pre-tunes a shape (``vc_compile/tune_cli.py``); ``vc_compile.report()`` shows the source per call site (``config``).
 Details: docs/autotune.md.
 """
 from .cache import Arch, TuneKey, cache_dir, current_arch, get_config, make_key, seq_bucket

@@ -226,10 +226,6 @@ def shipped_config(key: TuneKey, family: str) -> Optional[Config]:
     return dict(table[pats[0]]) if pats else None
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _line_progress(key: TuneKey, arch: Arch, n: int) -> Callable[[int, Config, Optional[float]], None]:
     """The default progress report: a tqdm bar (``vc_compile.log.Progress``) that stacks under a running
     diffusers bar and disappears when done, then one INFO line on the ``vc_compile.tune`` logger."""
@@ -269,8 +265,9 @@ def get_config(key: TuneKey, candidates: List[Config], bench: Optional[Callable[
 
     Order: the shipped table of the GPU family (skipped with ``shipped=False``), then the cache file,
     then tuning: ``bench(config) -> ms`` runs one candidate (it may raise: that candidate is skipped)
-    and the fastest is stored. Tuning never happens under ``TRITON_INTERPRET`` or without ``bench``:
-    then the first candidate (the measured default) is used, source ``default``, nothing is written.
+    and the fastest is stored. Tuning never happens without ``bench`` (the caller passes none where it
+    cannot time kernels, e.g. under ``TRITON_INTERPRET``): then the first candidate (the measured default)
+    is used, source ``default``, nothing is written.
     ``progress(i, config, ms or None)`` is called after each candidate (default: a tqdm bar, then an INFO line).
     ``force=True`` skips the shipped table and the cache: it always tunes (where tuning is possible).
     """
@@ -290,7 +287,7 @@ def get_config(key: TuneKey, candidates: List[Config], bench: Optional[Callable[
         warnings.warn(f"vcattn: the tuning cache entry {key.entry} of {path} holds {hit['config']}, which is not "
                       f"one of the kernel's candidate configurations (a stale or edited file); re-tuning.",
                       RuntimeWarning, stacklevel=3)
-    if bench is None or interpreting():
+    if bench is None:
         return dict(candidates[0]), "default"
     if progress is None:
         progress = (lambda i, cfg, ms: None) if quiet else _line_progress(key, arch, len(candidates))

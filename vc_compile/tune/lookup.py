@@ -1,9 +1,10 @@
-"""The one lookup a kernel launcher makes for its launch configuration (``resolve``).
+"""The one lookup ``templates/dispatch.py`` makes for a kernel's launch configuration (``resolve``).
 
+Configurations are plain JSON dicts here (``configs.py``'s ``to_json``): this package imports no kernel.
 Order: shipped table of the GPU family -> local cache -> tune on first use (``triton.testing.do_bench``
 over the kernel's candidates, each output validated against the first candidate's, a progress bar,
-stored in the cache). Under ``TRITON_INTERPRET`` or off CUDA: the first candidate (the measured default),
-source ``default``, no file I/O, never tuned.
+stored in the cache). Off CUDA or not ``tunable`` (the caller says so under ``TRITON_INTERPRET``): the first
+candidate (the measured default), source ``default``, no file I/O, never tuned.
 
 Hot path: the answer is memoised per (kernel, dtype, head dim, sequence length, variant, device) in
 this process, so a launch costs one dict lookup. ``configure()`` changes the policy at run time (cache
@@ -84,18 +85,19 @@ def _arch(index: int) -> cache.Arch:
     return cache.current_arch(torch.device("cuda", index))
 
 
-def resolve(kernel: str, src_file: str, candidates: List[Config], *, dtype, head_dim: int, seq_len: int,
-            variant: str, device: torch.device, bench: Optional[Callable[[Config], float]] = None
-            ) -> Tuple[Config, str]:
-    """(config, source) for one launch; source is shipped | cache | tuned | default (see module doc)."""
+def resolve(kernel: str, src_files: List[str], candidates: List[Config], *, dtype, head_dim: int, seq_len: int,
+            variant: str, device: torch.device, tunable: bool = True,
+            bench: Optional[Callable[[Config], float]] = None) -> Tuple[Config, str]:
+    """(config, source) for one launch; source is shipped | cache | tuned | default (see module doc).
+    ``src_files``: the kernel's sources (their hash names its cache file)."""
     index = device.index if device.index is not None else (
         torch.cuda.current_device() if device.type == "cuda" else -1)
     directory = getattr(_TL, "directory", None)
     mkey = (kernel, dtype, head_dim, seq_len, variant, device.type, index, directory)
     hit = _MEMO.get(mkey)
     if hit is None:
-        hit = _lookup(kernel, src_file, candidates, dtype, head_dim, seq_len, variant, device, index, bench,
-                      directory)
+        hit = _lookup(kernel, src_files, candidates, dtype, head_dim, seq_len, variant, device, index, tunable,
+                      bench, directory)
         if hit is None:  # not memoised: e.g. during CUDA graph capture, ask again next time
             hit = (candidates[0], "default")
         else:
@@ -113,12 +115,13 @@ def last_config(kernel: str) -> Optional[Config]:
     return _LAST.get(kernel)
 
 
-def _lookup(kernel, src_file, candidates, dtype, head_dim, seq_len, variant, device, index, bench, directory=None):
-    if device.type != "cuda" or cache.interpreting():
+def _lookup(kernel, src_files, candidates, dtype, head_dim, seq_len, variant, device, index, tunable, bench,
+            directory=None):
+    if device.type != "cuda" or not tunable:
         return dict(candidates[0]), "default"
     if torch.cuda.is_current_stream_capturing():
         return None  # no benchmarking (or anything else) inside a graph capture
-    key = cache.make_key(kernel, [src_file], dtype, head_dim, seq_len, variant)
+    key = cache.make_key(kernel, list(src_files), dtype, head_dim, seq_len, variant)
     pol = dict(_POLICY)
     try:
         with torch.cuda.device(index):

@@ -1,10 +1,12 @@
-"""``python -m vc_compile tune``: pre-tune the attention kernels of one method for one shape.
+"""``python -m vc_compile tune``: pre-tune the attention kernel of one method for one shape.
 
     python -m vc_compile tune --heads 40 --head-dim 128 --seq 75600 --method vsmooth
     python -m vc_compile tune --heads 40 --head-dim 128 --seq 32760 --method mcsparse --density 0.15
 
-Runs the method's tuned kernel once on random inputs of that shape, which goes through the same lookup
-as a real run (shipped -> cache -> tune): a shipped or cached shape is not re-tuned unless ``--force``.
+Runs the kernel the runtime runs for that shape and the runtime's options (``VCConfig``'s defaults unless
+given: group size, density, QK formats; on an sm_90 GPU with INT8 Q/K that is the Gluon kernel) once on random
+inputs, through ``templates/dispatch.py``, i.e. the same lookup as a real run (shipped -> cache -> tune): a
+shipped or cached shape is not re-tuned unless ``--force``.
 While tuning, a progress bar per kernel; then a table of the chosen configuration, where it came from,
 its time and the default configuration's time (both ``triton.testing.do_bench`` medians). The other
 kernels of the methods (preprocessing, k-means, PDDP, selection) have one launch configuration each
@@ -16,7 +18,11 @@ import argparse
 import sys
 from typing import List, Optional
 
+from vc_compile.config import GROUP_SIZES, VCConfig
+from vc_compile.templates import configs as C
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+_DEFAULTS = VCConfig()  # the runtime's defaults: the CLI tunes what a default run looks up
 
 
 def parser() -> argparse.ArgumentParser:
@@ -27,11 +33,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    ap.add_argument("--expcast", action="store_true", help="vsmooth: the ExpCast-FP8 kernel")
-    ap.add_argument("--qk-format", choices=("int8", "fp8"), default="int8", help="vsmooth: Q/K format")
-    ap.add_argument("--density", type=float, default=0.15, help="mcsparse: fraction of keys kept")
-    ap.add_argument("--group-size", type=int, choices=(64, 128), default=64, help="mcsparse")
-    ap.add_argument("--sparse-qk", choices=("bf16", "fp8"), default="bf16", help="mcsparse: QK precision")
+    ap.add_argument("--expcast", action="store_true", default=_DEFAULTS.expcast,
+                    help="vsmooth: the ExpCast-FP8 kernel")
+    ap.add_argument("--qk-format", choices=("int8", "fp8"), default=_DEFAULTS.qk_format.value,
+                    help="vsmooth: Q/K format")
+    ap.add_argument("--density", type=float, default=_DEFAULTS.density, help="mcsparse: fraction of keys kept")
+    ap.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=_DEFAULTS.group_size,
+                    help="mcsparse: queries per group (default: the runtime's)")
+    ap.add_argument("--sparse-qk", choices=("bf16", "fp8"), default=_DEFAULTS.sparse_qk,
+                    help="mcsparse: QK precision")
     ap.add_argument("--force", action="store_true", help="re-tune even when shipped or cached")
     ap.add_argument("--cache-dir", default=None, help="default: $VCATTN_CACHE_DIR, else ~/.cache/vc_compile/tune")
     return ap
@@ -40,10 +50,9 @@ def parser() -> argparse.ArgumentParser:
 def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if min(a.heads, a.seq, a.batch) < 1:
         ap.error("--heads, --seq and --batch must be >= 1")
-    if a.method == "vsmooth" and a.head_dim not in (64, 128):
-        ap.error(f"--head-dim {a.head_dim}: the 8-bit kernels support 64 and 128")
-    if a.method == "mcsparse" and (a.head_dim < 16 or a.head_dim > 256 or a.head_dim & (a.head_dim - 1)):
-        ap.error(f"--head-dim {a.head_dim}: the sparse kernel needs a power of two in [16, 256]")
+    err = (C.vsmooth_head_dim_error(a.head_dim) if a.method == "vsmooth" else C.pow2_head_dim_error(a.head_dim))
+    if err:
+        ap.error(f"--head-dim {a.head_dim}: {err}")
     if not 0.0 < a.density <= 1.0:
         ap.error(f"--density {a.density}: must be in (0, 1]")
 
@@ -51,7 +60,7 @@ def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 def no_gpu_reason() -> Optional[str]:
     import torch
 
-    from .cache import interpreting
+    from vc_compile.templates.interpret import interpreting
 
     if interpreting():
         return "TRITON_INTERPRET=1 is set: kernels run on the CPU interpreter and are never tuned"
@@ -77,7 +86,8 @@ class Bar:
 
 
 def fmt_cfg(cfg) -> str:
-    return " ".join(f"{k}={v}" for k, v in cfg.items())
+    items = cfg.items() if isinstance(cfg, dict) else cfg.to_json().items()
+    return " ".join(f"{k}={v}" for k, v in items)
 
 
 def run(a: argparse.Namespace) -> List[dict]:
@@ -85,10 +95,11 @@ def run(a: argparse.Namespace) -> List[dict]:
     import triton.testing
 
     from vc_compile.methods import kernel_out_dtype
-    from vc_compile.templates import preprocess as tpre
+    from vc_compile.reference.select import n_keep
+    from vc_compile.templates import dispatch
+    from vc_compile.tune import lookup
 
-    from . import lookup
-
+    T = dispatch.Impl.TRITON
     dev = torch.device("cuda")
     dtype = getattr(torch, DTYPES[a.dtype])
     B, H, S, D = a.batch, a.heads, a.seq, a.head_dim
@@ -96,35 +107,31 @@ def run(a: argparse.Namespace) -> List[dict]:
     q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=dtype, generator=g) for _ in range(3))
     sm = D ** -0.5
     if a.method == "vsmooth":
-        from vc_compile.templates import vsmooth_attn as tva
-
-        kernel, cands = "vsmooth_attn", tva.candidates(D, a.expcast)
-        qk = tpre.preprocess_qk(q, k, None, sm_scale=sm, qk_format=a.qk_format)
-        vq = tpre.preprocess_v(v, None)
+        kernel = dispatch.vsmooth_kernel(dev, a.qk_format)
+        cls = C.VSmoothSm90Config if kernel == "vsmooth_attn_sm90" else C.VSmoothTritonConfig
+        cands = dispatch.vsmooth_candidates(kernel, D, a.expcast, S)
+        qk = dispatch.preprocess_qk(T, q, k, None, sm_scale=sm, qk_format=a.qk_format)
+        vq = dispatch.preprocess_v(T, v, None)
         del q, k, v
 
         def call(config=None):
-            return tva.vsmooth_attention(qk, vq, expcast=a.expcast, out_dtype=kernel_out_dtype(dtype),
-                                         config=config)
+            return dispatch.vsmooth_attention(T, qk, vq, expcast=a.expcast, out_dtype=kernel_out_dtype(dtype),
+                                              launch=config)
     else:
-        from vc_compile.reference.select import n_keep
-        from vc_compile.templates import sparse_attn as tsa
-
-        C = a.group_size
-        kernel, cands = "sparse_attn", tsa.candidates(a.sparse_qk, D, C)
-        keep, G = n_keep(S, a.density), -(-S // C)
+        Cg = a.group_size
+        kernel, cls = "sparse_attn", C.SparseAttnConfig
+        cands = dispatch.sparse_candidates(a.sparse_qk, D, Cg)
+        keep, G = n_keep(S, a.density), -(-S // Cg)
         sigma = torch.arange(S, device=dev).expand(B, H, S)
         j = torch.arange(keep, device=dev)
         lo, hi = (j * S) // keep, ((j + 1) * S) // keep  # one key per stride, at a random place in it
         idx = (lo + (torch.rand(B, H, G, keep, device=dev, generator=g) * (hi - lo)).long()).to(torch.int32)
         res = torch.randn(B, H, S, D, device=dev, dtype=dtype, generator=g) * 0.01
-        kf8 = tsa.quantize_k_fp8(k) if a.sparse_qk == "fp8" else None
 
         def call(config=None):
-            cfg = None if config is None else (config["BLOCK_N"], config["num_warps"], config["num_stages"])
-            return tsa.sparse_attention_launch(q, k, v, sigma, idx, sm_scale=sm, group_size=C, residual=res,
-                                               out_dtype=kernel_out_dtype(dtype), qk_format=a.sparse_qk,
-                                               config=cfg, k_fp8=kf8)
+            return dispatch.sparse_attention(T, q, k, v, sigma, idx, sm_scale=sm, group_size=Cg, residual=res,
+                                             out_dtype=kernel_out_dtype(dtype), qk_format=a.sparse_qk,
+                                             launch=config)
     bar = Bar(len(cands), f"tuning {kernel}")
     lookup.configure(cache_dir=a.cache_dir or "", force=a.force, progress=bar)
     try:
@@ -134,7 +141,7 @@ def run(a: argparse.Namespace) -> List[dict]:
     finally:
         lookup.configure(force=False, progress=False)
     source = next(iter(sources)).split(":")[1] if sources else "?"
-    chosen = lookup.last_config(kernel)
+    chosen = cls.from_json(lookup.last_config(kernel))
     rows = []
     for name, cfg in (("chosen", chosen), ("default", cands[0])):
         ms = triton.testing.do_bench(lambda: call(cfg), return_mode="median")
@@ -152,8 +159,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"vc_compile tune: cannot tune here: {why}.", file=sys.stderr)
         return 1
     rows = run(a)
-    from ..table import format_table
-    from .cache import cache_dir
+    from vc_compile.table import format_table
+    from vc_compile.tune.cache import cache_dir
 
     print(format_table([{**r, "ms": f"{r['ms']:.3f}"} for r in rows], ["kernel", "which", "source", "config", "ms"]))
 

@@ -1,0 +1,362 @@
+"""Launch configurations of the tuned kernels: frozen dataclasses with named fields, the kernel modes as
+``str`` Enums, and the measured default tables (with the NOTEs that justify them).
+
+A kernel is a pure function of its inputs and one of these configs (``launch=``); ``dispatch.py`` picks the
+config (the tuning cache, ``vc_compile/tune``, holding them as JSON: ``to_json`` / ``from_json``), and
+``scripts/gen_shipped_table.py`` writes the shipped sm_90 table from the tables here. Nothing in this module
+imports a kernel or the tuner.
+
+Kernel modes (one name per meaning; the two V-Smooth kernels use different subsets):
+
+============  ===============================================  ==================================================
+mode          Triton kernel (``vsmooth_attn.py``)               Gluon sm_90 kernel (``vsmooth_attn_sm90.py``)
+============  ===============================================  ==================================================
+RowSum.FP32   decode P~ to fp32, sum in fp32 (old ROWSUM 0)     --
+RowSum.MMA    P~ @ ones[BN, 16] per block, row max of the 16    P~ @ ones[BN, 8] issued beside PV_j: exact fp32
+              columns (old ROWSUM 1)                            sums, l_i a [BM, 8] tile (old MS = 1)
+RowSum.FP16   decode to fp16, sum in fp16 (2^-11; ROWSUM 2)     the same, on the ALUs (old MS = 0)
+MeanTerm.FFMA acc += r_ij mu'_j per block (old MEAN 1)          the same (mu' staged by TMA with V)
+MeanTerm.     [r_hi r_hi r_lo] x [mu_hi; mu_lo; mu_hi], a bf16  --
+ BF16_MMA     MMA into the block's fresh accumulator (MEAN 2)
+MeanTerm.     --                                                R_w mu'_w every 8 key blocks by three tf32 MMAs
+ TF32_WINDOW                                                    (hi / lo split; needs RowSum.MMA, old MS = 1)
+ExpCast       one rounding mode: the reference's (s, then the   full blocks: the code formed and rounded by ONE
+              code; old EXPCAST 2)                              FFMA (old EXPCAST 3); the key-tail block as the
+                                                                Triton kernel
+============  ===============================================  ==================================================
+
+A V-Smooth input without block means (``VQuant.zero_mean``: ``smooth_v=False``, "naive 8-bit") runs either
+kernel without a mean term, whatever ``mean`` says.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+BLOCK_V = 128  # keys per V-Smooth key block (= reference.preprocess.BLOCK_V: one mean per block)
+# What the kernels support (one check per family; dispatch's eligibility, the launchers' errors and the tune
+# CLI all ask these): the 8-bit kernels tile D as one TMA box and BN = 128 keys; the others (gather attention,
+# pass 2, PDDP, k-means) need a power-of-two head dim for tl.arange, within the registers of one tile.
+VSMOOTH_HEAD_DIMS = (64, 128)
+
+
+def vsmooth_head_dim_error(D: int) -> Optional[str]:
+    """None, or why the 8-bit kernels (preprocessing and attention) cannot take head dim D."""
+    return None if D in VSMOOTH_HEAD_DIMS else f"head dim {D} is not supported (64 or 128)"
+
+
+def pow2_head_dim_error(D: int, name: str = "head dim") -> Optional[str]:
+    """None, or why the kernels with a power-of-two head dim (gather attention, pass 2, PDDP, k-means) cannot take
+    head dim D."""
+    ok = 16 <= D <= 256 and D & (D - 1) == 0
+    return None if ok else f"{name} must be a power of two in [16, 256], got {D}"
+
+
+class RowSum(str, enum.Enum):
+    """How the row sum r_ij of the decoded P~ over a key block is formed (see the module table)."""
+    FP32 = "fp32"
+    MMA = "mma"
+    FP16 = "fp16"
+
+    @property
+    def code(self) -> int:
+        """The Triton kernel's ROWSUM constexpr."""
+        return {RowSum.FP32: 0, RowSum.MMA: 1, RowSum.FP16: 2}[self]
+
+
+class MeanTerm(str, enum.Enum):
+    """How V-Smooth's mean term r_ij mu'_j enters the accumulator (see the module table)."""
+    FFMA = "ffma"
+    BF16_MMA = "bf16_mma"
+    TF32_WINDOW = "tf32_window"
+
+    @property
+    def code(self) -> int:
+        """The Triton kernel's MEAN constexpr (0 = no mean term is chosen by the input, not the config)."""
+        return {MeanTerm.FFMA: 1, MeanTerm.BF16_MMA: 2}[self]
+
+
+class POperand(str, enum.Enum):
+    """Where the Gluon kernel's PV MMA reads P~ from."""
+    SHARED = "shared"  # stored to a shared-memory double buffer, PV_{j-1} overlapped with softmax(S_j)
+    REGISTERS = "registers"  # the softmax's registers are the MMA's A operand (keys relabelled, V^T reordered)
+
+
+def _coerce_enum(obj, name: str, cls) -> None:
+    val = getattr(obj, name)
+    try:
+        object.__setattr__(obj, name, cls(val.value if isinstance(val, enum.Enum) else val))
+    except ValueError:
+        raise ValueError(f"{type(obj).__name__}.{name}={val!r}; accepted: {[m.value for m in cls]}") from None
+
+
+def _check_ints(obj, **allowed) -> None:
+    for name, ok in allowed.items():
+        val = getattr(obj, name)
+        if isinstance(val, bool) or not isinstance(val, int) or val not in ok:
+            raise ValueError(f"{type(obj).__name__}.{name}={val!r}; accepted: {sorted(ok)}")
+
+
+class _Json:
+    """to_json / from_json: the tuning cache's form (enum values as strings)."""
+
+    def to_json(self) -> Dict[str, object]:
+        return {f.name: (v.value if isinstance(v, enum.Enum) else v)
+                for f in dataclasses.fields(self) for v in (getattr(self, f.name),)}
+
+    @classmethod
+    def from_json(cls, d: Dict[str, object]):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}; accepted: {sorted(names)}")
+        return cls(**d)
+
+
+# ---- the Triton V-Smooth kernel (templates/vsmooth_attn.py) ---------------------------------------------
+@dataclass(frozen=True)
+class VSmoothTritonConfig(_Json):
+    """(BM, BN, warps, stages) of ``_vsmooth_attn_kernel`` and how it forms the row sums and the mean term."""
+    block_m: int = 64
+    block_n: int = BLOCK_V
+    num_warps: int = 4
+    num_stages: int = 3
+    rowsum: RowSum = RowSum.MMA
+    mean: MeanTerm = MeanTerm.FFMA
+
+    def __post_init__(self):
+        _coerce_enum(self, "rowsum", RowSum)
+        _coerce_enum(self, "mean", MeanTerm)
+        _check_ints(self, block_m={16, 32, 64, 128}, block_n={BLOCK_V}, num_warps={4, 8}, num_stages=set(range(1, 6)))
+        if self.mean == MeanTerm.TF32_WINDOW:
+            raise ValueError("VSmoothTritonConfig.mean: tf32_window is the Gluon kernel's; accepted: ffma, bf16_mma")
+
+
+# Per (head dim, ExpCast). NOTE: chosen on the H200, see docs/kernels_notes.md.
+# NOTE (H200, S = 32760, H = 40, A/B of 22 variants, docs/kernels_notes.md v2): fastest variants that
+# pass the accuracy/NaN check. D = 128: exp2 ROWSUM=1 589 TFLOP/s (ROWSUM=2 583, fp32 p 599), ExpCast
+# ROWSUM=2 572; MEAN=2 costs 27% at D = 128 (427) but wins at D = 64 with BM = 128 (407-409 vs 353).
+# NOTE exp2 + MEAN=1 gave NaN rows (~40%) with ROWSUM 0/3 at (64,128,4,3) and with ROWSUM=2 at
+# (128,128,4,3) (a code-generation problem we did not pin down; ExpCast and MEAN=2 never did):
+# test_gpu_no_nan_any_specialisation checks every specialisation of these defaults.
+_T64 = dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
+_T128 = dict(block_m=128, block_n=128, num_warps=4, num_stages=3)
+VSMOOTH_TRITON_DEFAULT: Dict[Tuple[int, bool], VSmoothTritonConfig] = {
+    (128, False): VSmoothTritonConfig(**_T64, rowsum=RowSum.MMA, mean=MeanTerm.FFMA),
+    (128, True): VSmoothTritonConfig(**_T64, rowsum=RowSum.FP16, mean=MeanTerm.FFMA),
+    (64, False): VSmoothTritonConfig(**_T128, rowsum=RowSum.FP16, mean=MeanTerm.BF16_MMA),
+    (64, True): VSmoothTritonConfig(**_T128, rowsum=RowSum.FP16, mean=MeanTerm.BF16_MMA),
+}
+# What the autotuner may pick per (head dim, ExpCast), FIRST = the measured default above (what runs when
+# nothing is tuned). Only variants compiled on the H200 in the v2 A/B and marked correct there
+# (docs/kernels_notes.md); exp2 + FFMA mean is the default only: the other exp2 + FFMA compiles are the
+# NaN-prone family, so no tuner may pick one.
+VSMOOTH_TRITON_CANDIDATES: Dict[Tuple[int, bool], Tuple[VSmoothTritonConfig, ...]] = {
+    (128, False): (VSMOOTH_TRITON_DEFAULT[(128, False)],
+                   VSmoothTritonConfig(**_T64, rowsum=RowSum.FP16, mean=MeanTerm.BF16_MMA)),
+    (128, True): (VSMOOTH_TRITON_DEFAULT[(128, True)],
+                  VSmoothTritonConfig(**_T64, rowsum=RowSum.FP32, mean=MeanTerm.FFMA),
+                  VSmoothTritonConfig(**_T64, rowsum=RowSum.FP16, mean=MeanTerm.BF16_MMA)),
+    (64, False): (VSMOOTH_TRITON_DEFAULT[(64, False)],
+                  VSmoothTritonConfig(**_T64, rowsum=RowSum.FP16, mean=MeanTerm.BF16_MMA)),
+    (64, True): (VSMOOTH_TRITON_DEFAULT[(64, True)],
+                 VSmoothTritonConfig(**_T128, rowsum=RowSum.FP32, mean=MeanTerm.FFMA),
+                 VSmoothTritonConfig(**_T64, rowsum=RowSum.FP16, mean=MeanTerm.BF16_MMA),
+                 VSmoothTritonConfig(**_T64, rowsum=RowSum.FP32, mean=MeanTerm.FFMA)),
+}
+
+
+def vsmooth_triton_variant(expcast: bool, qk_fp8: bool) -> str:
+    """The variant field of the Triton V-Smooth kernel's tuning key."""
+    return f"{'expcast' if expcast else 'exp2'}-{'fp8' if qk_fp8 else 'int8'}"
+
+
+# ---- the Gluon sm_90 V-Smooth kernel (templates/vsmooth_attn_sm90.py) -----------------------------------
+@dataclass(frozen=True)
+class VSmoothSm90Config(_Json):
+    """The Gluon kernel's launch: BM query rows per program (per consumer warp group when warp-specialised),
+    warps, K / V ring depth, where PV reads P~, warp specialisation (two consumer warp groups + a producer
+    warp, one CTA per SM), and the row-sum / mean-term modes (``RowSum.MMA`` + ``MeanTerm.TF32_WINDOW``: both
+    on the tensor cores, "MS" in docs/kernels_notes.md v7)."""
+    block_m: int = 64
+    num_warps: int = 4
+    stages: int = 2
+    p_operand: POperand = POperand.SHARED
+    warp_specialize: bool = False
+    rowsum: RowSum = RowSum.FP16
+    mean: MeanTerm = MeanTerm.FFMA
+
+    def __post_init__(self):
+        _coerce_enum(self, "p_operand", POperand)
+        _coerce_enum(self, "rowsum", RowSum)
+        _coerce_enum(self, "mean", MeanTerm)
+        _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 5)))
+        if not isinstance(self.warp_specialize, bool):
+            raise ValueError(f"VSmoothSm90Config.warp_specialize={self.warp_specialize!r}; accepted: True, False")
+        regs = self.p_operand == POperand.REGISTERS
+        if self.warp_specialize and (not regs or self.num_warps != 4 or self.block_m != 64):
+            raise ValueError(f"{self}: warp specialisation needs p_operand='registers', 4 warps and block_m = 64 "
+                             "per consumer warp group")
+        if self.rowsum not in (RowSum.FP16, RowSum.MMA):
+            raise ValueError(f"{self}: rowsum is 'fp16' (the ALUs) or 'mma' (the tensor cores)")
+        if (self.rowsum == RowSum.MMA) != (self.mean == MeanTerm.TF32_WINDOW) or self.mean == MeanTerm.BF16_MMA:
+            raise ValueError(f"{self}: rowsum='mma' goes with mean='tf32_window' (both on the tensor cores), "
+                             "rowsum='fp16' with mean='ffma'")
+        if self.rowsum == RowSum.MMA and not regs:
+            raise ValueError(f"{self}: rowsum='mma' takes P~ from registers: needs p_operand='registers'")
+
+    @property
+    def mma_sums(self) -> bool:
+        """Row sums and the mean term on the tensor cores (the kernel's MS constexpr)."""
+        return self.rowsum == RowSum.MMA
+
+
+_SHARED_P = VSmoothSm90Config()
+_REG_P = VSmoothSm90Config(p_operand=POperand.REGISTERS)
+_MS_WS = VSmoothSm90Config(p_operand=POperand.REGISTERS, warp_specialize=True, rowsum=RowSum.MMA,
+                           mean=MeanTerm.TF32_WINDOW)
+# NOTE (H200, S = 32760, D = 128, naive 8-bit / V-Smooth, ms): (BM, warps, stages) (64, 4, 2) 30.85 / 37.78,
+# (64, 4, 3) 44.73 / 59.02 (122 KB of shared memory: one CTA per SM), (128, 8, 2) 35.54 / 44.60 (one CTA of two
+# warp groups, no ping-pong between them); cuDNN 38.85. Both head dims run two CTAs (8 warps) per SM at
+# (64, 4, 2); D = 64 fits three (168 registers).
+# NOTE (H200, 2026-11-30, S = 32760, D = 128, ExpCast kernel, ms, three runs): shared-memory P~ 34.79 / 35.85 /
+# 35.56, register P~ 31.78 / - / 32.66, + warp specialisation 31.43 / - / 31.55. (Register P~ on the exp2 path
+# gave NaN rows with the mean term on until e4m3x4, 2026-12-01: kernels_notes v6.)
+# NOTE (H200, 5f2bd7e vs ae07fe5, ExpCast kernel x cuDNN): warp-specialised register P~ 1.22 / 1.26 at
+# S = 32760 / 75600 (shared-memory P~ 1.09 / 1.09) but 1.01 at S = 8190 (shared memory 1.08: one CTA of 12
+# warps per SM leaves 19 waves with a ragged tail).
+# NOTE (H200, 2026-12-01, 940b993 + e4m3x4, kernel alone, ms; cuDNN 38.01 / 205.1 / 2.429 / 25.93 at S = 32760 /
+# 75600 / 8190 (D = 128) / 32760 (D = 64)); "WS" warp specialisation, "reg" register P~ (both MMAs issued
+# after the softmax):
+#   ExpCast: WS reg 29.15 / 154.8 / 2.070 / 22.68; reg 31.04 / 167.3 / 2.076 / 21.58; shared-memory P~
+#     34.73 / 181.3 / 2.215 / 26.28.
+#   exp2 (V-Smooth): shared-memory P~ 32.24 / 177.2 / 2.103 / 23.55; WS reg 32.52 / 170.6 / 2.327 / 25.26;
+#     reg 32.34 / 170.6 / 2.161 / 22.98.
+#   naive 8-bit (exp2, no mean term): shared memory 29.54 / 157.5; WS reg 28.84 / 152.8.
+# NOTE (same day, D = 128, ms at S = 2048 / 4096 / 16380 / 24570; cuDNN 0.142 / 0.561 / 9.636 / 21.78): ExpCast
+#   WS reg 0.197 / 0.603 / 7.529 / 16.91, reg 0.190 / 0.588 / 8.092 / 18.26, shared-memory P~
+#   0.175 / 0.570 / 8.789 / 20.14 -> warp-specialised register P~ from 6144 rows (between 4096 and 8190, where it
+#   leads: 2.070 vs 2.215); V-Smooth shared-memory P~ 0.161 / 0.581 / 8.262 / 18.73 -> register P~ only from
+#   49152 rows (it is level at 32760 and 4% ahead at 75600; not measured between). Below ~4096 rows both 8-bit
+#   kernels are slower than cuDNN (0.81-0.97x): a short head has too few key blocks to fill the pipeline.
+# NOTE (H200, 2026-12-01, MS = row sums and the mean term on the tensor cores, kernel alone, ms, x cuDNN of the run):
+#   S = 32760, D = 128: ExpCast WS reg 29.42 -> MS WS 25.66 (1.31x -> 1.50x), MS without WS 27.08;
+#     V-Smooth shared-memory P~ 32.88 / WS reg 33.34 -> MS WS 27.33 (1.41x), MS without WS 30.55;
+#     naive WS reg 29.06 -> MS 27.71. S = 75600: ExpCast 161.5 -> 136.4, V-Smooth 170.5 -> 146.5.
+#   S = 8190: ExpCast 2.141 -> 1.787 (shared-memory P~ 2.174), V-Smooth shared memory 2.085 -> MS WS 1.945;
+#   S = 4096 (cuDNN 0.565): ExpCast MS WS 0.529 (shared memory 0.566), V-Smooth MS WS 0.590 (shared memory 0.571).
+#   D = 64, S = 32760 (cuDNN 26.38): ExpCast reg 21.58 -> MS WS 18.70; V-Smooth 22.98 -> MS WS 21.88.
+#   Loop (sm_90 SASS, ExpCast D = 128): 716 -> ~556 instructions per key block outside the 1-in-8 flush.
+# Per (head dim, ExpCast): the configuration below LONG's threshold ...
+VSMOOTH_SM90_SHORT: Dict[Tuple[int, bool], VSmoothSm90Config] = {
+    (128, False): _SHARED_P, (128, True): _SHARED_P, (64, False): _REG_P, (64, True): _REG_P}
+# ... and (from this many query rows, the configuration from there on)
+VSMOOTH_SM90_LONG: Dict[Tuple[int, bool], Tuple[int, VSmoothSm90Config]] = {
+    (128, False): (6144, _MS_WS), (128, True): (4096, _MS_WS), (64, False): (6144, _MS_WS), (64, True): (6144, _MS_WS)}
+# What the autotuner may pick on an sm_90 GPU outside the shipped table (every structure the kernel has, at the
+# measured (BM, warps, stages) = (64, 4, 2)); the regime's default first.
+_SM90_STRUCTURES = (_SHARED_P, _REG_P, VSmoothSm90Config(p_operand=POperand.REGISTERS, warp_specialize=True),
+                    VSmoothSm90Config(p_operand=POperand.REGISTERS, rowsum=RowSum.MMA, mean=MeanTerm.TF32_WINDOW),
+                    _MS_WS)
+
+
+def sm90_regime(D: int, expcast: bool, S: int) -> str:
+    """``"long"`` from VSMOOTH_SM90_LONG's threshold on, else ``"short"``. Part of the tuning key: the measured
+    default changes at a row count that is not a boundary of the key's power-of-two sequence buckets."""
+    return "long" if S >= VSMOOTH_SM90_LONG[(D, bool(expcast))][0] else "short"
+
+
+def vsmooth_sm90_default(D: int, expcast: bool, S: int) -> VSmoothSm90Config:
+    key = (D, bool(expcast))
+    return VSMOOTH_SM90_LONG[key][1] if sm90_regime(D, expcast, S) == "long" else VSMOOTH_SM90_SHORT[key]
+
+
+def vsmooth_sm90_candidates(D: int, expcast: bool, S: int) -> Tuple[VSmoothSm90Config, ...]:
+    first = vsmooth_sm90_default(D, expcast, S)
+    return (first,) + tuple(c for c in _SM90_STRUCTURES if c != first)
+
+
+def vsmooth_sm90_variant(expcast: bool, regime: str) -> str:
+    """The variant field of the Gluon kernel's tuning key (INT8 Q/K only)."""
+    return f"{'expcast' if expcast else 'exp2'}-int8-{regime}"
+
+
+# ---- the MC-Sparse gather kernel (templates/sparse_attn.py) ---------------------------------------------
+@dataclass(frozen=True)
+class SparseAttnConfig(_Json):
+    """(BLOCK_N keys per inner step, warps, stages) of ``_sparse_attn_kernel``; ``kv_off``: the V gather
+    reuses the K gather's offsets (applies only when K and V have the same row stride, D == Dv and 16-bit QK;
+    None = the measured rule: on for query groups C >= 128)."""
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    kv_off: Optional[bool] = None
+
+    def __post_init__(self):
+        _check_ints(self, block_n={16, 32, 64, 128, 256}, num_warps={1, 2, 4, 8, 16}, num_stages=set(range(1, 6)))
+        if self.kv_off is not None and not isinstance(self.kv_off, bool):
+            raise ValueError(f"SparseAttnConfig.kv_off={self.kv_off!r}; accepted: None, True, False")
+
+
+# NOTE configs (BLOCK_N, num_warps, num_stages) per (qk_format, D, C). H200, S = 32760, s = 0.15, C = 64
+# (first run, docs/sparse_notes.md): bf16 BN64/w4/s4 8.99 ms, s3 9.06, BN32/w4/s4 9.35, s2 11.5,
+# BN128/w4 12.5, 8 warps 12.9-15.7; fp8 BN64/w4/s3 9.68, s4 9.79, BN128 10.2, 8 warps 17.7-20.0.
+# C = 128 (second run): bf16 BN64/w4/s3 and s4 7.60 ms, BN128/w8 8.87, BN64/w8 9.16, BN128/w4 13.7;
+# fp8 BN128/w4/s3 8.13, BN64/w4 8.65, 8 warps 9.9-10.1.
+# NOTE kv_off (scripts/codegen_sparse.py, S = 32760, bf16, residual on; docs/sparse_notes.md): C = 128 BN64/w4:
+# key loop 720 SASS instructions (41 of them spill loads/stores) -> 671, 13 spill instructions. Measured (H200,
+# S = 32760, s = 0.15, bf16, 2026-11-29, bf83f15, `--ab`): at C = 128 (BN64/w4) 7.871 -> 7.482 ms kernel,
+# 7.973 -> 7.585 ms reuse step (4.76x -> 5.00x cuDNN), identical output; at C = 64 (BN64/w4/s4) 8.854 ->
+# 9.015 ms (+1.8%). So kv_off is on for C >= 128 (kv_off=None).
+SPARSE_DEFAULT: Dict[Tuple[str, int, int], SparseAttnConfig] = {
+    ("bf16", 64, 64): SparseAttnConfig(128, 4, 3),
+    ("bf16", 128, 64): SparseAttnConfig(64, 4, 4),
+    ("fp8", 64, 64): SparseAttnConfig(128, 4, 3),
+    ("fp8", 128, 64): SparseAttnConfig(64, 4, 3),
+    ("bf16", 128, 128): SparseAttnConfig(64, 4, 3),
+    ("fp8", 128, 128): SparseAttnConfig(128, 4, 3),
+}
+# shapes outside the sweeps: (64, 4, 3), measured only at D = 128, C = 64
+SPARSE_FALLBACK = SparseAttnConfig(64, 4, 3)
+# The autotuner's candidates: the configs both H200 sweeps compiled and timed (C = 64 first run, C = 128
+# benchmarks/bench_sparse_attn.py SWEEP_C128); the default is put first, so an untuned run launches exactly
+# what the table says.
+SPARSE_SWEPT = tuple(SparseAttnConfig(*c) for c in ((64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 4), (128, 4, 3),
+                                                     (64, 8, 3), (64, 8, 4), (128, 8, 3)))
+
+
+def sparse_default(qk_format: str, D: int, C: int) -> SparseAttnConfig:
+    return SPARSE_DEFAULT.get((qk_format, D, C), SPARSE_FALLBACK)
+
+
+def sparse_candidates(qk_format: str, D: int, C: int) -> Tuple[SparseAttnConfig, ...]:
+    first = sparse_default(qk_format, D, C)
+    return (first,) + tuple(c for c in SPARSE_SWEPT if c != first)
+
+
+def sparse_variant(qk_format: str, C: int, n_keep: int, Sk: int) -> str:
+    """The variant field of the gather kernel's tuning key: QK format, group size, density to 0.05."""
+    return f"{qk_format}-c{C}-p{int(round(20 * n_keep / Sk)) * 5}"
+
+
+# ---- the V-Smooth preprocessing (templates/preprocess.py) -----------------------------------------------
+@dataclass(frozen=True)
+class PreprocessConfig(_Json):
+    """How the Q/K quantisation kernel applies a fused RoPE prologue (no effect without RoPE).
+    ``rope_packed``: interleaved pairs of 16-bit q/k read as 32-bit words and the codes stored as int16
+    pairs (applies when the inputs allow it; else the pairs are split in registers). ``rope_head_fast``: grid
+    (B*H, token blocks), the heads of one token block back to back (the table rows come from L2)."""
+    rope_packed: bool = True
+    rope_head_fast: bool = True
+
+    def __post_init__(self):
+        for name in ("rope_packed", "rope_head_fast"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PreprocessConfig.{name}={getattr(self, name)!r}; accepted: True, False")
+
+
+# NOTE (H200, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D], Wan pair tables; bench_preprocess.py):
+# the measurements behind both switches are in templates/preprocess.py's module doc (RoPE prologue).
+PREPROCESS_DEFAULT = PreprocessConfig()

@@ -1,0 +1,297 @@
+"""The one place that decides how a kernel call runs: the plain-PyTorch reference, a Triton kernel or the Gluon
+sm_90 kernel; whether the kernels can take the inputs at all; and which launch configuration (the tuning cache,
+``vc_compile/tune``, asked with the candidates of ``configs.py``).
+
+    method (methods/*.py) --impl--> dispatch.<kernel>(...) --launch config--> templates/<kernel>.py
+                                                    \\--> reference/<kernel>.py   (impl = REFERENCE)
+
+Rules, in order:
+* ``choose``: per op call, REFERENCE or TRITON for all of a method's kernels. ``kernels="reference"`` (an
+  experimental option) forces the reference; ``"triton"`` forces the kernels and refuses, with a clear error,
+  what cannot work (CPU without ``TRITON_INTERPRET=1``, FP8 options on a GPU without FP8 tensor cores, Triton
+  missing); ``"auto"`` runs the kernels on CUDA GPUs where the method's options are supported (FP8 needs
+  sm_89+) and the reference elsewhere (CPU; a GPU without FP8, with a one-time warning).
+* ``vsmooth_attention`` with TRITON: the Gluon kernel (``vsmooth_attn_sm90.py``) on an sm_90 GPU for INT8 Q/K
+  outside the interpreter, the Triton kernel (``vsmooth_attn.py``) otherwise; a ``launch`` config picks its
+  kernel explicitly (``VSmoothSm90Config`` / ``VSmoothTritonConfig``: benchmarks' side-by-side rows).
+  NOTE (H200, S = 32760, B = 1, H = 40, D = 128, same run): Gluon V-Smooth 34.49 vs 38.57 ms Triton, + ExpCast
+  34.69 vs 38.97, naive 8-bit 30.59 vs 34.85 (cuDNN 38.43); docs/kernels_notes.md "v3".
+* ``launch=None``: ``tune.lookup.resolve`` (shipped table of the GPU family -> local cache -> tuned on first
+  use; the first candidate, never tuned, off CUDA and under the interpreter).
+* Eligibility (``vsmooth_ineligible`` / ``sparse_ineligible``): the reasons the op records when it runs stock
+  SDPA instead of the kernels (head dims ``configs.VSMOOTH_HEAD_DIMS`` / powers of two in [16, 256],
+  cross-attention for the 8-bit kernels).
+
+Nothing here holds state that selects an implementation: every decision is a function of the arguments and
+the device.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import os
+import warnings
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from vc_compile.reference import dense as ref_dense
+from vc_compile.reference import kmeans as ref_kmeans
+from vc_compile.reference import pddp as ref_pddp
+from vc_compile.reference import preprocess as ref_preprocess
+from vc_compile.reference import select as ref_select
+from vc_compile.reference import sparse_attn as ref_sparse
+from vc_compile.reference import sparse_attn_q8 as ref_sparse_q8
+from vc_compile.reference import vsmooth_attn as ref_vsmooth
+from vc_compile.templates import configs as C
+from vc_compile.templates.interpret import interpreting
+from vc_compile.tune import lookup as tune
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# the files whose source keys a kernel's tuning cache entries (a change of the kernel re-tunes)
+SOURCES = {name: tuple(os.path.join(_HERE, f) for f in files) for name, files in {
+    "vsmooth_attn": ("vsmooth_attn.py",),
+    "vsmooth_attn_sm90": ("vsmooth_attn_sm90.py", "vsmooth_attn_sm90_softmax.py", "vsmooth_attn_sm90_steps.py"),
+    "sparse_attn": ("sparse_attn.py",),
+}.items()}
+
+
+class Impl(str, enum.Enum):
+    REFERENCE = "reference"  # reference/<kernel>.py: plain PyTorch, any device
+    TRITON = "triton"  # templates/<kernel>.py (the Gluon kernel among them where it applies)
+
+
+# ---- which implementation ----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def triton_error() -> Optional[str]:
+    """None when the Triton kernels import, else why not (``"ImportError: ..."``)."""
+    try:
+        from vc_compile.templates import kmeans, pddp, preprocess, select, sparse_attn, vsmooth_attn  # noqa: F401
+    except Exception as e:  # the kernels are missing or failed to import: say so, never silently
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def fp8_capable(device: torch.device) -> bool:
+    """Whether Triton's float8e4nv MMAs run on ``device`` (sm_89+ NVIDIA; the CPU interpreter)."""
+    if device.type != "cuda":
+        return interpreting()
+    if getattr(torch.version, "hip", None):  # Triton's float8e4nv (OCP E4M3 on NVIDIA) is not ROCm's
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def choose(method: str, kernels: str, needs_fp8: bool, device: torch.device) -> Tuple[Impl, str]:
+    """(implementation, path label for ``report()``) of one call of ``method`` (see the module doc).
+    ``kernels``: "auto" | "triton" | "reference" (``VCConfig.experimental.kernels``)."""
+    kernels = getattr(kernels, "value", kernels)
+    if kernels == "reference":
+        return Impl.REFERENCE, "reference"
+    fp8_ok = not needs_fp8 or fp8_capable(device)
+    if kernels == "triton":
+        if device.type != "cuda" and not interpreting():
+            raise RuntimeError(f"vcattn: kernels='triton' on a {device.type} tensor needs a CUDA GPU, or "
+                               "TRITON_INTERPRET=1 set before triton is imported (tests); or use "
+                               "kernels='auto' / 'reference'.")
+        if not fp8_ok:
+            raise RuntimeError(f"vcattn: kernels='triton' but this GPU has no FP8 tensor cores (needs sm_89+) "
+                               f"and {method} with these options uses FP8; use kernels='auto' (the reference, "
+                               "slow), method='dense', or for mcsparse sparse_qk='bf16'.")
+    elif device.type != "cuda" or not fp8_ok:
+        if device.type == "cuda":
+            _warn_once(f"vcattn: this GPU has no FP8 tensor cores (needs sm_89+); {method} runs the "
+                       "plain-PyTorch reference (slow). Use method='dense' for speed on this GPU.")
+        return Impl.REFERENCE, "reference"
+    err = triton_error()
+    if err is not None:
+        if kernels == "triton":
+            raise RuntimeError(f"vcattn: kernels='triton' but the {method} Triton kernels failed to "
+                               f"load ({err}). Install triton, or use kernels='reference'.")
+        _warn_once(f"vcattn: {method} Triton kernels unavailable ({err}); running the reference.")
+        return Impl.REFERENCE, f"reference ({err.split(':')[0]})"
+    return Impl.TRITON, "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+# ---- eligibility (the kernels' limits; the reference runs any shape) ----------------------------------------
+def vsmooth_ineligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """Why the 8-bit kernels cannot run these inputs (the op then runs stock SDPA and records it), or None."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    if C.vsmooth_head_dim_error(D) or Dv != D:
+        return "head_dim unsupported by the 8-bit kernels (64 or 128)"
+    if q.shape[2] != k.shape[2]:
+        return "cross-attention (Sq != Sk) unsupported by the 8-bit kernels"
+    return None
+
+
+def sparse_ineligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """Why the sparse kernels cannot run these inputs, or None."""
+    if any(C.pow2_head_dim_error(d) for d in (q.shape[-1], v.shape[-1])):
+        return "head_dim unsupported by the sparse kernels (power of two in [16, 256])"
+    return None
+
+
+# ---- tuning ------------------------------------------------------------------------------------------------
+def _resolve(kernel: str, cls, candidates, launch_fn: Callable, *, dtype, head_dim: int, seq_len: int,
+             variant: str, device: torch.device):
+    """The launch config of one call: ``tune.resolve`` over ``candidates`` (configs), as a config object."""
+    def launch(d):
+        return launch_fn(cls.from_json(d))
+    tunable = device.type == "cuda" and not interpreting()
+    d, _ = tune.resolve(kernel, list(SOURCES[kernel]), [c.to_json() for c in candidates], dtype=dtype,
+                        head_dim=head_dim, seq_len=seq_len, variant=variant, device=device, tunable=tunable,
+                        bench=tune.validated_bench(launch) if tunable else None)
+    return cls.from_json(d)
+
+
+# ---- V-Smooth ----------------------------------------------------------------------------------------------
+def preprocess_qk(impl: Impl, q, k, perm=None, *, sm_scale: float, hadamard: bool = False, qk_format: str = "int8",
+                  rope=None, launch: Optional[C.PreprocessConfig] = None):
+    """QKQuant of q, k (reference/preprocess.py's contract); ``rope``: q, k un-rotated (prologue fusion)."""
+    if impl == Impl.REFERENCE:
+        return ref_preprocess.preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format,
+                                            rope=rope)
+    from vc_compile.templates import preprocess
+    return preprocess.preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format, rope=rope,
+                                    launch=launch or C.PREPROCESS_DEFAULT)
+
+
+def preprocess_v(impl: Impl, v, perm=None, *, smooth: bool = True):
+    """VQuant of v (reference/preprocess.py's contract)."""
+    if impl == Impl.REFERENCE:
+        return ref_preprocess.preprocess_v(v, perm, smooth=smooth)
+    from vc_compile.templates import preprocess
+    return preprocess.preprocess_v(v, perm, smooth=smooth)
+
+
+def kmeans_perm(impl: Impl, x, n_clusters: int, n_iters: int, init=None):
+    """k-means of the rows of x per (b, h) -> KMeansResult(perm, centroids, labels)."""
+    if impl == Impl.REFERENCE:
+        return ref_kmeans.kmeans_perm(x, n_clusters, n_iters, init=init)
+    from vc_compile.templates import kmeans
+    return kmeans.kmeans_perm(x, n_clusters, n_iters, init=init)
+
+
+def uses_sm90(device: torch.device, qk_format: str) -> bool:
+    """Whether ``vsmooth_attention`` (TRITON, no launch config) runs the Gluon sm_90 kernel for these inputs."""
+    if device.type != "cuda" or interpreting() or qk_format != "int8":
+        return False
+    return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def vsmooth_kernel(device: torch.device, qk_format: str, launch=None) -> str:
+    """The tuning-table name of the attention kernel a TRITON call runs: "vsmooth_attn_sm90" (Gluon) or
+    "vsmooth_attn" (Triton)."""
+    if launch is not None:
+        return "vsmooth_attn_sm90" if isinstance(launch, C.VSmoothSm90Config) else "vsmooth_attn"
+    return "vsmooth_attn_sm90" if uses_sm90(device, qk_format) else "vsmooth_attn"
+
+
+def vsmooth_candidates(kernel: str, D: int, expcast: bool, S: int) -> List:
+    """The tuner's candidates of ``kernel`` for this shape (first = the measured default)."""
+    if kernel == "vsmooth_attn_sm90":
+        return list(C.vsmooth_sm90_candidates(D, expcast, S))
+    return list(C.VSMOOTH_TRITON_CANDIDATES[(D, bool(expcast))])
+
+
+def vsmooth_attention(impl: Impl, qk, vq, *, expcast: bool = False, out_dtype=torch.bfloat16,
+                      return_lse: bool = False, launch=None):
+    """8-bit attention of a QKQuant / VQuant: O [B, H, S, D] (and the base-2 LSE of the smoothed logits)."""
+    if impl == Impl.REFERENCE:
+        if launch is not None:
+            raise ValueError("a launch config selects a kernel; the reference has none")
+        return ref_vsmooth.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse)
+    from vc_compile.templates.vsmooth_attn import check_inputs
+    check_inputs(qk, vq)  # a clear error before any table is read
+    fmt = "fp8" if qk.q8.dtype == torch.float8_e4m3fn else "int8"
+    kernel = vsmooth_kernel(qk.q8.device, fmt, launch)
+    B, H, S, D = qk.q8.shape
+    if kernel == "vsmooth_attn_sm90":
+        from vc_compile.templates import vsmooth_attn_sm90 as kmod
+        run = kmod.vsmooth_attention_sm90
+        if launch is None:
+            launch = _resolve(kernel, C.VSmoothSm90Config, C.vsmooth_sm90_candidates(D, expcast, S),
+                              lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse,
+                                            launch=c),
+                              dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device,
+                              variant=C.vsmooth_sm90_variant(expcast, C.sm90_regime(D, expcast, S)))
+    else:
+        from vc_compile.templates import vsmooth_attn as kmod
+        run = kmod.vsmooth_attention
+        if launch is None:
+            launch = _resolve(kernel, C.VSmoothTritonConfig, C.VSMOOTH_TRITON_CANDIDATES[(D, bool(expcast))],
+                              lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse,
+                                            launch=c),
+                              dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device,
+                              variant=C.vsmooth_triton_variant(expcast, fmt == "fp8"))
+    return run(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse, launch=launch)
+
+
+# ---- MC-Sparse ---------------------------------------------------------------------------------------------
+def pddp_perm(impl: Impl, q, group_size: int):
+    """sigma [B, H, S] int64: query order whose consecutive ``group_size`` chunks are the Fast PDDP groups."""
+    if impl == Impl.REFERENCE:
+        return ref_pddp.pddp_perm(q, group_size)
+    from vc_compile.templates import pddp
+    return pddp.pddp_perm(q, group_size)
+
+
+def dense_with_lse(impl: Impl, q, k, v, sm_scale: float):
+    """Pass 1: dense attention and its base-2 LSE [B, H, S] fp32 (reference/dense.py's convention)."""
+    if impl == Impl.REFERENCE:
+        return ref_dense.dense_attention_lse(q, k, v, sm_scale=sm_scale)
+    from vc_compile.templates import select
+    return select.dense_with_lse(q, k, v, sm_scale)
+
+
+def group_key_mass(impl: Impl, q, k, sigma, lse2, *, sm_scale: float, group_size: int):
+    """Pass 2: mass [B, H, G, Sk] fp32, exact probabilities summed over each query group."""
+    if impl == Impl.REFERENCE:
+        return ref_select.group_key_mass(q, k, sigma, lse2, sm_scale=sm_scale, group_size=group_size)
+    from vc_compile.templates import select
+    return select.group_key_mass(q, k, sigma, lse2, sm_scale=sm_scale, group_size=group_size)
+
+
+def sparse_candidates(qk_format: str, D: int, C_: int) -> List:
+    return list(C.sparse_candidates(qk_format, D, C_))
+
+
+def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_size: int, residual=None,
+                     out_dtype=None, qk_format: str = "bf16", launch: Optional[C.SparseAttnConfig] = None,
+                     k_fp8=None):
+    """Token-gather sparse attention (reference/sparse_attn.py; ``qk_format="fp8"``: reference/sparse_attn_q8.py):
+    [B, H, S, Dv] in ``out_dtype`` (default q.dtype), original query order."""
+    if impl == Impl.REFERENCE:
+        if launch is not None:
+            raise ValueError("a launch config selects a kernel; the reference has none")
+        fn = ref_sparse_q8.sparse_attention_q8 if qk_format == "fp8" else ref_sparse.sparse_attention
+        return fn(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual,
+                  out_dtype=out_dtype)
+    from vc_compile.templates import sparse_attn as kmod
+    if launch is None:
+        fmt = "fp8" if qk_format == "fp8" else "bf16"
+        if fmt == "fp8" and k_fp8 is None:  # once, not once per tuning candidate
+            k_fp8 = kmod.quantize_k_fp8(k if k.stride(-1) == 1 else k.contiguous())
+        D, Sk, keep = q.shape[3], k.shape[2], idx.shape[3]
+        launch = _resolve("sparse_attn", C.SparseAttnConfig, C.sparse_candidates(fmt, D, int(group_size)),
+                          lambda c: kmod.sparse_attention(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
+                                                          residual=residual, out_dtype=out_dtype, qk_format=fmt,
+                                                          launch=c, k_fp8=k_fp8),
+                          dtype=q.dtype, head_dim=D, seq_len=q.shape[2], device=q.device,
+                          variant=C.sparse_variant(fmt, int(group_size), keep, Sk))
+    return kmod.sparse_attention(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual,
+                                 out_dtype=out_dtype, qk_format=qk_format, launch=launch, k_fp8=k_fp8)
+
+
+def select_topk(impl: Impl, mass, keep: int):
+    """idx [..., keep] int32: the ``keep`` largest masses per row, ascending (torch on every device)."""
+    return ref_select.select_topk(mass, keep)
