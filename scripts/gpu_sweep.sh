@@ -5,8 +5,8 @@
 #   fa4part DIR   copy the FA4 wheel parts carried in DIR (ignored, e.g. .fa4a) to /tmp/fa4 on the machine
 #   install       pip install the carried wheels (.whl/*.whl, /tmp/fa4 joined) into /tmp/site (--no-deps)
 #   tests         the GPU tests (pytest -n 8 over the kernel test files)
-#   kernels       kernel benchmarks, the tree in .old (if carried) and this one back to back, then the
-#                 per-row ratio new / old (scripts/compare_runs.py)
+#   kernels       scripts/ab_redesign.py on the tree in .old (if carried), this one, .old again; then the
+#                 kernel benchmarks with their FA4 / cuDNN / sageattention baselines (KERNEL_BENCH=0: A/B only)
 #   pipeline | generation | anchor | guard | cold   the whole-generation benchmarks (issue 20, 23)
 #   earlier sessions' stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, soak,
 #   cp (two GPUs), gputests, gpukey, vsmooth (A/B), preprocess, tune, pkg (NVML, enable(), package tests)
@@ -50,20 +50,18 @@ install_wheels() {
   $PY -c "from flash_attn.cute import flash_attn_func; print('flash-attn-4 ok')"
 }
 
-kernels() {
-  local old=${OLD_COMMIT:-old}
+kernels() {  # issue 22: the previous tree (.old) and this one, old -> new -> old again (drift), then FA4 rows
   if [ -d .old ]; then
-    (cd .old && VC_COMMIT=$old $PY -m benchmarks.bench_vsmooth_attn --quick)
-    (cd .old && VC_COMMIT=$old $PY -m benchmarks.bench_sparse_attn --quick --no-sweep)
+    cp scripts/ab_redesign.py .old/scripts/
+    (cd .old && $PY -m scripts.ab_redesign --out "$OUT/ab_old.json")
+    $PY -m scripts.ab_redesign --out "$OUT/ab_new.json"
+    (cd .old && $PY -m scripts.ab_redesign --out "$OUT/ab_old2.json")
+    $PY -m scripts.ab_redesign --compare "$OUT/ab_old.json" "$OUT/ab_new.json" "$OUT/ab_old2.json" \
+      | tee "$OUT/ab_compare.txt"
   fi
+  [ "${KERNEL_BENCH:-1}" = 1 ] || return 0
   $PY -m benchmarks.bench_vsmooth_attn --quick
   $PY -m benchmarks.bench_sparse_attn --quick --no-sweep
-  if [ -d .old ]; then
-    for b in bench_vsmooth_attn bench_sparse_attn; do
-      $PY -m scripts.compare_runs --a ".old/benchmarks/results/$b.csv:$old" \
-        --b "benchmarks/results/$b.csv:$VC_COMMIT" --out "$OUT/compare_$b.txt"
-    done
-  fi
 }
 
 GPU_TESTS="tests/test_vsmooth_attn_sm90.py tests/test_vsmooth_attn.py tests/test_sparse_attn.py
