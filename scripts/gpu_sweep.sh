@@ -25,10 +25,15 @@ run_stage() {  # name limit_s command...
   local name=$1 lim=$2; shift 2
   local t0=$SECONDS
   echo "=== $name: start $(date -u +%T), limit ${lim} s"
+  if [ "$(type -t "$1")" = function ]; then  # timeout runs programs: a function goes through bash -c
+    export -f "$1"; export PY OUT
+    set -- bash -c "$*"
+  fi
   timeout "$lim" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   echo "=== $name: rc=$rc after $((SECONDS - t0)) s"
-  grep -v -E "Warning|warn\(|^\s*$" "$OUT/$name.log" | tail -n "${TAIL:-25}"
+  grep -v -E "Warning|warn\(|^\s*$|PASSED|SKIPPED" "$OUT/$name.log" | tail -n "${TAIL:-25}"
+  grep -E "FAILED|ERROR" "$OUT/$name.log" | sort -u | head -n 30
   cp benchmarks/results/*.csv "$OUT/results/" 2>/dev/null
   if [ -d .old/benchmarks/results ]; then
     mkdir -p "$OUT/results/old" && cp .old/benchmarks/results/*.csv "$OUT/results/old/" 2>/dev/null
@@ -61,7 +66,8 @@ kernels() {  # issue 22: the previous tree (.old) and this one, old -> new -> ol
   fi
   [ "${KERNEL_BENCH:-1}" = 1 ] || return 0
   $PY -m benchmarks.bench_vsmooth_attn --quick
-  $PY -m benchmarks.bench_sparse_attn --quick --no-sweep
+  [ "${SPARSE_BENCH:-1}" = 1 ] && $PY -m benchmarks.bench_sparse_attn --quick --no-sweep
+  return 0
 }
 
 GPU_TESTS="tests/test_vsmooth_attn_sm90.py tests/test_vsmooth_attn.py tests/test_sparse_attn.py
@@ -72,7 +78,8 @@ while [ $# -gt 0 ]; do
   case $1 in
     fa4part) cp "$2"/cu13.part* /tmp/fa4/ && ls -la /tmp/fa4; [ -d "$2/small" ] && cp "$2"/small/*.whl /tmp/fa4/; shift ;;
     install) run_stage install 240 install_wheels ;;
-    tests) run_stage tests "${TESTS_S:-240}" $PY -m pytest -n 8 -q -p no:cacheprovider -rfE $GPU_TESTS ;;
+    tests) run_stage tests "${TESTS_S:-240}" $PY -m pytest -n 8 -v -p no:cacheprovider -rfE --timeout 150 \
+             ${TESTS_K:+-k "$TESTS_K"} ${TESTS_FILES:-$GPU_TESTS} ;;
     kernels) run_stage kernels "${KERNELS_S:-300}" kernels ;;
     pipeline) run_stage pipeline "${PIPELINE_S:-560}" $PY -m benchmarks.bench_pipeline \
                 --budget $(( ${PIPELINE_S:-560} - 30 )) ${PIPELINE_ARGS:-} ;;
