@@ -16,6 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vc_out}
 mkdir -p "$OUT/results" /tmp/fa4 /tmp/site
+touch /tmp/gpu_sweep.start
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export VC_COMMIT=${VC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -34,10 +35,9 @@ run_stage() {  # name limit_s command...
   echo "=== $name: rc=$rc after $((SECONDS - t0)) s"
   grep -v -E "Warning|warn\(|^\s*$|PASSED|SKIPPED" "$OUT/$name.log" | tail -n "${TAIL:-25}"
   grep -E "FAILED|ERROR" "$OUT/$name.log" | sort -u | head -n 30
-  cp benchmarks/results/*.csv "$OUT/results/" 2>/dev/null
-  if [ -d .old/benchmarks/results ]; then
-    mkdir -p "$OUT/results/old" && cp .old/benchmarks/results/*.csv "$OUT/results/old/" 2>/dev/null
-  fi
+  # only the result files this call touched: the device brings back a handful of files per call (a call
+  # that copied all of them lost the one that mattered)
+  find benchmarks/results -name '*.csv' -newer /tmp/gpu_sweep.start -exec cp {} "$OUT/results/" \;
   return 0
 }
 
