@@ -200,11 +200,11 @@ def test_op_outside_any_sampling_context_counts_calls():
     for i in range(5):
         out = torch.ops.vcattn.attention(q, k, v, None, site, cfg.to_json(), None)
         assert torch.isfinite(out).all()
-        expected.append(M_mcsparse.phase_for(cfg, i, 5, i > 1).value)  # step 0 dense, 1 anchor, ...
+        expected.append(M_mcsparse.phase_for(cfg, i, 5, i > 1).value)  # step 0 warm-up, 1 anchor, ...
     rec = _report.site(site)
     assert dict(rec.step_sources) == {"call-count": 5}
     assert sorted(rec.phases.elements()) == sorted(expected)
-    assert rec.phases["dense"] == 1 and rec.phases["anchor"] >= 1 and rec.phases["reuse"] >= 1
+    assert rec.phases["warmup"] == 1 and rec.phases["anchor"] >= 1 and rec.phases["reuse"] >= 1
 
 
 def test_exception_inside_the_op_leaves_the_state_usable(monkeypatch):

@@ -356,12 +356,14 @@ def test_schedule_tables():
     assert [vsmooth.phase_for(vs, s, 8, s > 0).value for s in range(8)] == ["group"] * 2 + ["reuse"] * 6
     mc = VCConfig(method="mcsparse")
     assert [mcsparse.phase_for(mc, s, 10, s > 2).value for s in range(10)] == (
-        ["dense"] * 2 + ["anchor"] + ["reuse"] * 2 + ["anchor"] + ["reuse"] * 4)
+        ["warmup"] * 2 + ["anchor"] + ["reuse"] * 2 + ["anchor"] + ["reuse"] * 4)
+    sdpa_warmup = VCConfig(method="mcsparse", warmup_attention="sdpa")  # the paper's dense warm-up
+    assert [mcsparse.phase_for(sdpa_warmup, s, 10, s > 2).value for s in range(3)] == ["dense"] * 2 + ["anchor"]
     assert mcsparse.anchor_steps(mc, 50) == (10, 26)  # the paper's schedule
     # a reuse step without metadata (e.g. the second expert's first step) never reuses
     assert mcsparse.phase_for(mc, 4, 10, False) == Phase.ANCHOR
     assert vsmooth.phase_for(vs, 5, 8, False) == Phase.GROUP
-    # naive 8-bit has nothing to group; warm-up steps are dense for every method; dense is dense
+    # naive 8-bit has nothing to group; V-Smooth's warm-up steps are dense; dense is dense
     naive = VCConfig(method="vsmooth", experimental={"smooth_v": False})
     assert [vsmooth.phase_for(naive, s, 4, False) for s in range(4)] == [Phase.REUSE] * 4
     assert vsmooth.phase_for(VCConfig(warmup_steps=2), 1, 8, True) == Phase.DENSE

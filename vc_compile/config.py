@@ -65,6 +65,12 @@ class QueryGrouping(str, enum.Enum):
     NONE = "none"  # contiguous tiles of C queries in token order (identity permutation)
 
 
+class WarmupAttention(str, enum.Enum):
+    """What MC-Sparse's warm-up steps run (issue 20: every phase fast)."""
+    VSMOOTH = "vsmooth"  # the 8-bit V-Smooth path (grouping V as method="vsmooth" does)
+    SDPA = "sdpa"  # stock scaled_dot_product_attention (the paper's dense warm-up)
+
+
 class SelectionRefresh(str, enum.Enum):
     ANCHOR = "anchor"  # select at anchor steps, reuse the selection in between
     EVERY_STEP = "every_step"  # re-select from the current q, k at every sparse step (mean_pool only)
@@ -88,6 +94,7 @@ OPTION_DOCS: Dict[str, str] = {
     "anchor_steps": "MC-Sparse: steps that re-select (tuple of ints). None = (20%, 52%) of the steps.",
     "anchor_interval": "MC-Sparse: re-select every N steps after the warm-up (instead of anchor_steps).",
     "sparse_qk": "MC-Sparse: QK precision of the gather kernel: 'bf16' | 'fp8'.",
+    "warmup_attention": "MC-Sparse warm-up steps: 'vsmooth' (8-bit V-Smooth, default) | 'sdpa' (stock SDPA).",
     "residual": "MC-Sparse residual storage: 'bf16' | 'fp8' (per-token scale, half the memory) | 'none'.",
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
@@ -182,6 +189,7 @@ class VCConfig:
     # 0.945) and 0.31 dB at s = 0.25 (36.09 -> 35.78) with the coarser groups. 64 stays an option.
     group_size: int = 128
     warmup_steps: Optional[int] = None
+    warmup_attention: WarmupAttention = WarmupAttention.VSMOOTH
     anchor_steps: Optional[Tuple[int, ...]] = None
     anchor_interval: Optional[int] = None
     sparse_qk: str = "bf16"
@@ -325,7 +333,7 @@ def merge_options(*options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 
 _ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler": Compiler,
           "selection": Selection, "selection_unit": SelectionUnit, "query_grouping": QueryGrouping,
-          "selection_refresh": SelectionRefresh}
+          "selection_refresh": SelectionRefresh, "warmup_attention": WarmupAttention}
 _BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion", "warn_fallbacks")
 _INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "num_steps", "min_seq_len")
 _FLOATS = ("group_fraction", "density", "residual_budget_gb")

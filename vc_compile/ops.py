@@ -169,6 +169,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
     meta = state.get(key)
     phase = M.phase_for(cfg, info.step, info.num_steps, meta is not None)
+    if phase == Phase.WARMUP:  # MC-Sparse's V-Smooth warm-up: its grouping lives in a slot of its own
+        if M.warmup_ineligible(q, k, v, impl) is None:
+            key = key + ("warmup",)
+            meta = state.get(key)
+        else:
+            phase = Phase.DENSE
     kw = {} if rope_args is None else {"rope": rope_args}
     with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording(cfg.tune_cache_dir) as sources:
         if phase == Phase.DENSE:  # method="dense" and every method's warm-up steps: stock SDPA

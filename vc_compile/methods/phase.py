@@ -10,6 +10,7 @@ import enum
 
 class Phase(str, enum.Enum):
     DENSE = "dense"  # stock SDPA (warm-up steps; every step of method="dense")
+    WARMUP = "warmup"  # MC-Sparse's warm-up on the 8-bit V-Smooth path (own metadata slot, see ops.py)
     GROUP = "group"  # V-Smooth: re-group V (k-means) and run the 8-bit attention
     ANCHOR = "anchor"  # MC-Sparse: select (PDDP groups, exact masses, top-K) and cache the residual
     REUSE = "reuse"  # run with the cached metadata

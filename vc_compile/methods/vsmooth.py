@@ -48,11 +48,15 @@ def _warm_start(centroids: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 # ---- the schedule -----------------------------------------------------------------------------------------
 def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
-    """DENSE for the warm-up steps (none by default), then GROUP (re-cluster V) in the first ``group_fraction``
-    of the steps and whenever no grouping is cached, REUSE after; naive 8-bit (``smooth_v=False``) has nothing
-    to group: REUSE."""
+    """DENSE for the warm-up steps (none by default), then ``group_phase``."""
     if step < warmup_steps(cfg, n, WARMUP_FRACTION):
         return Phase.DENSE
+    return group_phase(cfg, step, n, has_meta)
+
+
+def group_phase(cfg, step: int, n: int, has_meta: bool) -> Phase:
+    """GROUP (re-cluster V) in the first ``group_fraction`` of the steps and whenever no grouping is cached,
+    REUSE after; naive 8-bit (``smooth_v=False``) has nothing to group: REUSE. (Also MC-Sparse's warm-up.)"""
     if not cfg.experimental.smooth_v:
         return Phase.REUSE  # naive 8-bit: nothing to group
     in_window = step < max(1, math.ceil(cfg.group_fraction * n)) if cfg.group_fraction > 0 else False
