@@ -1,0 +1,67 @@
+"""MC-Sparse's warm-up steps on the 8-bit V-Smooth path (issue 20, ``warmup_attention``).
+
+The warm-up's outputs are exactly what ``method="vsmooth"`` returns on the same inputs (same k-means warm
+start, same kernels), its grouping lives apart from the sparse metadata, and ``warmup_attention="sdpa"``
+keeps the paper's stock-SDPA warm-up bit for bit. Reference kernels (the CPU path): the Triton path runs the
+same method code through the kernels' dispatch.
+"""
+import torch
+import torch.nn.functional as F
+
+import vc_compile
+from vc_compile.config import VCConfig
+from vc_compile.runtime import report as _report
+from vc_compile.runtime import state
+
+S, D = 160, 64
+BASE = {"num_steps": 10, "min_seq_len": 1, "experimental": {"kernels": "reference"}, "density": 0.3}
+
+
+def _inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 2, S, D, generator=g).to(torch.bfloat16) for _ in range(3)]
+
+
+def _site(name):
+    return _report.register_site(graph="warmup", node=name, module="m", shape="?", dtype="?", method="mcsparse",
+                                 rewritten=True).site
+
+
+def _run(opts, steps, name, held=None):
+    """``steps`` steps of a 10-step generation at a new site; ``held`` (a list) receives the metadata types
+    the site holds before the generation ends (the end of ``sampling()`` drops them)."""
+    cfg = VCConfig.from_options({**BASE, **opts})
+    site, outs = _site(name), []
+    with vc_compile.sampling(num_steps=10):
+        for i in range(steps):
+            vc_compile.step(i)
+            q, k, v = _inputs(i)
+            outs.append(torch.ops.vcattn.attention(q, k, v, None, site, cfg.to_json(), None))
+        if held is not None:
+            held.extend(type(m).__name__ for key, m in state.items() if key[0] == site)
+    return site, outs
+
+
+def test_warmup_runs_vsmooth_and_keeps_its_grouping_apart():
+    vc_compile.reset(report=True)
+    held = []
+    site, mc = _run({"method": "mcsparse"}, 3, "mc", held)  # warm-up = 2 of 10 steps, step 2 anchors
+    _, vs = _run({"method": "vsmooth"}, 2, "vs")
+    for a, b in zip(mc[:2], vs):  # the same k-means warm start and kernels as method="vsmooth"
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    rec = _report.site(site)
+    assert rec.phases["warmup"] == 2 and rec.phases["anchor"] == 1 and rec.phases["dense"] == 0
+    assert sorted(held) == ["SparseMeta", "VSmoothMeta"]  # two slots: the warm-up's grouping, the selection
+    q, k, v = _inputs(0)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    err = ((mc[0].float() - ref).norm() / ref.norm()).item()
+    assert 0 < err < 0.05  # 8-bit, not SDPA: a V-Smooth-sized error (random inputs, D = 64)
+
+
+def test_sdpa_warmup_is_stock_sdpa():
+    vc_compile.reset(report=True)
+    site, mc = _run({"method": "mcsparse", "warmup_attention": "sdpa"}, 2, "sdpa")
+    for i, out in enumerate(mc):
+        q, k, v = _inputs(i)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=0, atol=0)
+    assert _report.site(site).phases["dense"] == 2
