@@ -227,7 +227,8 @@ def plots(pipe_rows, gen_rows, img_dir) -> List[str]:
 
 
 KERNEL_S = ("32760", "75600")
-# (variant, density rounded to 2 places or None, what it is): the headline rows of each kernel benchmark
+# (variant, density rounded to 2 places or None, what it is[, the config column it must have]): the headline
+# rows of each kernel benchmark
 KERNEL_ROWS = {
     "bench_vsmooth_attn": [
         ("sdpa_cudnn", None, "SDPA cuDNN (bf16)"), ("fa4-bf16", None, "FlashAttention-4 (bf16)"),
@@ -242,6 +243,8 @@ KERNEL_ROWS = {
         ("sparse_bf16_c128", 0.10, "gather kernel, C = 128"), ("sparse_bf16_c128", 0.15, "gather kernel, C = 128"),
         ("sparse_bf16_c128", 0.25, "gather kernel, C = 128"),
         ("reuse_bf16_c128", 0.15, "reuse step (gather + residual), C = 128"),
+        ("ab_kvoff_reuse_c128", 0.15, "reuse step, C = 128, kv_off, BN 64 (the shipped config; A/B rows)",
+         "BN64_w4_s3"),
         ("reuse_bf16", 0.15, "reuse step (gather + residual), C = 64"),
         ("anchor_total", 0.15, "anchor step (two passes, PDDP, residual)"), ("pddp", None, "Fast PDDP grouping")],
 }
@@ -264,12 +267,15 @@ def kernel_tables(by_bench: Dict[str, List[Dict[str, str]]]) -> List[str]:
             continue
         last: Dict[tuple, Dict[str, str]] = {}
         runs: Dict[tuple, Dict[str, Dict[str, str]]] = {}
+        need = {w[0]: w[3] for w in wanted if len(w) > 3}
         for r in rows:
+            if r["variant"] in need and r.get("config") != need[r["variant"]]:
+                continue
             last[(r["S"], r["variant"], _dens(r))] = r
             runs.setdefault((r.get("date"), r.get("commit"), r["S"]), {})[r["variant"]] = r
         body = []
         for S in KERNEL_S:
-            for variant, dens, what in wanted:
+            for variant, dens, what, *_ in wanted:
                 r = last.get((S, variant, dens))
                 if r is None:
                     continue
@@ -282,7 +288,8 @@ def kernel_tables(by_bench: Dict[str, List[Dict[str, str]]]) -> List[str]:
                 x_fa4 = num(fa4.get("ms")) / num(r.get("ms")) if fa4 is not None and num(fa4.get("ms")) \
                     and num(r.get("ms")) else None
                 body.append([S, what, f"{dens:.2f}" if dens is not None else "-", f(r.get("ms"), "{:.2f}"),
-                             f(x_cudnn, "{:.2f}x"), f(x_fa4, "{:.2f}x"), f(r.get("rel_l2"), "{:.2e}"),
+                             f(x_cudnn, "{:.2f}x"), f(x_fa4, "{:.2f}x"),
+                             "-" if variant.startswith("ab_") else f(r.get("rel_l2"), "{:.2e}"),  # A/B: vs default
                              f"{r.get('date', '')[:10]} {r.get('commit', '')}"])
         gpus = sorted({r.get("gpu", "") for r in rows})
         out.append(f"**{bench}** (B = 1, H = 40, D = 128, bf16 inputs; {', '.join(gpus)}; latest row of each "
