@@ -6,9 +6,9 @@
     python -m scripts.render_results --results-dir DIR --img-dir DIR
 
 ``--write`` replaces the text between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in
-README.md and docs/performance.md (``--docs FILE ...`` to choose) with block NAME (``BLOCKS``): ``pipeline``,
-``generation``, ``kernels``, ``e2e``. A block whose CSV has no rows says "no rows yet" (it never keeps or
-invents numbers); a begin marker without its end marker is an error naming the file and block.
+README.md and docs/performance.md (``--docs FILE ...`` to choose) with block NAME (``blocks()``):
+``pipeline``, ``generation``, ``kernels``, ``kernels-summary``, ``e2e``. A block whose CSV has no rows says
+"no rows yet" (it never keeps or invents numbers); a broken marker is an error naming the file and block.
 
 Tables (markdown, printed):
 * the README's headline table, from ``benchmarks/results/bench_pipeline.csv``: per model / size / compile
@@ -255,24 +255,42 @@ def _dens(r) -> Optional[float]:
     return None if d is None or d >= 1.0 else round(d, 2)
 
 
+def _kernel_latest(rows, wanted):
+    """({(S, variant, density): latest row}, {(date, commit, S): {variant: row}}) of the headline rows."""
+    need = {w[0]: w[3] for w in wanted if len(w) > 3}
+    last: Dict[tuple, Dict[str, str]] = {}
+    runs: Dict[tuple, Dict[str, Dict[str, str]]] = {}
+    for r in rows:
+        if r["variant"] in need and r.get("config") != need[r["variant"]]:
+            continue
+        last[(r["S"], r["variant"], _dens(r))] = r
+        runs.setdefault((r.get("date"), r.get("commit"), r["S"]), {})[r["variant"]] = r
+    return last, runs
+
+
+def _kernel_rows(by_bench, bench):
+    return [r for r in by_bench.get(bench, []) if r.get("S") in KERNEL_S and r.get("D") == "128"
+            and r.get("H") == "40" and r.get("B") == "1"]
+
+
+def _x(r, same_run, base) -> Optional[float]:
+    """Speed-up of row r over the ``base`` variant of the same run (the row's own column for cuDNN)."""
+    if base == "sdpa_cudnn" and num(r.get("speedup_vs_cudnn")) is not None:
+        return num(r.get("speedup_vs_cudnn"))
+    b = same_run.get(base)
+    return num(b.get("ms")) / num(r.get("ms")) if b is not None and num(b.get("ms")) and num(r.get("ms")) else None
+
+
 def kernel_tables(by_bench: Dict[str, List[Dict[str, str]]]) -> List[str]:
     """Latest headline rows of the kernel benchmarks at B=1 H=40 D=128, S in KERNEL_S; x FA4 from the fa4-bf16
     row of the same run (date, commit, S), "-" where that run had none."""
     out = []
     for bench, wanted in KERNEL_ROWS.items():
-        rows = [r for r in by_bench.get(bench, []) if r.get("S") in KERNEL_S and r.get("D") == "128"
-                and r.get("H") == "40" and r.get("B") == "1"]
+        rows = _kernel_rows(by_bench, bench)
         if not rows:
             out.append(f"**{bench}**: no rows yet at S = {' / '.join(KERNEL_S)}, D = 128.")
             continue
-        last: Dict[tuple, Dict[str, str]] = {}
-        runs: Dict[tuple, Dict[str, Dict[str, str]]] = {}
-        need = {w[0]: w[3] for w in wanted if len(w) > 3}
-        for r in rows:
-            if r["variant"] in need and r.get("config") != need[r["variant"]]:
-                continue
-            last[(r["S"], r["variant"], _dens(r))] = r
-            runs.setdefault((r.get("date"), r.get("commit"), r["S"]), {})[r["variant"]] = r
+        last, runs = _kernel_latest(rows, wanted)
         body = []
         for S in KERNEL_S:
             for variant, dens, what, *_ in wanted:
@@ -280,15 +298,8 @@ def kernel_tables(by_bench: Dict[str, List[Dict[str, str]]]) -> List[str]:
                 if r is None:
                     continue
                 same_run = runs[(r.get("date"), r.get("commit"), S)]
-                x_cudnn = num(r.get("speedup_vs_cudnn"))
-                cud = same_run.get("sdpa_cudnn")
-                if x_cudnn is None and cud is not None and num(r.get("ms")):
-                    x_cudnn = num(cud.get("ms")) / num(r.get("ms"))
-                fa4 = same_run.get("fa4-bf16")
-                x_fa4 = num(fa4.get("ms")) / num(r.get("ms")) if fa4 is not None and num(fa4.get("ms")) \
-                    and num(r.get("ms")) else None
                 body.append([S, what, f"{dens:.2f}" if dens is not None else "-", f(r.get("ms"), "{:.2f}"),
-                             f(x_cudnn, "{:.2f}x"), f(x_fa4, "{:.2f}x"),
+                             f(_x(r, same_run, "sdpa_cudnn"), "{:.2f}x"), f(_x(r, same_run, "fa4-bf16"), "{:.2f}x"),
                              "-" if variant.startswith("ab_") else f(r.get("rel_l2"), "{:.2e}"),  # A/B: vs default
                              f"{r.get('date', '')[:10]} {r.get('commit', '')}"])
         gpus = sorted({r.get("gpu", "") for r in rows})
@@ -296,6 +307,37 @@ def kernel_tables(by_bench: Dict[str, List[Dict[str, str]]]) -> List[str]:
                    f"variant, x cuDNN / x FA4 against the baseline of the same run)\n\n" + md_table(
                        ["S", "variant", "density", "ms", "x cuDNN", "x FA4", "rel. L2 vs fp32", "run"], body))
     return out
+
+
+# the README's short kernel table: (bench, variant, density, column title)
+KERNEL_SUMMARY = [("bench_vsmooth_attn", "vsmooth_op", None, "V-Smooth op"),
+                  ("bench_vsmooth_attn", "vsmooth_expcast_op", None, "V-Smooth + ExpCast op"),
+                  ("bench_sparse_attn", "ab_kvoff_reuse_c128", 0.15, "MC-Sparse reuse step, s = 0.15")]
+
+
+def kernel_summary(by_bench: Dict[str, List[Dict[str, str]]]) -> str:
+    """One row per S: x cuDNN (x FA4 where measured) of the whole op per method, from the latest rows."""
+    latest_of = {b: _kernel_latest(_kernel_rows(by_bench, b), w) for b, w in KERNEL_ROWS.items()}
+    body, runs_seen = [], set()
+    for S in KERNEL_S:
+        cells = []
+        for bench, variant, dens, _ in KERNEL_SUMMARY:
+            last, runs = latest_of[bench]
+            r = last.get((S, variant, dens))
+            if r is None:
+                cells.append("-")
+                continue
+            same_run = runs[(r.get("date"), r.get("commit"), S)]
+            x4 = _x(r, same_run, "fa4-bf16")
+            cells.append(f(_x(r, same_run, "sdpa_cudnn"), "{:.2f}x") + (f" ({x4:.2f}x FA4)" if x4 else ""))
+            runs_seen.add(f"{r.get('date', '')[:10]} {r.get('commit', '')}")
+        body.append([S] + cells)
+    if all(c == "-" for row in body for c in row[1:]):
+        return _none_yet("bench_vsmooth_attn.csv / bench_sparse_attn.csv", "the kernel benchmarks")
+    return (md_table(["S (B = 1, H = 40, D = 128)"] + [t for *_, t in KERNEL_SUMMARY], body) +
+            f"\n\nx SDPA cuDNN of the same run (x FA4 where that run measured it); runs "
+            f"{', '.join(sorted(runs_seen))}; "
+            "all kernel rows: docs/performance.md.")
 
 
 E2E_ORDER = ["dense", "vsmooth", "vsmooth+expcast", "mcsparse@0.15", "mcsparse@0.25", "mcsparse-c128@0.15",
@@ -339,6 +381,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
         _none_yet("bench_generation.csv", "`python -m benchmarks.bench_generation` on a GPU"),
         "kernels": "\n\n".join(kernel_tables(ker)) if any(ker.values()) else
         _none_yet("bench_vsmooth_attn.csv / bench_sparse_attn.csv", "the kernel benchmarks"),
+        "kernels-summary": kernel_summary(ker),
         "e2e": "\n\n".join(e2e_tables(e2e)) if any(r.get("bench") == "e2e" for r in e2e) else
         _none_yet("bench_e2e.csv", "`python -m benchmarks.bench_e2e` on a GPU"),
     }

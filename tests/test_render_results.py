@@ -73,6 +73,7 @@ def _kernel_rows(path, commit_ms):
     for cudnn, vs, fa4 in commit_ms:
         rows = [dict(base, variant="sdpa_cudnn", ms=cudnn, speedup_vs_cudnn=1.0),
                 dict(base, variant="vsmooth_kernel", ms=vs, speedup_vs_cudnn=cudnn / vs, rel_l2=5.7e-3),
+                dict(base, variant="vsmooth_op", ms=vs + 1.0, speedup_vs_cudnn=cudnn / (vs + 1.0), rel_l2=5.7e-3),
                 dict(base, S=8190, variant="vsmooth_kernel", ms=1.0, speedup_vs_cudnn=2.0)]  # not a table size
         if fa4 is not None:
             rows.append(dict(base, variant="fa4-bf16", ms=fa4))
@@ -95,7 +96,8 @@ def test_write_replaces_marked_blocks_only(tmp_path):
         fh.write("\n".join(lines) + "\n")
     doc = tmp_path / "doc.md"
     doc.write_text("intro\n<!-- results:pipeline:begin -->\nstale 1.99x\n<!-- results:pipeline:end -->\nmiddle\n"
-                   "<!-- results:kernels:begin --><!-- results:kernels:end -->\ntail\n")
+                   "<!-- results:kernels:begin --><!-- results:kernels:end -->\n"
+                   "<!-- results:kernels-summary:begin -->\n<!-- results:kernels-summary:end -->\ntail\n")
     render.main(["--results-dir", str(res), "--no-plots", "--write", "--docs", str(doc)])
     out = doc.read_text()
     assert out.startswith("intro\n<!-- results:pipeline:begin -->\n") and out.endswith("\ntail\n")
@@ -106,6 +108,7 @@ def test_write_replaces_marked_blocks_only(tmp_path):
     assert "| 32760 | SDPA cuDNN (bf16) | - | 38.00 | 1.00x | 0.79x |" in out
     assert "| 8190 |" not in out and "32.00" not in out
     assert "**bench_sparse_attn**: no rows yet" in out
+    assert "| 32760 | 1.36x (1.07x FA4) | - | - |" in out  # the README summary: the op, x cuDNN and x FA4
     again = doc.read_text()
     render.main(["--results-dir", str(res), "--no-plots", "--write", "--docs", str(doc)])
     assert doc.read_text() == again  # idempotent
