@@ -1,8 +1,14 @@
 """Docs tables and plots from the benchmark CSVs (the latest row of every variant).
 
-    python scripts/render_results.py                     # markdown tables to stdout, plots to docs/img/
-    python scripts/render_results.py --no-plots          # tables only
-    python scripts/render_results.py --results-dir DIR --img-dir DIR
+    python -m scripts.render_results                     # markdown tables to stdout, plots to docs/img/
+    python -m scripts.render_results --write             # also rewrite the marked blocks of README.md and docs/
+    python -m scripts.render_results --no-plots          # tables only
+    python -m scripts.render_results --results-dir DIR --img-dir DIR
+
+``--write`` replaces the text between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in
+README.md and docs/performance.md (``--docs FILE ...`` to choose) with block NAME (``blocks()``):
+``pipeline``, ``generation``, ``kernels``, ``kernels-summary``, ``e2e``. A block whose CSV has no rows says
+"no rows yet" (it never keeps or invents numbers); a broken marker is an error naming the file and block.
 
 Tables (markdown, printed):
 * the README's headline table, from ``benchmarks/results/bench_pipeline.csv``: per model / size / compile
@@ -12,6 +18,10 @@ Tables (markdown, printed):
 * whole-generation bare attention, from ``bench_generation.csv``: per shape, total attention time over the
   generation, x cuDNN, x FA4, time by phase, first generation, rel. L2 vs fp32; and the reuse-step
   breakdown (share of the step outside the attention kernels).
+* the kernel benchmarks, from ``bench_vsmooth_attn.csv`` and ``bench_sparse_attn.csv``: the latest row of
+  each headline variant at B=1 H=40 D=128, S = 32760 / 75600, with x cuDNN (the row's own run) and x FA4
+  (the ``fa4-bf16`` row of the same run, where one exists);
+* the demo model end to end, from ``bench_e2e.csv`` (bench ``e2e``): the latest row of each variant per size.
 Plots (matplotlib, the ``bench`` extra; skipped with a message when it is missing):
 ``docs/img/bench_pipeline_speedup.png`` (speed-up per method, issue 20's targets marked),
 ``docs/img/bench_generation_phases.png`` (attention time by phase per method and shape) and
@@ -24,6 +34,7 @@ import argparse
 import csv
 import math
 import os
+import re
 import sys
 from typing import Dict, List, Optional, Sequence
 
@@ -215,12 +226,205 @@ def plots(pipe_rows, gen_rows, img_dir) -> List[str]:
     return written
 
 
+KERNEL_S = ("32760", "75600")
+# (variant, density rounded to 2 places or None, what it is[, the config column it must have]): the headline
+# rows of each kernel benchmark
+KERNEL_ROWS = {
+    "bench_vsmooth_attn": [
+        ("sdpa_cudnn", None, "SDPA cuDNN (bf16)"), ("fa4-bf16", None, "FlashAttention-4 (bf16)"),
+        ("sageattn_1.0.6", None, "SageAttention 1.0.6"), ("naive8_kernel", None, "naive 8-bit kernel"),
+        ("vsmooth_kernel", None, "V-Smooth kernel"), ("vsmooth_op", None, "V-Smooth op (+ preprocessing)"),
+        ("vsmooth_group_step", None, "V-Smooth grouping step (+ k-means)"),
+        ("vsmooth_expcast_kernel", None, "V-Smooth + ExpCast kernel"),
+        ("vsmooth_expcast_op", None, "V-Smooth + ExpCast op"),
+        ("vsmooth_expcast_group_step", None, "V-Smooth + ExpCast grouping step")],
+    "bench_sparse_attn": [
+        ("sdpa_cudnn", None, "SDPA cuDNN (bf16)"), ("fa4-bf16", None, "FlashAttention-4 (bf16)"),
+        ("sparse_bf16_c128", 0.10, "gather kernel, C = 128"), ("sparse_bf16_c128", 0.15, "gather kernel, C = 128"),
+        ("sparse_bf16_c128", 0.25, "gather kernel, C = 128"),
+        ("reuse_bf16_c128", 0.15, "reuse step (gather + residual), C = 128"),
+        ("ab_kvoff_reuse_c128", 0.15, "reuse step, C = 128, kv_off, BN 64 (the shipped config; A/B rows)",
+         "BN64_w4_s3"),
+        ("reuse_bf16", 0.15, "reuse step (gather + residual), C = 64"),
+        ("anchor_total", 0.15, "anchor step (two passes, PDDP, residual)"), ("pddp", None, "Fast PDDP grouping")],
+}
+
+
+def _dens(r) -> Optional[float]:
+    d = num(r.get("density"))
+    return None if d is None or d >= 1.0 else round(d, 2)
+
+
+def _kernel_latest(rows, wanted):
+    """({(S, variant, density): latest row}, {(date, commit, S): {variant: row}}) of the headline rows."""
+    need = {w[0]: w[3] for w in wanted if len(w) > 3}
+    last: Dict[tuple, Dict[str, str]] = {}
+    runs: Dict[tuple, Dict[str, Dict[str, str]]] = {}
+    for r in rows:
+        if r["variant"] in need and r.get("config") != need[r["variant"]]:
+            continue
+        last[(r["S"], r["variant"], _dens(r))] = r
+        runs.setdefault((r.get("date"), r.get("commit"), r["S"]), {})[r["variant"]] = r
+    return last, runs
+
+
+def _kernel_rows(by_bench, bench):
+    return [r for r in by_bench.get(bench, []) if r.get("S") in KERNEL_S and r.get("D") == "128"
+            and r.get("H") == "40" and r.get("B") == "1"]
+
+
+def _x(r, same_run, base) -> Optional[float]:
+    """Speed-up of row r over the ``base`` variant of the same run (the row's own column for cuDNN)."""
+    if base == "sdpa_cudnn" and num(r.get("speedup_vs_cudnn")) is not None:
+        return num(r.get("speedup_vs_cudnn"))
+    b = same_run.get(base)
+    return num(b.get("ms")) / num(r.get("ms")) if b is not None and num(b.get("ms")) and num(r.get("ms")) else None
+
+
+def kernel_tables(by_bench: Dict[str, List[Dict[str, str]]]) -> List[str]:
+    """Latest headline rows of the kernel benchmarks at B=1 H=40 D=128, S in KERNEL_S; x FA4 from the fa4-bf16
+    row of the same run (date, commit, S), "-" where that run had none."""
+    out = []
+    for bench, wanted in KERNEL_ROWS.items():
+        rows = _kernel_rows(by_bench, bench)
+        if not rows:
+            out.append(f"**{bench}**: no rows yet at S = {' / '.join(KERNEL_S)}, D = 128.")
+            continue
+        last, runs = _kernel_latest(rows, wanted)
+        body = []
+        for S in KERNEL_S:
+            for variant, dens, what, *_ in wanted:
+                r = last.get((S, variant, dens))
+                if r is None:
+                    continue
+                same_run = runs[(r.get("date"), r.get("commit"), S)]
+                body.append([S, what, f"{dens:.2f}" if dens is not None else "-", f(r.get("ms"), "{:.2f}"),
+                             f(_x(r, same_run, "sdpa_cudnn"), "{:.2f}x"), f(_x(r, same_run, "fa4-bf16"), "{:.2f}x"),
+                             "-" if variant.startswith("ab_") else f(r.get("rel_l2"), "{:.2e}"),  # A/B: vs default
+                             f"{r.get('date', '')[:10]} {r.get('commit', '')}"])
+        gpus = sorted({r.get("gpu", "") for r in rows})
+        out.append(f"**{bench}** (B = 1, H = 40, D = 128, bf16 inputs; {', '.join(gpus)}; latest row of each "
+                   f"variant, x cuDNN / x FA4 against the baseline of the same run)\n\n" + md_table(
+                       ["S", "variant", "density", "ms", "x cuDNN", "x FA4", "rel. L2 vs fp32", "run"], body))
+    return out
+
+
+# the README's short kernel table: (bench, variant, density, column title)
+KERNEL_SUMMARY = [("bench_vsmooth_attn", "vsmooth_op", None, "V-Smooth op"),
+                  ("bench_vsmooth_attn", "vsmooth_expcast_op", None, "V-Smooth + ExpCast op"),
+                  ("bench_sparse_attn", "ab_kvoff_reuse_c128", 0.15, "MC-Sparse reuse step, s = 0.15")]
+
+
+def kernel_summary(by_bench: Dict[str, List[Dict[str, str]]]) -> str:
+    """One row per S: x cuDNN (x FA4 where measured) of the whole op per method, from the latest rows."""
+    latest_of = {b: _kernel_latest(_kernel_rows(by_bench, b), w) for b, w in KERNEL_ROWS.items()}
+    body, runs_seen = [], set()
+    for S in KERNEL_S:
+        cells = []
+        for bench, variant, dens, _ in KERNEL_SUMMARY:
+            last, runs = latest_of[bench]
+            r = last.get((S, variant, dens))
+            if r is None:
+                cells.append("-")
+                continue
+            same_run = runs[(r.get("date"), r.get("commit"), S)]
+            x4 = _x(r, same_run, "fa4-bf16")
+            cells.append(f(_x(r, same_run, "sdpa_cudnn"), "{:.2f}x") + (f" ({x4:.2f}x FA4)" if x4 else ""))
+            runs_seen.add(f"{r.get('date', '')[:10]} {r.get('commit', '')}")
+        body.append([S] + cells)
+    if all(c == "-" for row in body for c in row[1:]):
+        return _none_yet("bench_vsmooth_attn.csv / bench_sparse_attn.csv", "the kernel benchmarks")
+    return (md_table(["S (B = 1, H = 40, D = 128)"] + [t for *_, t in KERNEL_SUMMARY], body) +
+            f"\n\nx SDPA cuDNN of the same run (x FA4 where that run measured it); runs "
+            f"{', '.join(sorted(runs_seen))}; "
+            "all kernel rows: docs/performance.md.")
+
+
+E2E_ORDER = ["dense", "vsmooth", "vsmooth+expcast", "mcsparse@0.15", "mcsparse@0.25", "mcsparse-c128@0.15",
+             "mcsparse-c128@0.25", "floor:bf16-vs-fp32", "floor:seed-to-seed"]
+
+
+def e2e_tables(rows) -> List[str]:
+    rows = [r for r in rows if r.get("bench") == "e2e"]
+    out = []
+    for (S,), by_var in latest(rows, ("S",)).items():
+        body = []
+        for v in sorted(by_var, key=lambda v: E2E_ORDER.index(v) if v in E2E_ORDER else len(E2E_ORDER)):
+            r = by_var[v]
+            floor = v.startswith("floor:")
+            body.append([v, "-" if floor else f(r.get("ms"), "{:.0f}"),
+                         "-" if floor else f(r.get("speedup_vs_cudnn"), "{:.2f}x"), f(r.get("psnr"), "{:.2f}"),
+                         f(r.get("ssim"), "{:.4f}"), f"{r.get('date', '')[:10]} {r.get('commit', '')}"])
+        any_row = next(iter(by_var.values()))
+        out.append(f"**Demo model (trained, H = {any_row.get('H')}, D = {any_row.get('D')}), {S} tokens, "
+                   f"{any_row.get('steps')} steps, CFG {any_row.get('guidance')}** ({any_row.get('gpu')}; latest row "
+                   "of each variant; speed-up vs dense of the same run; PSNR / SSIM of the final clip vs the dense "
+                   "bf16 clip)\n\n" + md_table(["variant", "ms / generation", "speed-up", "PSNR dB", "SSIM", "run"],
+                                               body))
+    return out
+
+
+def _none_yet(csv_name: str, how: str) -> str:
+    return f"_No rows yet: `benchmarks/results/{csv_name}` has none ({how} writes them)._"
+
+
+def blocks(results_dir: str) -> Dict[str, str]:
+    """{marker name: markdown} for every block ``--write`` fills."""
+    rd = lambda name: read(os.path.join(results_dir, name))  # noqa: E731
+    pipe, gen = rd("bench_pipeline.csv"), rd("bench_generation.csv")
+    ker = {b: rd(f"{b}.csv") for b in KERNEL_ROWS}
+    e2e = rd("bench_e2e.csv")
+    return {
+        "pipeline": "\n\n".join(pipeline_tables(pipe)) if pipe else
+        _none_yet("bench_pipeline.csv", "`python -m benchmarks.bench_pipeline` on a GPU"),
+        "generation": "\n\n".join(generation_tables(gen)) if gen else
+        _none_yet("bench_generation.csv", "`python -m benchmarks.bench_generation` on a GPU"),
+        "kernels": "\n\n".join(kernel_tables(ker)) if any(ker.values()) else
+        _none_yet("bench_vsmooth_attn.csv / bench_sparse_attn.csv", "the kernel benchmarks"),
+        "kernels-summary": kernel_summary(ker),
+        "e2e": "\n\n".join(e2e_tables(e2e)) if any(r.get("bench") == "e2e" for r in e2e) else
+        _none_yet("bench_e2e.csv", "`python -m benchmarks.bench_e2e` on a GPU"),
+    }
+
+
+def write_blocks(path: str, texts: Dict[str, str]) -> List[str]:
+    """Replace the text between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in ``path``
+    by ``texts[NAME]`` for every pair in the file; returns the names replaced. An unpaired, repeated,
+    nested or unknown marker raises ValueError naming the file (nothing is written then)."""
+    src = open(path).read()
+    begins = re.findall(r"<!-- results:([\w-]+):begin -->", src)
+    ends = re.findall(r"<!-- results:([\w-]+):end -->", src)
+    if sorted(begins) != sorted(ends) or len(set(begins)) != len(begins):
+        raise ValueError(f"{path}: results markers unpaired or repeated (begin: {begins}, end: {ends})")
+    new = src
+    for name in begins:
+        if name not in texts:
+            raise ValueError(f"{path}: unknown results block {name!r} (known: {', '.join(sorted(texts))})")
+        b, e = f"<!-- results:{name}:begin -->", f"<!-- results:{name}:end -->"
+        i, j = new.index(b) + len(b), new.index(e)
+        if j < i or "<!-- results:" in new[i:j]:
+            raise ValueError(f"{path}: block {name!r} ends before it begins or holds another block")
+        new = new[:i] + "\n" + texts[name].strip() + "\n" + new[j:]
+    if new != src:
+        with open(path, "w") as fh:
+            fh.write(new)
+    return begins
+
+
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--img-dir", default=os.path.join(ROOT, "docs", "img"))
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--write", action="store_true", help="rewrite the <!-- results:NAME --> blocks of --docs")
+    ap.add_argument("--docs", nargs="+", default=[os.path.join(ROOT, "README.md"),
+                                                   os.path.join(ROOT, "docs", "performance.md")])
     a = ap.parse_args(argv)
+    if a.write:
+        texts = blocks(a.results_dir)
+        for path in a.docs:
+            names = write_blocks(path, texts)
+            print(f"{os.path.relpath(path)}: {', '.join(names) or 'no results blocks'}", file=sys.stderr)
     pipe = read(os.path.join(a.results_dir, "bench_pipeline.csv"))
     gen = read(os.path.join(a.results_dir, "bench_generation.csv"))
     parts = []

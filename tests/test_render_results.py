@@ -65,3 +65,64 @@ def test_render_latest_rows_tables_and_plots(tmp_path, capsys):
         pytest.skip("matplotlib not installed: tables checked, plots skipped")
     for name in ("bench_pipeline_speedup.png", "bench_generation_phases.png", "bench_generation_steps.png"):
         assert os.path.getsize(img / name) > 1000
+
+
+def _kernel_rows(path, commit_ms):
+    """bench_vsmooth_attn rows of two runs; only the second has an fa4-bf16 baseline."""
+    base = dict(B=1, H=40, S=32760, D=128)
+    for cudnn, vs, fa4 in commit_ms:
+        rows = [dict(base, variant="sdpa_cudnn", ms=cudnn, speedup_vs_cudnn=1.0),
+                dict(base, variant="vsmooth_kernel", ms=vs, speedup_vs_cudnn=cudnn / vs, rel_l2=5.7e-3),
+                dict(base, variant="vsmooth_op", ms=vs + 1.0, speedup_vs_cudnn=cudnn / (vs + 1.0), rel_l2=5.7e-3),
+                dict(base, S=8190, variant="vsmooth_kernel", ms=1.0, speedup_vs_cudnn=2.0)]  # not a table size
+        if fa4 is not None:
+            rows.append(dict(base, variant="fa4-bf16", ms=fa4))
+        common.append_rows("bench_vsmooth_attn", rows, path=path)
+
+
+def test_write_replaces_marked_blocks_only(tmp_path):
+    res = tmp_path / "results"
+    res.mkdir()
+    k = str(res / "bench_vsmooth_attn.csv")
+    _kernel_rows(k, [(40.0, 32.0, None)])
+    with open(k) as fh:  # the second run must differ in (date, commit) to count as another run
+        first = fh.read()
+    _kernel_rows(k, [(38.0, 27.0, 30.0)])
+    with open(k) as fh:
+        lines = fh.read().splitlines()
+    n_first = len(first.splitlines())
+    lines[n_first:] = [ln.replace(ln.split(",")[0], "2099-01-01 00:00", 1) for ln in lines[n_first:]]
+    with open(k, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n<!-- results:pipeline:begin -->\nstale 1.99x\n<!-- results:pipeline:end -->\nmiddle\n"
+                   "<!-- results:kernels:begin --><!-- results:kernels:end -->\n"
+                   "<!-- results:kernels-summary:begin -->\n<!-- results:kernels-summary:end -->\ntail\n")
+    render.main(["--results-dir", str(res), "--no-plots", "--write", "--docs", str(doc)])
+    out = doc.read_text()
+    assert out.startswith("intro\n<!-- results:pipeline:begin -->\n") and out.endswith("\ntail\n")
+    assert "middle" in out and "stale" not in out  # old numbers never survive a rewrite
+    assert "No rows yet: `benchmarks/results/bench_pipeline.csv`" in out  # no CSV: says so, invents nothing
+    # the latest run wins; x FA4 = fa4 ms / ms of the same run (30 / 27); S = 8190 is not a table size
+    assert "| 32760 | V-Smooth kernel | - | 27.00 | 1.41x | 1.11x | 5.70e-03 | 2099-01-01" in out
+    assert "| 32760 | SDPA cuDNN (bf16) | - | 38.00 | 1.00x | 0.79x |" in out
+    assert "| 8190 |" not in out and "32.00" not in out
+    assert "**bench_sparse_attn**: no rows yet" in out
+    assert "| 32760 | 1.36x (1.07x FA4) | - | - |" in out  # the README summary: the op, x cuDNN and x FA4
+    again = doc.read_text()
+    render.main(["--results-dir", str(res), "--no-plots", "--write", "--docs", str(doc)])
+    assert doc.read_text() == again  # idempotent
+
+
+def test_write_rejects_broken_markers(tmp_path):
+    texts = {"pipeline": "x", "kernels": "y"}
+    for bad in ("<!-- results:pipeline:begin -->\nno end\n",
+                "<!-- results:pipeline:end -->\n<!-- results:pipeline:begin -->\n",
+                "<!-- results:nope:begin --><!-- results:nope:end -->\n",
+                "<!-- results:pipeline:begin --><!-- results:kernels:begin -->"
+                "<!-- results:pipeline:end --><!-- results:kernels:end -->\n"):
+        p = tmp_path / "bad.md"
+        p.write_text(bad)
+        with pytest.raises(ValueError, match="bad.md"):
+            render.write_blocks(str(p), texts)
+        assert p.read_text() == bad  # nothing written on error
