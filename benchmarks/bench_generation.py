@@ -57,7 +57,7 @@ METHODS = {
     "mcsparse@0.15": {"method": "mcsparse", "density": 0.15},
     "mcsparse@0.25": {"method": "mcsparse", "density": 0.25},
 }
-PHASES = ("dense", "group", "anchor", "reuse")
+PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's V-Smooth warm-up
 # GPU kernels counted as "attention kernels" in the reuse-step breakdown (lower-case substrings): ours
 # (vsmooth_attn*, sparse_attn*) and SDPA's (cuDNN, flash, fmha)
 ATTN_KERNELS = ("attn", "attention", "fmha", "flash", "sdpa", "cudnn")

@@ -75,7 +75,7 @@ METHODS = {"vsmooth": {"method": "vsmooth"}, "vsmooth+expcast": {"method": "vsmo
 DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse@0.25"
 SMOKE_OPTS = {"min_seq_len": 64, "kmeans_iters": 1,
               "experimental": {"compiler": "eager", "kernels": "reference", "kmeans_init_iters": 2}}
-PHASES = ("dense", "group", "anchor", "reuse")
+PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's V-Smooth warm-up
 EXTRAS = ["model", "layers", "steps", "guidance", "compile", "first_generation_s", "first_generation_extra_s",
           "speedup_vs_stock", "ms_per_step", "timed_generations", "generation_ms_all", "attn_ms",
           *(f"attn_{p}_ms" for p in PHASES), *(f"step_{p}_ms" for p in PHASES), "phases", "profile_overhead",

@@ -39,7 +39,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("dense", "group", "anchor", "reuse")
+PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's V-Smooth warm-up
 NAMES = {"stock": "stock (Inductor + cuDNN)", "dense": "dense (SDPA through vcattn)", "vsmooth": "V-Smooth",
          "vsmooth+expcast": "V-Smooth + ExpCast", "mcsparse@0.15": "MC-Sparse s = 0.15",
          "mcsparse@0.25": "MC-Sparse s = 0.25", "sdpa_cudnn": "cuDNN (bf16)", "fa4-bf16": "FA4 (bf16)"}
@@ -190,7 +190,7 @@ def plots(pipe_rows, gen_rows, img_dir) -> List[str]:
     ggroups = latest(gen_rows, GEN_GROUP)
     if ggroups:
         fig, axes = plt.subplots(1, len(ggroups), figsize=(4.5 * len(ggroups), 3.8), squeeze=False)
-        colors = {"dense": "#999999", "group": "#e69f00", "anchor": "#d55e00", "reuse": "#0072b2", "total": "#555555"}
+        colors = {"dense": "#999999", "warmup": "#cc79a7", "group": "#e69f00", "anchor": "#d55e00", "reuse": "#0072b2", "total": "#555555"}
         for ax, (key, by_var) in zip(axes[0], ggroups.items()):
             vs = [v for v in _order(by_var) if not v.endswith(":reuse_breakdown")]
             for i, v in enumerate(vs):

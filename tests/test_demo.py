@@ -264,7 +264,7 @@ def test_pipeline_through_vcattn_reads_steps_from_the_pipeline(regional):
 
     tr, cond, uncond = tiny_model(torch.bfloat16)
     pipe = build_pipeline(tr)
-    # 4 steps: MC-Sparse's default schedule is then dense, anchor, anchor, reuse; V-Smooth's group, reuse x 3
+    # 4 steps: MC-Sparse's default schedule is then warmup, anchor, anchor, reuse; V-Smooth's group, reuse x 3
     steps, kw = 4, dict(frames=1, height=32, width=32, seed=0, guidance=3.0, warmup=1, regional=regional,
                         progress=False)
     extra = {"experimental": {"compiler": "eager"}, "min_seq_len": 128}  # 256 tokens; eager keeps the test fast

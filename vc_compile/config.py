@@ -91,11 +91,11 @@ OPTION_DOCS: Dict[str, str] = {
     "density": "MC-Sparse: fraction of keys each query group keeps (0 < density <= 1).",
     "group_size": "MC-Sparse: queries per group (the sparse kernel's query tile): 64 or 128 (128: 17% faster "
                   "sparse steps, 0.3-0.4 dB lower PSNR on the demo; docs/sparse_notes.md).",
-    "warmup_steps": "Dense steps at the start. None = 0 for vsmooth, 20% of the steps for mcsparse.",
+    "warmup_steps": "Warm-up steps at the start (dense SDPA; MC-Sparse: see warmup_attention). None = 0 for vsmooth, 20% of the steps for mcsparse.",
     "anchor_steps": "MC-Sparse: steps that re-select (tuple of ints). None = (20%, 52%) of the steps.",
     "anchor_interval": "MC-Sparse: re-select every N steps after the warm-up (instead of anchor_steps).",
     "sparse_qk": "MC-Sparse: QK precision of the gather kernel: 'bf16' | 'fp8'.",
-    "warmup_attention": "MC-Sparse warm-up steps: 'vsmooth' (8-bit V-Smooth, default) | 'sdpa' (stock SDPA).",
+    "warmup_attention": "MC-Sparse warm-up steps: 'vsmooth' (8-bit V-Smooth, default) or 'sdpa' (stock SDPA, the paper's).",
     "residual": "MC-Sparse residual storage: 'bf16' | 'fp8' (per-token scale, half the memory) | 'none'.",
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
