@@ -115,7 +115,7 @@ def pipeline_tables(rows) -> List[str]:
                  f"{any_row.get('commit')}; random weights: speed only, not quality)")
         out.append(title + "\n\n" + md_table(
             ["method", "s / generation", "speed-up vs stock", "first generation s (vs stock)", "attention s",
-             "attention s: dense / group / anchor / reuse", "rel. L2 vs stock"], body))
+             "attention s: " + " / ".join(PHASES), "rel. L2 vs stock"], body))
     return out
 
 
@@ -140,7 +140,7 @@ def generation_tables(rows) -> List[str]:
         txt = (f"**Bare attention over a {steps}-step generation, B=1 H={H} S={S} D={D} bf16** "
                f"({any_row.get('gpu')}, {any_row.get('date')}, commit {any_row.get('commit')})\n\n")
         txt += md_table(["method", "attention ms (sum)", "x cuDNN", "x FA4",
-                         "ms (steps): dense / group / anchor / reuse", "first generation s", "rel. L2 vs fp32"], body)
+                         "ms (steps): " + " / ".join(PHASES), "first generation s", "rel. L2 vs fp32"], body)
         if brk:
             rows_b = [[NAMES.get(v, v), f(r.get("ms"), "{:.2f}"), f(r.get("attn_kernel_ms"), "{:.2f}"),
                        f(r.get("other_kernels_ms"), "{:.2f}"), f(r.get("gap_ms"), "{:.2f}"),
