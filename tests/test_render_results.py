@@ -57,7 +57,7 @@ def test_render_latest_rows_tables_and_plots(tmp_path, capsys):
     text = render.main(["--results-dir", str(res), "--img-dir", str(img)])
     assert "| V-Smooth | 40.0 | 1.30x | 75.0 (+5.0) | 30.0 | 0.0 / - / 9.0 / 0.0 / 21.0 | 1.00e-02 |" in text
     assert "| stock (Inductor + cuDNN) | 52.0 | 1.00x |" in text and "60.0" not in text
-    assert "| MC-Sparse s = 0.15 | 70 | 1.63x | - | 38 (1) / 0 (0) / 24 (1) / 8 (1) |" in text
+    assert "| MC-Sparse s = 0.15 | 70 | 1.63x | - | 38 (1) / - (0) / 0 (0) / 24 (1) / 8 (1) |" in text
     assert "| MC-Sparse s = 0.15 | 8.00 | 7.70 | 0.10 | 0.20 | 0.30 | 3.8% |" in text
     assert "random weights: speed only, not quality" in text
     if importlib.util.find_spec("matplotlib") is None:
