@@ -2,7 +2,9 @@
 
 * ``requires_cuda``: the one marker for GPU-only tests; they are skipped cleanly on CPU machines.
 * Without a GPU, Triton kernels run under the interpreter (``TRITON_INTERPRET=1``) on small shapes. The
-  variable must be set before ``triton`` is imported, so it is set here, in tests only.
+  variable must be set before ``triton`` is imported, so it is set here, in tests only. The interpreter's
+  ``tl.reduce`` with a user combine function is vectorised there (tests/triton_interp.py: same left fold,
+  same bits, ~100x faster).
 """
 import os
 
@@ -17,6 +19,10 @@ import vc_compile.ops  # noqa: E402,F401  (``import vc_compile`` is lazy: tests 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET:
+    import triton_interp  # noqa: E402
+
+    triton_interp.install()
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
