@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh  # pip install -e ".[test,demo]" (torch kept)
-exec ${PYTHON:-python3} -m pytest -q -ra --durations=15 tests "$@"
+# -n auto: one pytest-xdist worker per core (tests/conftest.py splits torch's threads among them and keeps
+# each module-scoped fixture on one worker: --dist loadgroup); `bash scripts/test.sh -n 0` runs serially.
+exec ${PYTHON:-python3} -m pytest -q -ra --durations=15 -n auto --dist loadgroup tests "$@"

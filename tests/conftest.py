@@ -44,3 +44,25 @@ def fresh_vcattn():
     yield
     torch._dynamo.reset()
     vc_compile.reset(report=True)
+
+
+# ---- parallel runs (pytest-xdist; scripts/test.sh runs ``-n auto --dist loadgroup``) --------------------
+# Each worker gets its share of the cores for torch's intra-op threads (2 workers x 2 threads on a 2-core
+# machine only contend).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup`` the tests of a module that use a module-scoped fixture (a subprocess that
+    compiles every case, two context-parallel ranks, the demo model) run on one worker, so the fixture is
+    built once; every other test is scheduled on its own. (Runs before xdist reads the marks.)"""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        scopes = {d.scope for defs in info.name2fixturedefs.values() for d in defs}
+        if scopes & {"module", "class", "package"}:
+            item.add_marker(pytest.mark.xdist_group(name=item.nodeid.split("::")[0]))
