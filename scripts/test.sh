@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh  # pip install -e ".[test,demo]" (torch kept)
-# -n auto: one pytest-xdist worker per core (tests/conftest.py splits torch's threads among them and keeps
-# each module-scoped fixture on one worker: --dist loadgroup); `bash scripts/test.sh -n 0` runs serially.
+# -n auto: one pytest-xdist worker per core on a CPU-only machine, serial on a CUDA one (tests/conftest.py;
+# it also splits torch's threads among the workers and keeps each module-scoped fixture on one worker:
+# --dist loadgroup); `bash scripts/test.sh -n 0` runs serially.
 exec ${PYTHON:-python3} -m pytest -q -ra --durations=15 -n auto --dist loadgroup tests "$@"

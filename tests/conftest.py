@@ -54,6 +54,15 @@ if _WORKERS > 1:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core on a CPU-only machine (the interpreter runs are what take time),
+    at most 8 (~1 GB of memory each); none on a CUDA machine, where the GPU tests time kernels and would
+    share one GPU. PYTEST_XDIST_AUTO_NUM_WORKERS still overrides."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    return 0 if torch.cuda.is_available() else min(8, len(os.sched_getaffinity(0)))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under ``--dist loadgroup`` the tests of a module that use a module-scoped fixture (a subprocess that
