@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README quick start, CI): installs what the tests need, then runs them.
 # On a CPU-only machine the Triton kernels run under TRITON_INTERPRET=1 on small shapes and GPU-only
-# tests are skipped (marker `requires_cuda`).
+# tests are skipped (marker `requires_cuda`). About 12 minutes on 2 CPU cores (per-test CPU time summed
+# over the suite, 2 workers; serially it is about twice that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh  # pip install -e ".[test,demo]" (torch kept)
