@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The test command (README quick start, CI): installs what the tests need, then runs them.
 # On a CPU-only machine the Triton kernels run under TRITON_INTERPRET=1 on small shapes and GPU-only
-# tests are skipped (marker `requires_cuda`).
+# tests are skipped (marker `requires_cuda`). About 12 minutes on 2 CPU cores (per-test CPU time summed
+# over the suite, 2 workers; serially it is about twice that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh  # pip install -e ".[test,demo]" (torch kept)
-exec ${PYTHON:-python3} -m pytest -q -ra --durations=15 tests "$@"
+# -n auto: one pytest-xdist worker per core on a CPU-only machine, serial on a CUDA one (tests/conftest.py;
+# it also splits torch's threads among the workers and keeps each module-scoped fixture on one worker:
+# --dist loadgroup); `bash scripts/test.sh -n 0` runs serially.
+exec ${PYTHON:-python3} -m pytest -q -ra --durations=15 -n auto --dist loadgroup tests "$@"

@@ -2,7 +2,9 @@
 
 * ``requires_cuda``: the one marker for GPU-only tests; they are skipped cleanly on CPU machines.
 * Without a GPU, Triton kernels run under the interpreter (``TRITON_INTERPRET=1``) on small shapes. The
-  variable must be set before ``triton`` is imported, so it is set here, in tests only.
+  variable must be set before ``triton`` is imported, so it is set here, in tests only. The interpreter's
+  ``tl.reduce`` with a user combine function is vectorised there (tests/triton_interp.py: same left fold,
+  same bits, ~100x faster).
 """
 import os
 
@@ -17,6 +19,10 @@ import vc_compile.ops  # noqa: E402,F401  (``import vc_compile`` is lazy: tests 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET:
+    import triton_interp  # noqa: E402
+
+    triton_interp.install()
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -38,3 +44,34 @@ def fresh_vcattn():
     yield
     torch._dynamo.reset()
     vc_compile.reset(report=True)
+
+
+# ---- parallel runs (pytest-xdist; scripts/test.sh runs ``-n auto --dist loadgroup``) --------------------
+# Each worker gets its share of the cores for torch's intra-op threads (2 workers x 2 threads on a 2-core
+# machine only contend).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core on a CPU-only machine (the interpreter runs are what take time),
+    at most 8 (~1 GB of memory each); none on a CUDA machine, where the GPU tests time kernels and would
+    share one GPU. PYTEST_XDIST_AUTO_NUM_WORKERS still overrides."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    return 0 if torch.cuda.is_available() else min(8, len(os.sched_getaffinity(0)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``--dist loadgroup`` the tests of a module that use a module-scoped fixture (a subprocess that
+    compiles every case, two context-parallel ranks, the demo model) run on one worker, so the fixture is
+    built once; every other test is scheduled on its own. (Runs before xdist reads the marks.)"""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        scopes = {d.scope for defs in info.name2fixturedefs.values() for d in defs}
+        if scopes & {"module", "class", "package"}:
+            item.add_marker(pytest.mark.xdist_group(name=item.nodeid.split("::")[0]))

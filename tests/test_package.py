@@ -139,7 +139,7 @@ def test_pyproject_metadata_and_extras():
     assert dif == "diffusers>=0.35"  # tested: tests/test_pipeline.py on 0.35.0 and 0.42.1; no exact pin
     for name in ("demo", "test", "bench"):
         assert any(d.startswith("vc_compile[") for d in extras[name])
-    test_imports = {"pytest", "scipy", "numpy", "safetensors", "pillow"}
+    test_imports = {"pytest", "pytest-xdist", "scipy", "numpy", "safetensors", "pillow", "matplotlib"}
     assert test_imports <= {d.split(">")[0] for d in extras["test"]}
     assert not (ROOT / "setup.py").exists()
 
