@@ -76,7 +76,7 @@ DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse@0.25"
 SMOKE_OPTS = {"min_seq_len": 64, "kmeans_iters": 1,
               "experimental": {"compiler": "eager", "kernels": "reference", "kmeans_init_iters": 2}}
 PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's V-Smooth warm-up
-EXTRAS = ["model", "layers", "steps", "guidance", "compile", "first_generation_s", "first_generation_extra_s",
+EXTRAS = ["model", "layers", "steps", "guidance", "compile", "first_generation_s", "first_generation_extra_s", "first_steps",
           "speedup_vs_stock", "ms_per_step", "timed_generations", "generation_ms_all", "attn_ms",
           *(f"attn_{p}_ms" for p in PHASES), *(f"step_{p}_ms" for p in PHASES), "phases", "profile_overhead",
           "sites", "sdpa_kernel", "caches", "note"]
@@ -279,8 +279,8 @@ def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reser
         return res
     log(f"  {tag}: first generation (compile{'' if label == 'stock' else ' + kernel builds'}) ...")
     compile_variant(pipe, base, label, opts, mode, a.smoke)
-    res.latents, res.first_s = generate(pipe, call, a.steps, a.guidance,
-                                        StepRecorder(cuda, a.steps, f"{tag} first"))
+    res.latents, res.first_s = generate(pipe, call, a.first_steps, a.guidance,
+                                        StepRecorder(cuda, a.first_steps, f"{tag} first"))
     res.sites = site_summary() if label != "stock" else ""
     for k in range(a.timed):
         if k > 0 and est.item_s("timed", label, mode) + reserve_s > left():
@@ -292,7 +292,7 @@ def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reser
         res.gens_s.append(s)
         if k == 0:
             res.step_ms, res.phases, res.latents = rec.step_ms(), rec.phases, lat
-    est.observe(label, mode, first_s=res.first_s, gen_s=statistics.median(res.gens_s))
+    est.observe(label, mode, first_s=res.first_s, gen_s=statistics.median(res.gens_s), first_frac=a.first_steps / a.steps)
     if label == "stock" and cuda:
         res.sdpa_kernel = stock_attention_kernel(pipe, call, a.guidance)
         log(f"    stock attention kernel: {res.sdpa_kernel}")
@@ -321,6 +321,7 @@ def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
     med = statistics.median(res.gens_s) * 1e3 if res.gens_s else float("nan")
     row = dict(variant=res.label, B=1, H=H, S=S, D=Dh, ms=med, model=spec["model"], layers=layers,
                steps=a.steps, guidance=a.guidance, compile=res.mode, first_generation_s=res.first_s,
+               first_steps=a.first_steps,
                ms_per_step=med / a.steps, timed_generations=len(res.gens_s),
                generation_ms_all=" ".join(f"{s * 1e3:.0f}" for s in res.gens_s), sites=res.sites,
                sdpa_kernel=res.sdpa_kernel, caches=a.caches,
@@ -366,7 +367,7 @@ class Estimator:
         d = cfg["num_attention_heads"] * cfg["attention_head_dim"]
         per_fwd = (4.0 * S * S * d / ATTN_TFLOPS + 2.0 * S * (6 * d * d + 2 * d * cfg["ffn_dim"]) / GEMM_TFLOPS)
         self.step_s = (2 if guidance > 1 else 1) * layers * per_fwd if cuda else 0.0
-        self.steps, self.cuda = steps, cuda
+        self.steps, self.cuda, self.first_frac = steps, cuda, 1.0
         self.build_s = (5.0 + 1e-9 * layers * (8 * d * d + 2 * d * cfg["ffn_dim"])) if cuda else 0.0  # guess
         self.gen: Dict[str, float] = {}
         self.overhead: Dict[tuple, float] = {}  # (mode, stock?) -> first generation - steady generation
@@ -386,14 +387,14 @@ class Estimator:
             return g
         if item == "cold":
             prior = COMPILE_S[mode] + (self.step_s if label == "stock" else JIT_S)  # stock: + the SDPA check
-            return g + self.overhead.get((mode, label == "stock"), prior)
+            return g * self.first_frac + self.overhead.get((mode, label == "stock"), prior)
         return 1.02 * g + self.recompile.get(mode, RECOMPILE_S[mode])  # profiled
 
-    def observe(self, label, mode, first_s=None, gen_s=None, profiled_s=None):
+    def observe(self, label, mode, first_s=None, gen_s=None, profiled_s=None, first_frac=1.0):
         if gen_s is not None:
             self.gen[label] = gen_s
             if first_s is not None:
-                self.overhead[(mode, label == "stock")] = max(0.0, first_s - gen_s)
+                self.overhead[(mode, label == "stock")] = max(0.0, first_s - first_frac * gen_s)
         if profiled_s is not None and label in self.gen:
             self.recompile[mode] = max(0.0, profiled_s - self.gen[label])
 
@@ -434,6 +435,9 @@ def parse_args(argv=None):
     ap.add_argument("--sizes", default="1.3b-480p", help=f"comma-separated, from {[s for s in SIZES if s != 'smoke']}")
     ap.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {list(METHODS)}")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--first-steps", type=int, default=None,
+                    help="steps of the first (compiling) generation; default --steps. Fewer keep a run short: "
+                         "first_generation_s then covers compile + kernel builds + these steps (column first_steps)")
     ap.add_argument("--guidance", type=float, default=5.0)
     ap.add_argument("--compile", choices=("regional", "whole", "both"), default="regional")
     ap.add_argument("--layers", type=int, default=None, help="transformer layers (cut the 14B model; default all)")
@@ -459,6 +463,7 @@ def parse_args(argv=None):
     if a.smoke:
         a.steps, a.caches, a.budget = min(a.steps, 2), "shared", 0.0
     a.modes = ["regional", "whole"] if a.compile == "both" else [a.compile]
+    a.first_steps = min(a.steps, a.first_steps or a.steps)
     a.budget = a.budget or None
     a.device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     return a
@@ -487,6 +492,7 @@ def _main(argv=None):
         layers = a.layers or spec["cfg"]["num_layers"]
         est = Estimator(spec["cfg"], layers, tokens(spec), a.steps, a.guidance,
                         cuda=a.device.type == "cuda" or (a.plan_only and not a.smoke))
+        est.first_frac = a.first_steps / a.steps
         labels = ["stock", *a.methods]
         log(f"[bench_pipeline] {size}: {spec['model']} config, {layers} layers, {tokens(spec)} tokens, {a.steps} "
             f"steps, CFG {a.guidance:g}, compile {'+'.join(a.modes)}; {RANDOM_NOTE}")

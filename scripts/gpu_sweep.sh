@@ -42,6 +42,7 @@ run_stage() {  # name limit_s command...
 }
 
 install_wheels() {
+  shopt -s nullglob
   local parts=(/tmp/fa4/cu13.part*)
   if [ ${#parts[@]} -eq 3 ] && [ -e "${parts[0]}" ]; then
     cat /tmp/fa4/cu13.part00 /tmp/fa4/cu13.part01 /tmp/fa4/cu13.part02 \
