@@ -113,6 +113,11 @@ def pipeline_tables(rows) -> List[str]:
         title = (f"**{model}, {S} tokens, {layers} layers, {steps} steps, CFG {guidance}, {mode} compile** "
                  f"({any_row.get('gpu')}, torch {any_row.get('torch')}, {any_row.get('date')}, commit "
                  f"{any_row.get('commit')}; random weights: speed only, not quality)")
+        fs, caches = num(any_row.get("first_steps")), any_row.get("caches") or ""
+        if (fs is not None and fs < num(steps)) or caches == "shared":
+            title += (f". First generation = torch.compile + kernel builds + {fs or steps:.0f} steps"
+                      + (", Inductor/Triton caches shared between the variants (a later variant reuses "
+                         "kernels an earlier one built)" if caches == "shared" else "") + ".")
         out.append(title + "\n\n" + md_table(
             ["method", "s / generation", "speed-up vs stock", "first generation s (vs stock)", "attention s",
              "attention s: " + " / ".join(PHASES), "rel. L2 vs stock"], body))
