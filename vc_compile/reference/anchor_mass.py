@@ -108,3 +108,25 @@ def lse_q8(qk: QKQuant, chunk: int = 1024) -> torch.Tensor:
         s = scores_q8(qk, rows[:, :, i0:i1]).double() * qk.q_scale[:, :, i0:i1, None].double()
         out[:, :, i0:i1] = (torch.logsumexp(s * 0.6931471805599453, dim=-1) * 1.4426950408889634).float()
     return out
+
+
+def anchor_select_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, group_size: int, keep: int,
+                     key_perm: Optional[torch.Tensor] = None, exp: str = "exact",
+                     mass_dtype: torch.dtype = torch.float32, max_mass_bytes: int = 1 << 30) -> torch.Tensor:
+    """idx [B, H, G, keep] int32 ascending: pass 2 + top-K (``reference.topk``), a chunk of heads at a time."""
+    from .topk import select_topk
+
+    B, H, S, _ = qk.q8.shape
+    Sk = qk.k8.shape[2]
+    G = (S + group_size - 1) // group_size
+    hc = max(1, min(H, max_mass_bytes // max(1, B * G * Sk * 4)))
+    parts = []
+    for h0 in range(0, H, hc):
+        sl = slice(h0, h0 + hc)
+        sub = QKQuant(qk.q8[:, sl], qk.q_scale[:, sl], qk.k8[:, sl], qk.k_scale[:, sl], qk.k_mean[:, sl],
+                      qk.sm_scale)
+        mass = group_key_mass_q8(sub, lse_s[:, sl], sigma[:, sl], group_size=group_size,
+                                 key_perm=None if key_perm is None else key_perm[:, sl], exp=exp,
+                                 mass_dtype=mass_dtype)
+        parts.append(select_topk(mass, keep))
+    return torch.cat(parts, dim=1)

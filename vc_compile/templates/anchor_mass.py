@@ -277,3 +277,27 @@ def group_key_mass_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, 
     prep = prepare_queries(qk, lse_s, sigma, group_size=group_size, config=config)
     mass = mass_heads(prep, qk, 0, B * H, key_perm=key_perm, config=config, mass_dtype=mass_dtype)
     return mass.unflatten(0, (B, H))
+
+
+def anchor_select_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, group_size: int, keep: int,
+                     key_perm: Optional[torch.Tensor] = None, config: Optional[AnchorMassConfig] = None,
+                     topk_config=None, mass_dtype: torch.dtype = torch.bfloat16,
+                     max_mass_bytes: int = 1 << 30) -> torch.Tensor:
+    """Pass 2 + top-K: idx [B, H, G, keep] int32 ascending. The queries are gathered through sigma once; the
+    masses of as many heads as fit in ``max_mass_bytes`` are computed and reduced to their top-K before the next
+    chunk (bf16 masses: 0.42 GB per head-chunk of 25 heads at S = 32760, C = 128)."""
+    from vc_compile.templates.topk import select_topk
+
+    config = config or default_config(group_size)
+    B, H, S, _ = qk.q8.shape
+    Sk = qk.k8.shape[2]
+    prep = prepare_queries(qk, lse_s, sigma, group_size=group_size, config=config)
+    per_head = prep.G * triton.cdiv(Sk, BLOCK_K) * BLOCK_K * torch.finfo(mass_dtype).bits // 8
+    hc = max(1, min(B * H, max_mass_bytes // max(per_head, 1)))
+    out = torch.empty(B * H, prep.G, keep, device=qk.q8.device, dtype=torch.int32)
+    for bh0 in range(0, B * H, hc):
+        bh1 = min(B * H, bh0 + hc)
+        mass = mass_heads(prep, qk, bh0, bh1, key_perm=key_perm, config=config, mass_dtype=mass_dtype)
+        out[bh0:bh1] = select_topk(mass, keep, config=topk_config)
+        del mass
+    return out.view(B, H, prep.G, keep)
