@@ -112,11 +112,13 @@ def _select(mods, qk, lse_s, sigma, *, group_size, keep, key_perm, cfg: AnchorCo
 
 def anchor_step(q, k, v, *, sm_scale: float, group_size: int, keep: int, mods: SimpleNamespace,
                 key_perm: Optional[torch.Tensor] = None, cfg: AnchorConfig = AnchorConfig(),
-                sigma: Optional[torch.Tensor] = None, residual: bool = True, out_dtype=None) -> AnchorResult:
+                sigma: Optional[torch.Tensor] = None, residual: bool = True, out_dtype=None,
+                sparse_fn=None) -> AnchorResult:
     """One anchor step. q, k, v [B, H, S, D] (self-attention, D = Dv in {64, 128}); ``key_perm`` [B, H, S]: the
     V-Smooth key order pi for pass 1 (None: keys in token order, V means over consecutive 128-token blocks);
     ``sigma``: a query order to use instead of running PDDP (ablations, tests). ``out_dtype``: of O_dense
-    (default q.dtype)."""
+    (default q.dtype). ``sparse_fn``: the gather kernel for O_sparse (default ``mods.sparse_attn.sparse_attention``;
+    MC-Sparse passes its reuse steps' kernel, e.g. the FP8-QK one, so R matches what the reuse steps add it to)."""
     B, H, S, D = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"anchor_step: the 8-bit pass needs self-attention with q, k, v of one shape, got "
@@ -142,7 +144,7 @@ def anchor_step(q, k, v, *, sm_scale: float, group_size: int, keep: int, mods: S
     del qk
     res = None
     if residual:
-        o_sparse = mods.sparse_attn.sparse_attention(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C,
-                                                     out_dtype=torch.float32)
+        sparse_fn = sparse_fn or mods.sparse_attn.sparse_attention
+        o_sparse = sparse_fn(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C, out_dtype=torch.float32)
         res = o_sparse.neg_().add_(o_dense)  # fp32, in place: no second S x Dv fp32 buffer
     return AnchorResult(o_dense, sigma, idx, res)
