@@ -11,7 +11,8 @@ outlier tokens; ``speedup_vs_cudnn`` < 1 = the part's cost relative to one dense
 * ``old_*``: today's anchor (methods/mcsparse.py): ``old_pddp``, ``old_pass1`` (cuDNN + LSE), ``old_pass2_mass``
   (templates/select.group_key_mass, bf16 MMA, fp32 masses), ``old_topk`` (torch.topk + sort), ``old_sparse_res``
   (gather kernel fp32 + R), ``old_total``.
-* ``new_*``: the cheap anchor (methods/anchor.py; default dense_out='bf16'): ``new_preprocess`` (INT8 Q/K + FP8 V-Smooth V, key order pi),
+* ``new_*``: the cheap anchor (methods/anchor.py; default dense_out='bf16'): ``new_preprocess`` (INT8 Q/K +
+  FP8 V-Smooth V, key order pi),
   ``new_pass1_q8`` (the 8-bit V-Smooth kernel with RETURN_LSE), ``new_prep_q`` (Q8 / coefficients gathered
   through sigma), ``new_mass_<exp>_ng<NG>`` (pass 2 on the INT8 codes, bf16 masses), ``new_topk_d<digit>``
   (radix select), ``new_sparse_res``, ``new_total_q8`` (= pddp + preprocess + pass1 + prep + mass + top-K +
@@ -110,7 +111,8 @@ def bench_size(S, log, dev="cuda", smoke=False):
     old_total = t_pddp + t_p1 + t_sel_old + t_sr_old
     for name, t, note in [("old_pddp", t_pddp, "templates/pddp.py (shared by old and new)"),
                           ("old_pass1", t_p1, "cuDNN + LSE"),
-                          ("old_pass2_mass", t_mass_old, f"select.group_key_mass, bf16 MMA, fp32 masses, {hc} heads/chunk"),
+                          ("old_pass2_mass", t_mass_old,
+                           f"select.group_key_mass, bf16 MMA, fp32 masses, {hc} heads/chunk"),
                           ("old_topk", t_sel_old - t_mass_old, "torch.topk + sort (anchor_select - mass)"),
                           ("old_sparse_res", t_sr_old, "gather kernel fp32 + R"),
                           ("old_total", old_total, "pddp + pass1 + mass/top-K + sparse/R")]:
@@ -158,7 +160,8 @@ def bench_size(S, log, dev="cuda", smoke=False):
     t32 = bench_ms(lambda: TK.select_topk(m32, keep), warmup=wu, rep=rp) * H / m16.shape[0]
     rows.append(row("new_topk_fp32_masses", S, t32, t_cudnn, density=dens, part="new", note="fp32 masses, digit 8"))
     ok_rows = int((TK.select_topk(m16[:2], keep) != ref_topk(m16[:2], keep)).any(-1).sum())
-    log(f"top-K: d8 {t_topk[8]:.2f} d4 {t_topk[4]:.2f} fp32 {t32:.2f} ms; kernel vs reference rows differing: {ok_rows}")
+    log(f"top-K: d8 {t_topk[8]:.2f} d4 {t_topk[4]:.2f} fp32 {t32:.2f} ms; "
+        f"kernel vs reference rows differing: {ok_rows}")
     del m16, m32
     idx = TA.anchor_select_q8(qk, lse_s, sigma, group_size=C, keep=keep, key_perm=pi)
     t_sr = bench_ms(lambda: tsa.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=C,
@@ -175,7 +178,8 @@ def bench_size(S, log, dev="cuda", smoke=False):
                           ("new_prep_q", t_prep, "Q8, a, b gathered through sigma"),
                           ("new_sparse_res", t_sr, "gather kernel fp32 + R (in place)"),
                           ("new_total_q8", new_q8, "pddp + preprocess + pass1 q8 + prep + mass + top-K + sparse/R"),
-                          ("new_total_bf16", new_bf16, "pddp + Q/K preprocess + cuDNN pass1 + prep + mass + top-K + sparse/R"),
+                          ("new_total_bf16", new_bf16,
+                           "pddp + Q/K preprocess + cuDNN pass1 + prep + mass + top-K + sparse/R"),
                           ("new_anchor_step_q8", t_e2e["q8"], "anchor_step(dense_out='q8'), sigma given (no pddp)"),
                           ("new_anchor_step_bf16", t_e2e["bf16"], "anchor_step(dense_out='bf16', the default), "
                                                                    "sigma given (no pddp)")]:

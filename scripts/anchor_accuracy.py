@@ -61,7 +61,8 @@ def structured_sequence(S: int, H: int, D: int, steps: int, seed: int = 0):
     feat = torch.cat([torch.cos(pos @ freq + phase), torch.sin(pos @ freq + phase)], -1)  # [S, D]
     base_q = 1.2 * feat.expand(H, S, D) + 0.5 * torch.randn(H, S, D, generator=g)
     base_q[:, ::37] *= 4.0  # a few sharp queries
-    base_k = 1.2 * feat.expand(H, S, D) + 0.5 * torch.randn(H, S, D, generator=g) + 2.0 * torch.randn(H, 1, D, generator=g)
+    base_k = (1.2 * feat.expand(H, S, D) + 0.5 * torch.randn(H, S, D, generator=g)
+              + 2.0 * torch.randn(H, 1, D, generator=g))
     cent = 2.0 * torch.randn(H, 8, D, generator=g)
     lab = torch.randint(0, 8, (H, S), generator=g)
     base_v = torch.gather(cent, 1, lab[..., None].expand(H, S, D)) + 0.3 * torch.randn(H, S, D, generator=g)

@@ -1,7 +1,7 @@
 """MC-Sparse anchor step on the 8-bit pass (issue 20, "cheap anchors"; SPEC 3.4 steps 1-3).
 
     sigma = PDDP(q)                                                    (Fast PDDP query groups)
-    qk, vq = preprocess(q, k, v; pi)                                   (INT8 Q/K, FP8 V-Smooth V; pi = V-Smooth key order)
+    qk, vq = preprocess(q, k, v; pi)                                   (INT8 Q/K, FP8 V; pi = V-Smooth key order)
     O8, lse_s = vsmooth_attention(qk, vq, return_lse=True)             (pass 1: the 8-bit dense pass)
     idx = top-K(pass-2 masses from qk, lse_s, sigma; pi)               (templates/anchor_mass.py + topk.py)
     O_sparse = sparse_attention(q, k, v, sigma, idx)                   (the reuse steps' gather kernel, fp32 out)

@@ -85,7 +85,8 @@ def default_config(group_size: int) -> AnchorMassConfig:
     """256 queries per program (NG = 2 at C = 128, 4 at C = 64). NOTE a prediction, not yet measured:
     benchmarks/bench_anchor_mass.py times NG and exp on the H200."""
     if int(group_size) not in (64, 128):
-        raise ValueError(f"anchor mass: group_size must be 64 or 128 (the sparse kernel's query tile), got {group_size}")
+        raise ValueError(f"anchor mass: group_size must be 64 or 128 (the sparse kernel's query tile), "
+                         f"got {group_size}")
     return AnchorMassConfig(groups_per_program=max(1, 256 // int(group_size)))
 
 
