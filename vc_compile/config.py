@@ -83,6 +83,8 @@ OPTION_DOCS: Dict[str, str] = {
     "anchor_interval": "MC-Sparse: re-select every N steps after the warm-up (instead of anchor_steps).",
     "sparse_qk": "MC-Sparse: QK precision of the gather kernel: 'bf16' | 'fp8'.",
     "residual": "MC-Sparse residual storage: 'bf16' | 'fp8' (per-token scale, half the memory) | 'none'.",
+    "anchor_dense": "MC-Sparse anchor steps: the dense pass giving O_dense and R: 'bf16' (cuDNN, today's "
+                    "accuracy) | 'q8' (the 8-bit V-Smooth pass: faster, R carries its error; docs/anchor_notes.md).",
     "selection": "MC-Sparse ablation: 'exact' (two-pass attention mass) | 'mean_pool' (mean query x keys).",
     "selection_unit": "MC-Sparse ablation: 'token' (top-K keys) | 'block' (top 64-key blocks, block-sparse).",
     "query_grouping": "MC-Sparse ablation: 'pddp' (Fast PDDP groups) | 'none' (contiguous query tiles).",
@@ -132,6 +134,7 @@ class VCConfig:
     anchor_interval: Optional[int] = None
     sparse_qk: str = "bf16"
     residual: str = "bf16"
+    anchor_dense: str = "bf16"
     selection: Selection = Selection.EXACT
     selection_unit: SelectionUnit = SelectionUnit.TOKEN
     query_grouping: QueryGrouping = QueryGrouping.PDDP
@@ -203,6 +206,8 @@ class VCConfig:
             bad("sparse_qk", "'bf16' or 'fp8'")
         if self.residual not in ("bf16", "fp8", "none"):
             bad("residual", "'bf16', 'fp8' or 'none'")
+        if self.anchor_dense not in ("bf16", "q8"):
+            bad("anchor_dense", "'bf16' or 'q8'")
         if self.selection_refresh == SelectionRefresh.EVERY_STEP and self.selection != Selection.MEAN_POOL:
             raise VCConfigError(
                 f"vcattn option selection_refresh='every_step' needs selection='mean_pool' (exact selection "
@@ -291,7 +296,7 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             return _tuple_of_ints(value)
         except (TypeError, ValueError):
             fail("a tuple of ints")
-    if key in ("residual", "sparse_qk"):
+    if key in ("residual", "sparse_qk", "anchor_dense"):
         return value
     if key == "mode":
         if value is not None and not isinstance(value, str):

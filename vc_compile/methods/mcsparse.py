@@ -2,7 +2,9 @@
 
 ANCHOR: Fast PDDP query groups (sigma), pass 1 dense attention with its LSE, pass 2 exact group masses,
 top-K keys per group, the sparse output with that selection and the residual ``R = O_dense - O_sparse``;
-returns ``O_dense``. REUSE: the sparse kernel with the cached sigma/selection on the current q, k, v,
+returns ``O_dense``. For self-attention with head dim 64/128 and the default exact token selection this runs
+``methods/anchor.anchor_step`` (issue 20: pass 2 on INT8 codes, radix top-K; option ``anchor_dense``);
+other shapes and the ablation variants run the original passes below. REUSE: the sparse kernel with the cached sigma/selection on the current q, k, v,
 plus R. DENSE: stock SDPA (warm-up).
 
 Metadata ``SparseMeta`` (the token-sparse analogue of FlexAttention's BlockMask):
@@ -173,6 +175,23 @@ def _sparse_fn(impl, qk_format: str):
     return functools.partial(fn, qk_format="fp8")
 
 
+def _cheap_anchor(q, k, v, cfg) -> bool:
+    """Whether the anchor runs ``methods/anchor.anchor_step`` (INT8 pass 2 needs self-attention, D in {64, 128})."""
+    return (cfg.selection == Selection.EXACT and cfg.selection_unit == SelectionUnit.TOKEN
+            and q.shape == k.shape == v.shape and q.shape[-1] in (64, 128))
+
+
+def _anchor_step(impl, q, k, v, sigma, cfg, sm_scale, keep, sparse):
+    """(O_dense, idx, R fp32 or None) by ``methods/anchor.anchor_step`` over the same kind of kernels as ``impl``."""
+    from . import anchor as A
+
+    kind = "templates" if impl.sparse_attn.__name__.startswith("vc_compile.templates") else "reference"
+    res = A.anchor_step(q, k, v, sm_scale=sm_scale, group_size=cfg.group_size, keep=keep, mods=A.modules(kind),
+                        cfg=A.AnchorConfig(dense_out=cfg.anchor_dense), sigma=sigma,
+                        residual=cfg.residual != "none", out_dtype=kernel_out_dtype(q.dtype), sparse_fn=sparse)
+    return res.out, res.idx, res.residual
+
+
 def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
     if phase == Phase.DENSE:
         return F.scaled_dot_product_attention(q, k, v, scale=sm_scale).contiguous(), meta
@@ -190,17 +209,28 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
         return finish_output(out, q.dtype), meta
     # ANCHOR
     sigma = query_order(impl, q, cfg)
+    if _cheap_anchor(q, k, v, cfg):
+        o_dense, idx, resid = _anchor_step(impl, q, k, v, sigma, cfg, sm_scale, keep, sparse)
+        out = finish_output(o_dense, q.dtype).contiguous()  # SDPA's layout, as the original passes
+        return _cache(out, o_dense, sigma, idx, resid, cfg, keep, Sk, meta)
     # pass 1 for every variant (mean-pooled scores do not need the LSE): the anchor step returns the same
     # O_dense whatever the ablation switches, so the ladder's rungs differ only in what they switch
     o_dense, lse2 = _dense_with_lse(impl, q, k, v, sm_scale)
     out = o_dense.to(q.dtype).contiguous()
     idx = select(impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=C, keep=keep,
                  selection=cfg.selection, unit=cfg.selection_unit)
-    residual = res_scale = None
+    resid = None
     if cfg.residual != "none":
         o_sparse = sparse(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C, out_dtype=torch.float32)
         resid = o_dense.float() - o_sparse.float()
         del o_sparse
+    return _cache(out, o_dense, sigma, idx, resid, cfg, keep, Sk, meta)
+
+
+def _cache(out, o_dense, sigma, idx, resid, cfg, keep, Sk, meta):
+    """(out, the new SparseMeta), or the previous meta when the anchor's inputs were not finite."""
+    residual = res_scale = None
+    if cfg.residual != "none":
         # One sync per anchor step (see the module docstring). The residual, not O_dense alone: a dense
         # kernel may return a finite row for an Inf query where the sparse one does not.
         if not bool(torch.isfinite(resid).all()):
