@@ -75,3 +75,37 @@ def test_bad_inputs():
         AnchorConfig(exp="fast")
     with pytest.raises(ValueError):
         AnchorConfig(dense_out="fp8")
+
+
+def test_mcsparse_cheap_anchor_argument():
+    """``mcsparse.run(..., cheap_anchor=...)``: None (default) runs anchor_step, False the original passes (the
+    benchmark's old path), True refuses shapes anchor_step cannot take. Same O_dense (both bf16 dense), the same
+    sigma, selections that differ only by near-tie swaps (INT8 pass 2 vs exact fp32 masses)."""
+    from vc_compile.config import VCConfig
+    from vc_compile.methods import mcsparse as M
+    from vc_compile.methods import reference
+    from vc_compile.runtime.steps import Phase
+
+    S, D = 300, 64
+    q, k, v, _, _ = inputs(S, D)
+    cfg = VCConfig.from_options({"method": "mcsparse", "density": 0.25, "group_size": 64})
+    impl = reference("mcsparse")
+    run = lambda **kw: M.run(q, k, v, phase=Phase.ANCHOR, meta=None, cfg=cfg, sm_scale=D ** -0.5,  # noqa: E731
+                             impl=impl, **kw)
+    new_out, new = run()
+    old_out, old = run(cheap_anchor=False)
+    forced_out, forced = run(cheap_anchor=True)
+    assert torch.equal(new_out, forced_out) and torch.equal(new.idx, forced.idx)
+    assert torch.equal(new.sigma, old.sigma)
+    assert rel(new_out, old_out) < 1e-6
+    keep = new.idx.shape[-1]
+    same = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in
+               zip(new.idx.view(-1, keep), old.idx.view(-1, keep))) / old.idx.numel()
+    assert 0.95 <= same
+    for out, meta in ((new_out, new), (old_out, old)):  # R = O_dense - O_sparse of each path's own selection
+        o_sparse = impl.sparse_attn.sparse_attention(q, k, v, meta.sigma, meta.idx, sm_scale=D ** -0.5,
+                                                     group_size=64, out_dtype=torch.float32)
+        assert rel(meta.residual, out.float() - o_sparse) < 4e-3  # bf16 storage of R
+    with pytest.raises(ValueError, match="cheap_anchor=True"):
+        M.run(q, k[:, :, :200], v[:, :, :200], phase=Phase.ANCHOR, meta=None, cfg=cfg, sm_scale=D ** -0.5,
+              impl=impl, cheap_anchor=True)

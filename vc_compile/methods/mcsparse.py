@@ -4,8 +4,8 @@ ANCHOR: Fast PDDP query groups (sigma), pass 1 dense attention with its LSE, pas
 top-K keys per group, the sparse output with that selection and the residual ``R = O_dense - O_sparse``;
 returns ``O_dense``. For self-attention with head dim 64/128 and the default exact token selection this runs
 ``methods/anchor.anchor_step`` (issue 20: pass 2 on INT8 codes, radix top-K; option ``anchor_dense``);
-other shapes and the ablation variants run the original passes below. REUSE: the sparse kernel with the cached sigma/selection on the current q, k, v,
-plus R. DENSE: stock SDPA (warm-up).
+other shapes and the ablation variants run the original passes below (``run(..., cheap_anchor=False)`` forces
+them, for benchmarks). REUSE: the sparse kernel with the cached sigma/selection on the current q, k, v, plus R. DENSE: stock SDPA (warm-up).
 
 Metadata ``SparseMeta`` (the token-sparse analogue of FlexAttention's BlockMask):
   sigma     [B, H, S] int64     query order; group g = sigma[g*C:(g+1)*C] (last group may be partial)
@@ -192,7 +192,10 @@ def _anchor_step(impl, q, k, v, sigma, cfg, sm_scale, keep, sparse):
     return res.out, res.idx, res.residual
 
 
-def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
+def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, cheap_anchor: Optional[bool] = None):
+    """``cheap_anchor`` (anchor steps): None = ``methods/anchor.anchor_step`` where it applies (the default),
+    False = the original passes (cuDNN + LSE, bf16 pass 2, torch top-K; benchmarks/bench_anchor_mass.py times
+    both), True = anchor_step or a ValueError saying why it does not apply."""
     if phase == Phase.DENSE:
         return F.scaled_dot_product_attention(q, k, v, scale=sm_scale).contiguous(), meta
     C = cfg.group_size
@@ -208,8 +211,14 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
                      residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype))
         return finish_output(out, q.dtype), meta
     # ANCHOR
+    cheap = _cheap_anchor(q, k, v, cfg)
+    if cheap_anchor and not cheap:
+        raise ValueError(f"mcsparse: cheap_anchor=True needs self-attention (q, k, v of one shape) with head dim 64 "
+                         f"or 128 and selection='exact', selection_unit='token'; got q {tuple(q.shape)}, k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}, {cfg.selection.value}/{cfg.selection_unit.value}. "
+                         f"Pass cheap_anchor=None to fall back to the original passes.")
     sigma = query_order(impl, q, cfg)
-    if _cheap_anchor(q, k, v, cfg):
+    if cheap and cheap_anchor is not False:
         o_dense, idx, resid = _anchor_step(impl, q, k, v, sigma, cfg, sm_scale, keep, sparse)
         out = finish_output(o_dense, q.dtype).contiguous()  # SDPA's layout, as the original passes
         return _cache(out, o_dense, sigma, idx, resid, cfg, keep, Sk, meta)
