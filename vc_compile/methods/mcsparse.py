@@ -5,7 +5,8 @@ top-K keys per group, the sparse output with that selection and the residual ``R
 returns ``O_dense``. For self-attention with head dim 64/128 and the default exact token selection this runs
 ``methods/anchor.anchor_step`` (issue 20: pass 2 on INT8 codes, radix top-K; option ``anchor_dense``);
 other shapes and the ablation variants run the original passes below (``run(..., cheap_anchor=False)`` forces
-them, for benchmarks). REUSE: the sparse kernel with the cached sigma/selection on the current q, k, v, plus R. DENSE: stock SDPA (warm-up).
+them, for benchmarks). REUSE: the sparse kernel with the cached sigma/selection on the current q, k, v, plus R.
+DENSE: stock SDPA (warm-up).
 
 Metadata ``SparseMeta`` (the token-sparse analogue of FlexAttention's BlockMask):
   sigma     [B, H, S] int64     query order; group g = sigma[g*C:(g+1)*C] (last group may be partial)
