@@ -107,3 +107,25 @@ def test_mcsparse_cheap_anchor_argument():
     with pytest.raises(ValueError, match="cheap_anchor=True cannot run this anchor: q, k, v of different"):
         M.run(q, k[:, :, :200], v[:, :, :200], phase=Phase.ANCHOR, meta=None, cfg=cfg, sm_scale=D ** -0.5,
               impl=impl, cheap_anchor=True)
+
+
+def test_dispatch_launch_rules():
+    """The anchor kernels' launch configs (templates/configs.py): validated, JSON round trip, the default per group
+    size; dispatch refuses a launch config for the reference and a launch whose exp contradicts the call's."""
+    from vc_compile.templates import configs as KC
+    from vc_compile.templates import dispatch
+
+    assert KC.anchor_mass_default(64).groups_per_program == 4 and KC.anchor_mass_default(128).groups_per_program == 2
+    for c in (KC.AnchorMassConfig(groups_per_program=1, exp="exact"), KC.TopKConfig(block=256, digit=4)):
+        assert type(c).from_json(c.to_json()) == c
+    assert KC.AnchorMassConfig(exp="exact").exp is KC.ExpMode.EXACT
+    with pytest.raises(ValueError, match="num_warps"):
+        KC.AnchorMassConfig(num_warps=8)
+    with pytest.raises(ValueError, match="launch.exp='exact' but exp='shift'"):
+        dispatch.anchor_mass_launch(128, "shift", KC.AnchorMassConfig(exp="exact"))
+    mass = torch.rand(1, 1, 2, 300)
+    with pytest.raises(ValueError, match="reference has none"):
+        dispatch.topk(Impl.REFERENCE, mass, 10, launch=KC.TOPK_DEFAULT)
+    idx = dispatch.topk(Impl.REFERENCE, mass, 10)
+    assert idx.dtype == torch.int32 and torch.equal(idx.sort(-1).values, idx)
+    assert torch.equal(idx.long().sort(-1).values, mass.topk(10, dim=-1).indices.sort(-1).values)
