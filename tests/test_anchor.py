@@ -34,7 +34,8 @@ def test_triton_pipeline_matches_reference(S, D, C, dense_out):
     q, k, v, pi, sigma = inputs(S, D)
     keep = n_keep(S, 0.25)
     cfg = AnchorConfig(dense_out=dense_out)
-    ref = anchor_step(Impl.REFERENCE, q, k, v, sm_scale=D ** -0.5, group_size=C, keep=keep, key_perm=pi, cfg=cfg, sigma=sigma, out_dtype=torch.float32)
+    ref = anchor_step(Impl.REFERENCE, q, k, v, sm_scale=D ** -0.5, group_size=C, keep=keep, key_perm=pi,
+                      cfg=cfg, sigma=sigma, out_dtype=torch.float32)
     to = lambda t: t.to(DEV)  # noqa: E731
     got = anchor_step(Impl.TRITON, to(q), to(k), to(v), sm_scale=D ** -0.5, group_size=C, keep=keep,
                       key_perm=to(pi), cfg=cfg, sigma=to(sigma), out_dtype=torch.float32)
