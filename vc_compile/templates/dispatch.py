@@ -68,7 +68,8 @@ class Impl(str, enum.Enum):
 def triton_error() -> Optional[str]:
     """None when the Triton kernels import, else why not (``"ImportError: ..."``)."""
     try:
-        from vc_compile.templates import kmeans, pddp, preprocess, select, sparse_attn, vsmooth_attn  # noqa: F401
+        from vc_compile.templates import (anchor_mass, kmeans, pddp, preprocess, select, sparse_attn,  # noqa: F401
+                                          topk, vsmooth_attn)
     except Exception as e:  # the kernels are missing or failed to import: say so, never silently
         return f"{type(e).__name__}: {e}"
     return None
