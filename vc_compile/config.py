@@ -97,6 +97,8 @@ OPTION_DOCS: Dict[str, str] = {
     "sparse_qk": "MC-Sparse: QK precision of the gather kernel: 'bf16' | 'fp8'.",
     "warmup_attention": "MC-Sparse warm-up steps: 'vsmooth' (8-bit V-Smooth, default) or 'sdpa' (stock SDPA, the paper's).",
     "residual": "MC-Sparse residual storage: 'bf16' | 'fp8' (per-token scale, half the memory) | 'none'.",
+    "anchor_dense": "MC-Sparse anchor steps: the dense pass giving O_dense and R: 'bf16' (cuDNN, today's "
+                    "accuracy) | 'q8' (the 8-bit V-Smooth pass: faster, R carries its error; docs/anchor_notes.md).",
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
@@ -195,6 +197,7 @@ class VCConfig:
     anchor_interval: Optional[int] = None
     sparse_qk: str = "bf16"
     residual: str = "bf16"
+    anchor_dense: str = "bf16"
     residual_budget_gb: float = 64.0
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
@@ -275,6 +278,8 @@ class VCConfig:
             bad("sparse_qk", "'bf16' or 'fp8'")
         if self.residual not in ("bf16", "fp8", "none"):
             bad("residual", "'bf16', 'fp8' or 'none'")
+        if self.anchor_dense not in ("bf16", "q8"):
+            bad("anchor_dense", "'bf16' or 'q8'")
         if ex.selection_refresh == SelectionRefresh.EVERY_STEP and ex.selection != Selection.MEAN_POOL:
             raise VCConfigError(
                 f"vcattn option experimental['selection_refresh']='every_step' needs experimental['selection']="
@@ -391,7 +396,7 @@ def _coerce(key: str, value: Any, default: Any, label: Optional[str] = None) -> 
             return _tuple_of_ints(value)
         except (TypeError, ValueError):
             fail("a tuple of ints")
-    if key in ("residual", "sparse_qk"):
+    if key in ("residual", "sparse_qk", "anchor_dense"):
         return value
     if key == "mode":
         if value is not None and not isinstance(value, str):

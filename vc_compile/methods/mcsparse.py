@@ -2,10 +2,13 @@
 
 ANCHOR: Fast PDDP query groups (sigma), pass 1 dense attention with its LSE, pass 2 exact group masses,
 top-K keys per group, the sparse output with that selection and the residual ``R = O_dense - O_sparse``;
-returns ``O_dense``. REUSE: the sparse kernel with the cached sigma/selection on the current q, k, v,
-plus R. WARMUP (20% of the steps by default): the 8-bit V-Smooth path (``methods/vsmooth.py``: V grouped on
-the warm-up's first steps, as ``method="vsmooth"`` does), on its own metadata slot; with
-``warmup_attention="sdpa"`` the warm-up is DENSE instead (stock SDPA, run by the op, the paper's schedule).
+returns ``O_dense``. For self-attention with head dim 64/128 and the default exact token selection the anchor
+runs ``methods/anchor.anchor_step`` (issue 20, "cheap anchors": pass 2 on INT8 codes, radix top-K; option
+``anchor_dense``); cross-attention, other head dims and the ablation variants run the original passes
+(``run(..., cheap_anchor=False)`` forces them, for benchmarks). REUSE: the sparse kernel with the cached
+sigma/selection on the current q, k, v, plus R. WARMUP (20% of the steps by default): the 8-bit V-Smooth path
+(``methods/vsmooth.py``: V grouped on the warm-up's steps, as ``method="vsmooth"`` does), on its own metadata
+slot; with ``warmup_attention="sdpa"`` the warm-up is DENSE instead (stock SDPA, run by the op, the paper's).
 Schedule (``phase_for``): WARMUP (or DENSE) warm-up, ANCHOR at ``anchor_steps`` (default: the paper's 20% and 52% of the
 steps) and whenever no metadata is cached, REUSE otherwise.
 
@@ -212,9 +215,39 @@ def _check_memory(resid: torch.Tensor, cfg) -> None:
                 f"{_report.fmt_bytes(free)} free: {hint}.")
 
 
-def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
-    """REUSE / ANCHOR with ``SparseMeta``; WARMUP: ``meta`` is the warm-up's own ``VSmoothMeta`` slot (the op
-    keeps it apart from the sparse metadata, so a warm-up never looks like a cached selection)."""
+# ---- issue 20: the cheap anchor step (methods/anchor.py) ---------------------------------------------------
+def cheap_anchor_applies(q, k, v, cfg) -> Optional[str]:
+    """None when the anchor can run ``methods/anchor.anchor_step`` (INT8 pass 2: self-attention, D in {64, 128},
+    the exact token selection), else why not."""
+    ex = cfg.experimental
+    if ex.selection != Selection.EXACT or ex.selection_unit != SelectionUnit.TOKEN:
+        return (f"experimental selection={ex.selection.value!r}, selection_unit={ex.selection_unit.value!r} "
+                "(needs 'exact' / 'token')")
+    if not q.shape == k.shape == v.shape:
+        return f"q, k, v of different shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)} (cross-attention)"
+    if q.shape[-1] not in (64, 128):
+        return f"head dim {q.shape[-1]} (needs 64 or 128)"
+    return None
+
+
+def _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep):
+    """(out, O_dense, idx, R fp32 or None) by ``methods/anchor.anchor_step`` over ``impl``'s kernels."""
+    from . import anchor as A
+
+    res = A.anchor_step(impl, q, k, v, sm_scale=sm_scale, group_size=cfg.group_size, keep=keep,
+                        cfg=A.AnchorConfig(dense_out=cfg.anchor_dense), sigma=sigma,
+                        residual=cfg.residual != "none", out_dtype=kernel_out_dtype(q.dtype), sparse_qk=cfg.sparse_qk)
+    out = finish_output(res.out, q.dtype).contiguous()  # SDPA's layout, as the original passes
+    return out, res.out, res.idx, res.residual
+# ---- end issue 20 ---------------------------------------------------------------------------------------------
+
+
+def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, cheap_anchor: Optional[bool] = None):
+    """``cheap_anchor`` (anchor steps; issue 20): None = ``methods/anchor.anchor_step`` where it applies (the
+    default), False = the original passes (cuDNN + LSE, bf16 pass 2, torch top-K; benchmarks/bench_anchor_mass.py
+    times both), True = anchor_step or a ValueError saying why it does not apply. WARMUP: ``meta`` is the
+    warm-up's own ``VSmoothMeta`` slot (the op keeps it apart from the sparse metadata, so a warm-up never looks
+    like a cached selection)."""
     if phase == Phase.WARMUP:
         return warmup_run(q, k, v, meta=meta, cfg=cfg, sm_scale=sm_scale, impl=impl)
     C = cfg.group_size
@@ -233,18 +266,29 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
         out = sparse(meta.sigma, idx, residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype))
         return finish_output(out, q.dtype), meta
     # ANCHOR
+    # ---- issue 20: cheap anchor where it applies, else (and with cheap_anchor=False) the original passes ----
+    why_not = cheap_anchor_applies(q, k, v, cfg)
+    if cheap_anchor and why_not:
+        raise ValueError(f"mcsparse: cheap_anchor=True cannot run this anchor: {why_not}. Pass cheap_anchor=None "
+                         "to fall back to the original passes.")
     sigma = query_order(impl, q, cfg)
-    # pass 1 for every variant (mean-pooled scores do not need the LSE): the anchor step returns the same
-    # O_dense whatever the ablation switches, so the ladder's rungs differ only in what they switch
-    o_dense, lse2 = dispatch.dense_with_lse(impl, q, k, v, sm_scale)
-    out = o_dense.to(q.dtype).contiguous()
-    idx = select(impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=C, keep=keep,
-                 selection=ex.selection, unit=ex.selection_unit)
+    resid = None
+    if why_not is None and cheap_anchor is not False:
+        out, o_dense, idx, resid = _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep)
+    else:
+        # pass 1 for every variant (mean-pooled scores do not need the LSE): the anchor step returns the same
+        # O_dense whatever the ablation switches, so the ladder's rungs differ only in what they switch
+        o_dense, lse2 = dispatch.dense_with_lse(impl, q, k, v, sm_scale)
+        out = o_dense.to(q.dtype).contiguous()
+        idx = select(impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=C, keep=keep,
+                     selection=ex.selection, unit=ex.selection_unit)
+    # ---- end issue 20 ----
     residual = res_scale = None
     if cfg.residual != "none":
-        o_sparse = sparse(sigma, idx, out_dtype=torch.float32)
-        resid = o_dense.float() - o_sparse.float()
-        del o_sparse
+        if resid is None:  # the original passes (anchor_step forms R itself)
+            o_sparse = sparse(sigma, idx, out_dtype=torch.float32)
+            resid = o_dense.float() - o_sparse.float()
+            del o_sparse
         # One sync per anchor step (see the module docstring). The residual, not O_dense alone: a dense
         # kernel may return a finite row for an Inf query where the sparse one does not.
         if not bool(torch.isfinite(resid).all()):

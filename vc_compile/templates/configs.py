@@ -360,3 +360,58 @@ class PreprocessConfig(_Json):
 # NOTE (H200, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D], Wan pair tables; bench_preprocess.py):
 # the measurements behind both switches are in templates/preprocess.py's module doc (RoPE prologue).
 PREPROCESS_DEFAULT = PreprocessConfig()
+
+
+# ---- MC-Sparse cheap anchor: pass 2 on INT8 codes and the radix top-K (templates/anchor_mass.py, topk.py) ----
+class ExpMode(str, enum.Enum):
+    """Pass 2's exponential (reference/anchor_mass.py): EXACT = exp2 (MUFU.EX2); SHIFT = Schraudolph's
+    exponent-field construction on the FMA/INT pipes, centred by BETA (|rel err| <= 4%, unbiased in sums)."""
+    EXACT = "exact"
+    SHIFT = "shift"
+
+
+@dataclass(frozen=True)
+class AnchorMassConfig(_Json):
+    """Launch of the pass-2 mass kernel. ``groups_per_program`` (NG): query groups held per program; NG x C = 256
+    queries halves the K8 tiles streamed from L2 against NG x C = 128 (0.54 vs 1.07 GB per head at S = 32760).
+    ``exp``: ``ExpMode``. ``num_stages``: depth of the K8 TMA pipeline. 4 warps = one warpgroup: the [64, C]
+    tile's rows stay in one warpgroup, so the group sums need no shared-memory reduction."""
+    groups_per_program: int = 2
+    exp: ExpMode = ExpMode.SHIFT
+    num_stages: int = 3
+    num_warps: int = 4
+
+    def __post_init__(self):
+        _coerce_enum(self, "exp", ExpMode)
+        _check_ints(self, groups_per_program={1, 2, 4}, num_stages=set(range(1, 7)), num_warps={4})
+
+
+def anchor_mass_default(group_size: int, exp: ExpMode = ExpMode.SHIFT) -> AnchorMassConfig:
+    """256 queries per program (NG = 2 at C = 128, 4 at C = 64). NOTE a prediction from the sm_90 SASS mix
+    (docs/anchor_notes.md), not yet timed: benchmarks/bench_anchor_mass.py measures the anchor step on the H200."""
+    if int(group_size) not in (64, 128):
+        raise ValueError(f"anchor mass: group_size must be 64 or 128 (the sparse kernel's query tile), "
+                         f"got {group_size}")
+    return AnchorMassConfig(groups_per_program=max(1, 256 // int(group_size)), exp=exp)
+
+
+@dataclass(frozen=True)
+class TopKConfig(_Json):
+    """Launch of the radix top-K. ``block``: elements per chunk (power of two, <= 32768 so the packed scan's
+    counts fit 16 bits); ``digit``: bits per radix pass (4: 16-bin histograms, 4 passes for bf16; 8: 256 bins,
+    2 passes); ``num_warps``.
+    NOTE sm_90 SASS (scripts/codegen_anchor.py, bf16 rows): a 256-bin ``tl.histogram`` pass costs ~75
+    instructions per element, a 16-bin pass ~32-46, the compaction ~46: digit 8 ~195 per element for bf16,
+    digit 4 ~200 (fp32: ~345 vs ~325); 8 reads the row fewer times. Not yet timed on the GPU."""
+    block: int = 4096
+    digit: int = 8
+    num_warps: int = 8
+
+    def __post_init__(self):
+        b = self.block
+        if isinstance(b, bool) or not isinstance(b, int) or not 128 <= b <= 32768 or b & (b - 1):
+            raise ValueError(f"TopKConfig.block={b!r}; accepted: a power of two in [128, 32768]")
+        _check_ints(self, digit={4, 8}, num_warps={1, 2, 4, 8, 16})
+
+
+TOPK_DEFAULT = TopKConfig()

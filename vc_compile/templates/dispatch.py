@@ -35,6 +35,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from vc_compile.reference import anchor_mass as ref_anchor_mass
 from vc_compile.reference import dense as ref_dense
 from vc_compile.reference import kmeans as ref_kmeans
 from vc_compile.reference import pddp as ref_pddp
@@ -42,6 +43,7 @@ from vc_compile.reference import preprocess as ref_preprocess
 from vc_compile.reference import select as ref_select
 from vc_compile.reference import sparse_attn as ref_sparse
 from vc_compile.reference import sparse_attn_q8 as ref_sparse_q8
+from vc_compile.reference import topk as ref_topk
 from vc_compile.reference import vsmooth_attn as ref_vsmooth
 from vc_compile.templates import configs as C
 from vc_compile.templates.interpret import interpreting
@@ -66,7 +68,8 @@ class Impl(str, enum.Enum):
 def triton_error() -> Optional[str]:
     """None when the Triton kernels import, else why not (``"ImportError: ..."``)."""
     try:
-        from vc_compile.templates import kmeans, pddp, preprocess, select, sparse_attn, vsmooth_attn  # noqa: F401
+        from vc_compile.templates import (anchor_mass, kmeans, pddp, preprocess, select, sparse_attn,  # noqa: F401
+                                          topk, vsmooth_attn)
     except Exception as e:  # the kernels are missing or failed to import: say so, never silently
         return f"{type(e).__name__}: {e}"
     return None
@@ -295,3 +298,57 @@ def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_
 def select_topk(impl: Impl, mass, keep: int):
     """idx [..., keep] int32: the ``keep`` largest masses per row, ascending (torch on every device)."""
     return ref_select.select_topk(mass, keep)
+
+
+# ---- MC-Sparse cheap anchor (issue 20; methods/anchor.py) ---------------------------------------------------
+def _no_launch(*launches) -> None:
+    if any(x is not None for x in launches):
+        raise ValueError("a launch config selects a kernel; the reference has none")
+
+
+def anchor_mass_launch(group_size: int, exp: C.ExpMode, launch: Optional[C.AnchorMassConfig] = None):
+    """The pass-2 launch of one call: ``launch`` (its ``exp`` must be ``exp``) or the default for the group size."""
+    exp = C.ExpMode(exp)
+    if launch is None:
+        return C.anchor_mass_default(group_size, exp)
+    if launch.exp != exp:
+        raise ValueError(f"anchor mass: launch.exp={launch.exp.value!r} but exp={exp.value!r}; pass one exp mode")
+    return launch
+
+
+def group_key_mass_q8(impl: Impl, qk, lse_s, sigma, *, group_size: int, key_perm=None, exp=C.ExpMode.SHIFT,
+                      mass_dtype=torch.float32, launch: Optional[C.AnchorMassConfig] = None):
+    """Pass 2 on pass 1's INT8 codes: mass [B, H, G, Sk] in original key order (reference/anchor_mass.py)."""
+    if impl == Impl.REFERENCE:
+        _no_launch(launch)
+        return ref_anchor_mass.group_key_mass_q8(qk, lse_s, sigma, group_size=group_size, key_perm=key_perm,
+                                                 exp=C.ExpMode(exp).value, mass_dtype=mass_dtype)
+    from vc_compile.templates import anchor_mass
+    return anchor_mass.group_key_mass_q8(qk, lse_s, sigma, group_size=group_size, key_perm=key_perm,
+                                         launch=anchor_mass_launch(group_size, exp, launch), mass_dtype=mass_dtype)
+
+
+def anchor_select_q8(impl: Impl, qk, lse_s, sigma, *, group_size: int, keep: int, key_perm=None,
+                     exp=C.ExpMode.SHIFT, mass_dtype=torch.bfloat16, max_mass_bytes: int = 1 << 30,
+                     launch: Optional[C.AnchorMassConfig] = None, topk_launch: Optional[C.TopKConfig] = None):
+    """Pass 2 on the INT8 codes + top-K, a chunk of heads at a time: idx [B, H, G, keep] int32 ascending."""
+    if impl == Impl.REFERENCE:
+        _no_launch(launch, topk_launch)
+        return ref_anchor_mass.anchor_select_q8(qk, lse_s, sigma, group_size=group_size, keep=keep,
+                                                key_perm=key_perm, exp=C.ExpMode(exp).value, mass_dtype=mass_dtype,
+                                                max_mass_bytes=max_mass_bytes)
+    from vc_compile.templates import anchor_mass
+    return anchor_mass.anchor_select_q8(qk, lse_s, sigma, group_size=group_size, keep=keep, key_perm=key_perm,
+                                        launch=anchor_mass_launch(group_size, exp, launch),
+                                        topk_launch=topk_launch or C.TOPK_DEFAULT, mass_dtype=mass_dtype,
+                                        max_mass_bytes=max_mass_bytes)
+
+
+def topk(impl: Impl, mass, keep: int, launch: Optional[C.TopKConfig] = None):
+    """idx [..., keep] int32: the ``keep`` largest masses per row, ties lowest index first, ascending
+    (reference/topk.py; TRITON: the radix select of templates/topk.py)."""
+    if impl == Impl.REFERENCE:
+        _no_launch(launch)
+        return ref_topk.select_topk(mass, keep)
+    from vc_compile.templates import topk as kmod
+    return kmod.select_topk(mass, keep, launch=launch or C.TOPK_DEFAULT)
