@@ -20,7 +20,7 @@ from ..config import Kernels, VCConfig
 
 _TEMPLATE_MODULES = {
     "vsmooth": ("preprocess", "vsmooth_attn", "kmeans"),
-    "mcsparse": ("pddp", "select", "sparse_attn"),
+    "mcsparse": ("pddp", "select", "sparse_attn", "finite_flags"),
 }
 
 

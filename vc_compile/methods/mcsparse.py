@@ -21,6 +21,12 @@ Hostile inputs (tests/test_hostile.py):
   every reuse step until the next anchor, long after the input is clean again. The previous metadata
   (if any) stays, else the next step anchors again. This costs one device->host sync per anchor step
   (a few per generation), none on reuse steps.
+* A NaN/Inf on a reuse step propagates as in SDPA: the gather kernel reads only the selected keys, so
+  ``finite_flags`` (one streaming pass over K and V, ~2% of the reuse step at S = 32760) flags the heads
+  with a non-finite key and the value columns with a non-finite element, and the kernel's epilogue
+  writes NaN there (a NaN in K: the whole head, as SDPA; a +-Inf in K: the whole head, where fp32 SDPA
+  has NaN on the rows whose logit is +Inf; V element (j, d): column d of the head; q row i: row i, from
+  the kernel itself). Anchor steps return O_dense, dense warm-up steps are SDPA: both propagate as is.
 * fp16 outputs saturate at +-65504 instead of rounding up to inf (``methods.finish_output``).
 * ``sparse_qk="fp8"`` on the reference path runs ``reference/sparse_attn_q8.py``.
 
@@ -185,8 +191,11 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
         if cfg.selection_refresh == SelectionRefresh.EVERY_STEP:  # vanilla block-sparse: select again
             idx = select(impl, q, k, meta.sigma, None, sm_scale=sm_scale, group_size=C, keep=keep,
                          selection=cfg.selection, unit=cfg.selection_unit)
+        # NaN/Inf in keys or values no group selected would vanish here: one pass over K and V flags
+        # them and the gather kernel writes NaN where SDPA's output is non-finite (module docstring)
+        flag, _ = impl.finite_flags.finite_flags(k, v)
         out = sparse(q, k, v, meta.sigma, idx, sm_scale=sm_scale, group_size=C,
-                     residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype))
+                     residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype), flag=flag)
         return finish_output(out, q.dtype), meta
     # ANCHOR
     sigma = query_order(impl, q, cfg)
