@@ -11,6 +11,7 @@ import os
 import dataclasses
 import enum
 import json
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -88,6 +89,8 @@ OPTION_DOCS: Dict[str, str] = {
     "query_grouping": "MC-Sparse ablation: 'pddp' (Fast PDDP groups) | 'none' (contiguous query tiles).",
     "selection_refresh": "MC-Sparse ablation: 'anchor' (select at anchors, reuse) | 'every_step' (mean_pool).",
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
+    "guard_threshold": "MC-Sparse: re-anchor a layer when its reuse error, measured on sampled rows, exceeds "
+                       "this (relative L2; 0 = guard off). docs/mcsparse_guard.md.",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
                    "Opt-in: on the H200 it saves 0.3-0.6 ms of preprocessing but only 0.2% of the op.",
@@ -137,6 +140,7 @@ class VCConfig:
     query_grouping: QueryGrouping = QueryGrouping.PDDP
     selection_refresh: SelectionRefresh = SelectionRefresh.ANCHOR
     residual_budget_gb: float = 64.0
+    guard_threshold: float = 0.0
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
     # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first
@@ -215,6 +219,8 @@ class VCConfig:
                 f"residual={self.residual!r}; accepted: residual='none', or selection_refresh='anchor'")
         if not self.residual_budget_gb > 0:  # also refuses NaN (every comparison with NaN is False)
             bad("residual_budget_gb", "a positive float (float('inf') = no limit)")
+        if not 0.0 <= self.guard_threshold < math.inf:  # also refuses NaN
+            bad("guard_threshold", "a float >= 0 (0 = the MC-Sparse guard is off)")
         if self.num_steps < 1:
             bad("num_steps", "an int >= 1")
         if self.min_seq_len < 1:
@@ -251,7 +257,7 @@ _ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler
           "selection_refresh": SelectionRefresh}
 _BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion")
 _INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "num_steps", "min_seq_len")
-_FLOATS = ("group_fraction", "density", "residual_budget_gb")
+_FLOATS = ("group_fraction", "density", "residual_budget_gb", "guard_threshold")
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:

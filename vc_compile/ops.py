@@ -162,6 +162,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
     meta = state.get(key)
     phase = phase_for(cfg, info.step, info.num_steps, meta is not None)
+    if phase == Phase.REUSE and method == Method.MCSPARSE:  # the quality guard (methods/mcsparse_guard.py)
+        err, reanchor = m_mcsparse.guard_check(meta, cfg)
+        rec.note_guard(err, reanchor)
+        if reanchor:
+            phase = Phase.ANCHOR
     kw = {} if rope_args is None else {"rope": rope_args}
     with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording(cfg.tune_cache_dir) as sources:
         if phase == Phase.DENSE:  # warm-up steps of any method: stock SDPA (V-Smooth's run() used to ignore it)

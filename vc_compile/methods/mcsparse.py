@@ -30,6 +30,11 @@ Hostile inputs (tests/test_hostile.py):
 * fp16 outputs saturate at +-65504 instead of rounding up to inf (``methods.finish_output``).
 * ``sparse_qk="fp8"`` on the reference path runs ``reference/sparse_attn_q8.py``.
 
+Quality guard (``guard_threshold`` > 0, ``mcsparse_guard.py``): every reuse step also measures its own
+relative error on R sampled query rows per head (exact rows from the finite-flags pass); ``ops`` asks
+``guard_check`` at the next call and runs it as an anchor when the reading exceeds the threshold
+(``report()``: ``guard_anchors``).
+
 Ablation switches (the ladder of the paper's Table 5, docs/sparse_notes.md; defaults = the full method):
 * ``query_grouping="none"``: sigma = arange(S) (contiguous query tiles of C), no PDDP.
 * ``selection="mean_pool"``: scores of each group's mean query against the keys (or key-block means),
@@ -58,6 +63,7 @@ from ..reference.select import KV_TILE, n_keep
 from ..runtime import state
 from ..runtime.steps import Phase
 from . import finish_output, kernel_out_dtype
+from .mcsparse_guard import GuardState, should_reanchor
 
 _MASS_BYTES = 1 << 30  # pass-2 group masses are computed for as many heads as fit in 1 GiB at once
 
@@ -69,6 +75,7 @@ class SparseMeta:
     residual: Optional[torch.Tensor]
     res_scale: Optional[torch.Tensor]
     density: float
+    guard: Optional[GuardState] = None  # the quality guard's rows and readings (guard_threshold > 0)
 
     def residual_tensor(self, dtype) -> Optional[torch.Tensor]:
         if self.residual is None:
@@ -193,9 +200,14 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
                          selection=cfg.selection, unit=cfg.selection_unit)
         # NaN/Inf in keys or values no group selected would vanish here: one pass over K and V flags
         # them and the gather kernel writes NaN where SDPA's output is non-finite (module docstring)
-        flag, _ = impl.finite_flags.finite_flags(k, v)
+        # The same pass measures the guard's sampled rows exactly (mcsparse_guard.py)
+        guard = meta.guard if cfg.guard_threshold > 0 else None
+        probe = (q, guard.rows, sm_scale) if guard is not None else None
+        flag, part = impl.finite_flags.finite_flags(k, v, probe=probe)
         out = sparse(q, k, v, meta.sigma, idx, sm_scale=sm_scale, group_size=C,
                      residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype), flag=flag)
+        if guard is not None:
+            guard.record(impl.finite_flags.probe_error(out, guard.rows, part))  # read back next call
         return finish_output(out, q.dtype), meta
     # ANCHOR
     sigma = query_order(impl, q, cfg)
@@ -218,5 +230,15 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl):
         residual, res_scale = _compact(resid, cfg.residual)
     elif not bool(torch.isfinite(o_dense).all()):
         return out, meta
-    meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk)
+    meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk,
+                      guard=GuardState.new(q) if cfg.guard_threshold > 0 else None)
     return out, meta
+
+
+def guard_check(meta: Optional[SparseMeta], cfg):
+    """(newest guard reading or None, re-anchor now?) for a call the schedule made a reuse step: the
+    reuse error measured at an earlier step of this (site, block, branch), read back without a sync."""
+    if meta is None or meta.guard is None or cfg.guard_threshold <= 0:
+        return None, False
+    err = meta.guard.poll()
+    return err, should_reanchor(err, cfg.guard_threshold, meta.guard.reuse_steps)
