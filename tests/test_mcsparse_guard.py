@@ -109,10 +109,15 @@ def run(traj, threshold, steps=14):
 def test_fast_drift_reanchors():
     from torch._dynamo.utils import counters
 
+    from vc_compile.methods.mcsparse import _warn_unreachable
+
     counters["vcattn"].clear()
+    _warn_unreachable.cache_clear()
     steps, tau = 14, 0.08
     _, errs0, anchors0, _ = run(walk(steps, 0.05), 0.0, steps)
-    _, errs, anchors, rec = run(walk(steps, 0.05), tau, steps)
+    with pytest.warns(RuntimeWarning, match="re-anchoring cannot meet it at density=0.25"):
+        _, errs, anchors, rec = run(walk(steps, 0.05), tau, steps)
+    assert errs[1] > tau  # (the first reuse step is already over: hence the warning)
     assert anchors0 == [0]
     assert rec.guard_anchors >= 2 and counters["vcattn"]["guard_anchor"] == rec.guard_anchors
     assert anchors[0] == 0 and len(anchors) == 1 + rec.guard_anchors
@@ -126,9 +131,16 @@ def test_fast_drift_reanchors():
 
 
 def test_slow_drift_does_not_reanchor():
+    import warnings
+
+    from vc_compile.methods.mcsparse import _warn_unreachable
+
+    _warn_unreachable.cache_clear()
     steps = 14
     outs0, errs0, _, _ = run(walk(steps, 0.002), 0.0, steps)
-    outs, errs, anchors, rec = run(walk(steps, 0.002), 0.08, steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        outs, errs, anchors, rec = run(walk(steps, 0.002), 0.08, steps)
     assert anchors == [0] and rec.guard_anchors == 0
     assert rec.guard_readings >= steps - 2 and 0 < rec.guard_err_max < 0.08
     assert max(errs) < 0.08

@@ -49,6 +49,7 @@ attention); ``report()`` names them in the kernel path (``path_label``).
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,7 +64,7 @@ from ..reference.select import KV_TILE, n_keep
 from ..runtime import state
 from ..runtime.steps import Phase
 from . import finish_output, kernel_out_dtype
-from .mcsparse_guard import GuardState, should_reanchor
+from .mcsparse_guard import MIN_GAP, GuardState, should_reanchor
 
 _MASS_BYTES = 1 << 30  # pass-2 group masses are computed for as many heads as fit in 1 GiB at once
 
@@ -241,4 +242,15 @@ def guard_check(meta: Optional[SparseMeta], cfg):
     if meta is None or meta.guard is None or cfg.guard_threshold <= 0:
         return None, False
     err = meta.guard.poll()
+    if err is not None and meta.guard.first_over(cfg.guard_threshold):
+        _warn_unreachable(cfg.guard_threshold, cfg.density)
     return err, should_reanchor(err, cfg.guard_threshold, meta.guard.reuse_steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unreachable(threshold: float, density: float) -> None:
+    warnings.warn(
+        f"vcattn mcsparse: the first reuse step after an anchor already exceeds guard_threshold={threshold:g} "
+        f"(relative error on sampled rows): re-anchoring cannot meet it at density={density:g}, the guard "
+        f"re-anchors at most every {MIN_GAP} steps. Raise 'density' or 'guard_threshold', or use "
+        "method='vsmooth'; report() shows each site's largest reading (err<=...).", RuntimeWarning, stacklevel=4)

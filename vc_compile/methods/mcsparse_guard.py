@@ -106,6 +106,7 @@ class GuardState:
     pending: Deque[Readback] = field(default_factory=lambda: collections.deque(maxlen=8))
     errors: List[float] = field(default_factory=list)  # read-back errors, oldest first (last _HISTORY)
     reuse_steps: int = 0  # reuse steps run since the anchor
+    readings: int = 0  # readings read back since the anchor
 
     @classmethod
     def new(cls, q: torch.Tensor, rows: int = ROWS) -> "GuardState":
@@ -124,5 +125,12 @@ class GuardState:
         while self.pending and self.pending[0].ready():
             err = self.pending.popleft().value()
             self.errors.append(err)
+            self.readings += 1
         del self.errors[:-_HISTORY]
         return err
+
+    def first_over(self, threshold: float) -> bool:
+        """Whether the first reading after the anchor already exceeded the threshold: then anchoring
+        more often cannot meet it at this density (``mcsparse.guard_check`` warns once)."""
+        first = self.errors[0] if self.readings == len(self.errors) and self.errors else None
+        return should_reanchor(first, threshold)
