@@ -1,8 +1,8 @@
 """What NaN/Inf propagation and the MC-Sparse guard cost on a reuse step (templates/finite_flags.py).
 
-    python benchmarks/bench_finite_flags.py                    # H200: S in {32760, 75600}, H = 40, D = 128
-    python benchmarks/bench_finite_flags.py --sizes 32760 --csv $OUT/bench_finite_flags.csv
-    python benchmarks/bench_finite_flags.py --smoke            # CPU dry run (Triton interpreter, tiny)
+    python -m benchmarks.bench_finite_flags                    # H200: S in {32760, 75600}, H = 40, D = 128
+    python -m benchmarks.bench_finite_flags --sizes 32760 --csv $OUT/bench_finite_flags.csv
+    python -m benchmarks.bench_finite_flags --smoke            # CPU dry run (Triton interpreter, tiny)
 
 Rows (``variant``), B = 1, bf16, density 0.15, C = 128 (the MC-Sparse defaults), a random sorted selection
 per group and PDDP groups of the queries, all timed in one process with ``triton.testing.do_bench``:
@@ -24,16 +24,14 @@ import os
 import sys
 from pathlib import Path
 
-if "--smoke" in sys.argv:
+if "--smoke" in sys.argv:  # before triton is imported: the interpreter runs the kernels on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import append_rows, attn_flops, bench_ms, print_table, sdpa_fn  # noqa: E402
+import benchmarks.common as common  # noqa: E402
+from benchmarks.bench_mcsparse_guard import write_csv  # noqa: E402
+from benchmarks.common import attn_flops, bench_ms, print_table, sdpa_fn  # noqa: E402
 from vc_compile.methods.mcsparse_guard import GuardState  # noqa: E402
 from vc_compile.reference.select import n_keep  # noqa: E402
 from vc_compile.templates import finite_flags as ff  # noqa: E402
@@ -132,12 +130,10 @@ def main(argv=None):
     if a.smoke:
         print("[finite_flags] smoke run: rows not written")
         return rows
-    path = append_rows("bench_finite_flags", rows)
+    path = write_csv(str(Path(common.RESULTS_DIR) / "bench_finite_flags.csv"), rows, "bench_finite_flags", EXTRAS)
     print(f"[finite_flags] appended {len(rows)} rows to {path}")
     if a.csv:
-        import shutil
-
-        shutil.copy(path, a.csv)
+        print(f"[finite_flags] also to {write_csv(a.csv, rows, 'bench_finite_flags', EXTRAS)}")
     return rows
 
 

@@ -417,23 +417,24 @@ def main(argv=None):
         print("[guard] smoke run: rows not written")
         return rows
     path = a.csv or str(Path(common.RESULTS_DIR) / "bench_mcsparse_guard.csv")
-    print(f"[guard] appended {len(rows)} rows to {write_csv(path, rows)}")
+    print(f"[guard] appended {len(rows)} rows to {write_csv(path, rows, 'bench_mcsparse_guard', EXTRAS)}")
     return rows
 
 
-def write_csv(path: str, rows) -> str:
-    """Append ``rows`` with the agreed leading columns (+ ``EXTRAS``) to ``path``: through
+def write_csv(path: str, rows, bench: str, extras) -> str:
+    """Append ``rows`` with the agreed leading columns (+ ``extras``) to ``path``: through
     ``common.append_csv`` where the harness has it (main: it also adds the GPU's NVML columns and widens an
-    older header), else here (this branch's older harness), refusing a file with other leading columns."""
+    older header), else here (this branch's older harness), refusing a file with other leading columns.
+    Also used by bench_finite_flags; once merged into main, ``common.append_csv`` alone will do."""
     info = env_info()
-    full = [{**info, "bench": "bench_mcsparse_guard", **r} for r in rows]
+    full = [{**info, "bench": bench, **r} for r in rows]
     if hasattr(common, "append_csv"):
-        return common.append_csv(path, full, widen=EXTRAS)
+        return common.append_csv(path, full, widen=list(extras))
     import csv
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    cols = COLUMNS + EXTRAS
+    cols = COLUMNS + list(extras)
     if p.exists() and p.stat().st_size:
         with open(p, newline="") as f:
             cols = next(csv.reader(f))
