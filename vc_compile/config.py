@@ -140,6 +140,14 @@ class VCConfig:
     query_grouping: QueryGrouping = QueryGrouping.PDDP
     selection_refresh: SelectionRefresh = SelectionRefresh.ANCHOR
     residual_budget_gb: float = 64.0
+    # NOTE off by default (opt in). CPU reference path, bench_mcsparse_guard --synthetic (e79ee72; S = 1024,
+    # H = 2, D = 64, s = 0.15, 30 steps; docs/mcsparse_guard.md): on a 4-step motion burst the guard at 0.08
+    # gives mean / max error 0.049 / 0.20 at 0.44 dense steps per call, where a fixed anchor every 10 steps
+    # gives 0.10 / 0.33 at the same cost (every 3: 0.025 / 0.21 at 1.00); but on continuous 2%/step drift
+    # its first reading is already over 0.05 and 0.08, so it becomes a fixed every-4 schedule (cost 0.84,
+    # mean error 0.064 random / 0.050 structured: on the fixed schedules' frontier, not beyond it), i.e.
+    # a default-on guard could nearly double MC-Sparse's attention cost on fast inputs. The demo model's
+    # rows on the H200 (PSNR at equal cost) decide whether 0.08 becomes the default.
     guard_threshold: float = 0.0
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
