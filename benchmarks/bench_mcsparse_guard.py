@@ -1,6 +1,6 @@
 """MC-Sparse quality guard (methods/mcsparse_guard.py): fixed vs adaptive anchor schedules, side by side.
 
-    python -m benchmarks.bench_mcsparse_guard                  # both below (H200: ~2 min, one command)
+    python -m benchmarks.bench_mcsparse_guard                  # both below (H200: ~2-3 min, one command)
     python -m benchmarks.bench_mcsparse_guard --synthetic      # drifting synthetic inputs
     python -m benchmarks.bench_mcsparse_guard --demo           # the trained demo model, closed loop
     python -m benchmarks.bench_mcsparse_guard --demo --trace   # + per-call true vs estimated error
@@ -302,7 +302,7 @@ def main(argv=None):
     ap.add_argument("--group-size", type=int, default=128)
     # synthetic
     ap.add_argument("--kinds", default="random,structured,burst")
-    ap.add_argument("--drifts", default="0.01,0.02", help="per kind; burst uses the last one x 3")
+    ap.add_argument("--drifts", default="0.02", help="per kind (comma-separated); burst uses the last one x 3")
     ap.add_argument("--seq", type=int, default=None, help="default 8192 on CUDA, 1024 on CPU")
     ap.add_argument("--heads", type=int, default=None, help="default 8 on CUDA, 2 on CPU")
     ap.add_argument("--dim", type=int, default=None, help="default 128 on CUDA, 64 on CPU")
