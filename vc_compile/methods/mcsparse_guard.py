@@ -37,8 +37,8 @@ import torch
 
 # NOTE 16 rows per head: the probe's tl.dot tile is at least 16 rows, and at B = 1, H = 40, S = 32760,
 # D = 128 its QK and PV are 4 R S D = 10.7 GFLOP per call, hidden under the pass's 670 MB read. The
-# estimate pools every head's rows (640 rows at H = 40; 32 on the 2-head demo model, whose spread over
-# steps is in docs/mcsparse_guard.md).
+# estimate pools every head's rows (640 rows at H = 40; 32 on the 2-head demo model: its estimate vs the
+# true error per call comes from bench_mcsparse_guard --demo --trace, docs/mcsparse_guard.md).
 ROWS = 16
 _HISTORY = 64  # read-back errors kept per metadata entry (diagnostics)
 
@@ -62,7 +62,7 @@ def rel_error(num: float, den: float) -> float:
 # NOTE at least 4 steps from one anchor to the next, whatever the readings: on the H200 (S = 32760, H = 40,
 # D = 128, s = 0.15, C = 128) an anchor costs ~2.6 dense cuDNN steps and a reuse step 0.2, so anchoring
 # every P steps costs (2.6 + 0.2 (P - 1)) / P dense steps: 1.4 at P = 2 (the guard alternating
-# anchor / reuse when even one reuse step exceeds the threshold: measured, docs/mcsparse_guard.md), 1.0
+# anchor / reuse when even one reuse step exceeds the threshold; docs/mcsparse_guard.md), 1.0
 # at P = 3, 0.8 at P = 4. The gap keeps the guard from ever making a layer dearer than dense attention.
 MIN_GAP = 4
 
