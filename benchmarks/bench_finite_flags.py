@@ -22,20 +22,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 if "--smoke" in sys.argv:  # before triton is imported: the interpreter runs the kernels on the CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-import benchmarks.common as common  # noqa: E402
-from benchmarks.bench_mcsparse_guard import write_csv  # noqa: E402
-from benchmarks.common import attn_flops, bench_ms, print_table, sdpa_fn  # noqa: E402
+from benchmarks.common import append_rows, attn_flops, bench_ms, print_table, sdpa_fn  # noqa: E402
 from vc_compile.methods.mcsparse_guard import GuardState  # noqa: E402
 from vc_compile.reference.select import n_keep  # noqa: E402
-from vc_compile.templates import finite_flags as ff  # noqa: E402
-from vc_compile.templates import sparse_attn as tsa  # noqa: E402
+from vc_compile.templates import dispatch  # noqa: E402
 
 EXTRAS = ["overhead_pct", "gbps", "group_size", "note"]
 
@@ -54,30 +50,35 @@ def bench_size(B, H, S, D, C, density, dev, log):
     guard = GuardState.new(q)
     kv_bytes = 2 * B * H * S * D * 2
 
+    T = dispatch.Impl.TRITON  # as the runtime launches them (dispatch: launch configs, tuning lookup)
+
     def gather(flag=None):
-        return tsa.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=C, residual=res, flag=flag)
+        return dispatch.sparse_attention(T, q, k, v, sigma, idx, sm_scale=sm, group_size=C, residual=res, flag=flag)
+
+    def flags(kk=k, probe=None):
+        return dispatch.finite_flags(T, kk, v, probe=probe)
 
     def reuse_flags():
-        flag, _ = ff.finite_flags(k, v)
+        flag, _ = flags()
         return gather(flag)
 
     def reuse_guard():
-        flag, part = ff.finite_flags(k, v, probe=(q, guard.rows, sm))
+        flag, part = flags(probe=(q, guard.rows, sm))
         out = gather(flag)
-        guard.record(ff.probe_error(out, guard.rows, part))
+        guard.record(dispatch.probe_error(T, out, guard.rows, part))
         guard.poll()
         return out
 
     def flags_probe():
-        flag, part = ff.finite_flags(k, v, probe=(q, guard.rows, sm))
-        return ff.probe_error(res, guard.rows, part)
+        flag, part = flags(probe=(q, guard.rows, sm))
+        return dispatch.probe_error(T, res, guard.rows, part)
 
     base_out = gather()
     checks = {"reuse_flags": reuse_flags(), "reuse_guard": reuse_guard()}
     # correctness at this size: the last key of the last head
     k2 = k.clone()
     k2[-1, -1, -1, -1] = float("nan")
-    flag, _ = ff.finite_flags(k2, v)
+    flag, _ = flags(k2)
     assert int(flag.sum()) == D and bool(flag[-1, -1].all()), "the NaN in the last key was not flagged"
     del k2
     quick = dev != "cuda"
@@ -85,7 +86,7 @@ def bench_size(B, H, S, D, C, density, dev, log):
     t = {}
     fns = [("sdpa_cudnn", sdpa_fn(q, k, v, "cudnn") if dev == "cuda" else (lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))),
            ("kv_read_torch", lambda: k.sum(dtype=torch.float32) + v.sum(dtype=torch.float32)),
-           ("flags", lambda: ff.finite_flags(k, v)), ("flags_probe", flags_probe),
+           ("flags", flags), ("flags_probe", flags_probe),
            ("reuse_base", gather), ("reuse_flags", reuse_flags), ("reuse_guard", reuse_guard)]
     for name, fn in fns:
         t[name] = bench_ms(fn, warmup=wu, rep=rp)
@@ -130,10 +131,10 @@ def main(argv=None):
     if a.smoke:
         print("[finite_flags] smoke run: rows not written")
         return rows
-    path = write_csv(str(Path(common.RESULTS_DIR) / "bench_finite_flags.csv"), rows, "bench_finite_flags", EXTRAS)
+    path = append_rows("bench_finite_flags", rows, extras=EXTRAS)
     print(f"[finite_flags] appended {len(rows)} rows to {path}")
     if a.csv:
-        print(f"[finite_flags] also to {write_csv(a.csv, rows, 'bench_finite_flags', EXTRAS)}")
+        print(f"[finite_flags] also to {append_rows('bench_finite_flags', rows, path=a.csv, extras=EXTRAS)}")
     return rows
 
 

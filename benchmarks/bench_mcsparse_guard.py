@@ -51,8 +51,9 @@ import torch
 import torch.nn.functional as F
 
 import benchmarks.common as common
-from benchmarks.common import COLUMNS, env_info, print_table
+from benchmarks.common import print_table
 import vc_compile
+import vc_compile.ops  # noqa: F401  (registers torch.ops.vcattn.*: ``import vc_compile`` is lazy)
 from vc_compile.config import VCConfig
 from vc_compile.methods.mcsparse_guard import sample_rows
 from vc_compile.reference.finite_flags import probe_rows
@@ -366,7 +367,7 @@ def main(argv=None):
         tok = parse_prompt(DEFAULT_PROMPT, cfg.max_sprites)
         model = (tr, encode(te, tok, dtype), encode(te, torch.zeros_like(tok), dtype), dtype)
         S = cfg.tokens(a.frames, a.height, a.width)
-        common = {"B": 1, "H": cfg.num_attention_heads, "S": S, "D": cfg.attention_head_dim, "steps": a.steps}
+        shape = {"B": 1, "H": cfg.num_attention_heads, "S": S, "D": cfg.attention_head_dim, "steps": a.steps}
         print(f"[guard] demo: {a.frames} x {a.height} x {a.width} px = {S} tokens, {a.steps} steps, CFG "
               f"{a.guidance}, weights {'trained' if trained else 'RANDOM'}, {device}", flush=True)
         key = f"dense_{a.frames}x{a.height}x{a.width}_{a.steps}st_g{a.guidance:g}_s{a.seed}_{device}.pt"
@@ -379,7 +380,7 @@ def main(argv=None):
             if cached is not None:
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(base, cached)
-        emit({**common, "variant": "dense", "density": 1.0, "ms": ms0, "cost": 1.0, "psnr": float("inf")})
+        emit({**shape, "variant": "dense", "density": 1.0, "ms": ms0, "cost": 1.0, "psnr": float("inf")})
         for label, opts in schedules("demo", thresholds, a.steps):
             if only and label not in only:
                 continue
@@ -405,7 +406,7 @@ def main(argv=None):
                     old[label] = [{"layer": t[0], "true": t[1], "est": t[2], "step": t[3], "phase": t[4]}
                                   for t in trace]
                     path.write_text(json.dumps(old))
-            emit({**common, "variant": label, "density": a.density, "ms": ms, "rel_l2": m["rel_l2"],
+            emit({**shape, "variant": label, "density": a.density, "ms": ms, "rel_l2": m["rel_l2"],
                   "cos_sim": m["cos_sim"], "psnr": m["psnr"], "ssim": m["ssim"], "anchors": phases.get("anchor", 0),
                   "guard_anchors": ga, "cost": cost_of(phases, "guard_threshold" in opts, calls), "note": note})
     if a.plot and a.trace_out:
@@ -416,39 +417,9 @@ def main(argv=None):
     if a.smoke and not a.csv:
         print("[guard] smoke run: rows not written")
         return rows
-    path = a.csv or str(Path(common.RESULTS_DIR) / "bench_mcsparse_guard.csv")
-    print(f"[guard] appended {len(rows)} rows to {write_csv(path, rows, 'bench_mcsparse_guard', EXTRAS)}")
+    path = common.append_rows("bench_mcsparse_guard", rows, path=a.csv, extras=EXTRAS)
+    print(f"[guard] appended {len(rows)} rows to {path}")
     return rows
-
-
-def write_csv(path: str, rows, bench: str, extras) -> str:
-    """Append ``rows`` with the agreed leading columns (+ ``extras``) to ``path``: through
-    ``common.append_csv`` where the harness has it (main: it also adds the GPU's NVML columns and widens an
-    older header), else here (this branch's older harness), refusing a file with other leading columns.
-    Also used by bench_finite_flags; once merged into main, ``common.append_csv`` alone will do."""
-    info = env_info()
-    full = [{**info, "bench": bench, **r} for r in rows]
-    if hasattr(common, "append_csv"):
-        return common.append_csv(path, full, widen=list(extras))
-    import csv
-
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    cols = COLUMNS + list(extras)
-    if p.exists() and p.stat().st_size:
-        with open(p, newline="") as f:
-            cols = next(csv.reader(f))
-        if cols[:len(COLUMNS)] != COLUMNS:
-            raise RuntimeError(f"{p} does not start with the agreed columns {COLUMNS}; pass --csv NEW.csv")
-        new = False
-    else:
-        new = True
-    with open(p, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerows({c: (f"{r[c]:.6g}" if isinstance(r.get(c), float) else r.get(c, "")) for c in cols} for r in full)
-    return str(p)
 
 
 if __name__ == "__main__":
