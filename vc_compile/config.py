@@ -18,6 +18,7 @@ import sys
 import dataclasses
 import enum
 import json
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -100,6 +101,8 @@ OPTION_DOCS: Dict[str, str] = {
     "anchor_dense": "MC-Sparse anchor steps: the dense pass giving O_dense and R: 'bf16' (cuDNN, today's "
                     "accuracy) | 'q8' (the 8-bit V-Smooth pass: faster, R carries its error; docs/anchor_notes.md).",
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
+    "guard_threshold": "MC-Sparse: re-anchor a layer when its reuse error, measured on sampled rows, exceeds "
+                       "this (relative L2; 0 = guard off). docs/mcsparse_guard.md.",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
                    "Opt-in: on the H200 it saves 0.3-0.6 ms of preprocessing but only 0.2% of the op.",
@@ -199,6 +202,15 @@ class VCConfig:
     residual: str = "bf16"
     anchor_dense: str = "bf16"
     residual_budget_gb: float = 64.0
+    # NOTE off by default (opt in). CPU reference path, bench_mcsparse_guard --synthetic (e79ee72; S = 1024,
+    # H = 2, D = 64, s = 0.15, 30 steps; docs/mcsparse_guard.md): on a 4-step motion burst the guard at 0.08
+    # gives mean / max error 0.049 / 0.20 at 0.44 dense steps per call, where a fixed anchor every 10 steps
+    # gives 0.10 / 0.33 at the same cost (every 3: 0.025 / 0.21 at 1.00); but on continuous 2%/step drift
+    # its first reading is already over 0.05 and 0.08, so it becomes a fixed every-4 schedule (cost 0.84,
+    # mean error 0.064 random / 0.050 structured: on the fixed schedules' frontier, not beyond it), i.e.
+    # a default-on guard could nearly double MC-Sparse's attention cost on fast inputs. The demo model's
+    # rows on the H200 (PSNR at equal cost) decide whether 0.08 becomes the default.
+    guard_threshold: float = 0.0
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
     # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first
@@ -292,6 +304,8 @@ class VCConfig:
                 f"residual={self.residual!r}; accepted: residual='none', or selection_refresh='anchor'")
         if not self.residual_budget_gb > 0:  # also refuses NaN (every comparison with NaN is False)
             bad("residual_budget_gb", "a positive float (float('inf') = no limit)")
+        if not 0.0 <= self.guard_threshold < math.inf:  # also refuses NaN
+            bad("guard_threshold", "a float >= 0 (0 = the MC-Sparse guard is off)")
         if self.num_steps < 1:
             bad("num_steps", "an int >= 1")
         if self.min_seq_len < 1:
@@ -342,7 +356,7 @@ _ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler
           "selection_refresh": SelectionRefresh, "warmup_attention": WarmupAttention}
 _BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion", "warn_fallbacks")
 _INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "num_steps", "min_seq_len")
-_FLOATS = ("group_fraction", "density", "residual_budget_gb")
+_FLOATS = ("group_fraction", "density", "residual_budget_gb", "guard_threshold")
 
 
 def _plain_scalar(value: Any) -> Any:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from . import methods
 from .config import Method, VCConfig
-from .methods import Phase
+from .methods import Phase, mcsparse_guard
 from .reference import rope as _rope
 from .runtime import report as _report
 from .runtime import state
@@ -175,6 +175,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
             meta = state.get(key)
         else:
             phase = Phase.DENSE
+    if phase == Phase.REUSE and method == Method.MCSPARSE:  # the quality guard (methods/mcsparse_guard.py)
+        err, reanchor = mcsparse_guard.guard_check(meta, cfg)
+        rec.note_guard(err, reanchor)
+        if reanchor:
+            phase = Phase.ANCHOR
     kw = {} if rope_args is None else {"rope": rope_args}
     with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording(cfg.tune_cache_dir) as sources:
         if phase == Phase.DENSE:  # method="dense" and every method's warm-up steps: stock SDPA

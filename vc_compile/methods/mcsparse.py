@@ -28,8 +28,20 @@ Hostile inputs (tests/test_hostile.py):
   every reuse step until the next anchor, long after the input is clean again. The previous metadata
   (if any) stays, else the next step anchors again. This costs one device->host sync per anchor step
   (a few per generation), none on reuse steps.
+* A NaN/Inf on a reuse step propagates as in SDPA: the gather kernel reads only the selected keys, so
+  ``finite_flags`` (one streaming pass over K and V: ~0.15 ms by bandwidth, ~2% of the 7.7 ms reuse
+  step at S = 32760, H = 40, an estimate until benchmarks/bench_finite_flags.py has run on the H200) flags
+  the heads with a non-finite key and the value columns with a non-finite element, and the kernel's
+  epilogue writes NaN there (a NaN in K: the whole head, as SDPA; a +-Inf in K: the whole head, where fp32
+  SDPA has NaN on the rows whose logit is +Inf; V element (j, d): column d of the head; q row i: row i,
+  from the kernel itself). Anchor steps return O_dense, dense warm-up steps are SDPA: both propagate as is.
 * fp16 outputs saturate at +-65504 instead of rounding up to inf (``methods.finish_output``).
 * ``sparse_qk="fp8"`` on the reference path runs ``reference/sparse_attn_q8.py``.
+
+Quality guard (``guard_threshold`` > 0, ``mcsparse_guard.py``): every reuse step also measures its own
+relative error on R sampled query rows per head (exact rows from the finite-flags pass); ``ops`` asks
+``mcsparse_guard.guard_check`` at the next call and runs it as an anchor when the reading exceeds the
+threshold (``report()``: ``guard_anchors``).
 
 Ablation switches (``experimental={...}``; the ladder of the paper's Table 5, docs/sparse_notes.md; defaults =
 the full method):
@@ -57,6 +69,7 @@ from ..reference.select import KV_TILE, n_keep
 from ..runtime import report as _report
 from ..runtime import state
 from ..templates import dispatch
+from .mcsparse_guard import GuardState
 from .output import finish_output, kernel_out_dtype
 from . import vsmooth
 from .phase import Phase, warmup_steps
@@ -77,6 +90,7 @@ class SparseMeta:
     residual: Optional[torch.Tensor]
     res_scale: Optional[torch.Tensor]
     density: float
+    guard: Optional[GuardState] = None  # the quality guard's rows and readings (guard_threshold > 0)
 
     def residual_tensor(self, dtype) -> Optional[torch.Tensor]:
         if self.residual is None:
@@ -263,8 +277,7 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
         if ex.selection_refresh == SelectionRefresh.EVERY_STEP:  # vanilla block-sparse: select again
             idx = select(impl, q, k, meta.sigma, None, sm_scale=sm_scale, group_size=C, keep=keep,
                          selection=ex.selection, unit=ex.selection_unit)
-        out = sparse(meta.sigma, idx, residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype))
-        return finish_output(out, q.dtype), meta
+        return _reuse(impl, q, k, v, meta, idx, cfg, sm_scale, sparse), meta
     # ANCHOR
     # ---- issue 20: cheap anchor where it applies, else (and with cheap_anchor=False) the original passes ----
     why_not = cheap_anchor_applies(q, k, v, cfg)
@@ -299,3 +312,23 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
         return out, meta
     meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk)
     return out, meta
+
+
+# ---- the reuse step's NaN/Inf flags and quality guard (issue 23; the anchor path above is untouched) -------
+def _reuse(impl, q, k, v, meta: SparseMeta, idx, cfg, sm_scale, sparse):
+    """The reuse step's output in q.dtype. NaN/Inf in keys or values no group selected would vanish in the
+    gather: one pass over K and V flags them and the kernel writes NaN where SDPA's output is non-finite (module
+    docstring). With the guard on, the same pass computes the sampled rows exactly and the step records its
+    error (read back at a later call: ``mcsparse_guard.guard_check``)."""
+    guard = None
+    if cfg.guard_threshold > 0:
+        if meta.guard is None:  # the first reuse step since the anchor that made ``meta``
+            meta.guard = GuardState.new(q)
+        guard = meta.guard
+    probe = (q, guard.rows, sm_scale) if guard is not None else None
+    flag, part = dispatch.finite_flags(impl, k, v, probe=probe)
+    out = sparse(meta.sigma, idx, residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype),
+                 flag=flag)
+    if guard is not None:
+        guard.record(dispatch.probe_error(impl, out, guard.rows, part))
+    return finish_output(out, q.dtype)

@@ -9,6 +9,7 @@ idx   [B, H, G, n_keep] int32 selected keys of group g (sorted ascending).
 O_sparse_i = softmax over the selected keys of i's group only (renormalised), times their V rows;
 written back in the original query order. ``residual`` (R = O_dense - O_sparse of the anchor step, in
 the original order) is added in the epilogue: ``O = O_sparse(t) + R(tau)``.
+flag  optional [B, H, Dv] int32 (``reference/finite_flags.py``): NaN in the flagged columns of each head.
 """
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from typing import Optional
 
 import torch
 
+from .finite_flags import apply_flag
 from .quant import LOG2E
 from .select import gather_rows
 
 
 def sparse_attention(q, k, v, sigma, idx, *, sm_scale: float, group_size: int,
-                     residual: Optional[torch.Tensor] = None, out_dtype=None, chunk_groups: int = 8):
+                     residual: Optional[torch.Tensor] = None, out_dtype=None, chunk_groups: int = 8,
+                     flag: Optional[torch.Tensor] = None):
     B, H, S, D = q.shape
     C = group_size
     G, keep = idx.shape[2], idx.shape[3]
@@ -45,4 +48,4 @@ def sparse_attention(q, k, v, sigma, idx, *, sm_scale: float, group_size: int,
     out.scatter_(2, sigma.long().unsqueeze(-1).expand_as(o), o)
     if residual is not None:
         out = out + residual.float()
-    return out.to(out_dtype or q.dtype)
+    return apply_flag(out, flag).to(out_dtype or q.dtype)

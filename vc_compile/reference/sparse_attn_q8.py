@@ -54,7 +54,7 @@ def dequantized_qk(q, k, sigma, group_size: int):
 
 
 def sparse_attention_q8(q, k, v, sigma, idx, *, sm_scale: float, group_size: int,
-                        residual: Optional[torch.Tensor] = None, out_dtype=None):
+                        residual: Optional[torch.Tensor] = None, out_dtype=None, flag=None):
     qd, kd = dequantized_qk(q, k, sigma, group_size)
     return sparse_attention(qd, kd, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
-                            residual=residual, out_dtype=out_dtype or q.dtype)
+                            residual=residual, out_dtype=out_dtype or q.dtype, flag=flag)

@@ -46,10 +46,25 @@ class SiteRecord:
     config_sources: collections.Counter = field(default_factory=collections.Counter)
     time_ms: float = 0.0
     bytes_held: int = 0
+    # MC-Sparse quality guard (methods/mcsparse_guard.py): anchors it triggered, readings taken, and the
+    # largest relative reuse error it read (NaN readings, from NaN/Inf inputs, are not counted)
+    guard_anchors: int = 0
+    guard_readings: int = 0
+    guard_err_max: float = 0.0
     has_identity: bool = True
     rope: Optional[str] = None  # RoPE producer form of q/k (passes/rope_detect.py), None = not analysed
     rope_fusion: Optional[str] = None  # "fused" / "unfused: <reason>" (passes/rope_fuse.py), None = no RoPE
     _pending: list = field(default_factory=list, repr=False)
+
+    def note_guard(self, err: Optional[float], reanchor: bool) -> None:
+        if err is not None and err == err:
+            self.guard_readings += 1
+            self.guard_err_max = max(self.guard_err_max, err)
+        if reanchor:
+            self.guard_anchors += 1
+            from torch._dynamo.utils import counters
+
+            counters["vcattn"]["guard_anchor"] += 1
 
     def resolve_timing(self) -> None:
         if self._pending:
@@ -200,8 +215,11 @@ class Report:
         rows = []
         for s in self.sites:
             fb = s.reason or ", ".join(f"{k} x{v}" for k, v in s.runtime_fallbacks.items())
+            phases = " ".join(f"{k}:{v}" for k, v in sorted(s.phases.items()))
+            if s.guard_readings:
+                phases += f" (guard {s.guard_anchors}, err<={s.guard_err_max:.3f})"
             rows.append([str(s.site), _clip(s.module or "-", 48), s.shape, s.method if s.rewritten else "sdpa",
-                         str(s.calls), " ".join(f"{k}:{v}" for k, v in sorted(s.phases.items())),
+                         str(s.calls), phases,
                          ",".join(sorted(s.kernel_path)), config_column(s.config_sources) or "-",
                          fb or "-", f"{s.time_ms:.2f}",
                          f"{s.bytes_held / 2**20:.1f}"])
@@ -250,6 +268,7 @@ def reset_counts() -> None:
     with _LOCK:
         for s in _SITES.values():
             s.calls, s.time_ms = 0, 0.0
+            s.guard_anchors, s.guard_readings, s.guard_err_max = 0, 0, 0.0
             s._pending.clear()
             for c in (s.phases, s.kernel_path, s.runtime_fallbacks, s.step_sources, s.config_sources):
                 c.clear()

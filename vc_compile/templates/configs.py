@@ -415,3 +415,32 @@ class TopKConfig(_Json):
 
 
 TOPK_DEFAULT = TopKConfig()
+# ---- the MC-Sparse reuse step's non-finite flags + guard probe (templates/finite_flags.py) --------------
+@dataclass(frozen=True)
+class FiniteFlagsConfig(_Json):
+    """``_flags_kernel``: ``block_n`` keys per inner step, ``num_warps``; each program scans a strip of
+    ``strip_len`` keys, a power of two in [block_n, ``max_strip``] giving about ``target_programs`` programs."""
+    block_n: int = 64
+    num_warps: int = 4
+    target_programs: int = 1024
+    max_strip: int = 4096
+
+    def __post_init__(self):
+        _check_ints(self, block_n={16, 32, 64, 128}, num_warps={1, 2, 4, 8})
+        for name in ("target_programs", "max_strip"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1 or val & (val - 1):
+                raise ValueError(f"FiniteFlagsConfig.{name}={val!r}; accepted: a power of two >= 1")
+        if self.max_strip < self.block_n:
+            raise ValueError(f"FiniteFlagsConfig.max_strip={self.max_strip} < block_n={self.block_n}")
+
+    def strip_len(self, Sk: int, BH: int) -> int:
+        """Keys per program for Sk keys and B*H heads."""
+        want = max(1, -(-Sk * BH // self.target_programs))
+        p2 = 1 << (want - 1).bit_length()
+        return int(min(self.max_strip, max(self.block_n, p2)))
+
+
+# NOTE BLOCK_N 64, 4 warps, strips for ~1024 programs (at most 4096 keys): chosen, not yet measured on the H200
+# (benchmarks/bench_finite_flags.py times the pass against one read of K and V). Not tuned: one config.
+FINITE_FLAGS_DEFAULT = FiniteFlagsConfig()

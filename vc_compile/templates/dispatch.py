@@ -37,6 +37,7 @@ import torch
 
 from vc_compile.reference import anchor_mass as ref_anchor_mass
 from vc_compile.reference import dense as ref_dense
+from vc_compile.reference import finite_flags as ref_flags
 from vc_compile.reference import kmeans as ref_kmeans
 from vc_compile.reference import pddp as ref_pddp
 from vc_compile.reference import preprocess as ref_preprocess
@@ -68,8 +69,8 @@ class Impl(str, enum.Enum):
 def triton_error() -> Optional[str]:
     """None when the Triton kernels import, else why not (``"ImportError: ..."``)."""
     try:
-        from vc_compile.templates import (anchor_mass, kmeans, pddp, preprocess, select, sparse_attn,  # noqa: F401
-                                          topk, vsmooth_attn)
+        from vc_compile.templates import (anchor_mass, finite_flags, kmeans, pddp, preprocess,  # noqa: F401
+                                          select, sparse_attn, topk, vsmooth_attn)
     except Exception as e:  # the kernels are missing or failed to import: say so, never silently
         return f"{type(e).__name__}: {e}"
     return None
@@ -270,15 +271,16 @@ def sparse_candidates(qk_format: str, D: int, C_: int) -> List:
 
 def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_size: int, residual=None,
                      out_dtype=None, qk_format: str = "bf16", launch: Optional[C.SparseAttnConfig] = None,
-                     k_fp8=None):
+                     k_fp8=None, flag=None):
     """Token-gather sparse attention (reference/sparse_attn.py; ``qk_format="fp8"``: reference/sparse_attn_q8.py):
-    [B, H, S, Dv] in ``out_dtype`` (default q.dtype), original query order."""
+    [B, H, S, Dv] in ``out_dtype`` (default q.dtype), original query order; ``flag`` [B, H, Dv] int32
+    (``finite_flags``): NaN in the flagged columns. The tuning runs without ``flag`` (one epilogue select)."""
     if impl == Impl.REFERENCE:
         if launch is not None:
             raise ValueError("a launch config selects a kernel; the reference has none")
         fn = ref_sparse_q8.sparse_attention_q8 if qk_format == "fp8" else ref_sparse.sparse_attention
         return fn(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual,
-                  out_dtype=out_dtype)
+                  out_dtype=out_dtype, flag=flag)
     from vc_compile.templates import sparse_attn as kmod
     if launch is None:
         fmt = "fp8" if qk_format == "fp8" else "bf16"
@@ -292,7 +294,28 @@ def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_
                           dtype=q.dtype, head_dim=D, seq_len=q.shape[2], device=q.device,
                           variant=C.sparse_variant(fmt, int(group_size), keep, Sk))
     return kmod.sparse_attention(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual,
-                                 out_dtype=out_dtype, qk_format=qk_format, launch=launch, k_fp8=k_fp8)
+                                 out_dtype=out_dtype, qk_format=qk_format, launch=launch, k_fp8=k_fp8, flag=flag)
+
+
+def finite_flags(impl: Impl, k, v, probe=None, *, launch: Optional[C.FiniteFlagsConfig] = None):
+    """(flag [B, H, Dv] int32, probe partials or None) of one reuse step (reference/finite_flags.py);
+    ``probe = (q, rows [B, H, R], sm_scale)``: also the exact output of the sampled rows (the MC-Sparse guard).
+    The partials are opaque: pass them to ``probe_error`` with the same ``impl``."""
+    if impl == Impl.REFERENCE:
+        if launch is not None:
+            raise ValueError("a launch config selects a kernel; the reference has none")
+        return ref_flags.finite_flags(k, v, probe=probe)
+    from vc_compile.templates import finite_flags as kmod
+    return kmod.finite_flags(k, v, probe=probe, launch=launch or C.FINITE_FLAGS_DEFAULT)
+
+
+def probe_error(impl: Impl, out, rows, partials):
+    """[2] fp32 on out's device: (sum ||out[row] - exact[row]||^2, sum ||exact[row]||^2) over the sampled rows
+    (``partials`` from ``finite_flags`` with the same ``impl``)."""
+    if impl == Impl.REFERENCE:
+        return ref_flags.probe_error(out, rows, partials)
+    from vc_compile.templates import finite_flags as kmod
+    return kmod.probe_error(out, rows, partials)
 
 
 def select_topk(impl: Impl, mass, keep: int):

@@ -13,6 +13,8 @@ idx         [B, H, G, n_keep] int32: keys kept by group g, sorted ascending (any
 s           base-2 logits ``(q . k) * sm_scale * log2(e)``; online softmax with exp2.
 residual    [B, H, S, Dv] in the original query order (R = O_dense - O_sparse of the anchor step),
             added in the epilogue.
+flag        optional [B, H, Dv] int32 from ``templates/finite_flags.py``: the epilogue writes NaN into the
+            flagged columns (NaN/Inf in keys or values no group selected: SDPA's non-finite pattern).
 qk_format   "bf16": QK in the inputs' 16-bit type. "fp8": Q and K in E4M3 -- Q with one scale per group
             tile (amax over its C x D values / 448, quantised inside the kernel), K with one scale per
             token (``quantize_k_fp8``, a separate pass, since K changes every step). PV stays 16-bit:
@@ -87,14 +89,15 @@ def quantize_k_fp8(k: torch.Tensor):
 
 
 @triton.jit
-def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
+def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT, FLAG,
                         sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                         sib, sih, sig, sin, srb, srh, srs, sob, soh, sos,
                         H, S, Sk, N_KEEP, sm_scale_log2,
                         C: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
                         EVEN_N: tl.constexpr, HAS_RES: tl.constexpr, QK_FP8: tl.constexpr,
                         SW_ROUND: tl.constexpr, N_KEEP_I: tl.constexpr,
-                        UPCAST: tl.constexpr, OFF64: tl.constexpr, KV_OFF: tl.constexpr):
+                        UPCAST: tl.constexpr, OFF64: tl.constexpr, KV_OFF: tl.constexpr,
+                        HAS_FLAG: tl.constexpr):
     g = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -171,16 +174,19 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT,
         r = tl.load(RES + b * srb + h * srh + rows[:, None] * srs + dv[None, :], mask=mrow[:, None],
                     other=0.0)
         o = o + r.to(tl.float32)
+    if HAS_FLAG:  # NaN/Inf in keys/values this group did not select (templates/finite_flags.py)
+        bad = tl.load(FLAG + bh.to(tl.int64) * DV + dv)
+        o = tl.where(bad[None, :] != 0, float("nan"), o)
     tl.store(OUT + b * sob + h * soh + rows[:, None] * sos + dv[None, :], o.to(OUT.dtype.element_ty),
              mask=mrow[:, None])
 
 
 def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None, out_dtype=None,
-                     qk_format="bf16", launch: SparseAttnConfig, k_fp8=None):
+                     qk_format="bf16", launch: SparseAttnConfig, k_fp8=None, flag=None):
     """O[sigma[g*C+i]] = softmax over the keys idx[g] of group g (renormalised) @ V, + residual, with the launch
     configuration ``launch``; ``k_fp8 = (codes, scale)``: K already quantised (``quantize_k_fp8``; benchmarks
-    sweep configs with it). Returns [B, H, S, Dv] in ``out_dtype`` (default q.dtype), in the original query
-    order."""
+    sweep configs with it); ``flag`` [B, H, Dv] int32 (``finite_flags``): NaN in the flagged output columns of
+    each head. Returns [B, H, S, Dv] in ``out_dtype`` (default q.dtype), in the original query order."""
     if not isinstance(launch, SparseAttnConfig):
         raise TypeError(f"launch must be a SparseAttnConfig, got {type(launch).__name__}")
     B, H, S, D = q.shape
@@ -223,8 +229,10 @@ def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None
         if residual.stride(-1) != 1:
             residual = residual.contiguous()
     res = residual if has_res else out
+    if flag is not None and (tuple(flag.shape) != (B, H, DV) or flag.dtype != torch.int32):
+        raise ValueError(f"sparse_attention: flag must be int32 {(B, H, DV)}, got {flag.dtype} {tuple(flag.shape)}")
     _sparse_attn_kernel[(G, B * H)](
-        q, kq, v, ks, sigma, idx, res, out,
+        q, kq, v, ks, sigma, idx, res, out, flag.contiguous() if flag is not None else out,
         q.stride(0), q.stride(1), q.stride(2), kq.stride(0), kq.stride(1), kq.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         idx.stride(0), idx.stride(1), idx.stride(2), idx.stride(3),
@@ -234,6 +242,6 @@ def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None
         QK_FP8=(fmt == "fp8"), SW_ROUND=interpreting(), N_KEEP_I=loop_bound(n_keep),
         UPCAST=dot_upcast(q.dtype, v.dtype),
         OFF64=max(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(kq.stride(2), v.stride(2))) >= 2**31,
-        KV_OFF=kv_off and same_kv_rows, num_warps=warps, num_stages=stages)
+        KV_OFF=kv_off and same_kv_rows, HAS_FLAG=flag is not None, num_warps=warps, num_stages=stages)
     return out
 
