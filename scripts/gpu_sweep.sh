@@ -7,7 +7,7 @@
 #   tests         the GPU tests (pytest -n 8 over the kernel test files)
 #   kernels       scripts/ab_redesign.py on the tree in .old (if carried), this one, .old again; then the
 #                 kernel benchmarks with their FA4 / cuDNN / sageattention baselines (KERNEL_BENCH=0: A/B only)
-#   pipeline | generation | anchor | guard | cold   the whole-generation benchmarks (issue 20, 23)
+#   pipeline | generation | anchor | guard | flags | cold   the whole-generation benchmarks (issue 20, 23)
 #   earlier sessions' stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, soak,
 #   cp (two GPUs), gputests, gpukey, vsmooth (A/B), preprocess, tune, pkg (NVML, enable(), package tests)
 # Results: benchmarks/results/*.csv (and .old's) are copied to $OUT/results after every stage.
@@ -71,7 +71,8 @@ kernels() {  # issue 22: the previous tree (.old) and this one, old -> new -> ol
   return 0
 }
 
-GPU_TESTS="tests/test_vsmooth_attn_sm90.py tests/test_vsmooth_attn.py tests/test_sparse_attn.py
+GPU_TESTS="tests/test_anchor.py tests/test_anchor_mass.py tests/test_topk.py tests/test_finite_flags.py
+  tests/test_mcsparse_guard.py tests/test_mcsparse_warmup.py tests/test_vsmooth_attn_sm90.py tests/test_vsmooth_attn.py tests/test_sparse_attn.py
   tests/test_preprocess.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py tests/test_tune_lookup.py
   tests/test_mcsparse_ladder.py tests/test_steps.py tests/test_rope_fuse.py tests/test_ops.py"
 
@@ -88,6 +89,7 @@ while [ $# -gt 0 ]; do
                   --budget $(( ${GENERATION_S:-300} - 20 )) ${GENERATION_ARGS:-} ;;
     anchor) run_stage anchor "${ANCHOR_S:-200}" $PY -m benchmarks.bench_anchor_mass ${ANCHOR_ARGS:-} ;;
     guard) run_stage guard "${GUARD_S:-200}" $PY -m benchmarks.bench_mcsparse_guard ${GUARD_ARGS:-} ;;
+    flags) run_stage flags "${FLAGS_S:-120}" $PY -m benchmarks.bench_finite_flags ${FLAGS_ARGS:-} ;;
     cold) run_stage cold "${COLD_S:-240}" $PY -m benchmarks.bench_cold_start ${COLD_ARGS:-} ;;
     e2e)
       run_stage demo 260 $PY -m vc_compile.demo --regional --out "$OUT/demo"
