@@ -11,7 +11,7 @@ per group and PDDP groups of the queries, all timed in one process with ``triton
 * ``flags``: ``finite_flags(k, v)`` alone; ``flags_probe``: with the guard's 16 probe rows per head, plus
   ``probe_error`` (the whole measurement). ``gbps`` = 2 B H S D * 2 bytes / time.
 * ``reuse_base``: the gather kernel + bf16 residual epilogue = the reuse step before issue 23.
-* ``reuse_flags``: flags + gather kernel with the flag epilogue = today's reuse step (guard off).
+* ``reuse_flags``: flags + gather kernel with the flag epilogue = a reuse step with propagate_nonfinite=True.
 * ``reuse_guard``: flags + probe, gather, probe_error and the asynchronous read-back = guard on.
 ``overhead_pct`` = (time / reuse_base - 1) * 100. ``rel_l2``: reuse_flags / reuse_guard against reuse_base
 on the same clean inputs (must be exactly 0: the flags are all 0). The run also checks that a NaN in the

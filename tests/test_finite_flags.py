@@ -167,8 +167,11 @@ def _run_phases(which, bad, kernels, S=160, D=64, dtype=torch.bfloat16, device="
     poisoned[i] = _poison(clean[i], bad)
     site = _report.register_site(graph="finite", node="n", module="m", shape="?", dtype="?",
                                  method="mcsparse", rewritten=True).site
+    # the reuse-step propagation is opt-in (+19% of a reuse step); the warm-up is stock SDPA here, so the
+    # warm-up output is checked bit for bit against it (the V-Smooth warm-up propagates like vsmooth's tests show)
     cj = VCConfig.from_options({"method": "mcsparse", "warmup_steps": 1, "anchor_steps": (1, 3), "density": 0.3,
-                                "min_seq_len": 1, "experimental": {"kernels": kernels}}).to_json()
+                                "min_seq_len": 1, "propagate_nonfinite": True, "warmup_attention": "sdpa",
+                                "experimental": {"kernels": kernels}}).to_json()
     outs = []
     with vc_compile.sampling(num_steps=5):
         for step, x in enumerate([poisoned, clean, poisoned, poisoned, clean]):

@@ -103,6 +103,8 @@ OPTION_DOCS: Dict[str, str] = {
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
     "guard_threshold": "MC-Sparse: re-anchor a layer when its reuse error, measured on sampled rows, exceeds "
                        "this (relative L2; 0 = guard off). docs/mcsparse_guard.md.",
+    "propagate_nonfinite": "MC-Sparse reuse steps: NaN/Inf in keys/values no query group selected turn the output "
+                           "NaN as in SDPA (one pass over K/V; +19% of a reuse step measured at S = 32760).",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
                    "Opt-in: on the H200 it saves 0.3-0.6 ms of preprocessing but only 0.2% of the op.",
@@ -211,6 +213,10 @@ class VCConfig:
     # a default-on guard could nearly double MC-Sparse's attention cost on fast inputs. The demo model's
     # rows on the H200 (PSNR at equal cost) decide whether 0.08 becomes the default.
     guard_threshold: float = 0.0
+    # NOTE off by default: on the H200 (bench_finite_flags, S = 32760, H40, s = 0.15, commit 64658bb) the flags
+    # pass is 0.47 ms but the reuse step went 7.63 -> 9.07 ms (+19%, target <= 2%); without it a NaN/Inf in a key
+    # or value no group selected does not reach the output (issue 23 finding 1 stays open until it is cheap).
+    propagate_nonfinite: bool = False
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
     # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first
@@ -354,7 +360,7 @@ def merge_options(*options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 _ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler": Compiler,
           "selection": Selection, "selection_unit": SelectionUnit, "query_grouping": QueryGrouping,
           "selection_refresh": SelectionRefresh, "warmup_attention": WarmupAttention}
-_BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion", "warn_fallbacks")
+_BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion", "warn_fallbacks", "propagate_nonfinite")
 _INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "num_steps", "min_seq_len")
 _FLOATS = ("group_fraction", "density", "residual_budget_gb", "guard_threshold")
 

@@ -28,13 +28,14 @@ Hostile inputs (tests/test_hostile.py):
   every reuse step until the next anchor, long after the input is clean again. The previous metadata
   (if any) stays, else the next step anchors again. This costs one device->host sync per anchor step
   (a few per generation), none on reuse steps.
-* A NaN/Inf on a reuse step propagates as in SDPA: the gather kernel reads only the selected keys, so
-  ``finite_flags`` (one streaming pass over K and V: ~0.15 ms by bandwidth, ~2% of the 7.7 ms reuse
-  step at S = 32760, H = 40, an estimate until benchmarks/bench_finite_flags.py has run on the H200) flags
-  the heads with a non-finite key and the value columns with a non-finite element, and the kernel's
-  epilogue writes NaN there (a NaN in K: the whole head, as SDPA; a +-Inf in K: the whole head, where fp32
-  SDPA has NaN on the rows whose logit is +Inf; V element (j, d): column d of the head; q row i: row i,
-  from the kernel itself). Anchor steps return O_dense, dense warm-up steps are SDPA: both propagate as is.
+* A NaN/Inf in q propagates on every phase (row i, from the kernel itself). In keys or values no query group
+  selected, a reuse step propagates it only with ``propagate_nonfinite=True`` (or the guard on): the gather
+  kernel reads only the selected keys, so ``finite_flags`` (one pass over K and V) flags the heads with a
+  non-finite key and the value columns with a non-finite element, and the kernel's epilogue writes NaN there
+  (a NaN in K: the whole head, as SDPA; a +-Inf in K: the whole head, where fp32 SDPA has NaN on the rows
+  whose logit is +Inf; V element (j, d): column d). Off by default: measured on the H200 (S = 32760, H = 40,
+  s = 0.15) the flags pass is 0.47 ms and the reuse step 7.63 -> 9.07 ms (+19%). Anchor and warm-up steps
+  return dense outputs: they propagate as is.
 * fp16 outputs saturate at +-65504 instead of rounding up to inf (``methods.finish_output``).
 * ``sparse_qk="fp8"`` on the reference path runs ``reference/sparse_attn_q8.py``.
 
@@ -325,8 +326,10 @@ def _reuse(impl, q, k, v, meta: SparseMeta, idx, cfg, sm_scale, sparse):
         if meta.guard is None:  # the first reuse step since the anchor that made ``meta``
             meta.guard = GuardState.new(q)
         guard = meta.guard
-    probe = (q, guard.rows, sm_scale) if guard is not None else None
-    flag, part = dispatch.finite_flags(impl, k, v, probe=probe)
+    flag = part = None
+    if guard is not None or cfg.propagate_nonfinite:  # off by default: +19% of a reuse step (config NOTE)
+        probe = (q, guard.rows, sm_scale) if guard is not None else None
+        flag, part = dispatch.finite_flags(impl, k, v, probe=probe)
     out = sparse(meta.sigma, idx, residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype),
                  flag=flag)
     if guard is not None:
