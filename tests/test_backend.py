@@ -56,7 +56,7 @@ PHASES = {
     "dense": {"dense": 10},
     "vsmooth": {"group": 3, "reuse": 7},  # ceil(0.25 * 10) grouping steps
     "expcast": {"group": 3, "reuse": 7},
-    "mcsparse": {"dense": 2, "anchor": 2, "reuse": 6},  # warm-up 20%, anchors at steps 2 and 5
+    "mcsparse": {"warmup": 2, "anchor": 2, "reuse": 6},  # V-Smooth warm-up 20%, anchors at steps 2 and 5
 }
 
 

@@ -155,10 +155,10 @@ def test_wan22_two_experts_share_a_graph_not_metadata():
         state.put = put
     # UniPC shift 3, 6 steps: t = 999, 937 (>= 875: expert 1), 857, 750, 600, 376 (expert 2)
     assert graphs() == 1  # both experts run the same compiled graph
-    # mcsparse, n = 6: dense warm-up step 0, anchors {1, 3}; expert 2's first step (2) has no metadata
+    # mcsparse, n = 6: (V-Smooth) warm-up step 0, anchors {1, 3}; expert 2's first step (2) has no metadata
     # of its own and anchors instead of reusing expert 1's selection
     for s in self_attn(vc_compile.report()):
-        assert s.phases == {"dense": 2, "anchor": 6, "reuse": 4}, s.phases
+        assert s.phases == {"warmup": 2, "anchor": 6, "reuse": 4}, s.phases
         assert s.step_sources == {"diffusers": 12}
     p1, p2 = q_ptrs(e1), q_ptrs(e2)
     assert not p1 & p2
@@ -281,8 +281,8 @@ def test_ltx_batched_cfg():
     rep = vc_compile.report()
     (site,) = rep.rewritten
     assert site.shape == "2x2x128x64"
-    # mcsparse, n = 4: dense warm-up step 0 (round(0.8) = 1), anchors {1, 2}, reuse 3
-    assert site.phases == {"dense": 1, "anchor": 2, "reuse": 1}
+    # mcsparse, n = 4: (V-Smooth) warm-up step 0 (round(0.8) = 1), anchors {1, 2}, reuse 3
+    assert site.phases == {"warmup": 1, "anchor": 2, "reuse": 1}
     assert site.step_sources == {"diffusers": 4}
     assert [s.reason for s in rep.fallbacks] == ["masked"]  # cross-attention carries the text mask bias
     assert relerr(out, ref) < TOL["mcsparse"]

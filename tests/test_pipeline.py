@@ -105,9 +105,9 @@ def test_enable_wan22_two_experts():
     assert compiled(pipe.transformer.blocks[0]) and compiled(pipe.transformer_2.blocks[0])
     out = run(pipe, call, 6)
     # UniPC shift 3, 6 steps: t = 999, 937 (expert 1), 857, 750, 600, 376 (expert 2); mcsparse n = 6:
-    # dense step 0, anchors {1, 3}; expert 2's first step (2) has no metadata of its own and anchors
+    # (V-Smooth) warm-up step 0, anchors {1, 3}; expert 2's first step (2) has no metadata of its own and anchors
     (site,) = sites()
-    assert site.phases == {"dense": 2, "anchor": 6, "reuse": 4}, site.phases
+    assert site.phases == {"warmup": 2, "anchor": 6, "reuse": 4}, site.phases
     assert site.step_sources == {"callback": 12}
     p1 = {b.attn1.to_q.weight.data_ptr() for b in pipe.transformer.blocks}
     p2 = {b.attn1.to_q.weight.data_ptr() for b in pipe.transformer_2.blocks}

@@ -505,6 +505,7 @@ def test_reduce_overhead_phases_advance_gpu(mode):
     # reference kernels: this test is about the op's Python running under CUDA graphs, not the kernels
     cm = torch.compile(model, backend="vcattn", options={
         "mode": mode, "min_seq_len": 64, "method": "mcsparse", "density": 0.5, "warmup_steps": 1,
+        "warmup_attention": "sdpa",
         "anchor_steps": (1, 3), "experimental": {"kernels": "reference"}})
     calls = 0
     with vc_compile.sampling(num_steps=6):
