@@ -37,7 +37,7 @@ def test_smoke_phase_schedule_sums_and_fidelity():
     # step (round(0.2 * 6)), anchors at steps 1 and round(0.52 * 6) = 3, reuse elsewhere
     assert (by["vsmooth"]["n_group"], by["vsmooth"]["n_reuse"]) == (2, 4)
     r = by["mcsparse@0.15"]
-    assert (r["n_dense"], r["n_anchor"], r["n_reuse"]) == (1, 2, 3)
+    assert (r["n_dense"], r["n_warmup"], r["n_anchor"], r["n_reuse"]) == (0, 1, 2, 3)  # V-Smooth warm-up
     for v in ("vsmooth", "mcsparse@0.15"):
         b = by[f"{v}:reuse_breakdown"]
         assert b["host_ms"] > 0 and b["ms"] > 0 and "no CUDA kernels" in b["note"]

@@ -1,7 +1,7 @@
 """MC-Sparse's warm-up steps on the 8-bit V-Smooth path (issue 20, ``warmup_attention``).
 
 The warm-up's outputs are exactly what ``method="vsmooth"`` returns on the same inputs (same k-means warm
-start, same kernels), its grouping lives apart from the sparse metadata, and ``warmup_attention="sdpa"``
+start, same kernels), its grouping lives apart from the sparse metadata (dropped at the anchor), and ``warmup_attention="sdpa"``
 keeps the paper's stock-SDPA warm-up bit for bit. Reference kernels (the CPU path): the Triton path runs the
 same method code through the kernels' dispatch.
 """
@@ -51,7 +51,10 @@ def test_warmup_runs_vsmooth_and_keeps_its_grouping_apart():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     rec = _report.site(site)
     assert rec.phases["warmup"] == 2 and rec.phases["anchor"] == 1 and rec.phases["dense"] == 0
-    assert sorted(held) == ["SparseMeta", "VSmoothMeta"]  # two slots: the warm-up's grouping, the selection
+    assert held == ["SparseMeta"]  # the anchor dropped the warm-up's grouping
+    during = []
+    _run({"method": "mcsparse"}, 2, "mc-warm", during)
+    assert during == ["VSmoothMeta"]  # the warm-up's grouping, in a slot of its own
     q, k, v = _inputs(0)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
     err = ((mc[0].float() - ref).norm() / ref.norm()).item()

@@ -175,6 +175,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
             meta = state.get(key)
         else:
             phase = Phase.DENSE
+    elif phase == Phase.ANCHOR and state.get(key + ("warmup",)) is not None:
+        state.put(key + ("warmup",), None)  # the warm-up is over: its grouping is not needed any more
     if phase == Phase.REUSE and method == Method.MCSPARSE:  # the quality guard (methods/mcsparse_guard.py)
         err, reanchor = mcsparse_guard.guard_check(meta, cfg)
         rec.note_guard(err, reanchor)
