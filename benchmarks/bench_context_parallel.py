@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import vc_compile
-from benchmarks.common import append_rows, attn_flops, metrics, print_table
+from benchmarks.common import append_rows, attn_flops, metrics, prefer_cudnn, print_table
 from vc_compile.parallel import _all_to_all, enable_diffusers_ulysses, ulysses_attention
 
 BENCH = "bench_context_parallel"
@@ -90,14 +90,6 @@ class Ulysses(torch.nn.Module):
 class Local(torch.nn.Module):
     def forward(self, q, k, v):  # [B, H/N, S, D]
         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-
-
-def sdpa_prefer_cudnn():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-             SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
 
 
 def time_fixed(fn, warmup, iters, cuda):
@@ -250,7 +242,7 @@ def main():
     record("a2a_only", "comm", time_fixed(a2a, args.warmup, args.iters, cuda))
     flush()
 
-    with sdpa_prefer_cudnn():
+    with prefer_cudnn():
         # eager Ulysses with cuDNN (what diffusers' native backend runs without compile)
         dist.barrier()
         eager = Ulysses()
@@ -341,7 +333,7 @@ def diffusers_check(args, cuda, rank, world):
         cm = torch.compile(m, backend="vcattn", options={"min_seq_len": 1024 if cuda else 64,
                                                           "experimental": {"compiler": args.compiler}, **opts})
         dist.barrier()
-        with torch.no_grad(), sdpa_prefer_cudnn(), vc_compile.sampling(num_steps=3):
+        with torch.no_grad(), prefer_cudnn(), vc_compile.sampling(num_steps=3):
             for i in range(3):  # mcsparse: anchor, reuse, reuse; vsmooth: group, reuse, reuse
                 vc_compile.step(i)
                 if cuda:

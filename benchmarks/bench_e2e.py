@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import append_csv, env_info
+from benchmarks.common import append_csv, env_info, prefer_cudnn
 from vc_compile.config import merge_options
 from vc_compile.demo.metrics import compare
 from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
@@ -53,18 +53,6 @@ HEADER = ["date", "commit", "gpu", "torch", "triton", "bench", "variant", "B", "
           "tflops", "speedup_vs_cudnn", "rel_l2", "cos_sim", "psnr", "ssim",
           # extra columns (after the agreed ones)
           "attn_ms", "steps", "frames", "height", "width", "guidance", "seed", "weights", "warmup_s", "phases"]
-
-
-def prefer_cudnn():
-    """SDPA backend priority cuDNN > flash > efficient > math for everything inside (runtime dispatch)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-             SDPBackend.MATH]
-    try:
-        return sdpa_kernel(order, set_priority=True)
-    except TypeError:  # older torch without set_priority: allow all, default order
-        return sdpa_kernel(order)
 
 
 def fp32_reference(weights, cond_tokens, device, **kw):

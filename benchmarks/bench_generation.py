@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import vc_compile  # noqa: E402
-from benchmarks.common import (Drift, add_speedup, append_rows, attn_flops, fa4_fn, fa4_status,  # noqa: E402
+from benchmarks.common import (truth_rows, Drift, add_speedup, append_rows, attn_flops, fa4_fn, fa4_status,  # noqa: E402
                                kernel_times, metrics, print_table, sdpa_backend)
 from vc_compile.config import merge_options  # noqa: E402
 
@@ -150,15 +150,6 @@ class Runner:
         if self.cuda:
             torch.cuda.synchronize()
         return ms, phases, out, qkv, time.perf_counter() - t0
-
-
-def truth_rows(q, k, v, rows):
-    """fp32 attention output of the sampled query rows [B, H, n, D] (q, k, v: [B, H, S, D])."""
-    out = []
-    for h in range(q.shape[1]):
-        s = q[:, h, rows].float() @ k[:, h].float().transpose(-1, -2) * q.shape[-1] ** -0.5
-        out.append(torch.softmax(s, -1) @ v[:, h].float())
-    return torch.stack(out, 1)
 
 
 def fidelity(out, qkv, n_rows, seed):

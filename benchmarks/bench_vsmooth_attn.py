@@ -42,7 +42,7 @@ if __name__ == "__main__" and "--smoke" in sys.argv and not __import__("torch").
 
 import torch  # noqa: E402
 
-from benchmarks.common import (add_speedup, append_rows, attn_flops, bench_ms, fa4_fn,  # noqa: E402
+from benchmarks.common import (truth_rows, add_speedup, append_rows, attn_flops, bench_ms, fa4_fn,  # noqa: E402
                                fa4_status, metrics, print_table, sage_fn, sdpa_fn)
 from vc_compile.reference import kmeans as ref_km  # noqa: E402
 from vc_compile.reference import preprocess as ref_pre  # noqa: E402
@@ -90,15 +90,6 @@ def make_inputs(B, H, S, D, seed=0):
     out = torch.rand(B, S, H, 1, device=DEV, generator=g) < 0.01
     v = v + out * 12.0 * r(B, S, H, D)
     return [t.bfloat16().permute(0, 2, 1, 3) for t in (q, k, v)]
-
-
-def truth_rows(q, k, v, rows):
-    """fp32 attention output of the sampled query rows [B, H, n, D]."""
-    out = []
-    for h in range(q.shape[1]):
-        s = q[:, h, rows].float() @ k[:, h].float().transpose(-1, -2) * q.shape[-1] ** -0.5
-        out.append(torch.softmax(s, -1) @ v[:, h].float())
-    return torch.stack(out, 1)
 
 
 def error_split(q, k, v, qk, vq, perm, rows):

@@ -112,7 +112,7 @@ def sdpa_fn(q, k, v, backend: str):
 
 def prefer_cudnn():
     """SDPA backend priority cuDNN > flash > efficient > math for everything inside, compiled graphs
-    included (runtime dispatch), as ``bench_e2e.prefer_cudnn``: the stock baseline's attention is cuDNN's."""
+    included (runtime dispatch): the stock baseline's attention is cuDNN's."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -121,6 +121,15 @@ def prefer_cudnn():
         return sdpa_kernel(order, set_priority=True)
     except TypeError:  # older torch without set_priority: allow all, default order
         return sdpa_kernel(order)
+
+
+def truth_rows(q, k, v, rows):
+    """fp32 attention output of the sampled query rows [B, H, n, D] (q, k, v: [B, H, S, D]), one head at a time."""
+    out = []
+    for h in range(q.shape[1]):
+        s = q[:, h, rows].float() @ k[:, h].float().transpose(-1, -2) * q.shape[-1] ** -0.5
+        out.append(torch.softmax(s, -1) @ v[:, h].float())
+    return torch.stack(out, 1)
 
 
 def sage_fn(q, k, v) -> Optional[Callable]:
