@@ -67,6 +67,10 @@ def stats(k) -> dict:
     spill = re.search(r"(\d+) bytes spill stores", r.stderr)
     return {"registers": int(regs.group(1)) if regs else -1, "spill_bytes": int(spill.group(1)) if spill else -1,
             "convert_layout": k.asm["ttgir"].count("ttg.convert_layout"),
+            # conversions of [R > 1, C] tiles: the per-row data path through shared memory (the others move a
+            # per-program vector, e.g. K's mean, once)
+            "convert_layout_tiles": len([m for m in re.findall(r"ttg\.convert_layout %\S+ : tensor<(\d+)x(\d+)x",
+                                                              k.asm["ttgir"]) if int(m[0]) > 1]),
             "loads": dict(Counter(re.findall(r"ld\.global[.\w]*", ptx))),
             "stores": dict(Counter(re.findall(r"st\.global[.\w]*", ptx)))}
 
@@ -84,6 +88,8 @@ def main(argv=None):
     p.add_argument("--form", default="interleaved", choices=("interleaved", "rotate-half"))
     p.add_argument("--full", action="store_true", help="one table value per channel (else Wan's pair table)")
     p.add_argument("--no-rope", action="store_true", help="the kernels without the RoPE prologue")
+    p.add_argument("--fused", action="store_true",
+                   help="the whole preprocessing (Q, K and V, perm, sm_90 V layout), as a reuse step runs it")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dump", default=None, help="write PREFIX_<kernel>.ttgir/.ptx")
     a = p.parse_args(argv)
@@ -98,7 +104,11 @@ def main(argv=None):
     qb, kb = R.to_bhsd(q, spec), R.to_bhsd(k, spec)
     ra = None if a.no_rope else R.rope_args(torch.empty(1, S, 1, Dc), torch.empty(1, S, 1, Dc), spec, tuple(qb.shape))
     try:
-        tpre.preprocess_qk(qb, kb, None, sm_scale=D ** -0.5, rope=ra)
+        if a.fused:
+            perm = torch.empty(1, H, S, dtype=torch.int64)
+            tpre.preprocess(qb, kb, kb, perm, sm_scale=D ** -0.5, rope=ra, v_layout="sm90")
+        else:
+            tpre.preprocess_qk(qb, kb, None, sm_scale=D ** -0.5, rope=ra)
     except Exception:  # noqa: BLE001 - the host code after the (fake) launches may trip on empty CPU tensors
         pass
     out = {}

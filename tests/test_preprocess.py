@@ -256,3 +256,102 @@ def test_sampled_k_mean_smooths_as_well_as_the_full_mean():
     e_full, e_samp, e_none = err(full), err(sampled), err(torch.zeros_like(full))
     assert e_samp <= 1.02 * e_full, (e_samp, e_full)
     assert e_none >= 2.0 * e_full, (e_none, e_full)
+
+
+# ---- the fused two-launch preprocessing (``tpl.preprocess``) -------------------------------------------------
+@pytest.mark.parametrize("S,D,dtype", [(300, 64, torch.bfloat16), (1100, 128, torch.bfloat16),
+                                       (517, 128, torch.float16)])
+@pytest.mark.parametrize("layout", ["natural", "sm90"])
+def test_fused_matches_reference(S, D, dtype, layout):
+    """Q, K and V in two launches (pass 1: K's sampled sums, V's block means and partial amaxes; pass 2: every
+    code, with K's mean and V's scale reduced from the partials in each program) give the reference's codes and
+    scales; the "sm90" layout is the reference's V^T with each 128-column block in ``sm90_key_order`` and
+    mu' / its tf32 groups as ``to_sm90_layout`` makes them. S = 1100: 9 V blocks, a partial last mean window."""
+    B, H = 2, 2
+    q, k, v = make_qkv(B, H, S, D, dtype)
+    perm = random_perm(B, H, S)
+    sm = D ** -0.5
+    qk, vq = tpl.preprocess(q, k, v, perm, sm_scale=sm, v_layout=layout)
+    rq, rv = ref.preprocess_qk(q, k, perm, sm_scale=sm), ref.preprocess_v(v, perm)
+    assert_codes(qk.q8, rq.q8, exact=EXACT, what="q8")
+    assert_codes(qk.k8, rq.k8, exact=False, what="k8")
+    torch.testing.assert_close(qk.q_scale, rq.q_scale, rtol=0 if EXACT else 2e-6, atol=0)
+    torch.testing.assert_close(qk.k_scale, rq.k_scale, rtol=2e-6, atol=0)
+    torch.testing.assert_close(qk.k_mean, rq.k_mean, rtol=1e-5, atol=1e-5)
+    assert vq.layout == layout and vq.S == S
+    nat = ref.natural_layout(vq)
+    assert_codes(nat.v8t, rv.v8t, exact=False, what="v8t")
+    assert int(nat.v8t[..., S:].view(torch.uint8).abs().sum()) == 0, "padding must be zero codes"
+    torch.testing.assert_close(vq.v_scale, rv.v_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(vq.v_mean, rv.v_mean, rtol=1e-5, atol=1e-6)
+    if layout == "sm90":
+        want = ref.to_sm90_layout(vq._replace(layout="natural", v8t=nat.v8t))  # mu' from the kernel's own means
+        assert torch.equal(vq.v8t.view(torch.uint8), want.v8t.view(torch.uint8))
+        assert torch.equal(vq.mu_prime, want.mu_prime) and torch.equal(vq.mu_groups, want.mu_groups)
+    else:
+        assert vq.mu_prime is None and vq.mu_groups is None
+
+
+def test_sm90_layout_round_trip_and_attention_unchanged():
+    """``to_sm90_layout`` / ``natural_layout`` are inverse, and the reference attention reads either layout
+    to the same output (a layout is a storage order, never a different V)."""
+    from vc_compile.reference import vsmooth_attn as ref_attn
+    B, H, S, D = 1, 2, 300, 64
+    q, k, v = make_qkv(B, H, S, D, torch.bfloat16, device="cpu")
+    qk, vq = ref.preprocess_qk(q, k, sm_scale=D ** -0.5), ref.preprocess_v(v)
+    s9 = ref.to_sm90_layout(vq)
+    assert s9.layout == "sm90" and not torch.equal(s9.v8t.view(torch.uint8), vq.v8t.view(torch.uint8))
+    back = ref.natural_layout(s9)
+    assert torch.equal(back.v8t.view(torch.uint8), vq.v8t.view(torch.uint8)) and back.mu_prime is None
+    assert torch.equal(ref_attn.vsmooth_attention(qk, s9), ref_attn.vsmooth_attention(qk, vq))
+    with pytest.raises(ValueError, match="layout"):
+        ref.natural_layout(vq._replace(layout="tiled"))
+    with pytest.raises(ValueError, match="v_layout"):
+        tpl.preprocess(q, k, v, sm_scale=0.1, v_layout="tiled")
+
+
+def test_fused_is_two_launches_and_no_torch_compute():
+    """A reuse step's preprocessing is the two Triton launches and nothing else: no torch op that computes
+    (only allocations) runs between or around them (each eager op is a kernel launch and host time on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.inside = [], False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.inside:  # (the CPU interpreter's own tensor traffic during a launch is not ours)
+                self.ops.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    launches = []
+    real = {n: getattr(tpl, n) for n in ("_stats_kernel", "_quant_kernel")}
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append(self.name)
+                mode.inside = True
+                try:
+                    return real[self.name][grid](*a, **kw)
+                finally:
+                    mode.inside = False
+            return launch
+    mode = Ops()
+    B, H, S, D = 1, 2, 300, 64
+    q, k, v = make_qkv(B, H, S, D, torch.bfloat16)
+    perm = random_perm(B, H, S)
+    mp = pytest.MonkeyPatch()
+    try:
+        for n in real:
+            mp.setattr(tpl, n, Spy(n))
+        with mode:
+            tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="sm90")
+    finally:
+        mp.undo()
+    assert launches == ["_stats_kernel", "_quant_kernel"]
+    assert set(mode.ops) <= {"empty", "empty_strided"}, mode.ops

@@ -22,6 +22,7 @@ from conftest import requires_cuda
 from test_vsmooth_attn import REF_TOL, attn, make_qkv, quantise, rel, truth_of
 from vc_compile.reference import preprocess as ref_pre
 from vc_compile.reference import vsmooth_attn as ref
+from vc_compile.reference.preprocess import sm90_key_order, sm90_mean_groups
 from vc_compile.templates import configs as C
 from vc_compile.templates import dispatch
 from vc_compile.templates.configs import MeanTerm, POperand, RowSum, VSmoothSm90Config
@@ -92,12 +93,11 @@ def _tf32(x):
 
 
 def test_ms_mean_groups_layout_matches_a_dense_reference():
-    """``_mean_groups``: per (b, h) and window w of 8 key blocks, tile 2 w holds tf32(mu'^T) [D, 8] and tile 2 w + 1
+    """``sm90_mean_groups``: per (b, h) and window w of 8 key blocks, tile 2 w holds tf32(mu'^T) [D, 8] and tile 2 w + 1
     the rest, blocks past nb zero; hi + lo = mu' exactly, and hi is exactly tf32."""
-    from vc_compile.templates import vsmooth_attn_sm90 as g
     BH, nb, D = 3, 19, 64  # 19 blocks: two full windows and one of 3
     mu = torch.randn(BH, nb, D, dtype=torch.float64).mul(50).float()
-    t = g._mean_groups(mu).view(BH, 3, 2, D, 8)
+    t = sm90_mean_groups(mu).view(BH, 3, 2, D, 8)
     pad = torch.zeros(BH, 24, D)
     pad[:, :nb] = mu
     want = pad.view(BH, 3, 8, D).transpose(-1, -2)
@@ -121,12 +121,11 @@ def test_ms_hi_lo_split_is_needed_for_large_means():
     tf32) against one tf32 product, with mu' ~100x the residual's scale (a channel mean 64-128x the residual range):
     the single product is off by up to 2^-10 of the mean term (measured 1.1e-3), i.e. 12% of the attention-dependent
     part; the split stays at ~2^-20 of the mean term (6e-7), 6e-5 of that part."""
-    from vc_compile.templates import vsmooth_attn_sm90 as g
     gen = torch.Generator().manual_seed(0)
     BM, D = 64, 128
     R = torch.rand(BM, 8, generator=gen) * 3e4  # row sums of P~ (<= 128 * 256), rescaled by the alphas
     mu = 64 * (1 + torch.rand(1, 8, D, generator=gen)) * 448 / 3  # mu' = mu / v_scale, v_scale = amax(resid) / 448
-    tiles = g._mean_groups(mu).view(2, D, 8)
+    tiles = sm90_mean_groups(mu).view(2, D, 8)
     mhi, mlo = tiles[0].T, tiles[1].T  # [8, D]
     rhi = _tf32(R)
     rlo = R - rhi
@@ -151,9 +150,8 @@ def test_register_p_key_order_is_a_permutation_of_each_block():
     relabelled = P.reshape(64, 4, 2, 2, 4, 2).permute(0, 1, 2, 4, 3, 5).reshape(64, 128)
     assert torch.equal(relabelled, P[:, idx])
     assert torch.allclose(relabelled @ V[idx], P @ V, rtol=0, atol=1e-12)
-    # the index tensor is made once per device (no host-to-device copy per call)
-    t = g._key_order_tensor("cpu", 128)
-    assert t.tolist() == order and g._key_order_tensor("cpu", 128) is t
+    # the format layer and the kernel agree on the order
+    assert order == sm90_key_order(128)
 
 
 def test_default_tables_by_rows():

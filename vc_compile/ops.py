@@ -217,8 +217,9 @@ def vsmooth_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: O
                    experimental={"smooth_v": smooth_v})
     impl, _ = dispatch.choose("vsmooth", cfg.experimental.kernels, methods.vsmooth.needs_fp8(cfg), q.device)
     sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    qk = dispatch.preprocess_qk(impl, q, k, perm, sm_scale=sm, hadamard=hadamard, qk_format=qk_format)
-    vq = dispatch.preprocess_v(impl, v, perm if smooth_v else None, smooth=smooth_v)
+    # K and V share the permutation whatever smooth_v says (P' V' = P V needs both in one order)
+    qk, vq = dispatch.preprocess(impl, q, k, v, perm, sm_scale=sm, hadamard=hadamard, qk_format=qk_format,
+                                 smooth=smooth_v, expcast=expcast)
     out = dispatch.vsmooth_attention(impl, qk, vq, expcast=expcast, out_dtype=methods.kernel_out_dtype(q.dtype))
     return methods.finish_output(out, q.dtype)  # fp16: saturate instead of rounding up to inf
 

@@ -113,12 +113,12 @@ def anchor_step(impl, q, k, v, *, sm_scale: float, group_size: int, keep: int,
         key_perm = None  # no V pass: keys stay in token order (pass 2 then stores its masses contiguously)
     if sigma is None:
         sigma = dispatch.pddp_perm(impl, q, C)
-    qk = dispatch.preprocess_qk(impl, q, k, key_perm, sm_scale=sm_scale)
     if cfg.dense_out == DenseOut.Q8:
-        vq = dispatch.preprocess_v(impl, v, key_perm, smooth=True)
+        qk, vq = dispatch.preprocess(impl, q, k, v, key_perm, sm_scale=sm_scale, smooth=True)
         o_dense, lse_s = dispatch.vsmooth_attention(impl, qk, vq, out_dtype=out_dtype, return_lse=True)
         del vq
     else:
+        qk = dispatch.preprocess_qk(impl, q, k, key_perm, sm_scale=sm_scale)
         # cuDNN on the Triton path; the fp32 reference rounded to q's dtype, as the kernel path returns it
         o_dense, lse = dispatch.dense_with_lse(impl, q, k, v, sm_scale)
         o_dense = o_dense.to(q.dtype).to(out_dtype)

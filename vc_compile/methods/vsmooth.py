@@ -80,7 +80,7 @@ def path_label(path: str, phase, cfg, device) -> str:
 
 
 def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl, rope=None):
-    """``rope``: q and k are un-rotated, the preprocessing applies this RoPE (issue 7 prologue fusion)."""
+    """``rope``: q and k are un-rotated, the preprocessing applies this RoPE (prologue fusion)."""
     perm = None
     Sk = k.shape[2]
     smooth = cfg.experimental.smooth_v
@@ -94,8 +94,7 @@ def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl, rop
             km = dispatch.kmeans_perm(impl, v, n_clusters, iters, init=init)
             meta = VSmoothMeta(perm=km.perm, centroids=km.centroids)
         perm = meta.perm
-    qk = dispatch.preprocess_qk(impl, q, k, perm, sm_scale=sm_scale, hadamard=cfg.hadamard,
-                                qk_format=cfg.qk_format.value, rope=rope)
-    vq = dispatch.preprocess_v(impl, v, perm, smooth=smooth)
+    qk, vq = dispatch.preprocess(impl, q, k, v, perm, sm_scale=sm_scale, hadamard=cfg.hadamard,
+                                 qk_format=cfg.qk_format.value, smooth=smooth, expcast=cfg.expcast, rope=rope)
     out = dispatch.vsmooth_attention(impl, qk, vq, expcast=cfg.expcast, out_dtype=kernel_out_dtype(q.dtype))
     return finish_output(out, q.dtype), meta

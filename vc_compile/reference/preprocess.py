@@ -30,6 +30,14 @@ v8t             [B, H, D, S_pad] float8_e4m3fn: the residual ``V' - mu`` quantis
 v_scale         [B, H, D] fp32 per-channel scale of the residual (over all tokens of the head).
 v_mean          [B, H, ceil(S/BLOCK_V), D] fp32 block means ``mu_j`` of the permuted V (zeros when
                 smoothing is off: then this is plain per-channel FP8 V, our "naive 8-bit").
+layout          "natural" (v8t's columns in key order) or "sm90": within every BLOCK_V-column block, column c
+                holds key ``sm90_key_order()[c]`` (the order in which the sm_90 kernel's register P~ meets the
+                keys), and ``mu_prime`` / ``mu_groups`` hold that kernel's mean-term operands (below).
+                ``natural_layout`` turns either into "natural"; the sm_90 preprocessing kernel writes "sm90"
+                directly, so the attention needs no extra pass over V.
+mu_prime        "sm90" only: [B*H*nb, D] fp32 ``v_mean / v_scale`` (the mean in units of v_scale).
+mu_groups       "sm90" only: [B*H*ng*2*D, 8] fp32, ng = ceil(nb/8): per window of 8 blocks the tf32 hi part
+                (low 13 mantissa bits cleared) and the lo part (mu' - hi) of mu'^T [D, 8], zero-padded.
 
 Non-finite inputs (NaN/Inf; propagated like SDPA, never rounded away, never into another (b, h)):
 * Q row i non-finite          -> q_scale[b, h, i] = NaN: output row i NaN (SDPA: row i NaN).
@@ -83,6 +91,60 @@ class VQuant(NamedTuple):
     v_mean: torch.Tensor
     S: int
     zero_mean: bool = False  # smooth=False: v_mean is all zeros and the attention kernels skip the mean term
+    layout: str = "natural"  # or "sm90" (module doc)
+    mu_prime: Optional[torch.Tensor] = None  # "sm90" only
+    mu_groups: Optional[torch.Tensor] = None  # "sm90" only
+
+
+V_LAYOUTS = ("natural", "sm90")
+
+
+def sm90_key_order(BN: int = BLOCK_V) -> list:
+    """c -> n: the key stored in column c of every BN-key block of a "sm90" v8t. The sm_90 kernel relabels the
+    keys of its QK accumulator n = 32 a + 16 h + 8 i + 2 q + e (q = lane % 4) as c = 32 a + 16 h + 4 q + 2 i + e,
+    which makes the accumulator's registers the PV MMA's register A operand without moving data."""
+    order = []
+    for c in range(BN):
+        a, h, q, i, e = c // 32, (c // 16) % 2, (c // 4) % 4, (c // 2) % 2, c % 2
+        order.append(32 * a + 16 * h + 8 * i + 2 * q + e)
+    return order
+
+
+def sm90_mean_groups(mu_prime: torch.Tensor) -> torch.Tensor:
+    """mu' [BH, nb, D] fp32 -> ``mu_groups`` (module doc): per window of 8 blocks the hi and lo tf32 parts of
+    mu'^T [D, 8]."""
+    BH, nb, D = mu_prime.shape
+    ng = -(-nb // 8)
+    m = torch.nn.functional.pad(mu_prime, (0, 0, 0, ng * 8 - nb)).view(BH, ng, 8, D).transpose(-1, -2)
+    hi = (m.contiguous().view(torch.int32) & -8192).view(torch.float32)
+    return torch.stack((hi, m - hi), dim=2).contiguous().view(-1, 8)
+
+
+def to_sm90_layout(vq: "VQuant") -> "VQuant":
+    """A VQuant in the "sm90" layout (eager torch: a gather of v8t's columns, mu' and its groups); the
+    sm_90 preprocessing writes this layout itself."""
+    if vq.layout == "sm90":
+        return vq
+    B, H, D, S_pad = vq.v8t.shape
+    nb = S_pad // BLOCK_V
+    order = torch.tensor(sm90_key_order(), device=vq.v8t.device)
+    v8t = vq.v8t.view(B, H, D, nb, BLOCK_V)[..., order].reshape(B, H, D, S_pad)
+    mup = (vq.v_mean / vq.v_scale.unsqueeze(2)).contiguous()
+    return vq._replace(v8t=v8t, layout="sm90", mu_prime=mup.view(-1, D),
+                       mu_groups=sm90_mean_groups(mup.view(B * H, nb, D)))
+
+
+def natural_layout(vq: "VQuant") -> "VQuant":
+    """A VQuant whose v8t columns are in key order (the Triton kernel's and the reference's input)."""
+    if vq.layout == "natural":
+        return vq
+    if vq.layout != "sm90":
+        raise ValueError(f"VQuant.layout={vq.layout!r}; accepted: {V_LAYOUTS}")
+    B, H, D, S_pad = vq.v8t.shape
+    inv = torch.empty(BLOCK_V, dtype=torch.long)
+    inv[torch.tensor(sm90_key_order())] = torch.arange(BLOCK_V)
+    v8t = vq.v8t.view(B, H, D, S_pad // BLOCK_V, BLOCK_V)[..., inv.to(vq.v8t.device)].reshape(B, H, D, S_pad)
+    return vq._replace(v8t=v8t, layout="natural", mu_prime=None, mu_groups=None)
 
 
 def apply_perm(x: torch.Tensor, perm: Optional[torch.Tensor]) -> torch.Tensor:
@@ -166,6 +228,7 @@ def preprocess_v(v, perm=None, *, smooth: bool = True) -> VQuant:
 
 def dequantize_v(vq: VQuant) -> torch.Tensor:
     """The V' (permuted) that the attention kernel effectively multiplies by: fp32 [B, H, S, D]."""
+    vq = natural_layout(vq)
     S = vq.S
     r = vq.v8t[..., :S].float().transpose(-1, -2) * vq.v_scale.unsqueeze(2)
     return r + vq.v_mean.repeat_interleave(BLOCK_V, dim=2)[:, :, :S]

@@ -167,8 +167,9 @@ def attention(qk: QKQuant, vq: VQuant, *, p_mode: str = "expcast", offset: Optio
     """The kernel's output for query ``rows`` (all when None), [B, H, n, D] in ``out_dtype`` (the kernel writes
     the input dtype; fp32 to see the emulation unrounded). Arguments: see ``block_probs``; ``return_parts``:
     also {"p_eff": P~ 2^(m_j - m) / l [B, H, n, Sk], "v_eff": V_q [B, H, Sk, D]} for error decompositions."""
-    from .preprocess import dequantize_v
+    from .preprocess import dequantize_v, natural_layout
 
+    vq = natural_layout(vq)
     B, H, S, D = qk.q8.shape
     Sk = qk.k8.shape[2]
     nb = (Sk + BN - 1) // BN

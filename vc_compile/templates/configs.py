@@ -344,17 +344,23 @@ def sparse_variant(qk_format: str, C: int, n_keep: int, Sk: int) -> str:
 # ---- the V-Smooth preprocessing (templates/preprocess.py) -----------------------------------------------
 @dataclass(frozen=True)
 class PreprocessConfig(_Json):
-    """How the Q/K quantisation kernel applies a fused RoPE prologue (no effect without RoPE).
-    ``rope_packed``: interleaved pairs of 16-bit q/k read as 32-bit words and the codes stored as int16
-    pairs (applies when the inputs allow it; else the pairs are split in registers). ``rope_head_fast``: grid
-    (B*H, token blocks), the heads of one token block back to back (the table rows come from L2)."""
+    """Launch of the two preprocessing passes (templates/preprocess.py). ``stats_per_sm``: pass 1's programs
+    per SM when it reads V (splits per head = that x 132 / heads; pass 2 reduces that many partials per head).
+    How the Q/K quantisation applies a fused RoPE prologue (no effect without RoPE): ``rope_packed``:
+    interleaved pairs of 16-bit q/k read as 32-bit words and the codes stored as int16 pairs (applies when the
+    inputs allow it; else the pairs are split in registers). ``rope_head_fast``: grid (B*H, token blocks), the
+    heads of one token block back to back (the table rows come from L2)."""
     rope_packed: bool = True
     rope_head_fast: bool = True
+    stats_per_sm: int = 4
 
     def __post_init__(self):
         for name in ("rope_packed", "rope_head_fast"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PreprocessConfig.{name}={getattr(self, name)!r}; accepted: True, False")
+        if isinstance(self.stats_per_sm, bool) or not isinstance(self.stats_per_sm, int) \
+                or not 1 <= self.stats_per_sm <= 64:
+            raise ValueError(f"PreprocessConfig.stats_per_sm={self.stats_per_sm!r}; accepted: an int in [1, 64]")
 
 
 # NOTE (H200, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D], Wan pair tables; bench_preprocess.py):

@@ -172,6 +172,31 @@ def preprocess_v(impl: Impl, v, perm=None, *, smooth: bool = True):
     return preprocess.preprocess_v(v, perm, smooth=smooth)
 
 
+def vsmooth_v_layout(device: torch.device, qk_format: str, D: int, expcast: bool, S: int) -> str:
+    """The VQuant layout the attention of these inputs reads without a conversion: "sm90" where the Gluon kernel
+    runs with register P~ (its measured default for the shape), else "natural". NOTE a tuned or shipped
+    config that disagrees with the default still runs right: the kernel converts the layout (one more pass)."""
+    if not uses_sm90(device, qk_format):
+        return "natural"
+    cfg = C.vsmooth_sm90_default(D, expcast, S)
+    return "sm90" if cfg.p_operand == C.POperand.REGISTERS else "natural"
+
+
+def preprocess(impl: Impl, q, k, v, perm=None, *, sm_scale: float, hadamard: bool = False, qk_format: str = "int8",
+               smooth: bool = True, expcast: bool = False, rope=None, launch: Optional[C.PreprocessConfig] = None):
+    """(QKQuant, VQuant) of q, k, v for ``vsmooth_attention`` (reference/preprocess.py's contract): TRITON runs
+    the two-launch preprocessing (templates/preprocess.py) and writes V in the layout the attention kernel
+    reads (``vsmooth_v_layout``); REFERENCE the plain-PyTorch oracle ("natural" layout)."""
+    if impl == Impl.REFERENCE:
+        return (ref_preprocess.preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format,
+                                             rope=rope),
+                ref_preprocess.preprocess_v(v, perm, smooth=smooth))
+    from vc_compile.templates import preprocess as kmod
+    layout = vsmooth_v_layout(q.device, qk_format, q.shape[-1], expcast, k.shape[2])
+    return kmod.preprocess(q, k, v, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format, smooth=smooth,
+                           rope=rope, v_layout=layout, launch=launch or C.PREPROCESS_DEFAULT)
+
+
 def kmeans_perm(impl: Impl, x, n_clusters: int, n_iters: int, init=None):
     """k-means of the rows of x per (b, h) -> KMeansResult(perm, centroids, labels)."""
     if impl == Impl.REFERENCE:

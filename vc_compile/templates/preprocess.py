@@ -56,11 +56,13 @@ carries into the exponent, subnormals), so values are first rounded to the E4M3 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, QKQuant, VQuant, k_mean_stride
+from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, V_LAYOUTS, QKQuant, VQuant, k_mean_stride
 from vc_compile.reference.quant import LOG2E, hadamard_matrix
 from vc_compile.templates.configs import PREPROCESS_DEFAULT, PreprocessConfig, vsmooth_head_dim_error
 from vc_compile.templates.interpret import interpreting, loop_bound
@@ -152,64 +154,128 @@ def _quant_pair(xe, xo, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl
 
 
 @triton.jit
-def _colsum_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_split, n_sub, N_SUB_C: tl.constexpr,
-                   D: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
-                   COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
-                   ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False, INTERPRET: tl.constexpr = False):
-    # OUT[bh, split, :] = sum of the rows of the sampled BK-token blocks j = s * blk_stride of X[b, h],
-    # s in [split * per_split, (split + 1) * per_split) (reference.preprocess.k_mean_mask), BS rows a step
+def _stats_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_split, n_sub, N_SUB_C: tl.constexpr,
+                  D: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
+                  V=None, PERM=None, VMEAN=None, VPART=None, svb=0, svh=0, svs=0, svd=0, spb=0, sph=0, sps=0,
+                  nbv=0, per_v=0, PER_V_C: tl.constexpr = -1, BV: tl.constexpr = 128,
+                  DO_K: tl.constexpr = True, DO_V: tl.constexpr = False, HAS_PERM: tl.constexpr = False,
+                  SMOOTH: tl.constexpr = True,
+                  COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
+                  ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+    # Pass 1 of the preprocessing, program (split sp, head bh):
+    # DO_K: OUT[bh, sp, :] = sum of the rows of the sampled BK-token blocks j = s * blk_stride of X[b, h] = K,
+    #       s in [sp * per_split, (sp + 1) * per_split) (reference.preprocess.k_mean_mask), BS rows a step;
+    # DO_V: V' blocks [sp * per_v, (sp + 1) * per_v) (rows gathered through PERM): block means -> VMEAN, and
+    #       the residual's per-channel amax over those blocks -> VPART[bh, sp, :] (NaN -> +inf, which max keeps).
     sp = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     d = tl.arange(0, D)
-    base = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
-    acc = tl.zeros([BS, D], tl.float32)
-    for i in tl.range(0, N_SUB_C if N_SUB_C >= 0 else n_sub):
-        smp = sp * per_split + i // (BK // BS)
-        rows = smp * blk_stride * BK + (i % (BK // BS)) * BS + tl.arange(0, BS)
-        ok = (rows < S) & (smp < n_samp)
-        x = tl.load(base + rows[:, None].to(tl.int64) * sxs + d[None, :] * sxd, mask=ok[:, None], other=0.0)
-        if ROPE != 0:
-            x = rope_rows(x, base + rows[:, None].to(tl.int64) * sxs, rows, ok, sxd, COS, SIN,
-                           b.to(tl.int64) * scb + h.to(tl.int64) * sch, b.to(tl.int64) * ssb + h.to(tl.int64) * ssh,
-                           scs, scd, sss, ssd, lo, hi, D, ROPE, PAIR_TABLE, INTERPRET)
-        acc += x.to(tl.float32)
     n_split = tl.num_programs(0)
-    tl.store(OUT + (bh * n_split + sp).to(tl.int64) * D + d, tl.sum(acc, 0))
+    if DO_K:
+        base = X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
+        acc = tl.zeros([BS, D], tl.float32)
+        for i in tl.range(0, N_SUB_C if N_SUB_C >= 0 else n_sub):
+            smp = sp * per_split + i // (BK // BS)
+            rows = smp * blk_stride * BK + (i % (BK // BS)) * BS + tl.arange(0, BS)
+            ok = (rows < S) & (smp < n_samp)
+            x = tl.load(base + rows[:, None].to(tl.int64) * sxs + d[None, :] * sxd, mask=ok[:, None], other=0.0)
+            if ROPE != 0:
+                x = rope_rows(x, base + rows[:, None].to(tl.int64) * sxs, rows, ok, sxd, COS, SIN,
+                               b.to(tl.int64) * scb + h.to(tl.int64) * sch,
+                               b.to(tl.int64) * ssb + h.to(tl.int64) * ssh,
+                               scs, scd, sss, ssd, lo, hi, D, ROPE, PAIR_TABLE, INTERPRET)
+            acc += x.to(tl.float32)
+        tl.store(OUT + (bh * n_split + sp).to(tl.int64) * D + d, tl.sum(acc, 0))
+    if DO_V:
+        amax = tl.zeros([D], tl.float32)
+        for i in tl.range(0, PER_V_C if PER_V_C >= 0 else per_v):
+            blk = sp * per_v + i
+            if blk < nbv:
+                v, rmask = _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM,
+                                         False)
+                if SMOOTH:
+                    cnt = tl.minimum(S - blk * BV, BV).to(tl.float32)
+                    mu = tl.math.div_rn(tl.sum(v, 0), cnt)
+                    r = tl.where(rmask[:, None], v - mu[None, :], 0.0)
+                else:
+                    mu = tl.zeros([D], tl.float32)
+                    r = v
+                tl.store(VMEAN + (bh * nbv + blk).to(tl.int64) * D + d, mu)
+                ra = tl.abs(r)
+                ra = tl.where(ra < float("inf"), ra, float("inf"))  # NaN -> +inf: max keeps it
+                amax = tl.maximum(amax, tl.max(ra, 0))
+        tl.store(VPART + (bh * n_split + sp).to(tl.int64) * D + d, amax)
+
+
+def _split_count(n_blocks: int, BH: int, per_sm: int) -> int:
+    """Programs per head of a pass that splits ``n_blocks`` blocks over the heads: about ``per_sm`` x 132
+    programs in all (an H200's SMs), at least one block each."""
+    return max(1, min(n_blocks, triton.cdiv(132 * per_sm, BH)))
 
 
 def _token_mean(x: torch.Tensor, rope=None) -> torch.Tensor:
     """[B, H, S, D] (any strides) -> [B, H, D] fp32 mean over the sampled tokens of
-    ``reference.preprocess.k_mean_mask`` (of the rotated x when ``rope``).
-    NOTE the full mean read all of K a second time: 2 of the 8 bytes per element the Q/K preprocessing
-    moved (0.826 ms fused chain at S = 32760, H200); the sample reads 12% of K there, 5% at 75600."""
+    ``reference.preprocess.k_mean_mask`` (of the rotated x when ``rope``): pass 1 alone, reduced by torch (for
+    tests; ``preprocess`` reduces the partial sums inside pass 2)."""
     B, H, S, D = x.shape
-    BS = 32
+    part, n_split, count = _k_partials(x, rope)
+    return (part.view(B * H, n_split, D).sum(dim=1) / count).view(B, H, D)
+
+
+def _k_geometry(S: int, BH: int, n_split: Optional[int] = None):
+    """(stride of the sampled blocks, samples, samples per split, splits, sampled tokens) of K's mean."""
     st = k_mean_stride(S)
     n_samp = triton.cdiv(triton.cdiv(S, BLOCK_K), st)
     count = (n_samp - 1) * BLOCK_K + min(BLOCK_K, S - (n_samp - 1) * st * BLOCK_K)
-    n_split = max(1, min(n_samp, triton.cdiv(264, B * H)))
+    if n_split is None:
+        n_split = _split_count(n_samp, BH, 2)
     per_split = triton.cdiv(n_samp, n_split)
+    return st, n_samp, per_split, n_split, count
+
+
+def _k_partials(x, rope=None):
+    """Pass 1 over K alone: ([B*H, n_split, D] fp32 partial column sums of the sampled tokens, n_split, count)."""
+    B, H, S, D = x.shape
+    st, n_samp, per_split, n_split, count = _k_geometry(S, B * H)
     n_split = triton.cdiv(n_samp, per_split)
+    BS = 32
     n_sub = per_split * (BLOCK_K // BS)
     part = torch.empty(B * H, n_split, D, device=x.device, dtype=torch.float32)
-    _colsum_kernel[(n_split, B * H)](x, part, S, H, *x.stride(), st, n_samp, per_split, n_sub,
-                                     loop_bound(n_sub), D=D, BS=BS, BK=BLOCK_K, num_warps=4,
-                                     **colsum_rope_kwargs(rope, D))
-    return (part.sum(dim=1) / count).view(B, H, D)
+    _stats_kernel[(n_split, B * H)](x, part, S, H, *x.stride(), st, n_samp, per_split, n_sub,
+                                    loop_bound(n_sub), D=D, BS=BS, BK=BLOCK_K, num_warps=4,
+                                    **colsum_rope_kwargs(rope, D))
+    return part, n_split, count
 
 
 @triton.jit
-def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
-                     S, H, sqb, sqh, sqs, sqd, skb, skh, sks, skd, spb, sph, sps,
-                     q_fold, h_norm,
-                     D: tl.constexpr, TQ: tl.constexpr, BK: tl.constexpr, HAS_PERM: tl.constexpr,
-                     HADAMARD: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
-                     DOT_PREC: tl.constexpr,
-                     COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
-                     ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False, HEAD_FAST: tl.constexpr = False,
-                     PACKED: tl.constexpr = False, TAB_WORDS: tl.constexpr = False):
+def _k_mean_cols(KPART, bh, cols, n_split, NSP: tl.constexpr, D: tl.constexpr, k_count):
+    """K's mean at channels ``cols`` from pass 1's partial sums KPART[bh, 0:n_split, :] (summed in a fixed
+    order: every program of the head gets the same bits), divided by the sampled token count."""
+    s = tl.arange(0, NSP)
+    part = tl.load(KPART + (bh * n_split + s[:, None]).to(tl.int64) * D + cols[None, :],
+                   mask=(s < n_split)[:, None], other=0.0)
+    return tl.math.div_rn(tl.sum(part, 0), tl.full(cols.shape, k_count, tl.float32))
+
+
+@triton.jit
+def _quant_kernel(Q, K, PERM, KPART, HPM, Q8, K8, QS, KS, KMEAN,
+                  S, H, sqb, sqh, sqs, sqd, skb, skh, sks, skd, spb, sph, sps,
+                  q_fold, h_norm, k_count, n_split,
+                  D: tl.constexpr, TQ: tl.constexpr, BK: tl.constexpr, NSP: tl.constexpr, HAS_PERM: tl.constexpr,
+                  HADAMARD: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl.constexpr,
+                  DOT_PREC: tl.constexpr,
+                  V=None, VMEAN=None, VPART=None, V8T=None, VSCALE=None, MUP=None, MUG=None,
+                  svb=0, svh=0, svs=0, svd=0, S_pad=0, nbv=0, nsv=0, ng=0,
+                  BV: tl.constexpr = 128, NSV: tl.constexpr = 1, DO_QK: tl.constexpr = True,
+                  DO_V: tl.constexpr = False, SM90: tl.constexpr = False,
+                  COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
+                  ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False, HEAD_FAST: tl.constexpr = False,
+                  PACKED: tl.constexpr = False, TAB_WORDS: tl.constexpr = False):
+    # Pass 2 of the preprocessing, program (token block pid, head bh): Q tokens [pid TQ, (pid + 1) TQ) (DO_QK),
+    # the two BK-token blocks of K' at the same positions (rows gathered through perm) with K's mean reduced from
+    # pass 1's partial sums, and V' block pid (DO_V: TQ = BV).
     # PACKED (interleaved RoPE, 16-bit q/k with unit channel stride and even strides, no Hadamard): rows
     # are handled as their even / odd channel halves [R, D/2] from one 32-bit load per pair
     # (_rope_pairs_packed) and the codes stored as int16 pairs, so loads, tables and stores share one
@@ -222,6 +288,26 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
     b = bh // H
     h = bh % H
     d = tl.arange(0, D)
+    if DO_V:
+        _quant_v_block(V, PERM, VMEAN, VPART, V8T, VSCALE, MUP, MUG, pid, bh, b, h, d, S, S_pad, nbv, nsv, ng,
+                       svb, svh, svs, svd, spb, sph, sps, D, BV, NSV, HAS_PERM, INTERPRET, SM90)
+    if DO_QK:
+        _quant_qk_block(Q, K, PERM, KPART, HPM, Q8, K8, QS, KS, KMEAN, pid, bh, b, h, d,
+                        S, sqb, sqh, sqs, sqd, skb, skh, sks, skd, spb, sph, sps,
+                        q_fold, h_norm, k_count, n_split, D, TQ, BK, NSP, HAS_PERM, HADAMARD, FP8_OUT, INTERPRET,
+                        DOT_PREC, COS, SIN, scb, sch, scs, scd, ssb, ssh, sss, ssd, lo, hi, ROPE, PAIR_TABLE,
+                        PACKED, TAB_WORDS)
+
+
+@triton.jit
+def _quant_qk_block(Q, K, PERM, KPART, HPM, Q8, K8, QS, KS, KMEAN, pid, bh, b, h, d,
+                    S, sqb, sqh, sqs, sqd, skb, skh, sks, skd, spb, sph, sps,
+                    q_fold, h_norm, k_count, n_split, D: tl.constexpr, TQ: tl.constexpr, BK: tl.constexpr,
+                    NSP: tl.constexpr, HAS_PERM: tl.constexpr, HADAMARD: tl.constexpr, FP8_OUT: tl.constexpr,
+                    INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr,
+                    COS, SIN, scb, sch, scs, scd, ssb, ssh, sss, ssd, lo, hi,
+                    ROPE: tl.constexpr, PAIR_TABLE: tl.constexpr, PACKED: tl.constexpr, TAB_WORDS: tl.constexpr):
+    """Q codes of TQ tokens (one scale each) and the two BK-token K' blocks at the same rows."""
     QMAX: tl.constexpr = 448.0 if FP8_OUT else 127.0
     if HADAMARD:
         hpm = tl.load(HPM + d[:, None] * D + d[None, :])  # +-1, in the input dtype
@@ -229,15 +315,21 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
             hpm = hpm.to(tl.float32)  # NOTE the 3.6 interpreter's tl.dot mis-multiplies bf16
     nbk = tl.cdiv(S, BK)
     out_bh = bh.to(tl.int64) * S * D
-    kbar = tl.load(KBAR + bh * D + d)
+    k_mean = _k_mean_cols(KPART, bh, d, n_split, NSP, D, k_count)
+    if pid == 0:
+        tl.store(KMEAN + bh * D + d, k_mean)
+    if HADAMARD:  # H (k - kbar) = H k - H kbar: the rotated mean, from the same +-1 matrix
+        kbar = tl.sum(k_mean[:, None] * hpm.to(tl.float32), 0) * h_norm
+    else:
+        kbar = k_mean
     # a non-finite K mean poisons every smoothed key, hence every logit of the head: its Q scales -> NaN
-    k_bad = tl.min((tl.abs(kbar) < float("inf")).to(tl.int32), 0) == 0
+    k_bad = tl.min((tl.abs(k_mean) < float("inf")).to(tl.int32), 0) == 0
     i2 = tl.arange(0, D // 2)
     if PACKED:
-        kbar_e = tl.load(KBAR + bh * D + 2 * i2)
-        kbar_o = tl.load(KBAR + bh * D + 2 * i2 + 1)
+        kbar_e = _k_mean_cols(KPART, bh, 2 * i2, n_split, NSP, D, k_count)
+        kbar_o = _k_mean_cols(KPART, bh, 2 * i2 + 1, n_split, NSP, D, k_count)
 
-    # ---- Q: 128 tokens, one scale per token; with RoPE in two 64-row halves (rows are independent):
+    # ---- Q: TQ tokens, one scale per token; with RoPE in two 64-row halves (rows are independent):
     # half the live registers (sm_90: 128 instead of 181-197 per thread, 2 CTAs/SM like the no-RoPE path)
     QR: tl.constexpr = BK if ROPE != 0 else TQ
     for jq in tl.static_range(TQ // QR):
@@ -254,7 +346,7 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
         else:
             q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + rows[:, None].to(tl.int64) * sqs
                         + d[None, :] * sqd, mask=rmask[:, None], other=0.0)
-            if ROPE != 0:  # prologue RoPE (issue 7): q arrives un-rotated
+            if ROPE != 0:  # prologue RoPE: q arrives un-rotated
                 q = rope_rows(q, Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
                                + rows[:, None].to(tl.int64) * sqs,
                                rows, rmask, sqd, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
@@ -270,7 +362,7 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
             tl.store(Q8 + out_bh + rows[:, None].to(tl.int64) * D + d[None, :], codes, mask=rmask[:, None])
         tl.store(QS + bh.to(tl.int64) * S + rows, tl.where(k_bad, float("nan"), scale * q_fold), mask=rmask)
 
-    # ---- K': two 64-token blocks at the same positions, rows gathered through perm
+    # ---- K': two BK-token blocks at the same positions, rows gathered through perm
     k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
     for j in tl.static_range(TQ // BK):
         rows = pid * TQ + j * BK + tl.arange(0, BK)
@@ -311,58 +403,21 @@ def _qk_quant_kernel(Q, K, PERM, KBAR, HPM, Q8, K8, QS, KS,
         tl.store(KS + bh * nbk + kb, scale, mask=kb < nbk)
 
 
-def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
-                  qk_format: str = "int8", rope=None, launch: PreprocessConfig = PREPROCESS_DEFAULT) -> QKQuant:
-    """Q, K [B, H, S, D] (any strides; bf16/fp16/fp32) -> QKQuant, like the reference. ``rope``: a
-    ``reference.rope.RopeArgs`` when q and k arrive un-rotated (prologue fusion, issue 7): both kernels
-    rotate what they load (K's mean is of the rotated K), so q and k are read from the model's tensors;
-    ``launch`` says how (``configs.PreprocessConfig``)."""
-    if qk_format not in ("int8", "fp8"):
-        raise ValueError(f"qk_format must be 'int8' or 'fp8', got {qk_format!r}")
-    B, H, S, D = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"preprocess_qk needs q and k of one shape (self-attention), got "
-                         f"{tuple(q.shape)} and {tuple(k.shape)}")
-    err = vsmooth_head_dim_error(D)
-    if err:
-        raise ValueError(err)
-    dev = q.device
-    k_mean = _token_mean(k, rope)
-    kbar, hpm, h_norm = k_mean, q, 1.0  # hpm: any pointer when unused
-    if hadamard:
-        Hd = hadamard_matrix(D, device=dev)
-        kbar = (k_mean.view(B * H, D) @ Hd).contiguous()
-        h_norm = float(D) ** -0.5
-        hpm = (Hd * (float(D) ** 0.5)).round().to(q.dtype).contiguous()
-    code_dtype = FP8 if qk_format == "fp8" else torch.int8
-    q8 = torch.empty(B, H, S, D, device=dev, dtype=code_dtype)
-    k8 = torch.empty(B, H, S, D, device=dev, dtype=code_dtype)
-    nbq = triton.cdiv(S, TILE_Q)
-    q_scale = torch.empty(B, H, S, device=dev, dtype=torch.float32)
-    k_scale = torch.empty(B, H, triton.cdiv(S, BLOCK_K), device=dev, dtype=torch.float32)
-    p = perm if perm is not None else q8  # dummy pointer
-    pstr = perm.stride() if perm is not None else (0, 0, 0)
-    grid = (B * H, nbq) if rope is not None and launch.rope_head_fast else (nbq, B * H)
-    packed = (launch.rope_packed and rope is not None and rope.form == "interleaved" and not hadamard
-              and q.dtype in (torch.bfloat16, torch.float16) and pair_words_ok(q, k))
-    _qk_quant_kernel[grid](
-        q, k, p, kbar.contiguous(), hpm, q8, k8, q_scale, k_scale,
-        S, H, *q.stride(), *k.stride(), *pstr,
-        float(sm_scale) * LOG2E, h_norm,
-        D=D, TQ=TILE_Q, BK=BLOCK_K, HAS_PERM=perm is not None, HADAMARD=hadamard,
-        FP8_OUT=qk_format == "fp8", INTERPRET=interpreting(),
-        DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=8 if D == 128 else 4,
-        **rope_kwargs(rope, D),
-        **({"HEAD_FAST": launch.rope_head_fast, "PACKED": packed,
-            "TAB_WORDS": packed and not rope.pair_table(D) and pair_words_ok(rope.cos, rope.sin)}
-           if rope is not None else {}))
-    return QKQuant(q8, q_scale, k8, k_scale, k_mean, float(sm_scale))
+@triton.jit
+def _sm90_rows(t):
+    """Position c -> key n of the "sm90" V^T layout (``reference.preprocess.sm90_key_order``), per 128 keys."""
+    return (t // 32) * 32 + ((t // 16) % 2) * 16 + ((t // 2) % 2) * 8 + ((t // 4) % 4) * 2 + t % 2
 
 
 @triton.jit
 def _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps,
-                  D: tl.constexpr, BV: tl.constexpr, HAS_PERM: tl.constexpr):
-    rows = blk * BV + tl.arange(0, BV)
+                  D: tl.constexpr, BV: tl.constexpr, HAS_PERM: tl.constexpr, SM90: tl.constexpr):
+    """V' block ``blk`` as fp32 [BV, D] (rows gathered through PERM; SM90: row c holds key sm90_key_order[c]
+    of the block, so the transposed codes are stored in the "sm90" layout) and its valid-row mask."""
+    t = tl.arange(0, BV)
+    if SM90:
+        t = _sm90_rows(t)
+    rows = blk * BV + t
     rmask = rows < S
     if HAS_PERM:
         src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps, mask=rmask,
@@ -376,81 +431,181 @@ def _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps,
 
 
 @triton.jit
-def _v_stats_kernel(V, PERM, VMEAN, VAMAX, S, H, svb, svh, svs, svd, spb, sph, sps,
-                    D: tl.constexpr, BV: tl.constexpr, HAS_PERM: tl.constexpr, SMOOTH: tl.constexpr):
-    blk = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    nb = tl.num_programs(0)
-    d = tl.arange(0, D)
-    v, rmask = _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM)
-    if SMOOTH:
-        cnt = tl.minimum(S - blk * BV, BV).to(tl.float32)
-        mu = tl.math.div_rn(tl.sum(v, 0), cnt)
-        r = tl.where(rmask[:, None], v - mu[None, :], 0.0)
-    else:
-        mu = tl.zeros([D], tl.float32)
-        r = v
-    tl.store(VMEAN + (bh * nb + blk).to(tl.int64) * D + d, mu)
-    ra = tl.abs(r)
-    ra = tl.where(ra < float("inf"), ra, float("inf"))  # NaN -> +inf: max/atomic_max keep it
-    tl.atomic_max(VAMAX + bh * D + d, tl.max(ra, 0))
+def _quant_v_block(V, PERM, VMEAN, VPART, V8T, VSCALE, MUP, MUG, blk, bh, b, h, d, S, S_pad, nbv, nsv, ng,
+                   svb, svh, svs, svd, spb, sph, sps, D: tl.constexpr, BV: tl.constexpr, NSV: tl.constexpr,
+                   HAS_PERM: tl.constexpr, INTERPRET: tl.constexpr, SM90: tl.constexpr):
+    """V' block ``blk``: the residual V' - mu quantised to E4M3 with the head's per-channel scale (the max of
+    pass 1's partial amaxes) and stored transposed ([D, BV], K-major; SM90: the "sm90" layout, and mu' with its
+    tf32 hi / lo groups)."""
+    if blk < nbv:
+        v, rmask = _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM, SM90)
+        mu = tl.load(VMEAN + (bh * nbv + blk).to(tl.int64) * D + d)
+        s = tl.arange(0, NSV)
+        amax = tl.max(tl.load(VPART + (bh * nsv + s[:, None]).to(tl.int64) * D + d[None, :],
+                              mask=(s < nsv)[:, None], other=0.0), 0)
+        bad = amax == float("inf")  # a non-finite value in this channel: scale NaN, codes of the finite part
+        a = tl.where((amax == 0.0) | bad, 448.0, amax)
+        inv = tl.math.div_rn(tl.full(a.shape, 448.0, tl.float32), a)  # per channel; a multiply per element
+        tiny = ~(inv < float("inf"))  # 448 / amax overflows: the channel quantises as zero, scale 1
+        a = tl.where(tiny, 448.0, a)
+        inv = tl.where(tiny, 1.0, inv)
+        scale = tl.math.div_rn(a, tl.full(a.shape, 448.0, tl.float32))
+        r = v - mu[None, :]
+        r = tl.where(rmask[:, None] & (tl.abs(r) < float("inf")), r, 0.0)
+        y = tl.minimum(tl.maximum(r * inv[None, :], -448.0), 448.0)
+        if INTERPRET:
+            y = round_e4m3(y)
+        codes = tl.trans(y.to(tl.float8e4nv))  # [D, BV]: K-major for the PV MMA
+        t = blk * BV + tl.arange(0, BV)
+        tl.store(V8T + bh.to(tl.int64) * D * S_pad + d[:, None].to(tl.int64) * S_pad + t[None, :], codes)
+        scale = tl.where(bad, float("nan"), scale)
+        if blk == 0:
+            tl.store(VSCALE + bh * D + d, scale)
+        if SM90:  # mu' = mu / v_scale and its tf32 split, window blk // 8, column blk % 8
+            mup = tl.math.div_rn(mu, scale)
+            tl.store(MUP + (bh * nbv + blk).to(tl.int64) * D + d, mup)
+            mhi = (mup.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+            g = (bh * ng + blk // 8).to(tl.int64) * 2
+            tl.store(MUG + (g * D + d) * 8 + blk % 8, mhi)
+            tl.store(MUG + ((g + 1) * D + d) * 8 + blk % 8, mup - mhi)
+            if blk == nbv - 1:  # the last window's columns past nbv are zero
+                z = tl.zeros([D], tl.float32)
+                for c in tl.static_range(1, 8):
+                    if blk % 8 + c < 8:
+                        tl.store(MUG + (g * D + d) * 8 + blk % 8 + c, z)
+                        tl.store(MUG + ((g + 1) * D + d) * 8 + blk % 8 + c, z)
 
 
-@triton.jit
-def _v_quant_kernel(V, PERM, VMEAN, VAMAX, V8T, VSCALE, S, S_pad, H, svb, svh, svs, svd, spb, sph, sps,
-                    D: tl.constexpr, BV: tl.constexpr, HAS_PERM: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    blk = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    nb = tl.num_programs(0)
-    d = tl.arange(0, D)
-    v, rmask = _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM)
-    mu = tl.load(VMEAN + (bh * nb + blk).to(tl.int64) * D + d)
-    amax = tl.load(VAMAX + bh * D + d)
-    bad = amax == float("inf")  # a non-finite value in this channel: scale NaN, codes of the finite part
-    a = tl.where((amax == 0.0) | bad, 448.0, amax)
-    inv = tl.math.div_rn(tl.full(a.shape, 448.0, tl.float32), a)  # per channel; a multiply per element
-    tiny = ~(inv < float("inf"))  # 448 / amax overflows: the channel quantises as zero, scale 1
-    a = tl.where(tiny, 448.0, a)
-    inv = tl.where(tiny, 1.0, inv)
-    scale = tl.math.div_rn(a, tl.full(a.shape, 448.0, tl.float32))
-    r = v - mu[None, :]
-    r = tl.where(rmask[:, None] & (tl.abs(r) < float("inf")), r, 0.0)
-    y = tl.minimum(tl.maximum(r * inv[None, :], -448.0), 448.0)
-    if INTERPRET:
-        y = round_e4m3(y)
-    codes = tl.trans(y.to(tl.float8e4nv))  # [D, BV]: K-major for the PV MMA
-    t = blk * BV + tl.arange(0, BV)
-    tl.store(V8T + bh.to(tl.int64) * D * S_pad + d[:, None].to(tl.int64) * S_pad + t[None, :], codes)
-    if blk == 0:
-        tl.store(VSCALE + bh * D + d, tl.where(bad, float("nan"), scale))
-
-
-def preprocess_v(v, perm=None, *, smooth: bool = True) -> VQuant:
-    """V [B, H, S, D] (any strides) -> VQuant, like the reference. ``smooth=False``: zero means (plain
-    per-channel FP8 V, our "naive 8-bit"), ``zero_mean`` set: the attention skips the mean term."""
-    B, H, S, D = v.shape
-    err = vsmooth_head_dim_error(D)
+def _check_qk(q, k, qk_format):
+    if qk_format not in ("int8", "fp8"):
+        raise ValueError(f"qk_format must be 'int8' or 'fp8', got {qk_format!r}")
+    if k.shape != q.shape:
+        raise ValueError(f"preprocess_qk needs q and k of one shape (self-attention), got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    err = vsmooth_head_dim_error(q.shape[-1])
     if err:
         raise ValueError(err)
-    dev = v.device
-    nb = triton.cdiv(S, BLOCK_V)
-    S_pad = nb * BLOCK_V
-    v_mean = torch.empty(B, H, nb, D, device=dev, dtype=torch.float32)
-    v_amax = torch.zeros(B, H, D, device=dev, dtype=torch.float32)
-    v_scale = torch.empty(B, H, D, device=dev, dtype=torch.float32)
-    v8t = torch.empty(B, H, D, S_pad, device=dev, dtype=FP8)
-    p = perm if perm is not None else v_amax
+
+
+def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hadamard: bool = False,
+               qk_format: str = "int8", smooth: bool = True, rope=None, v_layout: str = "natural",
+               launch: PreprocessConfig = PREPROCESS_DEFAULT):
+    """The whole preprocessing in two launches: (QKQuant or None, VQuant or None), each as the reference's
+    ``preprocess_qk`` / ``preprocess_v``. q, k, v [B, H, S, D] (any strides; q and k or v may be None).
+    Pass 1 (``_stats_kernel``, grid (splits, B*H)): K's sampled column sums and V's block means and partial
+    amaxes; pass 2 (``_quant_kernel``, grid (ceil(S/128), B*H)): every code and scale, K's mean and V's scale
+    reduced from pass 1's partials inside each program (no torch op between the two launches).
+    ``v_layout="sm90"``: V^T in the sm_90 kernel's key order with mu' and its tf32 groups
+    (``reference.preprocess.VQuant``). ``rope``: q and k arrive un-rotated (prologue fusion)."""
+    do_qk, do_v = q is not None, v is not None
+    if not (do_qk or do_v):
+        raise ValueError("preprocess needs q and k, or v")
+    if v_layout not in V_LAYOUTS:
+        raise ValueError(f"v_layout={v_layout!r}; accepted: {V_LAYOUTS}")
+    x = q if do_qk else v
+    B, H, S, D = x.shape
+    dev = x.device
+    if do_qk:
+        _check_qk(q, k, qk_format)
+    else:
+        err = vsmooth_head_dim_error(D)
+        if err:
+            raise ValueError(err)
+    if do_v and do_qk and v.shape != q.shape:
+        raise ValueError(f"preprocess needs v of q's shape, got {tuple(v.shape)} and {tuple(q.shape)}")
+    BH = B * H
+    nbv = triton.cdiv(S, BLOCK_V)
+    S_pad = nbv * BLOCK_V
+    p = perm if perm is not None else x  # any pointer when unused
     pstr = perm.stride() if perm is not None else (0, 0, 0)
-    nw = 8 if D == 128 else 4
-    args = (S, H, *v.stride(), *pstr)
-    _v_stats_kernel[(nb, B * H)](v, p, v_mean, v_amax, *args, D=D, BV=BLOCK_V,
-                                 HAS_PERM=perm is not None, SMOOTH=smooth, num_warps=nw)
-    _v_quant_kernel[(nb, B * H)](v, p, v_mean, v_amax, v8t, v_scale, S, S_pad, H, *v.stride(), *pstr,
-                                 D=D, BV=BLOCK_V, HAS_PERM=perm is not None, INTERPRET=interpreting(),
-                                 num_warps=nw)
-    return VQuant(v8t, v_scale, v_mean, S, zero_mean=not smooth)
+    interp = interpreting()
+    # ---- pass 1
+    st, n_samp, per_k, nsk, count = _k_geometry(S, BH, _split_count(nbv, BH, launch.stats_per_sm) if do_v else None)
+    if do_v:
+        nsv = nsk
+        per_v = triton.cdiv(nbv, nsv)
+    nsk = triton.cdiv(n_samp, per_k) if not do_v else nsk
+    BS = 32
+    n_sub = per_k * (BLOCK_K // BS)
+    kpart = torch.empty(BH, nsk, D, device=dev, dtype=torch.float32) if do_qk else None
+    kw = {}
+    if do_v:
+        v_mean = torch.empty(B, H, nbv, D, device=dev, dtype=torch.float32)
+        vpart = torch.empty(BH, nsv, D, device=dev, dtype=torch.float32)
+        kw = dict(V=v, PERM=p, VMEAN=v_mean, VPART=vpart, svb=v.stride(0), svh=v.stride(1), svs=v.stride(2),
+                  svd=v.stride(3), spb=pstr[0], sph=pstr[1], sps=pstr[2], nbv=nbv, per_v=per_v,
+                  PER_V_C=loop_bound(per_v), BV=BLOCK_V, DO_K=do_qk, DO_V=True, HAS_PERM=perm is not None,
+                  SMOOTH=smooth)
+    kx = k if do_qk else v
+    _stats_kernel[(nsk, BH)](kx, kpart if do_qk else v_mean, S, H, *kx.stride(), st, n_samp, per_k, n_sub,
+                             loop_bound(n_sub), D=D, BS=BS, BK=BLOCK_K, num_warps=8 if do_v and D == 128 else 4,
+                             **kw,
+                             **(colsum_rope_kwargs(rope, D) if do_qk else {}))
+    # ---- pass 2
+    qk = vq = None
+    args = []
+    kw = dict(D=D, TQ=TILE_Q, BK=BLOCK_K, INTERPRET=interp, num_warps=8 if D == 128 else 4,
+              HAS_PERM=perm is not None)
+    if do_qk:
+        hpm, h_norm = x, 1.0  # hpm: any pointer when unused
+        if hadamard:
+            Hd = hadamard_matrix(D, device=dev)
+            h_norm = float(D) ** -0.5
+            hpm = (Hd * (float(D) ** 0.5)).round().to(q.dtype).contiguous()
+        code_dtype = FP8 if qk_format == "fp8" else torch.int8
+        q8 = torch.empty(B, H, S, D, device=dev, dtype=code_dtype)
+        k8 = torch.empty(B, H, S, D, device=dev, dtype=code_dtype)
+        q_scale = torch.empty(B, H, S, device=dev, dtype=torch.float32)
+        k_scale = torch.empty(B, H, triton.cdiv(S, BLOCK_K), device=dev, dtype=torch.float32)
+        k_mean = torch.empty(B, H, D, device=dev, dtype=torch.float32)
+        packed = (launch.rope_packed and rope is not None and rope.form == "interleaved" and not hadamard
+                  and q.dtype in (torch.bfloat16, torch.float16) and pair_words_ok(q, k))
+        args = [q, k, p, kpart, hpm, q8, k8, q_scale, k_scale, k_mean, S, H, *q.stride(), *k.stride(), *pstr,
+                float(sm_scale) * LOG2E, h_norm, float(count), nsk]
+        kw.update(NSP=triton.next_power_of_2(nsk), HADAMARD=hadamard, FP8_OUT=qk_format == "fp8",
+                  DOT_PREC="ieee" if q.dtype == torch.float32 else None, **rope_kwargs(rope, D))
+        if rope is not None:
+            kw.update(HEAD_FAST=launch.rope_head_fast, PACKED=packed,
+                      TAB_WORDS=packed and not rope.pair_table(D) and pair_words_ok(rope.cos, rope.sin))
+        qk = QKQuant(q8, q_scale, k8, k_scale, k_mean, float(sm_scale))
+    else:
+        args = [v] * 10 + [S, H] + [0] * 11 + [1.0, 1.0, 1.0, 1]
+        kw.update(NSP=1, HADAMARD=False, FP8_OUT=False, DOT_PREC=None, DO_QK=False)
+    if do_v:
+        sm90 = v_layout == "sm90"
+        ng = triton.cdiv(nbv, 8)
+        v8t = torch.empty(B, H, D, S_pad, device=dev, dtype=FP8)
+        v_scale = torch.empty(B, H, D, device=dev, dtype=torch.float32)
+        mup = torch.empty(BH * nbv, D, device=dev, dtype=torch.float32) if sm90 else None
+        mug = torch.empty(BH * ng * 2 * D, 8, device=dev, dtype=torch.float32) if sm90 else None
+        kw.update(V=v, VMEAN=v_mean, VPART=vpart, V8T=v8t, VSCALE=v_scale, MUP=mup if sm90 else v_scale,
+                  MUG=mug if sm90 else v_scale, svb=v.stride(0), svh=v.stride(1), svs=v.stride(2), svd=v.stride(3),
+                  S_pad=S_pad, nbv=nbv, nsv=nsv, ng=ng, BV=BLOCK_V, NSV=triton.next_power_of_2(nsv), DO_V=True,
+                  SM90=sm90)
+        if not do_qk:
+            args[2] = p
+            args[20:23] = list(pstr)
+        vq = VQuant(v8t, v_scale, v_mean, S, zero_mean=not smooth, layout=v_layout, mu_prime=mup, mu_groups=mug)
+    nbq = triton.cdiv(S, TILE_Q)
+    grid = (BH, nbq) if do_qk and rope is not None and launch.rope_head_fast else (nbq, BH)
+    _quant_kernel[grid](*args, **kw)
+    return qk, vq
+
+
+def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
+                  qk_format: str = "int8", rope=None, launch: PreprocessConfig = PREPROCESS_DEFAULT) -> QKQuant:
+    """Q, K [B, H, S, D] (any strides; bf16/fp16/fp32) -> QKQuant, like the reference (``preprocess`` without
+    V). ``rope``: a ``reference.rope.RopeArgs`` when q and k arrive un-rotated (prologue fusion): both passes
+    rotate what they load (K's mean is of the rotated K), so q and k are read from the model's tensors;
+    ``launch`` says how (``configs.PreprocessConfig``)."""
+    _check_qk(q, k, qk_format)
+    return preprocess(q, k, None, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format, rope=rope,
+                      launch=launch)[0]
+
+
+def preprocess_v(v, perm=None, *, smooth: bool = True, v_layout: str = "natural",
+                 launch: PreprocessConfig = PREPROCESS_DEFAULT) -> VQuant:
+    """V [B, H, S, D] (any strides) -> VQuant, like the reference (``preprocess`` without Q, K).
+    ``smooth=False``: zero means (plain per-channel FP8 V, our "naive 8-bit"), ``zero_mean`` set: the attention
+    skips the mean term."""
+    return preprocess(None, None, v, perm, smooth=smooth, v_layout=v_layout, launch=launch)[1]

@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vc_compile.reference.preprocess import BLOCK_K, BLOCK_V, QKQuant, VQuant
+from vc_compile.reference.preprocess import BLOCK_K, BLOCK_V, QKQuant, VQuant, natural_layout
 from vc_compile.templates.configs import RowSum, VSmoothTritonConfig, vsmooth_head_dim_error
 from vc_compile.templates.interpret import interpreting, loop_bound
 from vc_compile.templates.soft_round import round_bf16, round_e4m3
@@ -218,6 +218,7 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
     if not isinstance(launch, VSmoothTritonConfig):
         raise TypeError(f"launch must be a VSmoothTritonConfig, got {type(launch).__name__}")
     check_inputs(qk, vq)
+    vq = natural_layout(vq)  # (a "sm90" VQuant is made for the Gluon kernel; converted, not misread)
     q8, q_scale, k8, k_scale = qk.q8, qk.q_scale, qk.k8, qk.k_scale
     B, H, S, D = q8.shape
     Sk = k8.shape[2]

@@ -171,28 +171,17 @@ PRODUCER_REGS = gl.constexpr(24)
 WS_MAXNREG = 168
 
 
-_KEY_ORDER = {}
+_PLACEHOLDER = {}
 
 
-def _key_order_tensor(device, BN: int):
-    """``key_order_sm90`` as an index tensor on ``device``, made once (no host-to-device copy per call, which
-    CUDA-graph capture would refuse)."""
-    key = (str(device), BN)
-    if key not in _KEY_ORDER:
+def _placeholder(device, D: int):
+    """An fp32 [1, D] tensor for a descriptor the kernel never reads, made once per device (no allocation or
+    fill launch per call)."""
+    key = (str(device), D)
+    if key not in _PLACEHOLDER:
         import torch
-        _KEY_ORDER[key] = torch.tensor(key_order_sm90(BN), device=device)
-    return _KEY_ORDER[key]
-
-
-def _mean_groups(mu_prime):
-    """MS: mu' [BH, nb, D] as the tf32 MMAs' B tiles, [BH * ng * 2 * D, 8] fp32: per window of 8 key blocks
-    (zero-padded to ng windows) the hi and lo tf32 parts of mu'^T [D, 8] (K-major, the blocks along the 8)."""
-    import torch
-    BH, nb, D = mu_prime.shape
-    ng = -(-nb // 8)
-    m = torch.nn.functional.pad(mu_prime, (0, 0, 0, ng * 8 - nb)).view(BH, ng, 8, D).transpose(-1, -2)
-    hi = (m.contiguous().view(torch.int32) & -8192).view(torch.float32)
-    return torch.stack((hi, m - hi), dim=2).contiguous().view(-1, 8)
+        _PLACEHOLDER[key] = torch.zeros(8, D, device=device)
+    return _PLACEHOLDER[key]
 
 
 def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, return_lse: bool = False,
@@ -202,7 +191,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from vc_compile.reference.preprocess import BLOCK_K, BLOCK_V
+    from vc_compile.reference.preprocess import BLOCK_K, BLOCK_V, natural_layout, to_sm90_layout
     from vc_compile.templates.vsmooth_attn import check_inputs
 
     if not isinstance(launch, VSmoothSm90Config):
@@ -217,29 +206,30 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     BM, nw, stages = launch.block_m, launch.num_warps, launch.stages
     ws, preg, ms = launch.warp_specialize, launch.p_operand == POperand.REGISTERS, launch.mma_sums
     BN = BLOCK_V
+    mean = 0 if vq.zero_mean else 1
+    # register P~ reads V^T in the "sm90" key order with mu' and its tf32 groups, which the sm_90 preprocessing
+    # writes directly; a VQuant in the other layout is converted here (eager: one more pass over V)
+    vq = to_sm90_layout(vq) if preg else natural_layout(vq)
     q8, k8, v8t = q8.contiguous(), k8.contiguous(), vq.v8t.contiguous()
     S_pad = v8t.shape[-1]
-    if preg:  # V^T's key columns in p_operand's order within each block: one copy of V^T (S D bytes per head)
-        v8t = v8t.view(B, H, D, S_pad // BN, BN)[..., _key_order_tensor(v8t.device, BN)].reshape(B, H, D, S_pad)
     lay = gl.NVMMASharedLayout.get_default_for
     desc_q = TensorDescriptor.from_tensor(q8.view(B * H * S, D), [BM, D], lay([BM, D], gl.int8))
     desc_k = TensorDescriptor.from_tensor(k8.view(B * H * Sk, D), [BN, D], lay([BN, D], gl.int8))
     desc_v = TensorDescriptor.from_tensor(v8t.view(B * H * D, S_pad), [D, BN], lay([D, BN], gl.float8e4nv))
     out = torch.empty(B, H, S, D, device=q8.device, dtype=out_dtype)
     lse = torch.empty(B, H, S, device=q8.device, dtype=torch.float32) if return_lse else out
-    mean = 0 if vq.zero_mean else 1
     nb = -(-Sk // BN)
-    # mu' = mu / v_scale (the mean in units of v_scale), [B, H, nb, D] fp32: one small op here instead of a
-    # [D] reciprocal held in 32 registers per thread through the key loop
-    if mean:
+    # mu' = mu / v_scale (the mean in units of v_scale), [B, H, nb, D] fp32, instead of a [D] reciprocal held in
+    # 32 registers per thread through the key loop
+    if mean and preg:
+        mu_prime, mu_groups = vq.mu_prime, vq.mu_groups
+    elif mean:
         mu_prime = (vq.v_mean / vq.v_scale.unsqueeze(2)).contiguous().view(-1, D)
-    else:  # never read (MEAN = 0); any fp32 [rows, D] tensor makes a valid descriptor
-        mu_prime = torch.zeros(1, D, device=q8.device)
+    if not mean:  # never read (MEAN = 0); any fp32 [rows, D] tensor makes a valid descriptor
+        mu_prime = _placeholder(q8.device, D)
     desc_m = TensorDescriptor.from_tensor(mu_prime, [1, D], lay([1, D], gl.float32))
-    if ms and mean:
-        mu_groups = _mean_groups(mu_prime.view(B * H, nb, D))
-    else:  # never read; a valid [rows, 8] fp32 descriptor
-        mu_groups = torch.zeros(D, 8, device=q8.device)
+    if not (ms and mean):  # never read; a valid [rows, 8] fp32 descriptor
+        mu_groups = _placeholder(q8.device, D).view(-1, 8)
     desc_g = TensorDescriptor.from_tensor(mu_groups, [D, 8], lay([D, 8], gl.float32))
     args = (desc_q, desc_k, desc_v, desc_m, desc_g, q_scale.contiguous(), k_scale.contiguous(),
             vq.v_scale.contiguous(), out, lse, S, Sk, nb)

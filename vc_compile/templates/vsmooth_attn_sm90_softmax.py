@@ -22,6 +22,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
 from triton.language.core import _aggregate as aggregate
 
+from vc_compile.reference.preprocess import sm90_key_order
+
 # NOTE ``from __future__ import annotations`` must not be used here: the aggregate checks its fields' types.
 
 
@@ -183,12 +185,9 @@ def p_operand(x, o_layout: gl.constexpr):
 
 
 def key_order_sm90(BN: int = 128):
-    """k -> n: the key stored in column k of each BN-key block of V^T for ``p_operand``'s relabelling."""
-    order = []
-    for k in range(BN):
-        c, h, q, i1, e = k // 32, (k // 16) % 2, (k // 4) % 4, (k // 2) % 2, k % 2
-        order.append(32 * c + 16 * h + 8 * i1 + 2 * q + e)
-    return order
+    """k -> n: the key stored in column k of each BN-key block of V^T for ``p_operand``'s relabelling (the
+    "sm90" layout of ``reference.preprocess.VQuant``, which the preprocessing writes)."""
+    return sm90_key_order(BN)
 
 
 @gluon.jit
