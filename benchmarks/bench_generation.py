@@ -10,8 +10,12 @@ the spread per step), ``--steps`` steps (default 50). Each method is called thro
 ``torch.ops.vcattn.attention`` (the op the rewrite puts in place of SDPA; q, k, v as [B, H, S, D] views of
 the model's [B, S, H, D] layout) inside ``vc_compile.sampling(num_steps=n)`` with ``vc_compile.step(i)``,
 so its real phase schedule runs: dense warm-up, V-Smooth grouping, MC-Sparse anchors, reuse steps.
-Baselines on the same inputs: ``sdpa_cudnn`` (n cuDNN calls) and ``fa4-bf16`` (FlashAttention-4, when
-``flash_attn.cute`` imports; see issue 21).
+Baselines on the same inputs: ``sdpa_cudnn`` (n cuDNN calls), ``fa4-bf16`` (FlashAttention-4, when
+``flash_attn.cute`` imports; see issue 21), and, on a sm_90 GPU where they import, ``fa3-fp8``
+(FlashAttention-3's FP8 kernel from the fa3-fwd wheel; per-(batch, head) FP8 quantisation inside every call,
+since the inputs change every step) and ``torchao-fp8`` (torchao's FP8 attention op as its
+``apply_low_precision_attention`` calls it, quantisation included; FA3 active as torch's flash SDPA for the
+whole generation, as its wrapper keeps it for a forward); ``speedup_vs_torchao`` against the latter.
 
 Timing: each variant runs one untimed generation first (Triton JIT, cuDNN plans: ``first_generation_s``
 is its wall time), then a timed one. Every step synchronises after making its inputs, then CUDA events
@@ -46,8 +50,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import vc_compile  # noqa: E402
-from benchmarks.common import (truth_rows, Drift, add_speedup, append_rows, attn_flops, fa4_fn, fa4_status,  # noqa: E402
-                               kernel_times, metrics, print_table, sdpa_backend)
+import vc_compile.ops  # noqa: E402,F401 - registers torch.ops.vcattn.*, which this script calls directly
+from benchmarks.common import (truth_rows, Drift, add_speedup, append_rows, attn_flops, fa3_fp8_fn,  # noqa: E402
+                               fa3_fp8_status, fa3_sdpa_impl, fa4_fn, fa4_status, kernel_times, metrics,
+                               print_table, sdpa_backend, torchao_fp8_fn, torchao_fp8_status)
 from vc_compile.config import merge_options  # noqa: E402
 
 BENCH = "bench_generation"
@@ -68,7 +74,7 @@ JIT_PRIOR_S = 15.0  # first call of a method's kernels in this process (issue 20
 _SITES = itertools.count(900_000)  # call-site ids of this script's op calls (one per method and shape)
 EXTRAS = ["steps", "speedup_vs_fa4", "first_generation_s", "ms_per_step_median",
           *(f"ms_{p}" for p in PHASES), *(f"n_{p}" for p in PHASES), "attn_kernel_ms", "other_kernels_ms",
-          "gap_ms", "host_ms", "outside_share", "step_ms", "note"]
+          "gap_ms", "host_ms", "outside_share", "step_ms", "note", "speedup_vs_torchao"]
 
 
 def log(*a):
@@ -269,6 +275,25 @@ def bench_shape(S, H, args, device, t_start):
         add("fa4-bf16", ms, [], out, qkv, first, note=fa4_note)
     elif runner.cuda:
         log(f"  {fa4_note}")
+    # FP8 baselines (sm_90, optional): FA3's FP8 kernel quantising inside every call, torchao's FP8 op
+    for label, make, status, ctx, how in (
+            ("fa3-fp8", lambda q, k, v: fa3_fp8_fn(q, k, v, quantize_inside=True), fa3_fp8_status, None,
+             "; quantised inside every call (eager torch: amax, scale, cast)"),
+            ("torchao-fp8", torchao_fp8_fn, torchao_fp8_status, fa3_sdpa_impl, "")):
+        func, note = status()
+        if runner.cuda and func is not None and fits(label):
+            def call(q, k, v, make=make):
+                return make(q, k, v)()
+            try:
+                with ctx() if ctx else contextlib.nullcontext():
+                    first = runner.generation(call, timed=False)[-1]
+                    ms, _, out, qkv, _ = runner.generation(call)
+            except Exception as e:  # noqa: BLE001 - an optional baseline must not end the run
+                log(f"  {label} failed: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            add(label, ms, [], out, qkv, first, note=note + how)
+        elif runner.cuda:
+            log(f"  {note}")
     # the methods, through the op
     for label in args.methods:
         if not fits(label):
@@ -302,9 +327,10 @@ def bench_shape(S, H, args, device, t_start):
         del out, qkv
     add_speedup(rows, "sdpa_cudnn", "speedup_vs_cudnn", keys=("H", "S"))
     add_speedup(rows, "fa4-bf16", "speedup_vs_fa4", keys=("H", "S"))
+    add_speedup(rows, "torchao-fp8", "speedup_vs_torchao", keys=("H", "S"))
     for r in rows:
         if r["variant"].endswith(":reuse_breakdown"):
-            r["speedup_vs_cudnn"] = r["speedup_vs_fa4"] = ""
+            r["speedup_vs_cudnn"] = r["speedup_vs_fa4"] = r["speedup_vs_torchao"] = ""
     if runner.cuda:
         torch.cuda.empty_cache()
     return rows, skipped
@@ -353,7 +379,7 @@ def _main(a):
         sys.exit("bench_generation: needs a CUDA GPU (or --smoke)")
     t_start = time.perf_counter()
     est = sum(estimate_s(S, H, a.head_dim, a.steps, lab, device.type == "cuda") for S, H in a.shapes
-              for lab in ["sdpa_cudnn", "fa4-bf16", *a.methods])
+              for lab in ["sdpa_cudnn", "fa4-bf16", "fa3-fp8", "torchao-fp8", *a.methods])
     log(f"[bench_generation] {len(a.shapes)} shapes x {len(a.methods)} methods + baselines, {a.steps} steps; "
         f"estimated {est:.0f} s" + (f" (budget {a.budget:.0f} s)" if a.budget else ""))
     all_rows, skipped = [], []
@@ -367,8 +393,9 @@ def _main(a):
                 append_rows(BENCH, rows, path=a.csv, extras=EXTRAS)
             log(f"  rows appended to {path}")
     log("")
-    print_table(all_rows, ["variant", "H", "S", "ms", "speedup_vs_cudnn", "speedup_vs_fa4", "ms_dense", "ms_group",
-                           "ms_anchor", "ms_reuse", "first_generation_s", "rel_l2", "outside_share"])
+    print_table(all_rows, ["variant", "H", "S", "ms", "speedup_vs_cudnn", "speedup_vs_fa4", "speedup_vs_torchao",
+                           "ms_dense", "ms_group", "ms_anchor", "ms_reuse", "first_generation_s", "rel_l2",
+                           "outside_share"])
     if skipped:
         log(f"[bench_generation] skipped (budget {a.budget:.0f} s): {', '.join(skipped)}")
     log(f"[bench_generation] {time.perf_counter() - t_start:.0f} s in all")

@@ -6,7 +6,10 @@
     python -m benchmarks.bench_sparse_attn --ab [--sizes 32760,75600] [--budget 200]   # switch A/B
 
 Rows (``variant``), all with B = 1, H = 40, D = 128, C = 64, bf16 inputs:
-* ``sdpa_cudnn`` / ``sdpa_flash``: dense baselines measured in the same process.
+* ``sdpa_cudnn`` / ``sdpa_flash``: dense baselines measured in the same process; where they import (sm_90 for
+  the FP8 ones), ``fa4-bf16`` (FlashAttention-4), ``fa3-fp8`` (FlashAttention-3's FP8 kernel alone, inputs
+  quantised once per (batch, head)) and ``torchao-fp8`` (torchao's FP8 attention op from bf16, its
+  quantisation included; ``speedup_vs_torchao``), else a logged note. The FP8 rows carry rel_l2 / cos_sim.
 * ``sparse_{bf16,fp8}`` at s in {0.10, 0.15, 0.25}: the gather kernel with a random sorted top-K per
   group (PDDP groups of these queries). ``density`` = realised n_keep / S; ``tflops`` = effective
   (dense FLOPs 4 B H S^2 D over the time). fp8 rows include the per-token K quantisation pass (K changes
@@ -34,6 +37,7 @@ rel_l2 / cos_sim: against the fp32 reference on heads 0-1 (reference/sparse_attn
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -42,8 +46,9 @@ if "--smoke" in sys.argv:  # CPU dry run of this script (Triton interpreter, tin
 
 import torch  # noqa: E402
 
-from benchmarks.common import (add_speedup, append_rows, attn_flops, bench_ms, fa4_fn, fa4_status,  # noqa: E402
-                               metrics, print_table, sdpa_fn)
+from benchmarks.common import (add_speedup, append_rows, attn_flops, bench_ms, fa3_fp8_fn, fa3_fp8_status,  # noqa: E402
+                               fa3_sdpa_impl, fa4_fn, fa4_status, metrics, print_table, sdpa_fn, torchao_fp8_fn,
+                               torchao_fp8_status)
 from vc_compile.reference.dense import dense_attention_lse  # noqa: E402
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse  # noqa: E402
 from vc_compile.reference.sparse_attn_q8 import sparse_attention_q8  # noqa: E402
@@ -61,7 +66,7 @@ DENSITIES = (0.10, 0.15, 0.25)
 # C = 64 was swept on the first H200 run (configs.SPARSE_DEFAULT); C = 128 is swept here
 SWEEP_C128 = [SparseAttnConfig(*c) for c in ((64, 4, 3), (64, 4, 4), (64, 8, 3), (64, 8, 4), (128, 8, 3),
                                              (128, 4, 3))]
-EXTRAS = ["efficiency", "config", "group_size", "speedup_vs_fa4", "note"]
+EXTRAS = ["efficiency", "config", "group_size", "speedup_vs_fa4", "note", "speedup_vs_torchao"]
 
 
 def random_idx(S, keep, G, device, heads_per_chunk=4):
@@ -213,6 +218,23 @@ def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn", group_sizes=
     elif dev == "cuda":
         log(f"S={S}: {fa4_status()[1]}")
     del fa4
+    for name, make, status, ctx in (("fa3-fp8", fa3_fp8_fn, fa3_fp8_status, None),
+                                    ("torchao-fp8", torchao_fp8_fn, torchao_fp8_status, fa3_sdpa_impl)):
+        if dev != "cuda":
+            continue
+        try:
+            fn = make(q, k, v)
+            if fn is None:
+                log(f"S={S}: {status()[1]}")
+                continue
+            with ctx() if ctx else contextlib.nullcontext():
+                t_fp8 = bench_ms(fn, warmup=wu, rep=rp)
+                mt = head_metrics(fn(), lambda: dense_attention_lse(q[:, :2], k[:, :2], v[:, :2], sm_scale=sm)[0])
+            rows.append(row(name, S, 1.0, t_fp8, t_cudnn, note=status()[1], **mt))
+            log(f"S={S}: {name} {t_fp8:.2f} ms")
+        except Exception as e:  # noqa: BLE001 - an optional baseline must not end the run
+            log(f"S={S}: {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        fn = None
 
     # grouping: Fast PDDP vs flash-kmeans on the same queries
     sigmas, t_pddp = {}, {}
@@ -412,6 +434,7 @@ def main():
         else:
             new = bench_size(S, do_sweep=(i == 0 and not args.no_sweep), log=log)
         add_speedup(new, "fa4-bf16", "speedup_vs_fa4")
+        add_speedup(new, "torchao-fp8", "speedup_vs_torchao")
         for r in new:
             for c in EXTRAS:
                 r.setdefault(c, "")
@@ -421,8 +444,8 @@ def main():
                 f_out.write(f_in.read())
         rows += new
         torch.cuda.empty_cache()
-    print_table(rows, ["variant", "S", "density", "ms", "tflops", "speedup_vs_cudnn", "speedup_vs_fa4", "efficiency",
-                       "rel_l2", "cos_sim", "config", "group_size"])
+    print_table(rows, ["variant", "S", "density", "ms", "tflops", "speedup_vs_cudnn", "speedup_vs_fa4",
+                       "speedup_vs_torchao", "efficiency", "rel_l2", "cos_sim", "config", "group_size"])
     print(f"rows appended to {path}")
 
 

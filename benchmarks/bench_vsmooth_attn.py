@@ -4,11 +4,15 @@
                                             [--smoke] [--no-bench] [--no-csv] [--captured-only]
 
 Variants per shape (B = 1, H = 40; D = 128 at S in {8190, 32760, 75600}, D = 64 at S = 32760):
-SDPA cuDNN / flash (bf16), sageattention 1.0.6 (if importable), naive 8-bit (smooth=False, identity
-order), V-Smooth, V-Smooth + ExpCast -- each as the kernel alone (pre-quantised inputs) and as the whole
-op (preprocessing included, cached k-means order = a reuse step), plus the grouping step (k-means with the
-backend's K = default_clusters(S): 256 at S >= 32640, 64 at 8190; 3 warm-started iterations + the whole
-op) and our k-means vs flash-kmeans 0.3.1 on the same V.
+SDPA cuDNN / flash (bf16); the optional baselines, each where importable (on a sm_90 GPU for the FP8 ones),
+else skipped with a note: FlashAttention-4 (bf16), FlashAttention-3 FP8 (``fa3-fp8``: the fa3-fwd wheel's
+kernel alone, inputs quantised once per (batch, head)), torchao's FP8 attention (``torchao-fp8``: the op its
+``apply_low_precision_attention`` puts in place of SDPA, its quantisation included; ``speedup_vs_torchao``)
+and sageattention 1.0.6; naive 8-bit (smooth=False, identity order), V-Smooth, V-Smooth + ExpCast -- each
+as the kernel alone (pre-quantised inputs) and as the whole op (preprocessing included, cached k-means order
+= a reuse step), plus the grouping step (k-means with the backend's K = default_clusters(S): 256 at
+S >= 32640, 64 at 8190; 3 warm-started iterations + the whole op) and our k-means vs flash-kmeans 0.3.1 on
+the same V.
 Inputs are the model's layout ([B, S, H, D] viewed as [B, H, S, D]), structured: channel-biased K,
 clustered V (clusters scattered over the tokens) with token outliers. Fidelity on 512 sampled query rows
 of every head against an fp32 reference: rel_l2, cos_sim, rel_l1; for naive and V-Smooth the share of
@@ -30,6 +34,7 @@ Every kernel row passes its launch config explicitly (``launch=``); ``*_kernel``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
 import os
@@ -42,8 +47,9 @@ if __name__ == "__main__" and "--smoke" in sys.argv and not __import__("torch").
 
 import torch  # noqa: E402
 
-from benchmarks.common import (truth_rows, add_speedup, append_rows, attn_flops, bench_ms, fa4_fn,  # noqa: E402
-                               fa4_status, metrics, print_table, sage_fn, sdpa_fn)
+from benchmarks.common import (truth_rows, add_speedup, append_rows, attn_flops, bench_ms, fa3_fp8_fn,  # noqa: E402
+                               fa3_fp8_status, fa3_sdpa_impl, fa4_fn, fa4_status, metrics, print_table, sage_fn,
+                               sdpa_fn, torchao_fp8_fn, torchao_fp8_status)
 from vc_compile.reference import kmeans as ref_km  # noqa: E402
 from vc_compile.reference import preprocess as ref_pre  # noqa: E402
 from vc_compile.reference import vsmooth_attn as ref_attn  # noqa: E402
@@ -66,6 +72,12 @@ T = dispatch.Impl.TRITON
 def runtime_attn(qk, vq, expcast, **kw):
     """The attention the runtime runs for these inputs (dispatch: Gluon on sm_90 for INT8 Q/K, else Triton)."""
     return dispatch.vsmooth_attention(T, qk, vq, expcast=expcast, **kw)
+
+
+def runtime_pre(q, k, v, perm, sm, smooth, expcast):
+    """(QKQuant, VQuant) as the runtime makes them (dispatch: the two-launch preprocessing, V in the layout the
+    attention kernel of these inputs reads)."""
+    return dispatch.preprocess(T, q, k, v, perm, sm_scale=sm, smooth=smooth, expcast=expcast)
 
 
 def triton_attn(qk, vq, expcast, launch=None, **kw):
@@ -202,6 +214,22 @@ def bench_shape(B, H, S, D, n_rows, quick, launches=None):
         add("fa4-bf16", bench_ms(fn, wu, rep), fn())
     elif DEV == "cuda":
         log(f"  {fa4_status()[1]}")
+    # FP8 baselines: FA3's FP8 kernel alone (q, k, v quantised once, per (batch, head)) and torchao's FP8
+    # attention op from bf16 (its quantisation included), FA3 active as torch's flash SDPA as under its wrapper
+    for name, make, status, ctx in (("fa3-fp8", fa3_fp8_fn, fa3_fp8_status, None),
+                                    ("torchao-fp8", torchao_fp8_fn, torchao_fp8_status, fa3_sdpa_impl)):
+        if DEV != "cuda":
+            continue
+        try:
+            fn = make(q, k, v)
+            if fn is None:
+                log(f"  {status()[1]}")
+                continue
+            with ctx() if ctx else contextlib.nullcontext():
+                add(name, bench_ms(fn, wu, rep), fn(), note=status()[1])
+        except Exception as e:  # noqa: BLE001 - an optional baseline must not end the run
+            log(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        fn = None
     fn = sage_fn(q, k, v) if DEV == "cuda" else None
     if fn is not None:
         add("sageattn_1.0.6", bench_ms(fn, wu, rep), fn())
@@ -214,18 +242,19 @@ def bench_shape(B, H, S, D, n_rows, quick, launches=None):
     variants = [(name, perm if grouped else None, smooth, ec) for name, grouped, smooth, ec in VARIANTS]
     op_ms = {}
     for name, p, smooth, ec in variants:
-        qk = tpre.preprocess_qk(q, k, p, sm_scale=sm)
-        vq = tpre.preprocess_v(v, p, smooth=smooth)
+        # the runtime's preprocessing: V in the layout the attention kernel reads (no conversion in the kernel row)
+        qk, vq = runtime_pre(q, k, v, p, sm, smooth, ec)
         tl = launches.get((D, ec))
         out = runtime_attn(qk, vq, ec)  # O is in query order (only K/V permuted)
         add(f"{name}_kernel", bench_ms(lambda: runtime_attn(qk, vq, ec), wu, rep), out)
         if dispatch.uses_sm90(q.device, "int8") or tl is not None:  # the row above ran the Gluon kernel
-            out_t = triton_attn(qk, vq, ec, tl)
-            add(f"{name}_kernel_triton", bench_ms(lambda: triton_attn(qk, vq, ec, tl), wu, rep), out_t)
+            vqn = ref_pre.natural_layout(vq)  # the Triton kernel's layout, converted outside the timing
+            out_t = triton_attn(qk, vqn, ec, tl)
+            add(f"{name}_kernel_triton", bench_ms(lambda: triton_attn(qk, vqn, ec, tl), wu, rep), out_t)
+            del vqn
 
         def op(p=p, smooth=smooth, ec=ec):
-            a = tpre.preprocess_qk(q, k, p, sm_scale=sm)
-            b = tpre.preprocess_v(v, p, smooth=smooth)
+            a, b = runtime_pre(q, k, v, p, sm, smooth, ec)
             return runtime_attn(a, b, ec)
         op_ms[name] = bench_ms(op, wu, rep)
         op_row = add(f"{name}_op", op_ms[name], out)
@@ -256,6 +285,8 @@ def bench_shape(B, H, S, D, n_rows, quick, launches=None):
     qk = tpre.preprocess_qk(q, k, perm, sm_scale=sm)
     add("preprocess_qk", bench_ms(lambda: tpre.preprocess_qk(q, k, perm, sm_scale=sm), wu, rep), tf=False)
     add("preprocess_v", bench_ms(lambda: tpre.preprocess_v(v, perm), wu, rep), tf=False)
+    # Q, K and V in the runtime's two launches (a reuse step's whole preprocessing, V in the sm_90 layout there)
+    add("preprocess", bench_ms(lambda: runtime_pre(q, k, v, perm, sm, True, True), wu, rep), tf=False)
     del qk
     kms = bench_ms(lambda: tkm.kmeans_perm(v, K, N_ITERS, init=init), wu, rep)
     add("kmeans_ours", kms, tf=False, inertia=inertia(v, km.labels, km.centroids))
@@ -269,6 +300,7 @@ def bench_shape(B, H, S, D, n_rows, quick, launches=None):
     for r in res:
         r["speedup_vs_cudnn"] = cud / r["ms"]
     add_speedup(res, "fa4-bf16", "speedup_vs_fa4")
+    add_speedup(res, "torchao-fp8", "speedup_vs_torchao")
     del q, k, v
     torch.cuda.empty_cache() if DEV == "cuda" else None
     return res
@@ -541,7 +573,7 @@ def main():
     ap.add_argument("--no-csv", action="store_true")
     ap.add_argument("--no-bench", action="store_true", help="only --check / --sweep / --ab")
     ap.add_argument("--captured-only", action="store_true", help="only the captured_* fidelity rows")
-    ap.add_argument("--shapes", default=None, help="comma-separated SxD (B = 1, H = 40), e.g. 8190x128")
+    ap.add_argument("--shapes", default=None, help="comma-separated SxD (B = 1, H = 40) or HxSxD, e.g. 8190x128,12x32760x128")
     ap.add_argument("--ab", action="store_true", help="A/B of the Triton kernel's variants (correctness + speed)")
     ap.add_argument("--auto", action="store_true", help="with --ab: bench the fastest correct variants")
     a = ap.parse_args()
@@ -561,7 +593,8 @@ def main():
     if a.captured_only:
         shapes = []
     elif a.shapes:
-        shapes = [(1, 40, *(int(x) for x in sd.split("x"))) for sd in a.shapes.split(",")]
+        shapes = [(1, *(int(x) for x in sd.split("x"))) if sd.count("x") == 2 else
+                  (1, 40, *(int(x) for x in sd.split("x"))) for sd in a.shapes.split(",")]
     elif a.smoke:
         shapes = [(1, 2, 300, 64)]
     elif a.quick:
@@ -569,15 +602,15 @@ def main():
     else:
         shapes = [(1, 40, 32760, 128), (1, 40, 75600, 128), (1, 40, 8190, 128), (1, 40, 32760, 64)]
     rows = []
-    cols = ["variant", "D", "S", "ms", "tflops", "speedup_vs_cudnn", "speedup_vs_fa4", "rel_l2", "cos_sim",
-            "err_share_pv", "mean_energy_share", "group_overhead"]
+    cols = ["variant", "D", "S", "ms", "tflops", "speedup_vs_cudnn", "speedup_vs_fa4", "speedup_vs_torchao", "rel_l2",
+            "cos_sim", "err_share_pv", "mean_energy_share", "group_overhead"]
     for sh in shapes:  # rows are appended per shape, so a time limit loses at most the shape under way
         part = bench_shape(*sh, n_rows=64 if a.smoke else 512, quick=a.quick, launches=launches)
         for r in part:
-            r["note"] = variant_note(r, launches)
+            r["note"] = variant_note(r, launches) or r.get("note", "")  # a baseline's: what ran
         rows += part
         if not a.no_csv and not a.smoke:
-            log("csv:", append_rows(BENCH, part, extras=["speedup_vs_fa4"]))
+            log("csv:", append_rows(BENCH, part, extras=["speedup_vs_fa4", "speedup_vs_torchao"]))
         if a.out:
             plot(rows, a.out)
     cap = [] if a.shapes else captured(64 if a.smoke else 512, a.smoke)

@@ -12,11 +12,15 @@ Benchmarks are modules of the ``benchmarks`` package, run from the repository ro
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
+import importlib
+import importlib.util
 import math
 import os
 import subprocess
+import sys
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -177,6 +181,239 @@ def fa4_fn(q, k, v) -> Optional[Callable]:
         out = func(qs, ks, vs)
         out = out[0] if isinstance(out, (tuple, list)) else out
         return out.transpose(1, 2)
+    return run
+
+
+# ---- FP8 baselines: FlashAttention-3's FP8 forward (the fa3-fwd wheel) and torchao's FP8 SDPA ---------------
+# Both are optional: without the packages or a sm_90 GPU their status is (None, why) and the rows are skipped.
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+_FA3: Optional[tuple] = None
+_TORCHAO: Optional[tuple] = None
+_SHIMMED: Dict[str, object] = {}  # module names the FA3 shim aliased -> the torch.library fragment it made
+
+
+def _hopper_missing(name: str) -> Optional[str]:
+    """Why ``name`` (an FA3 FP8 baseline) can not run here, or None on a sm_90 GPU (FA3 is Hopper-only)."""
+    if not torch.cuda.is_available():
+        return f"{name} skipped: needs a sm_90 (Hopper) CUDA GPU, none here"
+    cap = torch.cuda.get_device_capability()
+    if cap[0] != 9:
+        return f"{name} skipped: FA3 runs on sm_90 (Hopper) only, this GPU is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+def _fa3_fp8_import() -> Callable:
+    """``fa3_fwd_interface.flash_attn_func`` (raises when the fa3-fwd wheel is absent or does not load)."""
+    from fa3_fwd_interface import flash_attn_func
+    return flash_attn_func
+
+
+def fa3_fp8_status() -> tuple:
+    """``(flash_attn_func or None, one-line note)``: FlashAttention-3's FP8 (e4m3) forward from the fa3-fwd
+    wheel (module ``fa3_fwd_interface``; [B, S, H, D] q, k, v with [B, H_kv] fp32 descales) when it imports
+    and a sm_90 GPU is present. Optional: never a requirement of the package."""
+    global _FA3
+    if _FA3 is None:
+        why = _hopper_missing("fa3-fp8")
+        if why is not None:
+            _FA3 = (None, why)
+        else:
+            try:
+                _FA3 = (_fa3_fp8_import(), "fa3-fp8: fa3_fwd_interface.flash_attn_func, FP8 e4m3 q/k/v with "
+                                           "per-(batch, head) descales (amax / 448)")
+            except Exception as e:  # noqa: BLE001 - not installed / built for another torch or CUDA
+                _FA3 = (None, f"fa3-fp8 skipped: fa3_fwd_interface not importable ({type(e).__name__}: "
+                              f"{str(e)[:120]}); pip install the fa3-fwd wheel")
+    return _FA3
+
+
+def fp8_per_head(x: torch.Tensor, groups: int = 1) -> tuple:
+    """FP8 e4m3 with one scale per (batch, head) for FA3: x [B, H, S, D] -> (x8 [B, S, H, D] view (the layout
+    of x's memory is kept: a permuted view of [B, S, H, D] gives a contiguous x8), descale [B, H // groups]
+    fp32). The scale is 448 / amax over S and D (torchao's too); ``groups`` > 1 (GQA queries): one scale per
+    group of ``groups`` consecutive heads, as FA3 wants q_descale per KV head. All-zero heads get scale 1."""
+    B, H, S, D = x.shape
+    amax = x.abs().amax(dim=(2, 3)).float().view(B, H // groups, groups).amax(-1)  # [B, H_kv]
+    nz = amax > 1e-12
+    scale = torch.where(nz, FP8_MAX / amax, torch.ones_like(amax)).repeat_interleave(groups, dim=1)
+    descale = torch.where(nz, amax / FP8_MAX, torch.ones_like(amax))
+    # |x * scale| <= 448 up to fp32 rounding, well below 464 where e4m3fn's rounding turns to NaN: no clamp
+    x8 = (x.transpose(1, 2) * scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return x8, descale.contiguous()
+
+
+def _fa3_fp8_call(func: Callable, q, k, v, quantize_inside: bool = False) -> Callable:
+    """The plumbing of :func:`fa3_fp8_fn` around an FA3-style ``func`` (``flash_attn_func``'s signature):
+    q, k, v [B, H, S, D] (any strides) -> a no-argument callable returning [B, H, S, D] bf16 (a transposed
+    view of FA3's [B, S, H, D] output; ``func`` may return ``(out, lse)``). ``quantize_inside=False``:
+    quantised once, here (the callable times the kernel alone); True: on every call (inputs that change)."""
+    groups = q.shape[1] // k.shape[1]
+
+    def quantize():
+        (q8, dq), (k8, dk), (v8, dv) = fp8_per_head(q, groups), fp8_per_head(k), fp8_per_head(v)
+        return q8, k8, v8, dq, dk, dv
+
+    def kernel(q8, k8, v8, dq, dk, dv):
+        out = func(q8, k8, v8, causal=False, q_descale=dq, k_descale=dk, v_descale=dv)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out.transpose(1, 2).to(torch.bfloat16)  # FA3's FP8 output is bf16 already: no copy
+
+    if quantize_inside:
+        return lambda: kernel(*quantize())
+    pre = quantize()
+    return lambda: kernel(*pre)
+
+
+def fa3_fp8_fn(q, k, v, quantize_inside: bool = False) -> Optional[Callable]:
+    """FA3 FP8 on bf16 [B, H, S, D] inputs (any strides) as a no-argument callable returning [B, H, S, D]
+    bf16, or None (see :func:`fa3_fp8_status`). Per-(batch, head) FP8 scales (:func:`fp8_per_head`):
+    quantised once, here, so the callable times the kernel alone like ``sdpa_fn``; ``quantize_inside=True``
+    quantises on every call (eager torch: amax, scale, cast), the honest cost where inputs change each call
+    (a generation)."""
+    func, _ = fa3_fp8_status()
+    if func is None or q.dtype != torch.bfloat16:
+        return None
+    return _fa3_fp8_call(func, q, k, v, quantize_inside)
+
+
+def _torchao_fa3_shim(src_module: str = "fa3_fwd_interface", dst_module: str = "flash_attn_interface",
+                      src_ns: str = "fa3_fwd", dst_ns: str = "flash_attn_3", ops=("fwd", "bwd")) -> bool:
+    """Let torch's FA3 SDPA backend (which torchao's FP8 attention runs on) find the fa3-fwd wheel.
+
+    ``torch.nn.attention.activate_flash_attention_impl("FA3")`` imports a module named
+    ``flash_attn_interface`` and requires ops ``torch.ops.flash_attn_3.fwd`` and ``.bwd``, whose fwd it calls
+    with FA3's C++ signature; torchao's own check (``_is_fa3_available``) imports the same module. The fa3-fwd
+    wheel ships that code as module ``fa3_fwd_interface`` with ops ``torch.ops.fa3_fwd.*``. When
+    ``dst_module`` is not importable but ``src_module`` is, this registers ``sys.modules[dst_module]`` = the
+    ``src_module`` module and defines each op ``dst_ns::<name>`` (a torch.library fragment, kept alive here)
+    with the schema of ``src_ns::<name>``, a CompositeImplicitAutograd kernel that calls it (an op missing
+    from ``src_ns``: a stub that raises, e.g. ``bwd`` of a forward-only build). Returns True when the alias
+    is in place (now or from an earlier call), False when nothing was done: ``dst_module`` imports on its
+    own (a full FA3 install), or ``src_module`` is absent or does not load. The names are parameters so
+    that a test can exercise the mechanism on namespaces of its own."""
+    if dst_module in _SHIMMED:
+        return True
+    try:
+        if dst_module in sys.modules or importlib.util.find_spec(dst_module) is not None:
+            return False
+    except (ImportError, ValueError):  # a parent package that fails / a module without __spec__
+        return False
+    try:
+        if src_module not in sys.modules and importlib.util.find_spec(src_module) is None:
+            return False
+        mod = importlib.import_module(src_module)  # registers the src_ns ops (the CUDA extension)
+    except Exception:  # noqa: BLE001 - absent, or its extension does not load (CPU torch, other CUDA)
+        return False
+    src_ops, dst_ops = getattr(torch.ops, src_ns), getattr(torch.ops, dst_ns)
+    lib = torch.library.Library(dst_ns, "FRAGMENT")
+    try:
+        for name in ops:
+            if hasattr(dst_ops, name):
+                continue
+            if hasattr(src_ops, name):
+                target = getattr(src_ops, name).default
+                lib.define(str(target._schema).split("::", 1)[1])
+                lib.impl(name, _forward_to(target), "CompositeImplicitAutograd")
+            else:
+                lib.define(f"{name}(Tensor x) -> Tensor")
+                lib.impl(name, _missing_op(f"{src_ns}::{name}"), "CompositeImplicitAutograd")
+    except Exception:  # noqa: BLE001 - a schema this torch can not take: no alias (the status says why)
+        return False
+    sys.modules[dst_module] = mod
+    _SHIMMED[dst_module] = lib
+    return True
+
+
+def _forward_to(target) -> Callable:
+    def call(*args, **kwargs):
+        return target(*args, **kwargs)
+    return call
+
+
+def _missing_op(name: str) -> Callable:
+    def call(*args, **kwargs):
+        raise NotImplementedError(f"{name} is not in this build (forward-only FA3)")
+    return call
+
+
+def torchao_fp8_status() -> tuple:
+    """``(op or None, one-line note)``: torchao's FP8 attention as ``apply_low_precision_attention`` gives it
+    to a model: its ``F.scaled_dot_product_attention`` replacement calls the custom op
+    ``torch.ops.torchao.fp8_fa3_sdpa`` (``torchao.prototype.attention.fp8_fa3.attention._ops.fp8_sdpa_op``):
+    torchao's Triton per-(batch, head) FP8 quantisation of [B, H, S, D] q, k, v, then FA3's FP8 kernel through
+    torch's SDPA (``_scaled_dot_product_attention_quantized`` with the FA3 flash impl active). Needs torch
+    >= 2.11 (the FA3 flash impl registry), a sm_90 GPU, torchao (written against 0.18.0) and FA3 as
+    ``flash_attn_interface``, or the fa3-fwd wheel through :func:`_torchao_fa3_shim`. Optional: never a
+    requirement of the package."""
+    global _TORCHAO
+    if _TORCHAO is None:
+        _TORCHAO = _torchao_probe()
+    return _TORCHAO
+
+
+def _torchao_probe() -> tuple:
+    why = _hopper_missing("torchao-fp8")
+    if why is not None:
+        return None, why
+    try:
+        from torch.nn.attention import activate_flash_attention_impl  # noqa: F401 - torch >= 2.11
+    except ImportError:
+        return None, f"torchao-fp8 skipped: torch {torch.__version__} has no FA3 flash impl registry (needs 2.11+)"
+    try:
+        import torchao
+        from torchao.prototype.attention.fp8_fa3.attention import _ops
+    except Exception as e:  # noqa: BLE001 - not installed / an incompatible build
+        return None, f"torchao-fp8 skipped: torchao FP8 attention not importable ({type(e).__name__}: {str(e)[:120]})"
+    try:  # what activate_flash_attention_impl("FA3") checks, without changing the global SDPA state
+        shimmed = _torchao_fa3_shim()
+        importlib.import_module("flash_attn_interface")
+        if not (hasattr(torch.ops.flash_attn_3, "fwd") and hasattr(torch.ops.flash_attn_3, "bwd")):
+            raise RuntimeError("no torch.ops.flash_attn_3.fwd/bwd")
+    except Exception as e:  # noqa: BLE001
+        return None, (f"torchao-fp8 skipped: no FA3 for torch's SDPA ({type(e).__name__}: {str(e)[:100]}); "
+                      "install FA3 (flash_attn_interface) or the fa3-fwd wheel")
+    fa3 = "fa3-fwd via the flash_attn_interface shim" if shimmed else "flash_attn_interface"
+    return _ops.fp8_sdpa_op, (f"torchao-fp8: torchao {getattr(torchao, '__version__', '?')} fp8_fa3_sdpa "
+                              f"(Triton per-head FP8 quantisation + FA3 FP8 via SDPA; FA3: {fa3})")
+
+
+@contextlib.contextmanager
+def fa3_sdpa_impl():
+    """FA3 as torch's flash SDPA implementation inside the block (what the module wrapper of torchao's
+    ``apply_low_precision_attention`` does around every forward), the previous one restored after. A no-op
+    where torchao-fp8 is unavailable or FA3 is already active. Note: ``sdpa_flash`` inside runs FA3."""
+    if torchao_fp8_status()[0] is None:
+        yield
+        return
+    from torch.nn.attention import (activate_flash_attention_impl, current_flash_attention_impl,
+                                    restore_flash_attention_impl)
+    prev = current_flash_attention_impl()
+    if prev == "FA3":
+        yield
+        return
+    activate_flash_attention_impl("FA3")
+    try:
+        yield
+    finally:
+        if prev is None:
+            restore_flash_attention_impl()
+        else:
+            activate_flash_attention_impl(prev)
+
+
+def torchao_fp8_fn(q, k, v) -> Optional[Callable]:
+    """torchao's FP8 attention on bf16 [B, H, S, D] inputs (SDPA layout, any strides) as a no-argument callable
+    returning [B, H, S, D] bf16, or None (see :func:`torchao_fp8_status`): the op the patched SDPA calls,
+    quantisation included (as a user gets it from bf16 inputs). FA3 is made torch's flash impl for the call
+    unless it already is: benchmarks time it inside :func:`fa3_sdpa_impl`, as a model runs under the wrapper
+    (a per-forward cost, not a per-call one)."""
+    op, _ = torchao_fp8_status()
+    if op is None or q.dtype != torch.bfloat16:
+        return None
+
+    def run():
+        with fa3_sdpa_impl():
+            return op(q, k, v, is_causal=False, scale=0.0, enable_gqa=False, hadamard="NONE")
     return run
 
 
