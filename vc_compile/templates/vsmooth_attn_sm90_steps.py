@@ -121,9 +121,14 @@ class KVRing:
         if self.WS == 0:
             nv = j + self.STAGES
             self.load_v(head, slot, nv, nv < nb, MEAN)
-        else:
+        elif MEAN:  # mu'_j was read from the stage by every warp: all reads done before the producer refills it
             fence_async_shared()
             gl.thread_barrier()
+            mbarrier.arrive(self.vempty.index(slot), count=1)
+        else:
+            # only the PV MMA read the stage, and its wait has returned: nothing of this warp group still reads
+            # it. NOTE no fence here: its MEMBAR.ALL.CTA waited every step for the in-flight global loads (the
+            # next block's K scales, issued a step ahead to stay off the softmax's path)
             mbarrier.arrive(self.vempty.index(slot), count=1)
 
 
