@@ -20,13 +20,18 @@ import sys
 import torch
 
 
-def _op(q, k, v, perm, expcast):
+def _op(q, k, v, perm, expcast, pre_launch=None):
     from vc_compile.templates import dispatch
     T = dispatch.Impl.TRITON
     sm = q.shape[-1] ** -0.5
     if hasattr(dispatch, "preprocess"):
+        launch = None
+        if pre_launch:
+            from vc_compile.templates.configs import PreprocessConfig
+            launch = PreprocessConfig.from_json(json.loads(pre_launch))
+
         def run():
-            qk, vq = dispatch.preprocess(T, q, k, v, perm, sm_scale=sm, expcast=expcast)
+            qk, vq = dispatch.preprocess(T, q, k, v, perm, sm_scale=sm, expcast=expcast, launch=launch)
             return dispatch.vsmooth_attention(T, qk, vq, expcast=expcast)
     else:
         def run():
@@ -36,12 +41,12 @@ def _op(q, k, v, perm, expcast):
     return run
 
 
-def measure(H, S, expcast, reps=20):
+def measure(H, S, expcast, reps=20, pre_launch=None):
     from benchmarks.bench_vsmooth_attn import make_inputs
     q, k, v = make_inputs(1, H, S, 128)
     g = torch.Generator(device="cuda").manual_seed(3)
     perm = torch.stack([torch.randperm(S, device="cuda", generator=g) for _ in range(H)]).view(1, H, S)
-    run = _op(q, k, v, perm, expcast)
+    run = _op(q, k, v, perm, expcast, pre_launch)
     for _ in range(3):
         run()
     torch.cuda.synchronize()
@@ -74,6 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--compare", nargs="+")
     ap.add_argument("--shapes", default="40x32760,40x75600,12x32760")
+    ap.add_argument("--modes", default="exp2,expcast", help="exp2 and / or expcast")
+    ap.add_argument("--pre-launch", default=None, help="a PreprocessConfig as JSON (trees that have it)")
     a = ap.parse_args(argv)
     if a.compare:
         runs = [json.load(open(p)) for p in a.compare]
@@ -86,9 +93,9 @@ def main(argv=None) -> int:
     out = {}
     for sh in a.shapes.split(","):
         H, S = (int(x) for x in sh.split("x"))
-        for ec in (False, True):
+        for ec in [m == "expcast" for m in a.modes.split(",")]:
             key = f"H{H}_S{S}_{'expcast' if ec else 'exp2'}"
-            out[key] = measure(H, S, ec)
+            out[key] = measure(H, S, ec, pre_launch=a.pre_launch)
             r = out[key]
             print(f"{key}: op {r['op_ms']:.3f} ms, attention {r['attn_ms']:.3f}, preprocessing {r['pre_ms']:.3f} "
                   f"in {r['launches'] - 1:.0f} launches", flush=True)
