@@ -349,15 +349,13 @@ class PreprocessConfig(_Json):
     How the Q/K quantisation applies a fused RoPE prologue (no effect without RoPE): ``rope_packed``:
     interleaved pairs of 16-bit q/k read as 32-bit words and the codes stored as int16 pairs (applies when the
     inputs allow it; else the pairs are split in registers). ``rope_head_fast``: grid (B*H, token blocks), the
-    heads of one token block back to back (the table rows come from L2). ``v_late``: pass 2 loads V's block
-    after quantising Q and K (else before, so that its gather overlaps them)."""
+    heads of one token block back to back (the table rows come from L2)."""
     rope_packed: bool = True
     rope_head_fast: bool = True
     stats_per_sm: int = 4
-    v_late: bool = False
 
     def __post_init__(self):
-        for name in ("rope_packed", "rope_head_fast", "v_late"):
+        for name in ("rope_packed", "rope_head_fast"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PreprocessConfig.{name}={getattr(self, name)!r}; accepted: True, False")
         if isinstance(self.stats_per_sm, bool) or not isinstance(self.stats_per_sm, int) \

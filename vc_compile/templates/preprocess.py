@@ -190,18 +190,11 @@ def _stats_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_spli
         tl.store(OUT + (bh * n_split + sp).to(tl.int64) * D + d, tl.sum(acc, 0))
     if DO_V:
         amax = tl.zeros([D], tl.float32)
-        # NOTE the next block's rows are loaded before this one is reduced: the gather (indices, then rows) is two
-        # dependent memory round trips per block, which the program otherwise waits out block after block
-        blk0 = sp * per_v
-        v_nx, m_nx = _load_v_block(V, PERM, b, h, blk0, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM,
-                                   False, blk0 < nbv)
         for i in tl.range(0, PER_V_C if PER_V_C >= 0 else per_v):
-            blk = blk0 + i
-            v = v_nx.to(tl.float32)
-            rmask = m_nx
-            v_nx, m_nx = _load_v_block(V, PERM, b, h, blk + 1, S, svb, svh, svs, svd, spb, sph, sps, D, BV,
-                                       HAS_PERM, False, (i + 1 < per_v) & (blk + 1 < nbv))
+            blk = sp * per_v + i
             if blk < nbv:
+                v, rmask = _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM,
+                                         False)
                 if SMOOTH:
                     cnt = tl.minimum(S - blk * BV, BV).to(tl.float32)
                     mu = tl.math.div_rn(tl.sum(v, 0), cnt)
@@ -276,7 +269,7 @@ def _quant_kernel(Q, K, PERM, KPART, HPM, Q8, K8, QS, KS, KMEAN,
                   V=None, VMEAN=None, VPART=None, V8T=None, VSCALE=None, MUP=None, MUG=None,
                   svb=0, svh=0, svs=0, svd=0, S_pad=0, nbv=0, nsv=0, ng=0,
                   BV: tl.constexpr = 128, NSV: tl.constexpr = 1, DO_QK: tl.constexpr = True,
-                  DO_V: tl.constexpr = False, SM90: tl.constexpr = False, V_LATE: tl.constexpr = False,
+                  DO_V: tl.constexpr = False, SM90: tl.constexpr = False,
                   COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
                   ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False, HEAD_FAST: tl.constexpr = False,
                   PACKED: tl.constexpr = False, TAB_WORDS: tl.constexpr = False):
@@ -295,20 +288,15 @@ def _quant_kernel(Q, K, PERM, KPART, HPM, Q8, K8, QS, KS, KMEAN,
     b = bh // H
     h = bh % H
     d = tl.arange(0, D)
-    if DO_V:  # V's rows in flight while Q and K are quantised (V_LATE: loaded after them)
-        if not V_LATE:
-            v, rmask = _load_v_block(V, PERM, b, h, pid, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM, SM90)
+    if DO_V:
+        _quant_v_block(V, PERM, VMEAN, VPART, V8T, VSCALE, MUP, MUG, pid, bh, b, h, d, S, S_pad, nbv, nsv, ng,
+                       svb, svh, svs, svd, spb, sph, sps, D, BV, NSV, HAS_PERM, INTERPRET, SM90)
     if DO_QK:
         _quant_qk_block(Q, K, PERM, KPART, HPM, Q8, K8, QS, KS, KMEAN, pid, bh, b, h, d,
                         S, sqb, sqh, sqs, sqd, skb, skh, sks, skd, spb, sph, sps,
                         q_fold, h_norm, k_count, n_split, D, TQ, BK, NSP, HAS_PERM, HADAMARD, FP8_OUT, INTERPRET,
                         DOT_PREC, COS, SIN, scb, sch, scs, scd, ssb, ssh, sss, ssd, lo, hi, ROPE, PAIR_TABLE,
                         PACKED, TAB_WORDS)
-    if DO_V:
-        if V_LATE:
-            v, rmask = _load_v_block(V, PERM, b, h, pid, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM, SM90)
-        _quant_v_block(v.to(tl.float32), rmask, VMEAN, VPART, V8T, VSCALE, MUP, MUG, pid, bh, d, S_pad, nbv, nsv,
-                       ng, D, BV, NSV, INTERPRET, SM90)
 
 
 @triton.jit
@@ -423,15 +411,14 @@ def _sm90_rows(t):
 
 @triton.jit
 def _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps,
-                  D: tl.constexpr, BV: tl.constexpr, HAS_PERM: tl.constexpr, SM90: tl.constexpr, valid=True):
-    """V' block ``blk`` [BV, D] in V's dtype (rows gathered through PERM; SM90: row c holds key
-    sm90_key_order[c] of the block, so the transposed codes are stored in the "sm90" layout) and its valid-row
-    mask; ``valid`` False: nothing is read (a prefetch past the last block)."""
+                  D: tl.constexpr, BV: tl.constexpr, HAS_PERM: tl.constexpr, SM90: tl.constexpr):
+    """V' block ``blk`` as fp32 [BV, D] (rows gathered through PERM; SM90: row c holds key sm90_key_order[c]
+    of the block, so the transposed codes are stored in the "sm90" layout) and its valid-row mask."""
     t = tl.arange(0, BV)
     if SM90:
         t = _sm90_rows(t)
     rows = blk * BV + t
-    rmask = (rows < S) & valid
+    rmask = rows < S
     if HAS_PERM:
         src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps, mask=rmask,
                       other=0)
@@ -440,17 +427,18 @@ def _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps,
     d = tl.arange(0, D)
     v = tl.load(V + b.to(tl.int64) * svb + h.to(tl.int64) * svh + src[:, None].to(tl.int64) * svs
                 + d[None, :] * svd, mask=rmask[:, None], other=0.0)
-    return v, rmask
+    return v.to(tl.float32), rmask
 
 
 @triton.jit
-def _quant_v_block(v, rmask, VMEAN, VPART, V8T, VSCALE, MUP, MUG, blk, bh, d, S_pad, nbv, nsv, ng,
-                   D: tl.constexpr, BV: tl.constexpr, NSV: tl.constexpr, INTERPRET: tl.constexpr,
-                   SM90: tl.constexpr):
-    """V' block ``blk`` (``v`` fp32 [BV, D], ``_load_v_block``): the residual V' - mu quantised to E4M3 with the
-    head's per-channel scale (the max of pass 1's partial amaxes) and stored transposed ([D, BV], K-major; SM90:
-    the "sm90" layout, and mu' with its tf32 hi / lo groups)."""
+def _quant_v_block(V, PERM, VMEAN, VPART, V8T, VSCALE, MUP, MUG, blk, bh, b, h, d, S, S_pad, nbv, nsv, ng,
+                   svb, svh, svs, svd, spb, sph, sps, D: tl.constexpr, BV: tl.constexpr, NSV: tl.constexpr,
+                   HAS_PERM: tl.constexpr, INTERPRET: tl.constexpr, SM90: tl.constexpr):
+    """V' block ``blk``: the residual V' - mu quantised to E4M3 with the head's per-channel scale (the max of
+    pass 1's partial amaxes) and stored transposed ([D, BV], K-major; SM90: the "sm90" layout, and mu' with its
+    tf32 hi / lo groups)."""
     if blk < nbv:
+        v, rmask = _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM, SM90)
         mu = tl.load(VMEAN + (bh * nbv + blk).to(tl.int64) * D + d)
         s = tl.arange(0, NSV)
         amax = tl.max(tl.load(VPART + (bh * nsv + s[:, None]).to(tl.int64) * D + d[None, :],
@@ -593,7 +581,7 @@ def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hada
         kw.update(V=v, VMEAN=v_mean, VPART=vpart, V8T=v8t, VSCALE=v_scale, MUP=mup if sm90 else v_scale,
                   MUG=mug if sm90 else v_scale, svb=v.stride(0), svh=v.stride(1), svs=v.stride(2), svd=v.stride(3),
                   S_pad=S_pad, nbv=nbv, nsv=nsv, ng=ng, BV=BLOCK_V, NSV=triton.next_power_of_2(nsv), DO_V=True,
-                  SM90=sm90, V_LATE=launch.v_late)
+                  SM90=sm90)
         if not do_qk:
             args[2] = p
             args[20:23] = list(pstr)
