@@ -237,12 +237,15 @@ KERNEL_S = ("32760", "75600")
 KERNEL_ROWS = {
     "bench_vsmooth_attn": [
         ("sdpa_cudnn", None, "SDPA cuDNN (bf16)"), ("fa4-bf16", None, "FlashAttention-4 (bf16)"),
+        ("fa3-fp8", None, "FlashAttention-3 FP8 kernel (inputs quantised per head, outside the timing)"),
+        ("torchao-fp8", None, "torchao 0.18 FP8 attention op (its quantisation + the FA3 FP8 kernel)"),
         ("sageattn_1.0.6", None, "SageAttention 1.0.6"), ("naive8_kernel", None, "naive 8-bit kernel"),
         ("vsmooth_kernel", None, "V-Smooth kernel"), ("vsmooth_op", None, "V-Smooth op (+ preprocessing)"),
         ("vsmooth_group_step", None, "V-Smooth grouping step (+ k-means)"),
         ("vsmooth_expcast_kernel", None, "V-Smooth + ExpCast kernel"),
         ("vsmooth_expcast_op", None, "V-Smooth + ExpCast op"),
-        ("vsmooth_expcast_group_step", None, "V-Smooth + ExpCast grouping step")],
+        ("vsmooth_expcast_group_step", None, "V-Smooth + ExpCast grouping step"),
+        ("preprocess", None, "preprocessing of Q, K, V (reuse step)")],
     "bench_sparse_attn": [
         ("sdpa_cudnn", None, "SDPA cuDNN (bf16)"), ("fa4-bf16", None, "FlashAttention-4 (bf16)"),
         ("sparse_bf16_c128", 0.10, "gather kernel, C = 128"), ("sparse_bf16_c128", 0.15, "gather kernel, C = 128"),
@@ -305,12 +308,14 @@ def kernel_tables(by_bench: Dict[str, List[Dict[str, str]]]) -> List[str]:
                 same_run = runs[(r.get("date"), r.get("commit"), S)]
                 body.append([S, what, f"{dens:.2f}" if dens is not None else "-", f(r.get("ms"), "{:.2f}"),
                              f(_x(r, same_run, "sdpa_cudnn"), "{:.2f}x"), f(_x(r, same_run, "fa4-bf16"), "{:.2f}x"),
+                             f(_x(r, same_run, "torchao-fp8"), "{:.2f}x"),
                              "-" if variant.startswith("ab_") else f(r.get("rel_l2"), "{:.2e}"),  # A/B: vs default
                              f"{r.get('date', '')[:10]} {r.get('commit', '')}"])
         gpus = sorted({r.get("gpu", "") for r in rows})
         out.append(f"**{bench}** (B = 1, H = 40, D = 128, bf16 inputs; {', '.join(gpus)}; latest row of each "
                    f"variant, x cuDNN / x FA4 against the baseline of the same run)\n\n" + md_table(
-                       ["S", "variant", "density", "ms", "x cuDNN", "x FA4", "rel. L2 vs fp32", "run"], body))
+                       ["S", "variant", "density", "ms", "x cuDNN", "x FA4", "x torchao FP8", "rel. L2 vs fp32",
+                        "run"], body))
     return out
 
 
@@ -333,14 +338,16 @@ def kernel_summary(by_bench: Dict[str, List[Dict[str, str]]]) -> str:
                 cells.append("-")
                 continue
             same_run = runs[(r.get("date"), r.get("commit"), S)]
-            x4 = _x(r, same_run, "fa4-bf16")
-            cells.append(f(_x(r, same_run, "sdpa_cudnn"), "{:.2f}x") + (f" ({x4:.2f}x FA4)" if x4 else ""))
+            x4, xt = _x(r, same_run, "fa4-bf16"), _x(r, same_run, "torchao-fp8")
+            extra = ", ".join(t for t in ((f"{x4:.2f}x FA4" if x4 else ""), (f"{xt:.2f}x torchao FP8" if xt else ""))
+                              if t)
+            cells.append(f(_x(r, same_run, "sdpa_cudnn"), "{:.2f}x") + (f" ({extra})" if extra else ""))
             runs_seen.add(f"{r.get('date', '')[:10]} {r.get('commit', '')}")
         body.append([S] + cells)
     if all(c == "-" for row in body for c in row[1:]):
         return _none_yet("bench_vsmooth_attn.csv / bench_sparse_attn.csv", "the kernel benchmarks")
     return (md_table(["S (B = 1, H = 40, D = 128)"] + [t for *_, t in KERNEL_SUMMARY], body) +
-            f"\n\nx SDPA cuDNN of the same run (x FA4 where that run measured it); runs "
+            f"\n\nx SDPA cuDNN of the same run (x FA4, x torchao's FP8 attention where that run measured them); runs "
             f"{', '.join(sorted(runs_seen))}; "
             "all kernel rows: docs/performance.md.")
 

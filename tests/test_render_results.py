@@ -104,7 +104,7 @@ def test_write_replaces_marked_blocks_only(tmp_path):
     assert "middle" in out and "stale" not in out  # old numbers never survive a rewrite
     assert "No rows yet: `benchmarks/results/bench_pipeline.csv`" in out  # no CSV: says so, invents nothing
     # the latest run wins; x FA4 = fa4 ms / ms of the same run (30 / 27); S = 8190 is not a table size
-    assert "| 32760 | V-Smooth kernel | - | 27.00 | 1.41x | 1.11x | 5.70e-03 | 2099-01-01" in out
+    assert "| 32760 | V-Smooth kernel | - | 27.00 | 1.41x | 1.11x | - | 5.70e-03 | 2099-01-01" in out
     assert "| 32760 | SDPA cuDNN (bf16) | - | 38.00 | 1.00x | 0.79x |" in out
     assert "| 8190 |" not in out and "32.00" not in out
     assert "**bench_sparse_attn**: no rows yet" in out
