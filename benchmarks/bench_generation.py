@@ -41,6 +41,7 @@ Rows are appended to ``benchmarks/results/bench_generation.csv`` per shape (``--
 from __future__ import annotations
 
 import argparse
+import functools
 import contextlib
 import itertools
 import sys
@@ -52,8 +53,8 @@ import torch.nn.functional as F  # noqa: E402
 import vc_compile  # noqa: E402
 import vc_compile.ops  # noqa: E402,F401 - registers torch.ops.vcattn.*, which this script calls directly
 from benchmarks.common import (truth_rows, Drift, add_speedup, append_rows, attn_flops, fa3_fp8_fn,  # noqa: E402
-                               fa3_fp8_status, fa3_sdpa_impl, fa4_fn, fa4_status, kernel_times, metrics,
-                               print_table, sdpa_backend, torchao_fp8_fn, torchao_fp8_status)
+                               fa4_fn, fa4_status, fp8_baselines, kernel_times, metrics, print_table,
+                               sdpa_backend)
 from vc_compile.config import merge_options  # noqa: E402
 
 BENCH = "bench_generation"
@@ -276,22 +277,22 @@ def bench_shape(S, H, args, device, t_start):
     elif runner.cuda:
         log(f"  {fa4_note}")
     # FP8 baselines (sm_90, optional): FA3's FP8 kernel quantising inside every call, torchao's FP8 op
-    for label, make, status, ctx, how in (
-            ("fa3-fp8", lambda q, k, v: fa3_fp8_fn(q, k, v, quantize_inside=True), fa3_fp8_status, None,
-             "; quantised inside every call (eager torch: amax, scale, cast)"),
-            ("torchao-fp8", torchao_fp8_fn, torchao_fp8_status, fa3_sdpa_impl, "")):
+    how = {"fa3-fp8": "; quantised inside every call (eager torch: amax, scale, cast)"}
+    for label, make, status, ctx in fp8_baselines():
+        if label == "fa3-fp8":  # inputs change every step: the per-call quantisation is part of the cost
+            make = functools.partial(fa3_fp8_fn, quantize_inside=True)
         func, note = status()
         if runner.cuda and func is not None and fits(label):
             def call(q, k, v, make=make):
                 return make(q, k, v)()
             try:
-                with ctx() if ctx else contextlib.nullcontext():
+                with ctx():
                     first = runner.generation(call, timed=False)[-1]
                     ms, _, out, qkv, _ = runner.generation(call)
             except Exception as e:  # noqa: BLE001 - an optional baseline must not end the run
                 log(f"  {label} failed: {type(e).__name__}: {str(e)[:300]}")
                 continue
-            add(label, ms, [], out, qkv, first, note=note + how)
+            add(label, ms, [], out, qkv, first, note=note + how.get(label, ""))
         elif runner.cuda:
             log(f"  {note}")
     # the methods, through the op

@@ -37,7 +37,6 @@ rel_l2 / cos_sim: against the fp32 reference on heads 0-1 (reference/sparse_attn
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -46,9 +45,8 @@ if "--smoke" in sys.argv:  # CPU dry run of this script (Triton interpreter, tin
 
 import torch  # noqa: E402
 
-from benchmarks.common import (add_speedup, append_rows, attn_flops, bench_ms, fa3_fp8_fn, fa3_fp8_status,  # noqa: E402
-                               fa3_sdpa_impl, fa4_fn, fa4_status, metrics, print_table, sdpa_fn, torchao_fp8_fn,
-                               torchao_fp8_status)
+from benchmarks.common import (add_speedup, append_rows, attn_flops, bench_ms, fa4_fn, fa4_status,  # noqa: E402
+                               metrics, print_table, run_fp8_baselines, sdpa_fn)
 from vc_compile.reference.dense import dense_attention_lse  # noqa: E402
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse  # noqa: E402
 from vc_compile.reference.sparse_attn_q8 import sparse_attention_q8  # noqa: E402
@@ -218,23 +216,12 @@ def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn", group_sizes=
     elif dev == "cuda":
         log(f"S={S}: {fa4_status()[1]}")
     del fa4
-    for name, make, status, ctx in (("fa3-fp8", fa3_fp8_fn, fa3_fp8_status, None),
-                                    ("torchao-fp8", torchao_fp8_fn, torchao_fp8_status, fa3_sdpa_impl)):
-        if dev != "cuda":
-            continue
-        try:
-            fn = make(q, k, v)
-            if fn is None:
-                log(f"S={S}: {status()[1]}")
-                continue
-            with ctx() if ctx else contextlib.nullcontext():
-                t_fp8 = bench_ms(fn, warmup=wu, rep=rp)
-                mt = head_metrics(fn(), lambda: dense_attention_lse(q[:, :2], k[:, :2], v[:, :2], sm_scale=sm)[0])
-            rows.append(row(name, S, 1.0, t_fp8, t_cudnn, note=status()[1], **mt))
-            log(f"S={S}: {name} {t_fp8:.2f} ms")
-        except Exception as e:  # noqa: BLE001 - an optional baseline must not end the run
-            log(f"S={S}: {name} failed: {type(e).__name__}: {str(e)[:300]}")
-        fn = None
+    def fp8_row(name, fn, note):
+        t_fp8 = bench_ms(fn, warmup=wu, rep=rp)
+        mt = head_metrics(fn(), lambda: dense_attention_lse(q[:, :2], k[:, :2], v[:, :2], sm_scale=sm)[0])
+        rows.append(row(name, S, 1.0, t_fp8, t_cudnn, note=note, **mt))
+        log(f"S={S}: {name} {t_fp8:.2f} ms")
+    run_fp8_baselines(q, k, v, fp8_row, log, prefix=f"S={S}: ")
 
     # grouping: Fast PDDP vs flash-kmeans on the same queries
     sigmas, t_pddp = {}, {}

@@ -34,7 +34,6 @@ Every kernel row passes its launch config explicitly (``launch=``); ``*_kernel``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import math
 import os
@@ -47,9 +46,8 @@ if __name__ == "__main__" and "--smoke" in sys.argv and not __import__("torch").
 
 import torch  # noqa: E402
 
-from benchmarks.common import (truth_rows, add_speedup, append_rows, attn_flops, bench_ms, fa3_fp8_fn,  # noqa: E402
-                               fa3_fp8_status, fa3_sdpa_impl, fa4_fn, fa4_status, metrics, print_table, sage_fn,
-                               sdpa_fn, torchao_fp8_fn, torchao_fp8_status)
+from benchmarks.common import (truth_rows, add_speedup, append_rows, attn_flops, bench_ms,  # noqa: E402
+                               fa4_fn, fa4_status, metrics, print_table, run_fp8_baselines, sage_fn, sdpa_fn)
 from vc_compile.reference import kmeans as ref_km  # noqa: E402
 from vc_compile.reference import preprocess as ref_pre  # noqa: E402
 from vc_compile.reference import vsmooth_attn as ref_attn  # noqa: E402
@@ -214,22 +212,7 @@ def bench_shape(B, H, S, D, n_rows, quick, launches=None):
         add("fa4-bf16", bench_ms(fn, wu, rep), fn())
     elif DEV == "cuda":
         log(f"  {fa4_status()[1]}")
-    # FP8 baselines: FA3's FP8 kernel alone (q, k, v quantised once, per (batch, head)) and torchao's FP8
-    # attention op from bf16 (its quantisation included), FA3 active as torch's flash SDPA as under its wrapper
-    for name, make, status, ctx in (("fa3-fp8", fa3_fp8_fn, fa3_fp8_status, None),
-                                    ("torchao-fp8", torchao_fp8_fn, torchao_fp8_status, fa3_sdpa_impl)):
-        if DEV != "cuda":
-            continue
-        try:
-            fn = make(q, k, v)
-            if fn is None:
-                log(f"  {status()[1]}")
-                continue
-            with ctx() if ctx else contextlib.nullcontext():
-                add(name, bench_ms(fn, wu, rep), fn(), note=status()[1])
-        except Exception as e:  # noqa: BLE001 - an optional baseline must not end the run
-            log(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}")
-        fn = None
+    run_fp8_baselines(q, k, v, lambda name, fn, note: add(name, bench_ms(fn, wu, rep), fn(), note=note), log)
     fn = sage_fn(q, k, v) if DEV == "cuda" else None
     if fn is not None:
         add("sageattn_1.0.6", bench_ms(fn, wu, rep), fn())

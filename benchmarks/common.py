@@ -417,6 +417,32 @@ def torchao_fp8_fn(q, k, v) -> Optional[Callable]:
     return run
 
 
+def fp8_baselines():
+    """The optional FP8 baselines: (name, make(q, k, v) -> callable or None, status() -> (func, note), context
+    that must be active while it runs): FA3's FP8 kernel alone (inputs quantised once, per (batch, head)) and
+    torchao's FP8 attention op from bf16 (its quantisation included; FA3 active as torch's flash SDPA, as under
+    torchao's wrapper)."""
+    return (("fa3-fp8", fa3_fp8_fn, fa3_fp8_status, contextlib.nullcontext),
+            ("torchao-fp8", torchao_fp8_fn, torchao_fp8_status, fa3_sdpa_impl))
+
+
+def run_fp8_baselines(q, k, v, measure: Callable, log: Callable, prefix: str = "  ") -> None:
+    """For each FP8 baseline available here, ``measure(name, fn, note)`` inside its context; a missing one logs
+    its note, a failing one its error (an optional baseline never ends a benchmark)."""
+    if not torch.cuda.is_available():
+        return
+    for name, make, status, ctx in fp8_baselines():
+        try:
+            fn = make(q, k, v)
+            if fn is None:
+                log(f"{prefix}{status()[1]}")
+                continue
+            with ctx():
+                measure(name, fn, status()[1])
+        except Exception as e:  # noqa: BLE001
+            log(f"{prefix}{name} failed: {type(e).__name__}: {str(e)[:300]}")
+
+
 def kernel_times(prof) -> Dict[str, float]:
     """GPU time (ms) by kernel name from a finished ``torch.profiler.profile``: its device-side events, or,
     where a torch version lists none, the kernels it attached to the CPU ops."""
