@@ -23,7 +23,7 @@ Tables (markdown, printed):
   (the ``fa4-bf16`` row of the same run, where one exists);
 * the demo model end to end, from ``bench_e2e.csv`` (bench ``e2e``): the latest row of each variant per size.
 Plots (matplotlib, the ``bench`` extra; skipped with a message when it is missing):
-``docs/img/bench_pipeline_speedup.png`` (speed-up per method, issue 20's targets marked),
+``docs/img/bench_pipeline_speedup.png`` (speed-up per method, the targets marked),
 ``docs/img/bench_generation_phases.png`` (attention time by phase per method and shape) and
 ``docs/img/bench_generation_steps.png`` (per-step attention time over one generation).
 "Latest" = the last row (file order = time order) of each variant within its group.
@@ -44,7 +44,7 @@ NAMES = {"stock": "stock (Inductor + cuDNN)", "dense": "dense (SDPA through vcat
          "vsmooth+expcast": "V-Smooth + ExpCast", "mcsparse@0.15": "MC-Sparse s = 0.15",
          "mcsparse@0.25": "MC-Sparse s = 0.25", "sdpa_cudnn": "cuDNN (bf16)", "fa4-bf16": "FA4 (bf16)"}
 ORDER = ["stock", "sdpa_cudnn", "fa4-bf16", "dense", "vsmooth", "vsmooth+expcast", "mcsparse@0.15", "mcsparse@0.25"]
-# issue 20's targets: end to end (1.3B, 32760 tokens) and bare attention over a generation (x cuDNN)
+# the targets: end to end (1.3B, 32760 tokens) and bare attention over a generation (x cuDNN)
 TARGET_E2E = {"vsmooth": 1.30, "vsmooth+expcast": 1.35, "mcsparse@0.15": 2.0, "mcsparse@0.25": 1.8}
 TARGET_GEN = {"vsmooth": 1.35, "vsmooth+expcast": 1.45, "mcsparse@0.15": 3.0}
 
@@ -182,7 +182,7 @@ def plots(pipe_rows, gen_rows, img_dir) -> List[str]:
         for i, m in enumerate([m for m in methods if m in TARGET_E2E]):
             j = methods.index(m)
             ax.plot([j - w / 2, j + 0.8 - w / 2], [TARGET_E2E[m]] * 2, "k--", lw=1,
-                    label="issue 20 target (1.3B, 32760 tokens)" if i == 0 else None)
+                    label="target (1.3B, 32760 tokens)" if i == 0 else None)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks([i + 0.4 - w / 2 for i in range(len(methods))], [NAMES.get(m, m) for m in methods], fontsize=8)
         ax.set_ylabel("end-to-end speed-up vs stock Inductor + cuDNN")

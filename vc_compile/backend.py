@@ -93,7 +93,7 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
     name = f"vcattn_graph_{next(_GRAPH_IDS)}"
     detect_context_parallel(gm, cfg, graph_name=name)  # report-only: ring / DTensor / Ulysses findings
     stats = rewrite_sdpa(gm, cfg, graph_name=name)
-    findings = detect_rope(gm, graph_name=name)  # RoPE producer forms (issue 7 step 1), graph unchanged
+    findings = detect_rope(gm, graph_name=name)  # RoPE producer forms, graph unchanged
     fuse_rope(gm, findings, cfg, graph_name=name)  # RoPE + permute into the preprocessing kernel (step 2)
     if stats["sites"]:
         # torch._dynamo.reset() or a deleted model frees the graph: its metadata goes with it, once no

@@ -67,7 +67,7 @@ class QueryGrouping(str, enum.Enum):
 
 
 class WarmupAttention(str, enum.Enum):
-    """What MC-Sparse's warm-up steps run (issue 20: every phase fast)."""
+    """What MC-Sparse's warm-up steps run (every phase fast)."""
     VSMOOTH = "vsmooth"  # the 8-bit V-Smooth path (grouping V as method="vsmooth" does)
     SDPA = "sdpa"  # stock scaled_dot_product_attention (the paper's dense warm-up)
 
@@ -215,7 +215,7 @@ class VCConfig:
     guard_threshold: float = 0.0
     # NOTE off by default: on the H200 (bench_finite_flags, S = 32760, H40, s = 0.15, commit 64658bb) the flags
     # pass is 0.47 ms but the reuse step went 7.63 -> 9.07 ms (+19%, target <= 2%); without it a NaN/Inf in a key
-    # or value no group selected does not reach the output (issue 23 finding 1 stays open until it is cheap).
+    # or value no group selected does not reach the output (kept off until it is cheap).
     propagate_nonfinite: bool = False
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused

@@ -8,7 +8,7 @@
     projection) or None; ``site`` the call-site id; ``config`` the VCConfig as JSON; ``scale`` SDPA's
     ``scale`` argument. Returns a contiguous [B, H, S, Dv] tensor in q's dtype.
 
-    Prologue fusion (issue 7, ``passes/rope_fuse.py``): with ``rope`` (a JSON spec, reference/rope.py)
+    Prologue fusion (``passes/rope_fuse.py``): with ``rope`` (a JSON spec, reference/rope.py)
     q and k arrive *un-rotated in the model's layout* (e.g. [B, S, H, D] before the permute, or [B, S, C]
     before the head split) with the model's ``cos``/``sin`` tables; the op views them as [B, H, S, D] and
     V-Smooth's preprocessing kernel applies the RoPE as it loads them. Every other path (stock SDPA

@@ -3,7 +3,7 @@
 ANCHOR: Fast PDDP query groups (sigma), pass 1 dense attention with its LSE, pass 2 exact group masses,
 top-K keys per group, the sparse output with that selection and the residual ``R = O_dense - O_sparse``;
 returns ``O_dense``. For self-attention with head dim 64/128 and the default exact token selection the anchor
-runs ``methods/anchor.anchor_step`` (issue 20, "cheap anchors": pass 2 on INT8 codes, radix top-K; option
+runs ``methods/anchor.anchor_step`` ("cheap anchors": pass 2 on INT8 codes, radix top-K; option
 ``anchor_dense``); cross-attention, other head dims and the ablation variants run the original passes
 (``run(..., cheap_anchor=False)`` forces them, for benchmarks). REUSE: the sparse kernel with the cached
 sigma/selection on the current q, k, v, plus R. WARMUP (20% of the steps by default): the 8-bit V-Smooth path
@@ -230,7 +230,7 @@ def _check_memory(resid: torch.Tensor, cfg) -> None:
                 f"{_report.fmt_bytes(free)} free: {hint}.")
 
 
-# ---- issue 20: the cheap anchor step (methods/anchor.py) ---------------------------------------------------
+# ---- the cheap anchor step (methods/anchor.py) ---------------------------------------------------
 def cheap_anchor_applies(q, k, v, cfg) -> Optional[str]:
     """None when the anchor can run ``methods/anchor.anchor_step`` (INT8 pass 2: self-attention, D in {64, 128},
     the exact token selection), else why not."""
@@ -254,11 +254,11 @@ def _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep):
                         residual=cfg.residual != "none", out_dtype=kernel_out_dtype(q.dtype), sparse_qk=cfg.sparse_qk)
     out = finish_output(res.out, q.dtype).contiguous()  # SDPA's layout, as the original passes
     return out, res.out, res.idx, res.residual
-# ---- end issue 20 ---------------------------------------------------------------------------------------------
+# ----------
 
 
 def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, cheap_anchor: Optional[bool] = None):
-    """``cheap_anchor`` (anchor steps; issue 20): None = ``methods/anchor.anchor_step`` where it applies (the
+    """``cheap_anchor`` (anchor steps): None = ``methods/anchor.anchor_step`` where it applies (the
     default), False = the original passes (cuDNN + LSE, bf16 pass 2, torch top-K; benchmarks/bench_anchor_mass.py
     times both), True = anchor_step or a ValueError saying why it does not apply. WARMUP: ``meta`` is the
     warm-up's own ``VSmoothMeta`` slot (the op keeps it apart from the sparse metadata, so a warm-up never looks
@@ -280,7 +280,7 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
                          selection=ex.selection, unit=ex.selection_unit)
         return _reuse(impl, q, k, v, meta, idx, cfg, sm_scale, sparse), meta
     # ANCHOR
-    # ---- issue 20: cheap anchor where it applies, else (and with cheap_anchor=False) the original passes ----
+    # ---- cheap anchor where it applies, else (and with cheap_anchor=False) the original passes ----
     why_not = cheap_anchor_applies(q, k, v, cfg)
     if cheap_anchor and why_not:
         raise ValueError(f"mcsparse: cheap_anchor=True cannot run this anchor: {why_not}. Pass cheap_anchor=None "
@@ -296,7 +296,7 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
         out = o_dense.to(q.dtype).contiguous()
         idx = select(impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=C, keep=keep,
                      selection=ex.selection, unit=ex.selection_unit)
-    # ---- end issue 20 ----
+    # ----------
     residual = res_scale = None
     if cfg.residual != "none":
         if resid is None:  # the original passes (anchor_step forms R itself)
@@ -315,7 +315,7 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
     return out, meta
 
 
-# ---- the reuse step's NaN/Inf flags and quality guard (issue 23; the anchor path above is untouched) -------
+# ---- the reuse step's NaN/Inf flags and quality guard (the anchor path above is untouched) -------
 def _reuse(impl, q, k, v, meta: SparseMeta, idx, cfg, sm_scale, sparse):
     """The reuse step's output in q.dtype. NaN/Inf in keys or values no group selected would vanish in the
     gather: one pass over K and V flags them and the kernel writes NaN where SDPA's output is non-finite (module

@@ -1,5 +1,5 @@
 """MC-Sparse quality guard: measure each reuse step's error on a few sampled query rows and re-anchor
-when it exceeds a threshold (issue 23; beyond the paper, which names an adaptive anchor schedule as
+when it exceeds a threshold (beyond the paper, which names an adaptive anchor schedule as
 future work). Decision note with the measurements: docs/mcsparse_guard.md.
 
 What is measured

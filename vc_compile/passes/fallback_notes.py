@@ -1,4 +1,4 @@
-"""What the rewrite pass tells the user when it did less than they expect (issue 23, finding 7).
+"""What the rewrite pass tells the user when it did less than they expect.
 
 * :func:`warn_fallbacks`: one warning per compiled graph in which SDPA call sites were found but none,
   or only some, were rewritten, naming the most common reason and its fix (run under ``no_grad`` /

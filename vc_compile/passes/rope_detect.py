@@ -1,4 +1,4 @@
-"""Recognise the RoPE producer of q and k at every attention call site (issue 7, step 1: analysis only).
+"""Recognise the RoPE producer of q and k at every attention call site (step 1: analysis only).
 
 It runs right after :func:`~vc_compile.passes.sdpa_rewrite.rewrite_sdpa` (backend.py), on each
 ``vcattn::attention`` node and on each stock ``scaled_dot_product_attention`` node the rewrite left:

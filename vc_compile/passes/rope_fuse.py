@@ -1,4 +1,4 @@
-"""Prologue fusion (issue 7 step 2): fold the RoPE (and the permute) of q and k into ``vcattn::attention``.
+"""Prologue fusion: fold the RoPE (and the permute) of q and k into ``vcattn::attention``.
 
 Runs on the Dynamo FX graph right after :func:`~vc_compile.passes.rope_detect.detect_rope` (backend.py)
 and uses its findings. For a rewritten call site whose RoPE was recognised, the op's q and k arguments

@@ -1,4 +1,4 @@
-"""Reference MC-Sparse pass 2 on the 8-bit preprocessed Q/K (issue 20 "cheap anchors"): group key masses
+"""Reference MC-Sparse pass 2 on the 8-bit preprocessed Q/K ("cheap anchors"): group key masses
 from the INT8 codes, scales and LSE that the 8-bit V-Smooth attention consumed and returned in pass 1.
 
 Oracle of ``vc_compile/templates/anchor_mass.py``.

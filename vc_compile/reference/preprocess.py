@@ -18,12 +18,12 @@ q_scale         [B, H, S] fp32, one per query token, with ``sm_scale * log2(e)``
                 ``preprocess_qk(q_block=128)`` emulates the old per-128 scales (still [B, H, S]).
 k_scale         [B, H, ceil(S/BLOCK_K)] fp32 (blocks of the permuted K).
 rope            None, or a ``reference.rope.RopeArgs``: q and k are un-rotated and the RoPE is applied
-                first (fp32, rounded once to the input dtype, like the models; issue 7 prologue fusion).
+                first (fp32, rounded once to the input dtype, like the models; prologue fusion).
 k_mean          [B, H, D] fp32, the mean removed from K (before rotation), taken over a SAMPLE of the
                 tokens: every ``k_mean_stride(S)``-th 64-token block (all tokens up to S = 8191; at least
                 K_MEAN_TOKENS = 4096 tokens, spread over the whole sequence). Softmax ignores any vector
                 removed from every key, so only the quantisation range depends on it; the sample spares the
-                kernels a full second read of K (12% of K at S = 32760, 5% at 75600; issue 7). The
+                kernels a full second read of K (12% of K at S = 32760, 5% at 75600). The
                 log-sum-exp does depend on it: ``lse_true = lse_smoothed + (q . k_mean) * sm_scale``.
 v8t             [B, H, D, S_pad] float8_e4m3fn: the residual ``V' - mu`` quantised, K-major (transposed),
                 S_pad = ceil(S/BLOCK_V) * BLOCK_V, padded with zeros.
@@ -169,7 +169,7 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
                   qk_format: str = "int8", q_block: int = BLOCK_Q, rope=None) -> QKQuant:
     """``q_block``: tokens sharing one Q scale (default 1 = per token). Larger values emulate coarser
     scales (tests, accuracy studies); q_scale is [B, H, S] either way (repeated within a block).
-    ``rope``: q and k arrive un-rotated; the RoPE is applied first (reference/rope.py, issue 7)."""
+    ``rope``: q and k arrive un-rotated; the RoPE is applied first (reference/rope.py)."""
     if rope is not None:  # prologue RoPE (reference/rope.py): q, k arrive un-rotated
         from .rope import apply_rope
 

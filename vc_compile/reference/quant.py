@@ -7,7 +7,7 @@ Notation
   ``scale = 1`` (all codes 0), never 0 or NaN: a zero block must not poison the softmax.
 * ``inv``: ``qmax / amax`` (1 for a zero block), one IEEE division per block; codes are ``x * inv``
   rounded, never ``x / scale``: a division per element (``div_rn``, ~10 instructions with its slow-path
-  check) was a third of the Q/K preprocessing kernel's instructions (issue 7; sm_90 SASS,
+  check) was a third of the Q/K preprocessing kernel's instructions (sm_90 SASS,
   ``scripts/codegen_stats.py``).
 * Non-finite inputs (NaN, +-Inf): a block holding one gets ``scale = NaN`` and all-zero codes
   (``quantize_blocks``). So the NaN reaches the output through the scale, like SDPA propagates it, and no
@@ -144,7 +144,7 @@ def fp8_round(x: torch.Tensor) -> torch.Tensor:
 
 def expcast_codes(u: torch.Tensor, offset: float = EXPCAST_OFFSET) -> torch.Tensor:
     """ExpCast-FP8 (SPEC 3.3): E4M3 codes of 256 * 2^u for u = s - m <= 0, as uint8. ``offset``: the code of
-    u = 0 (119.65: P~ max 256; issue 21 studies 126.0: P~ max 448, docs/fidelity_notes.md)."""
+    u = 0 (119.65: P~ max 256; the fidelity study tried 126.0: P~ max 448, docs/fidelity_notes.md)."""
     c = torch.floor(8.0 * u + offset + 0.5).clamp(0.0, 126.0)
     return c.to(torch.uint8)
 

@@ -1,4 +1,4 @@
-"""RoPE of the prologue fusion (issue 7 step 2): the op-side conventions and the fp32 reference.
+"""RoPE of the prologue fusion: the op-side conventions and the fp32 reference.
 
 When ``passes/rope_fuse.py`` folds a model's RoPE into ``vcattn::attention``, the op receives q and k
 *before* the rotation, in the model's own layout, plus the model's cos/sin tables and a spec (JSON):

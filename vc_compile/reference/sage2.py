@@ -1,6 +1,6 @@
 """SageAttention2's published numerics (sm_90 INT8-QK / FP8-PV kernel), emulated in plain PyTorch.
 
-The fidelity anchor of issue 21 ("Decision on issue 4's blocked point"): no SageAttention2 wheel runs on our
+The fidelity anchor: no SageAttention2 wheel runs on our
 machines, so benchmarks and tests compare V-Smooth against this emulation. It follows, and cites,
 thu-ml/SageAttention (paper: arXiv 2411.10958, "SageAttention2: Efficient Attention with Thorough Outlier
 Smoothing and Per-thread INT4 Quantization"; code: ``sageattention/core.py::sageattn_qk_int8_pv_fp8_cuda_sm90``,

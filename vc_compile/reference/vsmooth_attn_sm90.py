@@ -1,7 +1,7 @@
 """The sm_90 kernel's numerics, emulated in plain PyTorch (oracle of ``templates/vsmooth_attn_sm90.py``'s rounding).
 
 ``reference/vsmooth_attn.py`` is the contract's oracle (final row max, one rounding of P~). This module follows
-the production kernel operation by operation, so that fidelity questions (issue 21: why ExpCast's error grows
+the production kernel operation by operation, so that fidelity questions (why ExpCast's error grows
 with S; where V-Smooth's error comes from) can be answered on a CPU:
 
 * Online softmax over 128-key blocks: block j is quantised against the running max m_j (the kernel's
@@ -18,7 +18,7 @@ with S; where V-Smooth's error comes from) can be answered on a CPU:
   r_j mu_j exactly (hi/lo tf32 in the kernel, ~2^-20); O = acc v_scale / l, rounded to ``out_dtype``.
 
 ``EXPCAST_OFFSET`` (quant.py) is the kernel's 119.65 = 8 * 8 + 56 - 0.35 (row max -> code 120 = 256). The
-``offset`` argument lets studies move it (issue 21 item 3; docs/fidelity_notes.md).
+``offset`` argument lets studies move it (docs/fidelity_notes.md).
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def block_probs(qk: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, Sk: int, *
     ``offset``: the code of u = 0 (ExpCast; default 119.65) or log2 of P~'s row max (exp2; default 8).
     ``floor_code``: the lowest ExpCast code (the clamp; 0 in the kernel). ``code_fn(u, full)``: a study hook
     returning P~ for the exact fp32 u = s - m (full: not the masked tail block); scripts/fidelity_decompose.py
-    uses it to isolate error sources. ``block_ref`` = L (issue 21's fix): block j is quantised against its
+    uses it to isolate error sources. ``block_ref`` = L: block j is quantised against its
     own maximum b_j, floored at L below the running max (ref_j = max(b_j, m_j - L)) instead of the running
     max m_j; the accumulator recurrence is unchanged with alpha = 2^(ref_{j-1} - ref_j), which may exceed 1."""
     *lead, n, L = qk.shape

@@ -6,7 +6,7 @@ two modules around them.
 ``configs``    the frozen launch-configuration dataclasses, the kernel modes (str Enums) and the measured
                default tables with their NOTEs.
 
-Kernels, pure functions of (inputs, a launch configuration): 8-bit attention (issue 4): ``preprocess`` (Q/K
+Kernels, pure functions of (inputs, a launch configuration): 8-bit attention: ``preprocess`` (Q/K
 smoothing, rotation, INT8/FP8 quantisation, the RoPE prologue of ``rope``; V-Smooth gather, block means, FP8
 residual written K-major), ``vsmooth_attn`` (Triton: INT8/FP8 QK, FP8 PV, mean compensation, ExpCast),
 ``vsmooth_attn_sm90`` (the Gluon sm_90 kernel; ``_softmax``, ``_steps``), ``kmeans`` (V grouping). MC-Sparse:

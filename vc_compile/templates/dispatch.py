@@ -348,7 +348,7 @@ def select_topk(impl: Impl, mass, keep: int):
     return ref_select.select_topk(mass, keep)
 
 
-# ---- MC-Sparse cheap anchor (issue 20; methods/anchor.py) ---------------------------------------------------
+# ---- MC-Sparse cheap anchor (methods/anchor.py) ---------------------------------------------------
 def _no_launch(*launches) -> None:
     if any(x is not None for x in launches):
         raise ValueError("a launch config selects a kernel; the reference has none")

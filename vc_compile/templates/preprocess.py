@@ -24,27 +24,29 @@ non-finite   (NaN/Inf inputs, the reference's rules) a Q row / K block holding o
 mu_j         [D] mean of V' block j (valid rows only); R = V' - mu, quantised per channel to E4M3 with
              v_scale[d] = amax_t |R[t, d]| / 448 over the whole head; stored transposed v8t [B, H, D, S_pad].
 
-Kernels and grids
+Kernels and grids (``preprocess``: two launches; ``preprocess_qk`` / ``preprocess_v`` run the same two passes
+for Q/K or V alone)
 -----------------
-* ``_colsum_kernel``  grid (n_split, B*H): partial column sums of K over a chunk of the sampled blocks
-  (the K mean needs its own reduction pass before any block can be quantised); torch adds the n_split
-  partials.
-* ``_qk_quant_kernel`` grid (ceil(S/128), B*H): one program = 128 Q tokens (one scale each) and the two
-  64-token K blocks at the same positions of K' (rows gathered through perm). One read + one write per
-  tensor.
+* ``_stats_kernel`` (pass 1) grid (splits, B*H): partial column sums of K over its share of the sampled
+  64-token blocks (the K mean must be known before any block is quantised), and, with V, the block means mu_j
+  (stored) and the residual's per-channel amax over its share of V's 128-row blocks (rows gathered through
+  perm; +inf marks a channel with a non-finite value). Splits: ``PreprocessConfig.stats_per_sm`` x 132 / heads.
+* ``_quant_kernel`` (pass 2) grid (ceil(S/128), B*H): one program = V' block pid (quantised to E4M3 with the
+  head's per-channel scale, the max of pass 1's partial amaxes, stored transposed and zero-padded to S_pad;
+  ``v_layout="sm90"``: the key order of the sm_90 kernel's register P~, plus mu' and its tf32 groups), then 128
+  Q tokens (one scale each) and the two 64-token K' blocks at the same positions, K's mean reduced from pass
+  1's partial sums in a fixed order (every program gets the same bits). One read + one write per tensor (V is
+  read twice: once per pass).
   Rotation: ``x @ Hpm`` as one ``tl.dot`` in the input dtype (the products by +-1 are exact, fp32
   accumulation), times 1/sqrt(D); for K the rotated mean ``kbar @ Hd`` is subtracted (H(k - kbar) =
   Hk - H kbar), which matches the reference up to fp32 rounding (rare one-code differences).
-* ``_v_stats_kernel`` grid (ceil(S/128), B*H): gather one V' block, its mean mu_j (stored), the residual's
-  per-channel amax folded into v_amax [B*H, D] by ``atomic_max`` (order-independent, so deterministic;
-  +inf marks a channel with a non-finite value).
-* ``_v_quant_kernel`` grid (ceil(S/128), B*H): gathers the block again (the per-channel scale spans the
-  whole head, so V is read twice), quantises R to E4M3 and stores it transposed, zero-padded to S_pad.
-* RoPE prologue (issue 7, ``rope=`` a ``reference.rope.RopeArgs``): ``_colsum_kernel`` and
-  ``_qk_quant_kernel`` rotate the rows they load (``templates/rope.py``: the jit helpers, their layouts and the
-  measurements behind them), so q and k are read un-rotated from the model's tensor and never written rotated.
-  With RoPE the Q/K grid is (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``) and the Q tile runs as
-  two 64-row halves (register pressure).
+* RoPE prologue (``rope=`` a ``reference.rope.RopeArgs``): both passes rotate the Q/K rows they load
+  (``templates/rope.py``: the jit helpers, their layouts and the measurements behind them), so q and k are read
+  un-rotated from the model's tensor and never written rotated. With RoPE the grid of pass 2 is
+  (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``) and the Q tile runs as two 64-row halves (register
+  pressure).
+NOTE (H200, S = 32760 / 75600, H = 40): the two passes take 0.42 + 0.64 / 1.02 + 1.48 ms against 1.67 / 3.84 ms
+for the 14 launches they replaced (docs/kernels_notes.md, "Preprocessing", with the variants tried).
 
 Exactness: the per-row/block divisions are ``div_rn`` (IEEE, like torch), INT8 codes are the low byte
 of ``fma(x, inv, 1.5 * 2^23)`` (round to nearest even of the exact product, = the reference's float64
@@ -70,7 +72,7 @@ from vc_compile.templates.soft_round import round_e4m3
 from vc_compile.templates.rope import colsum_rope_kwargs, pair_words_ok, rope_kwargs, rope_pairs_packed, rope_rows
 
 FP8 = torch.float8_e4m3fn
-TILE_Q = 128  # Q tokens per program of _qk_quant_kernel (its two 64-token K blocks sit at the same rows)
+TILE_Q = 128  # Q tokens per program of _quant_kernel (its two 64-token K blocks sit at the same rows)
 assert BLOCK_Q == 1, "the kernel writes one Q scale per token"
 
 

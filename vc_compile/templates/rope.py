@@ -4,8 +4,8 @@ rotate the rows those kernels load, and the launch arguments of a ``reference.ro
 Contract: ``vc_compile/reference/rope.py`` (``apply_rope``: ``x*cos + rot(x)*sin`` in fp32, rounded once to
 the input dtype, like the models).
 
-The prologue (issue 7, ``rope=`` a ``reference.rope.RopeArgs``): ``_colsum_kernel`` and
-``_qk_quant_kernel`` rotate the rows they load (``x*cos + rot(x)*sin`` in fp32, rounded once to the input
+The prologue (``rope=`` a ``reference.rope.RopeArgs``): the preprocessing's ``_stats_kernel`` (K's mean) and
+``_quant_kernel`` rotate the rows they load (``x*cos + rot(x)*sin`` in fp32, rounded once to the input
 dtype like the models), so q and k are read un-rotated from the model's tensor and never written
 rotated. K rows are rotated at their own token position (before the perm gather). With RoPE the Q/K grid
 is (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``): the heads of one token block run back to back and
@@ -131,7 +131,7 @@ def rope_rows(x, ptr, src, rmask, sxd, COS, SIN, c_off, s_off, scs, scd, sss, ss
     * interleaved: a pair (2i, 2i+1) sits in one thread's vector of x, so x is split in registers
       (reshape [R, D/2, 2] + split, no second load) and joined back; the tables are read as [R, D/2] (pair
       table) or [R, D] split the same way. The [R, D/2] tiles get another thread layout than x's, so sm_90
-      converts through shared memory; the PACKED path of preprocess._qk_quant_kernel avoids that.
+      converts through shared memory; the PACKED path of preprocess._quant_kernel avoids that.
     * rotate-half: the partner x[(d + D/2) % D] is a second load of the same rows (L1/L2 hits); Triton
       proves that offset contiguous in 64-channel runs, so it is vectorised too.
     NOTE the measurements that motivated this are in the module doc (RoPE prologue)."""

@@ -136,7 +136,7 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
     vempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # NOTE two barriers nothing waits on: the MMA-issue turns of the deleted ping-pong variant (kernels_notes,
     # "Removed variants"). Without their allocation and init ptxas allocates the key loop's registers differently
-    # (same instructions, other order): kept until a GPU A/B shows that costs nothing (issue 22 keeps the SASS).
+    # (same instructions, other order): kept until a GPU A/B shows that costs nothing (the SASS stays as measured).
     _turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ones0 = _ones_operand(BN)  # MS: a row-sum operand and mu' group buffers per consumer
     ones1 = _ones_operand(BN)
