@@ -345,7 +345,8 @@ def sparse_variant(qk_format: str, C: int, n_keep: int, Sk: int) -> str:
 @dataclass(frozen=True)
 class PreprocessConfig(_Json):
     """Launch of the two preprocessing passes (templates/preprocess.py). ``stats_per_sm``: pass 1's programs
-    per SM when it reads V (splits per head = that x 132 / heads; pass 2 reduces that many partials per head).
+    per SM when it reads V (splits per head = that x 132 / heads; pass 2 reduces that many partials per head),
+    ``stats_warps`` its warps per program (with V, D = 128).
     How the Q/K quantisation applies a fused RoPE prologue (no effect without RoPE): ``rope_packed``:
     interleaved pairs of 16-bit q/k read as 32-bit words and the codes stored as int16 pairs (applies when the
     inputs allow it; else the pairs are split in registers). ``rope_head_fast``: grid (B*H, token blocks), the
@@ -353,6 +354,7 @@ class PreprocessConfig(_Json):
     rope_packed: bool = True
     rope_head_fast: bool = True
     stats_per_sm: int = 4
+    stats_warps: int = 8
 
     def __post_init__(self):
         for name in ("rope_packed", "rope_head_fast"):
@@ -361,6 +363,8 @@ class PreprocessConfig(_Json):
         if isinstance(self.stats_per_sm, bool) or not isinstance(self.stats_per_sm, int) \
                 or not 1 <= self.stats_per_sm <= 64:
             raise ValueError(f"PreprocessConfig.stats_per_sm={self.stats_per_sm!r}; accepted: an int in [1, 64]")
+        if self.stats_warps not in (2, 4, 8):
+            raise ValueError(f"PreprocessConfig.stats_warps={self.stats_warps!r}; accepted: 2, 4, 8")
 
 
 # NOTE (H200, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D], Wan pair tables; bench_preprocess.py):
