@@ -353,8 +353,8 @@ class PreprocessConfig(_Json):
     heads of one token block back to back (the table rows come from L2)."""
     rope_packed: bool = True
     rope_head_fast: bool = True
-    stats_per_sm: int = 4
-    stats_warps: int = 8
+    stats_per_sm: int = 8
+    stats_warps: int = 4
 
     def __post_init__(self):
         for name in ("rope_packed", "rope_head_fast"):
@@ -368,7 +368,9 @@ class PreprocessConfig(_Json):
 
 
 # NOTE (H200, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D], Wan pair tables; bench_preprocess.py):
-# the measurements behind both switches are in templates/preprocess.py's module doc (RoPE prologue).
+# the measurements behind both RoPE switches are in templates/preprocess.py's module doc (RoPE prologue).
+# Pass 1 with V (one sweep per block, scripts/ab_op_kernels.py, ExpCast reuse step, same run): (warps,
+# programs per SM) = (8, 4) 0.552 / 1.376 ms, (4, 4) 0.413 / 0.721, (8, 8) 0.489 / 1.192, (4, 8) 0.335 / 0.585.
 PREPROCESS_DEFAULT = PreprocessConfig()
 
 

@@ -45,7 +45,7 @@ for Q/K or V alone)
   un-rotated from the model's tensor and never written rotated. With RoPE the grid of pass 2 is
   (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``) and the Q tile runs as two 64-row halves (register
   pressure).
-NOTE (H200, S = 32760 / 75600, H = 40): the two passes take 0.42 + 0.64 / 1.02 + 1.48 ms against 1.67 / 3.84 ms
+NOTE (H200, S = 32760 / 75600, H = 40): the two passes take 0.33 + 0.66 / 0.58 + 1.50 ms against 1.67 / 3.84 ms
 for the 14 launches they replaced (docs/kernels_notes.md, "Preprocessing", with the variants tried).
 
 Exactness: the per-row/block divisions are ``div_rn`` (IEEE, like torch), INT8 codes are the low byte
