@@ -42,6 +42,12 @@ def test_unknown_key_lists_accepted():
     ("head_dims", (), "non-empty"),
     ("mode", "fast", "max-autotune"),
     ("num_steps", 0, ">= 1"),
+    # values that used to pass validation or escape it with another error
+    ("residual_budget_gb", 10 ** 400, "within float range"),  # was OverflowError
+    ("anchor_steps", {10: 1, 26: 1}, "a tuple"),  # a dict passed as its keys
+    ("head_dims", (d for d in (64, 128)), "a tuple"),  # a generator was consumed and reported as ()
+    ("kmeans_iters", 10 ** 6, "at most 100"),  # no upper bound: a grouping step of a million passes over V
+    ("tune_cache_dir", "/tmp/a\x00b", "without NUL"),  # passed, then raised ValueError inside the tuner
 ])
 def test_bad_values_name_key_and_accepted(key, value, accepted):
     with pytest.raises(VCConfigError, match=key) as e:

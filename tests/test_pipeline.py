@@ -194,6 +194,13 @@ def test_enable_validates_before_changing_anything():
     with pytest.raises(ValueError, match=r"already torch.compile'd.*_orig_mod"):
         vc_compile.enable(pipe)
     assert not compiled(tr.blocks[0]) and not pipeline_calls.is_tracked(pipe)
+    pipe.transformer = tr
+    # a component that is no module (the scheduler): a clear error naming the transformers, raised before the
+    # transformer listed first is compiled (it used to be compiled, then AttributeError, and disable() failed)
+    for comps in (["transformer", "scheduler"], ["scheduler"]):
+        with pytest.raises(ValueError, match=r"\['scheduler'\].*not torch.nn.Modules.*components=\['transformer'\]"):
+            vc_compile.enable(pipe, components=comps, **OPTS)
+        assert not compiled(tr.blocks[0]) and not pipeline_calls.is_tracked(pipe) and pipe.transformer is tr
 
 
 def test_enable_a_bare_module():

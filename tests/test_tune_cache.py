@@ -124,3 +124,65 @@ def test_shipped_table_wins(tmp_path, monkeypatch):
     cfg, src = C.get_config(key(), CANDS, lambda c: pytest.fail("tuned a shipped shape"), arch=ARCH,
                             directory=str(tmp_path))
     assert src == "shipped" and cfg == {"BLOCK_M": 64, "num_warps": 8}
+
+
+# ---- hostile cache files and directories: never a hang, never an escape, never another user's entries ------
+def _get(tmp_path):
+    return C.get_config(key(), CANDS, lambda c: float(c["num_warps"]), arch=ARCH, directory=str(tmp_path),
+                        shipped=False, quiet=True)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "deep_json", "huge", "version_999", "binary"])
+def test_hostile_cache_file_is_ignored_not_fatal(tmp_path, kind):
+    """A FIFO at the cache path (blocked ``get_config`` forever), a link to /dev/zero (read without bound:
+    MemoryError), JSON nested 100000 deep (RecursionError), a file over the size bound, another format version,
+    undecodable bytes: each is reported once and tuned past, within seconds."""
+    if kind in ("fifo", "dev_zero") and not hasattr(os, "mkfifo"):
+        pytest.skip("POSIX only")
+    path = tmp_path / ARCH.dirname / key().filename()
+    path.parent.mkdir(parents=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev_zero":
+        os.symlink("/dev/zero", path)
+    elif kind == "deep_json":
+        path.write_text("[" * 100000 + "]" * 100000)
+    elif kind == "huge":
+        path.write_text('{"version": 1, "entries": {}, "pad": "' + "x" * (C.MAX_FILE_BYTES + 10) + '"}')
+    elif kind == "version_999":
+        path.write_text(json.dumps({"version": 999, "entries": {key().entry: {"config": CANDS[2]}}}))
+    else:
+        path.write_bytes(b"\xff\xfe\x00garbage")
+    import time
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="ignoring tuning cache file"):
+        cfg, src = _get(tmp_path)
+    assert time.monotonic() - t0 < 10
+    assert src == "tuned" and cfg == CANDS[0]  # the cached CANDS[2] of another version was not used
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX only")
+def test_shared_tmp_fallback_is_per_uid_and_checked(monkeypatch, tmp_path):
+    """Without a home directory the cache falls back to the shared temporary folder: per user id (not $USER,
+    which anyone can set), and a folder there that another user could write is neither read nor written."""
+    for var in ("VCATTN_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", "/")
+    monkeypatch.setenv("USER", "someone-else")
+    monkeypatch.setattr(C.tempfile, "gettempdir", lambda: str(tmp_path))
+    d = C.cache_dir()
+    assert d == os.path.join(str(tmp_path), f"vc_compile-{os.getuid()}", "tune")
+    top = tmp_path / f"vc_compile-{os.getuid()}"
+    top.mkdir(mode=0o777)
+    os.chmod(top, 0o777)  # a planted, world-writable folder
+    assert not C._private_ok(os.path.join(d, "arch"))
+    path = os.path.join(d, ARCH.dirname, key().filename())
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        json.dump({"version": 1, "entries": {key().entry: {"config": CANDS[2]}}}, f)
+    with pytest.warns(RuntimeWarning):
+        cfg, src = C.get_config(key(), CANDS, lambda c: float(c["num_warps"]), arch=ARCH, shipped=False,
+                                quiet=True)
+    assert src == "tuned" and cfg == CANDS[0]  # the planted entry was not used
+    os.chmod(top, 0o700)
+    assert C._private_ok(os.path.join(d, "arch"))

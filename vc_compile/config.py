@@ -282,8 +282,8 @@ class VCConfig:
             bad("group_size", " or ".join(map(str, GROUP_SIZES)))
         if self.kmeans_clusters < 0:
             bad("kmeans_clusters", "an int >= 0 (0 = automatic)")
-        if self.kmeans_iters < 1:
-            bad("kmeans_iters", "an int >= 1")
+        if not 1 <= self.kmeans_iters <= 100:
+            bad("kmeans_iters", "an int >= 1, at most 100 (each iteration is a pass over V per grouping step)")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             bad("warmup_steps", "None or an int >= 0")
         if self.anchor_steps is not None and any(s < 0 for s in self.anchor_steps):
@@ -400,7 +400,10 @@ def _coerce(key: str, value: Any, default: Any, label: Optional[str] = None) -> 
     if key in _FLOATS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail("a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float range, e.g. 10**400
+            fail("a number within float range (float('inf') where the option allows no limit)")
     if key in ("warmup_steps", "anchor_interval"):
         if value is None:
             return None
@@ -410,8 +413,9 @@ def _coerce(key: str, value: Any, default: Any, label: Optional[str] = None) -> 
     if key in ("anchor_steps", "head_dims"):
         if value is None and key == "anchor_steps":
             return None
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-            fail("a tuple of ints")
+        if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__") or iter(value) is value:
+            # (a dict would give its keys, a generator would be consumed by the check and reported empty)
+            fail("a tuple of ints (or a list)")
         try:
             return _tuple_of_ints(value)
         except (TypeError, ValueError):
@@ -423,7 +427,8 @@ def _coerce(key: str, value: Any, default: Any, label: Optional[str] = None) -> 
             fail(list(MODES))
         return value
     if key == "tune_cache_dir":
-        if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
-            fail("None or a non-empty directory path")
+        if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)
+                                  or "\x00" in str(os.fspath(value))):
+            fail("None or a non-empty directory path without NUL bytes")
         return None if value is None else os.fspath(value)
     return value

@@ -208,6 +208,11 @@ def enable(pipe, method: Optional[str] = None, *, options: Any = None, regional:
             raise ValueError(f"vc_compile.enable: {type(pipe).__name__} has no component(s) {missing}; "
                              f"its transformers: {sorted(found)}")
         found = {c: found.get(c, getattr(pipe, c, None)) for c in components}
+        not_modules = [c for c, m in found.items() if not _is_module(m)]
+        if not_modules:  # checked before anything is compiled: a failed enable leaves the pipeline as it was
+            raise ValueError(f"vc_compile.enable: component(s) {not_modules} of {type(pipe).__name__} are not "
+                             f"torch.nn.Modules ({', '.join(type(found[c]).__name__ for c in not_modules)}); "
+                             f"pass transformer components only, e.g. components={sorted(transformers_of(pipe))}")
     if not found:
         raise ValueError(f"vc_compile.enable: no transformer found in {type(pipe).__name__} (components: "
                          f"{sorted(getattr(pipe, 'components', {}) or {})}); pass components=[...]")

@@ -129,10 +129,28 @@ def cache_dir(override: Optional[str] = None) -> str:
     if not base:
         home = os.path.expanduser("~")
         base = os.path.join(home, ".cache") if home not in ("~", "", "/") else ""
-    if not base:
-        base = os.path.join(tempfile.gettempdir(), f"vc_compile_{os.environ.get('USER', 'user')}")
-        return os.path.join(base, "tune")
+    if not base:  # per user id (not the spoofable $USER); its ownership is checked before use (_private_ok)
+        uid = os.getuid() if hasattr(os, "getuid") else os.environ.get("USER", "user")
+        return os.path.join(tempfile.gettempdir(), f"vc_compile-{uid}", "tune")
     return os.path.join(base, "vc_compile", "tune")
+
+
+MAX_FILE_BYTES = 4 << 20  # a cache file holds a few KB; anything larger is not ours
+
+
+def _private_ok(directory: str) -> bool:
+    """False when ``directory`` sits under the shared temporary folder (the no-home fallback) in a parent
+    this user does not own or others can write: another user could plant files there."""
+    tmp = os.path.realpath(tempfile.gettempdir())
+    d = os.path.realpath(directory)
+    if not hasattr(os, "getuid") or not d.startswith(tmp + os.sep):
+        return True
+    top = os.path.join(tmp, os.path.relpath(d, tmp).split(os.sep)[0])
+    try:
+        st = os.stat(top)
+    except FileNotFoundError:
+        return True  # not there yet: made by us, mode 0o700 (_store)
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 _REPORTED = set()
@@ -145,18 +163,47 @@ def _report_bad(path: str, why: str) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-def load(path: str) -> Dict[str, Config]:
-    """Entries of a cache file; {} when missing. A corrupt file is reported and ignored."""
+def _read_regular(path: str) -> bytes:
+    """The bytes of a regular file, at most MAX_FILE_BYTES + 1: opened non-blocking and checked with fstat, so
+    a FIFO, a device (/dev/zero) or a socket at the path is refused instead of blocking or reading forever."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
-        with open(path) as f:
-            data = json.load(f)
+        import stat
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        chunks, n = [], 0
+        while n <= MAX_FILE_BYTES:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def load(path: str) -> Dict[str, Config]:
+    """Entries of a cache file; {} when missing. A corrupt file (not JSON, not a regular file, too large,
+    nested too deep, another format version) is reported and ignored, never fatal and never blocking."""
+    if not _private_ok(os.path.dirname(path)):
+        _report_bad(path, "its shared temporary folder is not owned by this user alone")
+        return {}
+    try:
+        raw = _read_regular(path)
+        if len(raw) > MAX_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+        data = json.loads(raw)
     except (FileNotFoundError, NotADirectoryError):  # (a directory on the way is a file: store() says so)
         return {}
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError, UnicodeDecodeError) as e:
         _report_bad(path, f"unreadable: {type(e).__name__}")
         return {}
     if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
         _report_bad(path, "not a vcattn tuning file")
+        return {}
+    if data.get("version") != 1:
+        _report_bad(path, f"format version {data.get('version')!r}, this vcattn reads 1")
         return {}
     return {k: v for k, v in data["entries"].items() if isinstance(v, dict) and isinstance(v.get("config"), dict)}
 
@@ -187,7 +234,9 @@ def store(path: str, entry: str, record: Dict[str, object]) -> bool:
 def _store(path: str, entry: str, record: Dict[str, object]) -> None:
     from filelock import FileLock
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if not _private_ok(os.path.dirname(path)):
+        raise PermissionError("a shared temporary folder not owned by this user alone")
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     with FileLock(path + ".lock", timeout=60):
         entries = load(path)
         entries[entry] = record
