@@ -243,3 +243,19 @@ def test_lookup_survives_an_unusable_cache_dir(tmp_path, tuning, monkeypatch):
                              torch.device("cuda", 0), 0, True, _bench, directory=str(blocker))
     assert out == (CANDS[1], "tuned")
     assert os.path.isfile(blocker)
+
+
+def test_report_says_not_timed_and_not_counted_instead_of_zeros():
+    """Before: the ms column read 0.00 with profile off and a stock-SDPA site read 0 calls, as if it never ran;
+    now '-' and a line that says how to time the calls."""
+    from vc_compile.runtime.report import Report, SiteRecord
+    kw = dict(graph="g", node="n", module="m", shape="1x2x64x64", dtype="bf16")
+    rw = SiteRecord(site=1, method="vsmooth", rewritten=True, calls=3, **kw)
+    fb = SiteRecord(site=2, method="vsmooth", rewritten=False, reason="masked", **kw)
+    text = str(Report(sites=[rw, fb], graphs_without_sdpa=[]))
+    rows = {c[0]: c for c in ([x.strip() for x in line.split("|")] for line in text.splitlines())
+            if c[0] in ("1", "2")}
+    assert "0.00" not in text and "not timed" in text and "'profile': True" in text
+    assert rows["1"][4] == "3" and rows["2"][4] == "-" and rows["1"][9] == "-", rows
+    rw.time_ms = 1.25
+    assert "attention time 1.25 ms" in str(Report(sites=[rw, fb], graphs_without_sdpa=[]))

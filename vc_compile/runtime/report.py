@@ -218,10 +218,12 @@ class Report:
             phases = " ".join(f"{k}:{v}" for k, v in sorted(s.phases.items()))
             if s.guard_readings:
                 phases += f" (guard {s.guard_anchors}, err<={s.guard_err_max:.3f})"
+            # "-", not 0: a stock-SDPA site is not counted (the op is not in its path), and times are taken
+            # only with profile=True
             rows.append([str(s.site), _clip(s.module or "-", 48), s.shape, s.method if s.rewritten else "sdpa",
-                         str(s.calls), phases,
+                         str(s.calls) if s.rewritten or s.calls else "-", phases,
                          ",".join(sorted(s.kernel_path)), config_column(s.config_sources) or "-",
-                         fb or "-", f"{s.time_ms:.2f}",
+                         fb or "-", f"{s.time_ms:.2f}" if s.time_ms > 0 else "-",
                          f"{s.bytes_held / 2**20:.1f}"])
         if not rows:
             msg = "vc_compile report: no attention call sites compiled yet"
@@ -232,8 +234,10 @@ class Report:
 
         lines = [format_table(rows, cols)]
         n_rw = len(self.rewritten)
-        lines.append(f"{n_rw} of {len(self.sites)} call sites rewritten; attention time "
-                     f"{self.total_time_ms:.2f} ms; metadata held {self.bytes_held / 2**20:.1f} MB")
+        timed = (f"attention time {self.total_time_ms:.2f} ms" if self.total_time_ms > 0 else
+                 "attention not timed (options={'profile': True} times every call)")
+        lines.append(f"{n_rw} of {len(self.sites)} call sites rewritten; {timed}; metadata held "
+                     f"{self.bytes_held / 2**20:.1f} MB")
         unfused = [f"{s.site} ({s.rope_fusion[len('unfused: '):]})" for s in self.sites
                    if s.rewritten and s.rope_fusion and s.rope_fusion.startswith("unfused")
                    and not s.rope_fusion.startswith(("unfused: method ", "unfused: disabled"))]
