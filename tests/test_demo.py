@@ -75,6 +75,20 @@ def test_demo_cli_missing_weights_exits_with_the_message(tmp_path):
     assert not (tmp_path / "grid.png").exists()
 
 
+def test_demo_without_its_extra_names_the_install(tmp_path, monkeypatch):
+    """After a plain ``pip install`` (no Pillow) the demo ended in a raw ModuleNotFoundError: PIL; now it exits
+    naming the missing packages and the extra that brings them, before loading anything."""
+    import importlib.util
+
+    from vc_compile.demo import __main__ as demo_main
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        demo_main.main(["--out", str(tmp_path), "--device", "cpu"])
+    assert "pillow" in str(e.value.code) and "vc_compile[demo]" in str(e.value.code)
+    assert not (tmp_path / "grid.png").exists()
+
+
 def test_prompt_parsing():
     t = parse_prompt("red circle right; Blue SQUARE up")
     assert t.shape == (1, 3, 3) and t[0, 2].tolist() == [0, 0, 0]

@@ -138,8 +138,24 @@ def grid_text(a, rows, cfg, tokens, device_name):
     return title, notes
 
 
+# what the demo needs beyond the package: (module, distribution) -> installed by the "demo" extra
+DEMO_NEEDS = (("PIL", "pillow"), ("safetensors", "safetensors"), ("diffusers", "diffusers"))
+
+
+def check_demo_deps() -> None:
+    """A clear exit, naming the fix, when a package of the ``demo`` extra is missing (a plain ``pip install
+    vc_compile`` has none of them): not a raw ModuleNotFoundError from deep inside the demo."""
+    import importlib.util
+    missing = [dist for mod, dist in DEMO_NEEDS if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise SystemExit(f"vc_compile demo: missing {', '.join(missing)}; install the demo extra: "
+                         f"pip install 'vc_compile[demo]' (in a checkout: pip install -e '.[demo]', or "
+                         f"bash scripts/setup.sh)")
+
+
 def main(argv=None):
     a = parse_args(argv)
+    check_demo_deps()
     from .media import VideoEncoderMissing, write_gif, write_grid, write_mp4
     from .metrics import compare
     from .model import DemoWeightsMissing, encode, load_demo, parse_prompt
