@@ -75,6 +75,33 @@ def overlap_window(sass: str) -> dict:
             "sts": sum(n for op, n in ops.items() if op.startswith("STS"))}
 
 
+def key_loops(sass: str) -> list:
+    """Every innermost key loop (a backward branch around a QK IGMMA, under 1500 instructions): a list of
+    instruction lists. Register-P~ ExpCast kernels have two per consumer (the byte-mask clamp and the FMNMX clamp,
+    chosen per program by ``bytemask_ok``)."""
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    out = []
+    for i, (a, t) in enumerate(ins):
+        m = re.search(r"BRA \S*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at:
+            body = [x for _, x in ins[at[int(m.group(1), 16)]:i + 1]]
+            if any("IGMMA" in x for x in body) and len(body) < 1500:
+                out.append(body)
+    return out
+
+
+def loop_stats(sass: str) -> dict:
+    """Local-memory (spill) instructions inside the key loops, and the FMNMX count of the shortest loop and the
+    largest over the loops (ExpCast: the row max 64 + its tree, + 64 clamps unless the byte mask packs the clamp)."""
+    loops = key_loops(sass)
+    op = lambda x: re.sub(r"^@!?U?P\w+\s+", "", x).split()[0]  # noqa: E731
+    return {"key_loops": len(loops),
+            "loop_local_memory": sum(1 for b in loops for x in b if op(x).startswith(("LDL", "STL"))),
+            "fmnmx_shortest_loop": sum(1 for x in min(loops, key=len) if op(x).startswith("FMNMX")) if loops else -1,
+            "fmnmx_most": max((sum(1 for x in b if op(x).startswith("FMNMX")) for b in loops), default=-1)}
+
+
 def register_p_loop(sass: str) -> dict:
     """Order of the MMAs and the softmax in the key loop (the backward branch around a QK IGMMA) of a
     register-P~ kernel: the next block's IGMMA, then the softmax, then a QGMMA with a register A operand."""
@@ -129,6 +156,8 @@ def main(argv=None):
         # returned wrong or NaN rows on the H200 (kernels_notes v6); e4m3x4 packs P~ so that none appear
         out[name]["f2fp_merge_chained"] = len(re.findall(r"PACK_AB_MERGE_C R\d+, R\d+, R\d+, R\d+", sass))
         out[name]["window"] = register_p_loop(sass) if out[name]["register_p"] else overlap_window(sass)
+        out[name].update(loop_stats(sass))
+        out[name]["byte_mask"] = bool(expcast and out[name]["register_p"] and cfg.byte_mask)
     if a.json:
         print(json.dumps(out))
     else:

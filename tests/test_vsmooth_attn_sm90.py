@@ -59,7 +59,12 @@ VARIANTS = ["d128_exp2", "d128_expcast", "d128_naive", "d64_exp2", "d64_expcast"
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     st = codegen[variant]
-    assert st["spill_bytes"] == 0 and not st["wgmma_serialized"]
+    # nothing spills in a key loop; the byte-mask clamp's once-per-program guard (``bytemask_ok``) costs ptxas
+    # 16 bytes of stack in the prologue of the warp-specialised kernel (measured: no loop instruction touches it)
+    assert st["loop_local_memory"] == 0 and not st["wgmma_serialized"]
+    assert st["spill_bytes"] <= (16 if st["byte_mask"] else 0)
+    if st["byte_mask"]:  # a byte-mask loop without the 64 FMNMX clamps, and the FMNMX-clamp loop beside it
+        assert st["fmnmx_shortest_loop"] <= 80 and st["fmnmx_most"] >= 140
     # no chained F2FP.MERGE_C: the SASS pattern of every wrong / NaN register-P~ exp2 compile (kernels_notes v6)
     assert st["f2fp_merge_chained"] == 0
     w = st["window"]
@@ -347,3 +352,89 @@ def test_gpu_ms_mean_term_keeps_fp32_accuracy_on_large_means(D, expcast):
     sm = g.vsmooth_attention_sm90(qk, vq, expcast=expcast, out_dtype=torch.float32, launch=SMEM)
     part = sm - v.float().mean(dim=2, keepdim=True)
     assert ((ms - sm).norm() / part.norm()).item() <= 2e-3
+
+
+# ---- ExpCast's clamp as a byte mask (``softmax.codes_masked``) --------------------------------------------
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` (default mode) on Python ints: result byte i from selector nibble i, bits 0-2 the byte of
+    {b, a} (a: 0-3), bit 3 replicating that byte's top bit."""
+    src = (b << 32) | a
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = (src >> (8 * (nib & 7))) & 0xFF
+        out |= (0xFF if byte & 0x80 else 0x00) << (8 * i) if nib & 8 else byte << (8 * i)
+    return out
+
+
+def _run_codes_masked_ptx(words):
+    """Execute ``CODES_MASKED_PTX`` as written (its prmt / not / and lines) on four 32-bit words."""
+    import re
+    from vc_compile.templates.vsmooth_attn_sm90_softmax import CODES_MASKED_PTX
+    text = CODES_MASKED_PTX.value if hasattr(CODES_MASKED_PTX, "value") else CODES_MASKED_PTX
+    reg = {f"${i + 1}": w for i, w in enumerate(words)}
+    ops = 0
+    for line in text.split("\n"):
+        line = line.strip().strip("{}").strip()
+        if line.startswith(".reg") or not line:
+            continue
+        m = re.match(r"(prmt\.b32|not\.b32|and\.b32)\s+([^;]+);", line)
+        assert m, f"unexpected PTX line {line!r}"
+        op, args = m.group(1), [x.strip() for x in m.group(2).split(",")]
+        if op == "prmt.b32":
+            reg[args[0]] = _prmt(reg[args[1]], reg[args[2]], int(args[3], 16))
+        elif op == "not.b32":
+            reg[args[0]] = ~reg[args[1]] & 0xFFFFFFFF
+        else:
+            reg[args[0]] = reg[args[1]] & reg[args[2]]
+        ops += 1
+    assert ops == 6  # 4 PRMT, NOT + AND (one LOP3 in SASS)
+    return reg["$0"]
+
+
+def test_byte_mask_clamp_is_the_fmnmx_clamp():
+    """The packed byte-mask clamp gives the bytes of max(y, 2^23) for every y the FFMA can produce while codes stay
+    >= -2^22: codes 0..126 (y = 2^23 + c), every half-step below code 0 down to -2^22 (y in [2^22, 2^23), ulp
+    1/2), NaN and -Inf (+Inf cannot leave the FFMA with finite coefficients); checked by running the kernel's
+    PTX text on the words."""
+    import random
+    import struct
+    bits = lambda f: struct.unpack("<I", struct.pack("<f", f))[0]  # noqa: E731
+    C = 8388608.0
+    ys = [C + c for c in range(127)] + [C - d / 2 for d in range(1, 4000)] + [C / 2, C / 2 + 0.5, C - 0.5]
+    rng = random.Random(0)
+    ys += [C - rng.uniform(0, C / 2) for _ in range(4000)]  # any point of [2^22, 2^23)
+    words = [bits(y) for y in ys] + [0x7FC00000, 0xFF800000]  # + NaN, -Inf: FMNMX(., 2^23) = 2^23, code 0
+    want = [bits(max(y, C)) & 0xFF for y in ys] + [0, 0]
+    words, want = words + words[:(-len(words)) % 4], want + want[:(-len(want)) % 4]  # whole words of 4
+    for i in range(0, len(words), 4):
+        got = _run_codes_masked_ptx(words[i:i + 4])
+        assert [(got >> (8 * j)) & 0xFF for j in range(4)] == want[i:i + 4], (i, [hex(w) for w in words[i:i + 4]])
+
+
+def test_byte_mask_guard_bounds_every_code():
+    """``bytemask_ok``'s condition 8 ks qs <= 1 keeps the lowest possible code above -2^22 at D <= 128 (the mask
+    reads exponent 149; a code below -2^22 would land in exponent 148, whose bit 23 is clear): the widest INT8 score
+    range is 2 * 127^2 * D."""
+    for D in (64, 128):
+        lowest = 119.65 - 1.0 * 2 * 127 ** 2 * D
+        assert lowest > -2 ** 22
+
+
+@requires_sm90
+@pytest.mark.parametrize("S", [300, 4173])
+@pytest.mark.parametrize("scale", [1.0, 60.0])
+def test_gpu_byte_mask_matches_fmnmx_clamp_bit_for_bit(S, scale):
+    """byte_mask on and off give the same bits (the same codes, clamped in the packing instead of by FMNMX);
+    scale = 60 makes 8 ks qs > 1 so ``bytemask_ok`` sends the program to the FMNMX-clamp loop, against the
+    shared-memory-P~ kernel there."""
+    from vc_compile.templates import vsmooth_attn_sm90 as g
+    q, k, v = make_qkv(1, 3, S, 128, torch.bfloat16, device="cuda")
+    q, k = (q.float() * scale).bfloat16(), (k.float() * scale).bfloat16()
+    qk, vq = quantise(q, k, v, "int8", True)
+    on = g.vsmooth_attention_sm90(qk, vq, expcast=True, launch=MS_WS)
+    off = g.vsmooth_attention_sm90(qk, vq, expcast=True, launch=VSmoothSm90Config(
+        p_operand=POperand.REGISTERS, warp_specialize=True, byte_mask=False, **MS))
+    assert MS_WS.byte_mask and torch.equal(on, off)
+    t = g.vsmooth_attention_sm90(qk, vq, expcast=True, launch=SMEM)
+    assert torch.isfinite(on).all() and rel(on, t) <= 1e-2

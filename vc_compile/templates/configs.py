@@ -179,7 +179,9 @@ class VSmoothSm90Config(_Json):
     """The Gluon kernel's launch: BM query rows per program (per consumer warp group when warp-specialised),
     warps, K / V ring depth, where PV reads P~, warp specialisation (two consumer warp groups + a producer
     warp, one CTA per SM), and the row-sum / mean-term modes (``RowSum.MMA`` + ``MeanTerm.TF32_WINDOW``: both
-    on the tensor cores, "MS" in docs/kernels_notes.md v7)."""
+    on the tensor cores, "MS" in docs/kernels_notes.md v7). ``byte_mask``: register-P~ ExpCast clamps its codes
+    at 0 in the byte packing (``softmax.codes_masked``) instead of by an FMNMX per score, in every program whose
+    scales allow it (``bytemask_ok``; the others run the FMNMX loop); the output is the same bits either way."""
     block_m: int = 64
     num_warps: int = 4
     stages: int = 2
@@ -187,14 +189,21 @@ class VSmoothSm90Config(_Json):
     warp_specialize: bool = False
     rowsum: RowSum = RowSum.FP16
     mean: MeanTerm = MeanTerm.FFMA
+    # NOTE (H200, 2026-12-02, ExpCast kernel alone, structured inputs, one run, bench_vsmooth_attn_sm90.csv):
+    # byte_mask off / on 25.10, 25.10 / 23.84, 24.45 ms at S = 32760 H40 (FA3 FP8 23.22, torchao 24.78), 7.67 /
+    # 7.31 at H12 (FA3 7.06), 131.9, 135.7 / 132.0, 133.4 at 75600 (SM clock 1815 MHz there against 1935: the
+    # A/B is within its noise); output bit for bit the same. SASS: the key loop 617 -> 587 instructions, FMNMX
+    # 140 -> 76 (a probe without any clamp, wrong codes: 23.00 / 124.2 ms, the ceiling of this change).
+    byte_mask: bool = True
 
     def __post_init__(self):
         _coerce_enum(self, "p_operand", POperand)
         _coerce_enum(self, "rowsum", RowSum)
         _coerce_enum(self, "mean", MeanTerm)
         _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 5)))
-        if not isinstance(self.warp_specialize, bool):
-            raise ValueError(f"VSmoothSm90Config.warp_specialize={self.warp_specialize!r}; accepted: True, False")
+        for flag in ("warp_specialize", "byte_mask"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"VSmoothSm90Config.{flag}={getattr(self, flag)!r}; accepted: True, False")
         regs = self.p_operand == POperand.REGISTERS
         if self.warp_specialize and (not regs or self.num_warps != 4 or self.block_m != 64):
             raise ValueError(f"{self}: warp specialisation needs p_operand='registers', 4 warps and block_m = 64 "

@@ -26,6 +26,9 @@ Launch configuration (``configs.VSmoothSm90Config``; the measured defaults per h
 * ``rowsum="mma"`` / ``mean="tf32_window"`` ("MS", register P~ only): the row sum and the V-Smooth mean term
   leave the ALUs for the tensor cores (``row_sum_mma``, ``MeanWindow.flush``; kernels_notes v7).
 * ``warp_specialize``: two consumer warp groups and a producer warp (below).
+* ``byte_mask`` (register P~, ExpCast): the code's clamp at 0 is done on the packed bytes
+  (``softmax.codes_masked``) in every program whose scales keep all codes >= -2^22 (``steps.bytemask_ok``,
+  checked once per program); the others run the same loop with the FMNMX clamp. Same bits either way.
 
 acc         the PV accumulator in units of v_scale; O = acc * v_scale / l_i.
 m_i, l_i    running row max / row sum (of the decoded P~, summed in fp16; MS: exact, by an MMA, l_i a [BM, 8]
@@ -72,7 +75,8 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS, VS
                               BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
                               BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                               MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                              PREG: gl.constexpr, MS: gl.constexpr, num_warps: gl.constexpr):
+                              PREG: gl.constexpr, MS: gl.constexpr, BYTEMASK: gl.constexpr,
+                              num_warps: gl.constexpr):
     """BM rows per program, num_warps / 4 warp groups that also load K / V (at BM = 64: two CTAs per SM)."""
     p_shared: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.float8e4nv)
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [BM, D], desc_q.layout)
@@ -92,7 +96,8 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS, VS
     # the program refills its own ring (WS = 0): kbar / vbar stand in for the producer's empty barriers
     ring = KVRing(desc_k, desc_v, desc_m, k_smem, v_smem, m_smem, kbar, vbar, kbar, vbar, BN, STAGES, 0)
     attend_rows(desc_q, q_smem, p_smem, qbar, ring, MeanWindow(desc_g, ones_smem, mg_smem, mgbar), QS, KS, VS, OUT,
-                LSE, S, Sk, nb, gl.program_id(0) * BM, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, PREG, MS)
+                LSE, S, Sk, nb, gl.program_id(0) * BM, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, PREG, MS,
+                BYTEMASK)
     mbarrier.invalidate(qbar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(kbar.index(i))
@@ -122,7 +127,7 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
                                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
                                  BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                                  MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                                 MS: gl.constexpr, num_warps: gl.constexpr):
+                                 MS: gl.constexpr, BYTEMASK: gl.constexpr, num_warps: gl.constexpr):
     """Warp-specialised (register P~): two consumer warp groups of BM rows each (the default partition and a
     worker) share a K / V ring that a producer warp fills; one CTA (12 warps) per SM."""
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, BM, D], desc_q.layout)
@@ -157,9 +162,9 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
     # the q_smem pair stands in for the P~ buffer (register P~ reads none)
     gl.warp_specialize([
         (attend_rows, (desc_q, q_smem.index(0), q_smem, qbar.index(0), ring, win0, QS, KS, VS, OUT, LSE, S, Sk, nb,
-                       start, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS)),
+                       start, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK)),
         (attend_rows, (desc_q, q_smem.index(1), q_smem, qbar.index(1), ring, win1, QS, KS, VS, OUT, LSE, S, Sk, nb,
-                       start + BM, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS)),
+                       start + BM, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK)),
         (_ws_producer, (ring, Sk, nb, D, BV, MEAN and not MS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -234,7 +239,8 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     args = (desc_q, desc_k, desc_v, desc_m, desc_g, q_scale.contiguous(), k_scale.contiguous(),
             vq.v_scale.contiguous(), out, lse, S, Sk, nb)
     consts = dict(BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, STAGES=stages, EXPCAST=3 if expcast else 0,
-                  MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), MS=int(ms))
+                  MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), MS=int(ms),
+                  BYTEMASK=int(launch.byte_mask and preg))
     if ws:
         _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
     else:

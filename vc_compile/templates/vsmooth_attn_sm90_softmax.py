@@ -38,9 +38,10 @@ class Tile:
     BN: gl.constexpr
     BKS: gl.constexpr
     EXPCAST: gl.constexpr
+    BYTEMASK: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, qs, KS_bh, s_layout, o_layout, BN, BKS, EXPCAST):
+    def __init__(self, qs, KS_bh, s_layout, o_layout, BN, BKS, EXPCAST, BYTEMASK=0):
         self.qs = qs
         self.KS_bh = KS_bh
         self.s_layout = gl.constexpr(s_layout)
@@ -48,6 +49,7 @@ class Tile:
         self.BN = gl.constexpr(BN)
         self.BKS = gl.constexpr(BKS)
         self.EXPCAST = gl.constexpr(EXPCAST)
+        self.BYTEMASK = gl.constexpr(BYTEMASK)
 
 
 @gluon.jit
@@ -122,7 +124,8 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
         K0 = (8388608.0 + fl) - n0
         K1 = (8388608.0 + fl) - n1
         y = gl.fma(t, gl.where(lo, A0[:, None], A1[:, None]), gl.where(lo, K0[:, None], K1[:, None]))
-        y = gl.maximum(y, 8388608.0)  # code 0 below (the row's underflow tail)
+        if not tile.BYTEMASK:
+            y = gl.maximum(y, 8388608.0)  # code 0 below (the row's underflow tail); BYTEMASK: in the packing
     else:
         # exp2 on a full block: the base-2 logit (t - C) ks qs, the max subtraction and the P~ scale 2^8 as
         # ONE FFMA inside the exponent, with coefficients per (row, 64-key half) a = ks qs, b = 8 - m - C a;
@@ -140,7 +143,10 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
     if EXPCAST:
         if MASK:
             y = gl.maximum(y + 8388608.0, 8388608.0)  # round to the integer code (magic add), clamp at 0
-        p8 = y.to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+        if tile.BYTEMASK and not MASK:
+            p8 = codes_masked(y)  # the clamp at code 0 as a byte mask, while packing
+        else:
+            p8 = y.to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
     elif PREG:
         p8 = e4m3x4(gl.exp2(y))  # MUFU + cast, packed without ptxas's F2FP.MERGE_C chain (see e4m3x4)
     else:
@@ -152,6 +158,31 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
     else:
         r = 0.0
     return p8, alpha, r, m_new
+
+
+# $1..$4: four codes y (fp32 bits), $0: their four E4M3 bytes. PRMT selectors: one nibble per result byte (byte
+# 0 first), bits 0-2 the source byte (0-3 the first operand, 4-7 the second), bit 3 = replicate that byte's top
+# bit. tests/test_vsmooth_attn_sm90.py emulates this text instruction by instruction.
+CODES_MASKED_PTX = gl.constexpr(
+    "{ .reg .b32 a, b, c, m;\n"
+    "prmt.b32 a, $1, $2, 0xEA40;\n"  # [y0.b0, y1.b0, sign(y0.b2), sign(y1.b2)]
+    "prmt.b32 b, $3, $4, 0xEA40;\n"
+    "prmt.b32 c, a, b, 0x5410;\n"  # the four codes
+    "prmt.b32 m, a, b, 0x7632;\n"  # their masks (0xFF: below code 0)
+    "not.b32 m, m;\n"
+    "and.b32 $0, c, m; }")
+
+
+@gluon.jit
+def codes_masked(y):
+    """ExpCast's unclamped codes y (fp32, ``fma(t, A', K)``) -> E4M3 bytes, four consecutive register elements
+    per 32-bit word, a code below 0 read as 0: the clamp ``max(y, 2^23)`` done on the packed bytes. A code
+    c >= 0 is y = 2^23 + c (bits 0x4B000000 + c: byte 0 the code, bit 23 clear); a code in [-2^22, 0) is
+    y in [2^22, 2^23) (exponent 149: bit 23, byte 2's top bit, set), so byte 0 AND NOT (byte 2's sign
+    replicated by PRMT) is the clamped code. 5 instructions per 4 scores (4 PRMT, 1 LOP3) against 7 (4 FMNMX,
+    3 PRMT). Needs every code >= -2^22: ``bytemask_ok`` checks 8 ks qs <= 1 for the whole tile first."""
+    return gl.inline_asm_elementwise(CODES_MASKED_PTX, "=r,r,r,r,r", [y], dtype=gl.float8e4nv, is_pure=True,
+                                     pack=4)
 
 
 @gluon.jit
