@@ -1,4 +1,4 @@
-"""MC-Sparse anchor step, old vs new, per kernel (issue 20 "cheap anchors"), side by side with cuDNN dense.
+"""MC-Sparse anchor step, old vs new, per kernel (the cheap anchor), side by side with cuDNN dense.
 
     python -m benchmarks.bench_anchor_mass                   # S = 32760 and 75600, B1 H40 D128 bf16, C = 128
     python -m benchmarks.bench_anchor_mass --sizes 32760 --heads 12          # Wan 1.3B's head count

@@ -1,4 +1,4 @@
-"""Ulysses context parallelism on 2 x H200 (issue 9): vcattn V-Smooth and MC-Sparse vs SDPA cuDNN.
+"""Ulysses context parallelism on 2 x H200: vcattn V-Smooth and MC-Sparse vs SDPA cuDNN.
 
     torchrun --nproc-per-node 2 -m benchmarks.bench_context_parallel                 # S=75600, H=40, D=128
     torchrun --nproc-per-node 2 -m benchmarks.bench_context_parallel --density 0.15 --csv $OUT/cp.csv

@@ -102,7 +102,7 @@ def main(argv=None):
     sizes = (a.sizes or ("32k" if a.quick else "32k,75k")).split(",")
     steps = a.steps or (20 if a.quick else 50)
     known = dict(METHODS)
-    # MC-Sparse with C = 128 query groups (the gather kernel's faster tile, issue 5), for the group-size A/B
+    # MC-Sparse with C = 128 query groups (the gather kernel's faster tile), for the group-size A/B
     known.update({f"mcsparse-c128@{d}": {"method": "mcsparse", "density": d, "group_size": 128}
                   for d in (0.15, 0.25)})
     cfn = compile_regional if a.regional else compile_full

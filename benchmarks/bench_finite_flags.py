@@ -10,7 +10,7 @@ per group and PDDP groups of the queries, all timed in one process with ``triton
 * ``kv_read_torch``: ``k.sum() + v.sum()`` in fp32: torch reading K and V once (the bandwidth yardstick).
 * ``flags``: ``finite_flags(k, v)`` alone; ``flags_probe``: with the guard's 16 probe rows per head, plus
   ``probe_error`` (the whole measurement). ``gbps`` = 2 B H S D * 2 bytes / time.
-* ``reuse_base``: the gather kernel + bf16 residual epilogue = the reuse step before issue 23.
+* ``reuse_base``: the gather kernel + bf16 residual epilogue = the reuse step before the NaN/Inf flags.
 * ``reuse_flags``: flags + gather kernel with the flag epilogue = a reuse step with propagate_nonfinite=True.
 * ``reuse_guard``: flags + probe, gather, probe_error and the asynchronous read-back = guard on.
 ``overhead_pct`` = (time / reuse_base - 1) * 100. ``rel_l2``: reuse_flags / reuse_guard against reuse_base

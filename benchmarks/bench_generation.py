@@ -1,4 +1,4 @@
-"""Bare attention over a whole denoising generation (issue 20, targets 2): every phase, as a user calls it.
+"""Bare attention over a whole denoising generation: every phase, as a user calls it.
 
     python -m benchmarks.bench_generation                      # H200: S in {32760, 75600} x H in {40, 12}
     python benchmarks/bench_generation.py --sizes 32760 --heads 40 --csv $OUT/bench_generation.csv
@@ -11,7 +11,7 @@ the spread per step), ``--steps`` steps (default 50). Each method is called thro
 the model's [B, S, H, D] layout) inside ``vc_compile.sampling(num_steps=n)`` with ``vc_compile.step(i)``,
 so its real phase schedule runs: dense warm-up, V-Smooth grouping, MC-Sparse anchors, reuse steps.
 Baselines on the same inputs: ``sdpa_cudnn`` (n cuDNN calls), ``fa4-bf16`` (FlashAttention-4, when
-``flash_attn.cute`` imports; see issue 21), and, on a sm_90 GPU where they import, ``fa3-fp8``
+``flash_attn.cute`` imports), and, on a sm_90 GPU where they import, ``fa3-fp8``
 (FlashAttention-3's FP8 kernel from the fa3-fwd wheel; per-(batch, head) FP8 quantisation inside every call,
 since the inputs change every step) and ``torchao-fp8`` (torchao's FP8 attention op as its
 ``apply_low_precision_attention`` calls it, quantisation included; FA3 active as torch's flash SDPA for the
@@ -31,7 +31,7 @@ H = 40): a third generation runs to the second reuse step and profiles that call
 GPU kernel times by name, split into attention kernels (names matching ``ATTN_KERNELS``) and the rest;
 ``gap_ms`` = step time - all kernel time (launch gaps, Python, metadata lookups while the GPU idles),
 ``host_ms`` = the op's host time on the previous reuse step (no profiler), ``outside_share`` = 1 -
-attention-kernel time / step time: issue 20's "everything outside the attention kernels <= 5% of the
+attention-kernel time / step time: the target "everything outside the attention kernels <= 5% of the
 step". A residual added in the attention kernel's epilogue is inside the kernel (not separable here;
 ``bench_sparse_attn``'s ``reuse_*`` vs ``sparse_*`` rows measure it).
 
@@ -68,10 +68,10 @@ PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's 
 # GPU kernels counted as "attention kernels" in the reuse-step breakdown (lower-case substrings): ours
 # (vsmooth_attn*, sparse_attn*) and SDPA's (cuDNN, flash, fmha)
 ATTN_KERNELS = ("attn", "attention", "fmha", "flash", "sdpa", "cudnn")
-# Prior per-step time of a method relative to one cuDNN call (issue 20, H200 2026-12-01; only to plan the
+# Prior per-step time of a method relative to one cuDNN call (H200 2026-12-01; only to plan the
 # budget: measured times replace them as the run goes)
 PRIOR_RATIO = {"vsmooth": 0.85, "vsmooth+expcast": 0.8, "mcsparse@0.15": 0.45, "mcsparse@0.25": 0.5}
-JIT_PRIOR_S = 15.0  # first call of a method's kernels in this process (issue 20: 9.4-10 s)
+JIT_PRIOR_S = 15.0  # first call of a method's kernels in this process (measured: 9.4-10 s)
 _SITES = itertools.count(900_000)  # call-site ids of this script's op calls (one per method and shape)
 EXTRAS = ["steps", "speedup_vs_fa4", "first_generation_s", "ms_per_step_median",
           *(f"ms_{p}" for p in PHASES), *(f"n_{p}" for p in PHASES), "attn_kernel_ms", "other_kernels_ms",
@@ -223,7 +223,7 @@ def estimate_s(S, H, D, steps, label, cuda):
     """Planning estimate (seconds) of one variant: an untimed and a timed generation (+ JIT)."""
     if not cuda:
         return 1.0
-    dense = attn_flops(1, H, S, S, D) / 5.0e14  # cuDNN ~500 TFLOP/s on the H200 (issue 21)
+    dense = attn_flops(1, H, S, S, D) / 5.0e14  # cuDNN ~500 TFLOP/s on the H200
     ratio = PRIOR_RATIO.get(label, 1.0)
     return 2 * steps * (dense * ratio + 0.004) + (JIT_PRIOR_S if label in METHODS else 1.0)
 

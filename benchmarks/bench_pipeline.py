@@ -1,4 +1,4 @@
-"""A real diffusers WanPipeline at real sizes, every method against stock Inductor (issue 20 item 1).
+"""A real diffusers WanPipeline at real sizes, every method against stock Inductor.
 
     python -m benchmarks.bench_pipeline --plan-only                  # the plan and its time estimate (any machine)
     python -m benchmarks.bench_pipeline --csv $OUT/bench_pipeline.csv        # H200: 1.3B 480p, regional, all methods
@@ -82,14 +82,14 @@ EXTRAS = ["model", "layers", "steps", "guidance", "compile", "first_generation_s
           "sites", "sdpa_kernel", "caches", "note"]
 ATTN_KERNELS = ("cudnn", "fmha", "flash", "sdpa", "attention", "attn")
 # ---- planning priors (replaced by measurements as the run goes) ----
-# generation time relative to stock: issue 20's end-to-end speed-ups (H200, 2026-12-01, this configuration)
+# generation time relative to stock: the measured end-to-end speed-ups (H200, 2026-12-01, this configuration)
 PRIOR_RATIO = {"stock": 1.0, "dense": 1.02, "vsmooth": 1 / 1.18, "vsmooth+expcast": 1 / 1.23,
                "mcsparse@0.15": 1 / 1.59, "mcsparse@0.25": 1 / 1.43}
 COMPILE_S = {"regional": 15.0, "whole": 90.0}  # torch.compile of the transformer, empty caches (guess)
 RECOMPILE_S = {"regional": 10.0, "whole": 45.0}  # the same graph again with profile=True (guess)
-JIT_S = 10.0  # a method's Triton kernels built at their first calls (issue 20: 9.4-10 s)
+JIT_S = 10.0  # a method's Triton kernels built at their first calls (measured: 9.4-10 s)
 # stock step time from FLOPs: cuDNN attention ~520 TFLOP/s, GEMMs ~600: 1.03 s for 1.3B at 32760 tokens
-# with CFG, where issue 20 measured 1.04 s (the calibration point)
+# with CFG, measured at 1.04 s (the calibration point)
 ATTN_TFLOPS, GEMM_TFLOPS = 5.2e14, 6.0e14
 
 

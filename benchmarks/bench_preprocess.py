@@ -1,4 +1,4 @@
-"""Prologue fusion on the H200 (issue 7): the Q/K preprocessing chain with and without the model's RoPE
+"""Prologue fusion on the H200: the Q/K preprocessing chain with and without the model's RoPE
 folded into our kernel, against a device-to-device copy of the same bytes.
 
     python3 -m benchmarks.bench_preprocess [--csv PATH] [--smoke] [--no-results] [--shapes S,S] [--no-op] [--no-ab]

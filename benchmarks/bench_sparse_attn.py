@@ -208,7 +208,7 @@ def bench_size(S, do_sweep, log, dev="cuda", dense_backend="cudnn", group_sizes=
     t_flash = bench_ms(sdpa_fn(q, k, v, "flash" if dev == "cuda" else "math"), warmup=wu, rep=rp)
     rows.append(row("sdpa_flash", S, 1.0, t_flash, t_cudnn))
     log(f"S={S}: cudnn {t_cudnn:.2f} ms, flash {t_flash:.2f} ms")
-    fa4 = fa4_fn(q, k, v) if dev == "cuda" else None  # FlashAttention-4 bf16: the headline baseline (issue 21)
+    fa4 = fa4_fn(q, k, v) if dev == "cuda" else None  # FlashAttention-4 bf16: the headline baseline
     if fa4 is not None:
         t_fa4 = bench_ms(fa4, warmup=wu, rep=rp)
         rows.append(row("fa4-bf16", S, 1.0, t_fa4, t_cudnn))

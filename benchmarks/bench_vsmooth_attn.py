@@ -1,4 +1,4 @@
-"""8-bit attention on the H200 (issue 4): speed and fidelity of every variant, side by side.
+"""8-bit attention on the H200: speed and fidelity of every variant, side by side.
 
     python -m benchmarks.bench_vsmooth_attn [--quick] [--out DIR] [--sweep] [--check] [--ab [--auto]]
                                             [--smoke] [--no-bench] [--no-csv] [--captured-only]
@@ -207,7 +207,7 @@ def bench_shape(B, H, S, D, n_rows, quick, launches=None):
             add(name, bench_ms(fn, wu, rep), fn())
         except Exception as e:  # noqa: BLE001
             log(f"  {name} failed: {type(e).__name__}: {e}")
-    fn = fa4_fn(q, k, v) if DEV == "cuda" else None  # FlashAttention-4 bf16: the headline baseline (issue 21)
+    fn = fa4_fn(q, k, v) if DEV == "cuda" else None  # FlashAttention-4 bf16: the headline baseline
     if fn is not None:
         add("fa4-bf16", bench_ms(fn, wu, rep), fn())
     elif DEV == "cuda":

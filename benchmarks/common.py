@@ -38,7 +38,7 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 def env_info() -> Dict[str, str]:
     """Date (UTC), commit, GPU, torch and triton versions for a results row. ``VC_COMMIT`` wins over git:
     the device machine's copy of ``.git`` can lag behind the working tree it was sent (a row there once
-    named the session's first commit instead of the one that ran)."""
+    named an earlier commit instead of the one that ran)."""
     commit = os.environ.get("VC_COMMIT", "")
     if not commit:
         try:
@@ -151,7 +151,7 @@ _FA4: Optional[tuple] = None
 def fa4_status() -> tuple:
     """``(flash_attn_func or None, one-line note)``: FlashAttention-4 (CuTe DSL; bf16, [B, S, H, D]) when
     ``flash_attn.cute`` imports and a sm_90+ GPU is present. Optional: never a requirement of the package
-    (install notes: issue 21; the sm_90 forward is bf16/fp16 only)."""
+    (the sm_90 forward is bf16/fp16 only)."""
     global _FA4
     if _FA4 is None:
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
@@ -162,7 +162,7 @@ def fa4_status() -> tuple:
                 _FA4 = (flash_attn_func, "fa4-bf16: flash_attn.cute.flash_attn_func")
             except Exception as e:  # noqa: BLE001 - not installed / CuTe DSL missing
                 _FA4 = (None, f"fa4-bf16 skipped: flash_attn.cute not importable ({type(e).__name__}: "
-                              f"{str(e)[:120]}); install notes in issue 21")
+                              f"{str(e)[:120]}); install flash-attn-4 with its CUDA 13 dependencies")
     return _FA4
 
 

@@ -1,7 +1,7 @@
 """Where a V-Smooth reuse step's GPU time goes, kernel by kernel, at the checked-out commit: the op as the runtime
 runs it (preprocessing of Q, K, V with the cached key order, then the attention kernel), timed by the profiler
 over repeated calls (median per kernel), plus the whole op by CUDA events. Works on trees before and after the
-two-launch preprocessing (it adapts to either API), so two checkouts can be compared in one GPU session:
+two-launch preprocessing (it adapts to either API), so two checkouts can be compared in one run:
 
     python3 -m scripts.ab_op_kernels --out /tmp/new.json                  # this checkout
     (cd /tmp/old && python3 -m scripts.ab_op_kernels --out /tmp/old.json) # another commit

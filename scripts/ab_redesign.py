@@ -1,4 +1,4 @@
-"""Same speed before and after the kernel-layer redesign (issue 22)? Times, at the checked-out commit, the
+"""Same speed before and after the kernel-layer redesign? Times, at the checked-out commit, the
 kernels as the runtime launches them by default (no launch config: the measured defaults) on the benchmark's
 shapes, and compares two such runs. Works at 4f44cc9 (before) and after (it adapts to either API).
 

@@ -1,4 +1,4 @@
-"""CPU accuracy study of the cheap anchor step (issue 20), with the plain-PyTorch references only.
+"""CPU accuracy study of the cheap anchor step, with the plain-PyTorch references only.
 
     python -m scripts.anchor_accuracy [--capture DIR] [--steps 8] [--S 2048] [--json OUT.json]
 

@@ -6,7 +6,7 @@ SHA-256 of the SASS instruction stream (kernel name stripped), its length and th
     python3 -m scripts.codegen_fingerprint --out before.json [--only gluon,triton,sparse,pre,aux]
     python3 -m scripts.codegen_fingerprint --compare before.json after.json
 
-Used for the kernel-layer redesign (issue 22): "speed unchanged" checked as "same SASS" for every default.
+Used for the kernel-layer redesign: "speed unchanged" checked as "same SASS" for every default.
 Never run under TRITON_INTERPRET=1.
 """
 from __future__ import annotations

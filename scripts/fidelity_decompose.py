@@ -1,4 +1,4 @@
-"""Issue 21, items 3 and 4: where the 8-bit attention error comes from, per method and input family.
+"""Where the 8-bit attention error comes from, per method and input family.
 
     python -m scripts.fidelity_decompose [--families video,structured,value_dominated,gaussian,captured]
         [--S 8190,32760,75600] [--rows 256] [--heads 2] [--methods ...] [--captured DIR] [--kernel] [--csv]
@@ -108,7 +108,7 @@ METHODS = {
     "vsmooth448": lambda c: run_ours(c, offset=8.807),
     "expcast": lambda c: run_ours(c, p_mode="expcast"),
     "expcast126": lambda c: run_ours(c, p_mode="expcast", offset=126.0),
-    # issue 21's fix: every 128-key block quantised against its own max (floored 32 below the running max)
+    # ExpCast's fix: every 128-key block quantised against its own max (floored 32 below the running max)
     "vsmooth_blk": lambda c: run_ours(c, block_ref=32.0),
     "expcast_blk": lambda c: run_ours(c, p_mode="expcast", block_ref=32.0),
     "naive8_blk": lambda c: run_ours(c, order=False, smooth=False, block_ref=32.0),

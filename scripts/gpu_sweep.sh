@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 runs of a session, one stage or a few per device call (the device gives 10 minutes a call):
+# The GPU benchmark and test stages, one or a few per invocation, each under its own time limit:
 #     bash scripts/gpu_sweep.sh STAGE [STAGE ...]
 # Stages (each under its own time limit, logged to $OUT/<stage>.log; a failing stage does not stop the next):
 #   fa4part DIR   copy the FA4 wheel parts carried in DIR (ignored, e.g. .fa4a) to /tmp/fa4 on the machine
@@ -7,8 +7,8 @@
 #   tests         the GPU tests (pytest -n 8 over the kernel test files)
 #   kernels       scripts/ab_redesign.py on the tree in .old (if carried), this one, .old again; then the
 #                 kernel benchmarks with their FA4 / cuDNN / sageattention baselines (KERNEL_BENCH=0: A/B only)
-#   pipeline | generation | anchor | guard | flags | cold   the whole-generation benchmarks (issue 20, 23)
-#   earlier sessions' stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, soak,
+#   pipeline | generation | anchor | guard | flags | cold   the whole-generation benchmarks
+#   other stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, soak,
 #   cp (two GPUs), gputests, gpukey, vsmooth (A/B), preprocess, tune, pkg (NVML, enable(), package tests)
 # Results: benchmarks/results/*.csv (and .old's) are copied to $OUT/results after every stage.
 # Environment: VC_COMMIT names the commit in the rows (the device's .git can lag); OLD_COMMIT the old tree's.
@@ -56,7 +56,7 @@ install_wheels() {
   $PY -c "from flash_attn.cute import flash_attn_func; print('flash-attn-4 ok')"
 }
 
-kernels() {  # issue 22: the previous tree (.old) and this one, old -> new -> old again (drift), then FA4 rows
+kernels() {  # the previous tree (.old) and this one, old -> new -> old again (drift), then FA4 rows
   if [ -d .old ]; then
     cp scripts/ab_redesign.py .old/scripts/
     (cd .old && $PY -m scripts.ab_redesign --out "$OUT/ab_old.json")
@@ -96,7 +96,7 @@ while [ $# -gt 0 ]; do
       run_stage e2e32k 270 $PY -m benchmarks.bench_e2e --sizes 32k --regional --csv "$OUT/bench_e2e.csv" ;;
     e2e75)
       run_stage e2e75k 400 $PY -m benchmarks.bench_e2e --sizes 75k --regional --csv "$OUT/bench_e2e.csv" ;;
-    c128)  # issue 5: MC-Sparse with C = 128 query groups against the C = 64 default, plus V-Smooth, at 16K
+    c128)  # MC-Sparse with C = 128 query groups against the C = 64 default, plus V-Smooth, at 16K
       run_stage c128 300 $PY -m benchmarks.bench_e2e --sizes 16k --regional --no-floor \
         --methods vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse-c128@0.15,mcsparse@0.25,mcsparse-c128@0.25 \
         --csv "$OUT/bench_e2e.csv" ;;

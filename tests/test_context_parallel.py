@@ -1,4 +1,4 @@
-"""vcattn under context parallelism, two CPU processes over gloo (GitHub issue 9).
+"""vcattn under context parallelism, two CPU processes over gloo.
 
 One module-scoped fixture launches two worker processes (this file run as a script, ``--worker``;
 no torchrun, a free port on 127.0.0.1, gloo on the loopback interface, bounded timeouts everywhere).

@@ -1,4 +1,4 @@
-"""ExpCast's accuracy (issue 21, item 3; docs/fidelity_notes.md): why its error grew with S, and the fix.
+"""ExpCast's accuracy (docs/fidelity_notes.md): why its error grew with S, and the fix.
 
 The cause, measured on the emulated kernel (vc_compile/reference/vsmooth_attn_sm90.py): a key far below the row
 max gets ExpCast code 0 (u < -14.9 at the shipped offset 119.65) or a subnormal code 1-7 decoded linearly,

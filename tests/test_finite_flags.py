@@ -1,5 +1,5 @@
 """Non-finite flags and the guard's probe rows (templates/finite_flags.py vs reference/finite_flags.py), and
-the regression of issue 23 finding 1: NaN/Inf on every MC-Sparse phase propagates as SDPA does.
+the regression test that NaN/Inf on every MC-Sparse phase propagates as SDPA does.
 
 SDPA's pattern (fp32 math, checked in ``test_sdpa_pattern``): a NaN key -> its whole head; a +-Inf key ->
 the rows whose logit against it is +Inf or NaN (about half the head); a V element (j, d) -> column d of

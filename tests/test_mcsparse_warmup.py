@@ -1,4 +1,4 @@
-"""MC-Sparse's warm-up steps on the 8-bit V-Smooth path (issue 20, ``warmup_attention``).
+"""MC-Sparse's warm-up steps on the 8-bit V-Smooth path (``warmup_attention``).
 
 The warm-up's outputs are exactly what ``method="vsmooth"`` returns on the same inputs (same k-means warm
 start, same kernels), its grouping lives apart from the sparse metadata (dropped at the anchor), and ``warmup_attention="sdpa"``

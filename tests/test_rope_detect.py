@@ -1,4 +1,4 @@
-"""Issue 7, step 1: RoPE producer recognition (vc_compile/passes/rope_detect.py), analysis only.
+"""RoPE producer recognition (vc_compile/passes/rope_detect.py), analysis only.
 
 Every compile goes through ``backend="vcattn"`` (compiler "eager", method dense, head dim 64) with the
 backend's ``detect_rope`` wrapped by a spy that snapshots every graph before and after the pass: the

@@ -1,4 +1,4 @@
-"""Issue 7, step 2: prologue fusion (passes/rope_fuse.py, the RoPE prologue of templates/preprocess.py,
+"""Prologue fusion (passes/rope_fuse.py, the RoPE prologue of templates/preprocess.py,
 reference/rope.py).
 
 Models compile through ``backend="vcattn"`` with method vsmooth (compiler "eager", head dim 64) twice:

@@ -1,4 +1,4 @@
-"""State and memory over many generations (issue 10): nothing vcattn keeps outlives the model or the
+"""State and memory over many generations: nothing vcattn keeps outlives the model or the
 generation it belongs to, and nothing grows with the number of generations.
 
 The CI run is short (``VC_SOAK_GENERATIONS``, default 4, of 3 steps on a 2-block TinyDiT, eager
