@@ -123,10 +123,105 @@ def _forget_watched(_gen: int) -> None:  # a new generation cleared the store: t
         keys.clear()
 
 
+# Block identity checks (MC-Sparse): a selection and residual cached at an anchor step are reused at later
+# steps of the block they were computed for, found again by the identity weight's address. Two things break
+# that, and both make the site refuse MC-Sparse (stock SDPA, a warning naming the fix, a report reason) rather
+# than apply one block's selection to another:
+# * no identity: the rewrite found no q-projection weight (``has_identity=False``) while one graph may serve
+#   several blocks (regional compile, a shared attention function, two experts): call order alone is not an
+#   identity once a block is skipped at some steps (block caching, skip-layer guidance).
+# * an unstable identity: the weight at an address seen before in this generation is another tensor object
+#   or was overwritten in place since (``_version``), e.g. offloading that copies block weights into reused
+#   staging buffers; its address then names another block at another step.
+# A call the op is handed directly with ``ident=None`` on a site it registered itself (benchmarks, tests,
+# users managing one block per site) keeps the old contract: the caller guarantees one block per site.
+NO_IDENTITY = "mcsparse: no block identity"
+UNSTABLE_IDENTITY = "mcsparse: block identity unstable"
+_IDENTS: Dict[Tuple[int, int], tuple] = {}  # (site, ident ptr) -> (version, weakref or storage id)
+_UNSTABLE: Dict[int, str] = {}  # site -> what was seen (refused until vc_compile.reset())
+_IDENT_WARNED: Set[Tuple[int, str]] = set()
+
+_FIXES = {
+    NO_IDENTITY: "its graph may serve several blocks (regional compile, an attention function shared by "
+                 "layers) and no per-block identity reached it (q is not produced by a linear of a module "
+                 "weight inside the compiled code), so a cached selection could be applied to another block. "
+                 "Fix: compile the block or the whole transformer so that q's projection (nn.Linear, or "
+                 "F.linear of a weight parameter, dequantised or not) is inside the compiled code, or use "
+                 "method='vsmooth' (no cached selection)",
+    UNSTABLE_IDENTITY: "the q-projection weight identifying its block was replaced or overwritten in place "
+                       "between calls of one generation (CPU offloading that copies weights into reused "
+                       "buffers?), so its address may name another block at another step. Fix: keep the "
+                       "transformer's weights resident during sampling (diffusers' "
+                       "enable_model_cpu_offload moves whole models between calls, which is fine; sequential "
+                       "or group offloading is not), or use method='vsmooth'",
+}
+
+
+def _ident_token(ident: torch.Tensor):
+    if isinstance(ident, torch.nn.Parameter):
+        try:
+            return weakref.ref(ident)
+        except TypeError:
+            pass
+    try:
+        return ("storage", ident.untyped_storage()._cdata)
+    except Exception:  # a tensor subclass without one storage
+        return None
+
+
+def _same(token, ident) -> bool:
+    if isinstance(token, weakref.ref):
+        return token() is ident
+    return token is None or token == _ident_token(ident)
+
+
+def identity_problem(rec, site: int, ident: Optional[torch.Tensor]) -> Optional[str]:
+    """None when MC-Sparse may cache and reuse metadata at this call, else the reason (the first time per
+    site and reason: a warning, and the site's metadata dropped)."""
+    problem = _UNSTABLE.get(site)
+    if problem is None:
+        if ident is None:
+            if rec.has_identity:
+                return None
+            problem = NO_IDENTITY
+        else:
+            key = (site, ident.data_ptr())
+            seen = _IDENTS.get(key)
+            version = ident._version
+            if seen is None:
+                _IDENTS[key] = (version, _ident_token(ident))
+                return None
+            if seen[0] == version and _same(seen[1], ident):
+                return None
+            problem = _UNSTABLE[site] = UNSTABLE_IDENTITY
+    if (site, problem) not in _IDENT_WARNED:
+        _IDENT_WARNED.add((site, problem))
+        state.drop_sites([site])
+        import warnings
+
+        warnings.warn(f"vcattn: call site {rec.module or site} ({rec.shape}) runs stock SDPA instead of MC-Sparse: "
+                      f"{_FIXES[problem]}. vc_compile.report() lists it as '{problem}'.", RuntimeWarning,
+                      stacklevel=3)
+    return problem
+
+
+def forget_identities(_gen: Optional[int] = None) -> None:
+    """A new generation: addresses seen so far name nothing any more (``_UNSTABLE`` stays until reset())."""
+    _IDENTS.clear()
+
+
+def reset_identities() -> None:
+    """``vc_compile.reset()``: forget what was seen, including the sites refused for an unstable identity."""
+    _IDENTS.clear()
+    _UNSTABLE.clear()
+    _IDENT_WARNED.clear()
+
+
 # The wiring of the run-time pieces, in one place: a new generation (steps.py) drops the metadata store and
 # the watched blocks' key sets.
 TRACKER.subscribe(state.clear)
 TRACKER.subscribe(_forget_watched)
+TRACKER.subscribe(forget_identities)
 
 
 def _rope_inputs(q, k, cos, sin, rope: str):
@@ -166,6 +261,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ident_ptr = ident.data_ptr() if ident is not None else 0
     info = TRACKER.current((site, ident_ptr), cfg.num_steps, shape=(tuple(q.shape), tuple(k.shape)))
+    if method == Method.MCSPARSE:
+        problem = identity_problem(rec, site, ident)
+        if problem is not None:  # never a selection of another block: stock SDPA, counted
+            rec.runtime_fallbacks[problem] += 1
+            return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
     key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
     meta = state.get(key)
     phase = M.phase_for(cfg, info.step, info.num_steps, meta is not None)
