@@ -259,3 +259,25 @@ def test_report_says_not_timed_and_not_counted_instead_of_zeros():
     assert rows["1"][4] == "3" and rows["2"][4] == "-" and rows["1"][9] == "-", rows
     rw.time_ms = 1.25
     assert "attention time 1.25 ms" in str(Report(sites=[rw, fb], graphs_without_sdpa=[]))
+
+
+@torch.no_grad()
+def test_report_after_reset_report_names_sites_called_again(fresh_vcattn):
+    """Before: after ``vc_compile.reset(report=True)`` a site of a still-compiled graph that was called again
+    showed '?' for its module, shape and method; now its fresh record names them, with counts from zero."""
+    import tiny_dit
+
+    m, x, ctx = tiny_dit.make(seq=64)
+    cm = torch.compile(m, backend="vcattn", options={"min_seq_len": 16, "method": "vsmooth",
+                                                     "experimental": {"compiler": "eager"}})
+    cm(x, ctx)
+    before = {s.site: (s.module, s.shape, s.method, s.rewritten) for s in vc_compile.report().sites}
+    vc_compile.reset(report=True)
+    assert not vc_compile.report().sites
+    cm(x, ctx)
+    after = vc_compile.report()
+    rw = [s for s in after.sites if s.calls]
+    assert rw and all(s.calls == 1 for s in rw)
+    for s in rw:
+        assert (s.module, s.shape, s.method, s.rewritten) == before[s.site]
+    assert "?" not in str(after)
