@@ -988,3 +988,71 @@ def test_mcsparse_refuses_weights_in_alternating_staging_buffers(fresh_vcattn, h
     assert max(errs) <= 0.02, errs
     rw = [s for s in vc_compile.report().rewritten if "Sk" not in s.shape]
     assert sum(s.runtime_fallbacks["mcsparse: block identity unstable"] for s in rw) > 0
+
+
+# ---- sharp attention: the 8-bit paths step aside where their error would be high ------------------------
+def sharp(std, S=256, D=64, seed=0):
+    """Random q, k, v whose logits have std ``std`` (q scaled), bf16."""
+    q, k, v = gaussian(B=1, S=S, D=D, seed=seed)
+    return tuple(t.bfloat16() for t in (q * std, k, v))
+
+
+@pytest.mark.parametrize("name", ["vsmooth", "expcast"])
+def test_sharp_logits_stay_stock_with_a_reason(name, monkeypatch):
+    """Regression: at logit std 50 the 8-bit path's error is 0.08 rel. L2 (0.04 at unit logits) and nothing said
+    so. Now a site whose sampled logits have a std above ``max_logit_std`` (32) runs stock SDPA, bit for bit,
+    with one warning and the reason in the report; the reading is taken once per site and shape."""
+    from vc_compile import ops
+
+    calls = []
+    real = ops.logit_std
+    monkeypatch.setattr(ops, "logit_std", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = sharp(50)
+    site = new_site(name)
+    with pytest.warns(RuntimeWarning, match=r"logits have std 5\d\.\d > max_logit_std=32.*max_logit_std': 0"):
+        outs = run_op(q, k, v, name, steps=3, site=site)
+    stock = F.scaled_dot_product_attention(q, k, v)
+    assert all(torch.equal(o, stock) for o in outs)
+    rec = _report.site(site)
+    assert rec.runtime_fallbacks[ops.SHARP] == 3 and not rec.phases and len(calls) == 1
+    # unit-variance logits: the 8-bit path, no warning
+    q1, k1, v1 = sharp(1)
+    site1 = new_site(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_op(q1, k1, v1, name, site=site1)
+    assert not _report.site(site1).runtime_fallbacks and sum(_report.site(site1).phases.values()) == 2
+
+
+def test_sharp_logits_check_can_be_forced_off():
+    q, k, v = sharp(50)
+    site = new_site("vsmooth")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs = run_op(q, k, v, "vsmooth", site=site, max_logit_std=0)
+    assert not _report.site(site).runtime_fallbacks and _report.site(site).phases["group"] >= 1
+    assert not torch.equal(outs[0], F.scaled_dot_product_attention(q, k, v))
+
+
+def test_sharp_logits_mcsparse_warmup_runs_stock():
+    """MC-Sparse's V-Smooth warm-up steps become stock SDPA on a sharp site; its sparse steps (16-bit) stay."""
+    q, k, v = sharp(50)
+    site = new_site("mcsparse")
+    with pytest.warns(RuntimeWarning, match="max_logit_std"):
+        run_op(q, k, v, "mcsparse", steps=4, site=site, warmup_steps=2, anchor_steps=(2,))
+    rec = _report.site(site)
+    assert rec.phases == {"dense": 2, "anchor": 1, "reuse": 1}, rec.phases
+
+
+def test_logit_std_estimate_and_predicted_error():
+    from vc_compile import ops
+
+    for std in (1, 10, 50):
+        q, k, _ = sharp(std, S=512)
+        assert abs(ops.logit_std(q, k, 64 ** -0.5) / std - 1) < 0.15
+    assert ops.predicted_error(1) == 0.037 and ops.predicted_error(1000) == 0.108
+    assert 0.057 < ops.predicted_error(30) < 0.071
+    bad = sharp(1)[0].clone()
+    bad[0, 0, 0, 0] = float("inf")
+    assert ops.logit_std(bad, sharp(1)[1], 0.125) < 2  # non-finite rows do not count
+

@@ -77,7 +77,7 @@ def reset(report: bool = False) -> None:
 
     TRACKER.reset()
     state.clear()
-    ops.reset_identities()
+    ops.forget_checks()
     if report:
         _report.clear()
     else:

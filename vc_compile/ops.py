@@ -210,11 +210,69 @@ def forget_identities(_gen: Optional[int] = None) -> None:
     _IDENTS.clear()
 
 
-def reset_identities() -> None:
-    """``vc_compile.reset()``: forget what was seen, including the sites refused for an unstable identity."""
+def forget_checks() -> None:
+    """``vc_compile.reset()``: forget what was seen (identities, including the sites refused for an unstable one;
+    sharpness readings)."""
     _IDENTS.clear()
     _UNSTABLE.clear()
     _IDENT_WARNED.clear()
+    _SHARP.clear()
+    _SHARP_WARNED.clear()
+
+
+# Sharp attention (option ``max_logit_std``): the 8-bit paths' error grows with the spread of the logits (INT8
+# QK moves each logit by a fraction of its block's range, and a sharp softmax turns that into weight moved
+# between keys). Measured on the CPU reference, random q, k, v, S = 1024, D = 64/128, bf16, rel. L2 against fp64
+# SDPA (docs/fidelity_notes.md; config.py NOTE): (logit std, V-Smooth error). Checked once per (site, block,
+# shape) on sampled rows: one small matmul and one host read the first time, nothing on later calls.
+SHARP = "logits too sharp for 8-bit"
+SHARP_ERR = ((1.0, 0.037), (10.0, 0.045), (20.0, 0.057), (35.0, 0.071), (50.0, 0.080), (100.0, 0.108))
+_SHARP: Dict[tuple, float] = {}  # (site, ident ptr, q shape, k shape, device) -> sampled logit std
+_SHARP_WARNED: Set[int] = set()
+
+
+def predicted_error(std: float) -> float:
+    """V-Smooth's rel. L2 at this logit std, interpolated in the measured table (log std; clamped)."""
+    pts = SHARP_ERR
+    if std <= pts[0][0]:
+        return pts[0][1]
+    for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
+        if std <= s1:
+            w = (math.log(std) - math.log(s0)) / (math.log(s1) - math.log(s0))
+            return e0 + w * (e1 - e0)
+    return pts[-1][1]
+
+
+def logit_std(q: torch.Tensor, k: torch.Tensor, sm_scale: float, rows: int = 64, keys: int = 256) -> float:
+    """The largest, over (batch, head), mean over sampled query rows of the std of their logits over sampled
+    keys (evenly spaced rows; fp32). Non-finite inputs count as 0 (their contract is SDPA's NaN, not this)."""
+    S, Sk = q.shape[2], k.shape[2]
+    qi = torch.linspace(0, S - 1, min(S, rows), device=q.device).round().long()
+    ki = torch.linspace(0, Sk - 1, min(Sk, keys), device=k.device).round().long()
+    s = (q.index_select(2, qi).float() @ k.index_select(2, ki).float().transpose(-1, -2)) * sm_scale
+    per_head = s.std(dim=-1, correction=0).mean(dim=-1)
+    return float(torch.nan_to_num(per_head, nan=0.0, posinf=0.0, neginf=0.0).amax())
+
+
+def too_sharp(rec, key: tuple, q, k, sm_scale: float, cfg: VCConfig) -> bool:
+    """Whether this (site, block, shape) stays stock SDPA for its logit spread (warning once per site)."""
+    std = _SHARP.get(key)
+    if std is None:
+        std = _SHARP[key] = logit_std(q, k, sm_scale)
+    if std <= cfg.max_logit_std:
+        return False
+    rec.runtime_fallbacks[SHARP] += 1
+    if key[0] not in _SHARP_WARNED:
+        _SHARP_WARNED.add(key[0])
+        import warnings
+
+        warnings.warn(
+            f"vcattn: call site {rec.module or key[0]} ({rec.shape}): its sampled attention logits have std "
+            f"{std:.1f} > max_logit_std={cfg.max_logit_std:g}, where the 8-bit path's error is about "
+            f"{predicted_error(std):.2f} rel. L2 (0.04 at unit logits; docs/fidelity_notes.md); it runs stock SDPA "
+            f"there instead (report: '{SHARP}'). options={{'max_logit_std': 0}} forces the 8-bit path.",
+            RuntimeWarning, stacklevel=3)
+    return True
 
 
 # The wiring of the run-time pieces, in one place: a new generation (steps.py) drops the metadata store and
@@ -277,6 +335,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
             phase = Phase.DENSE
     elif phase == Phase.ANCHOR and state.get(key + ("warmup",)) is not None:
         state.put(key + ("warmup",), None)  # the warm-up is over: its grouping is not needed any more
+    if cfg.max_logit_std > 0 and (method == Method.VSMOOTH or phase == Phase.WARMUP) \
+            and too_sharp(rec, (site, ident_ptr) + key[3:6], q, k, sm, cfg):
+        if method == Method.VSMOOTH:
+            if rope_args is not None:
+                q, k = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args)
+            return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
+        phase = Phase.DENSE  # MC-Sparse's warm-up: stock SDPA (its sparse steps are 16-bit)
     if phase == Phase.REUSE and method == Method.MCSPARSE:  # the quality guard (methods/mcsparse_guard.py)
         err, reanchor = mcsparse_guard.guard_check(meta, cfg)
         rec.note_guard(err, reanchor)
