@@ -1056,3 +1056,22 @@ def test_logit_std_estimate_and_predicted_error():
     bad[0, 0, 0, 0] = float("inf")
     assert ops.logit_std(bad, sharp(1)[1], 0.125) < 2  # non-finite rows do not count
 
+
+# ---- the non-finite contract, stated and counted ---------------------------------------------------------
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_nonfinite_key_contract_reference(name, bad):
+    """The documented contract (README, 'Non-finite inputs'; ``ops.NONFINITE_CONTRACT``): one NaN/+-Inf in a
+    key makes its whole (batch, head) NaN on the 8-bit paths -- a superset of SDPA's non-finite outputs (the
+    rows whose logit with that key is +Inf or NaN: about half the rows here) -- and nothing else. Before: the
+    same outputs, but nothing said so; now the site counts ``nonfinite_calls`` and warns once, stating it."""
+    (q, k, v), clean = poisoned("k", BADS[bad])
+    site = new_site(name)
+    with pytest.warns(RuntimeWarning, match="non-finite outputs: wherever stock SDPA's output is non-finite"):
+        outs = run_op(*clean, name, steps=3, inputs=[(q, k, v), clean, clean], site=site, group_fraction=0.5)
+    o, stock = outs[0], F.scaled_dot_product_attention(q, k, v)
+    bad_o, bad_s = ~torch.isfinite(o), ~torch.isfinite(stock)
+    assert bad_o[1, 0].all() and not bad_o[0].any() and not bad_o[1, 1].any()
+    assert (bad_o | ~bad_s).all()  # every non-finite SDPA output is non-finite here too
+    assert all(torch.isfinite(x).all() for x in outs[1:])
+    assert _report.site(site).nonfinite_calls == 1

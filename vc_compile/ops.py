@@ -218,6 +218,7 @@ def forget_checks() -> None:
     _IDENT_WARNED.clear()
     _SHARP.clear()
     _SHARP_WARNED.clear()
+    _NONFINITE_WARNED.clear()
 
 
 # Sharp attention (option ``max_logit_std``): the 8-bit paths' error grows with the spread of the logits (INT8
@@ -362,7 +363,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     rec.phases[phase.value] += 1
     rec.kernel_path["sdpa" if phase == Phase.DENSE else M.path_label(path, phase, cfg, q.device)] += 1
     rec.step_sources[info.source] += 1
+    if phase != Phase.DENSE and impl == dispatch.Impl.REFERENCE and out.device.type == "cpu":
+        _note_nonfinite(rec, out)
     return out
+
+
+# Non-finite inputs (the contract, README "Non-finite inputs"): wherever stock SDPA's output is non-finite ours
+# is too, in the same (batch, head), and nothing leaks into other heads, batch rows or later steps; the 8-bit
+# paths widen it within the head: a NaN or +-Inf key makes the whole (batch, head) NaN (SDPA: the rows whose
+# logit with that key is +Inf or NaN). Counted, with one warning per site, where the check costs no GPU sync:
+# on the CPU reference path (its attention costs far more than one pass over the output).
+NONFINITE_CONTRACT = ("wherever stock SDPA's output is non-finite this one is too, and other heads, batch rows "
+                      "and later steps stay clean; the 8-bit paths widen it within the (batch, head): a NaN or "
+                      "+-Inf in a key makes that whole head NaN, where SDPA has NaN only in the rows whose logit "
+                      "with that key is +Inf or NaN (README, 'Non-finite inputs')")
+_NONFINITE_WARNED: Set[int] = set()
+
+
+def _note_nonfinite(rec, out: torch.Tensor) -> None:
+    if bool(torch.isfinite(out).all()):
+        return
+    rec.nonfinite_calls += 1
+    if rec.site not in _NONFINITE_WARNED:
+        _NONFINITE_WARNED.add(rec.site)
+        import warnings
+
+        n = int((~torch.isfinite(out)).sum())
+        warnings.warn(f"vcattn: call site {rec.module or rec.site} ({rec.shape}): non-finite values in q, k or v "
+                      f"gave {n} non-finite outputs: {NONFINITE_CONTRACT}. report(): nonfinite_calls.",
+                      RuntimeWarning, stacklevel=3)
 
 
 @attention.register_fake

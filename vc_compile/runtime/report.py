@@ -56,6 +56,9 @@ class SiteRecord:
     guard_anchors: int = 0
     guard_readings: int = 0
     guard_err_max: float = 0.0
+    # calls whose output held NaN/Inf (counted on the CPU reference path only: elsewhere it would cost a sync;
+    # the contract: ops.NONFINITE_CONTRACT)
+    nonfinite_calls: int = 0
     has_identity: bool = True
     rope: Optional[str] = None  # RoPE producer form of q/k (passes/rope_detect.py), None = not analysed
     rope_fusion: Optional[str] = None  # "fused" / "unfused: <reason>" (passes/rope_fuse.py), None = no RoPE
@@ -281,6 +284,7 @@ def reset_counts() -> None:
         for s in _SITES.values():
             s.calls, s.time_ms = 0, 0.0
             s.guard_anchors, s.guard_readings, s.guard_err_max = 0, 0, 0.0
+            s.nonfinite_calls = 0
             s._pending.clear()
             for c in (s.phases, s.kernel_path, s.runtime_fallbacks, s.step_sources, s.config_sources):
                 c.clear()
