@@ -1075,3 +1075,22 @@ def test_nonfinite_key_contract_reference(name, bad):
     assert (bad_o | ~bad_s).all()  # every non-finite SDPA output is non-finite here too
     assert all(torch.isfinite(x).all() for x in outs[1:])
     assert _report.site(site).nonfinite_calls == 1
+
+
+def test_sharp_logits_readings_are_bounded_per_site(monkeypatch):
+    """Weights at ever new addresses (offloading) would make every call a new (site, block) key: after
+    ``_SHARP_READINGS`` readings a site reuses its worst one instead of reading (and syncing) again."""
+    from vc_compile import ops
+
+    calls = []
+    real = ops.logit_std
+    monkeypatch.setattr(ops, "logit_std", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(ops, "_SHARP_READINGS", 3)
+    q, k, v = sharp(50)
+    cj, site = cfg_json("vsmooth"), new_site("vsmooth")
+    idents = [torch.randn(4, 4) for _ in range(6)]  # kept alive: six addresses, six "blocks"
+    with pytest.warns(RuntimeWarning, match="max_logit_std"), vc_compile.sampling(num_steps=2):
+        vc_compile.step(0)
+        for ident in idents:
+            torch.ops.vcattn.attention(q, k, v, ident, site, cj, None)
+    assert len(calls) == 3 and _report.site(site).runtime_fallbacks[ops.SHARP] == 6
