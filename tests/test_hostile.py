@@ -914,7 +914,7 @@ def run_blocks(m, x, ctx, steps, skip=lambda step, i: False, before_step=None):
             for i, b in enumerate(m.blocks):
                 if not skip(s, i):
                     y = b(x, ctx, m.cos, m.sin)
-                    r = b._orig_mod(x, ctx, m.cos, m.sin) if hasattr(b, "_orig_mod") else b.forward(x, ctx, m.cos, m.sin)
+                    r = b.forward(x, ctx, m.cos, m.sin)  # uncompiled: Module.compile wraps __call__ only
                     worst = max(worst, rel_l2(y - x, r - x))
             errs.append(worst)
     return errs
