@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 10): wherever stock SDPA returns a finite result, ``vcattn::attention`` returns a
+"""Hostile inputs: wherever stock SDPA returns a finite result, ``vcattn::attention`` returns a
 finite result within its method's tolerance, or falls back to SDPA with the reason recorded.
 
 Every case runs the op directly (a registered site, ``vc_compile.sampling`` + ``step``) for two steps, so
