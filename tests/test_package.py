@@ -132,7 +132,8 @@ def test_pyproject_metadata_and_extras():
     assert proj["dynamic"] == ["version"]
     assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "vc_compile._version.__version__"}
     core = {d.split(";")[0].split(">")[0].split("=")[0].strip() for d in proj["dependencies"]}
-    assert core == {"torch", "triton", "filelock", "nvidia-ml-py"}
+    # numpy: without it torch warns "Failed to initialize NumPy" at every import, before vc_compile can act
+    assert core == {"torch", "numpy", "triton", "filelock", "nvidia-ml-py"}
     extras = proj["optional-dependencies"]
     assert set(extras) == {"diffusers", "demo", "test", "bench"}
     (dif,) = [d for d in extras["diffusers"] if d.startswith("diffusers")]

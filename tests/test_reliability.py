@@ -1,8 +1,8 @@
-"""Issue 23's reliability findings that need no compile: the step API's misuse (4), the tuning cache's
-error handling (5), numpy / 0-d tensor scalars and small sizes in messages (6).
+"""Reliability without a compile: the step API's misuse, the tuning cache's error handling, numpy / 0-d
+tensor scalars and small sizes in messages, the report's placeholders.
 
-The compiled findings (3, 6's grad-mode site identity, 7, 10, the reference-path note) are in
-``tests/test_reliability_compile.py``.
+What needs a compiled graph (dynamic shapes, grad-mode site identity, the fallback warning, module paths,
+the reference-path note) is in ``tests/test_reliability_compile.py``.
 """
 import json
 import os
@@ -36,7 +36,7 @@ def _op_call(key=(1, 0), n=50):
     return TRACKER.current(key, n, shape=SHAPE)
 
 
-# ---- finding 4: reset() inside sampling(), step() outside it ------------------------------------------
+# ---- reset() inside sampling(), step() outside it ----------------------------------------------------
 def test_reset_inside_sampling_keeps_its_step_count():
     """Before: reset() dropped sampling()'s num_steps (50 assumed) and its explicit mode."""
     with vc_compile.sampling(num_steps=10):
@@ -101,7 +101,7 @@ def test_stale_declared_step_warns_at_run_time():
             assert _op_call().branch == 0  # a new step: fine again
 
 
-# ---- finding 6: numpy and 0-d tensor scalars -------------------------------------------------------
+# ---- numpy and 0-d tensor scalars -----------------------------------------------------------------
 @pytest.mark.parametrize("value", [np.int64(3), np.int32(3), torch.tensor(3), torch.tensor(3, dtype=torch.int32)])
 def test_step_accepts_numpy_and_tensor_ints(value):
     with vc_compile.sampling(num_steps=np.int64(8)):
@@ -143,7 +143,7 @@ def test_residual_budget_error_uses_readable_units():
     assert "64.0 KiB" in str(e.value) and "0.00 GiB" not in str(e.value)
 
 
-# ---- finding 5: the tuning cache -------------------------------------------------------------------
+# ---- the tuning cache -----------------------------------------------------------------------------
 ARCH = C.Arch("NVIDIA H200", (9, 0), "13.0", "3.6.0")
 CANDS = [{"BLOCK_M": 128, "num_warps": 4}, {"BLOCK_M": 64, "num_warps": 4}]
 
@@ -259,3 +259,25 @@ def test_report_says_not_timed_and_not_counted_instead_of_zeros():
     assert rows["1"][4] == "3" and rows["2"][4] == "-" and rows["1"][9] == "-", rows
     rw.time_ms = 1.25
     assert "attention time 1.25 ms" in str(Report(sites=[rw, fb], graphs_without_sdpa=[]))
+
+
+@torch.no_grad()
+def test_report_after_reset_report_names_sites_called_again(fresh_vcattn):
+    """Before: after ``vc_compile.reset(report=True)`` a site of a still-compiled graph that was called again
+    showed '?' for its module, shape and method; now its fresh record names them, with counts from zero."""
+    import tiny_dit
+
+    m, x, ctx = tiny_dit.make(seq=64)
+    cm = torch.compile(m, backend="vcattn", options={"min_seq_len": 16, "method": "vsmooth",
+                                                     "experimental": {"compiler": "eager"}})
+    cm(x, ctx)
+    before = {s.site: (s.module, s.shape, s.method, s.rewritten) for s in vc_compile.report().sites}
+    vc_compile.reset(report=True)
+    assert not vc_compile.report().sites
+    cm(x, ctx)
+    after = vc_compile.report()
+    rw = [s for s in after.sites if s.calls]
+    assert rw and all(s.calls == 1 for s in rw)
+    for s in rw:
+        assert (s.module, s.shape, s.method, s.rewritten) == before[s.site]
+    assert "?" not in str(after)

@@ -73,8 +73,11 @@ def reset(report: bool = False) -> None:
     from .runtime import state
     from .runtime.steps import TRACKER
 
+    from . import ops
+
     TRACKER.reset()
     state.clear()
+    ops.forget_checks()
     if report:
         _report.clear()
     else:

@@ -81,7 +81,7 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 GROUP_SIZES = (64, 128)  # MC-Sparse query groups = the gather kernel's query tiles (configs.SPARSE_DEFAULT)
 
 OPTION_DOCS: Dict[str, str] = {
-    "method": "'auto' | 'vsmooth' | 'mcsparse' | 'dense'. auto = vsmooth (8-bit, full fidelity).",
+    "method": "'auto' | 'vsmooth' | 'mcsparse' | 'dense'. auto = vsmooth (8-bit; its error in numbers: README, Methods).",
     "expcast": "V-Smooth: write the softmax as E4M3 codes directly (ExpCast-FP8): ~6% faster kernel, ~10% "
                "higher rel. L2 (docs/methods.md).",
     "hadamard": "Rotate Q and K by an orthonormal Hadamard matrix before quantising them.",
@@ -105,6 +105,9 @@ OPTION_DOCS: Dict[str, str] = {
                        "this (relative L2; 0 = guard off). docs/mcsparse_guard.md.",
     "propagate_nonfinite": "MC-Sparse reuse steps: NaN/Inf in keys/values no query group selected turn the output "
                            "NaN as in SDPA (one pass over K/V; +19% of a reuse step measured at S = 32760).",
+    "max_logit_std": "8-bit paths (V-Smooth, MC-Sparse's V-Smooth warm-up): a site whose sampled attention logits "
+                     "have a std above this (checked once per site, block and shape) stays stock SDPA, reported: "
+                     "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit).",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
                    "Opt-in: on the H200 it saves 0.3-0.6 ms of preprocessing but only 0.2% of the op.",
@@ -217,6 +220,11 @@ class VCConfig:
     # pass is 0.47 ms but the reuse step went 7.63 -> 9.07 ms (+19%, target <= 2%); without it a NaN/Inf in a key
     # or value no group selected does not reach the output (kept off until it is cheap).
     propagate_nonfinite: bool = False
+    # NOTE CPU reference, random q, k, v (S = 1024, D = 64/128, bf16), rel. L2 vs fp64 SDPA (docs/fidelity_notes.md):
+    # V-Smooth 0.037 at logit std 1, 0.045 at 10, 0.054-0.060 at 20, 0.071 at 35, 0.078-0.082 at 50, 0.10-0.11 at
+    # 100 (bf16 SDPA 2e-3-7e-4; ExpCast and Hadamard the same within 5%). 32 keeps the predicted error under
+    # twice the unit-logit one (0.07); a model with QK-norm sits far below it.
+    max_logit_std: float = 32.0
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
     # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first
@@ -312,6 +320,8 @@ class VCConfig:
             bad("residual_budget_gb", "a positive float (float('inf') = no limit)")
         if not 0.0 <= self.guard_threshold < math.inf:  # also refuses NaN
             bad("guard_threshold", "a float >= 0 (0 = the MC-Sparse guard is off)")
+        if not 0.0 <= self.max_logit_std < math.inf:  # also refuses NaN
+            bad("max_logit_std", "a float >= 0 (0 = no sharpness check: always the 8-bit path)")
         if self.num_steps < 1:
             bad("num_steps", "an int >= 1")
         if self.min_seq_len < 1:
@@ -362,7 +372,7 @@ _ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler
           "selection_refresh": SelectionRefresh, "warmup_attention": WarmupAttention}
 _BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion", "warn_fallbacks", "propagate_nonfinite")
 _INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "num_steps", "min_seq_len")
-_FLOATS = ("group_fraction", "density", "residual_budget_gb", "guard_threshold")
+_FLOATS = ("group_fraction", "density", "residual_budget_gb", "guard_threshold", "max_logit_std")
 
 
 def _plain_scalar(value: Any) -> Any:

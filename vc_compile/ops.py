@@ -123,10 +123,172 @@ def _forget_watched(_gen: int) -> None:  # a new generation cleared the store: t
         keys.clear()
 
 
+# Block identity checks (MC-Sparse): a selection and residual cached at an anchor step are reused at later
+# steps of the block they were computed for, found again by the identity weight's address. Two things break
+# that, and both make the site refuse MC-Sparse (stock SDPA, a warning naming the fix, a report reason) rather
+# than apply one block's selection to another:
+# * no identity: the rewrite found no q-projection weight (``has_identity=False``) while one graph may serve
+#   several blocks (regional compile, a shared attention function, two experts): call order alone is not an
+#   identity once a block is skipped at some steps (block caching, skip-layer guidance).
+# * an unstable identity: the weight at an address seen before in this generation is another tensor object
+#   or was overwritten in place since (``_version``), e.g. offloading that copies block weights into reused
+#   staging buffers; its address then names another block at another step.
+# A call the op is handed directly with ``ident=None`` on a site it registered itself (benchmarks, tests,
+# users managing one block per site) keeps the old contract: the caller guarantees one block per site.
+NO_IDENTITY = "mcsparse: no block identity"
+UNSTABLE_IDENTITY = "mcsparse: block identity unstable"
+_IDENTS: Dict[Tuple[int, int], tuple] = {}  # (site, ident ptr) -> (version, weakref or storage id)
+_UNSTABLE: Dict[int, str] = {}  # site -> what was seen (refused until vc_compile.reset())
+_IDENT_WARNED: Set[Tuple[int, str]] = set()
+
+_FIXES = {
+    NO_IDENTITY: "its graph may serve several blocks (regional compile, an attention function shared by "
+                 "layers) and no per-block identity reached it (q is not produced by a linear of a module "
+                 "weight inside the compiled code), so a cached selection could be applied to another block. "
+                 "Fix: compile the block or the whole transformer so that q's projection (nn.Linear, or "
+                 "F.linear of a weight parameter, dequantised or not) is inside the compiled code, or use "
+                 "method='vsmooth' (no cached selection)",
+    UNSTABLE_IDENTITY: "the q-projection weight identifying its block was replaced or overwritten in place "
+                       "between calls of one generation (CPU offloading that copies weights into reused "
+                       "buffers?), so its address may name another block at another step. Fix: keep the "
+                       "transformer's weights resident during sampling (diffusers' "
+                       "enable_model_cpu_offload moves whole models between calls, which is fine; sequential "
+                       "or group offloading is not), or use method='vsmooth'",
+}
+
+
+def _ident_token(ident: torch.Tensor):
+    if isinstance(ident, torch.nn.Parameter):
+        try:
+            return weakref.ref(ident)
+        except TypeError:
+            pass
+    try:
+        return ("storage", ident.untyped_storage()._cdata)
+    except Exception:  # a tensor subclass without one storage
+        return None
+
+
+def _same(token, ident) -> bool:
+    if isinstance(token, weakref.ref):
+        return token() is ident
+    return token is None or token == _ident_token(ident)
+
+
+def identity_problem(rec, site: int, ident: Optional[torch.Tensor]) -> Optional[str]:
+    """None when MC-Sparse may cache and reuse metadata at this call, else the reason (the first time per
+    site and reason: a warning, and the site's metadata dropped)."""
+    problem = _UNSTABLE.get(site)
+    if problem is None:
+        if ident is None:
+            if rec.has_identity:
+                return None
+            problem = NO_IDENTITY
+        else:
+            key = (site, ident.data_ptr())
+            seen = _IDENTS.get(key)
+            version = ident._version
+            if seen is None:
+                _IDENTS[key] = (version, _ident_token(ident))
+                return None
+            if seen[0] == version and _same(seen[1], ident):
+                return None
+            problem = _UNSTABLE[site] = UNSTABLE_IDENTITY
+    if (site, problem) not in _IDENT_WARNED:
+        _IDENT_WARNED.add((site, problem))
+        state.drop_sites([site])
+        import warnings
+
+        warnings.warn(f"vcattn: call site {rec.module or site} ({rec.shape}) runs stock SDPA instead of MC-Sparse: "
+                      f"{_FIXES[problem]}. vc_compile.report() lists it as '{problem}'.", RuntimeWarning,
+                      stacklevel=3)
+    return problem
+
+
+def forget_identities(_gen: Optional[int] = None) -> None:
+    """A new generation: addresses seen so far name nothing any more (``_UNSTABLE`` stays until reset())."""
+    _IDENTS.clear()
+
+
+def forget_checks() -> None:
+    """``vc_compile.reset()``: forget what was seen (identities, including the sites refused for an unstable one;
+    sharpness readings)."""
+    _IDENTS.clear()
+    _UNSTABLE.clear()
+    _IDENT_WARNED.clear()
+    _SHARP.clear()
+    _SHARP_WORST.clear()
+    _SHARP_WARNED.clear()
+    _NONFINITE_WARNED.clear()
+
+
+# Sharp attention (option ``max_logit_std``): the 8-bit paths' error grows with the spread of the logits (INT8
+# QK moves each logit by a fraction of its block's range, and a sharp softmax turns that into weight moved
+# between keys). Measured on the CPU reference, random q, k, v, S = 1024, D = 64/128, bf16, rel. L2 against fp64
+# SDPA (docs/fidelity_notes.md; config.py NOTE): (logit std, V-Smooth error). Checked once per (site, block,
+# shape) on sampled rows: one small matmul and one host read the first time, nothing on later calls.
+SHARP = "logits too sharp for 8-bit"
+SHARP_ERR = ((1.0, 0.037), (10.0, 0.045), (20.0, 0.057), (35.0, 0.071), (50.0, 0.080), (100.0, 0.108))
+_SHARP: Dict[tuple, float] = {}  # (site, ident ptr, q shape, k shape, device) -> sampled logit std
+_SHARP_WORST: Dict[int, Tuple[int, float]] = {}  # site -> (readings taken, the largest)
+_SHARP_READINGS = 256  # per site (blocks x shapes); beyond (weights at ever new addresses) its worst reading stands
+_SHARP_WARNED: Set[int] = set()
+
+
+def predicted_error(std: float) -> float:
+    """V-Smooth's rel. L2 at this logit std, interpolated in the measured table (log std; clamped)."""
+    pts = SHARP_ERR
+    if std <= pts[0][0]:
+        return pts[0][1]
+    for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
+        if std <= s1:
+            w = (math.log(std) - math.log(s0)) / (math.log(s1) - math.log(s0))
+            return e0 + w * (e1 - e0)
+    return pts[-1][1]
+
+
+def logit_std(q: torch.Tensor, k: torch.Tensor, sm_scale: float, rows: int = 64, keys: int = 256) -> float:
+    """The largest, over (batch, head), mean over sampled query rows of the std of their logits over sampled
+    keys (evenly spaced rows; fp32). Non-finite inputs count as 0 (their contract is SDPA's NaN, not this)."""
+    S, Sk = q.shape[2], k.shape[2]
+    qi = torch.linspace(0, S - 1, min(S, rows), device=q.device).round().long()
+    ki = torch.linspace(0, Sk - 1, min(Sk, keys), device=k.device).round().long()
+    s = (q.index_select(2, qi).float() @ k.index_select(2, ki).float().transpose(-1, -2)) * sm_scale
+    per_head = s.std(dim=-1, correction=0).mean(dim=-1)
+    return float(torch.nan_to_num(per_head, nan=0.0, posinf=0.0, neginf=0.0).amax())
+
+
+def too_sharp(rec, key: tuple, q, k, sm_scale: float, cfg: VCConfig) -> bool:
+    """Whether this (site, block, shape) stays stock SDPA for its logit spread (warning once per site)."""
+    std = _SHARP.get(key)
+    if std is None:
+        n, worst = _SHARP_WORST.get(key[0], (0, 0.0))
+        if n >= _SHARP_READINGS:
+            std = worst  # no sync per call where addresses never repeat (offloading)
+        else:
+            std = _SHARP[key] = logit_std(q, k, sm_scale)
+            _SHARP_WORST[key[0]] = (n + 1, max(worst, std))
+    if std <= cfg.max_logit_std:
+        return False
+    rec.runtime_fallbacks[SHARP] += 1
+    if key[0] not in _SHARP_WARNED:
+        _SHARP_WARNED.add(key[0])
+        import warnings
+
+        warnings.warn(
+            f"vcattn: call site {rec.module or key[0]} ({rec.shape}): its sampled attention logits have std "
+            f"{std:.1f} > max_logit_std={cfg.max_logit_std:g}, where the 8-bit path's error is about "
+            f"{predicted_error(std):.2f} rel. L2 (0.04 at unit logits; docs/fidelity_notes.md); it runs stock SDPA "
+            f"there instead (report: '{SHARP}'). options={{'max_logit_std': 0}} forces the 8-bit path.",
+            RuntimeWarning, stacklevel=3)
+    return True
+
+
 # The wiring of the run-time pieces, in one place: a new generation (steps.py) drops the metadata store and
 # the watched blocks' key sets.
 TRACKER.subscribe(state.clear)
 TRACKER.subscribe(_forget_watched)
+TRACKER.subscribe(forget_identities)
 
 
 def _rope_inputs(q, k, cos, sin, rope: str):
@@ -166,6 +328,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ident_ptr = ident.data_ptr() if ident is not None else 0
     info = TRACKER.current((site, ident_ptr), cfg.num_steps, shape=(tuple(q.shape), tuple(k.shape)))
+    if method == Method.MCSPARSE:
+        problem = identity_problem(rec, site, ident)
+        if problem is not None:  # never a selection of another block: stock SDPA, counted
+            rec.runtime_fallbacks[problem] += 1
+            return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
     key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
     meta = state.get(key)
     phase = M.phase_for(cfg, info.step, info.num_steps, meta is not None)
@@ -177,6 +344,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
             phase = Phase.DENSE
     elif phase == Phase.ANCHOR and state.get(key + ("warmup",)) is not None:
         state.put(key + ("warmup",), None)  # the warm-up is over: its grouping is not needed any more
+    if cfg.max_logit_std > 0 and (method == Method.VSMOOTH or phase == Phase.WARMUP) \
+            and too_sharp(rec, (site, ident_ptr) + key[3:6], q, k, sm, cfg):
+        if method == Method.VSMOOTH:
+            if rope_args is not None:
+                q, k = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args)
+            return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
+        phase = Phase.DENSE  # MC-Sparse's warm-up: stock SDPA (its sparse steps are 16-bit)
     if phase == Phase.REUSE and method == Method.MCSPARSE:  # the quality guard (methods/mcsparse_guard.py)
         err, reanchor = mcsparse_guard.guard_check(meta, cfg)
         rec.note_guard(err, reanchor)
@@ -197,7 +371,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     rec.phases[phase.value] += 1
     rec.kernel_path["sdpa" if phase == Phase.DENSE else M.path_label(path, phase, cfg, q.device)] += 1
     rec.step_sources[info.source] += 1
+    if phase != Phase.DENSE and impl == dispatch.Impl.REFERENCE and out.device.type == "cpu":
+        _note_nonfinite(rec, out)
     return out
+
+
+# Non-finite inputs (the contract, README "Non-finite inputs"): wherever stock SDPA's output is non-finite ours
+# is too, in the same (batch, head), and nothing leaks into other heads, batch rows or later steps; the 8-bit
+# paths widen it within the head: a NaN or +-Inf key makes the whole (batch, head) NaN (SDPA: the rows whose
+# logit with that key is +Inf or NaN). Counted, with one warning per site, where the check costs no GPU sync:
+# on the CPU reference path (its attention costs far more than one pass over the output).
+NONFINITE_CONTRACT = ("wherever stock SDPA's output is non-finite this one is too, and other heads, batch rows "
+                      "and later steps stay clean; the 8-bit paths widen it within the (batch, head): a NaN or "
+                      "+-Inf in a key makes that whole head NaN, where SDPA has NaN only in the rows whose logit "
+                      "with that key is +Inf or NaN (README, 'Non-finite inputs')")
+_NONFINITE_WARNED: Set[int] = set()
+
+
+def _note_nonfinite(rec, out: torch.Tensor) -> None:
+    if bool(torch.isfinite(out).all()):
+        return
+    rec.nonfinite_calls += 1
+    if rec.site not in _NONFINITE_WARNED:
+        _NONFINITE_WARNED.add(rec.site)
+        import warnings
+
+        n = int((~torch.isfinite(out)).sum())
+        warnings.warn(f"vcattn: call site {rec.module or rec.site} ({rec.shape}): non-finite values in q, k or v "
+                      f"gave {n} non-finite outputs: {NONFINITE_CONTRACT}. report(): nonfinite_calls.",
+                      RuntimeWarning, stacklevel=3)
 
 
 @attention.register_fake

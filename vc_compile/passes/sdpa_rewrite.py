@@ -11,8 +11,11 @@ when the graph has symbolic lengths). Anything else stays stock SDPA, with the r
 ``counters["vcattn"]["rewrite"]`` and ``counters["vcattn"]["rewrite:<method>"]``.
 
 Block identity: the op gets the weight that feeds q's projection (found by walking q's producers back to
-a ``linear``), so graphs shared by many blocks (regional compile, Wan 2.2's experts) key their
-metadata per block at run time.
+a ``linear`` or ``matmul``; a weight dequantised inside ``forward``, as diffusers' GGUF linears do, is
+followed back to the stored parameter), so graphs shared by many blocks (regional compile, Wan 2.2's
+experts) key their metadata per block at run time. A site where none is found is recorded with
+``has_identity=False``; MC-Sparse refuses such a site at run time (``ops.py``: its cached selections
+could reach another block).
 
 Dynamic shapes (``dynamic=True``, ``mark_dynamic``): the head dim is compared symbolically, which
 guards on it (specialises it: one graph per head dim) while the sequence length stays symbolic.
@@ -24,6 +27,7 @@ naming the most common reason and its fix (``passes/fallback_notes.py``).
 """
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Optional
 
@@ -160,8 +164,52 @@ def ineligible(a: dict, cfg: VCConfig, gm: Optional[fx.GraphModule] = None) -> O
     return None
 
 
+MATMUL_TARGETS = {torch.matmul, operator.matmul, torch.ops.aten.matmul.default, torch.ops.aten.mm.default}
+
+
+def _is_leaf(n) -> bool:
+    return isinstance(n, fx.Node) and n.op in ("placeholder", "get_attr")
+
+
+def _numel(n: fx.Node) -> int:
+    v = _val(n)
+    try:
+        return int(v.numel()) if isinstance(v, torch.Tensor) else 0
+    except Exception:  # a symbolic size
+        return 0
+
+
+def weight_source(w: fx.Node, max_nodes: int = 64) -> Optional[fx.Node]:
+    """The stored tensor a computed weight comes from: a weight dequantised inside ``forward`` (diffusers'
+    GGUF linears, bitsandbytes-style int8 + scale) is a chain of ops on a module parameter. Of the
+    placeholders / attributes the weight's producers read (at most ``max_nodes`` nodes back), the largest:
+    the quantised data, not its scales or a shared lookup table."""
+    if _is_leaf(w):
+        return w
+    seen, stack, leaves = set(), [w], []
+    while stack and len(seen) < max_nodes:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if _is_leaf(n):
+            leaves.append(n)
+            continue
+        if n.op not in ("call_function", "call_method"):
+            continue
+        for arg in list(n.args) + list(n.kwargs.values()):
+            if isinstance(arg, fx.Node):
+                stack.append(arg)
+            elif isinstance(arg, (list, tuple)):
+                stack.extend(a for a in arg if isinstance(a, fx.Node))
+    leaves = [n for n in leaves if _numel(n) > 0]
+    return max(leaves, key=_numel) if leaves else None
+
+
 def find_block_identity(q: fx.Node, max_depth: int = 40) -> Optional[fx.Node]:
-    """The weight (placeholder / get_attr) feeding the linear that produced q, if any."""
+    """The weight (placeholder / get_attr) feeding the linear (or matmul) that produced q, if any; a weight
+    computed in the graph (dequantised inside ``forward``) is followed back to the parameter it is computed
+    from (``weight_source``)."""
     seen, frontier = set(), [q]
     for _ in range(max_depth):
         nxt = []
@@ -169,10 +217,12 @@ def find_block_identity(q: fx.Node, max_depth: int = 40) -> Optional[fx.Node]:
             if not isinstance(n, fx.Node) or n in seen:
                 continue
             seen.add(n)
-            if n.op == "call_function" and n.target in LINEAR_TARGETS:
-                w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
-                if isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr"):
-                    return w
+            if n.op == "call_function" and n.target in LINEAR_TARGETS | MATMUL_TARGETS:
+                w = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight", n.kwargs.get("other"))
+                if isinstance(w, fx.Node):
+                    src = weight_source(w)
+                    if src is not None:
+                        return src
             if n.op in ("call_function", "call_method"):
                 # follow the data input only (first tensor argument), not cos/sin tables
                 for arg in n.args:

@@ -61,20 +61,25 @@ def scores_q8(qk: QKQuant, rows: torch.Tensor) -> torch.Tensor:
     q = gather_rows(qk.q8.float(), rows)
     Sk = qk.k8.shape[2]
     ks = expand_blocks(qk.k_scale, BLOCK_K, Sk)
-    dot = q.double() @ qk.k8.double().transpose(-1, -2)  # exact: |dot| < 2^22
-    return (dot * ks.double().unsqueeze(2)).float()
+    # exact in fp32: every partial sum is an integer of magnitude <= D * 127^2 < 2^24 for D <= 1040 (so the
+    # summation order does not matter); fp64 only for D above that
+    wide = torch.float64 if q.shape[-1] * 127 * 127 >= 2 ** 24 else torch.float32
+    dot = q.to(wide) @ qk.k8.to(wide).transpose(-1, -2)
+    return (dot.double() * ks.double().unsqueeze(2)).float()
 
 
 def group_key_mass_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, group_size: int,
                       key_perm: Optional[torch.Tensor] = None, exp: str = "exact",
-                      mass_dtype: torch.dtype = torch.float32, chunk_groups: int = 8) -> torch.Tensor:
-    """mass [B, H, G, Sk] in original key order (see the module doc)."""
+                      mass_dtype: torch.dtype = torch.float32, chunk_groups: Optional[int] = None) -> torch.Tensor:
+    """mass [B, H, G, Sk] in original key order (see the module doc). ``chunk_groups`` query groups at a time
+    (default: one group on a CPU -- 3x faster than 8 at S = 4096 on 2 cores -- and 8 on a GPU)."""
     if exp not in EXP_MODES:
         raise ValueError(f"exp must be one of {EXP_MODES}, got {exp!r}")
     B, H, S, _ = qk.q8.shape
     Sk = qk.k8.shape[2]
     C = int(group_size)
     G = (S + C - 1) // C
+    chunk_groups = chunk_groups or (1 if qk.q8.device.type == "cpu" else 8)
     sig = sigma.long()
     qs = torch.gather(qk.q_scale.float(), 2, sig)
     ls = torch.gather(lse_s.float(), 2, sig)

@@ -5,13 +5,19 @@ p_ij = 2^{s_ij - lse2_i}.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .quant import LOG2E
 
 
-def dense_attention_lse(q, k, v, *, sm_scale: float, chunk: int = 1024):
-    """Returns (O fp32 [B, H, S, Dv], lse2 fp32 [B, H, S])."""
+def dense_attention_lse(q, k, v, *, sm_scale: float, chunk: Optional[int] = None):
+    """Returns (O fp32 [B, H, S, Dv], lse2 fp32 [B, H, S]). ``chunk`` query rows at a time (default:
+    ``reference.vsmooth_attn.row_chunk``)."""
+    from .vsmooth_attn import row_chunk
+
+    chunk = chunk or row_chunk(q.device)
     B, H, S, D = q.shape
     kf = k.float()
     vf = v.float()

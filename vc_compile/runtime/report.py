@@ -23,6 +23,11 @@ _SITES: Dict[int, "SiteRecord"] = {}
 _NEXT = itertools.count(1)
 _EMPTY_GRAPHS: List[str] = []
 _BY_KEY: Dict[tuple, int] = {}  # call-site identity (rewrite pass) -> site id
+# What the rewrite pass said about each site (module path, shape, ...), kept when ``clear()`` forgets the
+# records: a compiled graph still calls its sites afterwards and their new records must name them.
+_STATIC_FIELDS = ("graph", "node", "module", "shape", "dtype", "method", "rewritten", "reason", "has_identity",
+                  "rope", "rope_fusion")
+_FORGOTTEN: Dict[int, dict] = {}
 
 
 @dataclass
@@ -51,6 +56,9 @@ class SiteRecord:
     guard_anchors: int = 0
     guard_readings: int = 0
     guard_err_max: float = 0.0
+    # calls whose output held NaN/Inf (counted on the CPU reference path only: elsewhere it would cost a sync;
+    # the contract: ops.NONFINITE_CONTRACT)
+    nonfinite_calls: int = 0
     has_identity: bool = True
     rope: Optional[str] = None  # RoPE producer form of q/k (passes/rope_detect.py), None = not analysed
     rope_fusion: Optional[str] = None  # "fused" / "unfused: <reason>" (passes/rope_fuse.py), None = no RoPE
@@ -92,11 +100,11 @@ def register_site(key: Optional[tuple] = None, **kw) -> SiteRecord:
 
 def site(site_id: int) -> SiteRecord:
     rec = _SITES.get(site_id)
-    if rec is None:  # e.g. an op called by hand, or a graph loaded after reset(): keep a record anyway
+    if rec is None:  # a site called again after reset(report=True), or an op called by hand
         with _LOCK:
-            rec = _SITES.setdefault(site_id, SiteRecord(
-                site=site_id, graph="?", node="?", module="?", shape="?", dtype="?", method="?",
-                rewritten=True))
+            known = _FORGOTTEN.get(site_id) or dict(graph="?", node="?", module="?", shape="?", dtype="?",
+                                                     method="?", rewritten=True)
+            rec = _SITES.setdefault(site_id, SiteRecord(site=site_id, **known))
     return rec
 
 
@@ -260,8 +268,11 @@ def report() -> Report:
 
 
 def clear() -> None:
-    """Forget every site record (used by ``vc_compile.reset(report=True)``)."""
+    """Forget every site record and count (used by ``vc_compile.reset(report=True)``). A site called again
+    afterwards gets a fresh record that still names its module, shape and method."""
     with _LOCK:
+        for rec in _SITES.values():
+            _FORGOTTEN[rec.site] = {f: getattr(rec, f) for f in _STATIC_FIELDS}
         _SITES.clear()
         _EMPTY_GRAPHS.clear()
         _BY_KEY.clear()
@@ -273,6 +284,7 @@ def reset_counts() -> None:
         for s in _SITES.values():
             s.calls, s.time_ms = 0, 0.0
             s.guard_anchors, s.guard_readings, s.guard_err_max = 0, 0, 0.0
+            s.nonfinite_calls = 0
             s._pending.clear()
             for c in (s.phases, s.kernel_path, s.runtime_fallbacks, s.step_sources, s.config_sources):
                 c.clear()

@@ -5,8 +5,11 @@ Key: ``(site, block identity, branch, shape, device)``.
   a recompile of the same model, e.g. for another grad mode, keeps it, so its metadata carries over;
   models share one only where Dynamo serves them one graph, and the block identity keeps them apart).
 * block identity: ``data_ptr`` of the weight that feeds the block's q projection, passed into the op as a
-  tensor. Regional compile and Wan 2.2's two experts run one graph for many blocks; the weight tells
-  them apart. (CPU offloading that moves weights changes the pointer: metadata is then recomputed.)
+  tensor (a weight dequantised inside ``forward`` is traced back to its stored parameter). Regional
+  compile and Wan 2.2's two experts run one graph for many blocks; the weight tells them apart. MC-Sparse
+  trusts it only while it is stable (``ops.identity_problem``): a site with no identity, or whose weight at
+  a known address is another tensor or was overwritten in place (offloading into reused buffers), runs
+  stock SDPA with a warning instead of reusing a selection that may belong to another block.
 * branch: the n-th call of the same (site, block) within one step (CFG cond/uncond).
 * shape and device: a new resolution or batch never reuses metadata of another.
 

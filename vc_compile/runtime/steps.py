@@ -64,8 +64,8 @@ a new generation. A new generation drops all cached metadata: the op (``ops.py``
 Branch: within one (generation, step), the n-th call of the same (site, block identity) is branch n:
 the cond/uncond forwards of Wan-style CFG keep separate metadata. Batched CFG (CogVideoX, LTX: B = 2 in
 one call) is one branch; its rows are separate (b, h) slices of the per-(b, h) metadata. Counting calls
-(instead of trusting the block identity alone) also keeps blocks apart when offloading makes two blocks'
-weights reuse one address: their order within a step is fixed.
+(instead of trusting the block identity alone) also keeps blocks apart when two blocks' weights share one
+address within a step; addresses reused across steps are caught by the op (``ops.identity_problem``).
 
 One process-wide tracker serves every compiled graph (Wan 2.2's two experts, regional block graphs,
 graphs split by breaks). Two sampling loops running concurrently in different threads would share it:
