@@ -194,7 +194,7 @@ def test_no_print_in_library_code():
 
 
 def test_tuning_progress_is_a_bar_and_a_log_line(monkeypatch, caplog, capsys, tmp_path):
-    # (get_config tunes whenever given a bench: dispatch decides when tuning is possible, issue 22)
+    # (get_config tunes whenever given a bench: dispatch decides when tuning is possible)
     key = C.make_key("k", [__file__], "bfloat16", 64, 4096, "v")
     arch = C.Arch("Test GPU", (9, 0), "13.0", "3.6.0")
     cands = [{"BM": 64}, {"BM": 128}, {"BM": 32}]
