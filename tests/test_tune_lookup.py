@@ -103,12 +103,12 @@ def test_dispatch_tunes_only_on_cuda_outside_the_interpreter(monkeypatch, interp
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cfg = dispatch._resolve("sparse_attn", K.SparseAttnConfig, K.sparse_candidates("bf16", 128, 128),
+    cfg = dispatch._resolve("sparse_attn", K.sparse_candidates("bf16", 128, 128),
                             lambda c: None, dtype=torch.bfloat16, head_dim=128, seq_len=4096, variant="v",
                             device=torch.device("cuda", 0))
     assert cfg == K.sparse_default("bf16", 128, 128) and seen["src"] == list(dispatch.SOURCES["sparse_attn"])
     assert seen["tunable"] is (interpret is None) and (seen["bench"] is None) is (interpret is not None)
-    dispatch._resolve("sparse_attn", K.SparseAttnConfig, K.sparse_candidates("bf16", 128, 128), lambda c: None,
+    dispatch._resolve("sparse_attn", K.sparse_candidates("bf16", 128, 128), lambda c: None,
                       dtype=torch.bfloat16, head_dim=128, seq_len=4096, variant="v", device=torch.device("cpu"))
     assert seen["tunable"] is False
 

@@ -74,8 +74,8 @@ def ineligible(q, k, v) -> Optional[str]:
 def path_label(path: str, phase, cfg, device) -> str:
     """The kernel path recorded in ``report()``: ``"triton/gluon_sm90"`` where the attention runs the Gluon
     sm_90 kernel (templates/vsmooth_attn_sm90.py; INT8 Q/K on an sm_90 GPU), else ``path``."""
-    if path == "triton" and dispatch.uses_sm90(device, cfg.qk_format.value):
-        return "triton/gluon_sm90"
+    if path == "triton":
+        return dispatch.vsmooth_label(device, cfg.qk_format.value)
     return path
 
 

@@ -22,6 +22,10 @@ Rules, in order:
   SDPA instead of the kernels (head dims ``configs.VSMOOTH_HEAD_DIMS`` / powers of two in [16, 256],
   cross-attention for the 8-bit kernels).
 
+* ``KERNELS``: one row per kernel (module, launch-config class, tuned or not and the sources that key its
+  tuning, the report's label); ``triton_error``, ``SOURCES``, ``_resolve`` and ``vsmooth_label`` read it, and a
+  wrapper imports its kernel through ``kernel_module``. A new kernel is a row here plus its wrapper.
+
 Nothing here holds state that selects an implementation: every decision is a function of the arguments and
 the device.
 """
@@ -29,9 +33,11 @@ from __future__ import annotations
 
 import enum
 import functools
+import importlib
 import os
 import warnings
-from typing import Callable, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -51,12 +57,42 @@ from vc_compile.templates.interpret import interpreting
 from vc_compile.tune import lookup as tune
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# the files whose source keys a kernel's tuning cache entries (a change of the kernel re-tunes)
-SOURCES = {name: tuple(os.path.join(_HERE, f) for f in files) for name, files in {
-    "vsmooth_attn": ("vsmooth_attn.py",),
-    "vsmooth_attn_sm90": ("vsmooth_attn_sm90.py", "vsmooth_attn_sm90_softmax.py", "vsmooth_attn_sm90_steps.py"),
-    "sparse_attn": ("sparse_attn.py",),
-}.items()}
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    """One kernel of ``templates/``: its module (imported lazily, at the first TRITON call), its launch-config
+    class, whether the tuner picks its launch (then ``sources``, the files whose text keys its tuning-cache
+    entries: a change of the kernel re-tunes), and the kernel path ``report()`` records where it runs."""
+    name: str
+    module: str
+    config: Optional[type] = None
+    sources: Tuple[str, ...] = ()
+    label: str = "triton"
+
+    @property
+    def tuned(self) -> bool:
+        return bool(self.sources)
+
+
+# The kernels, one row each: ``triton_error``, ``SOURCES``, the tuning (``_resolve``) and the report's labels
+# follow from this table.
+KERNELS: Dict[str, KernelRow] = {r.name: r for r in (
+    KernelRow("preprocess", "preprocess", C.PreprocessConfig),
+    KernelRow("kmeans", "kmeans"),
+    KernelRow("vsmooth_attn", "vsmooth_attn", C.VSmoothTritonConfig, ("vsmooth_attn.py",)),
+    KernelRow("vsmooth_attn_sm90", "vsmooth_attn_sm90", C.VSmoothSm90Config,
+              ("vsmooth_attn_sm90.py", "vsmooth_attn_sm90_softmax.py", "vsmooth_attn_sm90_steps.py"),
+              label="triton/gluon_sm90"),
+    KernelRow("pddp", "pddp"),
+    KernelRow("select", "select"),
+    KernelRow("sparse_attn", "sparse_attn", C.SparseAttnConfig, ("sparse_attn.py",)),
+    KernelRow("finite_flags", "finite_flags", C.FiniteFlagsConfig),
+    KernelRow("anchor_mass", "anchor_mass", C.AnchorMassConfig),
+    KernelRow("topk", "topk", C.TopKConfig),
+)}
+# the files whose source keys a tuned kernel's cache entries
+SOURCES = {r.name: tuple(os.path.join(_HERE, f) for f in r.sources) for r in KERNELS.values() if r.tuned}
 
 
 class Impl(str, enum.Enum):
@@ -64,13 +100,18 @@ class Impl(str, enum.Enum):
     TRITON = "triton"  # templates/<kernel>.py (the Gluon kernel among them where it applies)
 
 
+def kernel_module(name: str):
+    """The templates module of kernel ``name`` (a KERNELS row), imported on first use."""
+    return importlib.import_module(f"vc_compile.templates.{KERNELS[name].module}")
+
+
 # ---- which implementation ----------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def triton_error() -> Optional[str]:
-    """None when the Triton kernels import, else why not (``"ImportError: ..."``)."""
+    """None when every kernel module of ``KERNELS`` imports, else why not (``"ImportError: ..."``)."""
     try:
-        from vc_compile.templates import (anchor_mass, finite_flags, kmeans, pddp, preprocess,  # noqa: F401
-                                          select, sparse_attn, topk, vsmooth_attn)
+        for row in KERNELS.values():
+            importlib.import_module(f"vc_compile.templates.{row.module}")
     except Exception as e:  # the kernels are missing or failed to import: say so, never silently
         return f"{type(e).__name__}: {e}"
     return None
@@ -140,9 +181,14 @@ def sparse_ineligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Opti
 
 
 # ---- tuning ------------------------------------------------------------------------------------------------
-def _resolve(kernel: str, cls, candidates, launch_fn: Callable, *, dtype, head_dim: int, seq_len: int,
+def _resolve(kernel: str, candidates, launch_fn: Callable, *, dtype, head_dim: int, seq_len: int,
              variant: str, device: torch.device):
-    """The launch config of one call: ``tune.resolve`` over ``candidates`` (configs), as a config object."""
+    """The launch config of one call of a tuned kernel (a KERNELS row with sources): ``tune.resolve`` over
+    ``candidates`` (configs of the row's class), as a config object."""
+    cls = KERNELS[kernel].config
+    if not KERNELS[kernel].tuned:
+        raise ValueError(f"kernel {kernel!r} is not tuned (no sources in dispatch.KERNELS)")
+
     def launch(d):
         return launch_fn(cls.from_json(d))
     tunable = device.type == "cuda" and not interpreting()
@@ -159,7 +205,7 @@ def preprocess_qk(impl: Impl, q, k, perm=None, *, sm_scale: float, hadamard: boo
     if impl == Impl.REFERENCE:
         return ref_preprocess.preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format,
                                             rope=rope)
-    from vc_compile.templates import preprocess
+    preprocess = kernel_module("preprocess")
     return preprocess.preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format, rope=rope,
                                     launch=launch or C.PREPROCESS_DEFAULT)
 
@@ -168,7 +214,7 @@ def preprocess_v(impl: Impl, v, perm=None, *, smooth: bool = True):
     """VQuant of v (reference/preprocess.py's contract)."""
     if impl == Impl.REFERENCE:
         return ref_preprocess.preprocess_v(v, perm, smooth=smooth)
-    from vc_compile.templates import preprocess
+    preprocess = kernel_module("preprocess")
     return preprocess.preprocess_v(v, perm, smooth=smooth)
 
 
@@ -191,7 +237,7 @@ def preprocess(impl: Impl, q, k, v, perm=None, *, sm_scale: float, hadamard: boo
         return (ref_preprocess.preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format,
                                              rope=rope),
                 ref_preprocess.preprocess_v(v, perm, smooth=smooth))
-    from vc_compile.templates import preprocess as kmod
+    kmod = kernel_module("preprocess")
     layout = vsmooth_v_layout(q.device, qk_format, q.shape[-1], expcast, k.shape[2])
     return kmod.preprocess(q, k, v, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format, smooth=smooth,
                            rope=rope, v_layout=layout, launch=launch or C.PREPROCESS_DEFAULT)
@@ -201,7 +247,7 @@ def kmeans_perm(impl: Impl, x, n_clusters: int, n_iters: int, init=None):
     """k-means of the rows of x per (b, h) -> KMeansResult(perm, centroids, labels)."""
     if impl == Impl.REFERENCE:
         return ref_kmeans.kmeans_perm(x, n_clusters, n_iters, init=init)
-    from vc_compile.templates import kmeans
+    kmeans = kernel_module("kmeans")
     return kmeans.kmeans_perm(x, n_clusters, n_iters, init=init)
 
 
@@ -221,8 +267,14 @@ def vsmooth_kernel(device: torch.device, qk_format: str, launch=None) -> str:
     """The tuning-table name of the attention kernel a TRITON call runs: "vsmooth_attn_sm90" (Gluon) or
     "vsmooth_attn" (Triton)."""
     if launch is not None:
-        return "vsmooth_attn_sm90" if isinstance(launch, C.VSmoothSm90Config) else "vsmooth_attn"
+        return "vsmooth_attn_sm90" if isinstance(launch, KERNELS["vsmooth_attn_sm90"].config) else "vsmooth_attn"
     return "vsmooth_attn_sm90" if uses_sm90(device, qk_format) else "vsmooth_attn"
+
+
+def vsmooth_label(device: torch.device, qk_format: str) -> str:
+    """The kernel path ``report()`` records for a TRITON ``vsmooth_attention`` call (no launch config): the row
+    label of the kernel ``vsmooth_kernel`` picks, the same decision the call makes."""
+    return KERNELS[vsmooth_kernel(device, qk_format)].label
 
 
 def vsmooth_candidates(kernel: str, D: int, expcast: bool, S: int) -> List:
@@ -239,25 +291,24 @@ def vsmooth_attention(impl: Impl, qk, vq, *, expcast: bool = False, out_dtype=to
         if launch is not None:
             raise ValueError("a launch config selects a kernel; the reference has none")
         return ref_vsmooth.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse)
-    from vc_compile.templates.vsmooth_attn import check_inputs
-    check_inputs(qk, vq)  # a clear error before any table is read
+    kernel_module("vsmooth_attn").check_inputs(qk, vq)  # a clear error before any table is read
     fmt = "fp8" if qk.q8.dtype == torch.float8_e4m3fn else "int8"
     kernel = vsmooth_kernel(qk.q8.device, fmt, launch)
     B, H, S, D = qk.q8.shape
     if kernel == "vsmooth_attn_sm90":
-        from vc_compile.templates import vsmooth_attn_sm90 as kmod
+        kmod = kernel_module("vsmooth_attn_sm90")
         run = kmod.vsmooth_attention_sm90
         if launch is None:
-            launch = _resolve(kernel, C.VSmoothSm90Config, C.vsmooth_sm90_candidates(D, expcast, S),
+            launch = _resolve(kernel, C.vsmooth_sm90_candidates(D, expcast, S),
                               lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse,
                                             launch=c),
                               dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device,
                               variant=C.vsmooth_sm90_variant(expcast, C.sm90_regime(D, expcast, S)))
     else:
-        from vc_compile.templates import vsmooth_attn as kmod
+        kmod = kernel_module("vsmooth_attn")
         run = kmod.vsmooth_attention
         if launch is None:
-            launch = _resolve(kernel, C.VSmoothTritonConfig, C.VSMOOTH_TRITON_CANDIDATES[(D, bool(expcast))],
+            launch = _resolve(kernel, C.VSMOOTH_TRITON_CANDIDATES[(D, bool(expcast))],
                               lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse,
                                             launch=c),
                               dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device,
@@ -270,7 +321,7 @@ def pddp_perm(impl: Impl, q, group_size: int):
     """sigma [B, H, S] int64: query order whose consecutive ``group_size`` chunks are the Fast PDDP groups."""
     if impl == Impl.REFERENCE:
         return ref_pddp.pddp_perm(q, group_size)
-    from vc_compile.templates import pddp
+    pddp = kernel_module("pddp")
     return pddp.pddp_perm(q, group_size)
 
 
@@ -278,7 +329,7 @@ def dense_with_lse(impl: Impl, q, k, v, sm_scale: float):
     """Pass 1: dense attention and its base-2 LSE [B, H, S] fp32 (reference/dense.py's convention)."""
     if impl == Impl.REFERENCE:
         return ref_dense.dense_attention_lse(q, k, v, sm_scale=sm_scale)
-    from vc_compile.templates import select
+    select = kernel_module("select")
     return select.dense_with_lse(q, k, v, sm_scale)
 
 
@@ -286,7 +337,7 @@ def group_key_mass(impl: Impl, q, k, sigma, lse2, *, sm_scale: float, group_size
     """Pass 2: mass [B, H, G, Sk] fp32, exact probabilities summed over each query group."""
     if impl == Impl.REFERENCE:
         return ref_select.group_key_mass(q, k, sigma, lse2, sm_scale=sm_scale, group_size=group_size)
-    from vc_compile.templates import select
+    select = kernel_module("select")
     return select.group_key_mass(q, k, sigma, lse2, sm_scale=sm_scale, group_size=group_size)
 
 
@@ -306,13 +357,13 @@ def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_
         fn = ref_sparse_q8.sparse_attention_q8 if qk_format == "fp8" else ref_sparse.sparse_attention
         return fn(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual,
                   out_dtype=out_dtype, flag=flag)
-    from vc_compile.templates import sparse_attn as kmod
+    kmod = kernel_module("sparse_attn")
     if launch is None:
         fmt = "fp8" if qk_format == "fp8" else "bf16"
         if fmt == "fp8" and k_fp8 is None:  # once, not once per tuning candidate
             k_fp8 = kmod.quantize_k_fp8(k if k.stride(-1) == 1 else k.contiguous())
         D, Sk, keep = q.shape[3], k.shape[2], idx.shape[3]
-        launch = _resolve("sparse_attn", C.SparseAttnConfig, C.sparse_candidates(fmt, D, int(group_size)),
+        launch = _resolve("sparse_attn", C.sparse_candidates(fmt, D, int(group_size)),
                           lambda c: kmod.sparse_attention(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
                                                           residual=residual, out_dtype=out_dtype, qk_format=fmt,
                                                           launch=c, k_fp8=k_fp8),
@@ -330,7 +381,7 @@ def finite_flags(impl: Impl, k, v, probe=None, *, launch: Optional[C.FiniteFlags
         if launch is not None:
             raise ValueError("a launch config selects a kernel; the reference has none")
         return ref_flags.finite_flags(k, v, probe=probe)
-    from vc_compile.templates import finite_flags as kmod
+    kmod = kernel_module("finite_flags")
     return kmod.finite_flags(k, v, probe=probe, launch=launch or C.FINITE_FLAGS_DEFAULT)
 
 
@@ -339,7 +390,7 @@ def probe_error(impl: Impl, out, rows, partials):
     (``partials`` from ``finite_flags`` with the same ``impl``)."""
     if impl == Impl.REFERENCE:
         return ref_flags.probe_error(out, rows, partials)
-    from vc_compile.templates import finite_flags as kmod
+    kmod = kernel_module("finite_flags")
     return kmod.probe_error(out, rows, partials)
 
 
@@ -371,7 +422,7 @@ def group_key_mass_q8(impl: Impl, qk, lse_s, sigma, *, group_size: int, key_perm
         _no_launch(launch)
         return ref_anchor_mass.group_key_mass_q8(qk, lse_s, sigma, group_size=group_size, key_perm=key_perm,
                                                  exp=C.ExpMode(exp).value, mass_dtype=mass_dtype)
-    from vc_compile.templates import anchor_mass
+    anchor_mass = kernel_module("anchor_mass")
     return anchor_mass.group_key_mass_q8(qk, lse_s, sigma, group_size=group_size, key_perm=key_perm,
                                          launch=anchor_mass_launch(group_size, exp, launch), mass_dtype=mass_dtype)
 
@@ -385,7 +436,7 @@ def anchor_select_q8(impl: Impl, qk, lse_s, sigma, *, group_size: int, keep: int
         return ref_anchor_mass.anchor_select_q8(qk, lse_s, sigma, group_size=group_size, keep=keep,
                                                 key_perm=key_perm, exp=C.ExpMode(exp).value, mass_dtype=mass_dtype,
                                                 max_mass_bytes=max_mass_bytes)
-    from vc_compile.templates import anchor_mass
+    anchor_mass = kernel_module("anchor_mass")
     return anchor_mass.anchor_select_q8(qk, lse_s, sigma, group_size=group_size, keep=keep, key_perm=key_perm,
                                         launch=anchor_mass_launch(group_size, exp, launch),
                                         topk_launch=topk_launch or C.TOPK_DEFAULT, mass_dtype=mass_dtype,
@@ -398,5 +449,5 @@ def topk(impl: Impl, mass, keep: int, launch: Optional[C.TopKConfig] = None):
     if impl == Impl.REFERENCE:
         _no_launch(launch)
         return ref_topk.select_topk(mass, keep)
-    from vc_compile.templates import topk as kmod
+    kmod = kernel_module("topk")
     return kmod.select_topk(mass, keep, launch=launch or C.TOPK_DEFAULT)
