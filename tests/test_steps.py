@@ -369,10 +369,13 @@ def test_schedule_tables():
     assert vsmooth.phase_for(VCConfig(warmup_steps=2), 1, 8, True) == Phase.DENSE
     from vc_compile.methods import METHODS, dense
     assert dense.phase_for(VCConfig(method="dense"), 3, 8, True) == Phase.DENSE
-    # every method provides the interface the op calls (methods/__init__.py)
+    # every method provides the interface the op calls (methods/protocol.py)
+    from vc_compile.methods import AttentionMethod
     for m in METHODS.values():
-        assert all(callable(getattr(m, f)) for f in ("phase_for", "needs_fp8", "ineligible", "path_label"))
-    assert not hasattr(dense, "run")  # Phase.DENSE is the op's own SDPA call
+        assert isinstance(m, AttentionMethod), m.__name__
+        assert all(callable(getattr(m, f)) for f in ("phase_for", "needs_fp8", "ineligible", "path_label", "plan"))
+    assert not dense.USES_KERNELS and dense.plan(VCConfig(method="dense"), 3, 8, lambda s: None, None, None, None,
+                                                 None).phase == Phase.DENSE  # the op's own SDPA call
 
 
 def test_tracker_subscribers_are_explicit():

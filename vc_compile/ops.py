@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from . import methods
 from .config import Method, VCConfig
-from .methods import Phase, mcsparse_guard
+from .methods import Phase
 from .reference import rope as _rope
 from .runtime import report as _report
 from .runtime import state
@@ -316,11 +316,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     M = methods.get(method)
     reason = runtime_ineligible(q, k, v, cfg)
     impl, path = None, "sdpa"
-    if reason is None and method != Method.DENSE:
+    if reason is None and M.USES_KERNELS:
         impl, path = dispatch.choose(method.value, cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
         if impl == dispatch.Impl.TRITON:
             reason = M.ineligible(q, k, v)
-    if rope_args is not None and (reason is not None or method != Method.VSMOOTH):
+    if rope_args is not None and (reason is not None or not M.FUSES_ROPE):
         q, k, rope_args = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args), None
     if reason is not None:
         rec.runtime_fallbacks[reason] += 1
@@ -328,34 +328,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ident_ptr = ident.data_ptr() if ident is not None else 0
     info = TRACKER.current((site, ident_ptr), cfg.num_steps, shape=(tuple(q.shape), tuple(k.shape)))
-    if method == Method.MCSPARSE:
+    if M.NEEDS_IDENTITY:
         problem = identity_problem(rec, site, ident)
-        if problem is not None:  # never a selection of another block: stock SDPA, counted
+        if problem is not None:  # never metadata of another block: stock SDPA, counted
             rec.runtime_fallbacks[problem] += 1
             return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
     key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
-    meta = state.get(key)
-    phase = M.phase_for(cfg, info.step, info.num_steps, meta is not None)
-    if phase == Phase.WARMUP:  # MC-Sparse's V-Smooth warm-up: its grouping lives in a slot of its own
-        if M.warmup_ineligible(q, k, v, impl) is None:
-            key = key + ("warmup",)
-            meta = state.get(key)
-        else:
-            phase = Phase.DENSE
-    elif phase == Phase.ANCHOR and state.get(key + ("warmup",)) is not None:
-        state.put(key + ("warmup",), None)  # the warm-up is over: its grouping is not needed any more
-    if cfg.max_logit_std > 0 and (method == Method.VSMOOTH or phase == Phase.WARMUP) \
-            and too_sharp(rec, (site, ident_ptr) + key[3:6], q, k, sm, cfg):
-        if method == Method.VSMOOTH:
+    plan = M.plan(cfg, info.step, info.num_steps, lambda suffix: state.get(key + suffix), q, k, v, impl)
+    for slot in plan.drop:
+        state.put(key + slot, None)
+    phase, meta = plan.phase, plan.meta
+    if cfg.max_logit_std > 0 and plan.eight_bit and too_sharp(rec, (site, ident_ptr) + key[3:6], q, k, sm, cfg):
+        if plan.sharp_phase is None:  # the whole call: stock SDPA
             if rope_args is not None:
                 q, k = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args)
             return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
-        phase = Phase.DENSE  # MC-Sparse's warm-up: stock SDPA (its sparse steps are 16-bit)
-    if phase == Phase.REUSE and method == Method.MCSPARSE:  # the quality guard (methods/mcsparse_guard.py)
-        err, reanchor = mcsparse_guard.guard_check(meta, cfg)
-        rec.note_guard(err, reanchor)
-        if reanchor:
-            phase = Phase.ANCHOR
+        phase = plan.sharp_phase
+    if plan.guard is not None:
+        rec.note_guard(*plan.guard)
+    key = key + plan.slot
     kw = {} if rope_args is None else {"rope": rope_args}
     with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording(cfg.tune_cache_dir) as sources:
         if phase == Phase.DENSE:  # method="dense" and every method's warm-up steps: stock SDPA

@@ -1,14 +1,9 @@
-"""One module per attention method (``METHODS``). Each owns its phase schedule and its metadata type and runs
-its kernels through ``templates/dispatch.py`` (the reference or the kernels: the ``impl`` that dispatch chose
-for the call), never a kernel module by name.
-
-A method module provides
-``phase_for(cfg, step, n, has_meta) -> Phase``   what step ``step`` of ``n`` does (``methods/phase.py``);
-``needs_fp8(cfg) -> bool``                       whether its kernels use FP8 MMAs with these options;
-``ineligible(q, k, v) -> reason or None``        the kernels' limits (dispatch's checks);
-``path_label(path, phase, cfg, device) -> str``  the kernel path recorded in ``report()``;
-``run(q, k, v, *, phase, meta, cfg, sm_scale, impl, rope=None) -> (out [B, H, S, Dv] in q.dtype, new meta)``
-with q, k, v in [B, H, S, D] (any strides); ``Phase.DENSE`` never reaches ``run`` (the op runs stock SDPA).
+"""One module per attention method (``METHODS``). Each owns its phase schedule, its metadata slots, its guard
+and its eligibility, and runs its kernels through ``templates/dispatch.py`` (the reference or the kernels: the
+``impl`` that dispatch chose for the call), never a kernel module by name. What a method module provides is
+``protocol.AttentionMethod`` (``methods/protocol.py``); the op asks it for a ``Plan`` of each call and knows no
+method by name. Adding a method: its module here, its row in ``METHODS`` and its ``config.Method`` value (with
+its options in ``config.py``).
 """
 from __future__ import annotations
 
@@ -16,8 +11,9 @@ from ..config import Method
 from . import dense, mcsparse, vsmooth
 from .output import finish_output, kernel_out_dtype
 from .phase import Phase
+from .protocol import AttentionMethod, Plan
 
-__all__ = ["METHODS", "Phase", "finish_output", "get", "kernel_out_dtype"]
+__all__ = ["METHODS", "AttentionMethod", "Phase", "Plan", "finish_output", "get", "kernel_out_dtype"]
 METHODS = {Method.DENSE: dense, Method.VSMOOTH: vsmooth, Method.MCSPARSE: mcsparse}
 
 

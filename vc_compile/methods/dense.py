@@ -1,14 +1,27 @@
 """``method="dense"``: stock SDPA through our op (the baseline). Every step is ``Phase.DENSE``, which the op
-runs itself (the same SDPA call as the other methods' warm-up steps), so this method has no ``run``."""
+runs itself (the same SDPA call as the other methods' warm-up steps); its ``run`` is never reached."""
 from __future__ import annotations
 
 from typing import Optional
 
 from .phase import Phase
+from .protocol import Plan
+
+USES_KERNELS = False
+FUSES_ROPE = False
+NEEDS_IDENTITY = False
 
 
 def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
     return Phase.DENSE
+
+
+def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
+    return Plan(Phase.DENSE)
+
+
+def run(q, k, v, *, phase, meta, cfg, sm_scale, impl, **kw):
+    raise AssertionError("method='dense' runs stock SDPA in the op (Phase.DENSE never reaches run)")
 
 
 def needs_fp8(cfg) -> bool:

@@ -70,10 +70,12 @@ from ..reference.select import KV_TILE, n_keep
 from ..runtime import report as _report
 from ..runtime import state
 from ..templates import dispatch
+from . import mcsparse_guard
 from .mcsparse_guard import GuardState
 from .output import finish_output, kernel_out_dtype
 from . import vsmooth
 from .phase import Phase, warmup_steps
+from .protocol import Plan
 
 # NOTE the paper's schedule: 10 dense warm-up steps of 50 (20%), anchors at steps 10 and 26 (20%, 52%).
 # Measured (H200, 2026-12-01): those 10 steps as bf16 SDPA at 38 ms each (S = 32760, H40) against 7.7 ms reuse steps:
@@ -119,6 +121,30 @@ def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
     if step in anchor_steps(cfg, n) or not has_meta:
         return Phase.ANCHOR
     return Phase.REUSE
+
+
+USES_KERNELS = True
+FUSES_ROPE = False
+NEEDS_IDENTITY = True  # a selection and residual cached for one block must never be applied to another
+WARMUP_SLOT = ("warmup",)  # the V-Smooth warm-up's grouping: a slot of its own beside the selection's
+
+
+def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
+    """The schedule's phase with MC-Sparse's slots and guard: warm-up steps on the V-Smooth path use a grouping
+    slot of their own (stock SDPA where the 8-bit kernels cannot take them; too sharp: stock SDPA too), the
+    first anchor frees it, and a reuse step whose measured error passed ``guard_threshold`` re-anchors."""
+    meta = slot(())
+    phase = phase_for(cfg, step, n, meta is not None)
+    if phase == Phase.WARMUP:
+        if warmup_ineligible(q, k, v, impl) is None:
+            return Plan(phase, slot(WARMUP_SLOT), WARMUP_SLOT, eight_bit=True, sharp_phase=Phase.DENSE)
+        return Plan(Phase.DENSE, meta)
+    if phase == Phase.ANCHOR and slot(WARMUP_SLOT) is not None:
+        return Plan(phase, meta, drop=(WARMUP_SLOT,))  # the warm-up is over: its grouping is not needed
+    if phase == Phase.REUSE:
+        err, reanchor = mcsparse_guard.guard_check(meta, cfg)
+        return Plan(Phase.ANCHOR if reanchor else phase, meta, guard=(err, reanchor))
+    return Plan(phase, meta)
 
 
 def needs_fp8(cfg) -> bool:

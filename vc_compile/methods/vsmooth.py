@@ -28,6 +28,7 @@ from ..reference.kmeans import default_clusters, init_centroids
 from ..templates import dispatch
 from .output import finish_output, kernel_out_dtype
 from .phase import Phase, warmup_steps
+from .protocol import Plan
 
 # NOTE no dense warm-up by default: the 8-bit attention keeps full fidelity from the first step
 WARMUP_FRACTION = 0.0
@@ -61,6 +62,18 @@ def group_phase(cfg, step: int, n: int, has_meta: bool) -> Phase:
         return Phase.REUSE  # naive 8-bit: nothing to group
     in_window = step < max(1, math.ceil(cfg.group_fraction * n)) if cfg.group_fraction > 0 else False
     return Phase.GROUP if (in_window or not has_meta) else Phase.REUSE
+
+
+USES_KERNELS = True
+FUSES_ROPE = True  # the preprocessing applies the model's RoPE (``rope_fusion``)
+NEEDS_IDENTITY = False  # a grouping of another block is only a worse ordering, never a wrong result
+
+
+def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
+    """The schedule's phase; every non-dense step is 8-bit (too sharp: the call runs stock SDPA)."""
+    meta = slot(())
+    phase = phase_for(cfg, step, n, meta is not None)
+    return Plan(phase, meta, eight_bit=phase != Phase.DENSE)
 
 
 def needs_fp8(cfg) -> bool:

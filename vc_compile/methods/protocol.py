@@ -1,0 +1,58 @@
+"""What every attention method module provides (``METHODS`` in ``methods/__init__.py``), and the plan of one
+call. The op (``ops.attention``) parses the call, checks eligibility, finds the step, asks the method for a
+``Plan`` of that step, runs it and records the report; it knows no method by name.
+
+A method module is an ``AttentionMethod``:
+
+``USES_KERNELS``     whether it runs kernels at all (``dense``: stock SDPA only, no kernel choice);
+``FUSES_ROPE``       whether its ``run`` takes un-rotated q, k with the model's RoPE (``rope=``); the op
+                     rotates them itself for the other methods;
+``NEEDS_IDENTITY``   whether it caches metadata that a later step of the same block reuses (the op then refuses
+                     the call where the block identity is missing or unstable: stock SDPA, reported);
+``needs_fp8(cfg)``   whether its kernels use FP8 MMAs with these options;
+``ineligible(q, k, v)``  the kernels' limits (dispatch's checks): a reason, or None;
+``plan(cfg, step, n, slot, q, k, v, impl) -> Plan``  what step ``step`` of ``n`` does: its phase, which
+                     metadata slot it reads and writes (``slot(suffix)`` returns the cached metadata of the
+                     site's key + suffix, or None), whether it runs the 8-bit attention (the sharpness check),
+                     what runs when the site is too sharp, and a guard reading to record;
+``run(q, k, v, *, phase, meta, cfg, sm_scale, impl, **kw) -> (out, new meta)``  ``Phase.DENSE`` never reaches
+                     it (the op runs stock SDPA);
+``path_label(path, phase, cfg, device) -> str``  the kernel path ``report()`` records.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
+
+from .phase import Phase
+
+Slot = Tuple[str, ...]
+
+
+@dataclass
+class Plan:
+    """One call's step, as its method plans it."""
+    phase: Phase
+    meta: object = None  # the cached metadata the step starts from (of ``slot``)
+    slot: Slot = ()  # the metadata slot: a suffix of the site's state key (() = the method's main slot)
+    drop: Tuple[Slot, ...] = ()  # slots the method no longer needs (freed before the step runs)
+    eight_bit: bool = False  # the step runs the 8-bit V-Smooth attention: ``max_logit_std`` applies
+    sharp_phase: Optional[Phase] = None  # too sharp: this phase instead (None: the whole call runs stock SDPA)
+    guard: Optional[Tuple[Optional[float], bool]] = None  # a quality-guard reading (error, re-anchored) to record
+
+
+@runtime_checkable
+class AttentionMethod(Protocol):
+    USES_KERNELS: bool
+    FUSES_ROPE: bool
+    NEEDS_IDENTITY: bool
+
+    def needs_fp8(self, cfg) -> bool: ...
+
+    def ineligible(self, q, k, v) -> Optional[str]: ...
+
+    def plan(self, cfg, step: int, n: int, slot: Callable[[Slot], object], q, k, v, impl) -> Plan: ...
+
+    def run(self, q, k, v, *, phase, meta, cfg, sm_scale, impl, **kw): ...
+
+    def path_label(self, path: str, phase: Phase, cfg, device) -> str: ...
