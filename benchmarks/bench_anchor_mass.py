@@ -118,7 +118,7 @@ def bench_size(S, H, log, dev="cuda"):
     o_dense, lse2 = dispatch.dense_with_lse(impl, q, k, v, sm)
 
     def sparse(q, k, v, sigma, idx, **kw):
-        return dispatch.sparse_attention(impl, q, k, v, sigma, idx, qk_format=cfg.sparse_qk, **kw)
+        return dispatch.sparse_attention(impl, q, k, v, sigma, idx, qk_format=cfg.sparse_qk.value, **kw)
 
     # ---- old: bf16-MMA pass 2 + torch top-K (mcsparse.select), R out of place
     G = -(-S // C)
@@ -142,7 +142,7 @@ def bench_size(S, H, log, dev="cuda"):
     def cache():  # what mcsparse.run does with R after forming it: finiteness check (a sync), memory check, bf16
         bool(torch.isfinite(resid).all())
         M._check_memory(resid, cfg)
-        return M._compact(resid, cfg.residual)
+        return M._compact(resid, cfg.residual.value)
     put(PATHS, "cache", timed(cache, **fast))
     del resid
     log("old parts: " + ", ".join(f"{p} {t:.2f}" for p, t in T["old"].items()))

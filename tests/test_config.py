@@ -37,7 +37,7 @@ def test_unknown_key_lists_accepted():
     ("warmup_steps", -1, "None or an int >= 0"),
     ("anchor_interval", 0, "None or an int >= 1"),
     ("anchor_steps", "10,26", "a tuple of ints"),
-    ("residual", "fp4", "'bf16', 'fp8' or 'none'"),
+    ("residual", "fp4", "['bf16', 'fp8', 'none']"),
     ("min_seq_len", 0, ">= 1"),
     ("head_dims", (), "non-empty"),
     ("mode", "fast", "max-autotune"),
@@ -178,3 +178,33 @@ def test_readme_options_rows_match_option_docs():
         for f in dataclasses.fields(cls):
             row = f"| `{f.name}` | `{_default_repr(f)}` | {docs[f.name]} |"
             assert row in readme, f"README options row for {f.name} differs from its docs table: want {row}"
+
+
+def test_every_choice_is_an_enum_and_every_field_has_a_rule():
+    """Options are typed end to end: a choice among named values is a str Enum (no string compared against a
+    tuple downstream), and coercion follows each field's annotation: no field passes through unchecked."""
+    import dataclasses
+    import enum
+    import typing
+
+    from vc_compile import config as cfgmod
+    for cls in (cfgmod.VCConfig, cfgmod.Experimental):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if f.name in ("mode", "tune_cache_dir"):  # torch.compile's mode string; a path
+                continue
+            assert tp is not str, f"{cls.__name__}.{f.name} is a bare str: make it an Enum"
+            default = getattr(cls(), f.name)
+            if isinstance(default, enum.Enum):
+                assert isinstance(cfgmod._coerce(f.name, default.value, default, cls=cls), type(default))
+    c = cfgmod.VCConfig.from_options({"sparse_qk": "fp8", "residual": "none", "anchor_dense": "q8"})
+    assert (c.sparse_qk, c.residual, c.anchor_dense) == (cfgmod.SparseQK.FP8, cfgmod.Residual.NONE,
+                                                          cfgmod.AnchorDense.Q8)
+    assert cfgmod.VCConfig.from_json(c.to_json()) == c and '"residual": "none"' in c.to_json()
+
+    @dataclasses.dataclass(frozen=True)
+    class Odd:
+        blob: bytes = b""
+    with pytest.raises(TypeError, match="no coercion rule"):
+        cfgmod._coerce("blob", b"x", b"", cls=Odd)

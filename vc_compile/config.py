@@ -17,9 +17,11 @@ import sys
 
 import dataclasses
 import enum
+import functools
 import json
 import math
 import operator
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -75,6 +77,22 @@ class WarmupAttention(str, enum.Enum):
 class SelectionRefresh(str, enum.Enum):
     ANCHOR = "anchor"  # select at anchor steps, reuse the selection in between
     EVERY_STEP = "every_step"  # re-select from the current q, k at every sparse step (mean_pool only)
+
+
+class SparseQK(str, enum.Enum):
+    BF16 = "bf16"  # the gather kernel's QK in the inputs' 16-bit type
+    FP8 = "fp8"  # Q and K in E4M3 (FP8 MMAs: sm_89+)
+
+
+class Residual(str, enum.Enum):
+    BF16 = "bf16"
+    FP8 = "fp8"  # one scale per token: half the memory
+    NONE = "none"  # no residual
+
+
+class AnchorDense(str, enum.Enum):
+    BF16 = "bf16"  # cuDNN SDPA gives O_dense (and its LSE)
+    Q8 = "q8"  # the 8-bit V-Smooth pass gives O_dense (cheaper; its error enters the residual)
 
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -167,14 +185,14 @@ class Experimental:
         unknown = sorted(set(options) - set(names))
         if unknown:
             raise VCConfigError(f"unknown vcattn experimental option(s) {unknown}; accepted: {sorted(names)}")
-        kw = {f.name: _coerce(f.name, options[f.name], f.default, f"experimental['{f.name}']")
+        kw = {f.name: _coerce(f.name, options[f.name], f.default, f"experimental['{f.name}']", cls)
               for f in dataclasses.fields(cls) if f.name in options}
         return cls(**kw)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), f.default,
-                                                     f"experimental['{f.name}']"))
+                                                     f"experimental['{f.name}']", Experimental))
         if self.kmeans_init_iters < 1:
             raise VCConfigError(f"vcattn option experimental['kmeans_init_iters']={self.kmeans_init_iters!r} is "
                                 "invalid; accepted: an int >= 1")
@@ -203,9 +221,9 @@ class VCConfig:
     warmup_attention: WarmupAttention = WarmupAttention.VSMOOTH
     anchor_steps: Optional[Tuple[int, ...]] = None
     anchor_interval: Optional[int] = None
-    sparse_qk: str = "bf16"
-    residual: str = "bf16"
-    anchor_dense: str = "bf16"
+    sparse_qk: SparseQK = SparseQK.BF16
+    residual: Residual = Residual.BF16
+    anchor_dense: AnchorDense = AnchorDense.BF16
     residual_budget_gb: float = 64.0
     # NOTE off by default (opt in). CPU reference path, bench_mcsparse_guard --synthetic (e79ee72; S = 1024,
     # H = 2, D = 64, s = 0.15, 30 steps; docs/mcsparse_guard.md): on a 4-step motion burst the guard at 0.08
@@ -267,13 +285,13 @@ class VCConfig:
             if f.name == "experimental" and f.name in opts:
                 kw[f.name] = Experimental.from_options(opts[f.name])
             elif f.name in opts:
-                kw[f.name] = _coerce(f.name, opts[f.name], f.default)
+                kw[f.name] = _coerce(f.name, opts[f.name], f.default, cls=cls)
         return cls(**kw)
 
     def __post_init__(self):
         # types and enums coerced and checked here too, so that VCConfig(method="bogus") fails when built
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), f.default))
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), f.default, cls=VCConfig))
 
         def bad(key, accepted):
             raise VCConfigError(f"vcattn option {key}={getattr(self, key)!r} is invalid; accepted: {accepted}")
@@ -300,22 +318,16 @@ class VCConfig:
             bad("anchor_interval", "None or an int >= 1")
         if self.anchor_steps is not None and self.anchor_interval is not None:
             raise VCConfigError("give anchor_steps or anchor_interval, not both")
-        if self.sparse_qk not in ("bf16", "fp8"):
-            bad("sparse_qk", "'bf16' or 'fp8'")
-        if self.residual not in ("bf16", "fp8", "none"):
-            bad("residual", "'bf16', 'fp8' or 'none'")
-        if self.anchor_dense not in ("bf16", "q8"):
-            bad("anchor_dense", "'bf16' or 'q8'")
         if ex.selection_refresh == SelectionRefresh.EVERY_STEP and ex.selection != Selection.MEAN_POOL:
             raise VCConfigError(
                 f"vcattn option experimental['selection_refresh']='every_step' needs experimental['selection']="
                 f"'mean_pool' (exact selection needs a dense pass: every step would cost more than dense), got "
                 f"selection={ex.selection.value!r}; accepted: selection_refresh='anchor', or selection='mean_pool'")
-        if ex.selection_refresh == SelectionRefresh.EVERY_STEP and self.residual != "none":
+        if ex.selection_refresh == SelectionRefresh.EVERY_STEP and self.residual != Residual.NONE:
             raise VCConfigError(
                 f"vcattn option experimental['selection_refresh']='every_step' needs residual='none' (a residual "
                 f"cached with the anchor's selection does not belong to a selection made at another step), got "
-                f"residual={self.residual!r}; accepted: residual='none', or selection_refresh='anchor'")
+                f"residual={self.residual.value!r}; accepted: residual='none', or selection_refresh='anchor'")
         if not self.residual_budget_gb > 0:  # also refuses NaN (every comparison with NaN is False)
             bad("residual_budget_gb", "a positive float (float('inf') = no limit)")
         if not 0.0 <= self.guard_threshold < math.inf:  # also refuses NaN
@@ -367,12 +379,10 @@ def merge_options(*options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-_ENUMS = {"method": Method, "qk_format": QKFormat, "kernels": Kernels, "compiler": Compiler,
-          "selection": Selection, "selection_unit": SelectionUnit, "query_grouping": QueryGrouping,
-          "selection_refresh": SelectionRefresh, "warmup_attention": WarmupAttention}
-_BOOLS = ("expcast", "hadamard", "smooth_v", "profile", "rope_fusion", "warn_fallbacks", "propagate_nonfinite")
-_INTS = ("kmeans_clusters", "kmeans_iters", "kmeans_init_iters", "group_size", "num_steps", "min_seq_len")
-_FLOATS = ("group_fraction", "density", "residual_budget_gb", "guard_threshold", "max_logit_std")
+@functools.lru_cache(maxsize=None)
+def _field_types(cls) -> Dict[str, Any]:
+    """The resolved annotations of a config dataclass's fields: what ``_coerce`` converts each option to."""
+    return typing.get_type_hints(cls)
 
 
 def _plain_scalar(value: Any) -> Any:
@@ -387,51 +397,18 @@ def _plain_scalar(value: Any) -> Any:
     return value
 
 
-def _coerce(key: str, value: Any, default: Any, label: Optional[str] = None) -> Any:
+def _coerce(key: str, value: Any, default: Any, label: Optional[str] = None, cls: Optional[type] = None) -> Any:
+    """``value`` as option ``key`` of ``cls`` (VCConfig, or Experimental for ``experimental['...']``) wants it,
+    driven by the field's annotation: an Enum (by value), bool, int, float, ``Optional[...]`` of those,
+    ``Tuple[int, ...]``; ``mode`` and ``tune_cache_dir`` check their own. A field without a rule is an error
+    (never passed through unchecked)."""
     def fail(accepted):
         raise VCConfigError(f"vcattn option {label or key}={value!r} is invalid; accepted: {accepted}")
 
     value = _plain_scalar(value)
-
-    if key in _ENUMS:
-        enum_cls = _ENUMS[key]
-        try:
-            return enum_cls(value.value if isinstance(value, enum.Enum) else value)
-        except (ValueError, TypeError):  # TypeError: an unhashable value such as a list
-            fail([m.value for m in enum_cls])
-    if key in _BOOLS:
-        if not isinstance(value, bool):
-            fail("True or False")
-        return value
-    if key in _INTS:
-        if isinstance(value, bool) or not isinstance(value, int):
-            fail("an int")
-        return value
-    if key in _FLOATS:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            fail("a number")
-        try:
-            return float(value)
-        except OverflowError:  # an int beyond float range, e.g. 10**400
-            fail("a number within float range (float('inf') where the option allows no limit)")
-    if key in ("warmup_steps", "anchor_interval"):
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            fail("None or an int")
-        return value
-    if key in ("anchor_steps", "head_dims"):
-        if value is None and key == "anchor_steps":
-            return None
-        if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__") or iter(value) is value:
-            # (a dict would give its keys, a generator would be consumed by the check and reported empty)
-            fail("a tuple of ints (or a list)")
-        try:
-            return _tuple_of_ints(value)
-        except (TypeError, ValueError):
-            fail("a tuple of ints")
-    if key in ("residual", "sparse_qk", "anchor_dense"):
-        return value
+    if cls is None:
+        cls = Experimental if label is not None and label.startswith("experimental[") else VCConfig
+    tp = _field_types(cls)[key]
     if key == "mode":
         if value is not None and not isinstance(value, str):
             fail(list(MODES))
@@ -441,4 +418,40 @@ def _coerce(key: str, value: Any, default: Any, label: Optional[str] = None) -> 
                                   or "\x00" in str(os.fspath(value))):
             fail("None or a non-empty directory path without NUL bytes")
         return None if value is None else os.fspath(value)
-    return value
+    optional = False
+    if typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp):
+        optional = True
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        if value is None:
+            return None
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value.value if isinstance(value, enum.Enum) else value)
+        except (ValueError, TypeError):  # TypeError: an unhashable value such as a list
+            fail([m.value for m in tp])
+    if tp is bool:
+        if not isinstance(value, bool):
+            fail("True or False")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail("None or an int" if optional else "an int")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail("a number")
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float range, e.g. 10**400
+            fail("a number within float range (float('inf') where the option allows no limit)")
+    if typing.get_origin(tp) is tuple:
+        if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__") or iter(value) is value:
+            # (a dict would give its keys, a generator would be consumed by the check and reported empty)
+            fail("a tuple of ints (or a list)")
+        try:
+            return _tuple_of_ints(value)
+        except (TypeError, ValueError):
+            fail("a tuple of ints")
+    if key == "experimental":
+        return value  # VCConfig turns a dict into Experimental (from_options), with its own checks
+    raise TypeError(f"config field {key!r} of type {tp!r} has no coercion rule in config._coerce")

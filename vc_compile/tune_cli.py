@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--density", type=float, default=_DEFAULTS.density, help="mcsparse: fraction of keys kept")
     ap.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=_DEFAULTS.group_size,
                     help="mcsparse: queries per group (default: the runtime's)")
-    ap.add_argument("--sparse-qk", choices=("bf16", "fp8"), default=_DEFAULTS.sparse_qk,
+    ap.add_argument("--sparse-qk", choices=("bf16", "fp8"), default=_DEFAULTS.sparse_qk.value,
                     help="mcsparse: QK precision")
     ap.add_argument("--force", action="store_true", help="re-tune even when shipped or cached")
     ap.add_argument("--cache-dir", default=None, help="default: $VCATTN_CACHE_DIR, else ~/.cache/vc_compile/tune")

@@ -31,14 +31,13 @@ from typing import Optional
 
 import torch
 
+from ..config import AnchorDense
 from ..reference.vsmooth_attn import lse_correction
 from ..templates import configs as KC
 from ..templates import dispatch
 
 
-class DenseOut(str, enum.Enum):
-    Q8 = "q8"
-    BF16 = "bf16"
+DenseOut = AnchorDense  # the option's Enum (config.AnchorDense: "bf16" | "q8")
 
 
 @dataclass(frozen=True)

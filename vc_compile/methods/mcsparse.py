@@ -63,7 +63,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..config import QueryGrouping, Selection, SelectionRefresh, SelectionUnit, WarmupAttention
+from ..config import (QueryGrouping, Residual, Selection, SelectionRefresh, SelectionUnit, SparseQK,
+                      WarmupAttention)
 from ..reference import select as ref_select
 from ..reference.quant import FP8_DTYPE, FP8_MAX, safe_scale
 from ..reference.select import KV_TILE, n_keep
@@ -151,7 +152,7 @@ def needs_fp8(cfg) -> bool:
     """FP8 MMAs only with ``sparse_qk="fp8"``: the bf16 gather kernel, PDDP and selection run on any GPU Triton
     supports (the FP8 residual is a plain torch cast). The V-Smooth warm-up's FP8 is checked per call
     (``warmup_ineligible``): without it the warm-up runs stock SDPA, not the whole method the reference."""
-    return cfg.sparse_qk == "fp8"
+    return cfg.sparse_qk == SparseQK.FP8
 
 
 def ineligible(q, k, v) -> Optional[str]:
@@ -238,7 +239,7 @@ def _compact(resid: torch.Tensor, mode: str):
 
 
 def _check_memory(resid: torch.Tensor, cfg) -> None:
-    per_elem = {"bf16": 2, "fp8": 1, "none": 0}[cfg.residual] + (4 / resid.shape[-1] if cfg.residual == "fp8" else 0)
+    per_elem = {"bf16": 2, "fp8": 1, "none": 0}[cfg.residual.value] + (4 / resid.shape[-1] if cfg.residual == Residual.FP8 else 0)
     need = int(resid.numel() * per_elem)
     held = state.bytes_held()
     budget = cfg.residual_budget_gb * 2**30  # a float: inf (no limit) must not go through int()
@@ -277,7 +278,7 @@ def _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep):
 
     res = A.anchor_step(impl, q, k, v, sm_scale=sm_scale, group_size=cfg.group_size, keep=keep,
                         cfg=A.AnchorConfig(dense_out=cfg.anchor_dense), sigma=sigma,
-                        residual=cfg.residual != "none", out_dtype=kernel_out_dtype(q.dtype), sparse_qk=cfg.sparse_qk)
+                        residual=cfg.residual != Residual.NONE, out_dtype=kernel_out_dtype(q.dtype), sparse_qk=cfg.sparse_qk.value)
     out = finish_output(res.out, q.dtype).contiguous()  # SDPA's layout, as the original passes
     return out, res.out, res.idx, res.residual
 # ----------
@@ -298,7 +299,7 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
 
     def sparse(sigma, idx, **kw):
         return dispatch.sparse_attention(impl, q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C,
-                                         qk_format=cfg.sparse_qk, **kw)
+                                         qk_format=cfg.sparse_qk.value, **kw)
     if phase == Phase.REUSE and meta is not None:
         idx = meta.idx
         if ex.selection_refresh == SelectionRefresh.EVERY_STEP:  # vanilla block-sparse: select again
@@ -324,7 +325,7 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
                      selection=ex.selection, unit=ex.selection_unit)
     # ----------
     residual = res_scale = None
-    if cfg.residual != "none":
+    if cfg.residual != Residual.NONE:
         if resid is None:  # the original passes (anchor_step forms R itself)
             o_sparse = sparse(sigma, idx, out_dtype=torch.float32)
             resid = o_dense.float() - o_sparse.float()
@@ -334,7 +335,7 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
         if not bool(torch.isfinite(resid).all()):
             return out, meta
         _check_memory(resid, cfg)
-        residual, res_scale = _compact(resid, cfg.residual)
+        residual, res_scale = _compact(resid, cfg.residual.value)
     elif not bool(torch.isfinite(o_dense).all()):
         return out, meta
     meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk)
