@@ -374,7 +374,7 @@ def test_benchmarks_and_scripts_run_as_modules_without_sys_path_edits():
 
 def test_method_from_env(monkeypatch):
     from vc_compile.config import VCConfigError
-    from vc_compile.pipeline import apply_env, method_from_env
+    from vc_compile.config import apply_env, method_from_env
 
     monkeypatch.delenv("VCATTN_METHOD", raising=False)
     assert method_from_env() is None and apply_env({"method": "vsmooth"}, "t") == ({"method": "vsmooth"}, False)

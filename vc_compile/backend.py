@@ -16,13 +16,12 @@ from typing import Optional
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.vcattn.*: also for graphs loaded from Inductor's cache)
-from .config import Compiler, VCConfig, VCConfigError
+from .config import Compiler, VCConfig, VCConfigError, apply_env, options_dict
 from .log import get_logger
 from .passes.cp_detect import detect_context_parallel
 from .passes.rope_detect import detect_rope
 from .passes.rope_fuse import fuse_rope
 from .passes.sdpa_rewrite import rewrite_sdpa
-from .pipeline import apply_env, options_dict
 
 log = get_logger(__name__)
 

@@ -455,3 +455,52 @@ def _coerce(key: str, value: Any, default: Any, label: Optional[str] = None, cls
     if key == "experimental":
         return value  # VCConfig turns a dict into Experimental (from_options), with its own checks
     raise TypeError(f"config field {key!r} of type {tp!r} has no coercion rule in config._coerce")
+
+
+# ---- the environment switch (``$VCATTN_METHOD``): read by every compile of backend="vcattn" and every
+# vc_compile.enable (the README's "switch"; vc_compile/pipeline.py's module doc)
+def _log():
+    from .log import get_logger
+    return get_logger("vc_compile.config")
+
+
+ENV_METHOD = "VCATTN_METHOD"
+_ENV_VALUES = ("off", "auto", "dense", "vsmooth", "mcsparse")
+
+
+def method_from_env() -> Optional[str]:
+    """``$VCATTN_METHOD`` lower-cased: None when unset or empty, else one of off/auto/dense/vsmooth/mcsparse
+    (anything else raises ``VCConfigError`` naming the accepted values)."""
+    raw = os.environ.get(ENV_METHOD, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in _ENV_VALUES:
+        raise VCConfigError(f"{ENV_METHOD}={os.environ[ENV_METHOD]!r} is invalid; accepted: "
+                            f"{', '.join(_ENV_VALUES)} (or unset)")
+    return raw
+
+
+def options_dict(options: Any) -> Dict[str, Any]:
+    """``options=`` as a plain dict: a ``VCConfig`` (every field), a mapping (as given) or None ({})."""
+    if options is None:
+        return {}
+    if isinstance(options, VCConfig):
+        return json.loads(options.to_json())
+    if isinstance(options, Mapping):
+        return dict(options)
+    raise VCConfigError(f"vcattn options must be a VCConfig or a dict of option -> value, got "
+                        f"{type(options).__name__} {options!r}; e.g. options={{'method': 'vsmooth'}}")
+
+
+def apply_env(opts: Dict[str, Any], where: str) -> Tuple[Dict[str, Any], bool]:
+    """(options with ``$VCATTN_METHOD``'s method, off?) -- the switch applied to one compile or enable."""
+    env = method_from_env()
+    if env is None:
+        return opts, False
+    if env == "off":
+        return opts, True
+    given = opts.get("method")
+    given = getattr(given, "value", given)
+    if given not in (None, env):
+        _log().warning("%s: %s=%s overrides method=%r", where, ENV_METHOD, env, given)
+    return {**opts, "method": env}, False

@@ -43,50 +43,8 @@ from .log import get_logger
 
 log = get_logger(__name__)
 
-ENV_METHOD = "VCATTN_METHOD"
-_ENV_VALUES = ("off", "auto", "dense", "vsmooth", "mcsparse")
-
-
-def method_from_env() -> Optional[str]:
-    """``$VCATTN_METHOD`` lower-cased: None when unset or empty, else one of off/auto/dense/vsmooth/mcsparse
-    (anything else raises ``VCConfigError`` naming the accepted values)."""
-    raw = os.environ.get(ENV_METHOD, "").strip().lower()
-    if not raw:
-        return None
-    if raw not in _ENV_VALUES:
-        from .config import VCConfigError
-
-        raise VCConfigError(f"{ENV_METHOD}={os.environ[ENV_METHOD]!r} is invalid; accepted: "
-                            f"{', '.join(_ENV_VALUES)} (or unset)")
-    return raw
-
-
-def options_dict(options: Any) -> Dict[str, Any]:
-    """``options=`` as a plain dict: a ``VCConfig`` (every field), a mapping (as given) or None ({})."""
-    from .config import VCConfig, VCConfigError
-
-    if options is None:
-        return {}
-    if isinstance(options, VCConfig):
-        return json.loads(options.to_json())
-    if isinstance(options, Mapping):
-        return dict(options)
-    raise VCConfigError(f"vcattn options must be a VCConfig or a dict of option -> value, got "
-                        f"{type(options).__name__} {options!r}; e.g. options={{'method': 'vsmooth'}}")
-
-
-def apply_env(opts: Dict[str, Any], where: str) -> Tuple[Dict[str, Any], bool]:
-    """(options with ``$VCATTN_METHOD``'s method, off?) -- the switch applied to one compile or enable."""
-    env = method_from_env()
-    if env is None:
-        return opts, False
-    if env == "off":
-        return opts, True
-    given = opts.get("method")
-    given = getattr(given, "value", given)
-    if given not in (None, env):
-        log.warning("%s: %s=%s overrides method=%r", where, ENV_METHOD, env, given)
-    return {**opts, "method": env}, False
+# the switch and options_dict live with the options (config.py); the backend reads them there, not here
+from .config import ENV_METHOD, apply_env, method_from_env, options_dict  # noqa: E402,F401
 
 
 # ---- enable / disable ---------------------------------------------------------------------------------
