@@ -70,8 +70,12 @@ def test_triton_error_imports_every_row_and_names_the_failure(monkeypatch):
 
 def test_untuned_kernels_have_no_tuning():
     with pytest.raises(ValueError, match="not tuned"):
-        dispatch._resolve("topk", [C.TOPK_DEFAULT], lambda c: None, dtype=torch.float32, head_dim=64, seq_len=64,
-                          variant="x", device=torch.device("cpu"))
+        dispatch._resolve("topk", lambda c: None, dtype=torch.float32, head_dim=64, seq_len=64,
+                          device=torch.device("cpu"))
+    # a tuned row's candidates start with the measured default, for the tuner CLI too
+    assert dispatch.vsmooth_candidates("vsmooth_attn_sm90", 128, True, 32760)[0] == C.vsmooth_sm90_default(
+        128, True, 32760)
+    assert dispatch.sparse_candidates("bf16", 128, 64)[0] == C.sparse_default("bf16", 128, 64)
 
 
 def test_report_label_is_the_dispatch_decision():

@@ -103,13 +103,15 @@ def test_dispatch_tunes_only_on_cuda_outside_the_interpreter(monkeypatch, interp
         monkeypatch.setenv("TRITON_INTERPRET", interpret)
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cfg = dispatch._resolve("sparse_attn", K.sparse_candidates("bf16", 128, 128),
-                            lambda c: None, dtype=torch.bfloat16, head_dim=128, seq_len=4096, variant="v",
-                            device=torch.device("cuda", 0))
+    shape = dict(fmt="bf16", D=128, C_=128, keep=614, Sk=4096)
+    cfg = dispatch._resolve("sparse_attn", lambda c: None, dtype=torch.bfloat16, head_dim=128, seq_len=4096,
+                            device=torch.device("cuda", 0), **shape)
     assert cfg == K.sparse_default("bf16", 128, 128) and seen["src"] == list(dispatch.SOURCES["sparse_attn"])
+    assert seen["cands"] == [c.to_json() for c in K.sparse_candidates("bf16", 128, 128)]
+    assert seen["variant"] == K.sparse_variant("bf16", 128, 614, 4096)  # the row's key field
     assert seen["tunable"] is (interpret is None) and (seen["bench"] is None) is (interpret is not None)
-    dispatch._resolve("sparse_attn", K.sparse_candidates("bf16", 128, 128), lambda c: None,
-                      dtype=torch.bfloat16, head_dim=128, seq_len=4096, variant="v", device=torch.device("cpu"))
+    dispatch._resolve("sparse_attn", lambda c: None, dtype=torch.bfloat16, head_dim=128, seq_len=4096,
+                      device=torch.device("cpu"), **shape)
     assert seen["tunable"] is False
 
 

@@ -108,7 +108,7 @@ def run(a: argparse.Namespace) -> List[dict]:
     sm = D ** -0.5
     if a.method == "vsmooth":
         kernel = dispatch.vsmooth_kernel(dev, a.qk_format)
-        cls = C.VSmoothSm90Config if kernel == "vsmooth_attn_sm90" else C.VSmoothTritonConfig
+        cls = dispatch.KERNELS[kernel].config
         cands = dispatch.vsmooth_candidates(kernel, D, a.expcast, S)
         qk = dispatch.preprocess_qk(T, q, k, None, sm_scale=sm, qk_format=a.qk_format)
         vq = dispatch.preprocess_v(T, v, None)
@@ -119,7 +119,8 @@ def run(a: argparse.Namespace) -> List[dict]:
                                               launch=config)
     else:
         Cg = a.group_size
-        kernel, cls = "sparse_attn", C.SparseAttnConfig
+        kernel = "sparse_attn"
+        cls = dispatch.KERNELS[kernel].config
         cands = dispatch.sparse_candidates(a.sparse_qk, D, Cg)
         keep, G = n_keep(S, a.density), -(-S // Cg)
         sigma = torch.arange(S, device=dev).expand(B, H, S)

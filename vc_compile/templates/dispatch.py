@@ -69,6 +69,10 @@ class KernelRow:
     config: Optional[type] = None
     sources: Tuple[str, ...] = ()
     label: str = "triton"
+    # tuned kernels: the candidates (first = the measured default) and the tuning key's variant field of one
+    # call, functions of the call's shape keywords (``TuneShape``)
+    candidates: Optional[Callable[..., list]] = None
+    variant: Optional[Callable[..., str]] = None
 
     @property
     def tuned(self) -> bool:
@@ -80,13 +84,19 @@ class KernelRow:
 KERNELS: Dict[str, KernelRow] = {r.name: r for r in (
     KernelRow("preprocess", "preprocess", C.PreprocessConfig),
     KernelRow("kmeans", "kmeans"),
-    KernelRow("vsmooth_attn", "vsmooth_attn", C.VSmoothTritonConfig, ("vsmooth_attn.py",)),
+    KernelRow("vsmooth_attn", "vsmooth_attn", C.VSmoothTritonConfig, ("vsmooth_attn.py",),
+              candidates=lambda D, expcast, **_: list(C.VSMOOTH_TRITON_CANDIDATES[(D, bool(expcast))]),
+              variant=lambda expcast, qk_fp8, **_: C.vsmooth_triton_variant(expcast, qk_fp8)),
     KernelRow("vsmooth_attn_sm90", "vsmooth_attn_sm90", C.VSmoothSm90Config,
               ("vsmooth_attn_sm90.py", "vsmooth_attn_sm90_softmax.py", "vsmooth_attn_sm90_steps.py"),
-              label="triton/gluon_sm90"),
+              label="triton/gluon_sm90",
+              candidates=lambda D, expcast, S, **_: list(C.vsmooth_sm90_candidates(D, expcast, S)),
+              variant=lambda D, expcast, S, **_: C.vsmooth_sm90_variant(expcast, C.sm90_regime(D, expcast, S))),
     KernelRow("pddp", "pddp"),
     KernelRow("select", "select"),
-    KernelRow("sparse_attn", "sparse_attn", C.SparseAttnConfig, ("sparse_attn.py",)),
+    KernelRow("sparse_attn", "sparse_attn", C.SparseAttnConfig, ("sparse_attn.py",),
+              candidates=lambda fmt, D, C_, **_: list(C.sparse_candidates(fmt, D, C_)),
+              variant=lambda fmt, C_, keep, Sk, **_: C.sparse_variant(fmt, C_, keep, Sk)),
     KernelRow("finite_flags", "finite_flags", C.FiniteFlagsConfig),
     KernelRow("anchor_mass", "anchor_mass", C.AnchorMassConfig),
     KernelRow("topk", "topk", C.TopKConfig),
@@ -181,20 +191,28 @@ def sparse_ineligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Opti
 
 
 # ---- tuning ------------------------------------------------------------------------------------------------
-def _resolve(kernel: str, candidates, launch_fn: Callable, *, dtype, head_dim: int, seq_len: int,
-             variant: str, device: torch.device):
-    """The launch config of one call of a tuned kernel (a KERNELS row with sources): ``tune.resolve`` over
-    ``candidates`` (configs of the row's class), as a config object."""
-    cls = KERNELS[kernel].config
-    if not KERNELS[kernel].tuned:
+def candidates(kernel: str, **shape) -> List:
+    """The tuner's candidates of a tuned kernel for one call's shape keywords (first = the measured default)."""
+    row = KERNELS[kernel]
+    if not row.tuned:
         raise ValueError(f"kernel {kernel!r} is not tuned (no sources in dispatch.KERNELS)")
+    return row.candidates(**shape)
+
+
+def _resolve(kernel: str, launch_fn: Callable, *, dtype, head_dim: int, seq_len: int, device: torch.device,
+             **shape):
+    """The launch config of one call of a tuned kernel (a KERNELS row with sources): ``tune.resolve`` over the
+    row's candidates for ``shape``, keyed by the row's variant, as a config object of the row's class."""
+    row = KERNELS[kernel]
+    cands = candidates(kernel, **shape)
+    cls = row.config
 
     def launch(d):
         return launch_fn(cls.from_json(d))
     tunable = device.type == "cuda" and not interpreting()
-    d, _ = tune.resolve(kernel, list(SOURCES[kernel]), [c.to_json() for c in candidates], dtype=dtype,
-                        head_dim=head_dim, seq_len=seq_len, variant=variant, device=device, tunable=tunable,
-                        bench=tune.validated_bench(launch) if tunable else None)
+    d, _ = tune.resolve(kernel, list(SOURCES[kernel]), [c.to_json() for c in cands], dtype=dtype,
+                        head_dim=head_dim, seq_len=seq_len, variant=row.variant(**shape), device=device,
+                        tunable=tunable, bench=tune.validated_bench(launch) if tunable else None)
     return cls.from_json(d)
 
 
@@ -279,9 +297,7 @@ def vsmooth_label(device: torch.device, qk_format: str) -> str:
 
 def vsmooth_candidates(kernel: str, D: int, expcast: bool, S: int) -> List:
     """The tuner's candidates of ``kernel`` for this shape (first = the measured default)."""
-    if kernel == "vsmooth_attn_sm90":
-        return list(C.vsmooth_sm90_candidates(D, expcast, S))
-    return list(C.VSMOOTH_TRITON_CANDIDATES[(D, bool(expcast))])
+    return candidates(kernel, D=D, expcast=expcast, S=S)
 
 
 def vsmooth_attention(impl: Impl, qk, vq, *, expcast: bool = False, out_dtype=torch.bfloat16,
@@ -299,20 +315,18 @@ def vsmooth_attention(impl: Impl, qk, vq, *, expcast: bool = False, out_dtype=to
         kmod = kernel_module("vsmooth_attn_sm90")
         run = kmod.vsmooth_attention_sm90
         if launch is None:
-            launch = _resolve(kernel, C.vsmooth_sm90_candidates(D, expcast, S),
-                              lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse,
-                                            launch=c),
-                              dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device,
-                              variant=C.vsmooth_sm90_variant(expcast, C.sm90_regime(D, expcast, S)))
+            launch = _resolve(kernel, lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype,
+                                                    return_lse=return_lse, launch=c),
+                              dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device, D=D, expcast=expcast,
+                              S=S)
     else:
         kmod = kernel_module("vsmooth_attn")
         run = kmod.vsmooth_attention
         if launch is None:
-            launch = _resolve(kernel, C.VSMOOTH_TRITON_CANDIDATES[(D, bool(expcast))],
-                              lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse,
-                                            launch=c),
-                              dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device,
-                              variant=C.vsmooth_triton_variant(expcast, fmt == "fp8"))
+            launch = _resolve(kernel, lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype,
+                                                    return_lse=return_lse, launch=c),
+                              dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device, D=D, expcast=expcast,
+                              qk_fp8=fmt == "fp8")
     return run(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse, launch=launch)
 
 
@@ -342,7 +356,7 @@ def group_key_mass(impl: Impl, q, k, sigma, lse2, *, sm_scale: float, group_size
 
 
 def sparse_candidates(qk_format: str, D: int, C_: int) -> List:
-    return list(C.sparse_candidates(qk_format, D, C_))
+    return candidates("sparse_attn", fmt=qk_format, D=D, C_=C_)
 
 
 def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_size: int, residual=None,
@@ -363,12 +377,12 @@ def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_
         if fmt == "fp8" and k_fp8 is None:  # once, not once per tuning candidate
             k_fp8 = kmod.quantize_k_fp8(k if k.stride(-1) == 1 else k.contiguous())
         D, Sk, keep = q.shape[3], k.shape[2], idx.shape[3]
-        launch = _resolve("sparse_attn", C.sparse_candidates(fmt, D, int(group_size)),
+        launch = _resolve("sparse_attn",
                           lambda c: kmod.sparse_attention(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
                                                           residual=residual, out_dtype=out_dtype, qk_format=fmt,
                                                           launch=c, k_fp8=k_fp8),
-                          dtype=q.dtype, head_dim=D, seq_len=q.shape[2], device=q.device,
-                          variant=C.sparse_variant(fmt, int(group_size), keep, Sk))
+                          dtype=q.dtype, head_dim=D, seq_len=q.shape[2], device=q.device, fmt=fmt, D=D,
+                          C_=int(group_size), keep=keep, Sk=Sk)
     return kmod.sparse_attention(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual,
                                  out_dtype=out_dtype, qk_format=qk_format, launch=launch, k_fp8=k_fp8, flag=flag)
 
