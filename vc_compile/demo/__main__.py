@@ -16,12 +16,17 @@ metadata), 50 Euler steps, CFG 3. Writes into ``--out`` (default ``./vc_demo_out
 ``demo.gif`` (methods side by side), ``results.json`` (the table and each run's vc_compile report),
 ``clips.pt`` (the clips).
 
+On a CUDA GPU the clip is followed by a real-size timing (``demo/speed.py``): one attention layer of the Wan 2.1
+1.3B configuration at 32760 tokens through every method over a 50-step schedule, against stock SDPA (speed
+only, random tensors); ``--speed-tokens 0`` skips it.
+
 Without CUDA this is a reduced run (10 steps, Inductor replaced by the rewritten graph run eagerly, the
 plain-PyTorch reference kernels) and says so: it shows the mechanics and the fidelity, not the speed.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import time
@@ -30,6 +35,7 @@ from pathlib import Path
 import torch
 
 from vc_compile.config import merge_options
+from vc_compile.demo.speed import WAN13B
 
 # Clip size on every device: the one the model was trained at (the weights' metadata: 16 x 32 x 32 px).
 # NOTE: measured flow-matching loss of the trained model on held-out data clips (mean over frames, fp32,
@@ -74,6 +80,10 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=None,
                     help="steps of the untimed warm-up generation (default: 6 on CUDA, 1 on CPU)")
     ap.add_argument("--fps", type=int, default=8, help="frame rate of demo.mp4 / demo.gif")
+    ap.add_argument("--speed-tokens", type=int, default=None,
+                    help="real-size timing after the clip (demo/speed.py): one Wan 2.1 1.3B attention layer at "
+                         "this many tokens (default on CUDA: 32760, 480p x 81 frames; 0 = skip; CPU: skipped)")
+    ap.add_argument("--speed-steps", type=int, default=50, help="steps of the real-size timing's schedule")
     ap.add_argument("--set", action="append", default=[], metavar="OPTION=VALUE",
                     help="a vcattn option for every method, e.g. --set rope_fusion=false (value read as JSON, "
                          "else as a string); repeatable")
@@ -89,6 +99,8 @@ def parse_args(argv=None):
             a.options[key] = raw
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.reduced = not a.device.startswith("cuda")
+    if a.speed_tokens is None:
+        a.speed_tokens = 0 if a.reduced else WAN13B["tokens"]
     for k, v in (CPU_DEFAULTS if a.reduced else GPU_DEFAULTS).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -218,6 +230,18 @@ def main(argv=None):
     if a.reduced:
         print("[vc_demo] (reduced CPU run: times are reference-path times, not kernel speed)")
 
+    speed = []
+    if a.speed_tokens > 0:  # what the small clip cannot show: the attention of a real-size model
+        from .speed import format_speed, time_methods
+        print(f"[vc_demo] real-size timing: one Wan 2.1 1.3B attention layer at {a.speed_tokens} tokens ...",
+              flush=True)
+        speed = time_methods([(m, known[m]) for m in a.method_list], heads=WAN13B["heads"], tokens=a.speed_tokens,
+                             head_dim=WAN13B["head_dim"], steps=a.speed_steps, device=device,
+                             extra={"experimental": {"compiler": a.compiler}, **a.options})
+        print()
+        print(format_speed(speed, heads=WAN13B["heads"], tokens=a.speed_tokens, head_dim=WAN13B["head_dim"],
+                           steps=a.speed_steps, device_name=device_name))
+
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     clips, labels = [r.clip[0] for r in results], [r.label for r in results]
@@ -232,6 +256,7 @@ def main(argv=None):
         print(f"[vc_demo] MP4 NOT WRITTEN: {e}. grid.png and demo.gif are written.")
     info = {"args": {k: v for k, v in vars(a).items()}, "trained_weights": trained, "tokens": tokens,
             "wall_s": round(wall_s, 1), "rows": rows, "mp4": mp4_problem or "written",
+            "real_size_speed": [dataclasses.asdict(r) for r in speed],
             "env": {"device": device_name, "torch": torch.__version__, "python": platform.python_version(),
                     "date": time.strftime("%Y-%m-%d %H:%M:%S")},
             "reports": {r.label: r.report.to_dict() for r in results if hasattr(r.report, "to_dict")}}
