@@ -126,3 +126,20 @@ def test_write_rejects_broken_markers(tmp_path):
         with pytest.raises(ValueError, match="bad.md"):
             render.write_blocks(str(p), texts)
         assert p.read_text() == bad  # nothing written on error
+
+
+def test_sm90_ab_block_shows_the_latest_run_per_shape():
+    """The launch A/B block: every row of the latest run of each (H, S, inputs), an older run of that shape left
+    out, baselines without their long notes."""
+    from scripts.render_results import sm90_ab_tables
+    base = dict(B="1", D="128", gpu="NVIDIA H200", inputs="structured")
+    rows = [dict(base, H="40", S="32760", date="2026-12-02 01:00", commit="aaa", variant="expcast_kernel", ms="25.0",
+                 speedup_vs_cudnn="1.5", note="old"),
+            dict(base, H="40", S="32760", date="2026-12-02 02:00", commit="bbb", variant="fa3-fp8", ms="23.0",
+                 speedup_vs_cudnn="1.7", note="a long baseline note"),
+            dict(base, H="40", S="32760", date="2026-12-02 02:00", commit="bbb", variant="expcast_kernel", ms="24.0",
+                 speedup_vs_cudnn="1.6", speedup_vs_fa3="0.96", note="new")]
+    text = sm90_ab_tables(rows)[0]
+    assert "24.00" in text and "0.96x" in text and "| new |" in text
+    assert "25.00" not in text and "a long baseline note" not in text
+    assert "bench_vsmooth_attn_sm90.csv" in sm90_ab_tables([])[0]
