@@ -5,7 +5,7 @@ consumers' loop (the backward branch around an HGMMA: its instruction mix, HGMMA
 shared-memory traffic, warpgroup waits) and the producer's loop (cp.async LDGSTS, mbarrier arrivals).
 
     python3 -m scripts.codegen_sparse_sm90 [--S 32760] [--density 0.15] [--C 64,128] [--configs 128/2,64/3]
-        [--json] [--dump PREFIX]
+        [--off64] [--json] [--dump PREFIX]
 
 Same fake-driver warm-up compile as scripts/codegen_stats.py (B = 1, H = 40, D = Dv = 128, bf16, residual and
 flag epilogue on, n_keep from the density). Never run under TRITON_INTERPRET=1.
@@ -123,18 +123,22 @@ def main(argv=None):
     p.add_argument("--density", type=float, default=0.15)
     p.add_argument("--C", default="64,128")
     p.add_argument("--configs", default=None, help="BN/stages,...; default: the kernel's default per C")
+    p.add_argument("--off64", action="store_true", help="force the 64-bit offset path (OFF64, for Sk * stride >= 2^31)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dump", default=None, help="write PREFIX_c<C>_<cfg>.ttgir/.ptx/.sass")
     a = p.parse_args(argv)
     cs._install()
     from vc_compile.templates import configs as CF
+    if a.off64:
+        from vc_compile.templates import sparse_attn_sm90 as g
+        g.needs_64bit_offsets = lambda *extents: True
     out = {}
     for C in map(int, a.C.split(",")):
         cfgs = ([CF.SparseAttnSm90Config(*map(int, c.split("/"))) for c in a.configs.split(",")] if a.configs
                 else [CF.sparse_sm90_default(C)])
         for cfg in cfgs:
             k = compile_one(a.S, C, cfg, a.density)
-            name = f"c{C}_BN{cfg.block_n}_s{cfg.stages}"
+            name = f"c{C}_BN{cfg.block_n}_s{cfg.stages}" + ("_off64" if a.off64 else "")
             out[name] = kernel_stats(k)
             if a.dump:
                 cs.dump_asm(k, f"{a.dump}_{name}")

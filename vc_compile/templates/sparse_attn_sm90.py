@@ -289,6 +289,12 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, RES, OUT, FLAG,
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+def needs_64bit_offsets(*extents: int) -> bool:
+    """Whether an in-head element offset may pass 2^31 (the kernel's OFF64: 64-bit row offsets; int32 otherwise,
+    which saves integer work per gathered row). A function so that the offline compile can force either path."""
+    return max(extents) >= 2**31
+
+
 def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None, out_dtype=None, flag=None,
                           launch: SparseAttnSm90Config = None):
     """As ``sparse_attn.sparse_attention`` with ``qk_format="bf16"``: O[sigma[g*C+i]] = softmax over the keys
@@ -337,7 +343,7 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
                          f"{tuple(flag.shape)}")
     BN = launch.block_n
     GPC = 2 if C == 64 else 1
-    off64 = max(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(k.stride(2), v.stride(2))) >= 2**31
+    off64 = needs_64bit_offsets(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(k.stride(2), v.stride(2)))
     _sparse_attn_sm90_kernel[(triton.cdiv(G, GPC), B * H)](
         q, k, v, sigma, idx, res, out, flag.contiguous() if flag is not None else out,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
