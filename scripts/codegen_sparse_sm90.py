@@ -23,6 +23,7 @@ from scripts import codegen_stats as cs
 import torch  # noqa: E402  (after codegen_stats)
 
 _INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_SETMAXREG = re.compile(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)")  # the partitions' register counts
 
 
 def _op(t: str) -> str:
@@ -113,7 +114,7 @@ def kernel_stats(k) -> dict:
     sass, serialized = csp.sass_of(k.asm["ptx"])
     return {"registers": st["registers"], "spill_bytes": st["spill_bytes"], "smem_bytes": smem,
             "ctas_per_sm": csp.SMEM_PER_SM // (smem + csp.SMEM_PER_CTA_RESERVED), "wgmma_serialized": serialized,
-            "setmaxnreg": sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.\w+\.CTAPOOL (?:UP\d, )?(0x[0-9a-f]+)", sass)}),
+            "setmaxnreg": sorted({int(x, 16) for x in _SETMAXREG.findall(sass)}),
             "consumer": consumer_loop(sass), "producer": producer_loop(sass)}
 
 

@@ -146,6 +146,9 @@ def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N
         if GPC == 2:
             _produce_block(nb - 1, kid1, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
                            vempty, 1, STAGES, D, DV, True)
+    # no producer thread exits with its copies in flight (their noinc arrivals are what the consumers wait on)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
 
 
 @gluon.jit
