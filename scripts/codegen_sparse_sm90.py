@@ -94,7 +94,21 @@ def consumer_loop(sass: str) -> dict:
             "lds": sum(1 for x in body if _op(x).startswith("LDS")),
             "local_memory": sum(1 for x in body if _op(x).startswith(("LDL", "STL"))),
             "mufu_ex2": sum(1 for x in body if _op(x).startswith("MUFU.EX2")),
-            "bar_sync": sum(1 for x in body if _op(x).startswith("BAR.SYNC"))}
+            "bar_sync": sum(1 for x in body if _op(x).startswith("BAR.SYNC")), **issue_order(body)}
+
+
+def issue_order(body: list) -> dict:
+    """Whether the consumer's block runs in the intended order: the softmax (MUFU.EX2) before PV_j's first HGMMA
+    (register A operand), then S_{j+1}'s HGMMAs (shared-memory A), then the wait that leaves one group in flight
+    (``DEPBAR.LE gsb0, 0x1``: PV_j done, S_{j+1} running), then the wait for S_{j+1} (``0x0``)."""
+    at = lambda pat: [i for i, x in enumerate(body) if re.search(pat, x)]  # noqa: E731
+    pv, qk = at(r"HGMMA\S* R\d+, R\d+, gdesc"), at(r"HGMMA\S* R\d+, gdesc")
+    w1, w0, ex2 = at(r"DEPBAR\.LE gsb0, 0x1\b"), at(r"DEPBAR\.LE gsb0, 0x0\b"), at(r"MUFU\.EX2")
+    if not (pv and qk and w1 and w0 and ex2):
+        return {"order_ok": False, "softmax_before_pv": 0.0}
+    return {"order_ok": max(pv) < min(qk) and max(qk) < min(w1) < min(w0),
+            # ptxas may sink the two row-rescale exponents below the MMA issue; the scores' exp2 stay above it
+            "softmax_before_pv": round(sum(i < min(pv) for i in ex2) / len(ex2), 3)}
 
 
 def producer_loop(sass: str) -> dict:

@@ -73,6 +73,8 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     assert c["hgmma_smem_a"] == D // 16 and c["hgmma_register_a"] == bn // 16, c
     assert c["sts"] == 0 and c["lds"] == 0 and c["warpgroup_waits"] == 2, c
     assert bn // 2 <= c["mufu_ex2"] <= bn // 2 + 4, c  # 64 rows x BN keys / 128 threads, + the two alphas
+    # softmax -> PV_j issued -> S_{j+1} issued -> wait for PV_j (S_{j+1} in flight) -> wait for S_{j+1}
+    assert c["order_ok"] and c["softmax_before_pv"] >= 0.97, c
     p = st["producer"]
     assert p["found"], "no producer loop (a loop with LDGSTS) in the SASS"
     rings = 2 if C == 64 else 1
