@@ -5,11 +5,11 @@ efficiency eta = (t_dense / t) x s against a dense bf16 kernel of the same run (
 kernel's on every head and against the fp32 reference on heads 0-1).
 
     python3 -m scripts.ab_sparse_sm90 [--sizes 32760,75600] [--densities 0.15,0.25] [--C 128,64]
-        [--configs 128/2,128/3,64/3,64/4] [--residual] [--out F.json]
+        [--configs 128/2,128/2p,128/3,64/3,64/4] [--residual] [--out F.json]
 
 B = 1, H = 40, D = 128, bf16, random sigma and a random sorted selection per group (as bench_sparse_attn). A
-``--configs`` entry is BN/stages of ``configs.SparseAttnSm90Config``; one that does not fit the shared memory at a
-C is reported and skipped. Every row is printed as it is measured.
+``--configs`` entry is BN/stages of ``configs.SparseAttnSm90Config``, with a trailing ``p`` for the persistent grid;
+one that does not fit the shared memory at a C is reported and skipped. Every row is printed as it is measured.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def main(argv=None):
     p.add_argument("--sizes", default="32760")
     p.add_argument("--densities", default="0.15,0.25")
     p.add_argument("--C", default="128,64")
-    p.add_argument("--configs", default="128/2,128/3,64/2,64/3,64/4")
+    p.add_argument("--configs", default="128/2,128/2p,128/3,64/2,64/2p,64/3,64/4")
     p.add_argument("--residual", action="store_true", help="time with the residual epilogue (a reuse step)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -89,8 +89,8 @@ def main(argv=None):
                 emit({**base, "variant": "triton", "config": str(tcfg), "ms": t, "eta": t_dense / t * s,
                       "rel_l2_ref": metrics(tri[:, :2].float(), ref)["rel_l2"]})
                 for spec in a.configs.split(","):
-                    bn, st = map(int, spec.split("/"))
-                    cfg = CF.SparseAttnSm90Config(block_n=bn, stages=st)
+                    bn, st = spec.rstrip("p").split("/")
+                    cfg = CF.SparseAttnSm90Config(block_n=int(bn), stages=int(st), persistent=spec.endswith("p"))
                     row = {**base, "variant": "gluon_sm90", "config": spec}
                     if cfg.smem_bytes(C, D, D) > CF.SM90_SMEM_BYTES:
                         emit({**row, "note": "does not fit the shared memory at this C"})

@@ -8,6 +8,7 @@ both head dims, residual, flag, int64 ids, a broadcast dense selection, key coun
 the key block) with the Triton gather kernel's tolerance, against the Triton kernel itself (the same arithmetic up
 to the order of the fp32 sums and the bf16 rounding of P), and NaN / Inf propagating as in the reference.
 """
+import dataclasses
 import json
 import os
 import pathlib
@@ -59,9 +60,9 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     bn = int(variant.split("_BN")[1].split("_")[0])
     cfg = CF.sparse_sm90_default(C)
     D = 128
-    # nothing spills (the producer's 40 registers included; the 64-bit offset path at C = 128: 8 bytes outside the
+    # nothing spills (the producer's 40 registers included; the 64-bit offset path at C = 128: 12 bytes outside the
     # loops), no loop touches local memory, and ptxas keeps the wgmmas asynchronous
-    assert st["spill_bytes"] <= (8 if variant.endswith("off64") else 0) and not st["wgmma_serialized"], st
+    assert st["spill_bytes"] <= (16 if variant.endswith("off64") else 0) and not st["wgmma_serialized"], st
     assert st["consumer"]["local_memory"] == 0 and st["producer"]["local_memory"] == 0
     # one 12-warp CTA per SM, the registers split as the config says
     assert st["ctas_per_sm"] == 1 and st["smem_bytes"] <= CF.SM90_SMEM_BYTES
@@ -88,7 +89,7 @@ def test_config_validation():
     assert SparseAttnSm90Config.from_json(SparseAttnSm90Config(64, 3).to_json()) == SparseAttnSm90Config(64, 3)
     for bad in (dict(block_n=32), dict(block_n=256), dict(stages=1), dict(stages=5), dict(block_n=True),
                 dict(consumer_regs=236), dict(producer_regs=16), dict(consumer_regs=248, producer_regs=24),
-                dict(consumer_regs=240, producer_regs=32)):
+                dict(consumer_regs=240, producer_regs=32), dict(persistent=1)):
         with pytest.raises(ValueError):
             SparseAttnSm90Config(**bad)
     with pytest.raises(ValueError, match="unknown field"):
@@ -176,6 +177,24 @@ def test_gpu_key_counts_and_launch_configs(C):
                 out = _gluon(q, k, v, sigma, ids, sm_scale=D ** -0.5, group_size=C, residual=res,
                              out_dtype=torch.float32, launch=cfg)
                 assert rel_l2(out, ref) < TOL[torch.bfloat16], (keep, cfg, ids.dtype)
+
+
+@requires_sm90
+@pytest.mark.parametrize("C", [64, 128])
+def test_gpu_persistent_grid_is_the_same_arithmetic(C):
+    """A persistent CTA runs its tiles one after another with the ring position running on across them: the same
+    arithmetic per tile as one CTA per tile, so the same bits; more tiles than SMs and an odd group count."""
+    S, D = 64 * 41 + 3, 128
+    q, k, v, sigma, idx, res = make_inputs(1, 8, S, D, torch.bfloat16, 0.3, C=C, device="cuda")
+    idx = idx[..., :idx.shape[-1] - 3].contiguous()
+    for bn, st in ((64, 2), (64, 3), (128, 2)):
+        cfg = SparseAttnSm90Config(bn, st)
+        if cfg.smem_bytes(C, D, D) > CF.SM90_SMEM_BYTES:
+            continue
+        kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res, out_dtype=torch.float32)
+        one = _gluon(q, k, v, sigma, idx, launch=cfg, **kw)
+        per = _gluon(q, k, v, sigma, idx, launch=dataclasses.replace(cfg, persistent=True), **kw)
+        assert torch.equal(one, per), cfg
 
 
 @requires_sm90

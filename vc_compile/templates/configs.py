@@ -344,10 +344,10 @@ SM90_REGS_PER_THREAD_SLOT = 504  # 65536 registers over 128 threads, in setmaxnr
 @dataclass(frozen=True)
 class SparseAttnSm90Config(_Json):
     """The warp-specialised Gluon gather kernel's launch: ``block_n`` keys per ring stage, ``stages`` K / V
-    stages per ring (one ring per CTA at C = 128, one per query group at C = 64), and the registers per thread
+    stages per ring (one ring per CTA at C = 128, one per query group at C = 64), the registers per thread
     that ``setmaxnreg`` gives the two consumer warp groups and the 4-warp producer (two consumers and the
-    producer share the 504-register thread slot of a 12-warp CTA). Unmeasured: docs/sparse_notes.md, "Gluon
-    gather kernel"."""
+    producer share the 504-register thread slot of a 12-warp CTA), and whether the grid is persistent.
+    Unmeasured: docs/sparse_notes.md, "Gluon gather kernel"."""
     block_n: int = 128
     stages: int = 2
     # NOTE (offline sm_90 SASS, scripts/codegen_sparse_sm90.py, C = 128, BN = 128): 240 / 24 spills 72 bytes in
@@ -355,10 +355,15 @@ class SparseAttnSm90Config(_Json):
     # nothing, and the consumers' loop is the same 464 instructions
     consumer_regs: int = 232
     producer_regs: int = 40
+    # one CTA per SM looping over the tiles (the producer gathers the next tile's first blocks while the consumers
+    # finish this one) instead of one CTA per tile; the same kernel either way (the grid decides)
+    persistent: bool = False
 
     def __post_init__(self):
         _check_ints(self, block_n={64, 128}, stages={2, 3, 4}, consumer_regs=set(range(128, 257, 8)),
                     producer_regs=set(range(24, 129, 8)))
+        if not isinstance(self.persistent, bool):
+            raise ValueError(f"SparseAttnSm90Config.persistent={self.persistent!r}; accepted: True, False")
         if 2 * self.consumer_regs + self.producer_regs > SM90_REGS_PER_THREAD_SLOT:
             raise ValueError(f"{self}: 2 x consumer_regs + producer_regs = "
                              f"{2 * self.consumer_regs + self.producer_regs} > {SM90_REGS_PER_THREAD_SLOT}")

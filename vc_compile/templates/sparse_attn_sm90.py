@@ -25,7 +25,11 @@ P           exp2(s - m_i) as the PV MMA's A operand in registers (16-bit: the QK
 
 Parallelisation
 ---------------
-Grid ``(ceil(G / GPC), B * H)``, GPC = 1 group per CTA at C = 128 and 2 at C = 64; one CTA (12 warps) per SM.
+A tile is GPC query groups of one head (GPC = 1 at C = 128, 2 at C = 64): n_gc = ceil(G / GPC) tiles per head,
+tile t = CTA group t % n_gc of head t // n_gc (the tiles of one head run together, so its K / V stay in L2). One
+CTA (12 warps) per SM; grid: one CTA per tile, or (``persistent``) one per SM, each taking tiles t = program_id,
++ num_programs, ... with the ring position counted on across its tiles (every tile has nb blocks), so the producer
+gathers the next tile's first blocks during this tile's last blocks and epilogue.
 * producer (4 warps, ``producer_regs`` registers): per block, the BN key ids (loaded a block ahead), then K rows
   and V rows by cp.async (16 bytes per thread, 4 threads per 64-byte row segment: full 32-byte sectors) into the
   next free stage; masked (zero-filled) rows past n_keep. C = 64: the blocks of both groups, one ring each.
@@ -79,14 +83,15 @@ def _gather_rows(base, kid, row_stride, smem, d, valid, MASK: gl.constexpr):
 
 
 @gluon.jit
-def _produce_block(j, kid, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty, vempty,
+def _produce_block(it, kid, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty, vempty,
                    ring: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                    MASK: gl.constexpr):
-    """Block j of ring ``ring``: wait for its stage to be free, then the K rows and the V rows by cp.async, each
-    completing on its ready barrier (one noinc arrival per producer thread)."""
+    """The block at ring position ``it`` (the CTA's blocks counted over its tiles) of ring ``ring``: wait for its
+    stage to be free, then the K rows and the V rows by cp.async, each completing on its ready barrier (one noinc
+    arrival per producer thread)."""
     NW: gl.constexpr = gl.num_warps()
-    slot = ring * STAGES + j % STAGES
-    ph = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first round passes
+    slot = ring * STAGES + it % STAGES
+    ph = ((it // STAGES) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first round passes
     dk = gl.arange(0, D, layout=gl.SliceLayout(0, _gather_layout(D, NW)))
     dv = gl.arange(0, DV, layout=gl.SliceLayout(0, _gather_layout(DV, NW)))
     mbarrier.wait(kempty.index(slot), ph)
@@ -108,58 +113,74 @@ def _load_ids(i_base, blk, offs, sin, N_KEEP, OFF64: gl.constexpr):
 
 
 @gluon.jit
-def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP,
-              skb, skh, sks, svb, svh, svs, sib, sih, sig, sin,
-              GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-              HAS_TAIL: gl.constexpr, OFF64: gl.constexpr):
-    """The producer warp group: block j of every ring (ring r = the CTA's group r), the rings in lockstep so that
-    at C = 64 neither consumer waits for the other's blocks; each block's ids loaded a block ahead."""
+def _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, gc, bh, it0,
+                  skb, skh, sks, svb, svh, svs, sib, sih, sig, sin,
+                  GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_TAIL: gl.constexpr, OFF64: gl.constexpr):
+    """Tile (gc, bh): block j of every ring (ring r = the tile's group r) at ring position it0 + j, the rings in
+    lockstep so that at C = 64 neither consumer waits for the other's blocks; each block's ids loaded a block
+    ahead."""
     NW: gl.constexpr = gl.num_warps()
     row_l: gl.constexpr = gl.SliceLayout(1, _gather_layout(D, NW))
-    bh = gl.program_id(1)
     b = (bh // H).to(gl.int64)
     h = (bh % H).to(gl.int64)
     k_base = K + b * skb + h * skh
     v_base = V + b * svb + h * svh
     nb = gl.cdiv(N_KEEP, BN)
     offs = gl.arange(0, BN, layout=row_l)
-    # a C = 64 CTA past the last group (odd G) gathers the last group's keys again; its rows store nothing
-    ib0 = IDX + b * sib + h * sih + gl.minimum(gl.program_id(0) * GPC, G - 1).to(gl.int64) * sig
+    # a C = 64 tile past the last group (odd G) gathers the last group's keys again; its rows store nothing
+    ib0 = IDX + b * sib + h * sih + gl.minimum(gc * GPC, G - 1).to(gl.int64) * sig
     kid0 = _load_ids(ib0, 0, offs, sin, N_KEEP, OFF64)
     if GPC == 2:
-        ib1 = IDX + b * sib + h * sih + gl.minimum(gl.program_id(0) * GPC + 1, G - 1).to(gl.int64) * sig
+        ib1 = IDX + b * sib + h * sih + gl.minimum(gc * GPC + 1, G - 1).to(gl.int64) * sig
         kid1 = _load_ids(ib1, 0, offs, sin, N_KEEP, OFF64)
     for j in range(0, nb - 1 if HAS_TAIL else nb):
         kn0 = _load_ids(ib0, j + 1, offs, sin, N_KEEP, OFF64)  # in flight during this block's copies
-        _produce_block(j, kid0, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty, vempty,
-                       0, STAGES, D, DV, False)
+        _produce_block(it0 + j, kid0, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
+                       vempty, 0, STAGES, D, DV, False)
         kid0 = kn0
         if GPC == 2:
             kn1 = _load_ids(ib1, j + 1, offs, sin, N_KEEP, OFF64)
-            _produce_block(j, kid1, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
-                           vempty, 1, STAGES, D, DV, False)
+            _produce_block(it0 + j, kid1, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
+                           kempty, vempty, 1, STAGES, D, DV, False)
             kid1 = kn1
     if HAS_TAIL:  # the last block: rows past n_keep zero-filled (no stale or non-finite V row meets p = 0)
         valid = (nb - 1) * BN + offs < N_KEEP
-        _produce_block(nb - 1, kid0, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty, vempty,
-                       0, STAGES, D, DV, True)
+        _produce_block(it0 + nb - 1, kid0, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
+                       vempty, 0, STAGES, D, DV, True)
         if GPC == 2:
-            _produce_block(nb - 1, kid1, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
-                           vempty, 1, STAGES, D, DV, True)
+            _produce_block(it0 + nb - 1, kid1, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
+                           kempty, vempty, 1, STAGES, D, DV, True)
+
+
+@gluon.jit
+def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles,
+              skb, skh, sks, svb, svh, svs, sib, sih, sig, sin,
+              GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+              HAS_TAIL: gl.constexpr, OFF64: gl.constexpr):
+    """The producer warp group: the CTA's tiles t = program_id, + num_programs, ... (tile t = CTA group t % n_gc of
+    head t // n_gc); the ring position runs on across tiles, so a persistent CTA gathers its next tile's first
+    blocks while the consumers finish this one."""
+    nb = gl.cdiv(N_KEEP, BN)
+    it0 = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, t % n_gc, t // n_gc,
+                      it0, skb, skh, sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64)
+        it0 += nb
     # no producer thread exits with its copies in flight (their noinc arrivals are what the consumers wait on)
     async_copy.commit_group()
     async_copy.wait_group(0)
 
 
 @gluon.jit
-def _consume_block(j, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, N_KEEP,
+def _consume_block(j, it, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, N_KEEP,
                    sm_scale_log2, zero_s, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
                    PDT: gl.constexpr, MASK: gl.constexpr, NEXT: gl.constexpr):
-    """Block j with S_j given: softmax -> PV_j and S_{j+1} (NEXT) issued together -> PV_j retired (V_j freed) ->
-    S_{j+1} retired (K_{j+1} freed). Returns (S_{j+1} or s, m_i, l_i, acc)."""
+    """Block j (at ring position ``it``) with S_j given: softmax -> PV_j and S_{j+1} (NEXT) issued together ->
+    PV_j retired (V_j freed) -> S_{j+1} retired (K_{j+1} freed). Returns (S_{j+1} or s, m_i, l_i, acc)."""
     o_layout: gl.constexpr = acc.type.layout
-    slot = ring * STAGES + j % STAGES
-    nslot = ring * STAGES + (j + 1) % STAGES
+    slot = ring * STAGES + it % STAGES
+    nslot = ring * STAGES + (it + 1) % STAGES
     if MASK:
         cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
         s = gl.where((cols < N_KEEP)[None, :], s, float("-inf"))
@@ -169,11 +190,11 @@ def _consume_block(j, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, 
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p16 = gl.convert_layout(p.to(PDT), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    mbarrier.wait(vready.index(slot), (j // STAGES) & 1)
+    mbarrier.wait(vready.index(slot), (it // STAGES) & 1)
     fence_async_shared()  # the rows were written by cp.async (generic proxy); wgmma reads through the async proxy
     pv_tok = warpgroup_mma(p16, v_smem.index(slot), acc, is_async=True)
     if NEXT:
-        mbarrier.wait(kready.index(nslot), ((j + 1) // STAGES) & 1)
+        mbarrier.wait(kready.index(nslot), ((it + 1) // STAGES) & 1)
         fence_async_shared()
         s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc = warpgroup_mma_wait(1, deps=[pv_tok])  # PV_j done (groups retire in order); S_{j+1} may still run
@@ -187,13 +208,13 @@ def _consume_block(j, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, 
 
 
 @gluon.jit
-def _consumer(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
-              sm_scale_log2, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
-              half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-              DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
-              HAS_FLAG: gl.constexpr, OFF64: gl.constexpr):
-    """One consumer warp group: 64 query rows (``half`` of a C = 128 group, or all of group 2 pid + half at
-    C = 64) through every key block of its ring, then the epilogue."""
+def _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+                  sm_scale_log2, gc, bh, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
+                  half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                  DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
+                  HAS_FLAG: gl.constexpr, OFF64: gl.constexpr):
+    """One consumer warp group on tile (gc, bh): 64 query rows (``half`` of a C = 128 group, or all of group
+    2 gc + half at C = 64) through every key block of its ring (ring positions it0 ...), then the epilogue."""
     BM: gl.constexpr = 64
     NW: gl.constexpr = gl.num_warps()
     ring: gl.constexpr = half if GPC == 2 else 0
@@ -203,13 +224,12 @@ def _consumer(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, 
                                                        instr_shape=[16, DV, 16])
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     PDT: gl.constexpr = Q.dtype.element_ty
-    bh = gl.program_id(1)
     b = (bh // H).to(gl.int64)
     h = (bh % H).to(gl.int64)
     if GPC == 2:
-        row0 = (gl.program_id(0) * 2 + half) * C
+        row0 = (gc * 2 + half) * C
     else:
-        row0 = gl.program_id(0) * C + half * BM
+        row0 = gc * C + half * BM
 
     # Q rows through sigma into shared memory (QK's A operand for the whole loop)
     rq = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, q_layout))
@@ -217,6 +237,7 @@ def _consumer(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, 
     sq = sq.to(gl.int64) if OFF64 else sq.to(gl.int32)
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
     q = gl.load(Q + b * sqb + h * sqh + sq[:, None] * sqs + dq[None, :], mask=(rq < S)[:, None], other=0.0)
+    gl.thread_barrier()  # (a persistent CTA) every warp's last QK of the previous tile has retired
     q_smem.store(q)
     fence_async_shared()
     gl.thread_barrier()  # every warp's Q rows are in shared memory before the warp group's first MMA
@@ -226,17 +247,19 @@ def _consumer(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, 
     acc = gl.zeros([BM, DV], gl.float32, o_layout)
     m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
-    slot0 = ring * STAGES
-    mbarrier.wait(kready.index(slot0), 0)
+    slot0 = ring * STAGES + it0 % STAGES
+    mbarrier.wait(kready.index(slot0), (it0 // STAGES) & 1)
     fence_async_shared()
     s_tok = warpgroup_mma(q_smem, k_smem.index(slot0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     mbarrier.arrive(kempty.index(slot0), count=1)
     for j in range(0, nb - 1):
-        s, m_i, l_i, acc = _consume_block(j, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty,
-                                          vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT, False, True)
-    s, m_i, l_i, acc = _consume_block(nb - 1, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty,
-                                      vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT, HAS_TAIL, False)
+        s, m_i, l_i, acc = _consume_block(j, it0 + j, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready,
+                                          kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT, False,
+                                          True)
+    s, m_i, l_i, acc = _consume_block(nb - 1, it0 + nb - 1, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready,
+                                      kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT, HAS_TAIL,
+                                      False)
 
     # epilogue: O = acc / l, + residual, flagged columns NaN, rows scattered to sigma
     ro = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
@@ -256,10 +279,26 @@ def _consumer(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, 
 
 
 @gluon.jit
+def _consumer(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+              sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
+              half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+              DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
+              HAS_FLAG: gl.constexpr, OFF64: gl.constexpr):
+    """One consumer warp group over the CTA's tiles (as ``_producer``)."""
+    nb = gl.cdiv(N_KEEP, BN)
+    it0 = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+                      sm_scale_log2, t % n_gc, t // n_gc, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, half, C,
+                      GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64)
+        it0 += nb
+
+
+@gluon.jit
 def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, RES, OUT, FLAG,
                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                              sib, sih, sig, sin, srb, srh, srs, sob, soh, sos,
-                             H, S, G, N_KEEP, sm_scale_log2,
+                             H, S, G, N_KEEP, sm_scale_log2, n_gc, n_tiles,
                              C: gl.constexpr, GPC: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                              BN: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr,
                              HAS_RES: gl.constexpr, HAS_FLAG: gl.constexpr, OFF64: gl.constexpr,
@@ -282,14 +321,21 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, RES, OUT, FLAG,
         mbarrier.init(vempty.index(i), count=2 // NR)
     gl.warp_specialize([
         (_consumer, (Q, SIGMA, RES, OUT, FLAG, q_smem.index(0), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
-                     N_KEEP, sm_scale_log2, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 0, C, GPC, BN, D, DV, STAGES,
-                     HAS_TAIL, HAS_RES, HAS_FLAG, OFF64)),
+                     N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 0, C, GPC, BN,
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64)),
         (_consumer, (Q, SIGMA, RES, OUT, FLAG, q_smem.index(1), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
-                     N_KEEP, sm_scale_log2, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 1, C, GPC, BN, D, DV, STAGES,
-                     HAS_TAIL, HAS_RES, HAS_FLAG, OFF64)),
-        (_producer, (K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, skb, skh, sks, svb, svh,
-                     svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64)),
+                     N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 1, C, GPC, BN,
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64)),
+        (_producer, (K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles, skb, skh,
+                     sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _sm_count(device) -> int:
+    """SMs of ``device`` (132, the H200's, for an offline compile on a machine without a GPU)."""
+    if getattr(device, "type", "cpu") == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
 
 
 def needs_64bit_offsets(*extents: int) -> bool:
@@ -347,13 +393,16 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     BN = launch.block_n
     GPC = 2 if C == 64 else 1
     off64 = needs_64bit_offsets(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(k.stride(2), v.stride(2)))
-    _sparse_attn_sm90_kernel[(triton.cdiv(G, GPC), B * H)](
+    n_gc = triton.cdiv(G, GPC)  # CTA tiles per head
+    n_tiles = n_gc * B * H
+    grid = min(n_tiles, _sm_count(q.device)) if launch.persistent else n_tiles
+    _sparse_attn_sm90_kernel[(grid,)](
         q, k, v, sigma, idx, res, out, flag.contiguous() if flag is not None else out,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         idx.stride(0), idx.stride(1), idx.stride(2), idx.stride(3),
         res.stride(0), res.stride(1), res.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        H, S, G, n_keep, float(sm_scale) * LOG2E,
+        H, S, G, n_keep, float(sm_scale) * LOG2E, n_gc, n_tiles,
         C=C, GPC=GPC, D=D, DV=DV, BN=BN, STAGES=launch.stages, HAS_TAIL=n_keep % BN != 0, HAS_RES=has_res,
         HAS_FLAG=flag is not None, OFF64=off64, CONSUMER_REGS=launch.consumer_regs,
         PRODUCER_REGS=launch.producer_regs, num_warps=4, maxnreg=WS_MAXNREG)
