@@ -198,6 +198,21 @@ def test_gpu_persistent_grid_is_the_same_arithmetic(C):
 
 
 @requires_sm90
+@pytest.mark.parametrize("C", [64, 128])
+def test_gpu_value_head_dim_differs(C):
+    """D = 64 keys against Dv = 128 values (and back): the K and V gathers share the id vector, not the width."""
+    S = 1234
+    for D, DV in ((64, 128), (128, 64)):
+        q, k, _, sigma, idx, _ = make_inputs(1, 2, S, D, torch.bfloat16, 0.3, C=C, device="cuda")
+        v = torch.randn(1, 2, S, DV, device="cuda", dtype=torch.bfloat16)
+        res = 0.1 * torch.randn(1, 2, S, DV, device="cuda")
+        kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res, out_dtype=torch.float32)
+        out = _gluon(q, k, v, sigma, idx, **kw)
+        assert out.shape == (1, 2, S, DV)
+        assert rel_l2(out, ref_sparse(q, k, v, sigma, idx, **kw)) < TOL[torch.bfloat16], (D, DV)
+
+
+@requires_sm90
 def test_gpu_density_one_broadcast_ids_and_fp16():
     S, D = 2000, 128
     for dtype in (torch.bfloat16, torch.float16):

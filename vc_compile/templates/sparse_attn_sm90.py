@@ -59,15 +59,14 @@ from vc_compile.templates.configs import SparseAttnSm90Config
 
 __all__ = ["sparse_attention_sm90"]
 
-CONSUMER_ROWS = 64  # query rows per consumer warp group (4 warps x 16 rows of the wgmma accumulator)
-PRODUCER_WARPS = 4
 WS_MAXNREG = 168  # 12 warps: 168 x 3 = 504 registers per thread slot (consumers + producer)
 
 
 @gluon.constexpr_function
-def _gather_layout(D, NW):
-    """Rows x D: 8 contiguous elements (16 bytes) per thread, 4 threads per 32-element (64-byte) segment, 8 rows
-    per warp; warps stacked along the rows."""
+def _gather_layout(NW):
+    """Rows x columns (K's D or V's Dv): 8 contiguous elements (16 bytes) per thread, 4 threads per 32-element
+    (64-byte) segment, 8 rows per warp; warps stacked along the rows. The same for K and V, so one id vector
+    serves both gathers."""
     return gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
 
 
@@ -92,15 +91,13 @@ def _produce_block(it, kid, valid, k_base, v_base, sks, svs, k_smem, v_smem, kre
     NW: gl.constexpr = gl.num_warps()
     slot = ring * STAGES + it % STAGES
     ph = ((it // STAGES) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first round passes
-    dk = gl.arange(0, D, layout=gl.SliceLayout(0, _gather_layout(D, NW)))
-    dv = gl.arange(0, DV, layout=gl.SliceLayout(0, _gather_layout(DV, NW)))
+    dk = gl.arange(0, D, layout=gl.SliceLayout(0, _gather_layout(NW)))
+    dv = gl.arange(0, DV, layout=gl.SliceLayout(0, _gather_layout(NW)))
     mbarrier.wait(kempty.index(slot), ph)
     _gather_rows(k_base, kid, sks, k_smem.index(slot), dk, valid, MASK)
     async_copy.mbarrier_arrive(kready.index(slot), increment_count=False)
-    kid_v = gl.convert_layout(kid, gl.SliceLayout(1, _gather_layout(DV, NW)))
-    valid_v = gl.convert_layout(valid, gl.SliceLayout(1, _gather_layout(DV, NW)))
     mbarrier.wait(vempty.index(slot), ph)
-    _gather_rows(v_base, kid_v, svs, v_smem.index(slot), dv, valid_v, MASK)
+    _gather_rows(v_base, kid, svs, v_smem.index(slot), dv, valid, MASK)
     async_copy.mbarrier_arrive(vready.index(slot), increment_count=False)
 
 
@@ -121,7 +118,7 @@ def _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, 
     lockstep so that at C = 64 neither consumer waits for the other's blocks; each block's ids loaded a block
     ahead."""
     NW: gl.constexpr = gl.num_warps()
-    row_l: gl.constexpr = gl.SliceLayout(1, _gather_layout(D, NW))
+    row_l: gl.constexpr = gl.SliceLayout(1, _gather_layout(NW))
     b = (bh // H).to(gl.int64)
     h = (bh % H).to(gl.int64)
     k_base = K + b * skb + h * skh
