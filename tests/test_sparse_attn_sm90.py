@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from test_sparse_attn import TOL, make_inputs, rel_l2
+from test_vsmooth_attn_sm90 import requires_sm90
 from vc_compile.reference.select import n_keep
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse
 from vc_compile.templates import configs as CF
@@ -26,12 +27,6 @@ from vc_compile.templates.configs import SparseAttnSm90Config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-requires_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (H100/H200)")
 
 # the compiles checked: both defaults, a deeper 64-key ring at C = 128, and the 64-bit offset path (tensors whose
 # in-head offsets pass 2^31) of both defaults; name: C
