@@ -6,10 +6,14 @@ kernel's on every head and against the fp32 reference on heads 0-1).
 
     python3 -m scripts.ab_sparse_sm90 [--sizes 32760,75600] [--densities 0.15,0.25] [--C 128,64]
         [--configs 128/2,128/2p,128/3,64/3,64/4] [--residual] [--out F.json]
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats python3 -m scripts.ab_sparse_sm90 --ncu --C 128 --densities 0.15 \
+        --configs 128/2
 
 B = 1, H = 40, D = 128, bf16, random sigma and a random sorted selection per group (as bench_sparse_attn). A
 ``--configs`` entry is BN/stages of ``configs.SparseAttnSm90Config``, with a trailing ``p`` for the persistent grid;
-one that does not fit the shared memory at a C is reported and skipped. Every row is printed as it is measured.
+one that does not fit the shared memory at a C is reported and skipped. Every row is printed as it is measured. ``--ncu``: no timing; the Triton kernel and each
+config once, warmed up, between ``torch.cuda.profiler.start()`` / ``stop()`` (the first size, C and density).
 """
 from __future__ import annotations
 
@@ -63,8 +67,27 @@ def main(argv=None):
     p.add_argument("--configs", default="128/2,128/2p,128/3,64/2,64/2p,64/3,64/4")
     p.add_argument("--residual", action="store_true", help="time with the residual epilogue (a reuse step)")
     p.add_argument("--out", default=None)
+    p.add_argument("--ncu", action="store_true", help="one profiled launch per kernel (for Nsight Compute)")
     a = p.parse_args(argv)
     rows = []
+    if a.ncu:
+        S, C, dens = int(a.sizes.split(",")[0]), int(a.C.split(",")[0]), float(a.densities.split(",")[0])
+        q, k, v, sigma, idx, res = inputs(S, C, dens)
+        kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res if a.residual else None)
+        calls = [lambda: tsa.sparse_attention(q, k, v, sigma, idx, launch=CF.sparse_default("bf16", D, C), **kw)]
+        for spec in a.configs.split(","):
+            bn, st = spec.rstrip("p").split("/")
+            cfg = CF.SparseAttnSm90Config(block_n=int(bn), stages=int(st), persistent=spec.endswith("p"))
+            calls.append(lambda cfg=cfg: g.sparse_attention_sm90(q, k, v, sigma, idx, launch=cfg, **kw))
+        for f in calls:
+            f()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        for f in calls:
+            f()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return rows
 
     def emit(r):
         rows.append(r)
