@@ -12,8 +12,9 @@ kernel's on every head and against the fp32 reference on heads 0-1).
 
 B = 1, H = 40, D = 128, bf16, random sigma and a random sorted selection per group (as bench_sparse_attn). A
 ``--configs`` entry is BN/stages of ``configs.SparseAttnSm90Config``, with a trailing ``p`` for the persistent grid;
-one that does not fit the shared memory at a C is reported and skipped. Every row is printed as it is measured. ``--ncu``: no timing; the Triton kernel and each
-config once, warmed up, between ``torch.cuda.profiler.start()`` / ``stop()`` (the first size, C and density).
+one that does not fit the shared memory at a C is reported and skipped. Every row is printed as it is measured.
+``--ncu``: no timing; the Triton kernel and each config once, warmed up, between ``torch.cuda.profiler.start()`` /
+``stop()`` (the first size, C and density).
 """
 from __future__ import annotations
 
