@@ -59,8 +59,11 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     # loops), no loop touches local memory, and ptxas keeps the wgmmas asynchronous
     assert st["spill_bytes"] <= (16 if variant.endswith("off64") else 0) and not st["wgmma_serialized"], st
     assert st["consumer"]["local_memory"] == 0 and st["producer"]["local_memory"] == 0
-    # one 12-warp CTA per SM, the registers split as the config says
-    assert st["ctas_per_sm"] == 1 and st["smem_bytes"] <= CF.SM90_SMEM_BYTES
+    # one 12-warp CTA per SM, within the shared memory the config's estimate allows, the registers split as the
+    # config says
+    stages = int(variant.split("_s")[1].split("_")[0])
+    assert st["ctas_per_sm"] == 1
+    assert st["smem_bytes"] <= SparseAttnSm90Config(bn, stages).smem_bytes(C, D, D) <= CF.SM90_SMEM_BYTES
     assert {cfg.consumer_regs, cfg.producer_regs} <= set(st["setmaxnreg"]), st["setmaxnreg"]
     c = st["consumer"]
     assert c["found"], "no consumer key loop (a loop around an HGMMA) in the SASS"
