@@ -336,6 +336,66 @@ SPARSE_SWEPT = tuple(SparseAttnConfig(*c) for c in ((64, 4, 3), (64, 4, 4), (64,
                                                      (64, 8, 3), (64, 8, 4), (128, 8, 3)))
 
 
+# ---- the Gluon sm_90 gather kernel (templates/sparse_attn_sm90.py; not used by any default yet) ----------
+SM90_SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one sm_90 CTA may use
+SM90_REGS_PER_THREAD_SLOT = 504  # 65536 registers over 128 threads, in setmaxnreg's steps of 8 (3 x 168)
+
+
+@dataclass(frozen=True)
+class SparseAttnSm90Config(_Json):
+    """The warp-specialised Gluon gather kernel's launch: ``block_n`` keys per ring stage, ``stages`` K / V
+    stages per ring (one ring per CTA at C = 128, one per query group at C = 64), the registers per thread
+    that ``setmaxnreg`` gives the two consumer warp groups and the 4-warp producer (two consumers and the
+    producer share the 504-register thread slot of a 12-warp CTA), and whether the grid is persistent.
+    Unmeasured: docs/sparse_notes.md, "Gluon gather kernel"."""
+    block_n: int = 128
+    stages: int = 2
+    # NOTE (offline sm_90 SASS, scripts/codegen_sparse_sm90.py, C = 128, BN = 128): 240 / 24 spills 72 bytes in
+    # the producer's loop (21 local loads / stores per block: its 64-bit id and row addresses); 232 / 40 spills
+    # nothing, and the consumers' loop is the same 464 instructions
+    consumer_regs: int = 232
+    producer_regs: int = 40
+    # one CTA per SM looping over the tiles (the producer gathers the next tile's first blocks while the consumers
+    # finish this one) instead of one CTA per tile; the same kernel either way (the grid decides)
+    persistent: bool = False
+
+    def __post_init__(self):
+        _check_ints(self, block_n={64, 128}, stages={2, 3, 4}, consumer_regs=set(range(128, 257, 8)),
+                    producer_regs=set(range(24, 129, 8)))
+        if not isinstance(self.persistent, bool):
+            raise ValueError(f"SparseAttnSm90Config.persistent={self.persistent!r}; accepted: True, False")
+        if 2 * self.consumer_regs + self.producer_regs > SM90_REGS_PER_THREAD_SLOT:
+            raise ValueError(f"{self}: 2 x consumer_regs + producer_regs = "
+                             f"{2 * self.consumer_regs + self.producer_regs} > {SM90_REGS_PER_THREAD_SLOT}")
+
+    def smem_bytes(self, C: int, D: int, DV: int, elem: int = 2) -> int:
+        """Shared memory of one CTA: the K / V rings (two at C = 64: each consumer its own group), both consumers'
+        Q tiles, the mbarriers (4 per stage and ring), and 512 bytes for what the compiler adds (alignment: the
+        offline compiles measured 296-320 bytes more than the buffers)."""
+        rings = 2 if C == 64 else 1
+        return ((rings * self.stages * self.block_n * (D + DV) + 2 * 64 * D) * elem + 4 * 8 * rings * self.stages
+                + 512)
+
+    def check_fits(self, C: int, D: int, DV: int, elem: int = 2) -> None:
+        need = self.smem_bytes(C, D, DV, elem)
+        if need > SM90_SMEM_BYTES:
+            raise ValueError(f"{self}: {need} bytes of shared memory at C = {C}, D = {D}, Dv = {DV} "
+                             f"(> {SM90_SMEM_BYTES}); use fewer stages or block_n = 64")
+
+
+# Per group size C: the design's choice, from the register and shared-memory arithmetic (not yet timed). C = 128:
+# one ring of 128-key stages (S 64 + acc 64 + P 32 registers of a consumer's 240), 2 stages = 128 KB + Q 32 KB.
+# C = 64: two rings (the two consumers' groups select different keys), so 64-key stages: 2 x 2 x 32 KB + 32 KB.
+SPARSE_SM90_DEFAULT: Dict[int, SparseAttnSm90Config] = {
+    128: SparseAttnSm90Config(block_n=128, stages=2),
+    64: SparseAttnSm90Config(block_n=64, stages=2),
+}
+
+
+def sparse_sm90_default(C: int) -> SparseAttnSm90Config:
+    return SPARSE_SM90_DEFAULT[C]
+
+
 def sparse_default(qk_format: str, D: int, C: int) -> SparseAttnConfig:
     return SPARSE_DEFAULT.get((qk_format, D, C), SPARSE_FALLBACK)
 

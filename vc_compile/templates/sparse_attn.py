@@ -33,7 +33,7 @@ measured defaults and the tuner's candidates are in ``configs.py``, the choice p
 ``dispatch.py``). docs/autotune.md.
 
 Cost per program: 4 * C * n_keep * D FLOPs; n_keep * (D + Dv) * 2 bytes gathered (mostly L2 hits),
-i.e. C / 2 = 32 FLOP per gathered byte at C = 64 (128-row tiles would double it).
+i.e. C = 64 FLOP per gathered byte at C = 64 (128-row tiles would double it).
 """
 from __future__ import annotations
 

@@ -1,0 +1,406 @@
+"""Token-gather sparse attention for sm_90 in Gluon: the bf16 / fp16 contract of ``sparse_attn.py``
+(``qk_format="bf16"``; reference ``vc_compile/reference/sparse_attn.py``) with a producer warp group gathering the
+selected K / V rows while two consumer warp groups run the MMAs and the softmax. NOT used by any default: reached
+only by calling ``sparse_attention_sm90``; unmeasured (docs/sparse_notes.md, "Gluon gather kernel").
+
+Why a second kernel: the Triton kernel runs one warp group per program at 255 registers, so two programs share an
+SM, each waits for its own gathered rows (long-scoreboard stalls on the gather) and runs QK -> softmax -> PV in
+series. Here the gather has its own warps and the two consumers' MMAs overlap each other's softmax.
+
+Notation (as ``sparse_attn.py``)
+--------
+q, k, v     [B, H, S, D], [B, H, Sk, D], [B, H, Sk, Dv]; bf16 or fp16, last dim contiguous; D, Dv in {64, 128}.
+C           group size (64 or 128); G = ceil(S / C) groups, the last partial; sigma [B, H, S] the query order.
+idx         [B, H, G, n_keep] int32 / int64 kept keys per group, sorted ascending, any strides.
+BN          keys per block (``SparseAttnSm90Config.block_n``); nb = ceil(n_keep / BN), the last block masked.
+ring        STAGES stages of K [BN, D] and V [BN, Dv] rows in shared memory (the rows of one block of the
+            group's selected keys, in selection order), four mbarriers per stage: kready / vready (the
+            producer's cp.async rows landed: every producer thread arrives when its own copies complete,
+            ``cp.async.mbarrier.arrive.noinc``) and kempty / vempty (the consumers that read the ring are done).
+s           base-2 logits s = (q . k) * sm_scale * log2(e); online softmax with exp2, the scale folded into the
+            exponent's FFMA; m_i, l_i the running row max (in scaled units) and row sum; acc the PV accumulator
+            (fp32, in the wgmma accumulator's registers, rescaled by alpha before each PV).
+P           exp2(s - m_i) as the PV MMA's A operand in registers (16-bit: the QK accumulator's registers already
+            hold the A operand's elements; the conversion is a cast, no shared memory).
+
+Parallelisation
+---------------
+A tile is GPC query groups of one head (GPC = 1 at C = 128, 2 at C = 64): n_gc = ceil(G / GPC) tiles per head,
+tile t = CTA group t % n_gc of head t // n_gc (the tiles of one head run together, so its K / V stay in L2). One
+CTA (12 warps) per SM; grid: one CTA per tile, or (``persistent``) one per SM, each taking tiles t = program_id,
++ num_programs, ... with the ring position counted on across its tiles (every tile has nb blocks), so the producer
+gathers the next tile's first blocks during this tile's last blocks and epilogue.
+* producer (4 warps, ``producer_regs`` registers): per block, the BN key ids (loaded a block ahead), then K rows
+  and V rows by cp.async (16 bytes per thread, 4 threads per 64-byte row segment: full 32-byte sectors) into the
+  next free stage; masked (zero-filled) rows past n_keep. C = 64: the blocks of both groups, one ring each.
+* two consumers (4 warps each, ``consumer_regs``): 64 query rows each, gathered through sigma into shared memory
+  (Q stays there: QK's A operand). C = 128: rows 0-63 and 64-127 of the CTA's group, one shared ring (a K / V
+  stage is freed when both consumers are done: the gathered bytes per FLOP halve against C = 64); C = 64: one
+  group each, each its own ring. Per block j (S_j given): softmax(S_j) -> acc *= alpha -> issue PV_j
+  (P from registers, V_j from the ring) and S_{j+1} = Q K_{j+1}^T together (async wgmma) -> wait until one group
+  is outstanding (PV_j done: free V_j) -> wait for S_{j+1} (free K_{j+1}). The tensor cores run one consumer's
+  MMAs during the other's softmax (the order ``vsmooth_attn_sm90_steps.register_step`` measured best).
+* epilogue per consumer: O = acc / l_i (+ residual, gathered through sigma), the flagged columns NaN, the rows
+  scattered to sigma.
+
+sm_90 only (wgmma, setmaxnreg); no interpreter path: CPU tests compile it for sm_90 offline
+(``scripts/codegen_sparse_sm90.py``), GPU tests compare it with the reference and with ``sparse_attn.py``.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+
+from vc_compile.reference.quant import LOG2E
+from vc_compile.templates.configs import SparseAttnSm90Config
+
+__all__ = ["sparse_attention_sm90"]
+
+WS_MAXNREG = 168  # 12 warps: 168 x 3 = 504 registers per thread slot (consumers + producer)
+
+
+@gluon.constexpr_function
+def _gather_layout(NW):
+    """Rows x columns (K's D or V's Dv): 8 contiguous elements (16 bytes) per thread, 4 threads per 32-element
+    (64-byte) segment, 8 rows per warp; warps stacked along the rows. The same for K and V, so one id vector
+    serves both gathers."""
+    return gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
+
+
+@gluon.jit
+def _gather_rows(base, kid, row_stride, smem, d, valid, MASK: gl.constexpr):
+    """cp.async of the rows ``kid`` (each D elements from ``base + kid * row_stride``) into ``smem`` [BN, D];
+    MASK: rows where ``valid`` is false are zero-filled."""
+    ptrs = base + kid[:, None] * row_stride + d[None, :]
+    if MASK:
+        async_copy.async_copy_global_to_shared(smem, ptrs, mask=valid[:, None])
+    else:
+        async_copy.async_copy_global_to_shared(smem, ptrs)
+
+
+@gluon.jit
+def _produce_block(it, kid, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty, vempty,
+                   ring: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+                   MASK: gl.constexpr):
+    """The block at ring position ``it`` (the CTA's blocks counted over its tiles) of ring ``ring``: wait for its
+    stage to be free, then the K rows and the V rows by cp.async, each completing on its ready barrier (one noinc
+    arrival per producer thread)."""
+    NW: gl.constexpr = gl.num_warps()
+    slot = ring * STAGES + it % STAGES
+    ph = ((it // STAGES) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first round passes
+    dk = gl.arange(0, D, layout=gl.SliceLayout(0, _gather_layout(NW)))
+    dv = gl.arange(0, DV, layout=gl.SliceLayout(0, _gather_layout(NW)))
+    mbarrier.wait(kempty.index(slot), ph)
+    _gather_rows(k_base, kid, sks, k_smem.index(slot), dk, valid, MASK)
+    async_copy.mbarrier_arrive(kready.index(slot), increment_count=False)
+    mbarrier.wait(vempty.index(slot), ph)
+    _gather_rows(v_base, kid, svs, v_smem.index(slot), dv, valid, MASK)
+    async_copy.mbarrier_arrive(vready.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _load_ids(i_base, blk, offs, sin, N_KEEP, OFF64: gl.constexpr):
+    """Key ids of block ``blk`` (0 past n_keep), in the gather layout's rows."""
+    pos = blk * offs.shape[0] + offs
+    kid = gl.load(i_base + pos * sin, mask=pos < N_KEEP, other=0)
+    return kid.to(gl.int64) if OFF64 else kid.to(gl.int32)
+
+
+@gluon.jit
+def _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, gc, bh, it0,
+                  skb, skh, sks, svb, svh, svs, sib, sih, sig, sin,
+                  GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_TAIL: gl.constexpr, OFF64: gl.constexpr):
+    """Tile (gc, bh): block j of every ring (ring r = the tile's group r) at ring position it0 + j, the rings in
+    lockstep so that at C = 64 neither consumer waits for the other's blocks; each block's ids loaded a block
+    ahead."""
+    NW: gl.constexpr = gl.num_warps()
+    row_l: gl.constexpr = gl.SliceLayout(1, _gather_layout(NW))
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    nb = gl.cdiv(N_KEEP, BN)
+    offs = gl.arange(0, BN, layout=row_l)
+    # a C = 64 tile past the last group (odd G) gathers the last group's keys again; its rows store nothing
+    ib0 = IDX + b * sib + h * sih + gl.minimum(gc * GPC, G - 1).to(gl.int64) * sig
+    kid0 = _load_ids(ib0, 0, offs, sin, N_KEEP, OFF64)
+    if GPC == 2:
+        ib1 = IDX + b * sib + h * sih + gl.minimum(gc * GPC + 1, G - 1).to(gl.int64) * sig
+        kid1 = _load_ids(ib1, 0, offs, sin, N_KEEP, OFF64)
+    for j in range(0, nb - 1 if HAS_TAIL else nb):
+        kn0 = _load_ids(ib0, j + 1, offs, sin, N_KEEP, OFF64)  # in flight during this block's copies
+        _produce_block(it0 + j, kid0, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
+                       vempty, 0, STAGES, D, DV, False)
+        kid0 = kn0
+        if GPC == 2:
+            kn1 = _load_ids(ib1, j + 1, offs, sin, N_KEEP, OFF64)
+            _produce_block(it0 + j, kid1, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
+                           kempty, vempty, 1, STAGES, D, DV, False)
+            kid1 = kn1
+    if HAS_TAIL:  # the last block: rows past n_keep zero-filled (no stale or non-finite V row meets p = 0)
+        valid = (nb - 1) * BN + offs < N_KEEP
+        _produce_block(it0 + nb - 1, kid0, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
+                       vempty, 0, STAGES, D, DV, True)
+        if GPC == 2:
+            _produce_block(it0 + nb - 1, kid1, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
+                           kempty, vempty, 1, STAGES, D, DV, True)
+
+
+@gluon.jit
+def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles,
+              skb, skh, sks, svb, svh, svs, sib, sih, sig, sin,
+              GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+              HAS_TAIL: gl.constexpr, OFF64: gl.constexpr):
+    """The producer warp group: the CTA's tiles t = program_id, + num_programs, ... (tile t = CTA group t % n_gc of
+    head t // n_gc); the ring position runs on across tiles, so a persistent CTA gathers its next tile's first
+    blocks while the consumers finish this one."""
+    nb = gl.cdiv(N_KEEP, BN)
+    it0 = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, t % n_gc, t // n_gc,
+                      it0, skb, skh, sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64)
+        it0 += nb
+    # no producer thread exits with its copies in flight (their noinc arrivals are what the consumers wait on)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _consume_block(j, it, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, N_KEEP,
+                   sm_scale_log2, zero_s, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+                   PDT: gl.constexpr, MASK: gl.constexpr, NEXT: gl.constexpr):
+    """Block j (at ring position ``it``) with S_j given: softmax -> PV_j and S_{j+1} (NEXT) issued together ->
+    PV_j retired (V_j freed) -> S_{j+1} retired (K_{j+1} freed). Returns (S_{j+1} or s, m_i, l_i, acc)."""
+    o_layout: gl.constexpr = acc.type.layout
+    slot = ring * STAGES + it % STAGES
+    nslot = ring * STAGES + (it + 1) % STAGES
+    if MASK:
+        cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
+        s = gl.where((cols < N_KEEP)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * sm_scale_log2)
+    p = gl.exp2(s * sm_scale_log2 - m_new[:, None])  # the scale folded into the exponent: one FFMA per score
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p16 = gl.convert_layout(p.to(PDT), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    mbarrier.wait(vready.index(slot), (it // STAGES) & 1)
+    fence_async_shared()  # the rows were written by cp.async (generic proxy); wgmma reads through the async proxy
+    pv_tok = warpgroup_mma(p16, v_smem.index(slot), acc, is_async=True)
+    if NEXT:
+        mbarrier.wait(kready.index(nslot), ((it + 1) // STAGES) & 1)
+        fence_async_shared()
+        s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=[pv_tok])  # PV_j done (groups retire in order); S_{j+1} may still run
+        mbarrier.arrive(vempty.index(slot), count=1)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(kempty.index(nslot), count=1)
+    else:
+        acc = warpgroup_mma_wait(0, deps=[pv_tok])
+        mbarrier.arrive(vempty.index(slot), count=1)
+    return s, m_new, l_i, acc
+
+
+@gluon.jit
+def _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+                  sm_scale_log2, gc, bh, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
+                  half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                  DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
+                  HAS_FLAG: gl.constexpr, OFF64: gl.constexpr):
+    """One consumer warp group on tile (gc, bh): 64 query rows (``half`` of a C = 128 group, or all of group
+    2 gc + half at C = 64) through every key block of its ring (ring positions it0 ...), then the epilogue."""
+    BM: gl.constexpr = 64
+    NW: gl.constexpr = gl.num_warps()
+    ring: gl.constexpr = half if GPC == 2 else 0
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                       instr_shape=[16, DV, 16])
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    PDT: gl.constexpr = Q.dtype.element_ty
+    b = (bh // H).to(gl.int64)
+    h = (bh % H).to(gl.int64)
+    if GPC == 2:
+        row0 = (gc * 2 + half) * C
+    else:
+        row0 = gc * C + half * BM
+
+    # Q rows through sigma into shared memory (QK's A operand for the whole loop)
+    rq = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, q_layout))
+    sq = gl.load(SIGMA + bh.to(gl.int64) * S + rq, mask=rq < S, other=0)
+    sq = sq.to(gl.int64) if OFF64 else sq.to(gl.int32)
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
+    q = gl.load(Q + b * sqb + h * sqh + sq[:, None] * sqs + dq[None, :], mask=(rq < S)[:, None], other=0.0)
+    gl.thread_barrier()  # (a persistent CTA) every warp's last QK of the previous tile has retired
+    q_smem.store(q)
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's Q rows are in shared memory before the warp group's first MMA
+
+    nb = gl.cdiv(N_KEEP, BN)
+    zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
+    acc = gl.zeros([BM, DV], gl.float32, o_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
+    slot0 = ring * STAGES + it0 % STAGES
+    mbarrier.wait(kready.index(slot0), (it0 // STAGES) & 1)
+    fence_async_shared()
+    s_tok = warpgroup_mma(q_smem, k_smem.index(slot0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    mbarrier.arrive(kempty.index(slot0), count=1)
+    for j in range(0, nb - 1):
+        s, m_i, l_i, acc = _consume_block(j, it0 + j, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready,
+                                          kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT, False,
+                                          True)
+    s, m_i, l_i, acc = _consume_block(nb - 1, it0 + nb - 1, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready,
+                                      kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT, HAS_TAIL,
+                                      False)
+
+    # epilogue: O = acc / l, + residual, flagged columns NaN, rows scattered to sigma
+    ro = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
+    mrow = ro < S
+    so = gl.load(SIGMA + bh.to(gl.int64) * S + ro, mask=mrow, other=0)
+    so = so.to(gl.int64) if OFF64 else so.to(gl.int32)
+    dv = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+    o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    if HAS_RES:
+        r = gl.load(RES + b * srb + h * srh + so[:, None] * srs + dv[None, :], mask=mrow[:, None], other=0.0)
+        o = o + r.to(gl.float32)
+    if HAS_FLAG:  # NaN/Inf in keys/values this group did not select (templates/finite_flags.py)
+        bad = gl.load(FLAG + bh.to(gl.int64) * DV + dv)
+        o = gl.where(bad[None, :] != 0, float("nan"), o)
+    gl.store(OUT + b * sob + h * soh + so[:, None] * sos + dv[None, :], o.to(OUT.dtype.element_ty),
+             mask=mrow[:, None])
+
+
+@gluon.jit
+def _consumer(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+              sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
+              half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+              DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
+              HAS_FLAG: gl.constexpr, OFF64: gl.constexpr):
+    """One consumer warp group over the CTA's tiles (as ``_producer``)."""
+    nb = gl.cdiv(N_KEEP, BN)
+    it0 = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+                      sm_scale_log2, t % n_gc, t // n_gc, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, half, C,
+                      GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64)
+        it0 += nb
+
+
+@gluon.jit
+def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, RES, OUT, FLAG,
+                             sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
+                             sib, sih, sig, sin, srb, srh, srs, sob, soh, sos,
+                             H, S, G, N_KEEP, sm_scale_log2, n_gc, n_tiles,
+                             C: gl.constexpr, GPC: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+                             BN: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr,
+                             HAS_RES: gl.constexpr, HAS_FLAG: gl.constexpr, OFF64: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                             num_warps: gl.constexpr):
+    """Two consumer warp groups (the default partition and a worker) and a producer warp group; module doc."""
+    dt: gl.constexpr = K.dtype.element_ty
+    NR: gl.constexpr = GPC  # rings: one per group of the CTA
+    q_smem = gl.allocate_shared_memory(dt, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], dt))
+    k_smem = gl.allocate_shared_memory(dt, [NR * STAGES, BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], dt))
+    v_smem = gl.allocate_shared_memory(dt, [NR * STAGES, BN, DV], gl.NVMMASharedLayout.get_default_for([BN, DV], dt))
+    kready = gl.allocate_shared_memory(gl.int64, [NR * STAGES, 1], mbarrier.MBarrierLayout())
+    vready = gl.allocate_shared_memory(gl.int64, [NR * STAGES, 1], mbarrier.MBarrierLayout())
+    kempty = gl.allocate_shared_memory(gl.int64, [NR * STAGES, 1], mbarrier.MBarrierLayout())
+    vempty = gl.allocate_shared_memory(gl.int64, [NR * STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NR * STAGES):
+        mbarrier.init(kready.index(i), count=32 * 4)  # every producer thread's noinc cp.async arrival
+        mbarrier.init(vready.index(i), count=32 * 4)
+        mbarrier.init(kempty.index(i), count=2 // NR)  # C = 128: both consumers read the ring; C = 64: one
+        mbarrier.init(vempty.index(i), count=2 // NR)
+    gl.warp_specialize([
+        (_consumer, (Q, SIGMA, RES, OUT, FLAG, q_smem.index(0), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
+                     N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 0, C, GPC, BN,
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64)),
+        (_consumer, (Q, SIGMA, RES, OUT, FLAG, q_smem.index(1), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
+                     N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 1, C, GPC, BN,
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64)),
+        (_producer, (K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles, skb, skh,
+                     sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64)),
+    ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _sm_count(device) -> int:
+    """SMs of ``device`` (132, the H200's, for an offline compile on a machine without a GPU)."""
+    if getattr(device, "type", "cpu") == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def needs_64bit_offsets(*extents: int) -> bool:
+    """Whether an in-head element offset may pass 2^31 (the kernel's OFF64: 64-bit row offsets; int32 otherwise,
+    which saves integer work per gathered row). A function so that the offline compile can force either path."""
+    return max(extents) >= 2**31
+
+
+def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None, out_dtype=None, flag=None,
+                          launch: SparseAttnSm90Config = None):
+    """As ``sparse_attn.sparse_attention`` with ``qk_format="bf16"``: O[sigma[g*C+i]] = softmax over the keys
+    idx[g] of group g @ V (+ residual; ``flag`` [B, H, Dv] int32: NaN in the flagged columns), [B, H, S, Dv] in
+    ``out_dtype`` (default q.dtype), in the original query order. ``launch``: a ``SparseAttnSm90Config`` (None:
+    ``configs.sparse_sm90_default(C)``). sm_90 only; C in {64, 128}, D and Dv in {64, 128}."""
+    from vc_compile.templates.configs import sparse_sm90_default
+    B, H, S, D = q.shape
+    Sk, DV = k.shape[2], v.shape[3]
+    C = int(group_size)
+    if C not in (64, 128):
+        raise ValueError(f"sparse_attention_sm90: group_size must be 64 or 128, got {C}")
+    launch = sparse_sm90_default(C) if launch is None else launch
+    if not isinstance(launch, SparseAttnSm90Config):
+        raise TypeError(f"launch must be a SparseAttnSm90Config, got {type(launch).__name__}")
+    G = -(-S // C)
+    for name, d in (("head dim", D), ("value head dim", DV)):
+        if d not in (64, 128):
+            raise ValueError(f"sparse_attention_sm90: {name} must be 64 or 128, got {d}")
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"sparse_attention_sm90: q, k, v must share one 16-bit dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if k.shape[:2] != (B, H) or k.shape[3] != D or v.shape[:3] != (B, H, Sk):
+        raise ValueError(f"sparse_attention_sm90: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
+                         f"v {tuple(v.shape)} do not match")
+    if tuple(sigma.shape) != (B, H, S):
+        raise ValueError(f"sparse_attention_sm90: sigma must be [B, H, S] = {(B, H, S)}, got {tuple(sigma.shape)}")
+    if idx.dim() != 4 or tuple(idx.shape[:3]) != (B, H, G) or idx.shape[3] < 1:
+        raise ValueError(f"sparse_attention_sm90: idx must be [B, H, G={G}, n_keep>=1], got {tuple(idx.shape)}")
+    launch.check_fits(C, D, DV, q.element_size())
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    sigma = sigma.to(torch.int64).contiguous()
+    if idx.dtype not in (torch.int32, torch.int64):
+        idx = idx.to(torch.int32)
+    n_keep = idx.shape[3]
+    out = torch.empty(B, H, S, DV, device=q.device, dtype=out_dtype or q.dtype)
+    has_res = residual is not None
+    if has_res:
+        if tuple(residual.shape) != (B, H, S, DV):
+            raise ValueError(f"sparse_attention_sm90: residual must be {(B, H, S, DV)}, got {tuple(residual.shape)}")
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+    res = residual if has_res else out
+    if flag is not None and (tuple(flag.shape) != (B, H, DV) or flag.dtype != torch.int32):
+        raise ValueError(f"sparse_attention_sm90: flag must be int32 {(B, H, DV)}, got {flag.dtype} "
+                         f"{tuple(flag.shape)}")
+    BN = launch.block_n
+    GPC = 2 if C == 64 else 1
+    off64 = needs_64bit_offsets(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(k.stride(2), v.stride(2)))
+    n_gc = triton.cdiv(G, GPC)  # CTA tiles per head
+    n_tiles = n_gc * B * H
+    grid = min(n_tiles, _sm_count(q.device)) if launch.persistent else n_tiles
+    _sparse_attn_sm90_kernel[(grid,)](
+        q, k, v, sigma, idx, res, out, flag.contiguous() if flag is not None else out,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        idx.stride(0), idx.stride(1), idx.stride(2), idx.stride(3),
+        res.stride(0), res.stride(1), res.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        H, S, G, n_keep, float(sm_scale) * LOG2E, n_gc, n_tiles,
+        C=C, GPC=GPC, D=D, DV=DV, BN=BN, STAGES=launch.stages, HAS_TAIL=n_keep % BN != 0, HAS_RES=has_res,
+        HAS_FLAG=flag is not None, OFF64=off64, CONSUMER_REGS=launch.consumer_regs,
+        PRODUCER_REGS=launch.producer_regs, num_warps=4, maxnreg=WS_MAXNREG)
+    return out
