@@ -97,6 +97,8 @@ KERNELS: Dict[str, KernelRow] = {r.name: r for r in (
     KernelRow("sparse_attn", "sparse_attn", C.SparseAttnConfig, ("sparse_attn.py",),
               candidates=lambda fmt, D, C_, **_: list(C.sparse_candidates(fmt, D, C_)),
               variant=lambda fmt, C_, keep, Sk, **_: C.sparse_variant(fmt, C_, keep, Sk)),
+    # the Gluon gather kernel: opt-in, reached only by calling it directly until it is measured (no wrapper yet)
+    KernelRow("sparse_attn_sm90", "sparse_attn_sm90", C.SparseAttnSm90Config, label="triton/gluon_sm90_gather"),
     KernelRow("finite_flags", "finite_flags", C.FiniteFlagsConfig),
     KernelRow("anchor_mass", "anchor_mass", C.AnchorMassConfig),
     KernelRow("topk", "topk", C.TopKConfig),
