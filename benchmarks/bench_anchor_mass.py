@@ -34,6 +34,7 @@ if "--smoke" in sys.argv:  # the CPU dry run runs the Triton kernels in the inte
 import torch  # noqa: E402
 
 from benchmarks.common import append_rows, bench_ms, print_table, sdpa_fn  # noqa: E402
+from vc_compile import formats  # noqa: E402
 from vc_compile.config import VCConfig  # noqa: E402
 from vc_compile.methods import mcsparse as M  # noqa: E402
 from vc_compile.methods.phase import Phase  # noqa: E402
@@ -101,7 +102,7 @@ def bench_size(S, H, log, dev="cuda"):
     cfg_q8 = VCConfig.from_options({**opts, "anchor_dense": "q8"})
     impl, path = dispatch.choose("mcsparse", cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
     assert path == "triton", path
-    keep = RS.n_keep(S, DENSITY)
+    keep = formats.n_keep(S, DENSITY)
     dens = keep / S
     t_cudnn = timed(sdpa_fn(q, k, v, "cudnn" if cuda else "math"), **fast)
     log(f"S={S} H={H}: cuDNN {t_cudnn:.2f} ms")

@@ -35,6 +35,7 @@ import torch
 
 from scripts import fidelity_inputs as FI
 
+from vc_compile import formats
 from vc_compile.reference import kmeans as ref_km
 from vc_compile.reference import preprocess as ref_pre
 from vc_compile.reference import sage2
@@ -81,7 +82,7 @@ def split(case, out, p_eff, v_eff, s2, perm):
 
 
 def vsmooth_logits(qk, rows):
-    ks = qk.k_scale.repeat_interleave(ref_pre.BLOCK_K, -1)[..., :qk.k8.shape[2]]
+    ks = qk.k_scale.repeat_interleave(formats.BLOCK_K, -1)[..., :qk.k8.shape[2]]
     return (qk.q8[:, :, rows].float() @ qk.k8.float().transpose(-1, -2)) * qk.q_scale[:, :, rows, None] \
         * ks[:, :, None, :]
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
+from vc_compile.formats import n_keep
 from vc_compile.methods.anchor import AnchorConfig, anchor_step
 from vc_compile.reference import kmeans as RK
 from vc_compile.reference.dense import dense_attention_lse
-from vc_compile.reference.select import n_keep
 from vc_compile.templates.dispatch import Impl
 
 DEV = KERNEL_DEVICE

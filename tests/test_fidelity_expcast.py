@@ -16,10 +16,10 @@ import math
 
 import torch
 
+from vc_compile.formats import LOG2E
 from vc_compile.reference import kmeans, preprocess
 from vc_compile.reference import vsmooth_attn as ref_attn
 from vc_compile.reference import vsmooth_attn_sm90 as emu
-from vc_compile.reference.quant import LOG2E
 
 from scripts import fidelity_inputs as FI
 

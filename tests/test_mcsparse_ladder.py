@@ -14,6 +14,7 @@ import torch
 from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile.config import (QueryGrouping, Selection, SelectionRefresh, SelectionUnit, VCConfig,
                                VCConfigError)
+from vc_compile import formats
 from vc_compile.methods import Phase
 from vc_compile.methods import mcsparse as M
 from vc_compile.reference import select as R
@@ -21,7 +22,7 @@ from vc_compile.reference.dense import dense_attention_lse
 from vc_compile.templates import dispatch
 
 DEV = KERNEL_DEVICE
-BLK = R.KV_TILE
+BLK = formats.KV_TILE
 
 
 assert dispatch.triton_error() is None, dispatch.triton_error()
@@ -95,7 +96,7 @@ def brute_exact_block(q, k, sigma, C, sm_scale):
 def test_mean_pool_block_selection_is_bruteforce(name, impl, S, Sk, density, perm):
     D, C = 64, 64
     q, k, _, sigma = inputs(S, Sk, D, torch.bfloat16, perm=perm)
-    keep = R.n_keep(Sk, density)
+    keep = formats.n_keep(Sk, density)
     dev = DEV if name == "triton" else "cpu"
     idx = M.select(impl, q.to(dev), k.to(dev), sigma.to(dev), None, sm_scale=D ** -0.5, group_size=C,
                    keep=keep, selection=Selection.MEAN_POOL, unit=SelectionUnit.BLOCK)
@@ -108,7 +109,7 @@ def test_exact_block_selection_is_bruteforce(name, impl, S, Sk, density, perm):
     D, C = 64, 64
     q, k, v, sigma = inputs(S, Sk, D, torch.bfloat16, perm=perm)
     _, lse2 = dense_attention_lse(q, k, v, sm_scale=D ** -0.5)
-    keep = R.n_keep(Sk, density)
+    keep = formats.n_keep(Sk, density)
     dev = DEV if name == "triton" else "cpu"
     idx = M.select(impl, q.to(dev), k.to(dev), sigma.to(dev), lse2.to(dev), sm_scale=D ** -0.5,
                    group_size=C, keep=keep, selection=Selection.EXACT, unit=SelectionUnit.BLOCK)
@@ -118,7 +119,7 @@ def test_exact_block_selection_is_bruteforce(name, impl, S, Sk, density, perm):
 def test_mean_pool_token_selection_is_bruteforce():
     S, D, C = 200, 64, 64
     q, k, _, sigma = inputs(S, S, D, torch.float32)
-    keep = R.n_keep(S, 0.3)
+    keep = formats.n_keep(S, 0.3)
     idx = M.select(dispatch.Impl.REFERENCE, q, k, sigma, None, sm_scale=D ** -0.5, group_size=C, keep=keep,
                    selection=Selection.MEAN_POOL, unit=SelectionUnit.TOKEN)
     for h in range(2):

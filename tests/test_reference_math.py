@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vc_compile import formats
 from vc_compile.reference import dense, kmeans, pddp, select, sparse_attn
 from vc_compile.reference import preprocess as P
 from vc_compile.reference import quant as Qn
@@ -65,7 +66,7 @@ def test_k_smoothing_and_hadamard_leave_softmax_unchanged(shape):
     q, k, v = structured(*shape)
     o = sdpa32(q, k, v)
     ks = k - k.mean(dim=2, keepdim=True)
-    Hd = Qn.hadamard_matrix(shape[-1])
+    Hd = formats.hadamard_matrix(shape[-1])
     assert torch.allclose(Hd @ Hd, torch.eye(shape[-1]), atol=1e-5)
     assert rel(sdpa32(q, ks, v), o) < 1e-5
     assert rel(sdpa32(q @ Hd, ks @ Hd, v), o) < 1e-5
@@ -150,7 +151,7 @@ def test_block_means_remove_more_energy_after_sorting():
     vf = v.float()
 
     def removed(x):
-        mu = P.block_means(x).repeat_interleave(P.BLOCK_V, dim=2)[:, :, :x.shape[2]]
+        mu = P.block_means(x).repeat_interleave(formats.BLOCK_V, dim=2)[:, :, :x.shape[2]]
         return 1 - (x - mu).pow(2).sum().item() / x.pow(2).sum().item()
 
     perm = kmeans.kmeans_perm(v, 8, 8).perm
@@ -179,7 +180,7 @@ def test_expcast_codes_within_one_code_and_7_5_percent():
     assert ((p - exact).abs() / exact).max() <= 0.075 + 1e-6
     best = Qn.fp8_round(exact)
     # never more than one E4M3 code from the correctly rounded value
-    code_gap = (p.to(Qn.FP8_DTYPE).view(torch.uint8).int() - best.to(Qn.FP8_DTYPE).view(torch.uint8).int()).abs()
+    code_gap = (p.to(formats.FP8_DTYPE).view(torch.uint8).int() - best.to(formats.FP8_DTYPE).view(torch.uint8).int()).abs()
     assert code_gap.max() <= 1
     assert Qn.expcast_codes(torch.zeros(1)).item() == 120  # the row max encodes 256
 
@@ -242,7 +243,7 @@ def test_two_pass_selection_equals_brute_force_topk(S):
         rows = sigma[:, :, g * 64:(g + 1) * 64]
         brute[:, :, g] = torch.gather(probs, 2, rows[..., None].expand(*rows.shape, S)).sum(2)
     assert torch.allclose(mass, brute, atol=1e-5)
-    keep = select.n_keep(S, 0.3)
+    keep = formats.n_keep(S, 0.3)
     idx = select.select_topk(mass, keep)
     ref_idx = torch.sort(torch.topk(brute, keep, -1).indices, -1).values.int()
     assert torch.equal(idx, ref_idx)
@@ -250,9 +251,9 @@ def test_two_pass_selection_equals_brute_force_topk(S):
 
 
 def test_n_keep_rounds_to_tile():
-    assert select.n_keep(1000, 0.15) == 192
-    assert select.n_keep(1000, 0.001) == 64
-    assert select.n_keep(100, 1.0) == 100
+    assert formats.n_keep(1000, 0.15) == 192
+    assert formats.n_keep(1000, 0.001) == 64
+    assert formats.n_keep(100, 1.0) == 100
 
 
 def _anchor(q, k, v, density, C=64):
@@ -260,7 +261,7 @@ def _anchor(q, k, v, density, C=64):
     sigma = pddp.pddp_perm(q, C)
     od, lse = dense.dense_attention_lse(q, k, v, sm_scale=sm)
     idx = select.select_topk(select.group_key_mass(q, k, sigma, lse, sm_scale=sm, group_size=C),
-                             select.n_keep(k.shape[2], density))
+                             formats.n_keep(k.shape[2], density))
     os_ = sparse_attn.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=C, out_dtype=torch.float32)
     return od, os_, od - os_, sigma, idx
 
@@ -329,7 +330,7 @@ def test_cpu_chunking_is_fast_and_changes_no_result():
     assert (a[0] - b[0]).abs().max() <= 1e-6 * b[0].abs().max() and torch.allclose(a[1], b[1], atol=1e-5)
     rows = torch.arange(700).expand(1, 2, 700)
     fp32 = AM.scores_q8(qk, rows)
-    ks = Qn.expand_blocks(qk.k_scale, P.BLOCK_K, 700).double().unsqueeze(2)
+    ks = Qn.expand_blocks(qk.k_scale, formats.BLOCK_K, 700).double().unsqueeze(2)
     fp64 = ((qk.q8.double() @ qk.k8.double().transpose(-1, -2)) * ks).float()
     assert torch.equal(fp32, fp64)
     lse = AM.lse_q8(qk)

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE, requires_cuda
+from vc_compile.formats import LOG2E, n_keep
+from vc_compile.methods import mcsparse as M
 from vc_compile.reference import select as R
 from vc_compile.reference.dense import dense_attention_lse
-from vc_compile.reference.quant import LOG2E
-from vc_compile.methods import mcsparse as M
-from vc_compile.reference.select import n_keep, select_topk
+from vc_compile.reference.select import select_topk
 from vc_compile.templates import dispatch
 from vc_compile.templates.select import dense_with_lse, group_key_mass
 

@@ -36,7 +36,7 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import methods
+from . import formats, methods
 from .config import Method, VCConfig
 from .methods import Phase
 from .reference import rope as _rope
@@ -295,11 +295,11 @@ def _rope_inputs(q, k, cos, sin, rope: str):
     """(q, k as [B, H, S, D] views, RopeArgs) of a fused call; (q, k, None) without ``rope``."""
     if not rope:
         return q, k, None
-    spec = _rope.parse_spec(rope)
-    q, k = _rope.to_bhsd(q, spec), _rope.to_bhsd(k, spec)
+    spec = formats.parse_spec(rope)
+    q, k = formats.to_bhsd(q, spec), formats.to_bhsd(k, spec)
     if cos is None or sin is None or k.shape != q.shape:
         raise ValueError("vcattn::attention: a RoPE spec needs cos, sin and q, k of one shape")
-    return q, k, _rope.rope_args(cos, sin, spec, tuple(q.shape))
+    return q, k, formats.rope_args(cos, sin, spec, tuple(q.shape))
 
 
 @torch.library.custom_op("vcattn::attention", mutates_args=(), tags=_TAGS)
@@ -396,7 +396,7 @@ def _note_nonfinite(rec, out: torch.Tensor) -> None:
 @attention.register_fake
 def _(q, k, v, ident, site, config, scale=None, cos=None, sin=None, rope=""):
     if rope:
-        q = _rope.to_bhsd(q, _rope.parse_spec(rope))
+        q = formats.to_bhsd(q, formats.parse_spec(rope))
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
 
 

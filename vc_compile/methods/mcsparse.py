@@ -66,8 +66,8 @@ import torch
 from ..config import (QueryGrouping, Residual, Selection, SelectionRefresh, SelectionUnit, SparseQK,
                       WarmupAttention)
 from ..reference import select as ref_select
-from ..reference.quant import FP8_DTYPE, FP8_MAX, safe_scale
-from ..reference.select import KV_TILE, n_keep
+from ..formats import FP8_DTYPE, FP8_MAX, KV_TILE, n_keep
+from ..reference.quant import safe_scale
 from ..runtime import report as _report
 from ..runtime import state
 from ..templates import dispatch

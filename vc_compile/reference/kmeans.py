@@ -15,15 +15,11 @@ labels      the assignment of the *last* iteration; ``perm = argsort(labels, sta
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-
-class KMeansResult(NamedTuple):
-    perm: torch.Tensor  # [B, H, S] int64
-    centroids: torch.Tensor  # [B, H, K, D] fp32
-    labels: torch.Tensor  # [B, H, S] int64
+from vc_compile.formats import KMeansResult
 
 
 def default_clusters(S: int, block: int = 128, cap: int = 256) -> int:

@@ -31,20 +31,9 @@ blocks      key block b = keys [b*KV_TILE, (b+1)*KV_TILE) (the last one partial 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .quant import LOG2E
-
-KV_TILE = 64
-
-
-def n_keep(Sk: int, density: float, tile: int = KV_TILE) -> int:
-    """Keys kept per group: round(density * Sk) rounded up to the KV tile, in [tile, Sk]."""
-    k = int(round(density * Sk))
-    k = tile * math.ceil(max(k, 1) / tile)
-    return int(min(Sk, k))
+from vc_compile.formats import KV_TILE, LOG2E
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ from typing import Optional
 
 import torch
 
+from vc_compile.formats import LOG2E
+
 from .finite_flags import apply_flag
-from .quant import LOG2E
 from .select import gather_rows
 
 

@@ -20,7 +20,9 @@ from typing import Optional
 
 import torch
 
-from .quant import FP8_MAX, expand_blocks, quantize_fp8, safe_scale
+from vc_compile.formats import FP8_MAX
+
+from .quant import expand_blocks, quantize_fp8, safe_scale
 from .select import gather_rows
 from .sparse_attn import sparse_attention
 

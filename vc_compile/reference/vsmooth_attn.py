@@ -26,9 +26,10 @@ import torch
 
 from typing import Optional
 
-from .preprocess import BLOCK_K, BLOCK_V, QKQuant, VQuant, dequantize_v
-from .quant import (EXPCAST_OFFSET, LOG2E, P_SCALE_LOG2, decode_e4m3, expand_blocks, expcast_codes,
-                    fp8_round)
+from vc_compile.formats import BLOCK_K, BLOCK_V, EXPCAST_OFFSET, LOG2E, P_SCALE_LOG2, QKQuant, VQuant
+
+from .preprocess import dequantize_v
+from .quant import decode_e4m3, expand_blocks, expcast_codes, fp8_round
 
 
 def row_chunk(device) -> int:

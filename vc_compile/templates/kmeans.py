@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vc_compile.reference.kmeans import KMeansResult, init_centroids
+from vc_compile.formats import KMeansResult
+from vc_compile.reference.kmeans import init_centroids
 from vc_compile.templates.configs import pow2_head_dim_error
 from vc_compile.templates.interpret import interpreting, loop_bound
 

@@ -1,10 +1,10 @@
 """The RoPE prologue of the Q/K preprocessing kernels (``templates/preprocess.py``): the jit helpers that
-rotate the rows those kernels load, and the launch arguments of a ``reference.rope.RopeArgs``.
+rotate the rows those kernels load, and the launch arguments of a ``formats.RopeArgs``.
 
 Contract: ``vc_compile/reference/rope.py`` (``apply_rope``: ``x*cos + rot(x)*sin`` in fp32, rounded once to
 the input dtype, like the models).
 
-The prologue (``rope=`` a ``reference.rope.RopeArgs``): the preprocessing's ``_stats_kernel`` (K's mean) and
+The prologue (``rope=`` a ``formats.RopeArgs``): the preprocessing's ``_stats_kernel`` (K's mean) and
 ``_quant_kernel`` rotate the rows they load (``x*cos + rot(x)*sin`` in fp32, rounded once to the input
 dtype like the models), so q and k are read un-rotated from the model's tensor and never written
 rotated. K rows are rotated at their own token position (before the perm gather). With RoPE the Q/K grid
@@ -157,7 +157,7 @@ def rope_rows(x, ptr, src, rmask, sxd, COS, SIN, c_off, s_off, scs, scd, sss, ss
 
 
 def rope_kwargs(rope, D: int) -> dict:
-    """Kernel arguments of the prologue RoPE (``reference.rope.RopeArgs`` or None = no RoPE)."""
+    """Kernel arguments of the prologue RoPE (``formats.RopeArgs`` or None = no RoPE)."""
     if rope is None:
         return {}
     return dict(COS=rope.cos, SIN=rope.sin, scb=rope.cos.stride(0), sch=rope.cos.stride(1),

@@ -12,7 +12,7 @@ lse2        [B, H, S] fp32 base-2 LSE of the true logits s = (q . k) * sm_scale 
             (``dense_with_lse`` gives it; add the K-smoothing correction when pass 1 ran on smoothed K).
 mass        [B, H, G, Sk] fp32, ``mass[g, j] = sum_{i in g} 2^(s_ij - lse2_i)``: exact probabilities summed
             over the group's rows; never an S x S matrix.
-keep        n_keep keys per group (``reference.select.n_keep``); idx [B, H, G, keep] int32 ascending.
+keep        n_keep keys per group (``formats.n_keep``); idx [B, H, G, keep] int32 ascending.
 
 Grid (group_key_mass)
 ---------------------
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.quant import LOG2E
+from vc_compile.formats import LOG2E
 from .configs import pow2_head_dim_error
 from .interpret import dot_upcast, loop_bound
 
