@@ -163,7 +163,6 @@ def chain_inputs(S: int, H: int, D: int):
     """Model-layout q, k, v, Wan's RoPE tables, their [B, H, S, D] views, the fused path's RopeArgs, the
     Inductor-compiled RoPE + permute of the unfused path, and the softmax scale."""
     from vc_compile import formats
-    from vc_compile.reference import rope as R
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, cos, sin = make_inputs(S, H, D, dev)

@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import (truth_rows, add_speedup, append_rows, attn_flops, bench_ms,  # noqa: E402
                                fa4_fn, fa4_status, metrics, print_table, run_fp8_baselines, sage_fn, sdpa_fn)
-from vc_compile import formats  # noqa: E402
+from vc_compile import formats, torch_ops  # noqa: E402
 from vc_compile.formats import LOG2E  # noqa: E402
 from vc_compile.reference import kmeans as ref_km  # noqa: E402
 from vc_compile.reference import preprocess as ref_pre  # noqa: E402
@@ -218,7 +218,7 @@ def bench_shape(B, H, S, D, n_rows, quick, launches=None):
     if fn is not None:
         add("sageattn_1.0.6", bench_ms(fn, wu, rep), fn())
     # --- grouping (k-means on V) and our variants
-    K = ref_km.default_clusters(S)  # what the backend groups with (256 from S = 32640 up, 64 at S = 8190)
+    K = torch_ops.default_clusters(S)  # what the backend groups with (256 from S = 32640 up, 64 at S = 8190)
     km0 = tkm.kmeans_perm(v, K, 10)  # "previous step" centroids for the warm start
     init = km0.centroids
     km = tkm.kmeans_perm(v, K, N_ITERS, init=init)
@@ -487,7 +487,7 @@ def captured(n_rows: int, smoke: bool):
             fn = sage_fn(q, k, v)
             if fn is not None:
                 outs["sageattn_1.0.6"] = fn()
-        perm = tkm.kmeans_perm(v, ref_km.default_clusters(S), 10).perm
+        perm = tkm.kmeans_perm(v, torch_ops.default_clusters(S), 10).perm
         for name, grouped, smooth, ec in VARIANTS:
             p = perm if grouped else None
             a = tpre.preprocess_qk(q, k, p, sm_scale=D ** -0.5)

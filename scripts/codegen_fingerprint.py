@@ -203,7 +203,6 @@ def sparse_cases():
 
 def pre_cases():
     from vc_compile import formats
-    from vc_compile.reference import rope as R
     from vc_compile.templates import preprocess as tpre
     H, D, S = 40, 128, S_MAIN
     out = []

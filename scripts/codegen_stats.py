@@ -95,7 +95,6 @@ def main(argv=None):
     a = p.parse_args(argv)
     _install()
     from vc_compile import formats
-    from vc_compile.reference import rope as R
     from vc_compile.templates import preprocess as tpre
     H, D, S = 40, 128, a.S
     q = torch.empty(1, S, H, D, dtype=torch.bfloat16)

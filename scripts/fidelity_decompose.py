@@ -35,7 +35,7 @@ import torch
 
 from scripts import fidelity_inputs as FI
 
-from vc_compile import formats
+from vc_compile import formats, torch_ops
 from vc_compile.reference import kmeans as ref_km
 from vc_compile.reference import preprocess as ref_pre
 from vc_compile.reference import sage2
@@ -56,7 +56,7 @@ class Case:
         self.S, self.D = q.shape[2], q.shape[3]
         self.sm = self.D ** -0.5
         self.truth = self.dense(None)
-        K = n_clusters or ref_km.default_clusters(self.S)
+        K = n_clusters or torch_ops.default_clusters(self.S)
         self.perm = ref_km.kmeans_perm(v, K, iters).perm
 
     def dense(self, perm):

@@ -14,7 +14,7 @@ import torch
 from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile.config import (QueryGrouping, Selection, SelectionRefresh, SelectionUnit, VCConfig,
                                VCConfigError)
-from vc_compile import formats
+from vc_compile import formats, torch_ops
 from vc_compile.methods import Phase
 from vc_compile.methods import mcsparse as M
 from vc_compile.reference import select as R
@@ -35,7 +35,7 @@ def inputs(S, Sk, D, dtype, seed=0, perm=True):
     k = torch.randn(1, 2, Sk, D, generator=g) + 2.0 * torch.randn(1, 1, 1, D, generator=g)
     v = torch.randn(1, 2, Sk, D, generator=g)
     sigma = (torch.stack([torch.randperm(S, generator=g) for _ in range(2)]).view(1, 2, S) if perm
-             else R.identity_perm(1, 2, S, "cpu"))
+             else torch_ops.identity_perm(1, 2, S, "cpu"))
     return q.to(dtype), k.to(dtype), v.to(dtype), sigma
 
 
@@ -131,18 +131,18 @@ def test_mean_pool_token_selection_is_bruteforce():
 def test_expand_blocks_partial_block_rule():
     # Sk = 150: blocks [0, 64), [64, 128), [128, 150) (22 keys); keep = 128
     scores = torch.tensor([[[[0.1, 0.5, 0.9]]]])
-    idx = R.expand_blocks(scores, 128, 150)
+    idx = torch_ops.expand_blocks(scores, 128, 150)
     # blocks by score: 2 (22 keys), 1 (64 keys), then the first 42 keys of block 0
     want = list(range(0, 42)) + list(range(64, 128)) + list(range(128, 150))
     assert idx.shape == (1, 1, 1, 128) and idx[0, 0, 0].tolist() == want
-    assert R.expand_blocks(scores, 150, 150)[0, 0, 0].tolist() == list(range(150))  # keep = Sk: all keys
-    idx = R.expand_blocks(torch.tensor([[[[0.9, 0.1, 0.5]]]]), 64, 150)
+    assert torch_ops.expand_blocks(scores, 150, 150)[0, 0, 0].tolist() == list(range(150))  # keep = Sk: all keys
+    idx = torch_ops.expand_blocks(torch.tensor([[[[0.9, 0.1, 0.5]]]]), 64, 150)
     assert idx[0, 0, 0].tolist() == list(range(64))  # a full block: exactly that block
 
 
 def test_block_mass_and_group_means():
     mass = torch.rand(1, 2, 3, 150)
-    bm = R.block_mass(mass, 64)
+    bm = torch_ops.block_mass(mass, 64)
     assert bm.shape == (1, 2, 3, 3)
     assert torch.allclose(bm[..., 2], mass[..., 128:].sum(-1)) and torch.allclose(bm.sum(-1), mass.sum(-1))
 

@@ -1,5 +1,5 @@
 """Prologue fusion (passes/rope_fuse.py, the RoPE prologue of templates/preprocess.py,
-reference/rope.py).
+formats.py / torch_ops.apply_rope).
 
 Models compile through ``backend="vcattn"`` with method vsmooth (compiler "eager", head dim 64) twice:
 ``rope_fusion=True`` and ``False``; the outputs are compared.
@@ -28,13 +28,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from vc_compile import formats
 import vc_compile
 import vc_compile.backend as backend
+from vc_compile import formats, torch_ops
 from vc_compile.config import VCConfig
 from vc_compile.passes import rope_fuse
 from vc_compile.reference import preprocess as ref_pre
-from vc_compile.reference import rope as R
 from vc_compile.runtime import report as _report
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -368,7 +367,7 @@ def test_kernel_prologue_matches_reference(form, layout, pair, D, dtype, S, toks
     perm = random_perm(B, H, S)
     sm = D ** -0.5
     got = tpl.preprocess_qk(qb, kb, perm, sm_scale=sm, hadamard=hadamard, rope=ra)
-    want = ref_pre.preprocess_qk(R.apply_rope(qb, ra), R.apply_rope(kb, ra), perm, sm_scale=sm, hadamard=hadamard)
+    want = ref_pre.preprocess_qk(torch_ops.apply_rope(qb, ra), torch_ops.apply_rope(kb, ra), perm, sm_scale=sm, hadamard=hadamard)
     exact = KERNEL_DEVICE == "cpu" and not hadamard
     assert_codes(got.q8, want.q8, exact=exact, what="q8")
     assert_codes(got.k8, want.k8, exact=False, what="k8")
@@ -395,7 +394,7 @@ def test_reference_rope_is_the_models_rope():
     wan[..., 1::2] = x1 * sin + x2 * cos
     spec = formats.RopeSpec("interleaved", "BSHD", 3, None, None)
     xb = formats.to_bhsd(x, spec)
-    got = R.apply_rope(xb, formats.rope_args(cos, sin, spec, tuple(xb.shape)))
+    got = torch_ops.apply_rope(xb, formats.rope_args(cos, sin, spec, tuple(xb.shape)))
     assert torch.equal(got, wan.permute(0, 2, 1, 3))
     # HunyuanVideo / CogVideoX (use_real_unbind_dim=-1) on [B, H, S, D]; Cosmos rotate-half (unbind_dim=-2)
     xh = x.permute(0, 2, 1, 3)
@@ -404,7 +403,7 @@ def test_reference_rope_is_the_models_rope():
                             (torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)))):
         want = apply_rotary_emb(xh, tabs, **kw)
         spec = formats.RopeSpec(form, "BHSD", 3, None, None)
-        got = R.apply_rope(xh, formats.rope_args(*tabs, spec, tuple(xh.shape)))
+        got = torch_ops.apply_rope(xh, formats.rope_args(*tabs, spec, tuple(xh.shape)))
         assert torch.equal(got, want), form
 
 
@@ -430,7 +429,7 @@ def test_opcheck_attention_with_rope(method):
         out = torch.ops.vcattn.attention(q, k, v, None, _site(), cfg, None, **kw)
         # = the op on q, k rotated beforehand (the reference RoPE), same step/branch state
         ra = formats.rope_args(kw["cos"], kw["sin"], formats.parse_spec(spec), (1, H, S, D))
-        qr, kr = (R.apply_rope(t.permute(0, 2, 1, 3), ra) for t in (q, k))
+        qr, kr = (torch_ops.apply_rope(t.permute(0, 2, 1, 3), ra) for t in (q, k))
         want = torch.ops.vcattn.attention(qr, kr, v, None, _site(), cfg, None)
     assert out.shape == (1, H, S, D) and torch.equal(out, want)
 
@@ -445,7 +444,7 @@ def test_runtime_fallback_rotates_first():
     out = torch.ops.vcattn.attention(q, k, v, None, _site(), cfg, None, cos=cos[:, None], sin=sin[:, None],
                                      rope=spec.to_json())
     ra = formats.rope_args(cos[:, None], sin[:, None], spec, (1, H, S, D))
-    qr, kr = (R.apply_rope(t.permute(0, 2, 1, 3), ra) for t in (q, k))
+    qr, kr = (torch_ops.apply_rope(t.permute(0, 2, 1, 3), ra) for t in (q, k))
     assert torch.equal(out, F.scaled_dot_product_attention(qr, kr, v))
 
 
@@ -475,7 +474,7 @@ def test_gpu_prologue_matches_reference(form, pair):
     ra = formats.rope_args(ang.cos(), ang.sin(), spec, tuple(qb.shape))
     perm = random_perm(B, H, S, device="cuda")
     got = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, rope=ra)
-    want = ref_pre.preprocess_qk(R.apply_rope(qb, ra), R.apply_rope(kb, ra), perm, sm_scale=D ** -0.5)
+    want = ref_pre.preprocess_qk(torch_ops.apply_rope(qb, ra), torch_ops.apply_rope(kb, ra), perm, sm_scale=D ** -0.5)
     # on the GPU the kernel's RoPE may contract to FMAs: a rotated value can differ by one bf16 ulp
     assert_codes(got.q8, want.q8, exact=False, what="q8")
     assert_codes(got.k8, want.k8, exact=False, what="k8")

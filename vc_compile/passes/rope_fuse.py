@@ -5,7 +5,7 @@ and uses its findings. For a rewritten call site whose RoPE was recognised, the 
 become the *un-rotated* tensors in the model's own layout (the projection/normalisation output, e.g.
 [B, S, H, D] before the permute, or [B, S, C] before the head split), and the op gets the model's
 ``cos``/``sin`` nodes plus a spec ``rope`` (JSON: pair convention ``interleaved`` / ``rotate-half``,
-layout ``BSHD`` / ``BHSD`` / ``BSC``, heads, rotated token range; see reference/rope.py). V-Smooth's
+layout ``BSHD`` / ``BHSD`` / ``BSC``, heads, rotated token range; see formats.py). V-Smooth's
 preprocessing kernel then applies the RoPE while it loads q and k (templates/preprocess.py), so q and k
 are read once from the projection output and the rotated copies are never written.
 
@@ -45,7 +45,7 @@ report record gets ``SiteRecord.rope_fusion`` = ``"fused"`` / ``"unfused: <reaso
 
 Cache keys: the pass runs before Inductor, whose FX graph / AOTAutograd caches hash the graph it produces,
 including the op's ``rope`` spec and config JSON (which holds ``rope_fusion``). :func:`uuid` hashes this
-file, rope_detect.py and reference/rope.py plus the options that steer the decision, and is written into
+file, rope_detect.py, fx_nodes.py and formats.py (the RoPE conventions) plus the options that steer the decision, and is written into
 every fused op's spec (``"pass"``), so a change of the pass's sources also changes the cached graphs' keys.
 """
 from __future__ import annotations

@@ -34,8 +34,9 @@ import torch
 
 from vc_compile.formats import BLOCK_K, SHIFT_BETA, SHIFT_FRAC_BITS, QKQuant
 
+from vc_compile.torch_ops import gather_rows
+
 from .quant import expand_blocks
-from .select import gather_rows
 
 EXP_MODES = ("exact", "shift")
 

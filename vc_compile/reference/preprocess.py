@@ -38,7 +38,9 @@ import torch
 from vc_compile.formats import (BLOCK_K, BLOCK_Q, BLOCK_V, FP8_MAX, LOG2E, QKQuant, VQuant, hadamard_matrix,
                                 k_mean_stride, natural_layout)
 
-from .quant import expand_blocks, finite_part, flush_tiny, poison, quantize_blocks, quantize_fp8_rcp, safe_scale
+from vc_compile.torch_ops import safe_scale
+
+from .quant import expand_blocks, finite_part, flush_tiny, poison, quantize_blocks, quantize_fp8_rcp
 
 
 def apply_perm(x: torch.Tensor, perm: Optional[torch.Tensor]) -> torch.Tensor:
@@ -58,9 +60,9 @@ def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
                   qk_format: str = "int8", q_block: int = BLOCK_Q, rope=None) -> QKQuant:
     """``q_block``: tokens sharing one Q scale (default 1 = per token). Larger values emulate coarser
     scales (tests, accuracy studies); q_scale is [B, H, S] either way (repeated within a block).
-    ``rope``: q and k arrive un-rotated; the RoPE is applied first (reference/rope.py)."""
-    if rope is not None:  # prologue RoPE (reference/rope.py): q, k arrive un-rotated
-        from .rope import apply_rope
+    ``rope``: q and k arrive un-rotated; the RoPE is applied first (torch_ops.apply_rope)."""
+    if rope is not None:  # prologue RoPE (torch_ops.apply_rope): q, k arrive un-rotated
+        from vc_compile.torch_ops import apply_rope
 
         q, k = apply_rope(q, rope), apply_rope(k, rope)
     qf = q.float()

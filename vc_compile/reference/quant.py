@@ -27,15 +27,7 @@ from __future__ import annotations
 import torch
 
 from vc_compile.formats import EXPCAST_OFFSET, FP8_DTYPE, FP8_MAX, INT8_MAX
-
-
-def safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """``amax / qmax``, or 1 where the block is all zero. (A NaN/Inf amax would give a NaN/Inf scale;
-    callers pass the amax of the finite values and mark non-finite blocks with ``poison``.) A
-    tensor-by-tensor division: torch divides by a Python scalar as a multiply by its reciprocal on CUDA,
-    an ulp away from the kernels' IEEE division."""
-    s = amax / torch.full_like(amax, qmax)
-    return torch.where(amax == 0, torch.ones_like(s), s)
+from vc_compile.torch_ops import safe_scale
 
 
 def recip_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:

@@ -22,7 +22,7 @@ accumulate), p = exp2(s - lse2) (padded rows: lse2 = +inf -> p = 0), sums over t
 BLOCK_N masses, stored (keys are the MMA's M side: s^T = k q^T, so the group sum is a cheap row
 reduction). Cost per head: 2 * S * Sk * D FLOPs (half a dense attention, no PV) + S * Sk
 exp2; it writes G * Sk * 4 bytes (16 MB per head at S = Sk = 32760, C = 64), which is why the caller
-(``methods/mcsparse.select``) passes heads in chunks. Top-K (``reference.select.select_topk``) is torch on
+(``methods/mcsparse.select``) passes heads in chunks. Top-K (``torch_ops.select_topk``) is torch on
 every device.
 """
 from __future__ import annotations
