@@ -34,15 +34,16 @@ if "--smoke" in sys.argv:  # the CPU dry run runs the Triton kernels in the inte
 import torch  # noqa: E402
 
 from benchmarks.common import append_rows, bench_ms, print_table, sdpa_fn  # noqa: E402
+from vc_compile import formats, torch_ops  # noqa: E402
 from vc_compile.config import VCConfig  # noqa: E402
 from vc_compile.methods import mcsparse as M  # noqa: E402
 from vc_compile.methods.phase import Phase  # noqa: E402
 from vc_compile.reference import select as RS  # noqa: E402
 from vc_compile.reference.dense import dense_attention_lse  # noqa: E402
-from vc_compile.reference.vsmooth_attn import lse_correction  # noqa: E402
 from vc_compile.templates import anchor_mass as TA  # noqa: E402
 from vc_compile.templates import configs as KC  # noqa: E402
 from vc_compile.templates import dispatch  # noqa: E402
+from vc_compile.torch_ops import lse_correction  # noqa: E402
 
 B, D, C, DENSITY = 1, 128, 128, 0.15
 PATHS = ("old", "new_bf16", "new_q8")
@@ -101,7 +102,7 @@ def bench_size(S, H, log, dev="cuda"):
     cfg_q8 = VCConfig.from_options({**opts, "anchor_dense": "q8"})
     impl, path = dispatch.choose("mcsparse", cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
     assert path == "triton", path
-    keep = RS.n_keep(S, DENSITY)
+    keep = formats.n_keep(S, DENSITY)
     dens = keep / S
     t_cudnn = timed(sdpa_fn(q, k, v, "cudnn" if cuda else "math"), **fast)
     log(f"S={S} H={H}: cuDNN {t_cudnn:.2f} ms")
@@ -222,7 +223,7 @@ def bench_size(S, H, log, dev="cuda"):
     hs = slice(0, 2)
     o_ref, lse_ref = dense_attention_lse(q[:, hs], k[:, hs], v[:, hs], sm_scale=sm)
     mass_ref = RS.group_key_mass(q[:, hs], k[:, hs], sigma[:, hs], lse_ref, sm_scale=sm, group_size=C)
-    idx_ref = RS.select_topk(mass_ref, keep)
+    idx_ref = torch_ops.select_topk(mass_ref, keep)
     best = torch.gather(mass_ref, -1, idx_ref.long()).sum().item()
     for p, ix, od in (("old", idx_old, o_dense), ("new_bf16", idx_new, o_dense), ("new_q8", idx_q8, o8)):
         got = ix[:, hs].long()

@@ -29,8 +29,8 @@ if "--smoke" in sys.argv:  # before triton is imported: the interpreter runs the
 import torch  # noqa: E402
 
 from benchmarks.common import append_rows, attn_flops, bench_ms, print_table, sdpa_fn  # noqa: E402
+from vc_compile.formats import n_keep  # noqa: E402
 from vc_compile.methods.mcsparse_guard import GuardState  # noqa: E402
-from vc_compile.reference.select import n_keep  # noqa: E402
 from vc_compile.templates import dispatch  # noqa: E402
 
 EXTRAS = ["overhead_pct", "gbps", "group_size", "note"]

@@ -162,13 +162,13 @@ class Run:
 def chain_inputs(S: int, H: int, D: int):
     """Model-layout q, k, v, Wan's RoPE tables, their [B, H, S, D] views, the fused path's RopeArgs, the
     Inductor-compiled RoPE + permute of the unfused path, and the softmax scale."""
-    from vc_compile.reference import rope as R
+    from vc_compile import formats
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, cos, sin = make_inputs(S, H, D, dev)
-    spec = R.RopeSpec("interleaved", "BSHD", H, None, None)
-    qb, kb = R.to_bhsd(q, spec), R.to_bhsd(k, spec)
-    ra = R.rope_args(cos, sin, spec, tuple(qb.shape))
+    spec = formats.RopeSpec("interleaved", "BSHD", H, None, None)
+    qb, kb = formats.to_bhsd(q, spec), formats.to_bhsd(k, spec)
+    ra = formats.rope_args(cos, sin, spec, tuple(qb.shape))
     return dev, q, k, v, cos, sin, qb, kb, ra, torch.compile(rope_permute, dynamic=False), D ** -0.5
 
 

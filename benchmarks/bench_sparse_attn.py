@@ -47,11 +47,11 @@ import torch  # noqa: E402
 
 from benchmarks.common import (add_speedup, append_rows, attn_flops, bench_ms, fa4_fn, fa4_status,  # noqa: E402
                                metrics, print_table, run_fp8_baselines, sdpa_fn)
+from vc_compile.formats import n_keep  # noqa: E402
+from vc_compile.methods import mcsparse as M  # noqa: E402
 from vc_compile.reference.dense import dense_attention_lse  # noqa: E402
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse  # noqa: E402
 from vc_compile.reference.sparse_attn_q8 import sparse_attention_q8  # noqa: E402
-from vc_compile.methods import mcsparse as M  # noqa: E402
-from vc_compile.reference.select import n_keep  # noqa: E402
 from vc_compile.templates import configs as CF  # noqa: E402
 from vc_compile.templates import dispatch  # noqa: E402
 from vc_compile.templates import pddp as tpddp  # noqa: E402

@@ -58,7 +58,7 @@ def child(method: str, mode: str, smoke: bool) -> None:
     q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
     if method == "mcsparse":
         from vc_compile.config import VCConfig
-        from vc_compile.reference.select import n_keep
+        from vc_compile.formats import n_keep
 
         C = VCConfig().group_size  # the runtime's query groups (what the shipped table and the CLI tune)
         keep, G = n_keep(s, DENSITY), -(-s // C)

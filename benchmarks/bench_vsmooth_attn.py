@@ -48,10 +48,11 @@ import torch  # noqa: E402
 
 from benchmarks.common import (truth_rows, add_speedup, append_rows, attn_flops, bench_ms,  # noqa: E402
                                fa4_fn, fa4_status, metrics, print_table, run_fp8_baselines, sage_fn, sdpa_fn)
+from vc_compile import formats, torch_ops  # noqa: E402
+from vc_compile.formats import LOG2E  # noqa: E402
 from vc_compile.reference import kmeans as ref_km  # noqa: E402
 from vc_compile.reference import preprocess as ref_pre  # noqa: E402
 from vc_compile.reference import vsmooth_attn as ref_attn  # noqa: E402
-from vc_compile.reference.quant import LOG2E  # noqa: E402
 from vc_compile.templates import configs as C  # noqa: E402
 from vc_compile.templates import dispatch  # noqa: E402
 from vc_compile.templates import kmeans as tkm  # noqa: E402
@@ -107,8 +108,8 @@ def error_split(q, k, v, qk, vq, perm, rows):
     in the permuted key order of vq (P_q: the exp2 + cast probabilities, normalised)."""
     e1 = e2 = 0.0
     vdeq = ref_pre.dequantize_v(vq)
-    ks = qk.k_scale.repeat_interleave(ref_pre.BLOCK_K, -1)[..., :k.shape[2]]
-    qs = qk.q_scale.repeat_interleave(ref_pre.BLOCK_Q, -1)[..., rows]
+    ks = qk.k_scale.repeat_interleave(formats.BLOCK_K, -1)[..., :k.shape[2]]
+    qs = qk.q_scale.repeat_interleave(formats.BLOCK_Q, -1)[..., rows]
     assert q.shape[0] == 1, "B = 1 only"
     for h in range(q.shape[1]):
         kp = k[:, h] if perm is None else k[:, h][:, perm[0, h]]
@@ -144,8 +145,8 @@ def mean_energy_share(v, vq):
     """Share of V's energy removed by the 128-row block means: sum_j n_j |mu_j|^2 / |V|^2."""
     S = vq.S
     nb = vq.v_mean.shape[2]
-    counts = torch.full((nb,), float(ref_pre.BLOCK_V), device=v.device)
-    counts[-1] = S - (nb - 1) * ref_pre.BLOCK_V
+    counts = torch.full((nb,), float(formats.BLOCK_V), device=v.device)
+    counts[-1] = S - (nb - 1) * formats.BLOCK_V
     e_mu = (vq.v_mean.pow(2).sum(-1) * counts).sum()
     return (e_mu / v.float().pow(2).sum()).item()
 
@@ -217,7 +218,7 @@ def bench_shape(B, H, S, D, n_rows, quick, launches=None):
     if fn is not None:
         add("sageattn_1.0.6", bench_ms(fn, wu, rep), fn())
     # --- grouping (k-means on V) and our variants
-    K = ref_km.default_clusters(S)  # what the backend groups with (256 from S = 32640 up, 64 at S = 8190)
+    K = torch_ops.default_clusters(S)  # what the backend groups with (256 from S = 32640 up, 64 at S = 8190)
     km0 = tkm.kmeans_perm(v, K, 10)  # "previous step" centroids for the warm start
     init = km0.centroids
     km = tkm.kmeans_perm(v, K, N_ITERS, init=init)
@@ -231,7 +232,7 @@ def bench_shape(B, H, S, D, n_rows, quick, launches=None):
         out = runtime_attn(qk, vq, ec)  # O is in query order (only K/V permuted)
         add(f"{name}_kernel", bench_ms(lambda: runtime_attn(qk, vq, ec), wu, rep), out)
         if dispatch.uses_sm90(q.device, "int8") or tl is not None:  # the row above ran the Gluon kernel
-            vqn = ref_pre.natural_layout(vq)  # the Triton kernel's layout, converted outside the timing
+            vqn = formats.natural_layout(vq)  # the Triton kernel's layout, converted outside the timing
             out_t = triton_attn(qk, vqn, ec, tl)
             add(f"{name}_kernel_triton", bench_ms(lambda: triton_attn(qk, vqn, ec, tl), wu, rep), out_t)
             del vqn
@@ -486,7 +487,7 @@ def captured(n_rows: int, smoke: bool):
             fn = sage_fn(q, k, v)
             if fn is not None:
                 outs["sageattn_1.0.6"] = fn()
-        perm = tkm.kmeans_perm(v, ref_km.default_clusters(S), 10).perm
+        perm = tkm.kmeans_perm(v, torch_ops.default_clusters(S), 10).perm
         for name, grouped, smooth, ec in VARIANTS:
             p = perm if grouped else None
             a = tpre.preprocess_qk(q, k, p, sm_scale=D ** -0.5)

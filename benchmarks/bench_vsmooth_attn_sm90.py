@@ -54,7 +54,7 @@ def parse_shapes(text):
 
 def run(shapes, modes, extra, inputs, n_rows=512, sink=None):
     from benchmarks.bench_vsmooth_attn import make_inputs, runtime_pre
-    from vc_compile.reference import kmeans as ref_km
+    from vc_compile import torch_ops
     from vc_compile.templates import kmeans as tkm
     from vc_compile.templates.configs import vsmooth_sm90_default
     from vc_compile.templates.vsmooth_attn_sm90 import vsmooth_attention_sm90
@@ -85,7 +85,7 @@ def run(shapes, modes, extra, inputs, n_rows=512, sink=None):
             add("sdpa_cudnn", bench_ms(fn, wu, rep), fn())
             run_fp8_baselines(q, k, v, lambda name, fn, note: add(name, bench_ms(fn, wu, rep), fn(), note=note),
                               log)
-            K = ref_km.default_clusters(S)
+            K = torch_ops.default_clusters(S)
             perm = tkm.kmeans_perm(v, K, 10).perm
             for mode in modes:
                 ec = mode == "expcast"

@@ -57,7 +57,7 @@ def _api():
 
 
 def run(quick: bool) -> dict:
-    from vc_compile.reference.select import n_keep
+    from vc_compile.formats import n_keep
     from vc_compile.templates import kmeans as tkm
     from vc_compile.templates import pddp as tpddp
     from vc_compile.templates import preprocess as tpre

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from vc_compile import formats, torch_ops  # noqa: E402
 from vc_compile.methods.anchor import AnchorConfig, anchor_step  # noqa: E402
 from vc_compile.reference import kmeans as RK  # noqa: E402
 from vc_compile.reference import select as RS  # noqa: E402
@@ -107,9 +108,9 @@ def study(name, seq, log):
     q0, k0, v0 = seq[0]
     B, H, S, D = q0.shape
     sm = D ** -0.5
-    keep = RS.n_keep(S, DENSITY)
+    keep = formats.n_keep(S, DENSITY)
     impl = dispatch.Impl.REFERENCE
-    km = RK.kmeans_perm(v0.float(), RK.default_clusters(S), 4)
+    km = RK.kmeans_perm(v0.float(), torch_ops.default_clusters(S), 4)
     pi = km.perm
     sigma = dispatch.pddp_perm(impl, q0, C)
     truths = [truth(*t) for t in seq]

@@ -46,7 +46,7 @@ def stats(k, warps, marker):
 
 
 def compile_mass(S, C, cfg, perm=True):
-    from vc_compile.reference.preprocess import QKQuant
+    from vc_compile.formats import QKQuant
     from vc_compile.templates import anchor_mass as TA
     B, H, D = 1, 40, 128
     q8 = torch.zeros(B, H, S, D, dtype=torch.int8)

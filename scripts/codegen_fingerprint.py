@@ -69,7 +69,7 @@ def _run(fn):
 
 # ---- the cases (through the current API) ----------------------------------------------------------------
 def _vs_inputs(S, D, mean, fp8=False):
-    from vc_compile.reference.preprocess import QKQuant, VQuant
+    from vc_compile.formats import QKQuant, VQuant
     B, H, S_pad = 1, 40, -(-S // 128) * 128
     q8 = torch.empty(B, H, S, D, dtype=torch.float8_e4m3fn if fp8 else torch.int8)
     vm = torch.empty(B, H, S_pad // 128, D)
@@ -191,7 +191,7 @@ def sparse_cases():
     out = []
     for fmt, D, Cg, cfg, res in cases:
         def fn(fmt=fmt, D=D, Cg=Cg, cfg=cfg, res=res):
-            from vc_compile.reference.select import n_keep
+            from vc_compile.formats import n_keep
             B, H, S = 1, 40, S_MAIN
             q = torch.empty(B, H, S, D, dtype=torch.bfloat16)
             sig = torch.empty(B, H, S, dtype=torch.int64)
@@ -202,17 +202,17 @@ def sparse_cases():
 
 
 def pre_cases():
-    from vc_compile.reference import rope as R
+    from vc_compile import formats
     from vc_compile.templates import preprocess as tpre
     H, D, S = 40, 128, S_MAIN
     out = []
     for form, full in (("interleaved", False), ("interleaved", True), ("rotate-half", True), (None, False)):
         def fn(form=form, full=full):
             q = torch.empty(1, S, H, D, dtype=torch.bfloat16)
-            spec = R.RopeSpec(form or "interleaved", "BSHD", H, None, None)
-            qb = R.to_bhsd(q, spec)
+            spec = formats.RopeSpec(form or "interleaved", "BSHD", H, None, None)
+            qb = formats.to_bhsd(q, spec)
             Dc = D if full else D // 2
-            ra = None if form is None else R.rope_args(torch.empty(1, S, 1, Dc), torch.empty(1, S, 1, Dc), spec,
+            ra = None if form is None else formats.rope_args(torch.empty(1, S, 1, Dc), torch.empty(1, S, 1, Dc), spec,
                                                        tuple(qb.shape))
             tpre.preprocess_qk(qb, qb, None, sm_scale=D ** -0.5, rope=ra)
         out.append((f"pre_qk_{form or 'norope'}{'_full' if full else ''}", fn))

@@ -95,7 +95,7 @@ def kernel_stats(k, warps: int) -> dict:
 
 
 def compile_one(S, C, cfg):
-    from vc_compile.reference.select import n_keep
+    from vc_compile.formats import n_keep
     from vc_compile.templates import sparse_attn as tsa
     B, H, D = 1, 40, 128
     G, keep = -(-S // C), n_keep(S, 0.15)

@@ -94,15 +94,15 @@ def main(argv=None):
     p.add_argument("--dump", default=None, help="write PREFIX_<kernel>.ttgir/.ptx")
     a = p.parse_args(argv)
     _install()
-    from vc_compile.reference import rope as R
+    from vc_compile import formats
     from vc_compile.templates import preprocess as tpre
     H, D, S = 40, 128, a.S
     q = torch.empty(1, S, H, D, dtype=torch.bfloat16)
     k = torch.empty(1, S, H, D, dtype=torch.bfloat16)
     Dc = D if a.full else D // 2
-    spec = R.RopeSpec(a.form, "BSHD", H, None, None)
-    qb, kb = R.to_bhsd(q, spec), R.to_bhsd(k, spec)
-    ra = None if a.no_rope else R.rope_args(torch.empty(1, S, 1, Dc), torch.empty(1, S, 1, Dc), spec, tuple(qb.shape))
+    spec = formats.RopeSpec(a.form, "BSHD", H, None, None)
+    qb, kb = formats.to_bhsd(q, spec), formats.to_bhsd(k, spec)
+    ra = None if a.no_rope else formats.rope_args(torch.empty(1, S, 1, Dc), torch.empty(1, S, 1, Dc), spec, tuple(qb.shape))
     try:
         if a.fused:
             perm = torch.empty(1, H, S, dtype=torch.int64)

@@ -45,7 +45,7 @@ VARIANTS = {  # name: (head dim, expcast, mean, launch config: None = the kernel
 
 
 def compile_one(S, D, expcast, mean, config=None):
-    from vc_compile.reference.preprocess import QKQuant, VQuant
+    from vc_compile.formats import QKQuant, VQuant
     from vc_compile.templates import vsmooth_attn_sm90 as g
     B, H, S_pad = 1, 40, -(-S // 128) * 128
     q8 = torch.empty(B, H, S, D, dtype=torch.int8)

@@ -35,6 +35,7 @@ import torch
 
 from scripts import fidelity_inputs as FI
 
+from vc_compile import formats, torch_ops
 from vc_compile.reference import kmeans as ref_km
 from vc_compile.reference import preprocess as ref_pre
 from vc_compile.reference import sage2
@@ -55,7 +56,7 @@ class Case:
         self.S, self.D = q.shape[2], q.shape[3]
         self.sm = self.D ** -0.5
         self.truth = self.dense(None)
-        K = n_clusters or ref_km.default_clusters(self.S)
+        K = n_clusters or torch_ops.default_clusters(self.S)
         self.perm = ref_km.kmeans_perm(v, K, iters).perm
 
     def dense(self, perm):
@@ -81,7 +82,7 @@ def split(case, out, p_eff, v_eff, s2, perm):
 
 
 def vsmooth_logits(qk, rows):
-    ks = qk.k_scale.repeat_interleave(ref_pre.BLOCK_K, -1)[..., :qk.k8.shape[2]]
+    ks = qk.k_scale.repeat_interleave(formats.BLOCK_K, -1)[..., :qk.k8.shape[2]]
     return (qk.q8[:, :, rows].float() @ qk.k8.float().transpose(-1, -2)) * qk.q_scale[:, :, rows, None] \
         * ks[:, :, None, :]
 

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
+from vc_compile import torch_ops
+from vc_compile.formats import n_keep
 from vc_compile.methods.anchor import AnchorConfig, anchor_step
 from vc_compile.reference import kmeans as RK
 from vc_compile.reference.dense import dense_attention_lse
-from vc_compile.reference.select import n_keep
 from vc_compile.templates.dispatch import Impl
 
 DEV = KERNEL_DEVICE
@@ -24,7 +25,7 @@ def inputs(S, D, H=2, seed=0):
     v = torch.randn(1, H, S, D, generator=g)
     v[..., ::23, :] *= 8.0
     q, k, v = (t.bfloat16() for t in (q, k, v))
-    pi = RK.kmeans_perm(v.float(), RK.default_clusters(S), 2).perm
+    pi = RK.kmeans_perm(v.float(), torch_ops.default_clusters(S), 2).perm
     sigma = torch.stack([torch.randperm(S, generator=g) for _ in range(H)]).view(1, H, S)
     return q, k, v, pi, sigma
 

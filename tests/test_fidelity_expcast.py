@@ -16,10 +16,11 @@ import math
 
 import torch
 
+from vc_compile import torch_ops
+from vc_compile.formats import LOG2E
 from vc_compile.reference import kmeans, preprocess
 from vc_compile.reference import vsmooth_attn as ref_attn
 from vc_compile.reference import vsmooth_attn_sm90 as emu
-from vc_compile.reference.quant import LOG2E
 
 from scripts import fidelity_inputs as FI
 
@@ -38,7 +39,7 @@ def truth_rows(q, k, v, rows):
 def prepared(q, k, v, n_rows=128, seed=0):
     S = q.shape[2]
     rows = torch.randperm(S, generator=torch.Generator().manual_seed(seed))[:n_rows].sort().values
-    perm = kmeans.kmeans_perm(v, kmeans.default_clusters(S), 3).perm
+    perm = kmeans.kmeans_perm(v, torch_ops.default_clusters(S), 3).perm
     qk = preprocess.preprocess_qk(q, k, perm, sm_scale=q.shape[-1] ** -0.5)
     vq = preprocess.preprocess_v(v, perm)
     return qk, vq, rows, truth_rows(q, k, v, rows)

@@ -495,7 +495,7 @@ def test_nan_centroids_do_not_steer_the_next_grouping():
     start assigned every row to that cluster. Now a non-finite centroid is re-seeded from the current V,
     so the step after a NaN step groups exactly like a cold start on its clean V would."""
     from vc_compile.methods.vsmooth import VSmoothMeta, _warm_start
-    from vc_compile.reference.kmeans import init_centroids
+    from vc_compile.torch_ops import init_centroids
 
     _, _, v = gaussian(S=200)
     c = init_centroids(v, 2).clone()

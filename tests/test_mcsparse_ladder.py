@@ -14,6 +14,7 @@ import torch
 from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile.config import (QueryGrouping, Selection, SelectionRefresh, SelectionUnit, VCConfig,
                                VCConfigError)
+from vc_compile import formats, torch_ops
 from vc_compile.methods import Phase
 from vc_compile.methods import mcsparse as M
 from vc_compile.reference import select as R
@@ -21,7 +22,7 @@ from vc_compile.reference.dense import dense_attention_lse
 from vc_compile.templates import dispatch
 
 DEV = KERNEL_DEVICE
-BLK = R.KV_TILE
+BLK = formats.KV_TILE
 
 
 assert dispatch.triton_error() is None, dispatch.triton_error()
@@ -34,7 +35,7 @@ def inputs(S, Sk, D, dtype, seed=0, perm=True):
     k = torch.randn(1, 2, Sk, D, generator=g) + 2.0 * torch.randn(1, 1, 1, D, generator=g)
     v = torch.randn(1, 2, Sk, D, generator=g)
     sigma = (torch.stack([torch.randperm(S, generator=g) for _ in range(2)]).view(1, 2, S) if perm
-             else R.identity_perm(1, 2, S, "cpu"))
+             else torch_ops.identity_perm(1, 2, S, "cpu"))
     return q.to(dtype), k.to(dtype), v.to(dtype), sigma
 
 
@@ -95,7 +96,7 @@ def brute_exact_block(q, k, sigma, C, sm_scale):
 def test_mean_pool_block_selection_is_bruteforce(name, impl, S, Sk, density, perm):
     D, C = 64, 64
     q, k, _, sigma = inputs(S, Sk, D, torch.bfloat16, perm=perm)
-    keep = R.n_keep(Sk, density)
+    keep = formats.n_keep(Sk, density)
     dev = DEV if name == "triton" else "cpu"
     idx = M.select(impl, q.to(dev), k.to(dev), sigma.to(dev), None, sm_scale=D ** -0.5, group_size=C,
                    keep=keep, selection=Selection.MEAN_POOL, unit=SelectionUnit.BLOCK)
@@ -108,7 +109,7 @@ def test_exact_block_selection_is_bruteforce(name, impl, S, Sk, density, perm):
     D, C = 64, 64
     q, k, v, sigma = inputs(S, Sk, D, torch.bfloat16, perm=perm)
     _, lse2 = dense_attention_lse(q, k, v, sm_scale=D ** -0.5)
-    keep = R.n_keep(Sk, density)
+    keep = formats.n_keep(Sk, density)
     dev = DEV if name == "triton" else "cpu"
     idx = M.select(impl, q.to(dev), k.to(dev), sigma.to(dev), lse2.to(dev), sm_scale=D ** -0.5,
                    group_size=C, keep=keep, selection=Selection.EXACT, unit=SelectionUnit.BLOCK)
@@ -118,7 +119,7 @@ def test_exact_block_selection_is_bruteforce(name, impl, S, Sk, density, perm):
 def test_mean_pool_token_selection_is_bruteforce():
     S, D, C = 200, 64, 64
     q, k, _, sigma = inputs(S, S, D, torch.float32)
-    keep = R.n_keep(S, 0.3)
+    keep = formats.n_keep(S, 0.3)
     idx = M.select(dispatch.Impl.REFERENCE, q, k, sigma, None, sm_scale=D ** -0.5, group_size=C, keep=keep,
                    selection=Selection.MEAN_POOL, unit=SelectionUnit.TOKEN)
     for h in range(2):
@@ -130,18 +131,18 @@ def test_mean_pool_token_selection_is_bruteforce():
 def test_expand_blocks_partial_block_rule():
     # Sk = 150: blocks [0, 64), [64, 128), [128, 150) (22 keys); keep = 128
     scores = torch.tensor([[[[0.1, 0.5, 0.9]]]])
-    idx = R.expand_blocks(scores, 128, 150)
+    idx = torch_ops.expand_blocks(scores, 128, 150)
     # blocks by score: 2 (22 keys), 1 (64 keys), then the first 42 keys of block 0
     want = list(range(0, 42)) + list(range(64, 128)) + list(range(128, 150))
     assert idx.shape == (1, 1, 1, 128) and idx[0, 0, 0].tolist() == want
-    assert R.expand_blocks(scores, 150, 150)[0, 0, 0].tolist() == list(range(150))  # keep = Sk: all keys
-    idx = R.expand_blocks(torch.tensor([[[[0.9, 0.1, 0.5]]]]), 64, 150)
+    assert torch_ops.expand_blocks(scores, 150, 150)[0, 0, 0].tolist() == list(range(150))  # keep = Sk: all keys
+    idx = torch_ops.expand_blocks(torch.tensor([[[[0.9, 0.1, 0.5]]]]), 64, 150)
     assert idx[0, 0, 0].tolist() == list(range(64))  # a full block: exactly that block
 
 
 def test_block_mass_and_group_means():
     mass = torch.rand(1, 2, 3, 150)
-    bm = R.block_mass(mass, 64)
+    bm = torch_ops.block_mass(mass, 64)
     assert bm.shape == (1, 2, 3, 3)
     assert torch.allclose(bm[..., 2], mass[..., 128:].sum(-1)) and torch.allclose(bm.sum(-1), mass.sum(-1))
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE, requires_cuda
+from vc_compile import formats
 from vc_compile.reference import preprocess as ref
 from vc_compile.templates import preprocess as tpl
 
@@ -228,7 +229,7 @@ def test_k_mean_is_the_mean_of_the_sampled_blocks():
     kernel's colsum pass reads exactly those rows (S = 8200: st = 2, the last sampled block holds 8)."""
     B, H, S, D = 1, 2, 8200, 64
     _, k, _ = make_qkv(B, H, S, D, torch.bfloat16)
-    assert ref.k_mean_stride(S) == 2 and ref.k_mean_stride(8191) == 1
+    assert formats.k_mean_stride(S) == 2 and formats.k_mean_stride(8191) == 1
     mask = ref.k_mean_mask(S)
     assert int(mask.sum()) == 64 * 64 + 8 and bool(mask[8199]) and not bool(mask[64])
     want = k.float().cpu()[:, :, mask].double().mean(dim=2)
@@ -248,8 +249,8 @@ def test_sampled_k_mean_smooths_as_well_as_the_full_mean():
     from vc_compile.reference import quant as Qn
 
     def err(mean):
-        codes, scale = Qn.quantize_blocks(k - mean, ref.BLOCK_K, "int8")
-        return ((Qn.dequantize_blocks(codes, scale, ref.BLOCK_K) + mean - k).norm() / k.norm()).item()
+        codes, scale = Qn.quantize_blocks(k - mean, formats.BLOCK_K, "int8")
+        return ((Qn.dequantize_blocks(codes, scale, formats.BLOCK_K) + mean - k).norm() / k.norm()).item()
 
     full = k.mean(dim=2, keepdim=True)
     sampled = k[:, :, ref.k_mean_mask(S)].mean(dim=2, keepdim=True)
@@ -279,13 +280,13 @@ def test_fused_matches_reference(S, D, dtype, layout):
     torch.testing.assert_close(qk.k_scale, rq.k_scale, rtol=2e-6, atol=0)
     torch.testing.assert_close(qk.k_mean, rq.k_mean, rtol=1e-5, atol=1e-5)
     assert vq.layout == layout and vq.S == S
-    nat = ref.natural_layout(vq)
+    nat = formats.natural_layout(vq)
     assert_codes(nat.v8t, rv.v8t, exact=False, what="v8t")
     assert int(nat.v8t[..., S:].view(torch.uint8).abs().sum()) == 0, "padding must be zero codes"
     torch.testing.assert_close(vq.v_scale, rv.v_scale, rtol=1e-6, atol=0)
     torch.testing.assert_close(vq.v_mean, rv.v_mean, rtol=1e-5, atol=1e-6)
     if layout == "sm90":
-        want = ref.to_sm90_layout(vq._replace(layout="natural", v8t=nat.v8t))  # mu' from the kernel's own means
+        want = formats.to_sm90_layout(vq._replace(layout="natural", v8t=nat.v8t))  # mu' from the kernel's own means
         assert torch.equal(vq.v8t.view(torch.uint8), want.v8t.view(torch.uint8))
         assert torch.equal(vq.mu_prime, want.mu_prime) and torch.equal(vq.mu_groups, want.mu_groups)
     else:
@@ -299,13 +300,13 @@ def test_sm90_layout_round_trip_and_attention_unchanged():
     B, H, S, D = 1, 2, 300, 64
     q, k, v = make_qkv(B, H, S, D, torch.bfloat16, device="cpu")
     qk, vq = ref.preprocess_qk(q, k, sm_scale=D ** -0.5), ref.preprocess_v(v)
-    s9 = ref.to_sm90_layout(vq)
+    s9 = formats.to_sm90_layout(vq)
     assert s9.layout == "sm90" and not torch.equal(s9.v8t.view(torch.uint8), vq.v8t.view(torch.uint8))
-    back = ref.natural_layout(s9)
+    back = formats.natural_layout(s9)
     assert torch.equal(back.v8t.view(torch.uint8), vq.v8t.view(torch.uint8)) and back.mu_prime is None
     assert torch.equal(ref_attn.vsmooth_attention(qk, s9), ref_attn.vsmooth_attention(qk, vq))
     with pytest.raises(ValueError, match="layout"):
-        ref.natural_layout(vq._replace(layout="tiled"))
+        formats.natural_layout(vq._replace(layout="tiled"))
     with pytest.raises(ValueError, match="v_layout"):
         tpl.preprocess(q, k, v, sm_scale=0.1, v_layout="tiled")
 

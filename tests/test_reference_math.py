@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vc_compile import formats, torch_ops
 from vc_compile.reference import dense, kmeans, pddp, select, sparse_attn
 from vc_compile.reference import preprocess as P
 from vc_compile.reference import quant as Qn
@@ -65,7 +66,7 @@ def test_k_smoothing_and_hadamard_leave_softmax_unchanged(shape):
     q, k, v = structured(*shape)
     o = sdpa32(q, k, v)
     ks = k - k.mean(dim=2, keepdim=True)
-    Hd = Qn.hadamard_matrix(shape[-1])
+    Hd = formats.hadamard_matrix(shape[-1])
     assert torch.allclose(Hd @ Hd, torch.eye(shape[-1]), atol=1e-5)
     assert rel(sdpa32(q, ks, v), o) < 1e-5
     assert rel(sdpa32(q @ Hd, ks @ Hd, v), o) < 1e-5
@@ -78,7 +79,7 @@ def test_lse_correction_restores_true_lse():
     km = k.mean(dim=2)
     _, lse_s = dense.dense_attention_lse(q, k - km[:, :, None], v, sm_scale=sm)
     assert (lse_s - lse_true).abs().max() > 0.1  # smoothing does shift the LSE ...
-    fixed = lse_s + A.lse_correction(q, km, sm)
+    fixed = lse_s + torch_ops.lse_correction(q, km, sm)
     assert torch.allclose(fixed, lse_true, atol=1e-4)  # ... and the correction restores it
 
 
@@ -109,7 +110,7 @@ def test_int8_codes_round_the_exact_product_to_nearest_even():
 def test_vsmooth_sqnr_floor(shape, dtype):
     q, k, v = structured(*shape, dtype=dtype)
     ref = sdpa32(q, k, v)
-    perm = kmeans.kmeans_perm(v, kmeans.default_clusters(shape[2]), 8).perm
+    perm = kmeans.kmeans_perm(v, torch_ops.default_clusters(shape[2]), 8).perm
     for expcast in (False, True):
         out = vsmooth(q, k, v, perm, expcast=expcast)
         # NOTE: 8-bit QK + FP8 PV on these outlier-heavy inputs measures ~26-33 dB; 20 dB is the floor
@@ -132,7 +133,7 @@ def test_vsmooth_beats_plain_per_channel_fp8_on_clustered_values(shape):
     q, k, _ = structured(*shape)
     v = clustered_v(*shape)
     ref = sdpa32(q, k, v)
-    perm = kmeans.kmeans_perm(v, kmeans.default_clusters(shape[2]), 8).perm
+    perm = kmeans.kmeans_perm(v, torch_ops.default_clusters(shape[2]), 8).perm
     # The V term P (V - V_q) in isolation (exact probabilities): what V-Smooth is designed to shrink.
     p = torch.softmax(q.float() @ k.float().transpose(-1, -2) / math.sqrt(shape[-1]), -1)
     v_naive = P.dequantize_v(P.preprocess_v(v, None, smooth=False))
@@ -150,7 +151,7 @@ def test_block_means_remove_more_energy_after_sorting():
     vf = v.float()
 
     def removed(x):
-        mu = P.block_means(x).repeat_interleave(P.BLOCK_V, dim=2)[:, :, :x.shape[2]]
+        mu = P.block_means(x).repeat_interleave(formats.BLOCK_V, dim=2)[:, :, :x.shape[2]]
         return 1 - (x - mu).pow(2).sum().item() / x.pow(2).sum().item()
 
     perm = kmeans.kmeans_perm(v, 8, 8).perm
@@ -179,7 +180,7 @@ def test_expcast_codes_within_one_code_and_7_5_percent():
     assert ((p - exact).abs() / exact).max() <= 0.075 + 1e-6
     best = Qn.fp8_round(exact)
     # never more than one E4M3 code from the correctly rounded value
-    code_gap = (p.to(Qn.FP8_DTYPE).view(torch.uint8).int() - best.to(Qn.FP8_DTYPE).view(torch.uint8).int()).abs()
+    code_gap = (p.to(formats.FP8_DTYPE).view(torch.uint8).int() - best.to(formats.FP8_DTYPE).view(torch.uint8).int()).abs()
     assert code_gap.max() <= 1
     assert Qn.expcast_codes(torch.zeros(1)).item() == 120  # the row max encodes 256
 
@@ -233,7 +234,7 @@ def test_two_pass_selection_equals_brute_force_topk(S):
     # pass 1 on smoothed K, then the LSE correction, as the 8-bit pipeline does
     km = k.mean(dim=2)
     _, lse_s = dense.dense_attention_lse(q, k - km[:, :, None], v, sm_scale=sm)
-    lse = lse_s + A.lse_correction(q, km, sm)
+    lse = lse_s + torch_ops.lse_correction(q, km, sm)
     mass = select.group_key_mass(q, k, sigma, lse, sm_scale=sm, group_size=64)
     probs = torch.softmax(q.float() @ k.float().transpose(-1, -2) * sm, -1)  # brute force, dense
     G = mass.shape[2]
@@ -242,25 +243,25 @@ def test_two_pass_selection_equals_brute_force_topk(S):
         rows = sigma[:, :, g * 64:(g + 1) * 64]
         brute[:, :, g] = torch.gather(probs, 2, rows[..., None].expand(*rows.shape, S)).sum(2)
     assert torch.allclose(mass, brute, atol=1e-5)
-    keep = select.n_keep(S, 0.3)
-    idx = select.select_topk(mass, keep)
+    keep = formats.n_keep(S, 0.3)
+    idx = torch_ops.select_topk(mass, keep)
     ref_idx = torch.sort(torch.topk(brute, keep, -1).indices, -1).values.int()
     assert torch.equal(idx, ref_idx)
     assert torch.all(idx[..., 1:] > idx[..., :-1])  # sorted ascending, no duplicates
 
 
 def test_n_keep_rounds_to_tile():
-    assert select.n_keep(1000, 0.15) == 192
-    assert select.n_keep(1000, 0.001) == 64
-    assert select.n_keep(100, 1.0) == 100
+    assert formats.n_keep(1000, 0.15) == 192
+    assert formats.n_keep(1000, 0.001) == 64
+    assert formats.n_keep(100, 1.0) == 100
 
 
 def _anchor(q, k, v, density, C=64):
     sm = 1 / math.sqrt(q.shape[-1])
     sigma = pddp.pddp_perm(q, C)
     od, lse = dense.dense_attention_lse(q, k, v, sm_scale=sm)
-    idx = select.select_topk(select.group_key_mass(q, k, sigma, lse, sm_scale=sm, group_size=C),
-                             select.n_keep(k.shape[2], density))
+    idx = torch_ops.select_topk(select.group_key_mass(q, k, sigma, lse, sm_scale=sm, group_size=C),
+                             formats.n_keep(k.shape[2], density))
     os_ = sparse_attn.sparse_attention(q, k, v, sigma, idx, sm_scale=sm, group_size=C, out_dtype=torch.float32)
     return od, os_, od - os_, sigma, idx
 
@@ -295,7 +296,7 @@ def test_residual_and_query_grouping_help_on_drifted_inputs():
     # query grouping: identity order (consecutive queries) selects worse than PDDP groups
     ident = torch.arange(512).expand(1, 2, 512)
     _, lse = dense.dense_attention_lse(q, k, v, sm_scale=1 / 8)
-    idx_id = select.select_topk(select.group_key_mass(q, k, ident, lse, sm_scale=1 / 8, group_size=64), idx.shape[-1])
+    idx_id = torch_ops.select_topk(select.group_key_mass(q, k, ident, lse, sm_scale=1 / 8, group_size=64), idx.shape[-1])
     grouped = rel(sparse_attn.sparse_attention(q, k, v, sigma, idx, **kw), od)
     ungrouped = rel(sparse_attn.sparse_attention(q, k, v, ident, idx_id, **kw), od)
     assert grouped < ungrouped, (grouped, ungrouped)
@@ -329,7 +330,7 @@ def test_cpu_chunking_is_fast_and_changes_no_result():
     assert (a[0] - b[0]).abs().max() <= 1e-6 * b[0].abs().max() and torch.allclose(a[1], b[1], atol=1e-5)
     rows = torch.arange(700).expand(1, 2, 700)
     fp32 = AM.scores_q8(qk, rows)
-    ks = Qn.expand_blocks(qk.k_scale, P.BLOCK_K, 700).double().unsqueeze(2)
+    ks = Qn.expand_blocks(qk.k_scale, formats.BLOCK_K, 700).double().unsqueeze(2)
     fp64 = ((qk.q8.double() @ qk.k8.double().transpose(-1, -2)) * ks).float()
     assert torch.equal(fp32, fp64)
     lse = AM.lse_q8(qk)

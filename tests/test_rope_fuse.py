@@ -1,5 +1,5 @@
 """Prologue fusion (passes/rope_fuse.py, the RoPE prologue of templates/preprocess.py,
-reference/rope.py).
+formats.py / torch_ops.apply_rope).
 
 Models compile through ``backend="vcattn"`` with method vsmooth (compiler "eager", head dim 64) twice:
 ``rope_fusion=True`` and ``False``; the outputs are compared.
@@ -30,10 +30,10 @@ from torch._dynamo.utils import counters
 
 import vc_compile
 import vc_compile.backend as backend
+from vc_compile import formats, torch_ops
 from vc_compile.config import VCConfig
 from vc_compile.passes import rope_fuse
 from vc_compile.reference import preprocess as ref_pre
-from vc_compile.reference import rope as R
 from vc_compile.runtime import report as _report
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -154,7 +154,7 @@ def test_cogvideox_slice_write_fused(monkeypatch):
     assert_fused_graph(snaps, 1, (1, 2, 200, 64))  # [B, H, S, D]: CogVideoX rotates after the transpose
     (_, _, gm), = snaps
     (op,) = ops_of(gm)
-    spec = R.parse_spec(op.kwargs["rope"])
+    spec = formats.parse_spec(op.kwargs["rope"])
     assert (spec.start, spec.stop, spec.form, spec.layout) == (8, None, "interleaved", "BHSD")  # text head
     assert torch.equal(a, b)
 
@@ -356,18 +356,18 @@ def test_kernel_prologue_matches_reference(form, layout, pair, D, dtype, S, toks
     shape = {"BSHD": (B, S, H, D), "BHSD": (B, H, S, D), "BSC": (B, S, H * D)}[layout]
     q = torch.randn(*shape, generator=g).to(dtype).to(KERNEL_DEVICE)
     k = (torch.randn(*shape, generator=g) + 3.0).to(dtype).to(KERNEL_DEVICE)  # channel-biased K
-    spec = R.RopeSpec(form, layout, H, *toks)
+    spec = formats.RopeSpec(form, layout, H, *toks)
     S_rot = len(range(*slice(*toks).indices(S)))
     Dc = D // 2 if pair else D
     tshape = {"BSHD": (1, S_rot, 1, Dc), "BHSD": (S_rot, Dc), "BSC": (B, S_rot, H * Dc)}[layout]
     ang = torch.rand(*tshape, generator=g) * 6.3
     cos, sin = ang.cos().to(KERNEL_DEVICE), ang.sin().to(KERNEL_DEVICE)
-    qb, kb = R.to_bhsd(q, spec), R.to_bhsd(k, spec)
-    ra = R.rope_args(cos, sin, spec, tuple(qb.shape))
+    qb, kb = formats.to_bhsd(q, spec), formats.to_bhsd(k, spec)
+    ra = formats.rope_args(cos, sin, spec, tuple(qb.shape))
     perm = random_perm(B, H, S)
     sm = D ** -0.5
     got = tpl.preprocess_qk(qb, kb, perm, sm_scale=sm, hadamard=hadamard, rope=ra)
-    want = ref_pre.preprocess_qk(R.apply_rope(qb, ra), R.apply_rope(kb, ra), perm, sm_scale=sm, hadamard=hadamard)
+    want = ref_pre.preprocess_qk(torch_ops.apply_rope(qb, ra), torch_ops.apply_rope(kb, ra), perm, sm_scale=sm, hadamard=hadamard)
     exact = KERNEL_DEVICE == "cpu" and not hadamard
     assert_codes(got.q8, want.q8, exact=exact, what="q8")
     assert_codes(got.k8, want.k8, exact=False, what="k8")
@@ -392,9 +392,9 @@ def test_reference_rope_is_the_models_rope():
     wan = torch.empty_like(x)
     wan[..., 0::2] = x1 * cos - x2 * sin
     wan[..., 1::2] = x1 * sin + x2 * cos
-    spec = R.RopeSpec("interleaved", "BSHD", 3, None, None)
-    xb = R.to_bhsd(x, spec)
-    got = R.apply_rope(xb, R.rope_args(cos, sin, spec, tuple(xb.shape)))
+    spec = formats.RopeSpec("interleaved", "BSHD", 3, None, None)
+    xb = formats.to_bhsd(x, spec)
+    got = torch_ops.apply_rope(xb, formats.rope_args(cos, sin, spec, tuple(xb.shape)))
     assert torch.equal(got, wan.permute(0, 2, 1, 3))
     # HunyuanVideo / CogVideoX (use_real_unbind_dim=-1) on [B, H, S, D]; Cosmos rotate-half (unbind_dim=-2)
     xh = x.permute(0, 2, 1, 3)
@@ -402,8 +402,8 @@ def test_reference_rope_is_the_models_rope():
                            ("rotate-half", {"use_real_unbind_dim": -2},
                             (torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)))):
         want = apply_rotary_emb(xh, tabs, **kw)
-        spec = R.RopeSpec(form, "BHSD", 3, None, None)
-        got = R.apply_rope(xh, R.rope_args(*tabs, spec, tuple(xh.shape)))
+        spec = formats.RopeSpec(form, "BHSD", 3, None, None)
+        got = torch_ops.apply_rope(xh, formats.rope_args(*tabs, spec, tuple(xh.shape)))
         assert torch.equal(got, want), form
 
 
@@ -419,7 +419,7 @@ def test_opcheck_attention_with_rope(method):
     q, k = (torch.randn(1, S, H, D, dtype=BF) for _ in range(2))  # un-rotated, [B, S, H, D]
     v = torch.randn(1, S, H, D, dtype=BF).permute(0, 2, 1, 3)
     ang = torch.rand(1, S, 1, D // 2) * 6.3
-    spec = R.RopeSpec("interleaved", "BSHD", H, None, None).to_json("test")
+    spec = formats.RopeSpec("interleaved", "BSHD", H, None, None).to_json("test")
     cfg = VCConfig.from_options({"method": method, "min_seq_len": 16,
                                   "experimental": {"kernels": "reference"}}).to_json()
     kw = {"cos": ang.cos(), "sin": ang.sin(), "rope": spec}
@@ -428,8 +428,8 @@ def test_opcheck_attention_with_rope(method):
         torch.library.opcheck(torch.ops.vcattn.attention.default, (q, k, v, None, _site(), cfg, None), kw)
         out = torch.ops.vcattn.attention(q, k, v, None, _site(), cfg, None, **kw)
         # = the op on q, k rotated beforehand (the reference RoPE), same step/branch state
-        ra = R.rope_args(kw["cos"], kw["sin"], R.parse_spec(spec), (1, H, S, D))
-        qr, kr = (R.apply_rope(t.permute(0, 2, 1, 3), ra) for t in (q, k))
+        ra = formats.rope_args(kw["cos"], kw["sin"], formats.parse_spec(spec), (1, H, S, D))
+        qr, kr = (torch_ops.apply_rope(t.permute(0, 2, 1, 3), ra) for t in (q, k))
         want = torch.ops.vcattn.attention(qr, kr, v, None, _site(), cfg, None)
     assert out.shape == (1, H, S, D) and torch.equal(out, want)
 
@@ -439,12 +439,12 @@ def test_runtime_fallback_rotates_first():
     q, k = (torch.randn(1, S, H, D, dtype=BF) for _ in range(2))
     v = torch.randn(1, H, S, D, dtype=BF)
     cos, sin = torch.rand(S, D).cos(), torch.rand(S, D).sin()
-    spec = R.RopeSpec("rotate-half", "BSHD", H, None, None)
+    spec = formats.RopeSpec("rotate-half", "BSHD", H, None, None)
     cfg = VCConfig.from_options({"method": "vsmooth", "min_seq_len": 64}).to_json()
     out = torch.ops.vcattn.attention(q, k, v, None, _site(), cfg, None, cos=cos[:, None], sin=sin[:, None],
                                      rope=spec.to_json())
-    ra = R.rope_args(cos[:, None], sin[:, None], spec, (1, H, S, D))
-    qr, kr = (R.apply_rope(t.permute(0, 2, 1, 3), ra) for t in (q, k))
+    ra = formats.rope_args(cos[:, None], sin[:, None], spec, (1, H, S, D))
+    qr, kr = (torch_ops.apply_rope(t.permute(0, 2, 1, 3), ra) for t in (q, k))
     assert torch.equal(out, F.scaled_dot_product_attention(qr, kr, v))
 
 
@@ -469,12 +469,12 @@ def test_gpu_prologue_matches_reference(form, pair):
     q = torch.randn(B, S, H, D, device="cuda").bfloat16()
     k = (torch.randn(B, S, H, D, device="cuda") + 3.0).bfloat16()
     ang = torch.rand(1, S, 1, D // 2 if pair else D, device="cuda") * 6.3
-    spec = R.RopeSpec(form, "BSHD", H, None, None)
-    qb, kb = R.to_bhsd(q, spec), R.to_bhsd(k, spec)
-    ra = R.rope_args(ang.cos(), ang.sin(), spec, tuple(qb.shape))
+    spec = formats.RopeSpec(form, "BSHD", H, None, None)
+    qb, kb = formats.to_bhsd(q, spec), formats.to_bhsd(k, spec)
+    ra = formats.rope_args(ang.cos(), ang.sin(), spec, tuple(qb.shape))
     perm = random_perm(B, H, S, device="cuda")
     got = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, rope=ra)
-    want = ref_pre.preprocess_qk(R.apply_rope(qb, ra), R.apply_rope(kb, ra), perm, sm_scale=D ** -0.5)
+    want = ref_pre.preprocess_qk(torch_ops.apply_rope(qb, ra), torch_ops.apply_rope(kb, ra), perm, sm_scale=D ** -0.5)
     # on the GPU the kernel's RoPE may contract to FMAs: a rotated value can differ by one bf16 ulp
     assert_codes(got.q8, want.q8, exact=False, what="q8")
     assert_codes(got.k8, want.k8, exact=False, what="k8")
@@ -520,9 +520,9 @@ def test_kernel_packed_pairs_equal_unpacked(monkeypatch, dtype, fmt, pair, toks)
     k[0, 70, 0, 2] = float("inf")
     ang = torch.rand(1, len(range(*slice(*toks).indices(S))), 1, D // 2 if pair else D, generator=g) * 6.3
     q, k, ang = (t.to(KERNEL_DEVICE) for t in (q, k, ang))
-    spec = R.RopeSpec("interleaved", "BSHD", H, *toks)
-    qb, kb = R.to_bhsd(q, spec), R.to_bhsd(k, spec)
-    ra = R.rope_args(ang.cos(), ang.sin(), spec, tuple(qb.shape))
+    spec = formats.RopeSpec("interleaved", "BSHD", H, *toks)
+    qb, kb = formats.to_bhsd(q, spec), formats.to_bhsd(k, spec)
+    ra = formats.rope_args(ang.cos(), ang.sin(), spec, tuple(qb.shape))
     perm = random_perm(B, H, S, device=KERNEL_DEVICE)
     calls = []
     real = tpl._quant_kernel

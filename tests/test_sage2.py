@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vc_compile.formats import FP8_DTYPE, LOG2E
 from vc_compile.reference import sage2
-from vc_compile.reference.quant import FP8_DTYPE, LOG2E
 
 
 def rel(a, b):

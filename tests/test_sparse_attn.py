@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE, requires_cuda
+from vc_compile.formats import FP8_DTYPE, n_keep
 from vc_compile.reference.dense import dense_attention_lse
-from vc_compile.reference.quant import FP8_DTYPE
-from vc_compile.reference.select import n_keep
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse
 from vc_compile.reference.sparse_attn_q8 import quantize_k_tokens, sparse_attention_q8
 from vc_compile.templates import configs as C

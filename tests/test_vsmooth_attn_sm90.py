@@ -20,9 +20,9 @@ import torch
 
 from conftest import requires_cuda
 from test_vsmooth_attn import REF_TOL, attn, make_qkv, quantise, rel, truth_of
+from vc_compile.formats import sm90_key_order, sm90_mean_groups
 from vc_compile.reference import preprocess as ref_pre
 from vc_compile.reference import vsmooth_attn as ref
-from vc_compile.reference.preprocess import sm90_key_order, sm90_mean_groups
 from vc_compile.templates import configs as C
 from vc_compile.templates import dispatch
 from vc_compile.templates.configs import MeanTerm, POperand, RowSum, VSmoothSm90Config

@@ -8,7 +8,7 @@
     projection) or None; ``site`` the call-site id; ``config`` the VCConfig as JSON; ``scale`` SDPA's
     ``scale`` argument. Returns a contiguous [B, H, S, Dv] tensor in q's dtype.
 
-    Prologue fusion (``passes/rope_fuse.py``): with ``rope`` (a JSON spec, reference/rope.py)
+    Prologue fusion (``passes/rope_fuse.py``): with ``rope`` (a JSON spec, formats.py)
     q and k arrive *un-rotated in the model's layout* (e.g. [B, S, H, D] before the permute, or [B, S, C]
     before the head split) with the model's ``cos``/``sin`` tables; the op views them as [B, H, S, D] and
     V-Smooth's preprocessing kernel applies the RoPE as it loads them. Every other path (stock SDPA
@@ -36,10 +36,9 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import methods
+from . import formats, methods, torch_ops
 from .config import Method, VCConfig
 from .methods import Phase
-from .reference import rope as _rope
 from .runtime import report as _report
 from .runtime import state
 from .runtime.steps import TRACKER
@@ -295,11 +294,11 @@ def _rope_inputs(q, k, cos, sin, rope: str):
     """(q, k as [B, H, S, D] views, RopeArgs) of a fused call; (q, k, None) without ``rope``."""
     if not rope:
         return q, k, None
-    spec = _rope.parse_spec(rope)
-    q, k = _rope.to_bhsd(q, spec), _rope.to_bhsd(k, spec)
+    spec = formats.parse_spec(rope)
+    q, k = formats.to_bhsd(q, spec), formats.to_bhsd(k, spec)
     if cos is None or sin is None or k.shape != q.shape:
         raise ValueError("vcattn::attention: a RoPE spec needs cos, sin and q, k of one shape")
-    return q, k, _rope.rope_args(cos, sin, spec, tuple(q.shape))
+    return q, k, formats.rope_args(cos, sin, spec, tuple(q.shape))
 
 
 @torch.library.custom_op("vcattn::attention", mutates_args=(), tags=_TAGS)
@@ -321,7 +320,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         if impl == dispatch.Impl.TRITON:
             reason = M.ineligible(q, k, v)
     if rope_args is not None and (reason is not None or not M.FUSES_ROPE):
-        q, k, rope_args = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args), None
+        q, k, rope_args = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args), None
     if reason is not None:
         rec.runtime_fallbacks[reason] += 1
         return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
@@ -341,7 +340,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     if cfg.max_logit_std > 0 and plan.eight_bit and too_sharp(rec, (site, ident_ptr) + key[3:6], q, k, sm, cfg):
         if plan.sharp_phase is None:  # the whole call: stock SDPA
             if rope_args is not None:
-                q, k = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args)
+                q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
             return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
         phase = plan.sharp_phase
     if plan.guard is not None:
@@ -351,7 +350,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording(cfg.tune_cache_dir) as sources:
         if phase == Phase.DENSE:  # method="dense" and every method's warm-up steps: stock SDPA
             if rope_args is not None:
-                q, k = _rope.apply_rope(q, rope_args), _rope.apply_rope(k, rope_args)
+                q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
             out, new_meta = F.scaled_dot_product_attention(q, k, v, scale=sm).contiguous(), meta
         else:
             out, new_meta = M.run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl, **kw)
@@ -396,7 +395,7 @@ def _note_nonfinite(rec, out: torch.Tensor) -> None:
 @attention.register_fake
 def _(q, k, v, ident, site, config, scale=None, cos=None, sin=None, rope=""):
     if rope:
-        q = _rope.to_bhsd(q, _rope.parse_spec(rope))
+        q = formats.to_bhsd(q, formats.parse_spec(rope))
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
 
 

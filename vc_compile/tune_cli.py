@@ -95,7 +95,7 @@ def run(a: argparse.Namespace) -> List[dict]:
     import triton.testing
 
     from vc_compile.methods import kernel_out_dtype
-    from vc_compile.reference.select import n_keep
+    from vc_compile.formats import n_keep
     from vc_compile.templates import dispatch
     from vc_compile.tune import lookup
 

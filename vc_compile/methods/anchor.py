@@ -32,9 +32,9 @@ from typing import Optional
 import torch
 
 from ..config import AnchorDense
-from ..reference.vsmooth_attn import lse_correction
 from ..templates import configs as KC
 from ..templates import dispatch
+from ..torch_ops import lse_correction
 
 
 DenseOut = AnchorDense  # the option's Enum (config.AnchorDense: "bf16" | "q8")

@@ -50,7 +50,7 @@ the full method):
 * ``selection="mean_pool"``: scores of each group's mean query against the keys (or key-block means),
   no pass 2 (the anchor still runs pass 1, so it returns the same O_dense as every other variant).
 * ``selection_unit="block"``: the top 64-key blocks (exact: group masses summed per block), expanded to
-  token indices (``reference.select.expand_blocks``), so the same gather kernel runs every variant.
+  token indices (``torch_ops.expand_blocks``), so the same gather kernel runs every variant.
 * ``selection_refresh="every_step"`` (mean_pool, no residual): the scores are recomputed from the current
   q, k at every sparse step (vanilla block-sparse attention); the grouping stays the anchor's.
 The variants' scoring, block sums and block expansion are plain torch on every device (cheap next to the
@@ -63,11 +63,10 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import torch_ops
 from ..config import (QueryGrouping, Residual, Selection, SelectionRefresh, SelectionUnit, SparseQK,
                       WarmupAttention)
-from ..reference import select as ref_select
-from ..reference.quant import FP8_DTYPE, FP8_MAX, safe_scale
-from ..reference.select import KV_TILE, n_keep
+from ..formats import FP8_DTYPE, FP8_MAX, KV_TILE, n_keep
 from ..runtime import report as _report
 from ..runtime import state
 from ..templates import dispatch
@@ -193,11 +192,11 @@ def select(impl, q, k, sigma, lse2, *, sm_scale, group_size, keep, selection=Sel
             scores = dispatch.group_key_mass(impl, q[:, sl], k[:, sl], sigma[:, sl], lse2[:, sl],
                                              sm_scale=sm_scale, group_size=group_size)
             if block:
-                scores = ref_select.block_mass(scores, KV_TILE)
+                scores = torch_ops.block_mass(scores, KV_TILE)
         else:
-            scores = ref_select.mean_pool_scores(q[:, sl], k[:, sl], sigma[:, sl], sm_scale=sm_scale,
-                                                 group_size=group_size, block=KV_TILE if block else 1)
-        parts.append(ref_select.expand_blocks(scores, keep, Sk, KV_TILE) if block
+            scores = torch_ops.mean_pool_scores(q[:, sl], k[:, sl], sigma[:, sl], sm_scale=sm_scale,
+                                                group_size=group_size, block=KV_TILE if block else 1)
+        parts.append(torch_ops.expand_blocks(scores, keep, Sk, KV_TILE) if block
                      else dispatch.select_topk(impl, scores, keep))
         del scores
     return torch.cat(parts, dim=1)
@@ -207,7 +206,7 @@ def query_order(impl, q, cfg) -> torch.Tensor:
     """sigma [B, H, S]: Fast PDDP groups, or the identity (contiguous tiles) for ``query_grouping="none"``."""
     if cfg.experimental.query_grouping == QueryGrouping.NONE:
         B, H, S, _ = q.shape
-        return ref_select.identity_perm(B, H, S, q.device)
+        return torch_ops.identity_perm(B, H, S, q.device)
     return dispatch.pddp_perm(impl, q, cfg.group_size)
 
 
@@ -234,7 +233,7 @@ def _compact(resid: torch.Tensor, mode: str):
         return None, None
     if mode == "bf16":
         return resid.to(torch.bfloat16), None
-    scale = safe_scale(resid.abs().amax(dim=-1), FP8_MAX)  # per token
+    scale = torch_ops.safe_scale(resid.abs().amax(dim=-1), FP8_MAX)  # per token
     return (resid / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..reference.kmeans import default_clusters, init_centroids
+from ..torch_ops import default_clusters, init_centroids
 from ..templates import dispatch
 from .output import finish_output, kernel_out_dtype
 from .phase import Phase, warmup_steps

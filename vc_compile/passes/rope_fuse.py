@@ -5,7 +5,7 @@ and uses its findings. For a rewritten call site whose RoPE was recognised, the 
 become the *un-rotated* tensors in the model's own layout (the projection/normalisation output, e.g.
 [B, S, H, D] before the permute, or [B, S, C] before the head split), and the op gets the model's
 ``cos``/``sin`` nodes plus a spec ``rope`` (JSON: pair convention ``interleaved`` / ``rotate-half``,
-layout ``BSHD`` / ``BHSD`` / ``BSC``, heads, rotated token range; see reference/rope.py). V-Smooth's
+layout ``BSHD`` / ``BHSD`` / ``BSC``, heads, rotated token range; see formats.py). V-Smooth's
 preprocessing kernel then applies the RoPE while it loads q and k (templates/preprocess.py), so q and k
 are read once from the projection output and the rotated copies are never written.
 
@@ -26,7 +26,7 @@ the form and layout are known; q and k rotate with the same tables (the same nod
 computation on the same inputs: Wan slices ``freqs_cos[..., 0::2]`` once per call) and token range;
 the un-rotated inputs have q/k's dtype (bf16/fp16) and, viewed as [B, H, S, D], exactly q/k's shape;
 cos/sin are floating tensors that broadcast the way the kernel reads them (the op's own normalisation,
-``reference.rope.rope_args``, is run on the fake values); every node of the RoPE subgraph (from q/k back
+``formats.rope_args``, is run on the fake values); every node of the RoPE subgraph (from q/k back
 to the un-rotated input and the tables, plus the ``setitem`` writes into it) is used only inside that
 subgraph or by this attention (or only for its dtype, ``y.type_as(q)``: Wan and Cosmos cast the attention
 output that way; such a use is pointed at the un-rotated q, which has the same dtype), has no side effect
@@ -45,7 +45,7 @@ report record gets ``SiteRecord.rope_fusion`` = ``"fused"`` / ``"unfused: <reaso
 
 Cache keys: the pass runs before Inductor, whose FX graph / AOTAutograd caches hash the graph it produces,
 including the op's ``rope`` spec and config JSON (which holds ``rope_fusion``). :func:`uuid` hashes this
-file, rope_detect.py and reference/rope.py plus the options that steer the decision, and is written into
+file, rope_detect.py, fx_nodes.py and formats.py (the RoPE conventions) plus the options that steer the decision, and is written into
 every fused op's spec (``"pass"``), so a change of the pass's sources also changes the cached graphs' keys.
 """
 from __future__ import annotations
@@ -60,8 +60,8 @@ import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
+from .. import formats
 from ..config import Method, VCConfig
-from ..reference import rope as _rope
 from ..runtime import report as _report
 from . import fx_nodes as _fx
 from . import rope_detect as _det
@@ -76,7 +76,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 @functools.lru_cache(maxsize=1)
 def _sources_hash() -> str:
     h = hashlib.sha256()
-    for mod in (_det, _fx, _rope):
+    for mod in (_det, _fx, formats):
         h.update(inspect.getsource(mod).encode())
     h.update(open(__file__, "rb").read())
     return h.hexdigest()
@@ -144,14 +144,14 @@ def _region(seeds: List[fx.Node], boundary: Set[fx.Node]) -> Set[fx.Node]:
     return region
 
 
-def _spec(m: RopeMatch, heads: int) -> _rope.RopeSpec:
+def _spec(m: RopeMatch, heads: int) -> formats.RopeSpec:
     form = m.form
     if form == "slice-write":
         form = m.q.inner
     pairing = _PAIRING.get(form)
     if pairing is None:
         raise _NoFuse("form has no kernel prologue", f"{m.form} {m.q.inner or ''}".strip())
-    if m.layout not in _rope.LAYOUTS:
+    if m.layout not in formats.ROPE_LAYOUTS:
         raise _NoFuse("layout unsupported", str(m.layout))
     start = stop = None
     if m.q.token_slice != m.k.token_slice:
@@ -162,10 +162,10 @@ def _spec(m: RopeMatch, heads: int) -> _rope.RopeSpec:
         start, stop = m.q.token_slice
         if not all(x is None or type(x) is int for x in (start, stop)):
             raise _NoFuse("symbolic token slice bounds")
-    return _rope.RopeSpec(pairing, m.layout, heads, start, stop)
+    return formats.RopeSpec(pairing, m.layout, heads, start, stop)
 
 
-def _check_inputs(att: fx.Node, m: RopeMatch, spec: _rope.RopeSpec):
+def _check_inputs(att: fx.Node, m: RopeMatch, spec: formats.RopeSpec):
     qa, ka = _val(att.args[0]), _val(att.args[1])
     if not (isinstance(qa, torch.Tensor) and isinstance(ka, torch.Tensor)):
         raise _NoFuse("no fake values for q/k")
@@ -174,10 +174,10 @@ def _check_inputs(att: fx.Node, m: RopeMatch, spec: _rope.RopeSpec):
         if not isinstance(x, torch.Tensor) or x.dtype != ref.dtype or x.dtype not in _DTYPES:
             raise _NoFuse("the un-rotated q/k dtype differs or is not bf16/fp16", name)
         try:
-            xb = _rope.to_bhsd(x, spec)
+            xb = formats.to_bhsd(x, spec)
             ok = tuple(xb.shape) == tuple(ref.shape)
             if ok:
-                _rope.rope_args(_val(op.cos), _val(op.sin), spec, tuple(xb.shape))
+                formats.rope_args(_val(op.cos), _val(op.sin), spec, tuple(xb.shape))
         except Exception as e:  # noqa: BLE001 - any failure means: do not fuse
             raise _NoFuse("cos/sin do not broadcast as the kernel reads them", str(e)[:120]) from None
         if not ok:

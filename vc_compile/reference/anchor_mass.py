@@ -5,7 +5,7 @@ Oracle of ``vc_compile/templates/anchor_mass.py``.
 
 Notation
 --------
-qk          ``reference.preprocess.QKQuant`` of pass 1: q8 [B, H, S, D] int8, q_scale [B, H, S] (per token,
+qk          ``formats.QKQuant`` of pass 1: q8 [B, H, S, D] int8, q_scale [B, H, S] (per token,
             ``sm_scale * log2 e`` folded in), k8 [B, H, Sk, D] int8 in KEY ORDER pi (rows ``k8[t] =
             K_smoothed[pi[t]]``), k_scale [B, H, ceil(Sk/64)] per 64 rows of k8.
 pi          ``key_perm`` [B, H, Sk] int64 (the V-Smooth cluster order that pass 1 ran with) or None.
@@ -32,12 +32,12 @@ from typing import Optional
 
 import torch
 
-from .preprocess import BLOCK_K, QKQuant
-from .quant import expand_blocks
-from .select import gather_rows
+from vc_compile.formats import BLOCK_K, SHIFT_BETA, SHIFT_FRAC_BITS, QKQuant
 
-SHIFT_FRAC_BITS = 13  # fractional bits of the exponent ("shift" exp): ulp of y = 2^-13
-SHIFT_BETA = 0.05753274588978041  # log2 E_f[(1 + f) / 2^f], f ~ U[0, 1)
+from vc_compile.torch_ops import gather_rows
+
+from .quant import expand_blocks
+
 EXP_MODES = ("exact", "shift")
 
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .quant import LOG2E
+from vc_compile.formats import LOG2E
 
 
 def dense_attention_lse(q, k, v, *, sm_scale: float, chunk: Optional[int] = None):

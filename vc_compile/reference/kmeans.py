@@ -15,27 +15,12 @@ labels      the assignment of the *last* iteration; ``perm = argsort(labels, sta
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-
-class KMeansResult(NamedTuple):
-    perm: torch.Tensor  # [B, H, S] int64
-    centroids: torch.Tensor  # [B, H, K, D] fp32
-    labels: torch.Tensor  # [B, H, S] int64
-
-
-def default_clusters(S: int, block: int = 128, cap: int = 256) -> int:
-    """One cluster per V block of 128 rows, at most ``cap`` (flash-kmeans' 40 x 32760 x 128 benchmark
-    uses K = 256)."""
-    return max(1, min(cap, (S + block - 1) // block))
-
-
-def init_centroids(x: torch.Tensor, K: int) -> torch.Tensor:
-    S = x.shape[2]
-    idx = (torch.arange(K, device=x.device) * S) // K
-    return x[:, :, idx].float().clone()
+from vc_compile.formats import KMeansResult
+from vc_compile.torch_ops import init_centroids
 
 
 def assign(x: torch.Tensor, c: torch.Tensor, chunk: int = 8192) -> torch.Tensor:

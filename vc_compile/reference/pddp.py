@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import torch
 
-
-def start_vector(D: int, device) -> torch.Tensor:
-    g = torch.Generator(device="cpu").manual_seed(0x5EED)
-    return torch.randn(D, generator=g).to(device)
+from vc_compile.torch_ops import start_vector
 
 
 def principal_projection(X: torch.Tensor, n_iters: int) -> torch.Tensor:

@@ -24,28 +24,10 @@ Everything here is plain PyTorch and runs on any device.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-LOG2E = 1.4426950408889634
-INT8_MAX = 127.0
-FP8_MAX = 448.0
-FP8_DTYPE = torch.float8_e4m3fn
-# P~ is the probability scaled so that the row maximum is 2^8 = 256 (SPEC 3.3): every probability
-# >= 2^-14 of the row max then lands in the normal E4M3 range.
-P_SCALE_LOG2 = 8.0
-# ExpCast: c(u) = clip(round(8 u + 8*8 + 56 + beta), 0, 120) with beta = -0.35, i.e. 8u + 119.65.
-EXPCAST_OFFSET = 8.0 * P_SCALE_LOG2 + 56.0 - 0.35
-
-
-def safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """``amax / qmax``, or 1 where the block is all zero. (A NaN/Inf amax would give a NaN/Inf scale;
-    callers pass the amax of the finite values and mark non-finite blocks with ``poison``.) A
-    tensor-by-tensor division: torch divides by a Python scalar as a multiply by its reciprocal on CUDA,
-    an ulp away from the kernels' IEEE division."""
-    s = amax / torch.full_like(amax, qmax)
-    return torch.where(amax == 0, torch.ones_like(s), s)
+from vc_compile.formats import EXPCAST_OFFSET, FP8_DTYPE, FP8_MAX, INT8_MAX
+from vc_compile.torch_ops import safe_scale
 
 
 def recip_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -125,16 +107,6 @@ def quantize_blocks(x: torch.Tensor, block: int, fmt: str):
 def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
     st = expand_blocks(scale, block, codes.shape[-2]).unsqueeze(-1)
     return codes.float() * st
-
-
-def hadamard_matrix(D: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """Orthonormal Sylvester Hadamard matrix H_D / sqrt(D) (symmetric, H @ H = I). D a power of 2."""
-    if D <= 0 or D & (D - 1):
-        raise ValueError(f"Hadamard rotation needs a power-of-two head dim, got {D}")
-    H = torch.ones(1, 1, dtype=torch.float64)
-    while H.shape[0] < D:
-        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
-    return (H / math.sqrt(D)).to(device=device, dtype=dtype)
 
 
 def fp8_round(x: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .quant import FP8_DTYPE, FP8_MAX, LOG2E
+from vc_compile.formats import FP8_DTYPE, FP8_MAX, LOG2E
 
 Q_BLOCK = 64  # CTA_Q of the sm_90 kernel: the Q-smoothing block
 K_BLOCK = 128  # CTA_K: the online-softmax block and the K scale block

@@ -17,9 +17,10 @@ from typing import Optional
 
 import torch
 
+from vc_compile.formats import LOG2E
+from vc_compile.torch_ops import gather_rows
+
 from .finite_flags import apply_flag
-from .quant import LOG2E
-from .select import gather_rows
 
 
 def sparse_attention(q, k, v, sigma, idx, *, sm_scale: float, group_size: int,

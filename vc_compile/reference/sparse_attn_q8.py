@@ -9,7 +9,7 @@ Q scale     one per query group tile: ``amax`` over the group's C rows x D chann
             sigma order; the partial last group uses only its real rows) / 448.
 K scale     one per key token: ``amax`` over its D channels / 448.
 codes       E4M3 (``torch.float8_e4m3fn``), ``clamp(x / scale, -448, 448)`` rounded to nearest even;
-            an all-zero block gets scale 1 (``quant.safe_scale``).
+            an all-zero block gets scale 1 (``torch_ops.safe_scale``).
 PV          unchanged: V stays in its 16-bit type (the kernel feeds P in V's dtype to the MMA).
 The logits are ``(q_codes . k_codes) * q_scale * k_scale * sm_scale * log2(e)``, i.e. the 16-bit
 reference run on the dequantised Q and K.
@@ -20,8 +20,10 @@ from typing import Optional
 
 import torch
 
-from .quant import FP8_MAX, expand_blocks, quantize_fp8, safe_scale
-from .select import gather_rows
+from vc_compile.formats import FP8_MAX
+from vc_compile.torch_ops import gather_rows, safe_scale
+
+from .quant import expand_blocks, quantize_fp8
 from .sparse_attn import sparse_attention
 
 

@@ -26,9 +26,10 @@ import torch
 
 from typing import Optional
 
-from .preprocess import BLOCK_K, BLOCK_V, QKQuant, VQuant, dequantize_v
-from .quant import (EXPCAST_OFFSET, LOG2E, P_SCALE_LOG2, decode_e4m3, expand_blocks, expcast_codes,
-                    fp8_round)
+from vc_compile.formats import BLOCK_K, BLOCK_V, EXPCAST_OFFSET, LOG2E, P_SCALE_LOG2, QKQuant, VQuant
+
+from .preprocess import dequantize_v
+from .quant import decode_e4m3, expand_blocks, expcast_codes, fp8_round
 
 
 def row_chunk(device) -> int:
@@ -91,8 +92,3 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
             lse[:, :, i0:i1] = (m + torch.log2(l) - (p_log2 if not expcast else (offset + 0.35 - 56.0) / 8.0)
                                 ).squeeze(-1)
     return (out, lse) if return_lse else out
-
-
-def lse_correction(q: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """Base-2 LSE shift removed by K smoothing: ``(q . k_mean) * sm_scale * log2 e``, [B, H, S]."""
-    return (q.float() @ k_mean.unsqueeze(-1)).squeeze(-1) * (sm_scale * LOG2E)

@@ -26,13 +26,13 @@ from typing import Optional
 
 import torch
 
+from vc_compile.formats import BLOCK_K, BLOCK_V, EXPCAST_OFFSET, FP8_DTYPE, FP8_MAX, P_SCALE_LOG2, QKQuant, VQuant
+
 from . import sage2
-from .preprocess import BLOCK_K, BLOCK_V, QKQuant, VQuant
-from .quant import EXPCAST_OFFSET, FP8_DTYPE, FP8_MAX, P_SCALE_LOG2
 
 C = 12582912.0  # 1.5 * 2^23: t = C + qk is the magic-number int -> float conversion of the INT8 scores
 TWO23 = 8388608.0
-BN = 128
+BN = BLOCK_V  # keys per block of the sm_90 kernel
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +167,9 @@ def attention(qk: QKQuant, vq: VQuant, *, p_mode: str = "expcast", offset: Optio
     """The kernel's output for query ``rows`` (all when None), [B, H, n, D] in ``out_dtype`` (the kernel writes
     the input dtype; fp32 to see the emulation unrounded). Arguments: see ``block_probs``; ``return_parts``:
     also {"p_eff": P~ 2^(m_j - m) / l [B, H, n, Sk], "v_eff": V_q [B, H, Sk, D]} for error decompositions."""
-    from .preprocess import dequantize_v, natural_layout
+    from vc_compile.formats import natural_layout
+
+    from .preprocess import dequantize_v
 
     vq = natural_layout(vq)
     B, H, S, D = qk.q8.shape

@@ -43,8 +43,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vc_compile.reference.anchor_mass import SHIFT_BETA, SHIFT_FRAC_BITS
-from vc_compile.reference.preprocess import BLOCK_K, QKQuant
+from vc_compile.formats import BLOCK_K, SHIFT_BETA, SHIFT_FRAC_BITS, QKQuant
 from vc_compile.templates.configs import (TOPK_DEFAULT, AnchorMassConfig, ExpMode, TopKConfig,
                                          anchor_mass_default)
 from vc_compile.templates.interpret import interpreting, loop_bound

@@ -35,7 +35,8 @@ import enum
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-BLOCK_V = 128  # keys per V-Smooth key block (= reference.preprocess.BLOCK_V: one mean per block)
+from vc_compile.formats import BLOCK_V  # keys per V-Smooth key block (one V mean per block)
+
 # What the kernels support (one check per family; dispatch's eligibility, the launchers' errors and the tune
 # CLI all ask these): the 8-bit kernels tile D as one TMA box and BN = 128 keys; the others (gather attention,
 # pass 2, PDDP, k-means) need a power-of-two head dim for tl.arange, within the registers of one tile.

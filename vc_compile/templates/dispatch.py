@@ -41,6 +41,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from vc_compile import torch_ops
 from vc_compile.reference import anchor_mass as ref_anchor_mass
 from vc_compile.reference import dense as ref_dense
 from vc_compile.reference import finite_flags as ref_flags
@@ -412,7 +413,7 @@ def probe_error(impl: Impl, out, rows, partials):
 
 def select_topk(impl: Impl, mass, keep: int):
     """idx [..., keep] int32: the ``keep`` largest masses per row, ascending (torch on every device)."""
-    return ref_select.select_topk(mass, keep)
+    return torch_ops.select_topk(mass, keep)
 
 
 # ---- MC-Sparse cheap anchor (methods/anchor.py) ---------------------------------------------------

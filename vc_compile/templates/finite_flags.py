@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vc_compile.reference.quant import LOG2E
+from vc_compile.formats import LOG2E
 from vc_compile.templates.configs import FiniteFlagsConfig
 from vc_compile.templates.interpret import dot_upcast, loop_bound
 

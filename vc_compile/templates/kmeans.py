@@ -34,9 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from vc_compile.reference.kmeans import KMeansResult, init_centroids
+from vc_compile.formats import KMeansResult
 from vc_compile.templates.configs import pow2_head_dim_error
 from vc_compile.templates.interpret import interpreting, loop_bound
+from vc_compile.torch_ops import init_centroids
 
 
 @triton.jit

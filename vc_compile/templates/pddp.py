@@ -10,7 +10,7 @@ C, G        group size; G = ceil(S / C); the last group may be partial.
 sigma       [BH, S] int64, the current order (positions -> token ids); the result, [B, H, S].
 segment     a run of g groups of the current order (positions [g0*C, min(S, (g0+g)*C))). Level d holds
             every node of depth d of the split tree; a segment with g > 1 is *active*: centre its rows,
-            power-iterate ``v <- X^T X v / ||.||`` (n_iters times from the reference's start vector),
+            power-iterate ``v <- X^T X v / ||.||`` (n_iters times from ``torch_ops.start_vector``),
             project, stable-sort; the floor(g/2)*C smallest go left. Every segment of a level is
             processed at once, the tree is walked level by level (ceil(log2 G) levels).
 sid         a segment's index within its level's partition (increases with position).
@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.pddp import start_vector
+from vc_compile.torch_ops import start_vector
+
 from .configs import pow2_head_dim_error
 from .interpret import dot_upcast, loop_bound
 

@@ -8,8 +8,8 @@ Notation
 B, H, S, D   batch, heads, tokens, head dim (64 or 128); inputs [B, H, S, D] with ANY strides (e.g. the
              permuted view of a [B, S, H, D] tensor), read through their strides.
 perm         [B, H, S] int64 key/value order (V-Smooth clusters) or None; row t of K' / V' is row perm[t].
-TQ           Q tokens per program (128); q_scale is per token (BLOCK_Q = 1 in the reference).
-BK, BV       tokens per K scale (64), rows per V mean (128) -- BLOCK_* of the reference.
+TQ           Q tokens per program (128); q_scale is per token (formats.BLOCK_Q = 1).
+BK, BV       tokens per K scale (64), rows per V mean (128) -- BLOCK_* of formats.py.
 kbar         [B, H, D] mean of K (fp32) over a token sample (reference ``k_mean_mask``: every st-th
              64-token block, >= 4096 tokens), removed before rotation (softmax ignores it).
 Hd           orthonormal D x D Hadamard matrix = Hpm / sqrt(D), Hpm its +-1 version.
@@ -40,7 +40,7 @@ for Q/K or V alone)
   Rotation: ``x @ Hpm`` as one ``tl.dot`` in the input dtype (the products by +-1 are exact, fp32
   accumulation), times 1/sqrt(D); for K the rotated mean ``kbar @ Hd`` is subtracted (H(k - kbar) =
   Hk - H kbar), which matches the reference up to fp32 rounding (rare one-code differences).
-* RoPE prologue (``rope=`` a ``reference.rope.RopeArgs``): both passes rotate the Q/K rows they load
+* RoPE prologue (``rope=`` a ``formats.RopeArgs``): both passes rotate the Q/K rows they load
   (``templates/rope.py``: the jit helpers, their layouts and the measurements behind them), so q and k are read
   un-rotated from the model's tensor and never written rotated. With RoPE the grid of pass 2 is
   (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``) and the Q tile runs as two 64-row halves (register
@@ -64,8 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vc_compile.reference.preprocess import BLOCK_K, BLOCK_Q, BLOCK_V, V_LAYOUTS, QKQuant, VQuant, k_mean_stride
-from vc_compile.reference.quant import LOG2E, hadamard_matrix
+from vc_compile.formats import (BLOCK_K, BLOCK_Q, BLOCK_V, LOG2E, V_LAYOUTS, QKQuant, VQuant, hadamard_matrix,
+                                k_mean_stride)
 from vc_compile.templates.configs import PREPROCESS_DEFAULT, PreprocessConfig, vsmooth_head_dim_error
 from vc_compile.templates.interpret import interpreting, loop_bound
 from vc_compile.templates.soft_round import round_e4m3
@@ -429,7 +429,7 @@ def _quant_qk_block(Q, K, PERM, KPART, HPM, Q8, K8, QS, KS, KMEAN, pid, bh, b, h
 
 @triton.jit
 def _sm90_rows(t):
-    """Position c -> key n of the "sm90" V^T layout (``reference.preprocess.sm90_key_order``), per 128 keys."""
+    """Position c -> key n of the "sm90" V^T layout (``formats.sm90_key_order``), per 128 keys."""
     return (t // 32) * 32 + ((t // 16) % 2) * 16 + ((t // 2) % 2) * 8 + ((t // 4) % 4) * 2 + t % 2
 
 
@@ -520,7 +520,7 @@ def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hada
     amaxes; pass 2 (``_quant_kernel``, grid (ceil(S/128), B*H)): every code and scale, K's mean and V's scale
     reduced from pass 1's partials inside each program (no torch op between the two launches).
     ``v_layout="sm90"``: V^T in the sm_90 kernel's key order with mu' and its tf32 groups
-    (``reference.preprocess.VQuant``). ``rope``: q and k arrive un-rotated (prologue fusion)."""
+    (``formats.VQuant``). ``rope``: q and k arrive un-rotated (prologue fusion)."""
     do_qk, do_v = q is not None, v is not None
     if not (do_qk or do_v):
         raise ValueError("preprocess needs q and k, or v")
@@ -619,7 +619,7 @@ def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hada
 def preprocess_qk(q, k, perm=None, *, sm_scale: float, hadamard: bool = False,
                   qk_format: str = "int8", rope=None, launch: PreprocessConfig = PREPROCESS_DEFAULT) -> QKQuant:
     """Q, K [B, H, S, D] (any strides; bf16/fp16/fp32) -> QKQuant, like the reference (``preprocess`` without
-    V). ``rope``: a ``reference.rope.RopeArgs`` when q and k arrive un-rotated (prologue fusion): both passes
+    V). ``rope``: a ``formats.RopeArgs`` when q and k arrive un-rotated (prologue fusion): both passes
     rotate what they load (K's mean is of the rotated K), so q and k are read from the model's tensors;
     ``launch`` says how (``configs.PreprocessConfig``)."""
     _check_qk(q, k, qk_format)

@@ -1,10 +1,10 @@
 """The RoPE prologue of the Q/K preprocessing kernels (``templates/preprocess.py``): the jit helpers that
-rotate the rows those kernels load, and the launch arguments of a ``reference.rope.RopeArgs``.
+rotate the rows those kernels load, and the launch arguments of a ``formats.RopeArgs``.
 
-Contract: ``vc_compile/reference/rope.py`` (``apply_rope``: ``x*cos + rot(x)*sin`` in fp32, rounded once to
+Contract: ``vc_compile/torch_ops.py`` (``apply_rope``: ``x*cos + rot(x)*sin`` in fp32, rounded once to
 the input dtype, like the models).
 
-The prologue (``rope=`` a ``reference.rope.RopeArgs``): the preprocessing's ``_stats_kernel`` (K's mean) and
+The prologue (``rope=`` a ``formats.RopeArgs``): the preprocessing's ``_stats_kernel`` (K's mean) and
 ``_quant_kernel`` rotate the rows they load (``x*cos + rot(x)*sin`` in fp32, rounded once to the input
 dtype like the models), so q and k are read un-rotated from the model's tensor and never written
 rotated. K rows are rotated at their own token position (before the perm gather). With RoPE the Q/K grid
@@ -122,7 +122,7 @@ def rope_pairs_packed(X, row_off, src, rmask, COS, SIN, c_off, s_off, scs, scd, 
 @triton.jit
 def rope_rows(x, ptr, src, rmask, sxd, COS, SIN, c_off, s_off, scs, scd, sss, ssd, lo, hi,
                D: tl.constexpr, ROPE: tl.constexpr, PAIR_TABLE: tl.constexpr, INTERPRET: tl.constexpr):
-    """Prologue RoPE (reference/rope.py) of rows ``x`` [R, D] = X[src, :] loaded from ``ptr`` (row base
+    """Prologue RoPE (torch_ops.apply_rope) of rows ``x`` [R, D] = X[src, :] loaded from ``ptr`` (row base
     pointers [R, 1]): ``x*cos + rot(x)*sin`` in fp32 for the tokens src in [lo, hi), rounded once to x's
     dtype. ROPE 1: interleaved pairs (2i, 2i+1); 2: rotate-half (i, i + D/2). PAIR_TABLE: one table
     value per pair (last dim D/2).
@@ -157,7 +157,7 @@ def rope_rows(x, ptr, src, rmask, sxd, COS, SIN, c_off, s_off, scs, scd, sss, ss
 
 
 def rope_kwargs(rope, D: int) -> dict:
-    """Kernel arguments of the prologue RoPE (``reference.rope.RopeArgs`` or None = no RoPE)."""
+    """Kernel arguments of the prologue RoPE (``formats.RopeArgs`` or None = no RoPE)."""
     if rope is None:
         return {}
     return dict(COS=rope.cos, SIN=rope.sin, scb=rope.cos.stride(0), sch=rope.cos.stride(1),

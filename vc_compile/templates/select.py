@@ -12,7 +12,7 @@ lse2        [B, H, S] fp32 base-2 LSE of the true logits s = (q . k) * sm_scale 
             (``dense_with_lse`` gives it; add the K-smoothing correction when pass 1 ran on smoothed K).
 mass        [B, H, G, Sk] fp32, ``mass[g, j] = sum_{i in g} 2^(s_ij - lse2_i)``: exact probabilities summed
             over the group's rows; never an S x S matrix.
-keep        n_keep keys per group (``reference.select.n_keep``); idx [B, H, G, keep] int32 ascending.
+keep        n_keep keys per group (``formats.n_keep``); idx [B, H, G, keep] int32 ascending.
 
 Grid (group_key_mass)
 ---------------------
@@ -22,7 +22,7 @@ accumulate), p = exp2(s - lse2) (padded rows: lse2 = +inf -> p = 0), sums over t
 BLOCK_N masses, stored (keys are the MMA's M side: s^T = k q^T, so the group sum is a cheap row
 reduction). Cost per head: 2 * S * Sk * D FLOPs (half a dense attention, no PV) + S * Sk
 exp2; it writes G * Sk * 4 bytes (16 MB per head at S = Sk = 32760, C = 64), which is why the caller
-(``methods/mcsparse.select``) passes heads in chunks. Top-K (``reference.select.select_topk``) is torch on
+(``methods/mcsparse.select``) passes heads in chunks. Top-K (``torch_ops.select_topk``) is torch on
 every device.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.quant import LOG2E
+from vc_compile.formats import LOG2E
 from .configs import pow2_head_dim_error
 from .interpret import dot_upcast, loop_bound
 

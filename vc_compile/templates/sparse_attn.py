@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vc_compile.reference.quant import LOG2E
+from vc_compile.formats import LOG2E
 from vc_compile.templates.configs import SparseAttnConfig, pow2_head_dim_error
 from vc_compile.templates.interpret import dot_upcast, interpreting, loop_bound
 from vc_compile.templates.soft_round import round_e4m3

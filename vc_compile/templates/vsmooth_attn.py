@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vc_compile.reference.preprocess import BLOCK_K, BLOCK_V, QKQuant, VQuant, natural_layout
+from vc_compile.formats import BLOCK_K, BLOCK_V, QKQuant, VQuant, natural_layout
 from vc_compile.templates.configs import RowSum, VSmoothTritonConfig, vsmooth_head_dim_error
 from vc_compile.templates.interpret import interpreting, loop_bound
 from vc_compile.templates.soft_round import round_bf16, round_e4m3

@@ -196,7 +196,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from vc_compile.reference.preprocess import BLOCK_K, BLOCK_V, natural_layout, to_sm90_layout
+    from vc_compile.formats import BLOCK_K, BLOCK_V, natural_layout, to_sm90_layout
     from vc_compile.templates.vsmooth_attn import check_inputs
 
     if not isinstance(launch, VSmoothSm90Config):

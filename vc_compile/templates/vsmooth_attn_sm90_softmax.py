@@ -22,7 +22,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
 from triton.language.core import _aggregate as aggregate
 
-from vc_compile.reference.preprocess import sm90_key_order
+from vc_compile.formats import sm90_key_order
 
 # NOTE ``from __future__ import annotations`` must not be used here: the aggregate checks its fields' types.
 
@@ -217,7 +217,7 @@ def p_operand(x, o_layout: gl.constexpr):
 
 def key_order_sm90(BN: int = 128):
     """k -> n: the key stored in column k of each BN-key block of V^T for ``p_operand``'s relabelling (the
-    "sm90" layout of ``reference.preprocess.VQuant``, which the preprocessing writes)."""
+    "sm90" layout of ``formats.VQuant``, which the preprocessing writes)."""
     return sm90_key_order(BN)
 
 

@@ -1,0 +1,122 @@
+"""The layering of kernels, references and formats, read from the sources (no import, no Triton needed).
+
+* ``vc_compile/formats.py`` (tile and numeric constants, quantised-tensor records, layouts) and
+  ``vc_compile/torch_ops.py`` (plain-torch steps run on every device) import neither layer below.
+* Kernels (``templates/``) never import ``reference/`` and references never import ``templates/``: the oracle
+  does not share code with what it checks, only the formats both implement.
+* No production module imports ``reference/`` except ``templates/dispatch.py``, whose REFERENCE branches are
+  the CPU path.
+* Every name of formats.py is defined there and nowhere else in the package (one BLOCK_V).
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "vc_compile"
+SHARED = ("formats.py", "torch_ops.py")
+# chooses the implementation per call: its REFERENCE branches are the CPU path and run the oracle
+DISPATCH = PKG / "templates" / "dispatch.py"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, module: str = ""):
+    """(line, absolute module) of every import in ``path`` (module ``module``, by default its name in the
+    package; module level or inside functions); a ``from X import y`` counts as X and as X.y (y may be a
+    submodule)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    pkg = (module or module_name(path)).split(".")
+    if path.name != "__init__.py":
+        pkg = pkg[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg[:len(pkg) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            yield node.lineno, base
+            for a in node.names:
+                yield node.lineno, f"{base}.{a.name}"
+
+
+def offenders(paths, prefix: str):
+    return [f"{p.relative_to(PKG.parent)}:{line}: {mod}" for p in paths for line, mod in imported_modules(p)
+            if mod == prefix or mod.startswith(prefix + ".")]
+
+
+def package_files():
+    return sorted(PKG.rglob("*.py"))
+
+
+def test_the_scanner_sees_relative_and_lazy_imports(tmp_path):
+    f = tmp_path / "probe.py"
+    f.write_text("from . import configs\n"
+                 "def f():\n    from ..reference import quant\n    import vc_compile.reference.select as s\n")
+    mods = [m for _, m in imported_modules(f, "vc_compile.templates.probe")]
+    assert {"vc_compile.templates.configs", "vc_compile.reference.quant", "vc_compile.reference.select"} <= set(mods)
+
+
+def test_kernels_do_not_import_references():
+    kernels = [p for p in sorted((PKG / "templates").glob("*.py")) if p != DISPATCH]
+    assert len(kernels) > 10
+    assert offenders(kernels, "vc_compile.reference") == []
+
+
+def test_references_do_not_import_kernels():
+    refs = sorted((PKG / "reference").glob("*.py"))
+    assert len(refs) > 10
+    assert offenders(refs, "vc_compile.templates") == []
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_shared_formats_import_no_layer(name):
+    path = PKG / name
+    bad = offenders([path], "vc_compile.reference") + offenders([path], "vc_compile.templates")
+    bad += offenders([path], "triton")  # importable without Triton: the references run on any machine
+    if name == "formats.py":
+        bad += offenders([path], "vc_compile.torch_ops")
+    assert bad == []
+
+
+def test_no_production_module_imports_references():
+    """methods/, ops.py, runtime/, passes/, the kernels, the tuner, the CLI, the demo: only dispatch may choose
+    the reference (the CPU path); everything else runs on the GPU path too."""
+    prod = [p for p in package_files() if "reference" not in p.relative_to(PKG).parts and p != DISPATCH]
+    assert PKG / "ops.py" in prod and PKG / "methods" / "mcsparse.py" in prod
+    assert offenders(prod, "vc_compile.reference") == []
+
+
+def defined_names(path: Path):
+    """Module-level names bound by ``path``: assignments, functions, classes (not imports)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        yield n.id
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            yield node.target.id
+
+
+def test_format_names_are_defined_once():
+    """A tile constant, numeric constant, record or layout helper of formats.py is bound nowhere else in the
+    package (imported, never redefined). torch_ops.py's functions are exempt: kernels and references share
+    names by design (``select_topk`` is the radix kernel, its oracle and the torch top-K)."""
+    owned = set(defined_names(PKG / "formats.py"))
+    for must in ("BLOCK_Q", "BLOCK_K", "BLOCK_V", "K_MEAN_TOKENS", "KV_TILE", "LOG2E", "FP8_MAX", "FP8_DTYPE",
+                 "EXPCAST_OFFSET", "SHIFT_BETA", "QKQuant", "VQuant", "KMeansResult", "RopeArgs", "RopeSpec",
+                 "sm90_key_order", "to_sm90_layout", "natural_layout", "n_keep"):
+        assert must in owned, must
+    dup = [f"{p.relative_to(PKG.parent)}: {n}" for p in package_files() if p != PKG / "formats.py"
+           for n in sorted(set(defined_names(p)) & owned) if not n.startswith("_")]
+    assert dup == []
