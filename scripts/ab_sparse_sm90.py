@@ -25,7 +25,7 @@ import traceback
 import torch
 
 from benchmarks.common import attn_flops, bench_ms, metrics, sdpa_fn
-from vc_compile.reference.select import n_keep
+from vc_compile.formats import n_keep
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse
 from vc_compile.templates import configs as CF
 from vc_compile.templates import sparse_attn as tsa

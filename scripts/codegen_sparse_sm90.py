@@ -31,7 +31,7 @@ def _op(t: str) -> str:
 
 
 def compile_one(S, C, cfg, density=0.15, D=128, flag=True, residual=True):
-    from vc_compile.reference.select import n_keep
+    from vc_compile.formats import n_keep
     from vc_compile.templates import sparse_attn_sm90 as g
     B, H = 1, 40
     G, keep = -(-S // C), n_keep(S, density)

@@ -20,7 +20,7 @@ import torch
 
 from test_sparse_attn import TOL, make_inputs, rel_l2
 from test_vsmooth_attn_sm90 import requires_sm90
-from vc_compile.reference.select import n_keep
+from vc_compile.formats import n_keep
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse
 from vc_compile.templates import configs as CF
 from vc_compile.templates.configs import SparseAttnSm90Config

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from vc_compile.reference.quant import LOG2E
+from vc_compile.formats import LOG2E
 from vc_compile.templates.configs import SparseAttnSm90Config
 
 __all__ = ["sparse_attention_sm90"]
