@@ -181,6 +181,21 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT, FLAG,
              mask=mrow[:, None])
 
 
+def epilogue_operands(who: str, residual, flag, out, shape):
+    """The epilogue's residual tensor (``out`` as a placeholder when there is none), checked against the output
+    shape ``(B, H, S, Dv)`` and made channel-contiguous; ``flag`` checked as int32 ``(B, H, Dv)``. Shared by the
+    gather kernels (this one and ``sparse_attn_sm90``)."""
+    B, H, S, DV = shape
+    if residual is not None:
+        if tuple(residual.shape) != (B, H, S, DV):
+            raise ValueError(f"{who}: residual must be {(B, H, S, DV)}, got {tuple(residual.shape)}")
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+    if flag is not None and (tuple(flag.shape) != (B, H, DV) or flag.dtype != torch.int32):
+        raise ValueError(f"{who}: flag must be int32 {(B, H, DV)}, got {flag.dtype} {tuple(flag.shape)}")
+    return residual if residual is not None else out
+
+
 def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None, out_dtype=None,
                      qk_format="bf16", launch: SparseAttnConfig, k_fp8=None, flag=None):
     """O[sigma[g*C+i]] = softmax over the keys idx[g] of group g (renormalised) @ V, + residual, with the launch
@@ -223,14 +238,7 @@ def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None
     kv_off = C >= 128 if launch.kv_off is None else launch.kv_off
     same_kv_rows = kq.stride(2) == v.stride(2) and D == DV and fmt == "bf16"
     has_res = residual is not None
-    if has_res:
-        if tuple(residual.shape) != (B, H, S, DV):
-            raise ValueError(f"sparse_attention: residual must be {(B, H, S, DV)}, got {tuple(residual.shape)}")
-        if residual.stride(-1) != 1:
-            residual = residual.contiguous()
-    res = residual if has_res else out
-    if flag is not None and (tuple(flag.shape) != (B, H, DV) or flag.dtype != torch.int32):
-        raise ValueError(f"sparse_attention: flag must be int32 {(B, H, DV)}, got {flag.dtype} {tuple(flag.shape)}")
+    res = epilogue_operands("sparse_attention", residual, flag, out, (B, H, S, DV))
     _sparse_attn_kernel[(G, B * H)](
         q, kq, v, ks, sigma, idx, res, out, flag.contiguous() if flag is not None else out,
         q.stride(0), q.stride(1), q.stride(2), kq.stride(0), kq.stride(1), kq.stride(2),

@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from vc_compile.formats import LOG2E
 from vc_compile.templates.configs import SparseAttnSm90Config
+from vc_compile.templates.sparse_attn import epilogue_operands
 
 __all__ = ["sparse_attention_sm90"]
 
@@ -378,15 +379,7 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     n_keep = idx.shape[3]
     out = torch.empty(B, H, S, DV, device=q.device, dtype=out_dtype or q.dtype)
     has_res = residual is not None
-    if has_res:
-        if tuple(residual.shape) != (B, H, S, DV):
-            raise ValueError(f"sparse_attention_sm90: residual must be {(B, H, S, DV)}, got {tuple(residual.shape)}")
-        if residual.stride(-1) != 1:
-            residual = residual.contiguous()
-    res = residual if has_res else out
-    if flag is not None and (tuple(flag.shape) != (B, H, DV) or flag.dtype != torch.int32):
-        raise ValueError(f"sparse_attention_sm90: flag must be int32 {(B, H, DV)}, got {flag.dtype} "
-                         f"{tuple(flag.shape)}")
+    res = epilogue_operands("sparse_attention_sm90", residual, flag, out, (B, H, S, DV))
     BN = launch.block_n
     GPC = 2 if C == 64 else 1
     off64 = needs_64bit_offsets(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(k.stride(2), v.stride(2)))
