@@ -71,9 +71,12 @@ class KernelRow:
     sources: Tuple[str, ...] = ()
     label: str = "triton"
     # tuned kernels: the candidates (first = the measured default) and the tuning key's variant field of one
-    # call, functions of the call's shape keywords (``TuneShape``)
+    # call, functions of the shape keywords the wrapper passes to ``_resolve``
     candidates: Optional[Callable[..., list]] = None
     variant: Optional[Callable[..., str]] = None
+    # part of ``triton_error``'s import check: the Triton kernels every GPU path needs. The Gluon sm_90 kernels
+    # are not (a Triton without Gluon must not take the other kernels down); they import where they run.
+    core: bool = True
 
     @property
     def tuned(self) -> bool:
@@ -90,7 +93,7 @@ KERNELS: Dict[str, KernelRow] = {r.name: r for r in (
               variant=lambda expcast, qk_fp8, **_: C.vsmooth_triton_variant(expcast, qk_fp8)),
     KernelRow("vsmooth_attn_sm90", "vsmooth_attn_sm90", C.VSmoothSm90Config,
               ("vsmooth_attn_sm90.py", "vsmooth_attn_sm90_softmax.py", "vsmooth_attn_sm90_steps.py"),
-              label="triton/gluon_sm90",
+              label="triton/gluon_sm90", core=False,
               candidates=lambda D, expcast, S, **_: list(C.vsmooth_sm90_candidates(D, expcast, S)),
               variant=lambda D, expcast, S, **_: C.vsmooth_sm90_variant(expcast, C.sm90_regime(D, expcast, S))),
     KernelRow("pddp", "pddp"),
@@ -99,7 +102,8 @@ KERNELS: Dict[str, KernelRow] = {r.name: r for r in (
               candidates=lambda fmt, D, C_, **_: list(C.sparse_candidates(fmt, D, C_)),
               variant=lambda fmt, C_, keep, Sk, **_: C.sparse_variant(fmt, C_, keep, Sk)),
     # the Gluon gather kernel: opt-in, reached only by calling it directly until it is measured (no wrapper yet)
-    KernelRow("sparse_attn_sm90", "sparse_attn_sm90", C.SparseAttnSm90Config, label="triton/gluon_sm90_gather"),
+    KernelRow("sparse_attn_sm90", "sparse_attn_sm90", C.SparseAttnSm90Config, label="triton/gluon_sm90_gather",
+              core=False),
     KernelRow("finite_flags", "finite_flags", C.FiniteFlagsConfig),
     KernelRow("anchor_mass", "anchor_mass", C.AnchorMassConfig),
     KernelRow("topk", "topk", C.TopKConfig),
@@ -121,10 +125,11 @@ def kernel_module(name: str):
 # ---- which implementation ----------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def triton_error() -> Optional[str]:
-    """None when every kernel module of ``KERNELS`` imports, else why not (``"ImportError: ..."``)."""
+    """None when every core kernel module of ``KERNELS`` imports, else why not (``"ImportError: ..."``)."""
     try:
         for row in KERNELS.values():
-            importlib.import_module(f"vc_compile.templates.{row.module}")
+            if row.core:
+                importlib.import_module(f"vc_compile.templates.{row.module}")
     except Exception as e:  # the kernels are missing or failed to import: say so, never silently
         return f"{type(e).__name__}: {e}"
     return None
