@@ -181,6 +181,25 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT, FLAG,
              mask=mrow[:, None])
 
 
+def gather_operands(who: str, q, k, v, sigma, idx, G: int):
+    """(q, k, v, sigma, idx) checked against each other (``G`` query groups) and in the form the gather kernels
+    read: channel-contiguous q / k / v, int64 sigma, int32 / int64 ids (any strides). Shared by the gather
+    kernels (this one and ``sparse_attn_sm90``)."""
+    B, H, S, D = q.shape
+    Sk = k.shape[2]
+    if k.shape[:2] != (B, H) or k.shape[3] != D or v.shape[:3] != (B, H, Sk):
+        raise ValueError(f"{who}: shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} do not match")
+    if tuple(sigma.shape) != (B, H, S):
+        raise ValueError(f"{who}: sigma must be [B, H, S] = {(B, H, S)}, got {tuple(sigma.shape)}")
+    if idx.dim() != 4 or tuple(idx.shape[:3]) != (B, H, G) or idx.shape[3] < 1:
+        raise ValueError(f"{who}: idx must be [B, H, G={G}, n_keep>=1], got {tuple(idx.shape)}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    sigma = sigma.to(torch.int64).contiguous()
+    if idx.dtype not in (torch.int32, torch.int64):
+        idx = idx.to(torch.int32)
+    return q, k, v, sigma, idx
+
+
 def epilogue_operands(who: str, residual, flag, out, shape):
     """The epilogue's residual tensor (``out`` as a placeholder when there is none), checked against the output
     shape ``(B, H, S, Dv)`` and made channel-contiguous; ``flag`` checked as int32 ``(B, H, Dv)``. Shared by the
@@ -216,17 +235,7 @@ def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None
         err = pow2_head_dim_error(d, name)
         if err:
             raise ValueError(f"sparse_attention: {err}")
-    if k.shape[:2] != (B, H) or k.shape[3] != D or v.shape[:3] != (B, H, Sk):
-        raise ValueError(f"sparse_attention: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
-                         f"v {tuple(v.shape)} do not match")
-    if tuple(sigma.shape) != (B, H, S):
-        raise ValueError(f"sparse_attention: sigma must be [B, H, S] = {(B, H, S)}, got {tuple(sigma.shape)}")
-    if idx.dim() != 4 or tuple(idx.shape[:3]) != (B, H, G) or idx.shape[3] < 1:
-        raise ValueError(f"sparse_attention: idx must be [B, H, G={G}, n_keep>=1], got {tuple(idx.shape)}")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    sigma = sigma.to(torch.int64).contiguous()
-    if idx.dtype not in (torch.int32, torch.int64):
-        idx = idx.to(torch.int32)
+    q, k, v, sigma, idx = gather_operands("sparse_attention", q, k, v, sigma, idx, G)
     n_keep = idx.shape[3]
     out = torch.empty(B, H, S, DV, device=q.device, dtype=out_dtype or q.dtype)
     fmt = "fp8" if qk_format == "fp8" else "bf16"

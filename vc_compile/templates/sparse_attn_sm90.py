@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from vc_compile.formats import LOG2E
 from vc_compile.templates.configs import SparseAttnSm90Config
-from vc_compile.templates.sparse_attn import epilogue_operands
+from vc_compile.templates.sparse_attn import epilogue_operands, gather_operands
 
 __all__ = ["sparse_attention_sm90"]
 
@@ -364,18 +364,8 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"sparse_attention_sm90: q, k, v must share one 16-bit dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
-    if k.shape[:2] != (B, H) or k.shape[3] != D or v.shape[:3] != (B, H, Sk):
-        raise ValueError(f"sparse_attention_sm90: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
-                         f"v {tuple(v.shape)} do not match")
-    if tuple(sigma.shape) != (B, H, S):
-        raise ValueError(f"sparse_attention_sm90: sigma must be [B, H, S] = {(B, H, S)}, got {tuple(sigma.shape)}")
-    if idx.dim() != 4 or tuple(idx.shape[:3]) != (B, H, G) or idx.shape[3] < 1:
-        raise ValueError(f"sparse_attention_sm90: idx must be [B, H, G={G}, n_keep>=1], got {tuple(idx.shape)}")
+    q, k, v, sigma, idx = gather_operands("sparse_attention_sm90", q, k, v, sigma, idx, G)
     launch.check_fits(C, D, DV, q.element_size())
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    sigma = sigma.to(torch.int64).contiguous()
-    if idx.dtype not in (torch.int32, torch.int64):
-        idx = idx.to(torch.int32)
     n_keep = idx.shape[3]
     out = torch.empty(B, H, S, DV, device=q.device, dtype=out_dtype or q.dtype)
     has_res = residual is not None
