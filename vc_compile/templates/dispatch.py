@@ -212,16 +212,31 @@ def _resolve(kernel: str, launch_fn: Callable, *, dtype, head_dim: int, seq_len:
     """The launch config of one call of a tuned kernel (a KERNELS row with sources): ``tune.resolve`` over the
     row's candidates for ``shape``, keyed by the row's variant, as a config object of the row's class."""
     row = KERNELS[kernel]
-    cands = candidates(kernel, **shape)
     cls = row.config
+    items = tuple(sorted(shape.items()))
+    cands, variant = _candidates_json(kernel, items)
 
     def launch(d):
         return launch_fn(cls.from_json(d))
     tunable = device.type == "cuda" and not interpreting()
-    d, _ = tune.resolve(kernel, list(SOURCES[kernel]), [c.to_json() for c in cands], dtype=dtype,
-                        head_dim=head_dim, seq_len=seq_len, variant=row.variant(**shape), device=device,
-                        tunable=tunable, bench=tune.validated_bench(launch) if tunable else None)
-    return cls.from_json(d)
+    d, _ = tune.resolve(kernel, list(SOURCES[kernel]), list(cands), dtype=dtype, head_dim=head_dim,
+                        seq_len=seq_len, variant=variant, device=device, tunable=tunable,
+                        bench=tune.validated_bench(launch) if tunable else None)
+    return _config_of(kernel, tuple(sorted(d.items())))
+
+
+# NOTE memoised: on the H200 ``_resolve`` cost 0.10-0.21 ms of host time per call (the candidates built and
+# converted to JSON, the answer converted back: ~10 dataclass round trips), more than the lookup itself
+@functools.lru_cache(maxsize=1024)
+def _candidates_json(kernel: str, items: tuple) -> Tuple[tuple, str]:
+    """(the candidates as JSON dicts, the tuning key's variant) of a tuned kernel for these shape keywords."""
+    shape = dict(items)
+    return tuple(c.to_json() for c in candidates(kernel, **shape)), KERNELS[kernel].variant(**shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _config_of(kernel: str, items: tuple):
+    return KERNELS[kernel].config.from_json(dict(items))
 
 
 # ---- V-Smooth ----------------------------------------------------------------------------------------------
