@@ -74,6 +74,13 @@ class WarmupAttention(str, enum.Enum):
     SDPA = "sdpa"  # stock scaled_dot_product_attention (the paper's dense warm-up)
 
 
+class CudaGraphs(str, enum.Enum):
+    """Where a reuse step's kernel launches are replayed as a CUDA graph (runtime/graphs.py)."""
+    AUTO = "auto"  # where the launches, not the kernels, bound the call (small shapes)
+    ON = "on"  # every replayable call on a CUDA device
+    OFF = "off"  # always launch from Python
+
+
 class SelectionRefresh(str, enum.Enum):
     ANCHOR = "anchor"  # select at anchor steps, reuse the selection in between
     EVERY_STEP = "every_step"  # re-select from the current q, k at every sparse step (mean_pool only)
@@ -123,6 +130,9 @@ OPTION_DOCS: Dict[str, str] = {
                        "this (relative L2; 0 = guard off). docs/mcsparse_guard.md.",
     "propagate_nonfinite": "MC-Sparse reuse steps: NaN/Inf in keys/values no query group selected turn the output "
                            "NaN as in SDPA (one pass over K/V; +19% of a reuse step measured at S = 32760).",
+    "cuda_graphs": "'auto' | 'on' | 'off': replay a reuse step's kernel launches as one CUDA graph per call site "
+                   "(q, k, v copied into staging buffers; a few us of host time instead of ~1 ms). 'auto' where the "
+                   "call is small enough for its launches to dominate (B H S^2 D <= 1.1e11, e.g. 12 heads x 8K tokens).",
     "max_logit_std": "8-bit paths (V-Smooth, MC-Sparse's V-Smooth warm-up): a site whose sampled attention logits "
                      "have a std above this (checked once per site, block and shape) stays stock SDPA, reported: "
                      "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit).",
@@ -243,6 +253,7 @@ class VCConfig:
     # 100 (bf16 SDPA 2e-3-7e-4; ExpCast and Hadamard the same within 5%). 32 keeps the predicted error under
     # twice the unit-logit one (0.07); a model with QK-norm sits far below it.
     max_logit_std: float = 32.0
+    cuda_graphs: CudaGraphs = CudaGraphs.AUTO
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
     # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first

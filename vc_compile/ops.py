@@ -41,6 +41,7 @@ from .config import Method, VCConfig
 from .methods import Phase
 from .runtime import report as _report
 from .runtime import state
+from .runtime.graphs import GRAPHS
 from .runtime.steps import TRACKER
 from .templates import dispatch
 from .tune import lookup as _tune
@@ -218,6 +219,7 @@ def forget_checks() -> None:
     _SHARP.clear()
     _SHARP_WORST.clear()
     _SHARP_WARNED.clear()
+    GRAPHS.clear()
     _NONFINITE_WARNED.clear()
 
 
@@ -286,6 +288,7 @@ def too_sharp(rec, key: tuple, q, k, sm_scale: float, cfg: VCConfig) -> bool:
 # The wiring of the run-time pieces, in one place: a new generation (steps.py) drops the metadata store and
 # the watched blocks' key sets.
 TRACKER.subscribe(state.clear)
+TRACKER.subscribe(GRAPHS.clear)
 TRACKER.subscribe(_forget_watched)
 TRACKER.subscribe(forget_identities)
 
@@ -348,21 +351,41 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     key = key + plan.slot
     kw = {} if rope_args is None else {"rope": rope_args}
     with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording(cfg.tune_cache_dir) as sources:
+        replayed = False
         if phase == Phase.DENSE:  # method="dense" and every method's warm-up steps: stock SDPA
             if rope_args is not None:
                 q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
             out, new_meta = F.scaled_dot_product_attention(q, k, v, scale=sm).contiguous(), meta
         else:
-            out, new_meta = M.run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl, **kw)
+            out, new_meta, replayed = None, meta, False
+            if (rope_args is None and impl == dispatch.Impl.TRITON and meta is not None
+                    and M.replayable(phase, cfg) and GRAPHS.wanted(cfg.cuda_graphs.value, q, k)):
+                out = GRAPHS.run(key, meta, functools.partial(_replayed_run, M, phase, meta, cfg, sm, impl),
+                                 q, k, v, sources)
+                replayed = out is not None
+                if not replayed and rec.cuda_graph_failure is None:
+                    rec.cuda_graph_failure = GRAPHS.failures(meta).get(key)
+            if out is None:
+                out, new_meta = M.run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl, **kw)
     rec.config_sources.update(sources)
     if new_meta is not None and new_meta is not meta:
         state.put(key, new_meta)
         _watch(ident, key)
     rec.phases[phase.value] += 1
-    rec.kernel_path["sdpa" if phase == Phase.DENSE else M.path_label(path, phase, cfg, q.device)] += 1
+    label = "sdpa" if phase == Phase.DENSE else M.path_label(path, phase, cfg, q.device)
+    rec.kernel_path[label + "+cuda_graph" if phase != Phase.DENSE and replayed else label] += 1
     rec.step_sources[info.source] += 1
     if phase != Phase.DENSE and impl == dispatch.Impl.REFERENCE and out.device.type == "cpu":
         _note_nonfinite(rec, out)
+    return out
+
+
+def _replayed_run(M, phase, meta, cfg, sm, impl, q, k, v):
+    """A replayable step's output (what ``runtime/graphs.py`` captures): the method must hand back the metadata
+    it was given, or the capture is refused."""
+    out, new_meta = M.run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl)
+    if new_meta is not meta:
+        raise RuntimeError("the method replaced its metadata on a replayable step")
     return out
 
 

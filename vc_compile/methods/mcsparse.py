@@ -147,6 +147,13 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
     return Plan(phase, meta)
 
 
+def replayable(phase: Phase, cfg) -> bool:
+    """A reuse step whose launches depend only on q, k, v and the cached selection: not with the quality guard
+    (host read-backs) or the non-finite flags pass, nor with a selection made again every step."""
+    return (phase == Phase.REUSE and cfg.guard_threshold == 0 and not cfg.propagate_nonfinite
+            and cfg.experimental.selection_refresh == SelectionRefresh.ANCHOR)
+
+
 def needs_fp8(cfg) -> bool:
     """FP8 MMAs only with ``sparse_qk="fp8"``: the bf16 gather kernel, PDDP and selection run on any GPU Triton
     supports (the FP8 residual is a plain torch cast). The V-Smooth warm-up's FP8 is checked per call

@@ -92,6 +92,12 @@ def path_label(path: str, phase, cfg, device) -> str:
     return path
 
 
+def replayable(phase: Phase, cfg) -> bool:
+    """A reuse step (the grouping cached): its launches depend only on q, k, v and the grouping, so the op may
+    replay them as a CUDA graph (runtime/graphs.py)."""
+    return phase == Phase.REUSE
+
+
 def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl, rope=None):
     """``rope``: q and k are un-rotated, the preprocessing applies this RoPE (prologue fusion)."""
     perm = None

@@ -62,6 +62,9 @@ class SiteRecord:
     has_identity: bool = True
     rope: Optional[str] = None  # RoPE producer form of q/k (passes/rope_detect.py), None = not analysed
     rope_fusion: Optional[str] = None  # "fused" / "unfused: <reason>" (passes/rope_fuse.py), None = no RoPE
+    # why this site's reuse steps are not replayed as CUDA graphs although the option allows it (a failed
+    # capture; runtime/graphs.py), None = no failure
+    cuda_graph_failure: Optional[str] = None
     _pending: list = field(default_factory=list, repr=False)
 
     def note_guard(self, err: Optional[float], reanchor: bool) -> None:
@@ -251,6 +254,9 @@ class Report:
                    and not s.rope_fusion.startswith(("unfused: method ", "unfused: disabled"))]
         if unfused:
             lines.append(f"RoPE not fused into the kernel at sites: {', '.join(unfused)}")
+        no_graph = [f"{s.site} ({s.cuda_graph_failure})" for s in self.sites if s.cuda_graph_failure]
+        if no_graph:
+            lines.append(f"CUDA graph capture failed (launched from Python instead) at sites: {', '.join(no_graph)}")
         if self.graphs_without_sdpa:
             lines.append(f"graphs with no SDPA captured: {', '.join(self.graphs_without_sdpa)}")
         return "\n".join(lines)

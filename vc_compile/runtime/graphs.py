@@ -1,0 +1,194 @@
+"""A call site's steady-state launches replayed as one CUDA graph: the op's fixed cost on small shapes.
+
+What it is for. A reuse step of an 8-bit or sparse method is a fixed sequence of kernel launches (V-Smooth: the
+two preprocessing passes and the attention kernel; MC-Sparse: the gather kernel) on tensors whose addresses
+do not change between steps, except q, k and v. Launching them from Python costs ~0.3-0.7 ms of host time per
+Triton/Gluon launch path (binder, descriptors, launcher), which is longer than the kernels themselves below
+~16K tokens at 12 heads: there the op is host-bound and slower than stock SDPA. Replaying a captured graph
+costs a few microseconds of host time.
+
+How. Per (site, block, branch, shape, device, metadata slot) and per metadata object (``Entry``):
+* the first replayable call runs normally (kernels compiled, launch configs looked up and memoised);
+* the second captures ``fn`` (the method's run on *staging* copies of q, k, v) into a ``torch.cuda.CUDAGraph``
+  whose last node copies the output into a staging output;
+* every later call copies q, k, v into the staging inputs, replays, and returns a clone of the staging output
+  (never a buffer a later replay overwrites).
+Staging tensors are shared by every graph of one (shape, strides, dtype, device) (calls run one after another
+on one stream); each graph keeps its intermediates in its own memory pool (~2.5x the size of q: the 8-bit
+codes, scales and the kernel's output). NOTE not one pool shared by all graphs: on torch 2.11 the captures
+after a shared pool's graphs were freed (a new generation) failed with an internal allocator assert
+(``use_count > 0``, CUDACachingAllocator.cpp). The extra GPU work is one copy of q, k, v and two of the output
+per call (measured in benchmarks/bench_op_overhead.py). After a capture fails, no graph is captured again in
+this process (the reason is in ``report()``).
+
+When. The method says whether a call is replayable (``replayable(phase, cfg)``: its launches depend only on
+q, k, v and the metadata, with no host reads and no metadata update); the option ``cuda_graphs`` says
+where: ``off``; ``on`` (every replayable call on a CUDA device); ``auto`` (the default: where the call's
+attention work B H S Sk D is at most ``AUTO_MAX_WORK``, i.e. where the launches, not the kernels, bound the
+call). Never while another capture is running (the op inside a user's graph), never on a side stream, and a
+capture that fails turns graphs off for that entry for good, with the reason in ``report()``.
+
+An entry lives as long as its metadata object (a weak key): when the metadata is replaced (a V-Smooth
+regrouping, an MC-Sparse anchor) or dropped (a new generation, ``vc_compile.reset()``), its graph goes with it.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Callable, Dict, Optional
+
+import torch
+
+# NOTE AUTO_MAX_WORK = B H S Sk D <= 1.1e11 (12 heads x 8192^2 x 128 = 1.03e11 is in, 12 x 16384^2 x 128 is out).
+# H200, bench_op_overhead, reuse calls back to back, graphs off -> on (host ms / GPU ms per call):
+#   H12 S8192:  V-Smooth 0.72 / 0.77 -> 0.23 / 0.77, ExpCast 0.70 / 0.74 -> 0.30 / 0.70,
+#               MC-Sparse s = 0.15 0.29 / 0.30 -> 0.20 / 0.27 (host-bound: 1.99x -> 2.23x cuDNN);
+#   H12 S16384: V-Smooth 0.71 / 2.37 -> 0.19 / 2.45, MC-Sparse 0.27 / 0.65 -> 0.17 / 0.75 (+16%: the staging
+#               copies, with nothing to hide);
+#   H2 S32760:  V-Smooth 0.71 / 1.52 -> 0.36 / 1.50 (GPU-bound either way).
+# So below the bound the graph frees the host (and wins where the call is host-bound); above it the copies cost.
+AUTO_MAX_WORK = 1.1e11
+
+
+class Entry:
+    __slots__ = ("calls", "graph", "q", "k", "v", "out", "sources", "failed")
+
+    def __init__(self):
+        self.calls, self.graph, self.failed = 0, None, None
+        self.q = self.k = self.v = self.out = None
+        self.sources: collections.Counter = collections.Counter()
+
+
+class LaunchGraphs:
+    """The process's captured graphs (see the module docstring)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        # id(metadata object) -> (a weak reference to it, {entry key: Entry}); the key is the op's state key (site,
+        # block, branch, shapes, device, slot). By id: metadata dataclasses compare by value (unhashable); the
+        # weak reference's callback drops the graphs when the metadata dies, before its id can be reused.
+        self._entries: Dict[int, tuple] = {}
+        self._staging: Dict[tuple, tuple] = {}
+        self.broken: Optional[str] = None  # a capture failed: no more captures in this process
+        self.captures = 0
+        self.replays = 0
+
+    def clear(self, *_args) -> None:
+        """Forget every graph and staging buffer (a new generation drops the metadata anyway)."""
+        with self._lock:
+            self._entries = {}
+            self._staging.clear()
+
+    @staticmethod
+    def wanted(mode: str, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether the option allows a graph for this call (before the method's own say)."""
+        if mode == "off" or not q.is_cuda:
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        if torch.cuda.current_stream(q.device) != torch.cuda.default_stream(q.device):
+            return False  # staging buffers are shared: one stream only
+        if mode == "on":
+            return True
+        B, H, S, D = q.shape
+        return B * H * S * k.shape[2] * D <= AUTO_MAX_WORK
+
+    def run(self, key: tuple, meta, fn: Callable, q, k, v, sources: collections.Counter) -> Optional[torch.Tensor]:
+        """This call's output through the entry's graph, or None (run the call normally: the first call, or a
+        failed capture). ``fn(q, k, v)`` returns the output; ``sources`` is the call's tuning-lookup counter
+        (the counts its capture recorded are added again at each replay, so ``report()`` counts every call)."""
+        per_meta = self._per_meta(meta)
+        if per_meta is None:  # metadata that cannot be weakly referenced: no graphs for it
+            return None
+        entry = per_meta.get(key)
+        if entry is None:
+            entry = per_meta[key] = Entry()
+        entry.calls += 1
+        if entry.failed is not None or entry.calls == 1:
+            return None
+        if entry.graph is None:
+            if self.broken is not None:
+                entry.failed = f"an earlier capture failed ({self.broken})"
+                return None
+            if not self._capture(entry, fn, q, k, v, sources):
+                return None
+        entry.q.copy_(q)
+        entry.k.copy_(k)
+        entry.v.copy_(v)
+        entry.graph.replay()
+        self.replays += 1
+        sources.update(entry.sources)
+        return entry.out.clone()
+
+    def _per_meta(self, meta) -> Optional[Dict[tuple, Entry]]:
+        mid = id(meta)
+        hit = self._entries.get(mid)
+        if hit is not None and hit[0]() is meta:
+            return hit[1]
+        entries = self._entries
+
+        def gone(_ref, mid=mid):
+            cur = entries.get(mid)
+            if cur is not None and cur[0] is _ref:
+                entries.pop(mid, None)
+        try:
+            ref = weakref.ref(meta, gone)
+        except TypeError:
+            return None
+        per_meta: Dict[tuple, Entry] = {}
+        with self._lock:
+            self._entries[mid] = (ref, per_meta)
+        return per_meta
+
+    def failures(self, meta) -> Dict[tuple, str]:
+        hit = self._entries.get(id(meta))
+        per_meta = hit[1] if hit is not None and hit[0]() is meta else {}
+        return {key: e.failed for key, e in per_meta.items() if e.failed is not None}
+
+    def _staging_for(self, q, k, v, out_like: Optional[torch.Tensor]):
+        skey = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in (q, k, v))
+        with self._lock:
+            st = self._staging.get(skey)
+            if st is None:
+                st = self._staging[skey] = tuple(torch.empty_like(t) for t in (q, k, v)) + ({},)
+        return st
+
+    def _capture(self, entry: Entry, fn, q, k, v, sources) -> bool:
+        dev = q.device
+        qs, ks, vs, outs = self._staging_for(q, k, v, None)
+        for dst, src in ((qs, q), (ks, k), (vs, v)):
+            dst.copy_(src)
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        before = collections.Counter(sources)
+        try:
+            with torch.cuda.stream(side):
+                g.capture_begin(capture_error_mode="thread_local")
+                try:
+                    out = fn(qs, ks, vs)
+                    okey = (tuple(out.shape), tuple(out.stride()), out.dtype)
+                    so = outs.get(okey)
+                    if so is None:
+                        so = outs[okey] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=dev)
+                    so.copy_(out)
+                    del out
+                finally:
+                    g.capture_end()
+        except Exception as e:  # noqa: BLE001 - any capture problem: this entry runs without a graph
+            entry.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            self.broken = entry.failed
+            torch.cuda.current_stream(dev).wait_stream(side)
+            return False
+        torch.cuda.current_stream(dev).wait_stream(side)
+        entry.sources = sources - before
+        for c in entry.sources:  # the capture's lookups are counted at each replay instead
+            sources[c] -= entry.sources[c]
+        sources += collections.Counter()  # drop zero counts
+        entry.graph, entry.q, entry.k, entry.v, entry.out = g, qs, ks, vs, so
+        self.captures += 1
+        return True
+
+
+GRAPHS = LaunchGraphs()  # the process's graphs (cleared with the metadata when a generation starts)
