@@ -406,6 +406,26 @@ def sm90_ab_tables(rows) -> List[str]:
                  "note", "run"], body)]
 
 
+def overhead_tables(rows) -> List[str]:
+    """``bench_op_overhead.csv``: per (H, S), the rows of its latest run per variant: host time and GPU time per
+    reuse call (back to back), launches, x cuDNN of the same run."""
+    if not rows:
+        return [_none_yet("bench_op_overhead.csv", "`python -m benchmarks.bench_op_overhead` on a GPU")]
+    last: Dict[tuple, Dict[str, str]] = {}
+    for r in rows:
+        last[(int(r["H"]), int(r["S"]), r["variant"])] = r
+    body = []
+    for (H, S, variant), r in sorted(last.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                 kv[0][2] != "sdpa_cudnn", kv[0][2])):
+        body.append([str(H), str(S), variant, f(r.get("host_ms"), "{:.3f}"), f(r.get("ms"), "{:.3f}"),
+                     r.get("launches", "") or "-", f(num(r.get("speedup_vs_cudnn")), "{:.2f}x"),
+                     r.get("kernel_path", "") or "", f"{r.get('date', '')[:10]} {r.get('commit', '')}"])
+    gpus = sorted({r.get("gpu", "") for r in rows})
+    return [f"**bench_op_overhead** (one reuse call, B = 1, D = 128, bf16, calls back to back; {', '.join(gpus)}; "
+            "the latest row of each shape and variant; host = CPU time per call, GPU = CUDA events per call)\n\n"
+            + md_table(["H", "S", "variant", "host ms", "GPU ms", "launches", "x cuDNN", "kernel path", "run"], body)]
+
+
 def blocks(results_dir: str) -> Dict[str, str]:
     """{marker name: markdown} for every block ``--write`` fills."""
     rd = lambda name: read(os.path.join(results_dir, name))  # noqa: E731
@@ -421,6 +441,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
         _none_yet("bench_vsmooth_attn.csv / bench_sparse_attn.csv", "the kernel benchmarks"),
         "kernels-summary": kernel_summary(ker),
         "kernels-sm90": "\n\n".join(sm90_ab_tables(rd("bench_vsmooth_attn_sm90.csv"))),
+        "op-overhead": "\n\n".join(overhead_tables(rd("bench_op_overhead.csv"))),
         "e2e": "\n\n".join(e2e_tables(e2e)) if any(r.get("bench") == "e2e" for r in e2e) else
         _none_yet("bench_e2e.csv", "`python -m benchmarks.bench_e2e` on a GPU"),
     }
