@@ -135,7 +135,8 @@ OPTION_DOCS: Dict[str, str] = {
                    "call is small enough for its launches to dominate (B H S^2 D <= 1.1e11, e.g. 12 heads x 8K tokens).",
     "max_logit_std": "8-bit paths (V-Smooth, MC-Sparse's V-Smooth warm-up): a site whose sampled attention logits "
                      "have a std above this (checked once per site, block and shape) stays stock SDPA, reported: "
-                     "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit).",
+                     "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit); "
+                     "with expcast, logits of base-2 magnitude beyond ~2000 then give NaN rows (outside its codes' range).",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
                    "Opt-in: on the H200 it saves 0.3-0.6 ms of preprocessing but only 0.2% of the op.",
