@@ -19,7 +19,9 @@ sampling loop runs them (one set of inputs, no synchronisation in between):
 ``sdpa_cudnn`` is stock SDPA (cuDNN) on the same inputs, timed the same way in the same run;
 ``speedup_vs_cudnn`` = its ms / ours. ``--options`` (JSON) is merged into every method's options and named in
 the variant (e.g. the A/B of ``cuda_graphs``). ``scripts/host_breakdown.py`` splits the host time by layer.
-Rows are appended to ``benchmarks/results/bench_op_overhead.csv``.
+Our path is measured with ``speed_gate="off"``: these rows are what the speed gate's table is generated from
+(``python3 -m scripts.gen_gate_table``; tune/gate.py). Rows are appended to
+``benchmarks/results/bench_op_overhead.csv``.
 """
 from __future__ import annotations
 
@@ -168,7 +170,7 @@ def bench_shape(H, S, args, device):
     rows.append(dict(base, variant="sdpa_cudnn", ms=sdpa_ms, host_ms=sdpa_host,
                      launches=count_launches(sd, runner.cuda), speedup_vs_cudnn=1.0))
     for label in args.methods:
-        opts = dict(METHODS[label], **args.options)
+        opts = dict(METHODS[label], speed_gate="off", **args.options)  # our path, measured (the gate's source)
         r = run_method(runner, opts, args.reuse)
         name = label + (f" {json.dumps(args.options, sort_keys=True)}" if args.options else "")
         rows.append(dict(base, variant=name, host_ms_sdpa=sdpa_host,

@@ -81,6 +81,12 @@ class CudaGraphs(str, enum.Enum):
     OFF = "off"  # always launch from Python
 
 
+class SpeedGate(str, enum.Enum):
+    """Whether a call our kernels are measured slower on than stock SDPA stays stock (tune/gate.py)."""
+    AUTO = "auto"  # by the shipped measurements of this GPU (none: no gate)
+    OFF = "off"  # always our path
+
+
 class SelectionRefresh(str, enum.Enum):
     ANCHOR = "anchor"  # select at anchor steps, reuse the selection in between
     EVERY_STEP = "every_step"  # re-select from the current q, k at every sparse step (mean_pool only)
@@ -133,6 +139,9 @@ OPTION_DOCS: Dict[str, str] = {
     "cuda_graphs": "'auto' | 'on' | 'off': replay a reuse step's kernel launches as one CUDA graph per call site "
                    "(q, k, v copied into staging buffers; a few us of host time instead of ~1 ms). 'auto' where the "
                    "call is small enough for its launches to dominate (B H S^2 D <= 1.1e11, e.g. 12 heads x 8K tokens).",
+    "speed_gate": "'auto' | 'off': 'auto' leaves a call to stock SDPA where this GPU's shipped measurements "
+                  "(benchmarks/results/bench_op_overhead.csv) put our reuse step below stock SDPA's speed at its "
+                  "size (e.g. V-Smooth at 12 heads x 8K tokens on the H200), reported; 'off' always runs ours.",
     "max_logit_std": "8-bit paths (V-Smooth, MC-Sparse's V-Smooth warm-up): a site whose sampled attention logits "
                      "have a std above this (checked once per site, block and shape) stays stock SDPA, reported: "
                      "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit); "
@@ -255,6 +264,7 @@ class VCConfig:
     # twice the unit-logit one (0.07); a model with QK-norm sits far below it.
     max_logit_std: float = 32.0
     cuda_graphs: CudaGraphs = CudaGraphs.AUTO
+    speed_gate: SpeedGate = SpeedGate.AUTO
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
     # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first

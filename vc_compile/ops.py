@@ -37,13 +37,14 @@ import torch
 import torch.nn.functional as F
 
 from . import formats, methods, torch_ops
-from .config import Method, VCConfig
+from .config import Method, SpeedGate, VCConfig
 from .methods import Phase
 from .runtime import report as _report
 from .runtime import state
 from .runtime.graphs import GRAPHS
 from .runtime.steps import TRACKER
 from .templates import dispatch
+from .tune import gate as _gate
 from .tune import lookup as _tune
 
 _TAGS = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
@@ -55,6 +56,11 @@ _DEFAULTS = VCConfig()  # the stateless ops' defaults (one source of truth: VCCo
 @functools.lru_cache(maxsize=256)
 def _config(config: str) -> VCConfig:
     return VCConfig.from_json(config)
+
+
+@functools.lru_cache(maxsize=16)
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
 
 
 def runtime_ineligible(q, k, v, cfg: VCConfig) -> Optional[str]:
@@ -322,6 +328,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         impl, path = dispatch.choose(method.value, cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
         if impl == dispatch.Impl.TRITON:
             reason = M.ineligible(q, k, v)
+            if reason is None and cfg.speed_gate == SpeedGate.AUTO and q.is_cuda:
+                B, H, S, D = q.shape
+                reason = _gate.slower_than_stock(_gpu_name(q.device), method.value, cfg.expcast, cfg.density,
+                                                 float(B * H * S * k.shape[2] * D))
     if rope_args is not None and (reason is not None or not M.FUSES_ROPE):
         q, k, rope_args = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args), None
     if reason is not None:

@@ -1,0 +1,65 @@
+"""The speed gate (tune/gate.py): measured on the GPU, not guessed; the shipped table is what its generator writes
+from the benchmark rows; the op leaves a gated call to stock SDPA with the reason in report()."""
+import json
+
+import pytest
+import torch
+
+from vc_compile.config import SpeedGate, VCConfig
+from vc_compile.tune import gate
+
+
+def test_shipped_table_is_generated_from_the_benchmark_rows():
+    from scripts import gen_gate_table
+
+    assert gen_gate_table.main(["--check"]) == 0
+
+
+def test_h200_gates_small_vsmooth_calls_and_not_large_or_sparse_ones():
+    gpu = "NVIDIA H200"
+    small, large = 12 * 8192 ** 2 * 128.0, 12 * 32760 ** 2 * 128.0
+    gate.slower_than_stock.cache_clear()
+    r = gate.slower_than_stock(gpu, "vsmooth", False, 0.15, small)
+    assert r is not None and r.startswith("stock is faster at this shape") and "x0.79" in r
+    assert gate.slower_than_stock(gpu, "vsmooth", True, 0.15, small) is not None  # ExpCast 0.87x there
+    assert gate.slower_than_stock(gpu, "vsmooth", False, 0.15, large) is None
+    assert gate.slower_than_stock(gpu, "mcsparse", False, 0.25, small) is None  # 2.2x: nearest density 0.15
+    assert gate.slower_than_stock("Some Other GPU", "vsmooth", False, 0.15, small) is None  # unmeasured: no gate
+    assert gate.slower_than_stock(gpu, "dense", False, 0.15, small) is None
+
+
+def test_interpolation_is_log_log_and_held_beyond_the_ends():
+    pts = [(1e11, 0.5), (4e11, 2.0)]
+    assert gate.estimate(pts, 1e10) == 0.5 and gate.estimate(pts, 1e13) == 2.0
+    assert gate.estimate(pts, 2e11) == pytest.approx(1.0)  # halfway in log work: sqrt(0.5 * 2)
+
+
+def test_option_and_missing_table(tmp_path):
+    assert VCConfig().speed_gate == SpeedGate.AUTO
+    with pytest.raises(ValueError, match="speed_gate"):
+        VCConfig.from_options({"speed_gate": "maybe"})
+    assert gate.table(str(tmp_path / "absent.json")) == {}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert gate.table(str(bad)) == {}
+    good = tmp_path / "t.json"
+    good.write_text(json.dumps({"gpus": {"G": {"vsmooth": [[2e11, 1.5], [1e11, 0.5]]}}}))
+    assert gate.table(str(good))["G"]["vsmooth"][0] == (1e11, 0.5)  # sorted by work
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_op_leaves_a_gated_call_to_stock_sdpa(monkeypatch):
+    import vc_compile
+    import vc_compile.ops as ops
+
+    monkeypatch.setattr(ops, "_gpu_name", lambda device: "NVIDIA H200")
+    vc_compile.reset(report=True)
+    q, k, v = (torch.randn(1, 12, 8192, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cfg = VCConfig.from_options({"method": "vsmooth", "max_logit_std": 0}).to_json()
+    out = torch.ops.vcattn.attention(q, k, v, None, 992_001, cfg, None)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(out, ref)
+    rec = next(s for s in vc_compile.report().sites if s.site == 992_001)
+    assert any(r.startswith("stock is faster at this shape") for r in rec.runtime_fallbacks)
+    off = VCConfig.from_options({"method": "vsmooth", "max_logit_std": 0, "speed_gate": "off"}).to_json()
+    assert not torch.equal(torch.ops.vcattn.attention(q, k, v, None, 992_002, off, None), ref)

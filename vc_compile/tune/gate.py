@@ -1,0 +1,76 @@
+"""The speed gate: a call our kernels run slower than stock SDPA on this GPU stays stock, by measurement.
+
+``shipped_gate.json`` (written by ``python3 -m scripts.gen_gate_table`` from ``benchmarks/results/
+bench_op_overhead.csv``) holds, per GPU name and method, the measured speed-up over SDPA cuDNN of a reuse call
+at several call sizes (work = B H S Sk D), each measured with the CUDA-graph choice ``cuda_graphs="auto"``
+makes there, back to back, as a sampling loop runs them. For a call of another size the speed-up is
+interpolated linearly in (log work, log speed-up) between the two nearest measured sizes, and held at the end
+points beyond them. Below 1.0 the op runs stock SDPA and ``report()`` says why (``stock is faster at this
+shape``); ``speed_gate="off"`` forces our path.
+
+Where the table has no rows for the GPU (anything but the GPUs benchmarked), nothing is gated: the op cannot
+know, and says so in docs/performance.md. MC-Sparse is gated by its reuse step's speed-up at the measured
+density nearest to the call's (its anchor and warm-up steps are not measured here).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from typing import Dict, List, Optional, Tuple
+
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shipped_gate.json")
+
+
+@functools.lru_cache(maxsize=None)
+def table(path: str = PATH) -> Dict[str, Dict[str, List[Tuple[float, float]]]]:
+    """{gpu name: {method label: [(work, speed-up), ...] sorted by work}} ({} when the file is missing)."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {gpu: {m: sorted((float(w), float(x)) for w, x in pts) for m, pts in ms.items()}
+            for gpu, ms in raw.get("gpus", {}).items()}
+
+
+def method_label(method: str, expcast: bool, density: float, labels) -> Optional[str]:
+    """The table's label for a call: ``vsmooth`` / ``vsmooth+expcast`` / ``mcsparse@<nearest density>``."""
+    if method == "vsmooth":
+        lab = "vsmooth+expcast" if expcast else "vsmooth"
+        return lab if lab in labels else None
+    if method == "mcsparse":
+        dens = [(abs(float(lab.split("@")[1]) - density), lab) for lab in labels if lab.startswith("mcsparse@")]
+        return min(dens)[1] if dens else None
+    return None
+
+
+def estimate(points: List[Tuple[float, float]], work: float) -> float:
+    """Speed-up at ``work``: log-log interpolation between the measured points, held beyond them."""
+    if work <= points[0][0]:
+        return points[0][1]
+    if work >= points[-1][0]:
+        return points[-1][1]
+    for (w0, x0), (w1, x1) in zip(points, points[1:]):
+        if w0 <= work <= w1:
+            if w1 == w0:
+                return min(x0, x1)
+            t = (math.log(work) - math.log(w0)) / (math.log(w1) - math.log(w0))
+            return math.exp(math.log(x0) + t * (math.log(x1) - math.log(x0)))
+    return points[-1][1]
+
+
+@functools.lru_cache(maxsize=4096)
+def slower_than_stock(gpu: str, method: str, expcast: bool, density: float, work: float) -> Optional[str]:
+    """The report's reason when the measured table says stock SDPA is faster for this call, else None."""
+    per_gpu = table().get(gpu)
+    if not per_gpu:
+        return None
+    lab = method_label(method, expcast, density, per_gpu)
+    if lab is None:
+        return None
+    x = estimate(per_gpu[lab], work)
+    if x >= 1.0:
+        return None
+    return f"stock is faster at this shape ({lab} x{x:.2f} cuDNN measured on {gpu})"
