@@ -32,6 +32,20 @@ def _seed():
     yield
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "speed_gate: keep the speed gate (tune/gate.py) on in this test")
+
+
+@pytest.fixture(autouse=True)
+def _no_speed_gate(request, monkeypatch):
+    """The tests run our kernels at small shapes, which on a GPU with shipped speed measurements (the H200) the
+    speed gate leaves to stock SDPA; off unless a test is marked ``speed_gate`` (tests/test_speed_gate.py).
+    On a CPU the gate never applies (it gates the GPU kernels only)."""
+    if request.node.get_closest_marker("speed_gate") is None:
+        monkeypatch.setattr("vc_compile.tune.gate.slower_than_stock", lambda *a, **k: None)
+    yield
+
+
 @pytest.fixture
 def fresh_vcattn():
     """A clean slate for tests that compile: no Dynamo caches, no vcattn state/sites, no counters."""

@@ -15,6 +15,7 @@ def test_shipped_table_is_generated_from_the_benchmark_rows():
     assert gen_gate_table.main(["--check"]) == 0
 
 
+@pytest.mark.speed_gate
 def test_h200_gates_small_vsmooth_calls_and_not_large_or_sparse_ones():
     gpu = "NVIDIA H200"
     small, large = 12 * 8192 ** 2 * 128.0, 12 * 32760 ** 2 * 128.0
@@ -26,6 +27,21 @@ def test_h200_gates_small_vsmooth_calls_and_not_large_or_sparse_ones():
     assert gate.slower_than_stock(gpu, "mcsparse", False, 0.25, small) is None  # 2.2x: nearest density 0.15
     assert gate.slower_than_stock("Some Other GPU", "vsmooth", False, 0.15, small) is None  # unmeasured: no gate
     assert gate.slower_than_stock(gpu, "dense", False, 0.15, small) is None
+
+
+@pytest.mark.speed_gate
+def test_op_consults_the_gate_on_cuda_only(monkeypatch):
+    """On a CPU (the reference path) the op never asks the gate; the conftest fixture leaves it on here."""
+    import vc_compile
+    import vc_compile.ops as ops
+
+    asked = []
+    monkeypatch.setattr(gate, "slower_than_stock", lambda *a: asked.append(a) or "stock is faster at this shape")
+    q = torch.randn(1, 2, 64, 64).bfloat16()
+    cfg = VCConfig.from_options({"method": "vsmooth", "min_seq_len": 16, "max_logit_std": 0}).to_json()
+    vc_compile.reset(report=True)
+    torch.ops.vcattn.attention(q, q, q, None, 992_003, cfg, None)
+    assert asked == [] and ops._gate is gate
 
 
 def test_interpolation_is_log_log_and_held_beyond_the_ends():
@@ -47,6 +63,7 @@ def test_option_and_missing_table(tmp_path):
     assert gate.table(str(good))["G"]["vsmooth"][0] == (1e11, 0.5)  # sorted by work
 
 
+@pytest.mark.speed_gate
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_op_leaves_a_gated_call_to_stock_sdpa(monkeypatch):
     import vc_compile
