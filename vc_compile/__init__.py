@@ -68,17 +68,8 @@ _register_without_entry_point()
 
 def reset(report: bool = False) -> None:
     """Drop all cached metadata and step state (a fresh generation); ``report=True`` also forgets the
-    call-site records and counts."""
-    from .runtime import report as _report
-    from .runtime import state
-    from .runtime.steps import TRACKER
+    call-site records and counts. The process's ``Runtime.reset`` (``vc_compile/runtime/runtime.py``)."""
+    from . import ops  # noqa: F401  (the op binds its per-site memory to the runtime and subscribes to it)
+    from .runtime.runtime import current
 
-    from . import ops
-
-    TRACKER.reset()
-    state.clear()
-    ops.forget_checks()
-    if report:
-        _report.clear()
-    else:
-        _report.reset_counts()
+    current().reset(report=report)

@@ -42,7 +42,23 @@ def _skip_dirs() -> Tuple[str, ...]:
     return _SKIP_DIRS
 
 
-def _probe(max_depth: int = 96):
+class LoopCache:
+    """Skips building the pipeline frame's ``f_locals`` (the costly part of the probe) while the loop is
+    provably on the same step: same frame, and the pipeline's ``_current_timestep`` (every diffusers
+    loop sets it to ``t`` before calling the model) is the very object seen last time. The cache holds
+    that object, so its identity cannot be reused; the pipeline is held weakly. One per tracker (read and
+    written under the tracker's lock), so two loops never read each other's frame."""
+
+    __slots__ = ("frame_id", "pipe_ref", "current_t", "result")
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.frame_id, self.pipe_ref, self.current_t, self.result = 0, None, None, None
+
+
+def _probe(cache: LoopCache, max_depth: int = 96):
     """One walk from the op outwards: (diffusers loop or None, timestep frame or None).
 
     The diffusers loop is ``(timesteps token, pipeline, i, steps)`` of the innermost pipeline frame. The
@@ -62,7 +78,7 @@ def _probe(max_depth: int = 96):
         name = code.co_name
         if name == "__call__":
             if "self" in code.co_varnames and ("i" in code.co_varnames or "i" in code.co_cellvars):
-                found = _pipeline_loop(f)
+                found = _pipeline_loop(f, cache)
                 if found is not None:
                     return found, None
         else:
@@ -83,23 +99,7 @@ def _probe(max_depth: int = 96):
     return None, None
 
 
-class _LoopCache:
-    """Skips building the pipeline frame's ``f_locals`` (the costly part of the probe) while the loop is
-    provably on the same step: same frame, and the pipeline's ``_current_timestep`` (every diffusers
-    loop sets it to ``t`` before calling the model) is the very object seen last time. The tracker holds
-    that object, so its identity cannot be reused; the pipeline is held weakly."""
-
-    frame_id: int = 0
-    pipe_ref: Any = None
-    current_t: Any = None
-    result: Any = None
-
-
-_LOOP = _LoopCache()
-
-
-def _pipeline_loop(f):
-    c = _LOOP
+def _pipeline_loop(f, c: LoopCache):
     if c.frame_id == id(f) and c.current_t is not None:
         pipe = c.pipe_ref() if c.pipe_ref is not None else None
         if pipe is not None and getattr(pipe, "__dict__", {}).get("_current_timestep") is c.current_t:

@@ -79,9 +79,10 @@ import warnings
 from typing import Optional, Set
 
 from .probe import _bump, _frame_timestep, _probe, _read_timestep  # noqa: F401  (re-exported)
-from .tracker import MAX_BRANCHES, StepInfo, _TimestepState, _Tracker, _warn_stale_step  # noqa: F401
+from .runtime import current
+from .tracker import MAX_BRANCHES, StepInfo, Tracker, _TimestepState, _Tracker, _warn_stale_step  # noqa: F401
 
-TRACKER = _Tracker()
+TRACKER = current().tracker  # the process's step tracker (held by its Runtime, runtime/runtime.py)
 
 
 # ---- public API ----------------------------------------------------------------------------------

@@ -5,12 +5,13 @@ public API lives there too); the stack walk behind signals 2 and 3 is ``runtime/
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from .probe import _bump, _frame_timestep, _LOOP, _probe, _read_timestep
+from .probe import LoopCache, _bump, _frame_timestep, _probe, _read_timestep
 
 # More calls of one (site, block) within one declared step than any CFG scheme makes (cond / uncond /
 # image guidance: <= 3 forwards per step) mean the declaration went stale: nobody advances the step.
@@ -42,11 +43,18 @@ class _TimestepState:
     forwards_per_step: int = 0  # learned from completed steps (0 = unknown)
 
 
-class _Tracker:
-    def __init__(self):
+class Tracker:
+    """The step state of one loop (``runtime/runtime.py``: the default loop's, or a ``sampling()`` block's).
+    ``subscribers`` and ``generations`` are shared by a runtime's trackers: the functions run when any
+    generation starts, and the generation numbers (unique across loops)."""
+
+    def __init__(self, subscribers: Optional[List[Callable[[int], None]]] = None, generations=None):
         self.lock = threading.RLock()
         self.generation = 0
-        self._subscribers: List[Callable[[int], None]] = []  # run when a generation starts (``subscribe``)
+        # run when a generation starts (``subscribe``)
+        self._subscribers: List[Callable[[int], None]] = subscribers if subscribers is not None else []
+        self._generations = generations if generations is not None else itertools.count(1)
+        self.loop_cache = LoopCache()  # the diffusers frame's per-step memo (``probe.LoopCache``)
         # explicit API
         self.explicit_active = False
         self.explicit_steps: Optional[int] = None
@@ -82,7 +90,7 @@ class _Tracker:
 
     def _new_generation_locked(self) -> int:
         # called with the lock held (an RLock: listeners may take it again)
-        self.generation += 1
+        self.generation = next(self._generations)
         self.branch_seen.clear()
         self.call_counts.clear()
         self.key_shapes.clear()
@@ -104,7 +112,7 @@ class _Tracker:
             self.explicit_step = None
             self.pending_generation = False
             self.diff_token, self.diff_pipe, self.diff_step = None, 0, -1
-            _LOOP.frame_id, _LOOP.pipe_ref, _LOOP.current_t, _LOOP.result = 0, None, None, None
+            self.loop_cache.clear()
             self.learned_steps = None
             self.last_source = None
             self._new_generation_locked()
@@ -128,7 +136,7 @@ class _Tracker:
                 step, src = call.step, "callback"
                 n = self.explicit_steps or call.num_steps(default_steps)
             else:
-                found, t_frame = _probe()
+                found, t_frame = _probe(self.loop_cache)
                 if found is not None:
                     token, pipe, step, n = found
                     # the token (the loop's timesteps) is held, so its identity is never reused; the
@@ -243,3 +251,6 @@ def _warn_stale_step(step: int, calls: int) -> None:
         f"sampling loop call vc_compile.step(i) before every step's forward, inside `with "
         f"vc_compile.sampling(num_steps=n):`; or call vc_compile.reset() to drop the declaration.",
         UserWarning, stacklevel=4)
+
+
+_Tracker = Tracker  # the name it had in steps.py
