@@ -58,8 +58,8 @@ Step signal, first that applies wins:
    ``vc_compile.sampling`` / ``vc_compile.step`` in such loops.
 
 In the fallback signals (3, 4), a call site seeing a new q/k shape (new resolution or batch) also starts
-a new generation. A new generation drops all cached metadata: the op (``ops.py``) subscribes the store's
-``clear`` with ``TRACKER.subscribe``.
+a new generation. A new generation drops all metadata its loop cached: the op (``ops.py``) subscribes the
+store's ``clear`` with ``TRACKER.subscribe``.
 
 Branch: within one (generation, step), the n-th call of the same (site, block identity) is branch n:
 the cond/uncond forwards of Wan-style CFG keep separate metadata. Batched CFG (CogVideoX, LTX: B = 2 in
@@ -67,9 +67,16 @@ one call) is one branch; its rows are separate (b, h) slices of the per-(b, h) m
 (instead of trusting the block identity alone) also keeps blocks apart when two blocks' weights share one
 address within a step; addresses reused across steps are caught by the op (``ops.identity_problem``).
 
-One process-wide tracker serves every compiled graph (Wan 2.2's two experts, regional block graphs,
-graphs split by breaks). Two sampling loops running concurrently in different threads would share it:
-use one loop at a time per process.
+Loops: a tracker serves every compiled graph its loop calls (Wan 2.2's two experts, regional block graphs,
+graphs split by breaks). Each ``with vc_compile.sampling(...)`` block is a loop of its own, with its own
+tracker and metadata store (``runtime/runtime.py``: ``Loop``), active in the context that entered it: two
+sampling loops running concurrently in different threads (or asyncio tasks) never share a step, a
+generation or metadata. Interleaved generators in one thread share a context: call ``loop.step(i)`` on
+the handle ``sampling()`` returns (``with vc_compile.sampling(num_steps=n) as loop:``), which makes that
+loop the active one again, or run each generator in a context of its own (``contextvars.copy_context()``).
+Everything outside a ``sampling()`` block (pipelines followed through their callback or their frame,
+timestep and call-count fallbacks) shares the process's default loop: run such loops one at a time.
+``TRACKER`` is the tracker of the loop active where it is used.
 """
 from __future__ import annotations
 
@@ -79,10 +86,34 @@ import warnings
 from typing import Optional, Set
 
 from .probe import _bump, _frame_timestep, _probe, _read_timestep  # noqa: F401  (re-exported)
-from .runtime import current
+from .runtime import Loop, active_loop, current
 from .tracker import MAX_BRANCHES, StepInfo, Tracker, _TimestepState, _Tracker, _warn_stale_step  # noqa: F401
 
-TRACKER = current().tracker  # the process's step tracker (held by its Runtime, runtime/runtime.py)
+
+def active_tracker() -> Tracker:
+    """The step tracker of the loop active here (the innermost open ``sampling()`` block of this context,
+    else the process's default loop)."""
+    return active_loop().tracker
+
+
+class _ActiveTracker:
+    """``TRACKER``: stands for the tracker of the loop active where an attribute is read (``TRACKER.current``,
+    ``TRACKER.generation``, ``with TRACKER.lock:``), so code written for the one process-wide tracker keeps
+    working and each ``sampling()`` block's calls reach its own. One ``ContextVar.get`` per access."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name):
+        return getattr(active_loop().tracker, name)
+
+    def __setattr__(self, name, value):
+        setattr(active_loop().tracker, name, value)
+
+    def __repr__(self) -> str:
+        return f"<TRACKER: {active_loop().tracker!r}>"
+
+
+TRACKER = _ActiveTracker()
 
 
 # ---- public API ----------------------------------------------------------------------------------
@@ -102,28 +133,54 @@ def _as_index(x, minimum: int, error: str) -> int:
     return v
 
 
+class Sampling:
+    """The handle of one ``sampling()`` block (``with vc_compile.sampling(num_steps=n) as loop:``): its loop
+    (``loop.loop``: tracker and metadata store) and ``loop.step(i)``, which declares step ``i`` of this loop
+    and makes it the active one in this context (interleaved generators: each finds its own loop)."""
+
+    __slots__ = ("loop",)
+
+    def __init__(self, loop: Loop):
+        self.loop = loop
+
+    @property
+    def tracker(self) -> Tracker:
+        return self.loop.tracker
+
+    def step(self, i: int, num_steps: Optional[int] = None) -> None:
+        """``vc_compile.step(i, num_steps)`` on this block's loop."""
+        i, num_steps = _step_args(i, num_steps)
+        self.loop.activate()
+        _declare(self.loop.tracker, i, num_steps)
+
+
 @contextlib.contextmanager
 def sampling(num_steps: Optional[int] = None):
     """One generation of ``num_steps`` steps. Inside, ``vc_compile.step(i)`` declares each step; without
     it, the diffusers frame or the timestep input gives the step (``num_steps`` still overrides their
     step count), else each call of a site counts as one step. ``vc_compile.reset()`` inside the block
-    starts a new generation and keeps ``num_steps``."""
+    starts a new generation and keeps ``num_steps``.
+
+    The block is a loop of its own (its own step tracker and metadata store), active in the context that
+    entered it: sampling loops in other threads never see its steps. Yields a ``Sampling`` handle."""
     if num_steps is not None:
         num_steps = _as_index(num_steps, 1, f"vc_compile.sampling(num_steps={num_steps!r}): num_steps must be "
                                             "an int >= 1")
-    with TRACKER.lock:
-        saved = (TRACKER.explicit_active, TRACKER.explicit_steps, TRACKER.explicit_step)
-        TRACKER.explicit_active, TRACKER.explicit_steps, TRACKER.explicit_step = True, num_steps, None
-        TRACKER.pending_generation = False
-        TRACKER.last_source = None
-        TRACKER._new_generation_locked()
+    rt = current()
+    loop, token = rt.open_loop(num_steps)
     try:
-        yield
+        yield Sampling(loop)
     finally:
-        with TRACKER.lock:
-            TRACKER.explicit_active, TRACKER.explicit_steps, TRACKER.explicit_step = saved
-            TRACKER.last_source = None
-            TRACKER.pending_generation = True  # whatever runs next is another generation
+        rt.close_loop(loop, token)
+
+
+def _step_args(i, num_steps):
+    i = _as_index(i, 0, f"vc_compile.step({i!r}): the step index must be an int >= 0 (a Python or numpy "
+                        "integer, or a 0-d integer tensor)")
+    if num_steps is not None:
+        num_steps = _as_index(num_steps, 1, f"vc_compile.step(num_steps={num_steps!r}): num_steps must be an "
+                                            "int >= 1")
+    return i, num_steps
 
 
 def step(i: int, num_steps: Optional[int] = None) -> None:
@@ -135,14 +192,11 @@ def step(i: int, num_steps: Optional[int] = None) -> None:
     next call only": one step is many attention calls (every block, every CFG forward) and nothing else
     marks where it ends. A declared step that keeps being re-entered (more than ``MAX_BRANCHES`` calls of
     one call site: no sampler makes that many forwards per step) warns at run time."""
-    i = _as_index(i, 0, f"vc_compile.step({i!r}): the step index must be an int >= 0 (a Python or numpy "
-                        "integer, or a 0-d integer tensor)")
-    if num_steps is not None:
-        num_steps = _as_index(num_steps, 1, f"vc_compile.step(num_steps={num_steps!r}): num_steps must be an "
-                                            "int >= 1")
-    if not TRACKER.explicit_active and "step-outside-sampling" not in _WARNED:
+    i, num_steps = _step_args(i, num_steps)
+    tracker = active_tracker()
+    if not tracker.explicit_active and "step-outside-sampling" not in _WARNED:
         _WARNED.add("step-outside-sampling")
-        n = num_steps if num_steps is not None else TRACKER.explicit_steps
+        n = num_steps if num_steps is not None else tracker.explicit_steps
         n = f"{n} steps per generation" if n else "steps per generation from the num_steps option"
         warnings.warn(
             f"vcattn: vc_compile.step({i}) outside `with vc_compile.sampling(num_steps=n):` pins step {i} for "
@@ -150,17 +204,17 @@ def step(i: int, num_steps: Optional[int] = None) -> None:
             "sampling loop call step(i) before every step inside `with vc_compile.sampling(num_steps=n):` "
             "(which also ends the declaration when the loop ends).",
             UserWarning, stacklevel=2)
-    _declare(i, num_steps)
+    _declare(tracker, i, num_steps)
 
 
-def _declare(i: int, num_steps: Optional[int]) -> None:
-    with TRACKER.lock:
-        if TRACKER.explicit_step is not None and i < TRACKER.explicit_step:
-            TRACKER.pending_generation = False
-            TRACKER._new_generation_locked()
-        TRACKER.explicit_step = i
+def _declare(tracker: Tracker, i: int, num_steps: Optional[int]) -> None:
+    with tracker.lock:
+        if tracker.explicit_step is not None and i < tracker.explicit_step:
+            tracker.pending_generation = False
+            tracker._new_generation_locked()
+        tracker.explicit_step = i
         if num_steps is not None:
-            TRACKER.explicit_steps = num_steps
+            tracker.explicit_steps = num_steps
 
 
 def diffusers_callback(pipe, i, t, callback_kwargs):
@@ -169,16 +223,17 @@ def diffusers_callback(pipe, i, t, callback_kwargs):
     the frame probe or the fallbacks; after the last step the declaration is dropped, so the next
     pipeline call starts a new generation at step 0. Inside a call tracked by ``vc_compile.enable`` it does
     nothing (the tracker already follows the loop's own callback)."""
-    if any(call.pipe_ref() is pipe for call in TRACKER.calls):
+    tracker = active_tracker()
+    if any(call.pipe_ref() is pipe for call in tracker.calls):
         return callback_kwargs
     n = getattr(pipe, "_num_timesteps", None) or getattr(pipe, "num_timesteps", None)
     n = int(n) if n else None
     if n is not None and int(i) + 1 >= n:
-        with TRACKER.lock:
-            TRACKER.explicit_step = None
-            if not TRACKER.explicit_active:
-                TRACKER.explicit_steps = None
-            TRACKER.pending_generation = True
+        with tracker.lock:
+            tracker.explicit_step = None
+            if not tracker.explicit_active:
+                tracker.explicit_steps = None
+            tracker.pending_generation = True
         return callback_kwargs
-    _declare(int(i) + 1, n)  # the documented helper: no "outside sampling()" warning
+    _declare(tracker, int(i) + 1, n)  # the documented helper: no "outside sampling()" warning
     return callback_kwargs

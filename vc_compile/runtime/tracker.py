@@ -103,9 +103,9 @@ class Tracker:
         return gen
 
     def reset(self) -> None:
-        """``vc_compile.reset()``: a fresh generation with no step declared. Inside ``sampling()`` the
-        block's own state (its ``num_steps``, explicit mode) survives: ``sampling()`` restores it on exit,
-        and a reset between two generations of one block must not fall back to ``num_steps=50``."""
+        """``vc_compile.reset()``: a fresh generation with no step declared. A ``sampling()`` block's tracker
+        keeps its ``num_steps`` and explicit mode: a reset between two generations of one block must not
+        fall back to ``num_steps=50``."""
         with self.lock:
             if not self.explicit_active:
                 self.explicit_steps = None
