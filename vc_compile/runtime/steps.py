@@ -103,7 +103,7 @@ class _ActiveTracker:
 
     __slots__ = ()
 
-    def __getattr__(self, name):
+    def __getattribute__(self, name):  # (not __getattr__: no failed lookup first; the op reads it per call)
         return getattr(active_loop().tracker, name)
 
     def __setattr__(self, name, value):
