@@ -12,7 +12,7 @@ import inspect
 import os
 import sys
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 
 def _bump(name: str, n: int = 1) -> None:

@@ -98,7 +98,7 @@ class Runtime:
         self.checks = Checks()
         self.live_graphs: collections.Counter = collections.Counter()  # site id -> live compiled graphs
         self.default = Loop(self._tracker(), self._store())
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a finalizer run by a GC inside it may call loops()
         self._open: "weakref.WeakSet[Loop]" = weakref.WeakSet()  # the sampling() loops open now
 
     def _tracker(self):
