@@ -68,17 +68,9 @@ _register_without_entry_point()
 
 def reset(report: bool = False) -> None:
     """Drop all cached metadata and step state (a fresh generation); ``report=True`` also forgets the
-    call-site records and counts."""
-    from .runtime import report as _report
-    from .runtime import state
-    from .runtime.steps import TRACKER
-
+    call-site records and counts. The process's ``Runtime.reset`` (``vc_compile/runtime/runtime.py``)."""
     from . import ops
+    from .runtime.runtime import current
 
-    TRACKER.reset()
-    state.clear()
-    ops.forget_checks()
-    if report:
-        _report.clear()
-    else:
-        _report.reset_counts()
+    current().reset(report=report)
+    ops.forget_checks()  # the same containers again, and whatever else the op keeps outside the Runtime

@@ -22,13 +22,14 @@ from .passes.cp_detect import detect_context_parallel
 from .passes.rope_detect import detect_rope
 from .passes.rope_fuse import fuse_rope
 from .passes.sdpa_rewrite import rewrite_sdpa
+from .runtime import runtime as _runtime
 
 log = get_logger(__name__)
 
 _GRAPH_IDS = itertools.count(1)
 
 
-_LIVE: collections.Counter = collections.Counter()  # site id -> live compiled graphs that call it
+_LIVE: collections.Counter = _runtime.current().live_graphs  # site id -> live compiled graphs that call it
 
 
 def _graph_freed(sites) -> None:

@@ -40,6 +40,7 @@ from . import formats, methods, torch_ops
 from .config import Method, SpeedGate, VCConfig
 from .methods import Phase
 from .runtime import report as _report
+from .runtime import runtime as _runtime
 from .runtime import state
 from .runtime.graphs import GRAPHS
 from .runtime.steps import TRACKER
@@ -89,8 +90,10 @@ def runtime_ineligible(q, k, v, cfg: VCConfig) -> Optional[str]:
 # usually loaded before anything starts a new generation. The finalizer only queues the block (it can
 # run inside a garbage collection triggered while this thread holds the state lock); the queue is
 # drained at once when the lock is free, else at the next op call.
-_WATCHED: Dict[Tuple[int, int], Set[tuple]] = {}  # (site, ident_ptr) -> metadata keys written
-_FREED: collections.deque = collections.deque()
+# What the op remembers per site lives in the process's Runtime (runtime/runtime.py: Checks); bound here once.
+_CHECKS = _runtime.current().checks
+_WATCHED: Dict[Tuple[int, int], Set[tuple]] = _CHECKS.watched  # (site, ident_ptr) -> metadata keys written
+_FREED: collections.deque = _CHECKS.freed
 
 
 def _ident_freed(block: Tuple[int, int]) -> None:
@@ -143,9 +146,9 @@ def _forget_watched(_gen: int) -> None:  # a new generation cleared the store: t
 # users managing one block per site) keeps the old contract: the caller guarantees one block per site.
 NO_IDENTITY = "mcsparse: no block identity"
 UNSTABLE_IDENTITY = "mcsparse: block identity unstable"
-_IDENTS: Dict[Tuple[int, int], tuple] = {}  # (site, ident ptr) -> (version, weakref or storage id)
-_UNSTABLE: Dict[int, str] = {}  # site -> what was seen (refused until vc_compile.reset())
-_IDENT_WARNED: Set[Tuple[int, str]] = set()
+_IDENTS: Dict[Tuple[int, int], tuple] = _CHECKS.idents  # (site, ident ptr) -> (version, weakref or storage id)
+_UNSTABLE: Dict[int, str] = _CHECKS.unstable  # site -> what was seen (refused until vc_compile.reset())
+_IDENT_WARNED: Set[Tuple[int, str]] = _CHECKS.ident_warned
 
 _FIXES = {
     NO_IDENTITY: "its graph may serve several blocks (regional compile, an attention function shared by "
@@ -236,10 +239,10 @@ def forget_checks() -> None:
 # shape) on sampled rows: one small matmul and one host read the first time, nothing on later calls.
 SHARP = "logits too sharp for 8-bit"
 SHARP_ERR = ((1.0, 0.037), (10.0, 0.045), (20.0, 0.057), (35.0, 0.071), (50.0, 0.080), (100.0, 0.108))
-_SHARP: Dict[tuple, float] = {}  # (site, ident ptr, q shape, k shape, device) -> sampled logit std
-_SHARP_WORST: Dict[int, Tuple[int, float]] = {}  # site -> (readings taken, the largest)
+_SHARP: Dict[tuple, float] = _CHECKS.sharp  # (site, ident ptr, q shape, k shape, device) -> sampled logit std
+_SHARP_WORST: Dict[int, Tuple[int, float]] = _CHECKS.sharp_worst  # site -> (readings taken, the largest)
 _SHARP_READINGS = 256  # per site (blocks x shapes); beyond (weights at ever new addresses) its worst reading stands
-_SHARP_WARNED: Set[int] = set()
+_SHARP_WARNED: Set[int] = _CHECKS.sharp_warned
 
 
 def predicted_error(std: float) -> float:
@@ -417,7 +420,7 @@ NONFINITE_CONTRACT = ("wherever stock SDPA's output is non-finite this one is to
                       "and later steps stay clean; the 8-bit paths widen it within the (batch, head): a NaN or "
                       "+-Inf in a key makes that whole head NaN, where SDPA has NaN only in the rows whose logit "
                       "with that key is +Inf or NaN (README, 'Non-finite inputs')")
-_NONFINITE_WARNED: Set[int] = set()
+_NONFINITE_WARNED: Set[int] = _CHECKS.nonfinite_warned
 
 
 def _note_nonfinite(rec, out: torch.Tensor) -> None:

@@ -13,8 +13,9 @@ How. Per (site, block, branch, shape, device, metadata slot) and per metadata ob
   whose last node copies the output into a staging output;
 * every later call copies q, k, v into the staging inputs, replays, and returns a clone of the staging output
   (never a buffer a later replay overwrites).
-Staging tensors are shared by every graph of one (shape, strides, dtype, device) (calls run one after another
-on one stream); each graph keeps its intermediates in its own memory pool (~2.5x the size of q: the 8-bit
+Staging tensors are shared by every graph of one (thread, shape, strides, dtype, device) (a thread's calls run
+one after another on one stream; an entry replays on the staging of the thread that captured it, so a loop that
+moves to another thread while the first still replays would share it); each graph keeps its intermediates in its own memory pool (~2.5x the size of q: the 8-bit
 codes, scales and the kernel's output). NOTE not one pool shared by all graphs: on torch 2.11 the captures
 after a shared pool's graphs were freed (a new generation) failed with an internal allocator assert
 (``use_count > 0``, CUDACachingAllocator.cpp). The extra GPU work is one copy of q, k, v and two of the output
@@ -147,7 +148,9 @@ class LaunchGraphs:
         return {key: e.failed for key, e in per_meta.items() if e.failed is not None}
 
     def _staging_for(self, q, k, v, out_like: Optional[torch.Tensor]):
-        skey = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in (q, k, v))
+        # per thread: two sampling loops may run in two threads (runtime.py), each its own staging
+        skey = (threading.get_ident(),) + tuple((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+                                                for t in (q, k, v))
         with self._lock:
             st = self._staging.get(skey)
             if st is None:

@@ -1,7 +1,7 @@
 """Step tracking through a diffusers pipeline's documented per-step hook, ``callback_on_step_end``.
 
 ``track(pipe)`` (called by ``vc_compile.enable``) gives that one pipeline object a ``__call__`` that opens a
-``PipelineCall`` in the step tracker (a new generation at step 0), chains a step-end callback *after* the
+``PipelineCall`` in the step tracker of the loop active where it is called (a new generation at step 0), chains a step-end callback *after* the
 user's own ``callback_on_step_end`` and closes the call when the pipeline returns. Each callback of step
 ``i`` moves the tracker to step ``i + 1``; the step count is the pipeline's public ``num_timesteps``. Nothing
 here reads a frame or a loop variable, so it does not depend on how a diffusers version writes its loop
@@ -24,18 +24,19 @@ import types
 import weakref
 from typing import Dict, Optional
 
-from .steps import TRACKER
+from .steps import active_tracker
 
 
 class PipelineCall:
     """One tracked pipeline ``__call__``. ``step`` is the step the next model calls belong to: 0 at the
     start, ``i + 1`` after the callback of step ``i``. The pipeline is held weakly."""
 
-    __slots__ = ("pipe_ref", "step", "last", "restart")
+    __slots__ = ("pipe_ref", "step", "last", "restart", "tracker")
 
     def __init__(self, pipe):
         self.pipe_ref = weakref.ref(pipe)
         self.step, self.last, self.restart = 0, -1, False
+        self.tracker = None  # the tracker of the loop the call runs in (``begin_call``)
 
     def num_steps(self, default: int) -> int:
         """The loop's step count: the pipeline's public ``num_timesteps`` (``len(timesteps)``, set before
@@ -57,22 +58,25 @@ class PipelineCall:
 
 def begin_call(pipe) -> PipelineCall:
     """A tracked pipeline call starts: a new generation at step 0."""
-    with TRACKER.lock:
+    tracker = active_tracker()
+    with tracker.lock:
         call = PipelineCall(pipe)
-        TRACKER.calls.append(call)
-        TRACKER.pending_generation = False
-        TRACKER.last_source = None
-        TRACKER._new_generation_locked()
+        call.tracker = tracker
+        tracker.calls.append(call)
+        tracker.pending_generation = False
+        tracker.last_source = None
+        tracker._new_generation_locked()
         return call
 
 
 def step_end(call: PipelineCall, i: int) -> None:
     """The callback of step ``i`` ran: the next model calls belong to step ``i + 1``; after the last step
     they start a new generation at step 0 (segment loops run the schedule again)."""
-    with TRACKER.lock:
+    tracker = call.tracker
+    with tracker.lock:
         i = int(i)
         if i < call.last:  # the loop index went back before the schedule ended: another segment
-            TRACKER._new_generation_locked()
+            tracker._new_generation_locked()
         call.last = i
         n = call.num_steps(0)
         if n and i + 1 >= n:
@@ -82,11 +86,12 @@ def step_end(call: PipelineCall, i: int) -> None:
 
 
 def end_call(call: PipelineCall) -> None:
-    with TRACKER.lock:
-        if call in TRACKER.calls:
-            TRACKER.calls.remove(call)
-        TRACKER.last_source = None
-        TRACKER.pending_generation = True  # whatever runs next is another generation
+    tracker = call.tracker
+    with tracker.lock:
+        if call in tracker.calls:
+            tracker.calls.remove(call)
+        tracker.last_source = None
+        tracker.pending_generation = True  # whatever runs next is another generation
 
 
 class _StepEnd:

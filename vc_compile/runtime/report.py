@@ -18,16 +18,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-_LOCK = threading.Lock()
-_SITES: Dict[int, "SiteRecord"] = {}
-_NEXT = itertools.count(1)
-_EMPTY_GRAPHS: List[str] = []
-_BY_KEY: Dict[tuple, int] = {}  # call-site identity (rewrite pass) -> site id
+from .runtime import current
+
 # What the rewrite pass said about each site (module path, shape, ...), kept when ``clear()`` forgets the
 # records: a compiled graph still calls its sites afterwards and their new records must name them.
 _STATIC_FIELDS = ("graph", "node", "module", "shape", "dtype", "method", "rewritten", "reason", "has_identity",
                   "rope", "rope_fusion")
-_FORGOTTEN: Dict[int, dict] = {}
 
 
 @dataclass
@@ -85,30 +81,96 @@ class SiteRecord:
             self._pending.clear()
 
 
+class SiteRegistry:
+    """Every call site seen in this process and what ran there (``runtime.Runtime.sites``; the module
+    functions below act on the current runtime's)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.sites: Dict[int, SiteRecord] = {}
+        self._next = itertools.count(1)
+        self.empty_graphs: List[str] = []
+        self.by_key: Dict[tuple, int] = {}  # call-site identity (rewrite pass) -> site id
+        self.forgotten: Dict[int, dict] = {}  # site -> its _STATIC_FIELDS, kept by ``clear()``
+
+    def register_site(self, key: Optional[tuple] = None, **kw) -> SiteRecord:
+        with self.lock:
+            if key is not None:
+                rec = self.sites.get(self.by_key.get(key, -1))
+                if rec is not None:
+                    return rec
+            rec = SiteRecord(site=next(self._next), **kw)
+            self.sites[rec.site] = rec
+            if key is not None:
+                self.by_key[key] = rec.site
+            return rec
+
+    def site(self, site_id: int) -> SiteRecord:
+        rec = self.sites.get(site_id)
+        if rec is None:
+            with self.lock:
+                known = self.forgotten.get(site_id) or dict(graph="?", node="?", module="?", shape="?",
+                                                            dtype="?", method="?", rewritten=True)
+                rec = self.sites.setdefault(site_id, SiteRecord(site=site_id, **known))
+        return rec
+
+    def get(self, site_id: int) -> Optional[SiteRecord]:
+        """The record of ``site_id`` if one is held (never makes one)."""
+        return self.sites.get(site_id)
+
+    def find_site(self, graph: str, node: str) -> Optional[SiteRecord]:
+        with self.lock:
+            return next((r for r in self.sites.values() if r.graph == graph and r.node == node), None)
+
+    def busy(self) -> bool:
+        return self.lock.locked()
+
+    def set_bytes_held(self, sites=None, value: int = 0) -> None:
+        with self.lock:
+            recs = list(self.sites.values()) if sites is None else [self.sites[s] for s in sites if s in self.sites]
+        for rec in recs:
+            rec.bytes_held = value
+
+    def note_empty_graph(self, name: str) -> None:
+        self.empty_graphs.append(name)
+
+    def report(self) -> "Report":
+        with self.lock:
+            sites = sorted(self.sites.values(), key=lambda r: r.site)
+        for s in sites:
+            s.resolve_timing()
+        return Report(sites=sites, graphs_without_sdpa=list(self.empty_graphs))
+
+    def clear(self) -> None:
+        with self.lock:
+            for rec in self.sites.values():
+                self.forgotten[rec.site] = {f: getattr(rec, f) for f in _STATIC_FIELDS}
+            self.sites.clear()
+            self.empty_graphs.clear()
+            self.by_key.clear()
+
+    def reset_counts(self) -> None:
+        with self.lock:
+            for s in self.sites.values():
+                s.calls, s.time_ms = 0, 0.0
+                s.guard_anchors, s.guard_readings, s.guard_err_max = 0, 0, 0.0
+                s.nonfinite_calls = 0
+                s._pending.clear()
+                for c in (s.phases, s.kernel_path, s.runtime_fallbacks, s.step_sources, s.config_sources):
+                    c.clear()
+
+
 def register_site(key: Optional[tuple] = None, **kw) -> SiteRecord:
     """A new site record, or with ``key`` (the rewrite pass's call-site identity, the same in a
     recompiled graph: see ``passes/sdpa_rewrite._site_keys``) the record already registered under it,
     so a recompile for another grad mode finds the site id, and with it the metadata, it had."""
-    with _LOCK:
-        if key is not None:
-            rec = _SITES.get(_BY_KEY.get(key, -1))
-            if rec is not None:
-                return rec
-        rec = SiteRecord(site=next(_NEXT), **kw)
-        _SITES[rec.site] = rec
-        if key is not None:
-            _BY_KEY[key] = rec.site
-        return rec
+    return current().sites.register_site(key, **kw)
 
 
 def site(site_id: int) -> SiteRecord:
-    rec = _SITES.get(site_id)
-    if rec is None:  # a site called again after reset(report=True), or an op called by hand
-        with _LOCK:
-            known = _FORGOTTEN.get(site_id) or dict(graph="?", node="?", module="?", shape="?", dtype="?",
-                                                     method="?", rewritten=True)
-            rec = _SITES.setdefault(site_id, SiteRecord(site=site_id, **known))
-    return rec
+    """The record of ``site_id`` (one is made, naming what the rewrite pass said about it, when none is held:
+    a site called again after reset(report=True), or an op called by hand)."""
+    return current().sites.site(site_id)
 
 
 def fmt_bytes(n: float) -> str:
@@ -123,26 +185,22 @@ def fmt_bytes(n: float) -> str:
 
 def find_site(graph: str, node: str) -> Optional[SiteRecord]:
     """The record of the call site at ``node`` of ``graph``, or None."""
-    with _LOCK:
-        return next((r for r in _SITES.values() if r.graph == graph and r.node == node), None)
+    return current().sites.find_site(graph, node)
 
 
 def busy() -> bool:
     """Whether some thread holds the records' lock now (a weakref finalizer that runs inside a garbage
     collection must not wait for it)."""
-    return _LOCK.locked()
+    return current().sites.busy()
 
 
 def set_bytes_held(sites=None, value: int = 0) -> None:
-    """Set the metadata bytes of ``sites`` (all sites when None) to ``value`` (the store was cleared)."""
-    with _LOCK:
-        recs = list(_SITES.values()) if sites is None else [_SITES[s] for s in sites if s in _SITES]
-    for rec in recs:
-        rec.bytes_held = value
+    """Set the metadata bytes of ``sites`` (all sites when None) to ``value``."""
+    current().sites.set_bytes_held(sites, value)
 
 
 def note_empty_graph(name: str) -> None:
-    _EMPTY_GRAPHS.append(name)
+    current().sites.note_empty_graph(name)
 
 
 class Timer:
@@ -266,31 +324,15 @@ class Report:
 
 def report() -> Report:
     """A snapshot of every call site seen in this process (resolves pending CUDA timings)."""
-    with _LOCK:
-        sites = sorted(_SITES.values(), key=lambda r: r.site)
-    for s in sites:
-        s.resolve_timing()
-    return Report(sites=sites, graphs_without_sdpa=list(_EMPTY_GRAPHS))
+    return current().sites.report()
 
 
 def clear() -> None:
     """Forget every site record and count (used by ``vc_compile.reset(report=True)``). A site called again
     afterwards gets a fresh record that still names its module, shape and method."""
-    with _LOCK:
-        for rec in _SITES.values():
-            _FORGOTTEN[rec.site] = {f: getattr(rec, f) for f in _STATIC_FIELDS}
-        _SITES.clear()
-        _EMPTY_GRAPHS.clear()
-        _BY_KEY.clear()
+    current().sites.clear()
 
 
 def reset_counts() -> None:
     """Zero the run-time counts of every site but keep the sites (used between demo runs)."""
-    with _LOCK:
-        for s in _SITES.values():
-            s.calls, s.time_ms = 0, 0.0
-            s.guard_anchors, s.guard_readings, s.guard_err_max = 0, 0, 0.0
-            s.nonfinite_calls = 0
-            s._pending.clear()
-            for c in (s.phases, s.kernel_path, s.runtime_fallbacks, s.step_sources, s.config_sources):
-                c.clear()
+    current().sites.reset_counts()

@@ -1,0 +1,222 @@
+"""The process's run-time state, in one object: ``Runtime``; ``current()`` is the process-wide instance.
+
+What ``vcattn::attention`` remembers between calls, and what ``vc_compile.reset()`` forgets, is held here:
+
+* ``default``: the ``Loop`` that serves every call made outside ``vc_compile.sampling()`` (pipelines
+  followed through their callback or their frame, custom loops read through the timestep argument, call
+  counts): a step tracker (``runtime/tracker.py``) and a metadata store (``runtime/state.py``).
+* the loops of the ``sampling()`` blocks open now: each block gets a ``Loop`` of its own (tracker and
+  store), so two sampling loops, in two threads or two interleaved generators, never share a step, a
+  generation or metadata (``runtime/steps.py`` says which loop a call belongs to: ``active_loop()``).
+* ``sites``: the report's call-site registry (``runtime/report.py``).
+* ``tuning``: the tuning policy and the memo of launch configurations (``tune/lookup.py``).
+* ``checks``: what the op has seen per site (block identities, sharpness readings, one-time warnings, the
+  blocks whose weights it watches; ``ops.py`` binds these containers at import).
+* ``live_graphs``: how many live compiled graphs call each site (``backend.py``: a freed graph's metadata
+  goes with it).
+* ``subscribers``: functions run whenever a generation of any loop starts (``ops.py`` subscribes the store's
+  ``clear`` and its own per-generation memory). A generation of a loop always starts in a context where that
+  loop is the active one, so ``state.clear`` clears that loop's store.
+
+The module functions that existed before (``state.get/put``, ``report.site``, ``lookup.configure`` ...)
+stay as thin delegators to ``current()`` / ``active_loop()``, so the rest of the tree is unchanged.
+
+This module imports only the standard library at import time (the components' modules import it for
+``current()``); ``Runtime()`` imports the component classes when it is built.
+"""
+from __future__ import annotations
+
+import collections
+import contextvars
+import itertools
+import threading
+import weakref
+from typing import Any, List, Optional
+
+_CREATE = threading.Lock()
+_DEFAULT: Optional["Runtime"] = None
+# The sampling() loop active in this context (thread, asyncio task, or a context a generator runs in);
+# None: the runtime's default loop. Read on every op call (one ContextVar.get).
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vc_compile_active_loop", default=None)
+
+
+class Loop:
+    """One sampling loop's step tracker and metadata store. ``parent``: the loop active where this one was
+    opened (None for a runtime's default loop); ``closed``: its ``sampling()`` block has ended (a context
+    still pointing at it falls back to its nearest open parent)."""
+
+    __slots__ = ("tracker", "store", "parent", "closed", "__weakref__")
+
+    def __init__(self, tracker, store, parent: Optional["Loop"] = None):
+        self.tracker, self.store, self.parent, self.closed = tracker, store, parent, False
+
+    def activate(self) -> None:
+        """Make this loop the active one in the current context (``vc_compile.sampling() as loop``:
+        ``loop.step(i)`` does it, so interleaved generators each find their own loop again)."""
+        if not self.closed:
+            _ACTIVE.set(self)
+
+
+class Checks:
+    """What the op remembers per site across calls (``ops.py`` binds these containers at import, under its
+    historical names): block identities and the sites refused for an unstable one, sharpness readings,
+    one-time warnings; the blocks whose weights are watched and the ones freed (drained at the next call)."""
+
+    def __init__(self):
+        self.idents: dict = {}  # (site, ident ptr) -> (version, weakref or storage id)
+        self.unstable: dict = {}  # site -> what was seen (refused until reset())
+        self.ident_warned: set = set()
+        self.sharp: dict = {}  # (site, ident ptr, q shape, k shape, device) -> sampled logit std
+        self.sharp_worst: dict = {}  # site -> (readings taken, the largest)
+        self.sharp_warned: set = set()
+        self.nonfinite_warned: set = set()
+        self.watched: dict = {}  # (site, ident ptr) -> metadata keys written
+        self.freed: collections.deque = collections.deque()
+
+    def forget(self) -> None:
+        """What ``vc_compile.reset()`` forgets (the watched blocks stay: their finalizers are registered)."""
+        for c in (self.idents, self.unstable, self.ident_warned, self.sharp, self.sharp_worst, self.sharp_warned,
+                  self.nonfinite_warned):
+            c.clear()
+
+
+class Runtime:
+    """The run-time state of one process (see the module docstring); ``current()`` is the one in use."""
+
+    def __init__(self):
+        from ..tune.lookup import TunePolicy
+        from .report import SiteRegistry
+        from .state import MetadataStore
+        from .tracker import Tracker
+
+        self._store_cls, self._tracker_cls = MetadataStore, Tracker
+        self.subscribers: List[Any] = []  # fn(generation), run when a generation of any loop starts
+        self.generations = itertools.count(1)  # generation numbers, unique across this runtime's loops
+        self.store_lock = threading.Lock()  # one lock for every loop's store (``state.busy()``)
+        self.sites = SiteRegistry()
+        self.tuning = TunePolicy()
+        self.checks = Checks()
+        self.live_graphs: collections.Counter = collections.Counter()  # site id -> live compiled graphs
+        self.default = Loop(self._tracker(), self._store())
+        self._lock = threading.RLock()  # re-entrant: a finalizer run by a GC inside it may call loops()
+        self._open: "weakref.WeakSet[Loop]" = weakref.WeakSet()  # the sampling() loops open now
+
+    def _tracker(self):
+        return self._tracker_cls(subscribers=self.subscribers, generations=self.generations)
+
+    def _store(self):
+        return self._store_cls(self.store_lock, self.sites)
+
+    # ---- the default loop's parts, by their old names -------------------------------------------
+    @property
+    def tracker(self):
+        return self.default.tracker
+
+    @property
+    def store(self):
+        return self.default.store
+
+    def loops(self) -> List[Loop]:
+        """The default loop and every sampling loop open now."""
+        with self._lock:
+            return [self.default, *self._open]
+
+    # ---- sampling() blocks ------------------------------------------------------------------------
+    def open_loop(self, num_steps: Optional[int]):
+        """A ``sampling(num_steps)`` block starts: a new loop, active in this context, at a new generation
+        of its own. Opened from the default loop it also starts a new generation there, as the one shared
+        tracker did before loops had their own: the metadata of whatever ran before is dropped now.
+        Returns ``(loop, token)`` for ``close_loop``."""
+        parent = active_loop()
+        if parent is self.default:
+            t = parent.tracker
+            with t.lock:
+                t.pending_generation = False
+                t.last_source = None
+                t._new_generation_locked()
+        loop = Loop(self._tracker(), self._store(), parent)
+        t = loop.tracker
+        t.explicit_active, t.explicit_steps, t.explicit_step = True, num_steps, None
+        with self._lock:
+            self._open.add(loop)
+        token = _ACTIVE.set(loop)
+        with t.lock:
+            t._new_generation_locked()
+        return loop, token
+
+    def close_loop(self, loop: Loop, token) -> None:
+        """A ``sampling()`` block ends. Its metadata stays held until the next generation, as before: a loop
+        opened from the default loop hands its store to the default loop, whose next call starts a new
+        generation; a loop nested in another sampling loop drops its metadata (the outer generation goes on
+        undisturbed)."""
+        loop.closed = True
+        if _ACTIVE.get() is loop:
+            try:
+                _ACTIVE.reset(token)
+            except (ValueError, RuntimeError):  # closed from another context (a generator finalised elsewhere)
+                _ACTIVE.set(_open_parent(loop))
+        with self._lock:
+            self._open.discard(loop)
+        parent = _open_parent(loop)
+        if parent is self.default:
+            t = parent.tracker
+            with t.lock:
+                t.last_source = None
+                t.pending_generation = True  # whatever runs next is another generation
+            parent.store.adopt(loop.store)
+        else:
+            loop.store.clear()
+
+    # ---- vc_compile.reset() -------------------------------------------------------------------------
+    def reset(self, report: bool = False) -> None:
+        """Drop all cached metadata and step state (a fresh generation in every loop: the default one and
+        the sampling loops open now, each keeping its ``num_steps``) and what the op remembered per site;
+        ``report=True`` also forgets the call-site records and counts, else only the counts are zeroed."""
+        for loop in self.loops():
+            loop.tracker.reset()
+            loop.store.clear()
+        self.checks.forget()
+        if report:
+            self.sites.clear()
+        else:
+            self.sites.reset_counts()
+
+    def bytes_held(self) -> int:
+        """Bytes of metadata held by every loop (the MC-Sparse residual budget is per process)."""
+        return sum(loop.store.bytes_held() for loop in self.loops())
+
+
+def _open_parent(loop: Loop) -> Loop:
+    p = loop.parent
+    while p is not None and p.closed:
+        p = p.parent
+    return p if p is not None else current().default
+
+
+def current() -> Runtime:
+    """The process's runtime (built on first use)."""
+    rt = _DEFAULT
+    if rt is None:
+        rt = _create()
+    return rt
+
+
+def _create() -> Runtime:
+    global _DEFAULT
+    with _CREATE:
+        if _DEFAULT is None:
+            _DEFAULT = Runtime()
+        return _DEFAULT
+
+
+def active_loop() -> Loop:
+    """The loop a call made here belongs to: the innermost open ``sampling()`` loop of this context, else
+    the runtime's default loop."""
+    loop = _ACTIVE.get()
+    if loop is None:
+        return current().default
+    while loop.closed:
+        loop = loop.parent
+        if loop is None:
+            return current().default
+    return loop
