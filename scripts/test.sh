@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command (README quick start, CI): installs what the tests need, then runs them.
 # On a CPU-only machine the Triton kernels run under TRITON_INTERPRET=1 on small shapes and GPU-only
-# tests are skipped (marker `requires_cuda`). About 4-10 minutes on 2 CPU cores (measured 3 min 55 s
-# for `bash .ci/run` on a clean clone, 2026-12-02: 1072 passed, 249 skipped; serially about twice that).
+# tests are skipped (marker `requires_cuda`). About 6-15 minutes on 2 CPU cores (measured 14 min 51 s
+# of tests for `bash .ci/run` on a clean clone, 2026-12-02: 1093 passed, 256 skipped; 3 min 55 s the day before
+# with 1072 tests on the same kind of machine; serially about twice that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh  # pip install -e ".[test,demo]" (torch kept)

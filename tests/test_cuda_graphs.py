@@ -11,7 +11,8 @@ from conftest import requires_cuda
 from test_vsmooth_attn import make_qkv
 from vc_compile.config import CudaGraphs, VCConfig
 from vc_compile.methods import Phase, mcsparse, vsmooth
-from vc_compile.runtime.graphs import AUTO_MAX_WORK, GRAPHS, LaunchGraphs
+from vc_compile.ops import GRAPHS
+from vc_compile.runtime.graphs import AUTO_MAX_WORK, LaunchGraphs
 
 
 def test_option_is_an_enum_with_a_clear_error():

@@ -42,7 +42,6 @@ from .methods import Phase
 from .runtime import report as _report
 from .runtime import runtime as _runtime
 from .runtime import state
-from .runtime.graphs import GRAPHS
 from .runtime.steps import TRACKER
 from .templates import dispatch
 from .tune import gate as _gate
@@ -92,6 +91,7 @@ def runtime_ineligible(q, k, v, cfg: VCConfig) -> Optional[str]:
 # drained at once when the lock is free, else at the next op call.
 # What the op remembers per site lives in the process's Runtime (runtime/runtime.py: Checks); bound here once.
 _CHECKS = _runtime.current().checks
+GRAPHS = _runtime.current().graphs  # the reuse steps replayed as CUDA graphs (runtime/graphs.py)
 _WATCHED: Dict[Tuple[int, int], Set[tuple]] = _CHECKS.watched  # (site, ident_ptr) -> metadata keys written
 _FREED: collections.deque = _CHECKS.freed
 

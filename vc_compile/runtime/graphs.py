@@ -193,5 +193,3 @@ class LaunchGraphs:
         self.captures += 1
         return True
 
-
-GRAPHS = LaunchGraphs()  # the process's graphs (cleared with the metadata when a generation starts)

@@ -12,6 +12,8 @@ What ``vcattn::attention`` remembers between calls, and what ``vc_compile.reset(
 * ``tuning``: the tuning policy and the memo of launch configurations (``tune/lookup.py``).
 * ``checks``: what the op has seen per site (block identities, sharpness readings, one-time warnings, the
   blocks whose weights it watches; ``ops.py`` binds these containers at import).
+* ``graphs``: the reuse steps captured as CUDA graphs (``runtime/graphs.py``; a new generation of any loop
+  clears them, with the metadata they were captured for).
 * ``live_graphs``: how many live compiled graphs call each site (``backend.py``: a freed graph's metadata
   goes with it).
 * ``subscribers``: functions run whenever a generation of any loop starts (``ops.py`` subscribes the store's
@@ -85,6 +87,7 @@ class Runtime:
 
     def __init__(self):
         from ..tune.lookup import TunePolicy
+        from .graphs import LaunchGraphs
         from .report import SiteRegistry
         from .state import MetadataStore
         from .tracker import Tracker
@@ -96,6 +99,7 @@ class Runtime:
         self.sites = SiteRegistry()
         self.tuning = TunePolicy()
         self.checks = Checks()
+        self.graphs = LaunchGraphs()  # reuse steps captured as CUDA graphs (runtime/graphs.py)
         self.live_graphs: collections.Counter = collections.Counter()  # site id -> live compiled graphs
         self.default = Loop(self._tracker(), self._store())
         self._lock = threading.RLock()  # re-entrant: a finalizer run by a GC inside it may call loops()
@@ -176,6 +180,7 @@ class Runtime:
             loop.tracker.reset()
             loop.store.clear()
         self.checks.forget()
+        self.graphs.clear()
         if report:
             self.sites.clear()
         else:
