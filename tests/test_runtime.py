@@ -8,7 +8,6 @@ import threading
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 import vc_compile
 from vc_compile import ops
@@ -24,12 +23,7 @@ CFG = VCConfig.from_options({"method": "vsmooth", "min_seq_len": 16,
                              "experimental": {"kernels": "reference"}}).to_json()
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    vc_compile.reset(report=True)
-    counters.clear()
-    yield
-    vc_compile.reset(report=True)
+pytestmark = pytest.mark.usefixtures("fresh_vcattn")  # conftest: no vcattn state, sites or counters
 
 
 def _site(name):
