@@ -14,6 +14,8 @@ sampling loop runs them (one set of inputs, no synchronisation in between):
   GPU's time the op is host-bound: the GPU idles between calls.
 * ``ms``: CUDA events around them, per call: what a call costs the GPU, idle gaps included.
 * ``launches``: GPU activities (kernels, memsets, copies) the profiler sees for one reuse call.
+* ``replays``: how many of the timed calls replayed a CUDA graph, and how many of those replayed it on the
+  caller's q, k, v in place (``direct``: nothing copied; runtime/graphs.py).
 * ``kernel_path``: what ``report()`` recorded (``+cuda_graph``: replayed).
 
 ``sdpa_cudnn`` is stock SDPA (cuDNN) on the same inputs, timed the same way in the same run;
@@ -35,6 +37,7 @@ import vc_compile
 import vc_compile.ops  # noqa: F401 - registers torch.ops.vcattn.*
 from benchmarks.bench_generation import Runner, _phase_counts, _step_phase
 from benchmarks.common import Drift, append_rows, print_table, sdpa_backend
+from vc_compile.ops import GRAPHS
 
 BENCH = "bench_op_overhead"
 METHODS = {
@@ -43,8 +46,9 @@ METHODS = {
     "mcsparse@0.15": {"method": "mcsparse", "density": 0.15},
 }
 # the sweep of the fixed-cost target: 2-40 heads, 2K-75K tokens
-SHAPES = ((12, 2048), (12, 8192), (12, 16384), (12, 32760), (2, 32760), (40, 8192), (40, 32760))
-EXTRAS = ["host_ms", "host_ms_sdpa", "launches", "first_host_ms", "steps_run", "kernel_path", "note"]
+SHAPES = ((12, 2048), (12, 4096), (12, 8192), (12, 16384), (12, 32760), (2, 32760), (40, 8192), (40, 32760),
+          (40, 75600))
+EXTRAS = ["host_ms", "host_ms_sdpa", "launches", "replays", "first_host_ms", "steps_run", "kernel_path", "note"]
 
 
 def log(*a):
@@ -110,7 +114,7 @@ def run_method(runner: Runner, opts: dict, n_reuse: int):
     drift, launches, steps_run, seen, first_host = runner.drift(), -1, 0, 0, float("nan")
     n_steps = 50
     host = gpu = float("nan")
-    note = ""
+    note, replays = "", ""
     with vc_compile.sampling(num_steps=n_steps), sdpa_backend("cudnn" if runner.cuda else "math"):
         i = 0
         while i < n_steps and seen < 3:
@@ -131,6 +135,7 @@ def run_method(runner: Runner, opts: dict, n_reuse: int):
             note = f"too few reuse steps ({seen} by step {i} of {n_steps})"
         else:
             before = _phase_counts(site).get("reuse", 0)
+            g0 = (GRAPHS.replays, GRAPHS.direct_replays)
             if runner.cuda:
                 torch.cuda.synchronize()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -147,13 +152,16 @@ def run_method(runner: Runner, opts: dict, n_reuse: int):
             else:
                 gpu = host
             n_done = _phase_counts(site).get("reuse", 0) - before
+            n_rep, n_dir = GRAPHS.replays - g0[0], GRAPHS.direct_replays - g0[1]
+            replays = f"{n_rep} ({n_dir} direct)" if n_rep else "0"
             if n_done != n_reuse:
                 note = f"{n_reuse - n_done} of the {n_reuse} timed steps were not reuse steps"
     rec = next((s for s in vc_compile.report().sites if s.site == site), None)
     paths = ",".join(sorted(rec.kernel_path)) if rec is not None else ""
     if rec is not None and rec.cuda_graph_failure:
         note = (note + "; " if note else "") + f"graph capture failed: {rec.cuda_graph_failure}"
-    return dict(host_ms=host, ms=gpu, launches=launches, steps_run=steps_run + i, first_host_ms=first_host,
+    return dict(host_ms=host, ms=gpu, launches=launches, replays=replays, steps_run=steps_run + i,
+                first_host_ms=first_host,
                 kernel_path=paths, note=note)
 
 
@@ -210,7 +218,8 @@ def main(argv=None):
         all_rows += rows
         if not args.smoke:
             append_rows(BENCH, rows, args.csv, EXTRAS)
-    print_table(all_rows, ["variant", "H", "S", "host_ms", "ms", "launches", "speedup_vs_cudnn", "kernel_path",
+    print_table(all_rows, ["variant", "H", "S", "host_ms", "ms", "launches", "replays", "speedup_vs_cudnn",
+                           "kernel_path",
                            "note"])
     return all_rows
 

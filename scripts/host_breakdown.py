@@ -32,15 +32,25 @@ from benchmarks.common import sdpa_backend
 
 LAYERS = [
     "torch._ops:OpOverloadPacket.__call__",
+    "vc_compile.ops:attention",
     "vc_compile.ops:_rope_inputs",
+    "vc_compile.templates.dispatch:choose",
+    "vc_compile.tune.gate:slower_than_stock",
+    "vc_compile.runtime.graphs:LaunchGraphs.wanted",
+    "vc_compile.runtime.graphs:LaunchGraphs.run",
+    "vc_compile.runtime.graphs:LaunchGraphs._per_meta",
+    "vc_compile.runtime.graphs:_where",
+    "torch.cuda.graphs:CUDAGraph.replay",
+    "torch._tensor:Tensor.clone",
+    "vc_compile.runtime.report:Timer.__enter__",
+    "vc_compile.runtime.report:Timer.__exit__",
+    "vc_compile.runtime.tracker:Tracker.current",
     "vc_compile.ops:runtime_ineligible",
     "vc_compile.ops:too_sharp",
     "vc_compile.ops:identity_problem",
-    "vc_compile.runtime.steps:_Tracker.current",
     "vc_compile.runtime.report:site",
     "vc_compile.runtime.state:get",
     "vc_compile.runtime.state:put",
-    "vc_compile.templates.dispatch:choose",
     "vc_compile.methods.vsmooth:plan",
     "vc_compile.methods.vsmooth:run",
     "vc_compile.methods.mcsparse:plan",
@@ -110,12 +120,16 @@ def main(argv=None):
     ap.add_argument("--method", default="vsmooth+expcast", choices=list(METHODS))
     ap.add_argument("--shape", default="12x8192")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--same-buffers", action="store_true",
+                    help="each step's q, k, v written into the same buffers (as a compiled model's are)")
+    ap.add_argument("--options", default="{}", help="JSON options merged into the method's, e.g. "
+                    "'{\"cuda_graphs\": \"on\"}'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     H, S = (int(x) for x in args.shape.split("x"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     runner = Runner(S, H, 128, 50, 0, device, device.type == "cpu")
-    site, call = runner.op(METHODS[args.method])
+    site, call = runner.op(dict(METHODS[args.method], speed_gate="off", **json.loads(args.options)))
     acc = {"on": False, "t": collections.Counter(), "n": collections.Counter()}
     undo = _wrap_all(acc)
     drift, n_reuse, totals, syncs = runner.drift(), 0, [], []
@@ -123,6 +137,9 @@ def main(argv=None):
         with vc_compile.sampling(num_steps=50), sdpa_backend("cudnn" if runner.cuda else "math"):
             for i in range(50):
                 qkv = tuple(t.transpose(1, 2) for t in drift.step())
+                if args.same_buffers:
+                    bufs = bufs if i else tuple(torch.empty_like(t) for t in qkv)
+                    qkv = tuple(b.copy_(t) for b, t in zip(bufs, qkv))
                 vc_compile.step(i)
                 before = _phase_counts(site)
                 if runner.cuda:
@@ -159,7 +176,7 @@ def main(argv=None):
         if acc["n"][spec]:
             rows.append({"layer": spec, "ms_per_call": 1e3 * acc["t"][spec] / n,
                          "calls_per_call": acc["n"][spec] / n})
-    print(f"{args.method} H{H} S{S}: {len(totals)} reuse calls")
+    print(f"{args.method} H{H} S{S}{' same buffers' if args.same_buffers else ''}: {len(totals)} reuse calls")
     for r in rows:
         print(f"  {r['ms_per_call']:8.3f} ms  x{r['calls_per_call']:5.2f}  {r['layer']}")
     print(f"synchronisations in one reuse call: {len(syncs)}")
@@ -167,7 +184,7 @@ def main(argv=None):
         print("  " + s.replace("\n", " | "))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"method": args.method, "H": H, "S": S, "rows": rows, "syncs": syncs}, f, indent=1)
+            json.dump({"method": args.method, "H": H, "S": S, "same_buffers": args.same_buffers, "rows": rows, "syncs": syncs}, f, indent=1)
 
 
 if __name__ == "__main__":

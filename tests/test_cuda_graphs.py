@@ -90,3 +90,37 @@ def test_gpu_new_metadata_new_graph():
     assert GRAPHS.captures == c0 + 2
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@requires_cuda
+@pytest.mark.parametrize("method", ["vsmooth", "mcsparse"])
+def test_gpu_direct_graph_when_inputs_stay_put(method):
+    """q, k, v written into the same buffers each step (as a compiled model's are): the graph is captured on
+    them and replayed without a copy, bit for bit the launched result; a step whose inputs sit elsewhere
+    replays a staged graph instead, also exact."""
+    vc_compile.reset(report=True)
+    opts = {"method": method, "num_steps": 12, "max_logit_std": 0}
+    opts.update(warmup_steps=2, anchor_steps=[2]) if method == "mcsparse" else opts.update(group_fraction=0.1)
+    steps = [make_qkv(1, 4, 2048, 128, torch.bfloat16, device="cuda", seed=s) for s in range(12)]
+    ref = _run_loop(dict(opts, cuda_graphs="off"), steps, site=991_011)
+    bufs = tuple(torch.empty_like(t) for t in steps[0])
+
+    def in_place(i):
+        if i == 9:  # one step elsewhere: the staged graph
+            return steps[i]
+        for b, t in zip(bufs, steps[i]):
+            b.copy_(t)
+        return bufs
+    vc_compile.reset()
+    direct0, replays0 = GRAPHS.direct_replays, GRAPHS.replays
+    cfg = VCConfig.from_options(dict(opts, cuda_graphs="on")).to_json()
+    got = []
+    with vc_compile.sampling(num_steps=12):
+        for i in range(12):
+            vc_compile.step(i)
+            got.append(torch.ops.vcattn.attention(*in_place(i), None, 991_012, cfg, None))
+    rec = next(s for s in vc_compile.report().sites if s.site == 991_012)
+    assert rec.cuda_graph_failure is None
+    assert GRAPHS.replays - replays0 >= 3 and GRAPHS.direct_replays - direct0 == GRAPHS.replays - replays0 - 1
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)

@@ -804,13 +804,14 @@ def test_sparse_qk_fp8_on_the_reference_path():
 
 @contextlib.contextmanager
 def fresh_resolve_caches():
-    dispatch.triton_error.cache_clear()
-    dispatch._warn_once.cache_clear()
+    caches = (dispatch.triton_error, dispatch._warn_once, dispatch._capability)
+    for c in caches:
+        c.cache_clear()
     try:
         yield
     finally:
-        dispatch.triton_error.cache_clear()
-        dispatch._warn_once.cache_clear()
+        for c in caches:
+            c.cache_clear()
 
 
 CUDA = torch.device("cuda")

@@ -8,19 +8,26 @@ Triton/Gluon launch path (binder, descriptors, launcher), which is longer than t
 costs a few microseconds of host time.
 
 How. Per (site, block, branch, shape, device, metadata slot) and per metadata object (``Entry``):
-* the first replayable call runs normally (kernels compiled, launch configs looked up and memoised);
-* the second captures ``fn`` (the method's run on *staging* copies of q, k, v) into a ``torch.cuda.CUDAGraph``
-  whose last node copies the output into a staging output;
-* every later call copies q, k, v into the staging inputs, replays, and returns a clone of the staging output
-  (never a buffer a later replay overwrites).
+* the first replayable call runs normally (kernels compiled, launch configs looked up and memoised) and notes
+  where q, k and v live (addresses and strides);
+* a later call where q, k, v sit where the previous call's did captures ``fn`` (the method's run) into a
+  ``torch.cuda.CUDAGraph`` on the caller's own tensors (a *direct* graph: a compiled model's buffers come back
+  at the same addresses step after step) and replays it at every call that finds them there: nothing copied;
+* a call whose inputs moved replays the *staged* graph (captured at the first such call on staging tensors)
+  after copying q, k, v into them; inputs that move and then stay put get a new direct graph (at most
+  ``MAX_DIRECT`` per entry);
+* every replay returns a clone of the graph's output (never a buffer a later replay overwrites).
+A direct graph reads the caller's tensors only at the addresses it checked this call: whatever lives there now
+is this call's q, k, v (same shapes, strides, dtype), so it is as right as launching the kernels on them.
 Staging tensors are shared by every graph of one (thread, shape, strides, dtype, device) (a thread's calls run
 one after another on one stream; an entry replays on the staging of the thread that captured it, so a loop that
-moves to another thread while the first still replays would share it); each graph keeps its intermediates in its own memory pool (~2.5x the size of q: the 8-bit
-codes, scales and the kernel's output). NOTE not one pool shared by all graphs: on torch 2.11 the captures
-after a shared pool's graphs were freed (a new generation) failed with an internal allocator assert
-(``use_count > 0``, CUDACachingAllocator.cpp). The extra GPU work is one copy of q, k, v and two of the output
-per call (measured in benchmarks/bench_op_overhead.py). After a capture fails, no graph is captured again in
-this process (the reason is in ``report()``).
+moves to another thread while the first still replays would share it); each graph keeps its intermediates and its
+output in its own memory pool (~2.5x the size of q: the 8-bit codes, scales and the kernel's output). NOTE not
+one pool shared by all graphs: on torch 2.11 the captures after a shared pool's graphs were freed (a new
+generation) failed with an internal allocator assert (``use_count > 0``, CUDACachingAllocator.cpp). The extra
+GPU work is one copy of the output per call, plus one of q, k, v on the staged graph (measured in
+benchmarks/bench_op_overhead.py). After a capture fails, no graph is captured again in this process (the
+reason is in ``report()``).
 
 When. The method says whether a call is replayable (``replayable(phase, cfg)``: its launches depend only on
 q, k, v and the metadata, with no host reads and no metadata update); the option ``cuda_graphs`` says
@@ -52,13 +59,26 @@ import torch
 AUTO_MAX_WORK = 1.1e11
 
 
+# a direct graph is captured again when the inputs move and then stay put; inputs that move every call get
+# the staged graph instead of a capture per call
+MAX_DIRECT = 3
+
+
 class Entry:
-    __slots__ = ("calls", "graph", "q", "k", "v", "out", "sources", "failed")
+    __slots__ = ("calls", "last", "direct", "direct_captures", "staged", "sources", "failed")
 
     def __init__(self):
-        self.calls, self.graph, self.failed = 0, None, None
-        self.q = self.k = self.v = self.out = None
+        self.calls, self.failed = 0, None
+        self.last = None  # where the previous call's q, k, v lived (see _where)
+        self.direct = None  # (graph, output, where) captured on the caller's tensors
+        self.direct_captures = 0
+        self.staged = None  # (graph, output, q, k, v staging)
         self.sources: collections.Counter = collections.Counter()
+
+
+def _where(q, k, v) -> tuple:
+    """What a graph captured on these tensors depends on: addresses, shapes, strides, dtypes."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in (q, k, v))
 
 
 class LaunchGraphs:
@@ -74,6 +94,7 @@ class LaunchGraphs:
         self.broken: Optional[str] = None  # a capture failed: no more captures in this process
         self.captures = 0
         self.replays = 0
+        self.direct_replays = 0  # replays that copied nothing (q, k, v where the graph read them)
 
     def clear(self, *_args) -> None:
         """Forget every graph and staging buffer (a new generation drops the metadata anyway)."""
@@ -86,19 +107,29 @@ class LaunchGraphs:
         """Whether the option allows a graph for this call (before the method's own say)."""
         if mode == "off" or not q.is_cuda:
             return False
-        if torch.cuda.is_current_stream_capturing():
+        # NOTE raw-stream queries: torch.cuda.current_stream()/default_stream() build Stream objects, 35-57 us
+        # of host time per call on the H200's host (scripts/host_breakdown.py) against a few us for these
+        if torch._C._cuda_getCurrentRawStream(q.device.index if q.device.index is not None
+                                              else torch.cuda.current_device()) != 0:
+            return False  # a side stream or a capture (never the default stream): staging is per stream
+        if torch._C._cuda_isCurrentStreamCapturing():
             return False
-        if torch.cuda.current_stream(q.device) != torch.cuda.default_stream(q.device):
-            return False  # staging buffers are shared: one stream only
         if mode == "on":
             return True
+        # NOTE not above the bound even for a direct graph: each graph keeps its intermediates in its own pool
+        # (~2.5x q), e.g. 1.9 GB per call site at 40 heads x 75600 tokens, x 30 blocks x 2 CFG branches
         B, H, S, D = q.shape
         return B * H * S * k.shape[2] * D <= AUTO_MAX_WORK
 
     def run(self, key: tuple, meta, fn: Callable, q, k, v, sources: collections.Counter) -> Optional[torch.Tensor]:
         """This call's output through the entry's graph, or None (run the call normally: the first call, or a
-        failed capture). ``fn(q, k, v)`` returns the output; ``sources`` is the call's tuning-lookup counter
-        (the counts its capture recorded are added again at each replay, so ``report()`` counts every call)."""
+        failed capture). ``fn(q, k, v)`` returns the output;
+        ``sources`` is the call's tuning-lookup counter (the counts its capture recorded are added again at each
+        replay, so ``report()`` counts every call).
+
+        Which graph: the direct one where q, k, v sit at its addresses; else a new direct one where they sit
+        where the previous call's did (inputs that stay put; at most ``MAX_DIRECT`` captures per entry), else
+        the staged one."""
         per_meta = self._per_meta(meta)
         if per_meta is None:  # metadata that cannot be weakly referenced: no graphs for it
             return None
@@ -106,21 +137,36 @@ class LaunchGraphs:
         if entry is None:
             entry = per_meta[key] = Entry()
         entry.calls += 1
+        where = _where(q, k, v)
+        last, entry.last = entry.last, where
         if entry.failed is not None or entry.calls == 1:
             return None
-        if entry.graph is None:
-            if self.broken is not None:
-                entry.failed = f"an earlier capture failed ({self.broken})"
+        if entry.direct is not None and entry.direct[2] == where:
+            graph, out = entry.direct[:2]
+            self.direct_replays += 1
+        elif where == last and entry.direct_captures < MAX_DIRECT:
+            if not self._can_capture(entry) or not self._capture(entry, fn, q, k, v, sources, staged=False):
                 return None
-            if not self._capture(entry, fn, q, k, v, sources):
-                return None
-        entry.q.copy_(q)
-        entry.k.copy_(k)
-        entry.v.copy_(v)
-        entry.graph.replay()
+            graph, out = entry.direct[:2]
+            self.direct_replays += 1
+        else:
+            if entry.staged is None:
+                if not self._can_capture(entry) or not self._capture(entry, fn, q, k, v, sources, staged=True):
+                    return None
+            graph, out, qs, ks, vs = entry.staged
+            qs.copy_(q)
+            ks.copy_(k)
+            vs.copy_(v)
+        graph.replay()
         self.replays += 1
         sources.update(entry.sources)
-        return entry.out.clone()
+        return out.clone()
+
+    def _can_capture(self, entry: Entry) -> bool:
+        if self.broken is not None:
+            entry.failed = f"an earlier capture failed ({self.broken})"
+            return False
+        return True
 
     def _per_meta(self, meta) -> Optional[Dict[tuple, Entry]]:
         mid = id(meta)
@@ -147,21 +193,27 @@ class LaunchGraphs:
         per_meta = hit[1] if hit is not None and hit[0]() is meta else {}
         return {key: e.failed for key, e in per_meta.items() if e.failed is not None}
 
-    def _staging_for(self, q, k, v, out_like: Optional[torch.Tensor]):
+    def _staging_for(self, q, k, v):
         # per thread: two sampling loops may run in two threads (runtime.py), each its own staging
         skey = (threading.get_ident(),) + tuple((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
                                                 for t in (q, k, v))
         with self._lock:
             st = self._staging.get(skey)
             if st is None:
-                st = self._staging[skey] = tuple(torch.empty_like(t) for t in (q, k, v)) + ({},)
+                st = self._staging[skey] = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                                     device=t.device) for t in (q, k, v))
         return st
 
-    def _capture(self, entry: Entry, fn, q, k, v, sources) -> bool:
+    def _capture(self, entry: Entry, fn, q, k, v, sources, staged: bool) -> bool:
+        """Capture ``fn`` on q, k, v (``staged=False``: the caller's tensors) or on staging copies of them;
+        the graph is not replayed here."""
         dev = q.device
-        qs, ks, vs, outs = self._staging_for(q, k, v, None)
-        for dst, src in ((qs, q), (ks, k), (vs, v)):
-            dst.copy_(src)
+        if staged:
+            ins = self._staging_for(q, k, v)
+            for dst, src in zip(ins, (q, k, v)):
+                dst.copy_(src)
+        else:
+            ins = (q, k, v)
         g = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -170,13 +222,7 @@ class LaunchGraphs:
             with torch.cuda.stream(side):
                 g.capture_begin(capture_error_mode="thread_local")
                 try:
-                    out = fn(qs, ks, vs)
-                    okey = (tuple(out.shape), tuple(out.stride()), out.dtype)
-                    so = outs.get(okey)
-                    if so is None:
-                        so = outs[okey] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=dev)
-                    so.copy_(out)
-                    del out
+                    out = fn(*ins)
                 finally:
                     g.capture_end()
         except Exception as e:  # noqa: BLE001 - any capture problem: this entry runs without a graph
@@ -185,11 +231,16 @@ class LaunchGraphs:
             torch.cuda.current_stream(dev).wait_stream(side)
             return False
         torch.cuda.current_stream(dev).wait_stream(side)
-        entry.sources = sources - before
-        for c in entry.sources:  # the capture's lookups are counted at each replay instead
-            sources[c] -= entry.sources[c]
+        recorded = sources - before
+        if not entry.sources:
+            entry.sources = recorded
+        for c in recorded:  # the capture's lookups are counted at each replay instead
+            sources[c] -= recorded[c]
         sources += collections.Counter()  # drop zero counts
-        entry.graph, entry.q, entry.k, entry.v, entry.out = g, qs, ks, vs, so
+        if staged:
+            entry.staged = (g, out) + tuple(ins)
+        else:
+            entry.direct = (g, out, _where(q, k, v))  # a replaced direct graph goes (its pool with it)
+            entry.direct_captures += 1
         self.captures += 1
         return True
-

@@ -141,7 +141,15 @@ def fp8_capable(device: torch.device) -> bool:
         return interpreting()
     if getattr(torch.version, "hip", None):  # Triton's float8e4nv (OCP E4M3 on NVIDIA) is not ROCm's
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _capability(device) >= (8, 9)
+
+
+# NOTE cached: torch.cuda.get_device_capability costs ~10-30 us of host time per op call (H200 host,
+# scripts/host_breakdown.py: dispatch.choose 29-59 us per reuse call before)
+@functools.lru_cache(maxsize=None)
+def _capability(device) -> tuple:
+    """(major, minor) of a CUDA device (a torch.device or an index; cuda without an index: the current one)."""
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 def choose(method: str, kernels: str, needs_fp8: bool, device: torch.device) -> Tuple[Impl, str]:
@@ -299,9 +307,8 @@ def uses_sm90(device: torch.device, qk_format: str) -> bool:
     return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return _capability(index) == (9, 0)
 
 
 def vsmooth_kernel(device: torch.device, qk_format: str, launch=None) -> str:
