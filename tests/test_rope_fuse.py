@@ -371,9 +371,19 @@ def test_kernel_prologue_matches_reference(form, layout, pair, D, dtype, S, toks
     exact = KERNEL_DEVICE == "cpu" and not hadamard
     assert_codes(got.q8, want.q8, exact=exact, what="q8")
     assert_codes(got.k8, want.k8, exact=False, what="k8")
-    torch.testing.assert_close(got.k_mean, want.k_mean, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got.q_scale, want.q_scale, rtol=0 if exact else 2e-6, atol=0)
-    torch.testing.assert_close(got.k_scale, want.k_scale, rtol=2e-6, atol=0)
+    if KERNEL_DEVICE == "cpu":
+        mean_tol, scale_rtol = 1e-5, 2e-6
+    else:
+        # on the GPU the kernel's RoPE may contract to FMAs: a rotated value can differ from the reference's by
+        # one ulp of the input dtype (eps relative); a row/block scale (its max) by as much, and K's mean
+        # over S tokens by up to sqrt(S) such differences of random sign, each ulp(max|k|) / S (H200: 1 of 256
+        # means off by one fp16 ulp / S = 1.95e-5, a q_scale by 1.7e-5 relative through the Hadamard)
+        eps = torch.finfo(dtype).eps
+        mean_tol = eps * 2 ** 0.5 * float(kb.float().abs().amax()) * (1 + S ** 0.5) / S  # |rotated| <= sqrt(2) max
+        scale_rtol = eps
+    torch.testing.assert_close(got.k_mean, want.k_mean, rtol=0, atol=max(mean_tol, 1e-5))
+    torch.testing.assert_close(got.q_scale, want.q_scale, rtol=0 if exact else scale_rtol, atol=0)
+    torch.testing.assert_close(got.k_scale, want.k_scale, rtol=scale_rtol, atol=0)
     # the reference entry point with rope= is the same as rotating first
     r2 = ref_pre.preprocess_qk(qb, kb, perm, sm_scale=sm, hadamard=hadamard, rope=ra)
     assert torch.equal(r2.q8, want.q8) and torch.equal(r2.k8, want.k8)
@@ -509,7 +519,8 @@ def test_bench_preprocess_args_and_smoke(tmp_path):
 def test_kernel_packed_pairs_equal_unpacked(monkeypatch, dtype, fmt, pair, toks):
     """The interleaved prologue's packed path (pairs read as one 32-bit word, codes stored as int16 pairs,
     tables as [R, D/2] or pair words) gives the same codes and scales as the [R, D] path, non-finite
-    inputs included."""
+    inputs included. FP8 codes never take it: on the H200 its FP8 codes were wrong in whole channels
+    (regression: these FP8 cases failed there with the packed path)."""
     from vc_compile.templates import preprocess as tpl
     from vc_compile.templates.configs import PreprocessConfig
     B, H, S, D = 1, 2, 90, 64
@@ -537,7 +548,7 @@ def test_kernel_packed_pairs_equal_unpacked(monkeypatch, dtype, fmt, pair, toks)
     got = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, qk_format=fmt, rope=ra)
     want = tpl.preprocess_qk(qb, kb, perm, sm_scale=D ** -0.5, qk_format=fmt, rope=ra,
                              launch=PreprocessConfig(rope_packed=False))
-    assert calls == [(True, not pair), (False, False)]
+    assert calls == [(fmt == "int8", fmt == "int8" and not pair), (False, False)]
     for a, b in zip(got, want):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a.view(torch.uint8) if a.dtype == tpl.FP8 else a.nan_to_num(7.0),

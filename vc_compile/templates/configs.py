@@ -419,7 +419,7 @@ class PreprocessConfig(_Json):
     ``stats_warps`` its warps per program (with V, D = 128).
     How the Q/K quantisation applies a fused RoPE prologue (no effect without RoPE): ``rope_packed``:
     interleaved pairs of 16-bit q/k read as 32-bit words and the codes stored as int16 pairs (applies when the
-    inputs allow it; else the pairs are split in registers). ``rope_head_fast``: grid (B*H, token blocks), the
+    inputs allow it and the codes are INT8; else the pairs are split in registers). ``rope_head_fast``: grid (B*H, token blocks), the
     heads of one token block back to back (the table rows come from L2)."""
     rope_packed: bool = True
     rope_head_fast: bool = True

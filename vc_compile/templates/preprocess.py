@@ -582,8 +582,11 @@ def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hada
         q_scale = torch.empty(B, H, S, device=dev, dtype=torch.float32)
         k_scale = torch.empty(B, H, triton.cdiv(S, BLOCK_K), device=dev, dtype=torch.float32)
         k_mean = torch.empty(B, H, D, device=dev, dtype=torch.float32)
+        # NOTE INT8 codes only: on the H200 (triton 3.6, 2026-12-02) the packed path's FP8 codes were wrong in
+        # whole channels (e.g. channel 2 of every row stored as 0, or as one constant code), where the [R, D]
+        # path's were right (tests/test_rope_fuse.py, packed vs unpacked); the CPU interpreter agreed with both
         packed = (launch.rope_packed and rope is not None and rope.form == "interleaved" and not hadamard
-                  and q.dtype in (torch.bfloat16, torch.float16) and pair_words_ok(q, k))
+                  and qk_format != "fp8" and q.dtype in (torch.bfloat16, torch.float16) and pair_words_ok(q, k))
         args = [q, k, p, kpart, hpm, q8, k8, q_scale, k_scale, k_mean, S, H, *q.stride(), *k.stride(), *pstr,
                 float(sm_scale) * LOG2E, h_norm, float(count), nsk]
         kw.update(NSP=triton.next_power_of_2(nsk), HADAMARD=hadamard, FP8_OUT=qk_format == "fp8",

@@ -11,7 +11,7 @@ rotated. K rows are rotated at their own token position (before the perm gather)
 is (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``): the heads of one token block run back to back and
 the table rows come from L2; the Q tile runs as two 64-row halves (register pressure).
 Every load and store must stay a 16-byte vector in ONE register layout, as in the no-RoPE path:
-- interleaved, 16-bit q/k with unit channel stride, no Hadamard (``PACKED``, ``PreprocessConfig.rope_packed``;
+- interleaved, 16-bit q/k with unit channel stride, no Hadamard, INT8 codes (``PACKED``, ``PreprocessConfig.rope_packed``;
   Wan/Hunyuan/LTX/tiny_dit): a pair (2i, 2i+1) is read as one 32-bit word (``load_pairs``), tables as
   [R, D/2] (pair table) or as 64-bit pair words (full fp32 table), the rotation done on the [R, D/2]
   even/odd halves and the codes stored as int16 pairs (``preprocess._quant_pair``): x, partner, tables and
