@@ -21,10 +21,12 @@ def test_h200_gates_small_vsmooth_calls_and_not_large_or_sparse_ones():
     small, large = 12 * 8192 ** 2 * 128.0, 12 * 32760 ** 2 * 128.0
     gate.slower_than_stock.cache_clear()
     r = gate.slower_than_stock(gpu, "vsmooth", False, 0.15, small)
-    assert r is not None and r.startswith("stock is faster at this shape") and "x0.79" in r
-    assert gate.slower_than_stock(gpu, "vsmooth", True, 0.15, small) is not None  # ExpCast 0.87x there
+    measured = gate.estimate(gate.table()[gpu]["vsmooth"], small)  # the shipped rows' figure (0.85x at writing)
+    assert measured < 1.0
+    assert r is not None and r.startswith("stock is faster at this shape") and f"x{measured:.2f}" in r
+    assert gate.slower_than_stock(gpu, "vsmooth", True, 0.15, small) is not None  # ExpCast 0.98x there
     assert gate.slower_than_stock(gpu, "vsmooth", False, 0.15, large) is None
-    assert gate.slower_than_stock(gpu, "mcsparse", False, 0.25, small) is None  # 2.2x: nearest density 0.15
+    assert gate.slower_than_stock(gpu, "mcsparse", False, 0.25, small) is None  # 3.0x: nearest density 0.15
     assert gate.slower_than_stock("Some Other GPU", "vsmooth", False, 0.15, small) is None  # unmeasured: no gate
     assert gate.slower_than_stock(gpu, "dense", False, 0.15, small) is None
 
