@@ -123,9 +123,8 @@ class LaunchGraphs:
 
     def run(self, key: tuple, meta, fn: Callable, q, k, v, sources: collections.Counter) -> Optional[torch.Tensor]:
         """This call's output through the entry's graph, or None (run the call normally: the first call, or a
-        failed capture). ``fn(q, k, v)`` returns the output;
-        ``sources`` is the call's tuning-lookup counter (the counts its capture recorded are added again at each
-        replay, so ``report()`` counts every call).
+        failed capture). ``fn(q, k, v)`` returns the output; ``sources`` is the call's tuning-lookup counter
+        (the counts its capture recorded are added again at each replay, so ``report()`` counts every call).
 
         Which graph: the direct one where q, k, v sit at its addresses; else a new direct one where they sit
         where the previous call's did (inputs that stay put; at most ``MAX_DIRECT`` captures per entry), else
@@ -145,13 +144,13 @@ class LaunchGraphs:
             graph, out = entry.direct[:2]
             self.direct_replays += 1
         elif where == last and entry.direct_captures < MAX_DIRECT:
-            if not self._can_capture(entry) or not self._capture(entry, fn, q, k, v, sources, staged=False):
+            if not self._can_capture(entry) or not self._capture(entry, fn, q, k, v, sources, where=where):
                 return None
             graph, out = entry.direct[:2]
             self.direct_replays += 1
         else:
             if entry.staged is None:
-                if not self._can_capture(entry) or not self._capture(entry, fn, q, k, v, sources, staged=True):
+                if not self._can_capture(entry) or not self._capture(entry, fn, q, k, v, sources):
                     return None
             graph, out, qs, ks, vs = entry.staged
             qs.copy_(q)
@@ -204,9 +203,10 @@ class LaunchGraphs:
                                                                      device=t.device) for t in (q, k, v))
         return st
 
-    def _capture(self, entry: Entry, fn, q, k, v, sources, staged: bool) -> bool:
-        """Capture ``fn`` on q, k, v (``staged=False``: the caller's tensors) or on staging copies of them;
-        the graph is not replayed here."""
+    def _capture(self, entry: Entry, fn, q, k, v, sources, where: Optional[tuple] = None) -> bool:
+        """Capture ``fn`` on the caller's q, k, v (``where``: their ``_where``, a direct graph) or, without it,
+        on staging copies of them (the staged graph); the graph is not replayed here."""
+        staged = where is None
         dev = q.device
         if staged:
             ins = self._staging_for(q, k, v)
@@ -240,7 +240,7 @@ class LaunchGraphs:
         if staged:
             entry.staged = (g, out) + tuple(ins)
         else:
-            entry.direct = (g, out, _where(q, k, v))  # a replaced direct graph goes (its pool with it)
+            entry.direct = (g, out, where)  # a replaced direct graph goes (its pool with it)
             entry.direct_captures += 1
         self.captures += 1
         return True
