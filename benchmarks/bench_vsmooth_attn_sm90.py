@@ -2,7 +2,7 @@
 the FP8 baselines of the same run (FA3's FP8 kernel, torchao's FP8 op, where installed).
 
     python -m benchmarks.bench_vsmooth_attn_sm90 [--shapes 40x32760x128,40x75600x128] [--modes expcast,exp2]
-        [--configs '[{"pv_group": 4}, ...]'] [--inputs structured,rising] [--no-csv] [--smoke]
+        [--configs '[{"stages": 3}, ...]'] [--inputs structured,rising] [--no-csv] [--smoke]
 
 Per shape and mode (``exp2`` = V-Smooth, ``expcast`` = V-Smooth + ExpCast), the kernel alone on the runtime's
 preprocessing (k-means order, V in the sm_90 layout), once with the measured default launch
@@ -124,7 +124,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="40x32760x128,40x75600x128", help="HxSxD, comma-separated (B = 1)")
     ap.add_argument("--modes", default="expcast,exp2")
-    ap.add_argument("--configs", default="[]", help="JSON list of launch-field overrides, e.g. '[{\"pv_group\": 4}]'")
+    ap.add_argument("--configs", default="[]", help="JSON list of launch-field overrides, e.g. '[{\"stages\": 3}]'")
     ap.add_argument("--inputs", default="structured")
     ap.add_argument("--no-csv", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="parse the arguments and print an empty table")
