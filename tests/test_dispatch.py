@@ -91,3 +91,46 @@ def test_report_label_is_the_dispatch_decision():
     cfg = VCConfig()
     assert vsmooth.path_label("triton", None, cfg, cpu) == "triton"
     assert vsmooth.path_label("reference", None, cfg, cpu) == "reference"
+
+
+def test_every_entry_has_a_kernel_and_a_reference():
+    """Each row's entry points exist in its kernel module and in reference/ (the oracle ``call`` runs for
+    REFERENCE): a row cannot name a function one side lacks."""
+    for name, row in dispatch.KERNELS.items():
+        assert set(row.launched) <= set(row.entries), name
+        assert not row.launched or row.default_launch is None or isinstance(row.default_launch, row.config), name
+        for entry in row.entries:
+            assert callable(dispatch.kernel_fn(name, entry)), (name, entry)
+            assert callable(dispatch.reference_fn(name, entry)), (name, entry)
+    with pytest.raises(ValueError, match="kmeans.*no entry 'kmeans'"):
+        dispatch.reference_fn("kmeans", "kmeans")
+
+
+def test_call_routes_by_impl_and_refuses_a_launch_for_the_reference():
+    """``call``: REFERENCE runs the oracle (a launch config names a kernel: refused), TRITON the kernel with the
+    row's default launch where the entry takes one (CPU, interpreter: the same function the wrapper used)."""
+    from vc_compile.reference import kmeans as ref_kmeans
+    R = dispatch.Impl.REFERENCE
+    x = torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(0))
+    got = dispatch.call("kmeans", "kmeans_perm", R, x, 4, 2)
+    want = ref_kmeans.kmeans_perm(x, 4, 2)
+    assert torch.equal(got.perm, want.perm) and torch.equal(got.labels, want.labels)
+    mass = torch.randn(1, 1, 3, 50, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="the reference has none"):
+        dispatch.call("topk", "select_topk", R, mass, 5, launch=C.TOPK_DEFAULT)
+    with pytest.raises(ValueError, match="the reference has none"):
+        dispatch.topk(R, mass, 5, launch=C.TOPK_DEFAULT)
+    with pytest.raises(ValueError, match="takes no launch config"):
+        dispatch.call("kmeans", "kmeans_perm", dispatch.Impl.TRITON, x, 4, 2, launch=C.TOPK_DEFAULT)
+
+
+def test_implementation_names_what_runs():
+    cpu = torch.device("cpu")
+    R, T = dispatch.Impl.REFERENCE, dispatch.Impl.TRITON
+    assert dispatch.implementation("vsmooth_attn", R, device=cpu) == "reference"
+    assert dispatch.implementation("vsmooth_attn", T, device=cpu) == "triton"
+    # a launch config picks its kernel, and the label follows it
+    ms_ws = C.vsmooth_sm90_default(128, True, 32760)
+    assert dispatch.implementation("vsmooth_attn", T, device=cpu, launch=ms_ws) == "triton/gluon_sm90"
+    assert dispatch.implementation("sparse_attn_sm90", T) == "triton/gluon_sm90_gather"
+    assert dispatch.implementation("topk", T) == "triton"

@@ -204,7 +204,7 @@ def select(impl, q, k, sigma, lse2, *, sm_scale, group_size, keep, selection=Sel
             scores = torch_ops.mean_pool_scores(q[:, sl], k[:, sl], sigma[:, sl], sm_scale=sm_scale,
                                                 group_size=group_size, block=KV_TILE if block else 1)
         parts.append(torch_ops.expand_blocks(scores, keep, Sk, KV_TILE) if block
-                     else dispatch.select_topk(impl, scores, keep))
+                     else dispatch.select_topk(scores, keep))
         del scores
     return torch.cat(parts, dim=1)
 

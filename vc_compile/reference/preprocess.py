@@ -117,6 +117,14 @@ def preprocess_v(v, perm=None, *, smooth: bool = True) -> VQuant:
     return VQuant(v8t, v_scale, mu, S, zero_mean=not smooth)
 
 
+def preprocess(q, k, v, perm=None, *, sm_scale: float, hadamard: bool = False, qk_format: str = "int8",
+               smooth: bool = True, rope=None):
+    """(QKQuant, VQuant) of q, k, v: ``preprocess_qk`` and ``preprocess_v`` (V in the "natural" layout; the
+    kernel may write the "sm90" one, the same codes in another key order)."""
+    return (preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format, rope=rope),
+            preprocess_v(v, perm, smooth=smooth))
+
+
 def dequantize_v(vq: VQuant) -> torch.Tensor:
     """The V' (permuted) that the attention kernel effectively multiplies by: fp32 [B, H, S, D]."""
     vq = natural_layout(vq)

@@ -23,8 +23,12 @@ Rules, in order:
   cross-attention for the 8-bit kernels).
 
 * ``KERNELS``: one row per kernel (module, launch-config class, tuned or not and the sources that key its
-  tuning, the report's label); ``triton_error``, ``SOURCES``, ``_resolve`` and ``vsmooth_label`` read it, and a
-  wrapper imports its kernel through ``kernel_module``. A new kernel is a row here plus its wrapper.
+  tuning, candidates and tuning key, the report's label, its oracle in ``reference/`` and the entry points
+  both modules provide); ``triton_error``, ``SOURCES``, ``_resolve``, ``call`` and ``implementation`` read it.
+  ``call(kernel, entry, impl, ...)`` runs an entry (the oracle for REFERENCE, the kernel with its launch for
+  TRITON); the named wrappers below are ``call`` plus a tuned launch where there is one, and
+  ``implementation`` is the label of what a call runs, the same decision the call makes (``report()`` uses it).
+  A new kernel is a row here (and a wrapper only if its launch is tuned or its arguments need converting).
 
 Nothing here holds state that selects an implementation: every decision is a function of the arguments and
 the device.
@@ -42,17 +46,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from vc_compile import torch_ops
-from vc_compile.reference import anchor_mass as ref_anchor_mass
-from vc_compile.reference import dense as ref_dense
-from vc_compile.reference import finite_flags as ref_flags
-from vc_compile.reference import kmeans as ref_kmeans
-from vc_compile.reference import pddp as ref_pddp
-from vc_compile.reference import preprocess as ref_preprocess
-from vc_compile.reference import select as ref_select
-from vc_compile.reference import sparse_attn as ref_sparse
-from vc_compile.reference import sparse_attn_q8 as ref_sparse_q8
-from vc_compile.reference import topk as ref_topk
-from vc_compile.reference import vsmooth_attn as ref_vsmooth
 from vc_compile.templates import configs as C
 from vc_compile.templates.interpret import interpreting
 from vc_compile.tune import lookup as tune
@@ -77,6 +70,14 @@ class KernelRow:
     # part of ``triton_error``'s import check: the Triton kernels every GPU path needs. The Gluon sm_90 kernels
     # are not (a Triton without Gluon must not take the other kernels down); they import where they run.
     core: bool = True
+    # the plain-PyTorch oracle: its module in reference/ (REFERENCE calls), and the entry points ``call`` routes,
+    # each the same function name in both modules unless ``ref_names`` maps it ("module:function" in reference/)
+    reference: Optional[str] = None
+    entries: Tuple[str, ...] = ()
+    ref_names: Tuple[Tuple[str, str], ...] = ()
+    # the launch config an untuned kernel's entries take when the caller gives none (``launched``: which do)
+    default_launch: Optional[object] = None
+    launched: Tuple[str, ...] = ()
 
     @property
     def tuned(self) -> bool:
@@ -86,27 +87,38 @@ class KernelRow:
 # The kernels, one row each: ``triton_error``, ``SOURCES``, the tuning (``_resolve``) and the report's labels
 # follow from this table.
 KERNELS: Dict[str, KernelRow] = {r.name: r for r in (
-    KernelRow("preprocess", "preprocess", C.PreprocessConfig),
-    KernelRow("kmeans", "kmeans"),
+    KernelRow("preprocess", "preprocess", C.PreprocessConfig, reference="preprocess",
+              entries=("preprocess_qk", "preprocess_v", "preprocess"), default_launch=C.PREPROCESS_DEFAULT,
+              launched=("preprocess_qk", "preprocess")),
+    KernelRow("kmeans", "kmeans", reference="kmeans", entries=("kmeans_perm",)),
     KernelRow("vsmooth_attn", "vsmooth_attn", C.VSmoothTritonConfig, ("vsmooth_attn.py",),
               candidates=lambda D, expcast, **_: list(C.VSMOOTH_TRITON_CANDIDATES[(D, bool(expcast))]),
-              variant=lambda expcast, qk_fp8, **_: C.vsmooth_triton_variant(expcast, qk_fp8)),
+              variant=lambda expcast, qk_fp8, **_: C.vsmooth_triton_variant(expcast, qk_fp8),
+              reference="vsmooth_attn", entries=("vsmooth_attention",)),
     KernelRow("vsmooth_attn_sm90", "vsmooth_attn_sm90", C.VSmoothSm90Config,
               ("vsmooth_attn_sm90.py", "vsmooth_attn_sm90_softmax.py", "vsmooth_attn_sm90_steps.py"),
               label="triton/gluon_sm90", core=False,
               candidates=lambda D, expcast, S, **_: list(C.vsmooth_sm90_candidates(D, expcast, S)),
-              variant=lambda D, expcast, S, **_: C.vsmooth_sm90_variant(expcast, C.sm90_regime(D, expcast, S))),
-    KernelRow("pddp", "pddp"),
-    KernelRow("select", "select"),
+              variant=lambda D, expcast, S, **_: C.vsmooth_sm90_variant(expcast, C.sm90_regime(D, expcast, S)),
+              reference="vsmooth_attn", entries=("vsmooth_attention_sm90",),
+              ref_names=(("vsmooth_attention_sm90", "vsmooth_attn:vsmooth_attention"),)),
+    KernelRow("pddp", "pddp", reference="pddp", entries=("pddp_perm",)),
+    KernelRow("select", "select", reference="select", entries=("dense_with_lse", "group_key_mass"),
+              ref_names=(("dense_with_lse", "dense:dense_attention_lse"),)),
     KernelRow("sparse_attn", "sparse_attn", C.SparseAttnConfig, ("sparse_attn.py",),
               candidates=lambda fmt, D, C_, **_: list(C.sparse_candidates(fmt, D, C_)),
-              variant=lambda fmt, C_, keep, Sk, **_: C.sparse_variant(fmt, C_, keep, Sk)),
+              variant=lambda fmt, C_, keep, Sk, **_: C.sparse_variant(fmt, C_, keep, Sk),
+              reference="sparse_attn", entries=("sparse_attention",)),
     # the Gluon gather kernel: opt-in, reached only by calling it directly until it is measured (no wrapper yet)
     KernelRow("sparse_attn_sm90", "sparse_attn_sm90", C.SparseAttnSm90Config, label="triton/gluon_sm90_gather",
-              core=False),
-    KernelRow("finite_flags", "finite_flags", C.FiniteFlagsConfig),
-    KernelRow("anchor_mass", "anchor_mass", C.AnchorMassConfig),
-    KernelRow("topk", "topk", C.TopKConfig),
+              core=False, reference="sparse_attn"),
+    KernelRow("finite_flags", "finite_flags", C.FiniteFlagsConfig, reference="finite_flags",
+              entries=("finite_flags", "probe_error"), default_launch=C.FINITE_FLAGS_DEFAULT,
+              launched=("finite_flags",)),
+    KernelRow("anchor_mass", "anchor_mass", C.AnchorMassConfig, reference="anchor_mass",
+              entries=("group_key_mass_q8", "anchor_select_q8")),
+    KernelRow("topk", "topk", C.TopKConfig, reference="topk", entries=("select_topk",),
+              default_launch=C.TOPK_DEFAULT, launched=("select_topk",)),
 )}
 # the files whose source keys a tuned kernel's cache entries
 SOURCES = {r.name: tuple(os.path.join(_HERE, f) for f in r.sources) for r in KERNELS.values() if r.tuned}
@@ -120,6 +132,49 @@ class Impl(str, enum.Enum):
 def kernel_module(name: str):
     """The templates module of kernel ``name`` (a KERNELS row), imported on first use."""
     return importlib.import_module(f"vc_compile.templates.{KERNELS[name].module}")
+
+
+def reference_fn(name: str, entry: str) -> Callable:
+    """The plain-PyTorch oracle of entry ``entry`` of kernel ``name`` (its row's ``reference`` module, or the
+    ``ref_names`` mapping)."""
+    row = KERNELS[name]
+    if entry not in row.entries:
+        raise ValueError(f"kernel {name!r} has no entry {entry!r} (its row lists {list(row.entries)})")
+    module, _, fn = dict(row.ref_names).get(entry, f"{row.reference}:{entry}").partition(":")
+    return getattr(importlib.import_module(f"vc_compile.reference.{module}"), fn)
+
+
+def kernel_fn(name: str, entry: str) -> Callable:
+    """The Triton / Gluon entry point ``entry`` of kernel ``name`` (imported on first use)."""
+    if entry not in KERNELS[name].entries:
+        raise ValueError(f"kernel {name!r} has no entry {entry!r} (its row lists {list(KERNELS[name].entries)})")
+    return getattr(kernel_module(name), entry)
+
+
+def call(name: str, entry: str, impl: "Impl", *args, launch=None, **kw):
+    """One call of entry ``entry`` of kernel ``name`` with implementation ``impl``: REFERENCE the oracle (a
+    launch config is refused: the reference has none), TRITON the kernel, with ``launch`` or the row's default
+    where the entry takes one. The wrappers below are this, plus any tuning of the launch."""
+    row = KERNELS[name]
+    if impl == Impl.REFERENCE:
+        _no_launch(launch)
+        return reference_fn(name, entry)(*args, **kw)
+    if entry in row.launched:
+        kw["launch"] = launch or row.default_launch
+    elif launch is not None:
+        raise ValueError(f"{name}.{entry} takes no launch config")
+    return kernel_fn(name, entry)(*args, **kw)
+
+
+def implementation(name: str, impl: "Impl", *, device=None, qk_format: str = "int8", launch=None) -> str:
+    """The implementation a call of kernel ``name`` with ``impl`` runs, as ``report()`` names it: "reference",
+    or the label of the row that runs (the attention: the Gluon sm_90 row where ``vsmooth_kernel`` picks it,
+    the same decision ``vsmooth_attention`` makes)."""
+    if impl == Impl.REFERENCE:
+        return "reference"
+    if name == "vsmooth_attn":
+        name = vsmooth_kernel(device, qk_format, launch)
+    return KERNELS[name].label
 
 
 # ---- which implementation ----------------------------------------------------------------------------------
@@ -251,20 +306,13 @@ def _config_of(kernel: str, items: tuple):
 def preprocess_qk(impl: Impl, q, k, perm=None, *, sm_scale: float, hadamard: bool = False, qk_format: str = "int8",
                   rope=None, launch: Optional[C.PreprocessConfig] = None):
     """QKQuant of q, k (reference/preprocess.py's contract); ``rope``: q, k un-rotated (prologue fusion)."""
-    if impl == Impl.REFERENCE:
-        return ref_preprocess.preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format,
-                                            rope=rope)
-    preprocess = kernel_module("preprocess")
-    return preprocess.preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format, rope=rope,
-                                    launch=launch or C.PREPROCESS_DEFAULT)
+    return call("preprocess", "preprocess_qk", impl, q, k, perm, sm_scale=sm_scale, hadamard=hadamard,
+                qk_format=qk_format, rope=rope, launch=launch)
 
 
 def preprocess_v(impl: Impl, v, perm=None, *, smooth: bool = True):
     """VQuant of v (reference/preprocess.py's contract)."""
-    if impl == Impl.REFERENCE:
-        return ref_preprocess.preprocess_v(v, perm, smooth=smooth)
-    preprocess = kernel_module("preprocess")
-    return preprocess.preprocess_v(v, perm, smooth=smooth)
+    return call("preprocess", "preprocess_v", impl, v, perm, smooth=smooth)
 
 
 def vsmooth_v_layout(device: torch.device, qk_format: str, D: int, expcast: bool, S: int) -> str:
@@ -282,22 +330,17 @@ def preprocess(impl: Impl, q, k, v, perm=None, *, sm_scale: float, hadamard: boo
     """(QKQuant, VQuant) of q, k, v for ``vsmooth_attention`` (reference/preprocess.py's contract): TRITON runs
     the two-launch preprocessing (templates/preprocess.py) and writes V in the layout the attention kernel
     reads (``vsmooth_v_layout``); REFERENCE the plain-PyTorch oracle ("natural" layout)."""
-    if impl == Impl.REFERENCE:
-        return (ref_preprocess.preprocess_qk(q, k, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format,
-                                             rope=rope),
-                ref_preprocess.preprocess_v(v, perm, smooth=smooth))
-    kmod = kernel_module("preprocess")
+    if impl == Impl.REFERENCE:  # the "natural" layout
+        return call("preprocess", "preprocess", impl, q, k, v, perm, sm_scale=sm_scale, hadamard=hadamard,
+                    qk_format=qk_format, smooth=smooth, rope=rope, launch=launch)
     layout = vsmooth_v_layout(q.device, qk_format, q.shape[-1], expcast, k.shape[2])
-    return kmod.preprocess(q, k, v, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format, smooth=smooth,
-                           rope=rope, v_layout=layout, launch=launch or C.PREPROCESS_DEFAULT)
+    return call("preprocess", "preprocess", impl, q, k, v, perm, sm_scale=sm_scale, hadamard=hadamard,
+                qk_format=qk_format, smooth=smooth, rope=rope, v_layout=layout, launch=launch)
 
 
 def kmeans_perm(impl: Impl, x, n_clusters: int, n_iters: int, init=None):
     """k-means of the rows of x per (b, h) -> KMeansResult(perm, centroids, labels)."""
-    if impl == Impl.REFERENCE:
-        return ref_kmeans.kmeans_perm(x, n_clusters, n_iters, init=init)
-    kmeans = kernel_module("kmeans")
-    return kmeans.kmeans_perm(x, n_clusters, n_iters, init=init)
+    return call("kmeans", "kmeans_perm", impl, x, n_clusters, n_iters, init=init)
 
 
 def uses_sm90(device: torch.device, qk_format: str) -> bool:
@@ -322,7 +365,7 @@ def vsmooth_kernel(device: torch.device, qk_format: str, launch=None) -> str:
 def vsmooth_label(device: torch.device, qk_format: str) -> str:
     """The kernel path ``report()`` records for a TRITON ``vsmooth_attention`` call (no launch config): the row
     label of the kernel ``vsmooth_kernel`` picks, the same decision the call makes."""
-    return KERNELS[vsmooth_kernel(device, qk_format)].label
+    return implementation("vsmooth_attn", Impl.TRITON, device=device, qk_format=qk_format)
 
 
 def vsmooth_candidates(kernel: str, D: int, expcast: bool, S: int) -> List:
@@ -334,24 +377,22 @@ def vsmooth_attention(impl: Impl, qk, vq, *, expcast: bool = False, out_dtype=to
                       return_lse: bool = False, launch=None):
     """8-bit attention of a QKQuant / VQuant: O [B, H, S, D] (and the base-2 LSE of the smoothed logits)."""
     if impl == Impl.REFERENCE:
-        if launch is not None:
-            raise ValueError("a launch config selects a kernel; the reference has none")
-        return ref_vsmooth.vsmooth_attention(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse)
+        _no_launch(launch)
+        return call("vsmooth_attn", "vsmooth_attention", impl, qk, vq, expcast=expcast, out_dtype=out_dtype,
+                    return_lse=return_lse)
     kernel_module("vsmooth_attn").check_inputs(qk, vq)  # a clear error before any table is read
     fmt = "fp8" if qk.q8.dtype == torch.float8_e4m3fn else "int8"
     kernel = vsmooth_kernel(qk.q8.device, fmt, launch)
     B, H, S, D = qk.q8.shape
     if kernel == "vsmooth_attn_sm90":
-        kmod = kernel_module("vsmooth_attn_sm90")
-        run = kmod.vsmooth_attention_sm90
+        run = kernel_fn(kernel, "vsmooth_attention_sm90")
         if launch is None:
             launch = _resolve(kernel, lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype,
                                                     return_lse=return_lse, launch=c),
                               dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device, D=D, expcast=expcast,
                               S=S)
     else:
-        kmod = kernel_module("vsmooth_attn")
-        run = kmod.vsmooth_attention
+        run = kernel_fn(kernel, "vsmooth_attention")
         if launch is None:
             launch = _resolve(kernel, lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype,
                                                     return_lse=return_lse, launch=c),
@@ -363,26 +404,17 @@ def vsmooth_attention(impl: Impl, qk, vq, *, expcast: bool = False, out_dtype=to
 # ---- MC-Sparse ---------------------------------------------------------------------------------------------
 def pddp_perm(impl: Impl, q, group_size: int):
     """sigma [B, H, S] int64: query order whose consecutive ``group_size`` chunks are the Fast PDDP groups."""
-    if impl == Impl.REFERENCE:
-        return ref_pddp.pddp_perm(q, group_size)
-    pddp = kernel_module("pddp")
-    return pddp.pddp_perm(q, group_size)
+    return call("pddp", "pddp_perm", impl, q, group_size)
 
 
 def dense_with_lse(impl: Impl, q, k, v, sm_scale: float):
     """Pass 1: dense attention and its base-2 LSE [B, H, S] fp32 (reference/dense.py's convention)."""
-    if impl == Impl.REFERENCE:
-        return ref_dense.dense_attention_lse(q, k, v, sm_scale=sm_scale)
-    select = kernel_module("select")
-    return select.dense_with_lse(q, k, v, sm_scale)
+    return call("select", "dense_with_lse", impl, q, k, v, sm_scale=sm_scale)
 
 
 def group_key_mass(impl: Impl, q, k, sigma, lse2, *, sm_scale: float, group_size: int):
     """Pass 2: mass [B, H, G, Sk] fp32, exact probabilities summed over each query group."""
-    if impl == Impl.REFERENCE:
-        return ref_select.group_key_mass(q, k, sigma, lse2, sm_scale=sm_scale, group_size=group_size)
-    select = kernel_module("select")
-    return select.group_key_mass(q, k, sigma, lse2, sm_scale=sm_scale, group_size=group_size)
+    return call("select", "group_key_mass", impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=group_size)
 
 
 def sparse_candidates(qk_format: str, D: int, C_: int) -> List:
@@ -396,9 +428,10 @@ def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_
     [B, H, S, Dv] in ``out_dtype`` (default q.dtype), original query order; ``flag`` [B, H, Dv] int32
     (``finite_flags``): NaN in the flagged columns. The tuning runs without ``flag`` (one epilogue select)."""
     if impl == Impl.REFERENCE:
-        if launch is not None:
-            raise ValueError("a launch config selects a kernel; the reference has none")
-        fn = ref_sparse_q8.sparse_attention_q8 if qk_format == "fp8" else ref_sparse.sparse_attention
+        _no_launch(launch)
+        # FP8 QK has an oracle of its own (the FP8 rounding of q and k before the scores)
+        fn = (importlib.import_module("vc_compile.reference.sparse_attn_q8").sparse_attention_q8
+              if qk_format == "fp8" else reference_fn("sparse_attn", "sparse_attention"))
         return fn(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual,
                   out_dtype=out_dtype, flag=flag)
     kmod = kernel_module("sparse_attn")
@@ -421,25 +454,18 @@ def finite_flags(impl: Impl, k, v, probe=None, *, launch: Optional[C.FiniteFlags
     """(flag [B, H, Dv] int32, probe partials or None) of one reuse step (reference/finite_flags.py);
     ``probe = (q, rows [B, H, R], sm_scale)``: also the exact output of the sampled rows (the MC-Sparse guard).
     The partials are opaque: pass them to ``probe_error`` with the same ``impl``."""
-    if impl == Impl.REFERENCE:
-        if launch is not None:
-            raise ValueError("a launch config selects a kernel; the reference has none")
-        return ref_flags.finite_flags(k, v, probe=probe)
-    kmod = kernel_module("finite_flags")
-    return kmod.finite_flags(k, v, probe=probe, launch=launch or C.FINITE_FLAGS_DEFAULT)
+    return call("finite_flags", "finite_flags", impl, k, v, probe=probe, launch=launch)
 
 
 def probe_error(impl: Impl, out, rows, partials):
     """[2] fp32 on out's device: (sum ||out[row] - exact[row]||^2, sum ||exact[row]||^2) over the sampled rows
     (``partials`` from ``finite_flags`` with the same ``impl``)."""
-    if impl == Impl.REFERENCE:
-        return ref_flags.probe_error(out, rows, partials)
-    kmod = kernel_module("finite_flags")
-    return kmod.probe_error(out, rows, partials)
+    return call("finite_flags", "probe_error", impl, out, rows, partials)
 
 
-def select_topk(impl: Impl, mass, keep: int):
-    """idx [..., keep] int32: the ``keep`` largest masses per row, ascending (torch on every device)."""
+def select_topk(mass, keep: int):
+    """idx [..., keep] int32: the ``keep`` largest masses per row, ascending: torch on every device (no kernel
+    row; the radix-select kernel is ``topk``)."""
     return torch_ops.select_topk(mass, keep)
 
 
@@ -462,13 +488,12 @@ def anchor_mass_launch(group_size: int, exp: C.ExpMode, launch: Optional[C.Ancho
 def group_key_mass_q8(impl: Impl, qk, lse_s, sigma, *, group_size: int, key_perm=None, exp=C.ExpMode.SHIFT,
                       mass_dtype=torch.float32, launch: Optional[C.AnchorMassConfig] = None):
     """Pass 2 on pass 1's INT8 codes: mass [B, H, G, Sk] in original key order (reference/anchor_mass.py)."""
-    if impl == Impl.REFERENCE:
-        _no_launch(launch)
-        return ref_anchor_mass.group_key_mass_q8(qk, lse_s, sigma, group_size=group_size, key_perm=key_perm,
-                                                 exp=C.ExpMode(exp).value, mass_dtype=mass_dtype)
-    anchor_mass = kernel_module("anchor_mass")
-    return anchor_mass.group_key_mass_q8(qk, lse_s, sigma, group_size=group_size, key_perm=key_perm,
-                                         launch=anchor_mass_launch(group_size, exp, launch), mass_dtype=mass_dtype)
+    if impl == Impl.REFERENCE:  # the oracle takes the exp mode by value; the kernel its launch config
+        return call("anchor_mass", "group_key_mass_q8", impl, qk, lse_s, sigma, group_size=group_size,
+                    key_perm=key_perm, exp=C.ExpMode(exp).value, mass_dtype=mass_dtype, launch=launch)
+    return kernel_fn("anchor_mass", "group_key_mass_q8")(qk, lse_s, sigma, group_size=group_size, key_perm=key_perm,
+                                                         launch=anchor_mass_launch(group_size, exp, launch),
+                                                         mass_dtype=mass_dtype)
 
 
 def anchor_select_q8(impl: Impl, qk, lse_s, sigma, *, group_size: int, keep: int, key_perm=None,
@@ -476,22 +501,17 @@ def anchor_select_q8(impl: Impl, qk, lse_s, sigma, *, group_size: int, keep: int
                      launch: Optional[C.AnchorMassConfig] = None, topk_launch: Optional[C.TopKConfig] = None):
     """Pass 2 on the INT8 codes + top-K, a chunk of heads at a time: idx [B, H, G, keep] int32 ascending."""
     if impl == Impl.REFERENCE:
-        _no_launch(launch, topk_launch)
-        return ref_anchor_mass.anchor_select_q8(qk, lse_s, sigma, group_size=group_size, keep=keep,
-                                                key_perm=key_perm, exp=C.ExpMode(exp).value, mass_dtype=mass_dtype,
-                                                max_mass_bytes=max_mass_bytes)
-    anchor_mass = kernel_module("anchor_mass")
-    return anchor_mass.anchor_select_q8(qk, lse_s, sigma, group_size=group_size, keep=keep, key_perm=key_perm,
-                                        launch=anchor_mass_launch(group_size, exp, launch),
-                                        topk_launch=topk_launch or C.TOPK_DEFAULT, mass_dtype=mass_dtype,
-                                        max_mass_bytes=max_mass_bytes)
+        _no_launch(topk_launch)
+        return call("anchor_mass", "anchor_select_q8", impl, qk, lse_s, sigma, group_size=group_size, keep=keep,
+                    key_perm=key_perm, exp=C.ExpMode(exp).value, mass_dtype=mass_dtype,
+                    max_mass_bytes=max_mass_bytes, launch=launch)
+    return kernel_fn("anchor_mass", "anchor_select_q8")(
+        qk, lse_s, sigma, group_size=group_size, keep=keep, key_perm=key_perm,
+        launch=anchor_mass_launch(group_size, exp, launch), topk_launch=topk_launch or C.TOPK_DEFAULT,
+        mass_dtype=mass_dtype, max_mass_bytes=max_mass_bytes)
 
 
 def topk(impl: Impl, mass, keep: int, launch: Optional[C.TopKConfig] = None):
     """idx [..., keep] int32: the ``keep`` largest masses per row, ties lowest index first, ascending
     (reference/topk.py; TRITON: the radix select of templates/topk.py)."""
-    if impl == Impl.REFERENCE:
-        _no_launch(launch)
-        return ref_topk.select_topk(mass, keep)
-    kmod = kernel_module("topk")
-    return kmod.select_topk(mass, keep, launch=launch or C.TOPK_DEFAULT)
+    return call("topk", "select_topk", impl, mass, keep, launch=launch)
