@@ -1,6 +1,6 @@
 """Same speed before and after the kernel-layer redesign? Times, at the checked-out commit, the
 kernels as the runtime launches them by default (no launch config: the measured defaults) on the benchmark's
-shapes, and compares two such runs. Works at 4f44cc9 (before) and after (it adapts to either API).
+shapes, and compares two such runs. Works at 4f44cc9 and a3d8650 (before) and after (it adapts to each API).
 
     git worktree add /tmp/vc_base 4f44cc9 && cp scripts/ab_redesign.py /tmp/vc_base/scripts/
     (cd /tmp/vc_base && python3 -m scripts.ab_redesign --out /tmp/ab_base.json)   # before
@@ -57,7 +57,10 @@ def _api():
 
 
 def run(quick: bool) -> dict:
-    from vc_compile.formats import n_keep
+    try:
+        from vc_compile.formats import n_keep
+    except ImportError:  # before formats.py (a3d8650 and earlier)
+        from vc_compile.reference.select import n_keep
     from vc_compile.templates import kmeans as tkm
     from vc_compile.templates import pddp as tpddp
     from vc_compile.templates import preprocess as tpre
