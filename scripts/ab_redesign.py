@@ -101,7 +101,9 @@ def run(quick: bool) -> dict:
     return out
 
 
-def compare(paths) -> int:
+def compare(paths, csv_path=None, note="") -> int:
+    """Print the rows of old.json / new.json (/ old_again.json) side by side; ``csv_path``: also append them to
+    that CSV (``benchmarks/results/ab_redesign.csv``'s columns: ms = new, old_ms, old2_ms and the ratios)."""
     runs = []
     for p in paths:
         with open(p) as f:
@@ -122,7 +124,39 @@ def compare(paths) -> int:
         extra = f"  {spread[key] / old[key]:8.3f}" if spread and key in spread else ""
         print(f"{key:40s} {old[key]:10.3f} {new[key]:10.3f} {r:8.3f}{extra}{flag}")
     print(f"{len(old) - bad} of {len(old)} rows within +-2%")
+    if csv_path:
+        _append_csv(csv_path, runs, note)
     return 1 if bad else 0
+
+
+def _append_csv(path, runs, note):
+    import csv
+    import datetime
+    import os
+    import re
+    cols = ["date", "commit", "gpu", "torch", "triton", "bench", "variant", "B", "H", "S", "D", "density", "ms",
+            "tflops", "speedup_vs_cudnn", "rel_l2", "cos_sim", "old_commit", "old_ms", "old2_ms", "new_over_old",
+            "old2_over_old", "new_over_old2", "note"]
+    old, new = runs[0]["ms"], runs[1]["ms"]
+    spread = runs[2]["ms"] if len(runs) > 2 else {}
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+    new_file = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, cols)
+        if new_file:
+            w.writeheader()
+        for key in old:
+            if key not in new:
+                continue
+            m = re.search(r"_S(\d+)_D(\d+)$", key)
+            o2 = spread.get(key)
+            w.writerow({"date": date, "commit": runs[1]["commit"], "gpu": runs[1]["gpu"],
+                        "torch": runs[1].get("torch", ""), "triton": runs[1].get("triton", ""), "bench": "ab_redesign",
+                        "variant": key, "B": 1, "H": 40, "S": m.group(1) if m else "", "D": m.group(2) if m else "",
+                        "ms": f"{new[key]:.4f}", "old_commit": runs[0]["commit"], "old_ms": f"{old[key]:.4f}",
+                        "old2_ms": f"{o2:.4f}" if o2 else "", "new_over_old": f"{new[key] / old[key]:.4f}",
+                        "old2_over_old": f"{o2 / old[key]:.4f}" if o2 else "",
+                        "new_over_old2": f"{new[key] / o2:.4f}" if o2 else "", "note": note})
 
 
 def main(argv=None) -> int:
@@ -130,17 +164,23 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="D = 128 at S = 32760 and 8190 only")
     ap.add_argument("--compare", nargs="+", default=None, help="old.json new.json [old_again.json]")
+    ap.add_argument("--csv", default=None, help="with --compare: append the rows to this CSV")
+    ap.add_argument("--note", default="", help="with --csv: the rows' note")
     a = ap.parse_args(argv)
     if a.compare:
-        return compare(a.compare)
+        return compare(a.compare, a.csv, a.note)
     if not torch.cuda.is_available():
         print("ab_redesign: needs a CUDA GPU", file=sys.stderr)
         return 1
+    import os
     import subprocess
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    import triton
+    commit = os.environ.get("VC_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                           capture_output=True, text=True).stdout.strip()
     t0 = time.time()
     ms = run(a.quick)
-    rec = {"commit": commit, "gpu": torch.cuda.get_device_name(), "ms": ms, "s": time.time() - t0}
+    rec = {"commit": commit, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "ms": ms, "s": time.time() - t0}
     for key, val in ms.items():
         print(f"{key:40s} {val:10.3f} ms")
     if a.out:
