@@ -7,7 +7,7 @@
 #   tests         the GPU tests (pytest -n 8 over the kernel test files)
 #   kernels       scripts/ab_redesign.py on the tree in .old (if carried), this one, .old again; then the
 #                 kernel benchmarks with their FA4 / cuDNN / sageattention baselines (KERNEL_BENCH=0: A/B only)
-#   pipeline | generation | anchor | guard | flags   the whole-generation benchmarks
+#   pipeline | generation | anchor | guard | flags | cold   the whole-generation benchmarks
 #   other stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, soak,
 #   cp (two GPUs), gputests, gpukey, vsmooth (A/B), preprocess, tune, pkg (NVML, enable(), package tests)
 # Results: benchmarks/results/*.csv (and .old's) are copied to $OUT/results after every stage.
@@ -90,6 +90,7 @@ while [ $# -gt 0 ]; do
     anchor) run_stage anchor "${ANCHOR_S:-200}" $PY -m benchmarks.bench_anchor_mass ${ANCHOR_ARGS:-} ;;
     guard) run_stage guard "${GUARD_S:-200}" $PY -m benchmarks.bench_mcsparse_guard ${GUARD_ARGS:-} ;;
     flags) run_stage flags "${FLAGS_S:-120}" $PY -m benchmarks.bench_finite_flags ${FLAGS_ARGS:-} ;;
+    cold) run_stage cold "${COLD_S:-400}" $PY -m benchmarks.bench_cold_start ${COLD_ARGS:-} ;;
     e2e)
       run_stage demo 260 $PY -m vc_compile.demo --regional --out "$OUT/demo"
       run_stage e2e32k 270 $PY -m benchmarks.bench_e2e --sizes 32k --regional --csv "$OUT/bench_e2e.csv" ;;

@@ -1,0 +1,146 @@
+"""Cold start: what a user waits for the first time, each variant in a process of its own.
+
+    python -m benchmarks.bench_cold_start [--methods vsmooth+expcast,mcsparse@0.15] [--steps 10]
+    python -m benchmarks.bench_cold_start --smoke          # CPU: tiny model, eager compiler, nothing appended
+
+Per variant (``stock`` first: ``torch.compile`` with Inductor and SDPA on cuDNN; then each method through
+``backend="vcattn"``), two processes in turn, each building the diffusers ``WanPipeline`` of
+``bench_pipeline`` (Wan 2.1 1.3B configuration, random seeded weights: speed only), compiling it regionally
+(``compile_repeated_blocks``) and running one ``--steps``-step generation (CFG 5):
+* ``fresh``: empty Inductor and Triton cache directories (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``
+  pointed at a new temporary directory): every graph compiled and every kernel built;
+* ``second``: a second process on the caches the first one left, what a user's next run sees.
+``first_call_s`` is the wall time of the first generation (torch.compile is lazy: Dynamo, Inductor, our pass,
+the kernel builds and the steps all happen in it); ``extra_s`` its difference to stock's in the same mode;
+``steady_s`` a second generation in the same process (the steps alone), so ``first_call_s - steady_s`` is the
+start-up cost. Model construction and imports are outside every figure. Rows:
+``benchmarks/results/bench_cold_start.csv``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import append_rows, print_table
+
+BENCH = "bench_cold_start"
+DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15"
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def child(a) -> dict:
+    """One process: build, compile, first generation, second generation; a JSON line on stdout."""
+    import torch
+
+    import vc_compile
+    from benchmarks import bench_pipeline as bp
+
+    smoke = a.smoke
+    device = "cpu" if smoke else "cuda"
+    spec = bp.SIZES["smoke" if smoke else "1.3b-480p"]
+    t0 = time.perf_counter()
+    pipe, base, call = bp.build_pipeline(spec, spec["cfg"]["num_layers"], device, seed=0)
+    build_s = time.perf_counter() - t0
+    label = a.child
+    opts = None
+    if label != "stock":
+        opts = dict(bp.METHODS[label])
+        if smoke:
+            opts.update(bp.SMOKE_OPTS)
+    bp.compile_variant(pipe, base, label, opts, "regional", smoke)
+    rec = bp.StepRecorder(device == "cuda", a.steps, f"{label} first")
+    ctx = _cudnn() if device == "cuda" else _null()
+    with ctx:
+        _, first_s = bp.generate(pipe, call, a.steps, 5.0, rec)
+        rec2 = bp.StepRecorder(device == "cuda", a.steps, f"{label} steady")
+        _, steady_s = bp.generate(pipe, call, a.steps, 5.0, rec2)
+    rep = vc_compile.report() if label != "stock" else None
+    sites = len(rep.sites) if rep is not None else 0
+    return {"first_call_s": first_s, "steady_s": steady_s, "build_s": build_s, "sites": sites,
+            "tokens": bp.tokens(spec), "layers": spec["cfg"]["num_layers"], "model": spec["model"],
+            "torch_threads": torch.get_num_threads()}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _cudnn():
+    from benchmarks.common import prefer_cudnn
+    return prefer_cudnn()
+
+
+def run_child(label, mode, cache_dir, a) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
+               TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+    cmd = [sys.executable, "-m", "benchmarks.bench_cold_start", "--child", label, "--steps", str(a.steps)]
+    if a.smoke:
+        cmd.append("--smoke")
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    wall = time.perf_counter() - t0
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"{label} ({mode}) failed, rc={p.returncode}: " + " | ".join(tail))
+    out = json.loads(lines[-1])
+    out["process_s"] = wall
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--methods", default=DEFAULT_METHODS)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--timeout", type=float, default=400.0, help="seconds per process")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny model, eager compiler; nothing appended")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(a)), flush=True)
+        return 0
+    labels = ["stock"] + [m for m in a.methods.split(",") if m]
+    res, rows = {}, []
+    for label in labels:
+        with tempfile.TemporaryDirectory(prefix="vc_cold_") as d:
+            for mode in ("fresh", "second"):
+                r = run_child(label, mode, d, a)
+                res[(label, mode)] = r
+                log(f"  {label:18s} {mode:6s}: first call {r['first_call_s']:6.1f} s, steady {r['steady_s']:5.1f} s, "
+                    f"process {r['process_s']:5.1f} s")
+    for (label, mode), r in res.items():
+        stock = res[("stock", mode)]
+        rows.append({"variant": label, "B": 1, "H": 12, "S": r["tokens"], "D": 128, "ms": round(1e3 * r["first_call_s"], 1),
+                     "mode": mode, "steps": a.steps, "first_call_s": round(r["first_call_s"], 2),
+                     "extra_s": round(r["first_call_s"] - stock["first_call_s"], 2),
+                     "steady_s": round(r["steady_s"], 2),
+                     "startup_s": round(r["first_call_s"] - r["steady_s"], 2),
+                     "startup_extra_s": round((r["first_call_s"] - r["steady_s"])
+                                              - (stock["first_call_s"] - stock["steady_s"]), 2),
+                     "process_s": round(r["process_s"], 1), "model": r["model"], "layers": r["layers"],
+                     "sites": r["sites"],
+                     "note": "regional compile; random weights; fresh = empty Inductor/Triton caches, second = "
+                             "a second process on them"})
+    cols = ["variant", "mode", "first_call_s", "extra_s", "steady_s", "startup_s", "startup_extra_s", "process_s"]
+    print_table(rows, cols)
+    if not a.smoke:
+        path = append_rows(BENCH, rows, extras=["mode", "steps", "first_call_s", "extra_s", "steady_s", "startup_s",
+                                                "startup_extra_s", "process_s", "model", "layers", "sites", "note"])
+        log(f"rows appended to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
