@@ -7,7 +7,8 @@
 
 ``--write`` replaces the text between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in
 README.md and docs/performance.md (``--docs FILE ...`` to choose) with block NAME (``blocks()``):
-``pipeline``, ``generation``, ``kernels``, ``kernels-summary``, ``e2e``. A block whose CSV has no rows says
+``pipeline``, ``generation``, ``kernels``, ``kernels-summary``, ``kernels-sm90``, ``op-overhead``,
+``cold-start``, ``e2e``. A block whose CSV has no rows says
 "no rows yet" (it never keeps or invents numbers); a broken marker is an error naming the file and block.
 
 Tables (markdown, printed):
@@ -426,6 +427,26 @@ def overhead_tables(rows) -> List[str]:
             + md_table(["H", "S", "variant", "host ms", "GPU ms", "launches", "x cuDNN", "kernel path", "run"], body)]
 
 
+def cold_start_tables(rows) -> List[str]:
+    """``bench_cold_start.csv``: the latest run's rows (first generation per variant in a fresh process and in a
+    second one on its caches, against stock's in the same mode)."""
+    if not rows:
+        return [_none_yet("bench_cold_start.csv", "`python -m benchmarks.bench_cold_start` on a GPU")]
+    run = rows[-1].get("date", "")[:13], rows[-1].get("commit", "")
+    latest = [r for r in rows if (r.get("date", "")[:13], r.get("commit", "")) == run]
+    body = [[r["variant"], r.get("mode", ""), f(num(r.get("first_call_s")), "{:.1f}"),
+             f(num(r.get("extra_s")), "{:+.1f}"), f(num(r.get("steady_s")), "{:.1f}"),
+             f(num(r.get("startup_s")), "{:.1f}"), f(num(r.get("startup_extra_s")), "{:+.1f}")] for r in latest]
+    r0 = latest[0]
+    return [f"**bench_cold_start** ({r0.get('model', '')}, {r0.get('S', '')} tokens, regional compile, "
+            f"{r0.get('steps', '')}-step first generation, CFG 5; {r0.get('gpu', '')}, {r0.get('date', '')[:10]}, "
+            f"commit {r0.get('commit', '')}; random weights). fresh = empty Inductor / Triton caches, second = a "
+            "second process on them; extra = against stock in the same mode; start-up = first generation minus a "
+            "steady one in the same process.\n\n"
+            + md_table(["variant", "process", "first generation s", "extra s", "steady s", "start-up s",
+                        "start-up extra s"], body)]
+
+
 def blocks(results_dir: str) -> Dict[str, str]:
     """{marker name: markdown} for every block ``--write`` fills."""
     rd = lambda name: read(os.path.join(results_dir, name))  # noqa: E731
@@ -442,6 +463,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
         "kernels-summary": kernel_summary(ker),
         "kernels-sm90": "\n\n".join(sm90_ab_tables(rd("bench_vsmooth_attn_sm90.csv"))),
         "op-overhead": "\n\n".join(overhead_tables(rd("bench_op_overhead.csv"))),
+        "cold-start": "\n\n".join(cold_start_tables(rd("bench_cold_start.csv"))),
         "e2e": "\n\n".join(e2e_tables(e2e)) if any(r.get("bench") == "e2e" for r in e2e) else
         _none_yet("bench_e2e.csv", "`python -m benchmarks.bench_e2e` on a GPU"),
     }

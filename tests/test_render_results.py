@@ -143,3 +143,18 @@ def test_sm90_ab_block_shows_the_latest_run_per_shape():
     assert "24.00" in text and "0.96x" in text and "| new |" in text
     assert "25.00" not in text and "a long baseline note" not in text
     assert "bench_vsmooth_attn_sm90.csv" in sm90_ab_tables([])[0]
+
+
+def test_cold_start_block_shows_the_latest_run():
+    """bench_cold_start.csv: only the latest run's rows (date to the hour and commit), each process mode."""
+    base = dict(model="wan2.1-t2v-1.3b", S=32760, steps=10, gpu="NVIDIA H200")
+    old = [dict(base, date="2026-12-01 10:00", commit="aaa", variant="stock", mode="fresh", first_call_s=30.0,
+                extra_s=0.0)]
+    new = [dict(base, date="2026-12-02 12:59", commit="bbb", variant=v, mode=m, first_call_s=t, extra_s=e,
+                steady_s=8.0, startup_s=t - 8.0, startup_extra_s=e)
+           for v, m, t, e in (("stock", "fresh", 23.0, 0.0), ("stock", "second", 12.5, 0.0),
+                              ("vsmooth", "fresh", 26.9, 3.9), ("vsmooth", "second", 11.6, -0.9))]
+    text = render.cold_start_tables(old + new)[0]
+    assert "commit bbb" in text and "| vsmooth | fresh | 26.9 | +3.9 |" in text
+    assert "30.0" not in text  # the older run is not shown
+    assert "No rows yet" in render.cold_start_tables([])[0]
