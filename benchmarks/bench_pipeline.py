@@ -18,7 +18,12 @@ step). The same initial noise for every variant.
 
 Variants, in one process: ``stock`` (``torch.compile`` with Inductor, SDPA on cuDNN: ``common.prefer_cudnn``
 for the whole run, and the stock attention kernel is checked by torch.profiler over one step:
-``sdpa_kernel`` column) and each method through ``backend="vcattn"`` -- ``--compile regional``
+``sdpa_kernel`` column), the peers a diffusers user picks instead (``--peers``, each on stock Inductor, its
+attention kernels checked the same way; one whose package is missing or too old is left out with the reason):
+``torchao-fp8`` (``torchao.prototype.attention.apply_low_precision_attention``: FA3's FP8 kernel, through
+``common``'s shim to the fa3-fwd wheel where FA3 is not installed as ``flash_attn_interface``), ``sage``
+(diffusers' ``set_attention_backend("sage")``), ``fa4`` (``activate_flash_attention_impl("FA4")``, flash SDPA
+first), and each method through ``backend="vcattn"`` -- ``--compile regional``
 (``transformer.compile_repeated_blocks(backend=..., options=...)``), ``whole`` (``torch.compile(transformer,
 ...)``) or ``both``. Per variant (cache dirs fresh per variant with ``--caches fresh``):
 1. the first generation of a fresh compile: ``first_generation_s`` (torch.compile + kernel builds + 50
@@ -50,6 +55,7 @@ from typing import Dict, List, Optional
 import torch  # noqa: E402
 
 import vc_compile  # noqa: E402
+from benchmarks import common  # noqa: E402
 from benchmarks.common import append_rows, kernel_times, metrics, prefer_cudnn, print_table  # noqa: E402
 from vc_compile.config import merge_options  # noqa: E402
 
@@ -73,6 +79,11 @@ METHODS = {"vsmooth": {"method": "vsmooth"}, "vsmooth+expcast": {"method": "vsmo
            "mcsparse@0.25": {"method": "mcsparse", "density": 0.25},
            "dense": {"method": "dense"}}  # dense: stock SDPA through the op (its overhead); not in the default
 DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse@0.25"
+# What a diffusers user picks instead of vcattn, each on stock Inductor (regional or whole compile as the methods):
+# torchao's one-call FP8 attention, SageAttention through diffusers' attention dispatcher, FA4 as torch's flash
+# SDPA. Optional: a peer whose package is missing or too old is left out with the reason printed.
+PEERS = ("torchao-fp8", "sage", "fa4")
+DEFAULT_PEERS = ",".join(PEERS)
 SMOKE_OPTS = {"min_seq_len": 64, "kmeans_iters": 1,
               "experimental": {"compiler": "eager", "kernels": "reference", "kmeans_init_iters": 2}}
 PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's V-Smooth warm-up
@@ -84,7 +95,9 @@ ATTN_KERNELS = ("cudnn", "fmha", "flash", "sdpa", "attention", "attn")
 # ---- planning priors (replaced by measurements as the run goes) ----
 # generation time relative to stock: the measured end-to-end speed-ups (H200, 2026-12-01, this configuration)
 PRIOR_RATIO = {"stock": 1.0, "dense": 1.02, "vsmooth": 1 / 1.18, "vsmooth+expcast": 1 / 1.23,
-               "mcsparse@0.15": 1 / 1.59, "mcsparse@0.25": 1 / 1.43}
+               "mcsparse@0.15": 1 / 1.59, "mcsparse@0.25": 1 / 1.43,
+               # peers: torchao's 1.31x measured on this pipeline (H200, 2026-12-01); the others guessed
+               "torchao-fp8": 1 / 1.31, "sage": 1 / 1.2, "fa4": 1 / 1.1}
 COMPILE_S = {"regional": 15.0, "whole": 90.0}  # torch.compile of the transformer, empty caches (guess)
 RECOMPILE_S = {"regional": 10.0, "whole": 45.0}  # the same graph again with profile=True (guess)
 JIT_S = 10.0  # a method's Triton kernels built at their first calls (measured: 9.4-10 s)
@@ -137,16 +150,95 @@ def uncompile(module):
             m._compiled_call_impl = None
 
 
+# ---- peers ------------------------------------------------------------------------------------------------
+def peer_status(label: str, device) -> tuple:
+    """(available, note) of a peer on this machine; the note says what runs, or why it cannot."""
+    if device.type != "cuda":
+        return False, f"{label} skipped: needs a CUDA GPU"
+    if label == "torchao-fp8":
+        op, note = common.torchao_fp8_status()
+        return op is not None, note
+    if label == "sage":
+        try:
+            from diffusers.models import attention_dispatch as ad
+        except ImportError as e:
+            return False, f"sage skipped: this diffusers has no attention dispatcher ({e})"
+        if not getattr(ad, "_CAN_USE_SAGE_ATTN", False):
+            import importlib.metadata as md
+            try:
+                found = md.version("sageattention")
+            except md.PackageNotFoundError:
+                found = "not installed"
+            need = getattr(ad, "_REQUIRED_SAGE_VERSION", "?")
+            return False, (f"sage skipped: diffusers' 'sage' backend needs sageattention>={need} (found {found}; "
+                           "PyPI's sageattention wheels stop at 1.0.6, 2.x builds from source against CUDA)")
+        return True, "sage: diffusers set_attention_backend('sage') (SageAttention, INT8 QK)"
+    if label == "fa4":
+        from torch.nn import attention as na
+        if "FA4" not in getattr(na, "list_flash_attention_impls", lambda: [])():
+            return False, f"fa4 skipped: torch {torch.__version__} registers no FA4 flash SDPA implementation"
+        try:
+            with _flash_impl("FA4"):
+                pass
+        except Exception as e:  # noqa: BLE001 - flash-attn-4 missing / not loadable
+            return False, f"fa4 skipped: FA4 does not activate ({type(e).__name__}: {str(e)[:100]}); needs flash-attn-4"
+        return True, "fa4: FlashAttention-4 as torch's flash SDPA (activate_flash_attention_impl), flash first"
+    raise ValueError(f"unknown peer {label!r}; known: {list(PEERS)}")
+
+
+@contextlib.contextmanager
+def _flash_impl(name: str):
+    from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
+    activate_flash_attention_impl(name)
+    try:
+        yield
+    finally:
+        restore_flash_attention_impl()
+
+
+@contextlib.contextmanager
+def peer_scope(label: str, pipe, base):
+    """What a user does for the peer, around its compile and generations, undone after: torchao's
+    ``apply_low_precision_attention`` wrapper as the pipeline's transformer (and its Inductor pre-grad RoPE fusion
+    pass, a global setting restored after), diffusers' ``set_attention_backend("sage")``, or FA4 activated as
+    torch's flash SDPA with the flash backend first."""
+    if label == "torchao-fp8":
+        import torch._inductor.config as ic
+        from torchao.prototype.attention import apply_low_precision_attention
+        prev = ic.pre_grad_custom_pass
+        pipe.transformer = apply_low_precision_attention(base)
+        try:
+            yield
+        finally:
+            ic.pre_grad_custom_pass = prev
+            pipe.transformer = base
+    elif label == "sage":
+        base.set_attention_backend("sage")
+        try:
+            yield
+        finally:
+            base.reset_attention_backend()
+    elif label == "fa4":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with _flash_impl("FA4"), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True):
+            yield
+    else:
+        yield
+
+
 def compile_variant(pipe, base, label, opts, mode, smoke):
     torch._dynamo.reset()
     vc_compile.reset(report=True)
     uncompile(base)
-    pipe.transformer = base
-    kw = ({"backend": "eager"} if smoke else {}) if label == "stock" else {"backend": "vcattn", "options": opts}
+    stockish = label == "stock" or label in PEERS
+    if label not in PEERS:
+        pipe.transformer = base
+    kw = ({"backend": "eager"} if smoke else {}) if stockish else {"backend": "vcattn", "options": opts}
     if mode == "regional":
-        base.compile_repeated_blocks(**kw)
+        base.compile_repeated_blocks(**kw)  # in place: under a peer's wrapper too
     else:
-        pipe.transformer = torch.compile(base, **kw)
+        pipe.transformer = torch.compile(pipe.transformer, **kw)
 
 
 def phase_totals() -> Dict[str, int]:
@@ -261,13 +353,14 @@ class Result:
     sites: str = ""
     sdpa_kernel: str = ""
     skipped: List[str] = field(default_factory=list)
+    peer_note: str = ""  # a peer: what ran (peer_status)
 
 
 def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reserve_s) -> Result:
     """Cold generation, timed generation(s), profiled generation, each if the budget allows."""
-    cuda = a.device.type == "cuda"
-    res = Result(label, mode)
-    opts = None if label == "stock" else merge_options(METHODS[label], SMOKE_OPTS if a.smoke else None)
+    res = Result(label, mode, peer_note=a.peer_notes.get(label, ""))
+    opts = (None if label == "stock" or label in PEERS
+            else merge_options(METHODS[label], SMOKE_OPTS if a.smoke else None))
     tag = f"{label} [{mode}]"
 
     def left():
@@ -277,11 +370,21 @@ def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reser
         res.skipped.append(f"{tag}: everything (needs ~{est.item_s('cold', label, mode):.0f} s + "
                            f"{est.item_s('timed', label, mode):.0f} s, {max(0, left()):.0f} s left)")
         return res
+    with peer_scope(label, pipe, base):
+        _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, left, reserve_s)
+    uncompile(base)
+    pipe.transformer = base
+    torch._dynamo.reset()
+    return res
+
+
+def _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, left, reserve_s):
+    cuda = a.device.type == "cuda"
     log(f"  {tag}: first generation (compile{'' if label == 'stock' else ' + kernel builds'}) ...")
     compile_variant(pipe, base, label, opts, mode, a.smoke)
     res.latents, res.first_s = generate(pipe, call, a.first_steps, a.guidance,
                                         StepRecorder(cuda, a.first_steps, f"{tag} first"))
-    res.sites = site_summary() if label != "stock" else ""
+    res.sites = site_summary() if label in METHODS else ""
     for k in range(a.timed):
         if k > 0 and est.item_s("timed", label, mode) + reserve_s > left():
             res.skipped.append(f"{tag}: timed generation {k + 1}")
@@ -293,10 +396,10 @@ def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reser
         if k == 0:
             res.step_ms, res.phases, res.latents = rec.step_ms(), rec.phases, lat
     est.observe(label, mode, first_s=res.first_s, gen_s=statistics.median(res.gens_s), first_frac=a.first_steps / a.steps)
-    if label == "stock" and cuda:
+    if (label == "stock" or label in PEERS) and cuda:  # which attention kernels actually ran
         res.sdpa_kernel = stock_attention_kernel(pipe, call, a.guidance)
-        log(f"    stock attention kernel: {res.sdpa_kernel}")
-    if label != "stock" and a.profiled:
+        log(f"    {label} attention kernel: {res.sdpa_kernel}")
+    if label in METHODS and a.profiled:  # the op's per-call events: our methods only
         if est.item_s("profiled", label, mode) + reserve_s > left():
             res.skipped.append(f"{tag}: profiled generation")
         else:
@@ -309,10 +412,6 @@ def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reser
             for p in PHASES:
                 res.attn[p] = sum(t for t, ph in zip(rec.attn_ms, rec.phases) if ph == p)
             res.attn["total"] = sum(rec.attn_ms)
-    uncompile(base)
-    pipe.transformer = base
-    torch._dynamo.reset()
-    return res
 
 
 def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
@@ -352,7 +451,8 @@ def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
     row["note"] = "; ".join([RANDOM_NOTE, *cut, f"{spec['height']}x{spec['width']}x{spec['frames']} px",
                              f"CFG {a.guidance:g}",
                              f"timed: median of {n} generations" if n > 1 else "timed: 1 generation",
-                             *(["profiled generation left out (budget)"] if res.label != "stock" and a.profiled
+                             *([res.peer_note] if res.peer_note else []),
+                             *(["profiled generation left out (budget)"] if res.label in METHODS and a.profiled
                                and not res.attn else []),
                              *(["NON-FINITE final latents"] if bad else []),
                              *(["CPU smoke: eager, reference kernels"] if a.smoke else [])])
@@ -409,7 +509,7 @@ def plan_items(est: Estimator, labels, modes, timed, profiled, budget, spent):
         ess = est.item_s("cold", lab, mode) + est.item_s("timed", lab, mode)
         reserve = sum(est.item_s("cold", l2, m2) + est.item_s("timed", l2, m2) for m2, l2 in seq[j + 1:])
         extras = [("timed", f"timed {k + 1}") for k in range(1, timed)]
-        extras += [("profiled", "profiled")] if profiled and lab != "stock" else []
+        extras += [("profiled", "profiled")] if profiled and lab in METHODS else []
         full = ess + sum(est.item_s(kind, lab, mode) for kind, _ in extras)
         total += full
         if budget and t + ess > budget:
@@ -434,6 +534,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1.3b-480p", help=f"comma-separated, from {[s for s in SIZES if s != 'smoke']}")
     ap.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {list(METHODS)}")
+    ap.add_argument("--peers", default=DEFAULT_PEERS,
+                    help=f"comma-separated, from {list(PEERS)} ('' for none): what users pick instead, where installed")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--first-steps", type=int, default=None,
                     help="steps of the first (compiling) generation; default --steps. Fewer keep a run short: "
@@ -457,6 +559,10 @@ def parse_args(argv=None):
     bad = [m for m in a.methods if m not in METHODS]
     if bad:
         ap.error(f"unknown methods {bad}; known: {list(METHODS)}")
+    a.peers = [p for p in a.peers.split(",") if p]
+    bad = [p for p in a.peers if p not in PEERS]
+    if bad:
+        ap.error(f"unknown peers {bad}; known: {list(PEERS)}")
     a.sizes = ["smoke"] if a.smoke else [s for s in a.sizes.split(",") if s]
     if any(s not in SIZES for s in a.sizes):
         ap.error(f"unknown sizes {a.sizes}; known: {list(SIZES)}")
@@ -466,6 +572,7 @@ def parse_args(argv=None):
     a.first_steps = min(a.steps, a.first_steps or a.steps)
     a.budget = a.budget or None
     a.device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    a.peer_notes = {}
     return a
 
 
@@ -493,7 +600,16 @@ def _main(argv=None):
         est = Estimator(spec["cfg"], layers, tokens(spec), a.steps, a.guidance,
                         cuda=a.device.type == "cuda" or (a.plan_only and not a.smoke))
         est.first_frac = a.first_steps / a.steps
-        labels = ["stock", *a.methods]
+        peers = []
+        for p in a.peers:  # a peer that cannot run here is left out, with the reason
+            ok, note = (True, f"{p}: (plan only)") if a.plan_only else peer_status(p, a.device)
+            a.peer_notes[p] = note
+            log(f"  peer {note}")
+            if ok:
+                peers.append(p)
+            else:
+                skipped.append(note)
+        labels = ["stock", *peers, *a.methods]
         log(f"[bench_pipeline] {size}: {spec['model']} config, {layers} layers, {tokens(spec)} tokens, {a.steps} "
             f"steps, CFG {a.guidance:g}, compile {'+'.join(a.modes)}; {RANDOM_NOTE}")
         plan, total = plan_items(est, labels, a.modes, a.timed, a.profiled, a.budget,
@@ -542,7 +658,7 @@ def _main(argv=None):
         if not a.smoke:
             log(f"[bench_pipeline] rows appended to {path}")
     if skipped:
-        log("[bench_pipeline] left out (budget): " + "; ".join(skipped))
+        log("[bench_pipeline] left out (budget, or a peer not installed): " + "; ".join(skipped))
     log(f"[bench_pipeline] {time.perf_counter() - t_start:.0f} s in all")
     return all_rows
 

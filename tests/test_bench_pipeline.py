@@ -80,3 +80,60 @@ def test_plan_keeps_every_first_generation_before_extras():
     assert "LEFT OUT" in lines[-1]
     lines, _ = bp.plan_items(est, labels, ["regional"], 2, True, None, 0.0)
     assert all("left out" not in line.lower() for line in lines)
+
+
+def test_peers_are_left_out_with_the_reason_on_a_machine_without_them(capsys):
+    """Peers (torchao FP8, SageAttention, FA4) are optional: without a GPU (or their package) each is skipped with
+    why, and the methods still run against stock."""
+    rows = bp.main(["--smoke", "--methods", "vsmooth", "--timed", "1", "--no-profiled"])
+    assert [r["variant"] for r in rows] == ["stock", "vsmooth"]
+    out = capsys.readouterr().out
+    for p in bp.PEERS:
+        assert f"{p} skipped: needs a CUDA GPU" in out
+    with pytest.raises(SystemExit):
+        bp.parse_args(["--smoke", "--peers", "xformers"])
+
+
+class _Base:
+    def __init__(self):
+        self.calls = []
+
+    def set_attention_backend(self, name):
+        self.calls.append(("set", name))
+
+    def reset_attention_backend(self):
+        self.calls.append(("reset",))
+
+
+class _Pipe:
+    transformer = None
+
+
+def test_peer_scope_undoes_what_it_does(monkeypatch):
+    """sage: diffusers' backend set for the variant and reset after, also when the variant fails; torchao: its
+    wrapper is the pipeline's transformer during the variant only, and the global Inductor pre-grad pass it
+    installs is restored."""
+    import sys
+    import types
+
+    import torch._inductor.config as ic
+    base, pipe = _Base(), _Pipe()
+    pipe.transformer = base
+    with pytest.raises(RuntimeError):
+        with bp.peer_scope("sage", pipe, base):
+            assert base.calls == [("set", "sage")]
+            raise RuntimeError("boom")
+    assert base.calls == [("set", "sage"), ("reset",)]
+
+    def apply(model):
+        ic.pre_grad_custom_pass = "torchao-rope-fusion"
+        return ("wrapped", model)
+    fake = types.ModuleType("torchao.prototype.attention")
+    fake.apply_low_precision_attention = apply
+    for name in ("torchao", "torchao.prototype"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "torchao.prototype.attention", fake)
+    prev = ic.pre_grad_custom_pass
+    with bp.peer_scope("torchao-fp8", pipe, base):
+        assert pipe.transformer == ("wrapped", base) and ic.pre_grad_custom_pass == "torchao-rope-fusion"
+    assert pipe.transformer is base and ic.pre_grad_custom_pass == prev
