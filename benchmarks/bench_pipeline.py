@@ -35,6 +35,10 @@ first), and each method through ``backend="vcattn"`` -- ``--compile regional``
 3. a separate profiled generation (recompiled with ``profile=True``; events per attention call, read per
    step): ``attn_<phase>_ms`` = attention time summed over the generation by phase, ``attn_ms`` their sum,
    ``profile_overhead`` = its steps 1..n against the timed steps 1..n.
+``attn_rel_l2``: before the variants, an eager generation records the q, k, v of one self-attention layer (the
+middle one) at one step (``--capture-step``, default a fifth into the schedule); each variant's attention on them
+against fp32 attention on 512 sampled rows (a method: the op over a whole schedule on those inputs, its last,
+reuse step; a peer: its attention call as the pipeline makes it; ``--no-attn-error`` skips it).
 ``speedup_vs_stock`` (= ``speedup_vs_cudnn``): stock's median over the variant's, same compile mode;
 ``rel_l2`` / ``cos_sim``: final latents against stock's (random weights: not a quality measure either).
 ``--budget`` seconds: items are run only if their estimate fits, the first generation and one timed
@@ -90,7 +94,7 @@ PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's 
 EXTRAS = ["model", "layers", "steps", "guidance", "compile", "first_generation_s", "first_generation_extra_s", "first_steps",
           "speedup_vs_stock", "ms_per_step", "timed_generations", "generation_ms_all", "attn_ms",
           *(f"attn_{p}_ms" for p in PHASES), *(f"step_{p}_ms" for p in PHASES), "phases", "profile_overhead",
-          "sites", "sdpa_kernel", "caches", "note"]
+          "sites", "sdpa_kernel", "caches", "attn_rel_l2", "note"]
 ATTN_KERNELS = ("cudnn", "fmha", "flash", "sdpa", "attention", "attn")
 # ---- planning priors (replaced by measurements as the run goes) ----
 # generation time relative to stock: the measured end-to-end speed-ups (H200, 2026-12-01, this configuration)
@@ -225,6 +229,76 @@ def peer_scope(label: str, pipe, base):
             yield
     else:
         yield
+
+
+# ---- attention error on captured inputs ---------------------------------------------------------------------
+def capture_attention(pipe, base, call, a, layer: int, step: int):
+    """(q, k, v) [B, H, S, D] that self-attention ``layer`` receives in the conditional forward of denoising step
+    ``step``: an eager (uncompiled) generation records them (``demo.capture.capture_sdpa``) and stops there."""
+    from vc_compile.demo.capture import capture_sdpa
+    got = {}
+
+    def record(info, q, k, v):
+        if info["kind"] == "self" and info["layer"] == layer and info["forward"] == 2 * step:
+            got["qkv"] = tuple(t.detach().clone() for t in (q, k, v))
+
+    def stop(p, i, t, kw):
+        if i >= step:
+            p._interrupt = True  # WanPipeline skips the remaining steps
+        return kw
+    uncompile(base)
+    pipe.transformer = base
+    with capture_sdpa(base, record), torch.no_grad():
+        pipe(**{**call, "latents": call["latents"].clone()}, num_inference_steps=a.steps,
+             guidance_scale=a.guidance, callback_on_step_end=stop)
+    return got.get("qkv")
+
+
+def _attention_output(label, q, k, v, a):
+    """One variant's attention on (q, k, v) [B, H, S, D], as the variant runs it in the pipeline, or None."""
+    F = torch.nn.functional
+    if label == "stock":
+        return F.scaled_dot_product_attention(q, k, v)  # cuDNN: main() prefers it for the whole run
+    if label == "torchao-fp8":
+        fn = common.torchao_fp8_fn(q, k, v)
+        return fn() if fn is not None else None
+    if label == "sage":
+        from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+        out = dispatch_attention_fn(*(t.transpose(1, 2) for t in (q, k, v)), backend=AttentionBackendName("sage"))
+        return out.transpose(1, 2)
+    if label == "fa4":
+        with peer_scope("fa4", None, None):
+            return F.scaled_dot_product_attention(q, k, v)
+    # a method: the op on these inputs for a whole schedule of --steps steps (the inputs held fixed), its last
+    # step's output: a reuse step on metadata (grouping, selection) computed from the same inputs
+    opts = merge_options(METHODS[label], {"min_seq_len": 16, "experimental": {"kernels": "reference"}}
+                         if a.smoke else None)
+    cfg = vc_compile.VCConfig.from_options(opts).to_json()
+    site = 90_000 + list(METHODS).index(label)
+    out = None
+    with vc_compile.sampling(num_steps=a.steps):
+        for i in range(a.steps):
+            vc_compile.step(i)
+            out = torch.ops.vcattn.attention(q, k, v, None, site, cfg, None)
+    vc_compile.reset()
+    return out
+
+
+def attention_errors(qkv, labels, a, n_rows: int = 512) -> Dict[str, float]:
+    """rel. L2 of each variant's attention on the captured inputs against fp32 attention, on ``n_rows`` sampled
+    query rows (``common.truth_rows``)."""
+    import vc_compile.ops  # noqa: F401  (registers vcattn::attention)
+    q, k, v = qkv
+    g = torch.Generator().manual_seed(a.seed)
+    rows = torch.randperm(q.shape[2], generator=g)[:n_rows].sort().values.to(q.device)
+    truth = common.truth_rows(q, k, v, rows)
+    errs = {}
+    for label in labels:
+        with torch.no_grad():
+            out = _attention_output(label, q, k, v, a)
+        if out is not None:
+            errs[label] = metrics(out[:, :, rows].float(), truth)["rel_l2"]
+    return errs
 
 
 def compile_variant(pipe, base, label, opts, mode, smoke):
@@ -550,6 +624,10 @@ def parse_args(argv=None):
                     help="fresh: new Inductor/Triton cache dirs per variant (cold first generations)")
     ap.add_argument("--budget", type=float, default=510.0, help="seconds for the whole run (0 = no limit)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-attn-error", dest="attn_error", action="store_false",
+                    help="skip the attention error of every variant on inputs captured from the run")
+    ap.add_argument("--capture-step", type=int, default=None,
+                    help="denoising step whose inputs are captured (default: a fifth into the schedule)")
     ap.add_argument("--csv", default=None, help="also append the rows to this CSV")
     ap.add_argument("--plan-only", action="store_true", help="print the plan and its estimate, run nothing")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny config, 2 steps, eager compiler, reference "
@@ -573,6 +651,7 @@ def parse_args(argv=None):
     a.budget = a.budget or None
     a.device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     a.peer_notes = {}
+    a.capture_step = min(a.steps - 1, a.capture_step if a.capture_step is not None else a.steps // 5)
     return a
 
 
@@ -621,6 +700,19 @@ def _main(argv=None):
             continue
         pipe, base, call = build_pipeline(spec, layers, a.device, a.seed)
         log(f"  built in {time.perf_counter() - t_start:.0f} s")
+        errs = {}
+        if a.attn_error:
+            layer = layers // 2
+            qkv = capture_attention(pipe, base, call, a, layer, a.capture_step)
+            if qkv is None:
+                skipped.append(f"attention error: no self-attention inputs captured at layer {layer}, step "
+                               f"{a.capture_step}")
+            else:
+                errs = attention_errors(qkv, labels, a)
+                log(f"  attention rel. L2 vs fp32 on inputs of layer {layer}, step {a.capture_step} "
+                    f"({tuple(qkv[0].shape)}): " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+                del qkv
+            a.attn_where = f"layer {layer}, step {a.capture_step}"
         for mode in a.modes:
             stock = None
             for j, label in enumerate(labels):
@@ -637,6 +729,9 @@ def _main(argv=None):
                     continue
                 stock = res if label == "stock" else stock
                 row = make_row(res, stock, spec, layers, a)
+                if label in errs:
+                    row["attn_rel_l2"] = errs[label]
+                    row["note"] += f"; attention rel. L2 on inputs captured at {a.attn_where}"
                 all_rows.append(row)
                 log(f"  {label} [{mode}]: {row['ms'] / 1e3:.1f} s/generation ({row['ms_per_step']:.0f} ms/step), "
                     f"x{row.get('speedup_vs_stock', float('nan')):.2f} vs stock, first generation "
@@ -653,7 +748,8 @@ def _main(argv=None):
     if all_rows:
         log("")
         print_table(all_rows, ["variant", "compile", "S", "ms", "ms_per_step", "speedup_vs_stock", "first_generation_s",
-                               "first_generation_extra_s", "attn_ms", *(f"attn_{p}_ms" for p in PHASES), "rel_l2"])
+                               "first_generation_extra_s", "attn_ms", *(f"attn_{p}_ms" for p in PHASES), "rel_l2",
+                               "attn_rel_l2"])
         log(f"({RANDOM_NOTE})")
         if not a.smoke:
             log(f"[bench_pipeline] rows appended to {path}")

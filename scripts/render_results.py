@@ -113,7 +113,7 @@ def pipeline_tables(rows) -> List[str]:
             first = f(r.get("first_generation_s"), "{:.1f}") + (f" ({extra:+.1f})" if extra is not None
                                                                 and v != "stock" else "")
             body.append([NAMES.get(v, v), sec(r.get("ms")), f(r.get("speedup_vs_stock"), "{:.2f}x"), first,
-                         sec(r.get("attn_ms")), phases, f(r.get("rel_l2"), "{:.2e}")])
+                         sec(r.get("attn_ms")), phases, f(r.get("rel_l2"), "{:.2e}"), f(r.get("attn_rel_l2"), "{:.2e}")])
         title = (f"**{model}, {S} tokens, {layers} layers, {steps} steps, CFG {guidance}, {mode} compile** "
                  f"({any_row.get('gpu')}, torch {any_row.get('torch')}, {any_row.get('date')}, commit "
                  f"{any_row.get('commit')}; random weights: speed only, not quality)")
@@ -124,7 +124,8 @@ def pipeline_tables(rows) -> List[str]:
                          "kernels an earlier one built)" if caches == "shared" else "") + ".")
         out.append(title + "\n\n" + md_table(
             ["method", "s / generation", "speed-up vs stock", "first generation s (vs stock)", "attention s",
-             "attention s: " + " / ".join(PHASES), "rel. L2 vs stock"], body))
+             "attention s: " + " / ".join(PHASES), "rel. L2 vs stock",
+             "attention rel. L2 vs fp32 (captured inputs)"], body))
     return out
 
 
