@@ -10,7 +10,8 @@ sigma/selection on the current q, k, v, plus R. WARMUP (20% of the steps by defa
 (``methods/vsmooth.py``: V grouped on the warm-up's steps, as ``method="vsmooth"`` does), on its own metadata
 slot; with ``warmup_attention="sdpa"`` the warm-up is DENSE instead (stock SDPA, run by the op, the paper's).
 Schedule (``phase_for``): WARMUP (or DENSE) warm-up, ANCHOR at ``anchor_steps`` (default: the paper's 20% and 52% of the
-steps) and whenever no metadata is cached, REUSE otherwise.
+steps) and whenever no metadata is cached, REUSE otherwise; a block whose selection is older than the latest anchor
+step (its call there was skipped, e.g. by a step or block cache: ``anchor_epoch``) selects at its next call.
 
 Metadata ``SparseMeta`` (the token-sparse analogue of FlexAttention's BlockMask):
   sigma     [B, H, S] int64     query order; group g = sigma[g*C:(g+1)*C] (last group may be partial)
@@ -18,6 +19,7 @@ Metadata ``SparseMeta`` (the token-sparse analogue of FlexAttention's BlockMask)
   residual  [B, H, S, Dv]       bf16 (``residual="bf16"``) or FP8 E4M3 codes (``"fp8"``), or None
   res_scale [B, H, S] fp32      per-token scale of the FP8 residual (None otherwise)
   density   float               realised density: n_keep / Sk (after rounding to the KV tile)
+  epoch     int                 the anchor step (index in the schedule) that made it
 Memory: the residual is the size of the attention output per site, block and CFG branch. Before storing
 it the method checks the ``residual_budget_gb`` option (``inf`` = no limit) and the free GPU memory, and
 raises a clear error naming the fixes instead of an OOM inside a kernel.
@@ -94,6 +96,7 @@ class SparseMeta:
     res_scale: Optional[torch.Tensor]
     density: float
     guard: Optional[GuardState] = None  # the quality guard's rows and readings (guard_threshold > 0)
+    epoch: int = 0  # which anchor step of the schedule made it (``anchor_epoch``)
 
     def residual_tensor(self, dtype) -> Optional[torch.Tensor]:
         if self.residual is None:
@@ -113,6 +116,20 @@ def anchor_steps(cfg, n: int) -> Tuple[int, ...]:
     if cfg.anchor_interval is not None:
         return tuple(range(w, max(n, w + 1), cfg.anchor_interval))
     return tuple(sorted({w, max(w, int(round(ANCHOR_FRACTION * n)))}))
+
+
+def anchor_epoch(cfg, step: int, n: int) -> int:
+    """Which of the schedule's anchor steps ``step`` follows: 0 from the first anchor step on, 1 from the second,
+    ...; -1 before the first."""
+    return sum(1 for a in anchor_steps(cfg, n) if a <= step) - 1
+
+
+@dataclass
+class AnchorAt:
+    """An anchor step's plan metadata: the epoch its selection starts (``SparseMeta.epoch``) and the metadata it
+    replaces (kept if the anchor cannot make a finite one)."""
+    epoch: int
+    meta: Optional["SparseMeta"]
 
 
 def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
@@ -135,15 +152,24 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
     first anchor frees it, and a reuse step whose measured error passed ``guard_threshold`` re-anchors."""
     meta = slot(())
     phase = phase_for(cfg, step, n, meta is not None)
+    epoch = anchor_epoch(cfg, step, n)
+    if phase == Phase.REUSE and meta.epoch < epoch:
+        # the block missed its anchor step (a step or block cache skipped its call there): select now, at its
+        # first call after it, rather than reuse the previous epoch's selection to the end
+        phase = Phase.ANCHOR
     if phase == Phase.WARMUP:
         if warmup_ineligible(q, k, v, impl) is None:
             return Plan(phase, slot(WARMUP_SLOT), WARMUP_SLOT, eight_bit=True, sharp_phase=Phase.DENSE)
         return Plan(Phase.DENSE, meta)
-    if phase == Phase.ANCHOR and slot(WARMUP_SLOT) is not None:
-        return Plan(phase, meta, drop=(WARMUP_SLOT,))  # the warm-up is over: its grouping is not needed
+    if phase == Phase.ANCHOR and slot(WARMUP_SLOT) is not None:  # the warm-up is over: its grouping is not needed
+        return Plan(phase, AnchorAt(max(epoch, 0), meta), drop=(WARMUP_SLOT,))
     if phase == Phase.REUSE:
         err, reanchor = mcsparse_guard.guard_check(meta, cfg)
-        return Plan(Phase.ANCHOR if reanchor else phase, meta, guard=(err, reanchor))
+        if reanchor:
+            return Plan(Phase.ANCHOR, AnchorAt(max(epoch, 0), meta), guard=(err, reanchor))
+        return Plan(phase, meta, guard=(err, reanchor))
+    if phase == Phase.ANCHOR:
+        return Plan(phase, AnchorAt(max(epoch, 0), meta))
     return Plan(phase, meta)
 
 
@@ -298,6 +324,9 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
     like a cached selection)."""
     if phase == Phase.WARMUP:
         return warmup_run(q, k, v, meta=meta, cfg=cfg, sm_scale=sm_scale, impl=impl)
+    epoch = 0
+    if isinstance(meta, AnchorAt):  # an anchor step as ``plan`` gives it
+        epoch, meta = meta.epoch, meta.meta
     C = cfg.group_size
     ex = cfg.experimental
     Sk = k.shape[2]
@@ -344,7 +373,7 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
         residual, res_scale = _compact(resid, cfg.residual.value)
     elif not bool(torch.isfinite(o_dense).all()):
         return out, meta
-    meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk)
+    meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk, epoch=epoch)
     return out, meta
 
 
