@@ -60,6 +60,7 @@ attention); ``report()`` names them in the kernel path (``path_label``).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -108,28 +109,14 @@ class SparseMeta:
 
 # ---- the schedule -----------------------------------------------------------------------------------------
 def anchor_steps(cfg, n: int) -> Tuple[int, ...]:
-    """The steps that re-select: the ``anchor_steps`` option, else every ``anchor_interval`` steps after the
-    warm-up, else the first step after the warm-up and step 52% of n."""
+    """The steps that re-select, ascending: the ``anchor_steps`` option, else every ``anchor_interval`` steps after
+    the warm-up, else the first step after the warm-up and step 52% of n."""
     if cfg.anchor_steps is not None:
-        return tuple(cfg.anchor_steps)
+        return tuple(sorted(cfg.anchor_steps))
     w = warmup_steps(cfg, n, WARMUP_FRACTION)
     if cfg.anchor_interval is not None:
         return tuple(range(w, max(n, w + 1), cfg.anchor_interval))
     return tuple(sorted({w, max(w, int(round(ANCHOR_FRACTION * n)))}))
-
-
-def anchor_epoch(cfg, step: int, n: int) -> int:
-    """Which of the schedule's anchor steps ``step`` follows: 0 from the first anchor step on, 1 from the second,
-    ...; -1 before the first."""
-    return sum(1 for a in anchor_steps(cfg, n) if a <= step) - 1
-
-
-@dataclass
-class AnchorAt:
-    """An anchor step's plan metadata: the epoch its selection starts (``SparseMeta.epoch``) and the metadata it
-    replaces (kept if the anchor cannot make a finite one)."""
-    epoch: int
-    meta: Optional["SparseMeta"]
 
 
 def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
@@ -138,6 +125,20 @@ def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
     if step in anchor_steps(cfg, n) or not has_meta:
         return Phase.ANCHOR
     return Phase.REUSE
+
+
+def anchor_epoch(cfg, step: int, n: int) -> int:
+    """Which of the schedule's anchor steps ``step`` follows: 0 from the first anchor step on, 1 from the second,
+    ...; -1 before the first."""
+    return bisect.bisect_right(anchor_steps(cfg, n), step) - 1
+
+
+@dataclass
+class AnchorAt:
+    """An anchor step's plan metadata: the epoch its selection starts (``SparseMeta.epoch``) and the metadata it
+    replaces (kept if the anchor cannot make a finite one)."""
+    epoch: int
+    meta: Optional["SparseMeta"]
 
 
 USES_KERNELS = True
