@@ -300,6 +300,24 @@ def test_pipeline_through_vcattn_reads_steps_from_the_pipeline(regional):
         assert res.attn_ms is not None and res.attn_ms > 0
         assert metrics.psnr(res.clip.clamp(-1, 1), dense.clip.clamp(-1, 1)) > 20.0
 
+def test_the_clip_runs_the_kernels_past_the_speed_gate(monkeypatch):
+    """The clip measures fidelity: on a GPU whose measurements gate its small shapes to stock SDPA (the H200 at
+    4096 tokens x 2 heads) it would otherwise compare stock SDPA with itself. A user's own speed_gate wins."""
+    from vc_compile.demo import pipe as demo_pipe
+    from vc_compile.demo.runner import run_pipeline
+    seen = []
+
+    def compile_pipe(pipe, opts, regional=False):
+        seen.append(dict(opts))
+        raise KeyboardInterrupt  # stop before any generation
+    monkeypatch.setattr(demo_pipe, "compile_pipe", compile_pipe)
+    for options in ({"method": "vsmooth"}, {"method": "vsmooth", "speed_gate": "auto"}):
+        with pytest.raises(KeyboardInterrupt):
+            run_pipeline(None, None, None, "x", options, frames=1, height=32, width=32, steps=1, seed=0,
+                         guidance=1.0)
+    assert [o["speed_gate"] for o in seen] == ["off", "auto"]
+
+
 # -------------------------------------------------------------------------------------------- writers
 
 
