@@ -61,6 +61,7 @@ attention); ``report()`` names them in the kernel path (``path_label``).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -117,6 +118,12 @@ def anchor_steps(cfg, n: int) -> Tuple[int, ...]:
     if cfg.anchor_interval is not None:
         return tuple(range(w, max(n, w + 1), cfg.anchor_interval))
     return tuple(sorted({w, max(w, int(round(ANCHOR_FRACTION * n)))}))
+
+
+def _kept(meta: Optional["SparseMeta"], epoch: int) -> Optional["SparseMeta"]:
+    """The previous selection, kept by an anchor step that could not make a finite one, as this epoch's: the
+    block reuses it until the next anchor step rather than retrying the anchor at every call."""
+    return None if meta is None else dataclasses.replace(meta, epoch=epoch)
 
 
 def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
@@ -369,11 +376,11 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
         # One sync per anchor step (see the module docstring). The residual, not O_dense alone: a dense
         # kernel may return a finite row for an Inf query where the sparse one does not.
         if not bool(torch.isfinite(resid).all()):
-            return out, meta
+            return out, _kept(meta, epoch)
         _check_memory(resid, cfg)
         residual, res_scale = _compact(resid, cfg.residual.value)
     elif not bool(torch.isfinite(o_dense).all()):
-        return out, meta
+        return out, _kept(meta, epoch)
     meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk, epoch=epoch)
     return out, meta
 
