@@ -19,6 +19,7 @@ start-up cost. Model construction and imports are outside every figure. Rows:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import append_rows, print_table
+from benchmarks.common import append_rows, prefer_cudnn, print_table
 
 BENCH = "bench_cold_start"
 DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15"
@@ -57,7 +58,7 @@ def child(a) -> dict:
             opts.update(bp.SMOKE_OPTS)
     bp.compile_variant(pipe, base, label, opts, "regional", smoke)
     rec = bp.StepRecorder(device == "cuda", a.steps, f"{label} first")
-    ctx = _cudnn() if device == "cuda" else _null()
+    ctx = prefer_cudnn() if device == "cuda" else contextlib.nullcontext()
     with ctx:
         _, first_s = bp.generate(pipe, call, a.steps, 5.0, rec)
         rec2 = bp.StepRecorder(device == "cuda", a.steps, f"{label} steady")
@@ -67,19 +68,6 @@ def child(a) -> dict:
     return {"first_call_s": first_s, "steady_s": steady_s, "build_s": build_s, "sites": sites,
             "tokens": bp.tokens(spec), "layers": spec["cfg"]["num_layers"], "model": spec["model"],
             "torch_threads": torch.get_num_threads()}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _cudnn():
-    from benchmarks.common import prefer_cudnn
-    return prefer_cudnn()
 
 
 def run_child(label, mode, cache_dir, a) -> dict:
