@@ -4,6 +4,7 @@
     python -m benchmarks.bench_pipeline --csv $OUT/bench_pipeline.csv        # H200: 1.3B 480p, regional, all methods
     python -m benchmarks.bench_pipeline --sizes 14b-720p --layers 8 --steps 10 --csv $OUT/bench_pipeline.csv
     python -m benchmarks.bench_pipeline --compile whole --methods vsmooth+expcast,mcsparse@0.15
+    python -m benchmarks.bench_pipeline --methods vsmooth+expcast,stock+f8lin,vsmooth+expcast+f8lin  # full stack
     python -m benchmarks.bench_pipeline --smoke                      # CPU: tiny config, 2 steps, nothing appended
 
 What runs: ``WanPipeline(tokenizer=None, text_encoder=None, vae=None)`` with a ``WanTransformer3DModel`` of
@@ -39,6 +40,10 @@ first), and each method through ``backend="vcattn"`` -- ``--compile regional``
 middle one) at one step (``--capture-step``, default a fifth into the schedule); each variant's attention on them
 against fp32 attention on 512 sampled rows (a method: the op over a whole schedule on those inputs, its last,
 reuse step; a peer: its attention call as the pipeline makes it; ``--no-attn-error`` skips it).
+A variant ``<method>+f8lin`` / ``stock+f8lin`` runs on a copy of the transformer whose block linears are torchao float8
+(``quantize_`` with ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``): the full stack in one compile,
+or float8 linears alone; its ``attn_rel_l2`` is its attention's, on the same captured inputs.
+``attn_ms`` of stock and of a peer: its attention kernels' time in the 1-step profile x steps.
 ``speedup_vs_stock`` (= ``speedup_vs_cudnn``): stock's median over the variant's, same compile mode;
 ``rel_l2`` / ``cos_sim``: final latents against stock's (random weights: not a quality measure either).
 ``--budget`` seconds: items are run only if their estimate fits, the first generation and one timed
@@ -90,6 +95,10 @@ PEERS = ("torchao-fp8", "sage", "fa4")
 DEFAULT_PEERS = ",".join(PEERS)
 SMOKE_OPTS = {"min_seq_len": 64, "kmeans_iters": 1,
               "experimental": {"compiler": "eager", "kernels": "reference", "kmeans_init_iters": 2}}
+# A variant with torchao float8 linear layers in its transformer blocks (dynamic FP8 activations and weights, per-row
+# scales: quantize_(..., Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))), in the same compile as
+# the attention: "stock+f8lin" (float8 linears alone) or "<method>+f8lin" (the full stack)
+F8 = "+f8lin"
 PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's V-Smooth warm-up
 EXTRAS = ["model", "layers", "steps", "guidance", "compile", "first_generation_s", "first_generation_extra_s", "first_steps",
           "speedup_vs_stock", "ms_per_step", "timed_generations", "generation_ms_all", "attn_ms",
@@ -102,12 +111,42 @@ PRIOR_RATIO = {"stock": 1.0, "dense": 1.02, "vsmooth": 1 / 1.18, "vsmooth+expcas
                "mcsparse@0.15": 1 / 1.59, "mcsparse@0.25": 1 / 1.43,
                # peers: torchao's 1.31x measured on this pipeline (H200, 2026-12-01); the others guessed
                "torchao-fp8": 1 / 1.31, "sage": 1 / 1.2, "fa4": 1 / 1.1}
+F8_PRIOR = 1 / 1.15  # float8 linears alone on this pipeline (guess)
 COMPILE_S = {"regional": 15.0, "whole": 90.0}  # torch.compile of the transformer, empty caches (guess)
 RECOMPILE_S = {"regional": 10.0, "whole": 45.0}  # the same graph again with profile=True (guess)
 JIT_S = 10.0  # a method's Triton kernels built at their first calls (measured: 9.4-10 s)
 # stock step time from FLOPs: cuDNN attention ~520 TFLOP/s, GEMMs ~600: 1.03 s for 1.3B at 32760 tokens
 # with CFG, measured at 1.04 s (the calibration point)
 ATTN_TFLOPS, GEMM_TFLOPS = 5.2e14, 6.0e14
+
+
+def base_label(label: str) -> str:
+    """The variant without its float8-linear stack: ``"vsmooth+expcast+f8lin"`` -> ``"vsmooth+expcast"``."""
+    return label[:-len(F8)] if label.endswith(F8) else label
+
+
+def is_method(label: str) -> bool:
+    """Does the variant compile with ``backend="vcattn"`` (else: stock Inductor, a peer's attention or not)?"""
+    return base_label(label) in METHODS
+
+
+def float8_linears(base):
+    """A copy of the transformer whose blocks' linear layers are torchao float8 (what a user adds for the GEMMs):
+    ``quantize_`` with dynamic per-row FP8 activations and weights, on the ``blocks.*`` linears (the embedders and
+    the output projection stay bf16). (None, the reason) where torchao or an FP8-capable GPU is missing."""
+    import copy
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    except ImportError as e:
+        return None, f"float8 linears skipped: torchao not importable ({e})"
+    f8 = copy.deepcopy(base)
+    try:
+        quantize_(f8, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+                  filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and name.startswith("blocks."))
+    except (AssertionError, RuntimeError) as e:
+        return None, f"float8 linears skipped: {str(e)[:120]}"
+    n = sum(type(m.weight).__name__ == "Float8Tensor" for m in f8.modules() if isinstance(m, torch.nn.Linear))
+    return f8, f"float8 linears: torchao quantize_ Float8DynamicActivationFloat8WeightConfig(PerRow), {n} block linears"
 
 
 def log(*a):
@@ -305,7 +344,7 @@ def compile_variant(pipe, base, label, opts, mode, smoke):
     torch._dynamo.reset()
     vc_compile.reset(report=True)
     uncompile(base)
-    stockish = label == "stock" or label in PEERS
+    stockish = not is_method(label)
     if label not in PEERS:
         pipe.transformer = base
     kw = ({"backend": "eager"} if smoke else {}) if stockish else {"backend": "vcattn", "options": opts}
@@ -379,9 +418,10 @@ def generate(pipe, call, steps, guidance, rec: StepRecorder):
     return out.float(), time.perf_counter() - t0
 
 
-def stock_attention_kernel(pipe, call, guidance) -> str:
+def stock_attention_kernel(pipe, call, guidance) -> tuple:
     """Which attention kernels the compiled stock model launches: torch.profiler over a 1-step generation
-    (same shapes, same graph: no recompile). ``"cudnn: <top kernel>"`` or what else ran."""
+    (same shapes, same graph: no recompile): (``"cudnn: <top kernel>"`` or what else ran, the attention kernels'
+    milliseconds in that step)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
@@ -389,10 +429,11 @@ def stock_attention_kernel(pipe, call, guidance) -> str:
         torch.cuda.synchronize()
     kern = {n: t for n, t in kernel_times(prof).items() if any(p in n.lower() for p in ATTN_KERNELS)}
     if not kern:
-        return "no attention kernel found"
+        return "no attention kernel found", float("nan")
     name = max(kern, key=kern.get)
     kind = "cudnn" if "cudnn" in name.lower() or "sdpa" in name.lower() else "NOT cuDNN"
-    return f"{kind}: {name[:80]} ({kern[name]:.0f} ms of {sum(kern.values()):.0f} ms attention in 1 step)"
+    total = sum(kern.values())
+    return f"{kind}: {name[:80]} ({kern[name]:.0f} ms of {total:.0f} ms attention in 1 step)", total
 
 
 def site_summary() -> str:
@@ -428,13 +469,14 @@ class Result:
     sdpa_kernel: str = ""
     skipped: List[str] = field(default_factory=list)
     peer_note: str = ""  # a peer: what ran (peer_status)
+    attn_step_ms: float = float("nan")  # stock / a peer: attention kernels' time in one profiled step
 
 
 def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reserve_s) -> Result:
     """Cold generation, timed generation(s), profiled generation, each if the budget allows."""
     res = Result(label, mode, peer_note=a.peer_notes.get(label, ""))
-    opts = (None if label == "stock" or label in PEERS
-            else merge_options(METHODS[label], SMOKE_OPTS if a.smoke else None))
+    opts = (merge_options(METHODS[base_label(label)], SMOKE_OPTS if a.smoke else None) if is_method(label)
+            else None)
     tag = f"{label} [{mode}]"
 
     def left():
@@ -454,11 +496,11 @@ def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reser
 
 def _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, left, reserve_s):
     cuda = a.device.type == "cuda"
-    log(f"  {tag}: first generation (compile{'' if label == 'stock' else ' + kernel builds'}) ...")
+    log(f"  {tag}: first generation (compile{' + kernel builds' if is_method(label) else ''}) ...")
     compile_variant(pipe, base, label, opts, mode, a.smoke)
     res.latents, res.first_s = generate(pipe, call, a.first_steps, a.guidance,
                                         StepRecorder(cuda, a.first_steps, f"{tag} first"))
-    res.sites = site_summary() if label in METHODS else ""
+    res.sites = site_summary() if is_method(label) else ""
     for k in range(a.timed):
         if k > 0 and est.item_s("timed", label, mode) + reserve_s > left():
             res.skipped.append(f"{tag}: timed generation {k + 1}")
@@ -470,10 +512,10 @@ def _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, le
         if k == 0:
             res.step_ms, res.phases, res.latents = rec.step_ms(), rec.phases, lat
     est.observe(label, mode, first_s=res.first_s, gen_s=statistics.median(res.gens_s), first_frac=a.first_steps / a.steps)
-    if (label == "stock" or label in PEERS) and cuda:  # which attention kernels actually ran
-        res.sdpa_kernel = stock_attention_kernel(pipe, call, a.guidance)
+    if not is_method(label) and cuda:  # which attention kernels actually ran, and their time in one step
+        res.sdpa_kernel, res.attn_step_ms = stock_attention_kernel(pipe, call, a.guidance)
         log(f"    {label} attention kernel: {res.sdpa_kernel}")
-    if label in METHODS and a.profiled:  # the op's per-call events: our methods only
+    if is_method(label) and a.profiled:  # the op's per-call events: our methods only
         if est.item_s("profiled", label, mode) + reserve_s > left():
             res.skipped.append(f"{tag}: profiled generation")
         else:
@@ -498,7 +540,7 @@ def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
                ms_per_step=med / a.steps, timed_generations=len(res.gens_s),
                generation_ms_all=" ".join(f"{s * 1e3:.0f}" for s in res.gens_s), sites=res.sites,
                sdpa_kernel=res.sdpa_kernel, caches=a.caches,
-               density=METHODS.get(res.label, {}).get("density", 1.0))
+               density=METHODS.get(base_label(res.label), {}).get("density", 1.0))
     if stock is not None and stock.gens_s and res.gens_s:
         sp = statistics.median(stock.gens_s) * 1e3 / med
         row.update(speedup_vs_stock=sp, speedup_vs_cudnn=sp,
@@ -510,9 +552,11 @@ def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
         for p in PHASES:
             row[f"step_{p}_ms"] = sum(t for t, ph in zip(res.step_ms, res.phases) if ph == p)
         row["phases"] = " ".join(f"{p}:{res.phases.count(p)}" for p in PHASES if p in res.phases)
+    if not res.attn and res.attn_step_ms == res.attn_step_ms:  # stock / a peer: one profiled step x steps
+        res.attn = {"total": res.attn_step_ms * a.steps}
     if res.attn:
         row["attn_ms"] = res.attn["total"]
-        row.update({f"attn_{p}_ms": res.attn[p] for p in PHASES})
+        row.update({f"attn_{p}_ms": res.attn[p] for p in PHASES if p in res.attn})
         calls = a.steps * (2 if a.guidance > 1 else 1) * layers
         row["tflops"] = 4.0 * H * S * S * Dh * calls / (res.attn["total"] * 1e-3) / 1e12
         if len(res.prof_step_ms) > 1 and len(res.step_ms) > 1:
@@ -526,8 +570,10 @@ def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
                              f"CFG {a.guidance:g}",
                              f"timed: median of {n} generations" if n > 1 else "timed: 1 generation",
                              *([res.peer_note] if res.peer_note else []),
-                             *(["profiled generation left out (budget)"] if res.label in METHODS and a.profiled
+                             *(["profiled generation left out (budget)"] if is_method(res.label) and a.profiled
                                and not res.attn else []),
+                             *(["attention time: its kernels in one profiled step x steps"]
+                               if not is_method(res.label) and res.attn else []),
                              *(["NON-FINITE final latents"] if bad else []),
                              *(["CPU smoke: eager, reference kernels"] if a.smoke else [])])
     return row
@@ -551,7 +597,7 @@ class Estimator:
         if label in self.gen:
             return self.gen[label]
         stock = self.gen.get("stock", self.step_s * self.steps)
-        return stock * PRIOR_RATIO.get(label, 1.0)
+        return stock * PRIOR_RATIO.get(base_label(label), 1.0) * (F8_PRIOR if label.endswith(F8) else 1.0)
 
     def item_s(self, item, label, mode):
         if not self.cuda:
@@ -607,7 +653,9 @@ def plan_items(est: Estimator, labels, modes, timed, profiled, budget, spent):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1.3b-480p", help=f"comma-separated, from {[s for s in SIZES if s != 'smoke']}")
-    ap.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {list(METHODS)}")
+    ap.add_argument("--methods", default=DEFAULT_METHODS,
+                    help=f"comma-separated, from {list(METHODS)}; '<method>{F8}' / 'stock{F8}': with torchao float8 "
+                         "linear layers in the blocks (the full stack / float8 linears alone)")
     ap.add_argument("--peers", default=DEFAULT_PEERS,
                     help=f"comma-separated, from {list(PEERS)} ('' for none): what users pick instead, where installed")
     ap.add_argument("--steps", type=int, default=50)
@@ -634,9 +682,9 @@ def parse_args(argv=None):
                     "kernels, no rows appended")
     a = ap.parse_args(argv)
     a.methods = [m for m in a.methods.split(",") if m]
-    bad = [m for m in a.methods if m not in METHODS]
+    bad = [m for m in a.methods if base_label(m) not in (*METHODS, "stock") or m == "stock"]
     if bad:
-        ap.error(f"unknown methods {bad}; known: {list(METHODS)}")
+        ap.error(f"unknown methods {bad}; known: {list(METHODS)}, each also as '<method>{F8}', and 'stock{F8}'")
     a.peers = [p for p in a.peers.split(",") if p]
     bad = [p for p in a.peers if p not in PEERS]
     if bad:
@@ -708,19 +756,32 @@ def _main(argv=None):
                 skipped.append(f"attention error: no self-attention inputs captured at layer {layer}, step "
                                f"{a.capture_step}")
             else:
-                errs = attention_errors(qkv, labels, a)
+                errs = attention_errors(qkv, list(dict.fromkeys(base_label(x) for x in labels)), a)
+                errs.update({x: errs[base_label(x)] for x in labels if base_label(x) in errs})  # same attention
                 log(f"  attention rel. L2 vs fp32 on inputs of layer {layer}, step {a.capture_step} "
                     f"({tuple(qkv[0].shape)}): " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
                 del qkv
             a.attn_where = f"layer {layer}, step {a.capture_step}"
+        f8 = None
         for mode in a.modes:
             stock = None
             for j, label in enumerate(labels):
                 reserve = sum(est.item_s("cold", lab, mode) + est.item_s("timed", lab, mode) for lab in labels[j + 1:])
                 reserve += sum(est.item_s("cold", lab, m) + est.item_s("timed", lab, m)
                                for m in a.modes[a.modes.index(mode) + 1:] for lab in labels)
+                model = base
+                if label.endswith(F8):
+                    if f8 is None and "f8" not in a.peer_notes:  # built once, at the first such variant
+                        f8, note = float8_linears(base)
+                        log(f"  {note}")
+                        a.peer_notes["f8"] = note
+                    if f8 is None:
+                        skipped.append(f"{label}: {a.peer_notes['f8']}")
+                        continue
+                    a.peer_notes[label] = a.peer_notes["f8"]
+                    model = f8
                 with _cache_scope(a.caches):
-                    res = run_variant(pipe, base, call, label, mode, a, est, t_start, reserve)
+                    res = run_variant(pipe, model, call, label, mode, a, est, t_start, reserve)
                 skipped += res.skipped
                 if not res.gens_s:
                     if label == "stock":
@@ -742,7 +803,7 @@ def _main(argv=None):
                     path = append_rows(BENCH, [row], extras=EXTRAS)
                     if a.csv:
                         append_rows(BENCH, [row], path=a.csv, extras=EXTRAS)
-        del pipe, base, call
+        del pipe, base, call, f8
         if a.device.type == "cuda":
             torch.cuda.empty_cache()
     if all_rows:

@@ -238,6 +238,24 @@ def find_block_identity(q: fx.Node, max_depth: int = 40) -> Optional[fx.Node]:
     return None
 
 
+def plain_identity(graph: fx.Graph, ident: Optional[fx.Node]) -> Optional[fx.Node]:
+    """The block identity as a plain tensor. A weight held as a tensor subclass (torchao's ``Float8Tensor`` of
+    ``quantize_(model, Float8DynamicActivationFloat8WeightConfig())``, other wrapper subclasses) cannot be an
+    argument of the op (the subclass has no rule for ``vcattn::attention``: the call would raise at run time);
+    its largest inner tensor (the quantised data, stored as long as the weight is) identifies the block as well.
+    Inserts that ``getattr`` at the graph's insertion point."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    val = _val(ident)
+    if ident is None or not is_traceable_wrapper_subclass(val):
+        return ident
+    names, _ = val.__tensor_flatten__()
+    inner = max(names, key=lambda n: getattr(val, n).numel())
+    node = graph.call_function(getattr, (ident, inner))
+    node.meta["example_value"] = getattr(val, inner)
+    return node
+
+
 def _shape_str(a) -> str:
     q, k = _val(a["q"]), _val(a["k"])
     if not isinstance(q, torch.Tensor):
@@ -323,6 +341,8 @@ def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -
                 stats["fallback"] += 1
                 continue
             ident = find_block_identity(a["q"])
+            with mod.graph.inserting_before(node):
+                ident = plain_identity(mod.graph, ident)
             rec = _report.register_site(rewritten=True, has_identity=ident is not None, key=key, **rec_kw)
             stats["records"].append(rec)
             _notes.note_reference_path(cfg, q)
