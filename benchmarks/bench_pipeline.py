@@ -41,8 +41,9 @@ middle one) at one step (``--capture-step``, default a fifth into the schedule);
 against fp32 attention on 512 sampled rows (a method: the op over a whole schedule on those inputs, its last,
 reuse step; a peer: its attention call as the pipeline makes it; ``--no-attn-error`` skips it).
 A variant ``<method>+f8lin`` / ``stock+f8lin`` runs on a copy of the transformer whose block linears are torchao float8
-(``quantize_`` with ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``): the full stack in one compile,
-or float8 linears alone; its ``attn_rel_l2`` is its attention's, on the same captured inputs.
+(``quantize_`` with ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)``:
+the Inductor settings of every other row): the full stack in one compile, or float8 linears alone; its
+``attn_rel_l2`` is its attention's, on the same captured inputs.
 ``attn_ms`` of stock and of a peer: its attention kernels' time in the 1-step profile x steps.
 ``speedup_vs_stock`` (= ``speedup_vs_cudnn``): stock's median over the variant's, same compile mode;
 ``rel_l2`` / ``cos_sim``: final latents against stock's (random weights: not a quality measure either).
@@ -141,7 +142,10 @@ def float8_linears(base):
         return None, f"float8 linears skipped: torchao not importable ({e})"
     f8 = copy.deepcopy(base)
     try:
-        quantize_(f8, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+        # NOTE set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning for the
+        # whole process (measured on the 1.3B pipeline, H200: a 157 s first generation instead of 12 s, and every
+        # later variant compiled under it); off, every row shares one Inductor configuration
+        quantize_(f8, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
                   filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and name.startswith("blocks."))
     except (AssertionError, RuntimeError) as e:
         return None, f"float8 linears skipped: {str(e)[:120]}"
