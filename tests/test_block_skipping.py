@@ -4,6 +4,8 @@ the previous anchor's selection to the end of the schedule; step indices must st
 
 The op-level test needs nothing but the package (CPU, reference kernels); the cache-dit one runs where cache-dit
 is installed (a tiny diffusers WanPipeline, DBCache with a fixed per-step computation mask)."""
+import functools
+
 import pytest
 import torch
 
@@ -47,6 +49,37 @@ def test_a_block_that_missed_an_anchor_step_selects_at_its_next_call():
                 call(wb, "b")
     assert phases["a"] == ["warmup"] * 2 + ["anchor", "reuse", "reuse", "anchor"] + ["reuse"] * 4
     assert phases["b"] == ["warmup"] * 2 + ["anchor", "reuse", "anchor"] + ["reuse"] * 3
+
+
+def test_a_pipeline_class_patched_after_a_first_enable_keeps_its_patch():
+    """cache-dit wraps the pipeline class's ``__call__`` (its cache context). A pipeline tracked after that, in a
+    process where another pipeline of the class was tracked before the patch, must still run the patched call
+    (it did not: the tracked subclass had kept the class's first ``__call__``, so cache-dit's context was skipped
+    and its step mask applied one forward late)."""
+    from vc_compile.runtime import pipeline_calls
+
+    class Pipe:
+        def __call__(self, steps=2, callback_on_step_end=None):
+            for i in range(steps):
+                callback_on_step_end(self, i, None, {})
+            return "ran"
+
+    seen = []
+    first, second = Pipe(), Pipe()
+    assert pipeline_calls.track(first) and first() == "ran"
+    original = Pipe.__call__
+
+    @functools.wraps(original)
+    def patched(self, *args, **kwargs):  # what cache-dit does to the class, after the first pipeline
+        seen.append(self)
+        return original(self, *args, **kwargs)
+    Pipe.__call__ = patched
+    assert pipeline_calls.track(second) and second() == "ran" and first() == "ran"
+    assert seen == [second, first]
+    assert type(second) is type(first) and isinstance(second, Pipe)
+    pipeline_calls.untrack(first)
+    pipeline_calls.untrack(second)
+    assert type(first) is Pipe and Pipe.__call__ is patched
 
 
 def test_cache_dit_block_cache_keeps_steps_and_selections_right():

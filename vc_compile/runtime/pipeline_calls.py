@@ -122,7 +122,7 @@ def chain(user, call: PipelineCall):
     return _StepEnd(call, user)
 
 
-_SUBCLASSES: Dict[type, type] = {}
+_SUBCLASSES: Dict[tuple, type] = {}  # (class, callback position) -> its tracked subclass
 
 
 def _callback_position(cls) -> Optional[int]:
@@ -139,12 +139,11 @@ def _callback_position(cls) -> Optional[int]:
 
 
 def _tracked_class(cls, pos: int) -> type:
-    sub = _SUBCLASSES.get(cls)
+    sub = _SUBCLASSES.get((cls, pos))
     if sub is not None:
         return sub
-    original = cls.__call__
 
-    @functools.wraps(original)
+    @functools.wraps(cls.__call__)
     def __call__(self, *args, **kwargs):
         call = begin_call(self)
         try:
@@ -152,14 +151,17 @@ def _tracked_class(cls, pos: int) -> type:
                 args = (*args[:pos], chain(args[pos], call), *args[pos + 1:])
             else:
                 kwargs["callback_on_step_end"] = chain(kwargs.get("callback_on_step_end"), call)
-            return original(self, *args, **kwargs)
+            # the class's __call__ as it is now, not as it was when the first pipeline was tracked: a library
+            # that patches the pipeline class later (cache-dit wraps ``__call__`` to set up its cache context)
+            # must still be called for every pipeline tracked after that
+            return cls.__call__(self, *args, **kwargs)
         finally:
             end_call(call)
 
     ns = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
           "__doc__": cls.__doc__, "_vc_tracked_base": cls}
     sub = types.new_class(cls.__name__, (cls,), {}, lambda d: d.update(ns))
-    _SUBCLASSES[cls] = sub
+    _SUBCLASSES[(cls, pos)] = sub
     return sub
 
 
