@@ -49,7 +49,10 @@ NAMES = {"stock": "stock (Inductor + cuDNN)", "dense": "dense (SDPA through vcat
 ORDER = ["stock", "sdpa_cudnn", "fa4-bf16", "fa4", "torchao-fp8", "sage", "dense", "vsmooth", "vsmooth+expcast",
          "mcsparse@0.15", "mcsparse@0.25"]
 # the targets: end to end (1.3B, 32760 tokens) and bare attention over a generation (x cuDNN)
-TARGET_E2E = {"vsmooth": 1.30, "vsmooth+expcast": 1.35, "mcsparse@0.15": 2.0, "mcsparse@0.25": 1.8}
+TARGET_E2E = {  # per model: the pipeline benchmark's targets (1.3B: 50 steps; 14B at 720p: 10 steps)
+    "wan2.1-t2v-1.3b": {"vsmooth": 1.30, "vsmooth+expcast": 1.40, "mcsparse@0.15": 2.0,
+                        "vsmooth+expcast+f8lin": 1.5, "mcsparse@0.15+f8lin": 2.2},
+    "wan2.1-t2v-14b": {"vsmooth+expcast": 1.40, "mcsparse@0.15": 2.1}}
 TARGET_GEN = {"vsmooth": 1.35, "vsmooth+expcast": 1.45, "mcsparse@0.15": 3.0}
 
 
@@ -100,33 +103,90 @@ def md_table(head: List[str], body: List[List[str]]) -> str:
 PIPE_GROUP = ("model", "S", "layers", "steps", "guidance", "compile")
 
 
+F8 = "+f8lin"  # bench_pipeline: the variant with torchao float8 linear layers in its blocks
+
+
+def name(v: str) -> str:
+    """A variant's display name; ``<v>+f8lin`` = ``<v>``'s + float8 linears (``stock+f8lin``: those alone)."""
+    if v.endswith(F8):
+        b = v[:-len(F8)]
+        return "float8 linears (torchao), attention stock" if b == "stock" else f"{NAMES.get(b, b)} + float8 linears"
+    return NAMES.get(v, v)
+
+
+def _pipe_order(variants):
+    """stock, the peers, the methods, then the float8-linear stacks in the same order."""
+    def key(v):
+        b = v[:-len(F8)] if v.endswith(F8) else v
+        return v.endswith(F8), ORDER.index(b) if b in ORDER else len(ORDER), v
+    return sorted(variants, key=key)
+
+
+def _runs(rows) -> str:
+    """The runs a table's rows come from: ``date commit (variants)``, earliest first."""
+    runs: Dict[str, list] = {}
+    for v, r in rows.items():
+        run = runs.setdefault(r.get("commit") or "?", [r.get("date") or "?", []])
+        run[0], _ = min(run[0], r.get("date") or "?"), run[1].append(v)
+    return "; ".join(f"{d} commit {c} ({', '.join(name(v) for v in _pipe_order(vs))})"
+                     for c, (d, vs) in sorted(runs.items(), key=lambda kv: kv[1][0]))
+
+
 def pipeline_tables(rows) -> List[str]:
+    """The README's headline: per model / size / step count / compile mode, the latest row of every variant, speed
+    and attention error side by side (x torchao's error where a torchao row has one). A table whose rows come from
+    several runs names them; each speed-up is against the stock variant of the row's own run."""
     out = []
     for key, by_var in latest(rows, PIPE_GROUP).items():
         model, S, layers, steps, guidance, mode = key
-        any_row = next(iter(by_var.values()))
+        any_row = by_var.get("stock") or next(iter(by_var.values()))
+        ao = num((by_var.get("torchao-fp8") or {}).get("attn_rel_l2"))
         body = []
-        for v in _order(by_var):
+        for v in _pipe_order(by_var):
             r = by_var[v]
             phases = " / ".join(sec(r.get(f"attn_{p}_ms")) for p in PHASES)
             extra = num(r.get("first_generation_extra_s"))
             first = f(r.get("first_generation_s"), "{:.1f}") + (f" ({extra:+.1f})" if extra is not None
                                                                 and v != "stock" else "")
-            body.append([NAMES.get(v, v), sec(r.get("ms")), f(r.get("speedup_vs_stock"), "{:.2f}x"), first,
-                         sec(r.get("attn_ms")), phases, f(r.get("rel_l2"), "{:.2e}"), f(r.get("attn_rel_l2"), "{:.2e}")])
-        title = (f"**{model}, {S} tokens, {layers} layers, {steps} steps, CFG {guidance}, {mode} compile** "
-                 f"({any_row.get('gpu')}, torch {any_row.get('torch')}, {any_row.get('date')}, commit "
-                 f"{any_row.get('commit')}; random weights: speed only, not quality)")
+            err = f(r.get("attn_rel_l2"), "{:.2e}")
+            e = num(r.get("attn_rel_l2"))
+            if ao and e is not None and v != "torchao-fp8" and v != "stock":
+                err += f" ({e / ao:.2f}x torchao)"
+            body.append([name(v), sec(r.get("ms")), f(r.get("speedup_vs_stock"), "{:.2f}x"), first,
+                         sec(r.get("attn_ms")), phases, f(r.get("rel_l2"), "{:.2e}"), err])
+        cut = next((m.group(0) for m in (re.search(r"cut to \d+ of \d+ layers", r.get("note") or "")
+                                         for r in by_var.values()) if m), None)
+        title = (f"**{model}, {S} tokens, {layers} layers{' (' + cut + ')' if cut else ''}, {steps} steps, CFG "
+                 f"{guidance}, {mode} compile** ({any_row.get('gpu')}, torch {any_row.get('torch')}; random weights: "
+                 f"speed only, not quality). Runs: {_runs(by_var)}")
+        if len({r.get("commit") for r in by_var.values()}) > 1:
+            title += "; each speed-up against the stock generation of its own run"
+        title += "."
         fs, caches = num(any_row.get("first_steps")), any_row.get("caches") or ""
         if (fs is not None and fs < num(steps)) or caches == "shared":
-            title += (f". First generation = torch.compile + kernel builds + {fs or steps:.0f} steps"
+            title += (f" First generation = torch.compile + kernel builds + {fs or steps:.0f} steps"
                       + (", Inductor/Triton caches shared between the variants (a later variant reuses "
-                         "kernels an earlier one built)" if caches == "shared" else "") + ".")
+                         "kernels an earlier one built)" if caches == "shared" else
+                         ", Inductor/Triton caches fresh per variant, the process warm after the first variant (a cold "
+                         "start per process: `benchmarks/bench_cold_start.py`)") + ".")
+        notes = []
+        if any(not _is_method(v) and num(r.get("attn_ms")) is not None for v, r in by_var.items()):
+            notes.append("Attention s of stock and the peers: their attention kernels in one profiled step x the "
+                         "steps (torchao's: the FA3 kernel, not its quantisation kernels); of the methods: the op, "
+                         "preprocessing included, over a profiled generation by phase.")
+        if any(v.endswith(F8) for v in by_var):
+            notes.append("float8 linears: torchao `quantize_` with `Float8DynamicActivationFloat8WeightConfig` "
+                         "(per-row) on the blocks' linear layers, in the same compile as the attention.")
         out.append(title + "\n\n" + md_table(
             ["method", "s / generation", "speed-up vs stock", "first generation s (vs stock)", "attention s",
-             "attention s: " + " / ".join(PHASES), "rel. L2 vs stock",
-             "attention rel. L2 vs fp32 (captured inputs)"], body))
+             "attention s: " + " / ".join(PHASES), "final latents rel. L2 vs stock",
+             "attention rel. L2 vs fp32 (captured inputs)"], body) + ("\n\n" + " ".join(notes) if notes else ""))
     return out
+
+
+def _is_method(v: str) -> bool:
+    b = v[:-len(F8)] if v.endswith(F8) else v
+    return b.startswith(("vsmooth", "mcsparse", "dense"))
 
 
 GEN_GROUP = ("S", "H", "D", "steps")
@@ -176,20 +236,25 @@ def plots(pipe_rows, gen_rows, img_dir) -> List[str]:
     written = []
     groups = latest(pipe_rows, PIPE_GROUP)
     if groups:
-        methods = _order({v for g in groups.values() for v in g if v != "stock"})
-        fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(methods)), 4))
+        methods = _pipe_order({v for g in groups.values() for v in g if v != "stock"})
+        fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(methods)), 4.2))
         w = 0.8 / len(groups)
+        first_target = True
         for gi, (key, by_var) in enumerate(groups.items()):
-            ys = [num(by_var.get(m, {}).get("speedup_vs_stock")) or 0 for m in methods]
-            xs = [i + gi * w for i in range(len(methods))]
-            bars = ax.bar(xs, ys, w, label=f"{key[0]} {key[1]} tok, {key[5]}, {key[3]} steps")
+            xs = [i + gi * w for i, m in enumerate(methods) if num(by_var.get(m, {}).get("speedup_vs_stock"))]
+            ys = [num(by_var[m]["speedup_vs_stock"]) for m in methods if num(by_var.get(m, {}).get("speedup_vs_stock"))]
+            layers = f", {key[2]} layers" if key[0] == "wan2.1-t2v-14b" else ""
+            bars = ax.bar(xs, ys, w, label=f"{key[0]} {key[1]} tok{layers}, {key[5]}, {key[3]} steps")
             ax.bar_label(bars, fmt="%.2fx", fontsize=7)
-        for i, m in enumerate([m for m in methods if m in TARGET_E2E]):
-            j = methods.index(m)
-            ax.plot([j - w / 2, j + 0.8 - w / 2], [TARGET_E2E[m]] * 2, "k--", lw=1,
-                    label="target (1.3B, 32760 tokens)" if i == 0 else None)
+            for m, t in TARGET_E2E.get(key[0], {}).items():
+                if m in methods:
+                    x = methods.index(m) + gi * w
+                    ax.plot([x - w / 2, x + w / 2], [t, t], "k--", lw=1, label="target" if first_target else None)
+                    first_target = False
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(methods))], [NAMES.get(m, m) for m in methods], fontsize=8)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(methods))],
+                      [name(m).replace(" + float8", "\n+ float8").replace(", attention", "\nattention")
+                       for m in methods], fontsize=7)
         ax.set_ylabel("end-to-end speed-up vs stock Inductor + cuDNN")
         ax.set_title("WanPipeline, random weights (speed only, not quality)", fontsize=9)
         ax.legend(fontsize=7)

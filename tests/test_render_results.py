@@ -158,3 +158,26 @@ def test_cold_start_block_shows_the_latest_run():
     assert "commit bbb" in text and "| vsmooth | fresh | 26.9 | +3.9 |" in text
     assert "30.0" not in text  # the older run is not shown
     assert "No rows yet" in render.cold_start_tables([])[0]
+
+
+def test_pipeline_table_names_its_runs_the_float8_stack_and_torchao_error_ratio(tmp_path):
+    """Rows of one configuration from two runs: the title names both (each speed-up is against its own run's
+    stock); a float8-linear variant is named as the method + float8 linears; the attention error is given as a
+    multiple of torchao's where a torchao row has one."""
+    p = str(tmp_path / "bench_pipeline.csv")
+    common.append_rows("bench_pipeline", [
+        dict(PIPE, variant="stock", ms=52000.0, speedup_vs_stock=1.0, commit="aaaaaaa", date="2026-01-01 10:00"),
+        dict(PIPE, variant="torchao-fp8", ms=40000.0, speedup_vs_stock=1.3, attn_rel_l2=0.1, commit="aaaaaaa",
+             date="2026-01-01 10:02")], path=p)
+    common.append_rows("bench_pipeline", [
+        dict(PIPE, variant="stock", ms=53000.0, speedup_vs_stock=1.0, commit="bbbbbbb", date="2026-01-02 10:00"),
+        dict(PIPE, variant="vsmooth+expcast+f8lin", ms=39000.0, speedup_vs_stock=53 / 39, attn_rel_l2=0.004,
+             commit="bbbbbbb", date="2026-01-02 10:03")], path=p)
+    (text,) = render.pipeline_tables(render.read(p))
+    assert "2026-01-01 10:02 commit aaaaaaa (torchao FP8 attention (FA3 FP8))" in text  # the rows shown
+    assert "commit bbbbbbb (stock (Inductor + cuDNN), V-Smooth + ExpCast + float8 linears)" in text
+    assert "each speed-up against the stock generation of its own run" in text
+    assert "| V-Smooth + ExpCast + float8 linears | 39.0 | 1.36x |" in text and "4.00e-03 (0.04x torchao)" in text
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
+    assert [ln.split(" | ")[0] for ln in lines[1:]] == ["| stock (Inductor + cuDNN)", "| torchao FP8 attention (FA3 FP8)",
+                                                        "| V-Smooth + ExpCast + float8 linears"]
