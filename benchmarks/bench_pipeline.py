@@ -5,6 +5,7 @@
     python -m benchmarks.bench_pipeline --sizes 14b-720p --layers 8 --steps 10 --csv $OUT/bench_pipeline.csv
     python -m benchmarks.bench_pipeline --compile whole --methods vsmooth+expcast,mcsparse@0.15
     python -m benchmarks.bench_pipeline --methods vsmooth+expcast,stock+f8lin,vsmooth+expcast+f8lin  # full stack
+    python -m benchmarks.bench_pipeline --methods stock+dbcache,mcsparse@0.15+dbcache,mcsparse@0.15+f8lin+dbcache
     python -m benchmarks.bench_pipeline --smoke                      # CPU: tiny config, 2 steps, nothing appended
 
 What runs: ``WanPipeline(tokenizer=None, text_encoder=None, vae=None)`` with a ``WanTransformer3DModel`` of
@@ -44,6 +45,9 @@ A variant ``<method>+f8lin`` / ``stock+f8lin`` runs on a copy of the transformer
 (``quantize_`` with ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)``:
 the Inductor settings of every other row): the full stack in one compile, or float8 linears alone; its
 ``attn_rel_l2`` is its attention's, on the same captured inputs.
+A variant ``...+dbcache`` runs with cache-dit's DBCache on the pipeline (``DBCACHE``: a static step mask, cache-dit's
+"medium" policy, 29 of 50 steps computed, a cached step computing the first 8 blocks; the note says how many steps
+were computed); ``stock+dbcache`` is the cache alone, ``<method>+f8lin+dbcache`` the whole stack.
 ``attn_ms`` of stock and of a peer: its attention kernels' time in the 1-step profile x steps.
 ``speedup_vs_stock`` (= ``speedup_vs_cudnn``): stock's median over the variant's, same compile mode;
 ``rel_l2`` / ``cos_sim``: final latents against stock's (random weights: not a quality measure either).
@@ -96,10 +100,16 @@ PEERS = ("torchao-fp8", "sage", "fa4")
 DEFAULT_PEERS = ",".join(PEERS)
 SMOKE_OPTS = {"min_seq_len": 64, "kmeans_iters": 1,
               "experimental": {"compiler": "eager", "kernels": "reference", "kmeans_init_iters": 2}}
-# A variant with torchao float8 linear layers in its transformer blocks (dynamic FP8 activations and weights, per-row
-# scales: quantize_(..., Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))), in the same compile as
-# the attention: "stock+f8lin" (float8 linears alone) or "<method>+f8lin" (the full stack)
-F8 = "+f8lin"
+# What users stack around the attention, as label suffixes (in this order): "+f8lin", torchao float8 linear layers
+# in the transformer blocks (dynamic FP8 activations and weights, per-row scales), in the same compile as the
+# attention; "+dbcache", a cache-dit DBCache on the pipeline (DBCACHE). "stock+f8lin" / "stock+dbcache": the part
+# alone; "<method>+f8lin+dbcache": the whole stack.
+F8, DBC = "+f8lin", "+dbcache"
+STACKS = (F8, DBC)
+# cache-dit's DBCache with a static step mask (its "medium" policy: at 50 steps 29 computed, 21 cached, the cached
+# ones computing the first 8 blocks only): random weights make its residual-difference test meaningless, a fixed
+# mask makes the rows reproducible and says how much is skipped
+DBCACHE = dict(Fn_compute_blocks=8, Bn_compute_blocks=0, mask_policy="medium")
 PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's V-Smooth warm-up
 EXTRAS = ["model", "layers", "steps", "guidance", "compile", "first_generation_s", "first_generation_extra_s", "first_steps",
           "speedup_vs_stock", "ms_per_step", "timed_generations", "generation_ms_all", "attn_ms",
@@ -112,7 +122,8 @@ PRIOR_RATIO = {"stock": 1.0, "dense": 1.02, "vsmooth": 1 / 1.18, "vsmooth+expcas
                "mcsparse@0.15": 1 / 1.59, "mcsparse@0.25": 1 / 1.43,
                # peers: torchao's 1.31x measured on this pipeline (H200, 2026-12-01); the others guessed
                "torchao-fp8": 1 / 1.31, "sage": 1 / 1.2, "fa4": 1 / 1.1}
-F8_PRIOR = 1 / 1.15  # float8 linears alone on this pipeline (guess)
+F8_PRIOR = 1 / 1.05  # float8 linears alone on the 1.3B pipeline (H200, 2026-12-02: 1.05x)
+DBC_PRIOR = 0.69  # DBCache's medium mask at 50 steps: 29 steps + 21 x 8 of 30 blocks (estimate)
 COMPILE_S = {"regional": 15.0, "whole": 90.0}  # torch.compile of the transformer, empty caches (guess)
 RECOMPILE_S = {"regional": 10.0, "whole": 45.0}  # the same graph again with profile=True (guess)
 JIT_S = 10.0  # a method's Triton kernels built at their first calls (measured: 9.4-10 s)
@@ -121,9 +132,22 @@ JIT_S = 10.0  # a method's Triton kernels built at their first calls (measured: 
 ATTN_TFLOPS, GEMM_TFLOPS = 5.2e14, 6.0e14
 
 
+def stacks(label: str) -> tuple:
+    """The stack suffixes of a label: ``"mcsparse@0.15+f8lin+dbcache"`` -> ``("+f8lin", "+dbcache")``."""
+    found = []
+    for suffix in reversed(STACKS):
+        if label.endswith(suffix):
+            found.insert(0, suffix)
+            label = label[:-len(suffix)]
+    return tuple(found)
+
+
 def base_label(label: str) -> str:
-    """The variant without its float8-linear stack: ``"vsmooth+expcast+f8lin"`` -> ``"vsmooth+expcast"``."""
-    return label[:-len(F8)] if label.endswith(F8) else label
+    """The variant without its stack: ``"vsmooth+expcast+f8lin"`` -> ``"vsmooth+expcast"``."""
+    for suffix in reversed(STACKS):
+        if label.endswith(suffix):
+            label = label[:-len(suffix)]
+    return label
 
 
 def is_method(label: str) -> bool:
@@ -151,6 +175,30 @@ def float8_linears(base):
         return None, f"float8 linears skipped: {str(e)[:120]}"
     n = sum(type(m.weight).__name__ == "Float8Tensor" for m in f8.modules() if isinstance(m, torch.nn.Linear))
     return f8, f"float8 linears: torchao quantize_ Float8DynamicActivationFloat8WeightConfig(PerRow), {n} block linears"
+
+
+def dbcache_status() -> tuple:
+    try:
+        import cache_dit
+    except ImportError as e:
+        return None, f"cache-dit skipped: not importable ({str(e)[:100]})"
+    return cache_dit, f"cache-dit {getattr(cache_dit, '__version__', '')}".strip()
+
+
+@contextlib.contextmanager
+def dbcache_scope(pipe, steps: int, layers: int):
+    """cache-dit's DBCache on ``pipe`` for a generation of ``steps`` steps (DBCACHE; the first-block count capped
+    at a quarter of the blocks for cut models), disabled after. Yields the step mask."""
+    import cache_dit
+    mask = cache_dit.steps_mask(total_steps=steps, mask_policy=DBCACHE["mask_policy"]) if steps >= 8 else [1] * steps
+    cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(
+        Fn_compute_blocks=min(DBCACHE["Fn_compute_blocks"], max(1, layers // 4)),
+        Bn_compute_blocks=DBCACHE["Bn_compute_blocks"], max_warmup_steps=0, steps_computation_mask=mask,
+        steps_computation_policy="static", residual_diff_threshold=1e6, num_inference_steps=steps))
+    try:
+        yield mask
+    finally:
+        cache_dit.disable_cache(pipe)
 
 
 def log(*a):
@@ -490,7 +538,16 @@ def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reser
         res.skipped.append(f"{tag}: everything (needs ~{est.item_s('cold', label, mode):.0f} s + "
                            f"{est.item_s('timed', label, mode):.0f} s, {max(0, left()):.0f} s left)")
         return res
-    with peer_scope(label, pipe, base):
+    if label not in PEERS:
+        pipe.transformer = base  # before a cache wraps the pipeline's transformer
+    cache = (dbcache_scope(pipe, a.steps, base.config.num_layers) if DBC in stacks(label)
+             else contextlib.nullcontext())
+    with peer_scope(label, pipe, base), cache as mask:
+        if mask is not None:
+            fn = min(DBCACHE["Fn_compute_blocks"], max(1, base.config.num_layers // 4))
+            res.peer_note = "; ".join(x for x in (res.peer_note, f"cache-dit DBCache F{fn}B0, static "
+                                      f"'{DBCACHE['mask_policy']}' mask: {sum(mask)} of {len(mask)} steps computed")
+                                      if x)
         _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, left, reserve_s)
     uncompile(base)
     pipe.transformer = base
@@ -601,7 +658,8 @@ class Estimator:
         if label in self.gen:
             return self.gen[label]
         stock = self.gen.get("stock", self.step_s * self.steps)
-        return stock * PRIOR_RATIO.get(base_label(label), 1.0) * (F8_PRIOR if label.endswith(F8) else 1.0)
+        return (stock * PRIOR_RATIO.get(base_label(label), 1.0) * (F8_PRIOR if F8 in stacks(label) else 1.0)
+                * (DBC_PRIOR if DBC in stacks(label) else 1.0))
 
     def item_s(self, item, label, mode):
         if not self.cuda:
@@ -658,8 +716,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1.3b-480p", help=f"comma-separated, from {[s for s in SIZES if s != 'smoke']}")
     ap.add_argument("--methods", default=DEFAULT_METHODS,
-                    help=f"comma-separated, from {list(METHODS)}; '<method>{F8}' / 'stock{F8}': with torchao float8 "
-                         "linear layers in the blocks (the full stack / float8 linears alone)")
+                    help=f"comma-separated, from {list(METHODS)}; suffix {F8}: with torchao float8 linear layers in "
+                         f"the blocks, {DBC}: with a cache-dit DBCache (both: '<method>{F8}{DBC}'); 'stock{F8}' / "
+                         f"'stock{DBC}': the part alone")
     ap.add_argument("--peers", default=DEFAULT_PEERS,
                     help=f"comma-separated, from {list(PEERS)} ('' for none): what users pick instead, where installed")
     ap.add_argument("--steps", type=int, default=50)
@@ -686,9 +745,11 @@ def parse_args(argv=None):
                     "kernels, no rows appended")
     a = ap.parse_args(argv)
     a.methods = [m for m in a.methods.split(",") if m]
-    bad = [m for m in a.methods if base_label(m) not in (*METHODS, "stock") or m == "stock"]
+    bad = [m for m in a.methods if base_label(m) not in (*METHODS, "stock") or m == "stock"
+           or base_label(m) + "".join(stacks(m)) != m]
     if bad:
-        ap.error(f"unknown methods {bad}; known: {list(METHODS)}, each also as '<method>{F8}', and 'stock{F8}'")
+        ap.error(f"unknown methods {bad}; known: {list(METHODS)}, each also with the suffixes {F8} and / or {DBC} "
+                 f"(in this order), and 'stock' with them")
     a.peers = [p for p in a.peers.split(",") if p]
     bad = [p for p in a.peers if p not in PEERS]
     if bad:
@@ -697,7 +758,8 @@ def parse_args(argv=None):
     if any(s not in SIZES for s in a.sizes):
         ap.error(f"unknown sizes {a.sizes}; known: {list(SIZES)}")
     if a.smoke:
-        a.steps, a.caches, a.budget = min(a.steps, 2), "shared", 0.0
+        # 2 steps, or an explicit --steps up to 12 (enough for a step cache's mask to skip some)
+        a.steps, a.caches, a.budget = (2 if a.steps == 50 else min(a.steps, 12)), "shared", 0.0
     a.modes = ["regional", "whole"] if a.compile == "both" else [a.compile]
     a.first_steps = min(a.steps, a.first_steps or a.steps)
     a.budget = a.budget or None
@@ -774,7 +836,13 @@ def _main(argv=None):
                 reserve += sum(est.item_s("cold", lab, m) + est.item_s("timed", lab, m)
                                for m in a.modes[a.modes.index(mode) + 1:] for lab in labels)
                 model = base
-                if label.endswith(F8):
+                if DBC in stacks(label) and "dbcache" not in a.peer_notes:
+                    mod, note = dbcache_status()
+                    a.peer_notes["dbcache"] = note if mod is None else None
+                if DBC in stacks(label) and a.peer_notes["dbcache"]:
+                    skipped.append(f"{label}: {a.peer_notes['dbcache']}")
+                    continue
+                if F8 in stacks(label):
                     if f8 is None and "f8" not in a.peer_notes:  # built once, at the first such variant
                         f8, note = float8_linears(base)
                         log(f"  {note}")

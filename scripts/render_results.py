@@ -103,22 +103,38 @@ def md_table(head: List[str], body: List[List[str]]) -> str:
 PIPE_GROUP = ("model", "S", "layers", "steps", "guidance", "compile")
 
 
-F8 = "+f8lin"  # bench_pipeline: the variant with torchao float8 linear layers in its blocks
+F8, DBC = "+f8lin", "+dbcache"  # bench_pipeline: torchao float8 linears in the blocks; cache-dit's DBCache
+STACK_NAMES = {F8: "float8 linears", DBC: "cache-dit DBCache"}
+
+
+def _split(v: str):
+    """(base variant, stack suffixes in order): ``"mcsparse@0.15+f8lin+dbcache"`` -> (``"mcsparse@0.15"``,
+    [``"+f8lin"``, ``"+dbcache"``])."""
+    found = []
+    for suffix in (DBC, F8):
+        if v.endswith(suffix):
+            found.insert(0, suffix)
+            v = v[:-len(suffix)]
+    return v, found
 
 
 def name(v: str) -> str:
-    """A variant's display name; ``<v>+f8lin`` = ``<v>``'s + float8 linears (``stock+f8lin``: those alone)."""
-    if v.endswith(F8):
-        b = v[:-len(F8)]
-        return "float8 linears (torchao), attention stock" if b == "stock" else f"{NAMES.get(b, b)} + float8 linears"
-    return NAMES.get(v, v)
+    """A variant's display name; ``<v>+f8lin`` = ``<v>``'s + float8 linears (``stock+f8lin``: those alone), the
+    same for ``+dbcache``."""
+    b, found = _split(v)
+    if not found:
+        return NAMES.get(v, v)
+    if b == "stock":
+        return " + ".join({F8: "float8 linears (torchao)", DBC: "cache-dit DBCache"}[x] for x in found) + \
+            ", attention stock"
+    return f"{NAMES.get(b, b)} + " + " + ".join(STACK_NAMES[x] for x in found)
 
 
 def _pipe_order(variants):
-    """stock, the peers, the methods, then the float8-linear stacks in the same order."""
+    """stock, the peers, the methods, then the stacks (float8 linears, the cache, both) in the same order."""
     def key(v):
-        b = v[:-len(F8)] if v.endswith(F8) else v
-        return v.endswith(F8), ORDER.index(b) if b in ORDER else len(ORDER), v
+        b, found = _split(v)
+        return len(found), tuple((F8, DBC).index(x) for x in found), ORDER.index(b) if b in ORDER else len(ORDER), v
     return sorted(variants, key=key)
 
 
@@ -174,7 +190,10 @@ def pipeline_tables(rows) -> List[str]:
             notes.append("Attention s of stock and the peers: their attention kernels in one profiled step x the "
                          "steps (torchao's: the FA3 kernel, not its quantisation kernels); of the methods: the op, "
                          "preprocessing included, over a profiled generation by phase.")
-        if any(v.endswith(F8) for v in by_var):
+        if any(DBC in _split(v)[1] for v in by_var):
+            notes.append("cache-dit DBCache: `enable_cache` with a static step mask (the rows' notes say how many "
+                         "steps it computed); a cached step runs the first blocks only.")
+        if any(F8 in _split(v)[1] for v in by_var):
             notes.append("float8 linears: torchao `quantize_` with `Float8DynamicActivationFloat8WeightConfig` "
                          "(per-row) on the blocks' linear layers, in the same compile as the attention.")
         out.append(title + "\n\n" + md_table(
@@ -185,7 +204,7 @@ def pipeline_tables(rows) -> List[str]:
 
 
 def _is_method(v: str) -> bool:
-    b = v[:-len(F8)] if v.endswith(F8) else v
+    b = _split(v)[0]
     return b.startswith(("vsmooth", "mcsparse", "dense"))
 
 
@@ -253,7 +272,7 @@ def plots(pipe_rows, gen_rows, img_dir) -> List[str]:
                     first_target = False
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks([i + 0.4 - w / 2 for i in range(len(methods))],
-                      [name(m).replace(" + float8", "\n+ float8").replace(", attention", "\nattention")
+                      [name(m).replace(" + float8", "\n+ float8").replace(" + cache-dit", "\n+ cache-dit").replace(", attention", "\nattention")
                        for m in methods], fontsize=7)
         ax.set_ylabel("end-to-end speed-up vs stock Inductor + cuDNN")
         ax.set_title("WanPipeline, random weights (speed only, not quality)", fontsize=9)

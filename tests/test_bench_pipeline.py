@@ -142,3 +142,14 @@ def test_peer_scope_undoes_what_it_does(monkeypatch):
     with bp.peer_scope("torchao-fp8", pipe, base):
         assert pipe.transformer == ("wrapped", base) and ic.pre_grad_custom_pass == "torchao-rope-fusion"
     assert pipe.transformer is base and ic.pre_grad_custom_pass == prev
+
+
+def test_stack_suffixes_parse_and_are_validated():
+    assert bp.stacks("mcsparse@0.15+f8lin+dbcache") == ("+f8lin", "+dbcache")
+    assert bp.base_label("mcsparse@0.15+f8lin+dbcache") == "mcsparse@0.15" and bp.stacks("vsmooth") == ()
+    assert bp.is_method("vsmooth+expcast+dbcache") and not bp.is_method("stock+f8lin")
+    a = bp.parse_args(["--methods", "stock+dbcache,vsmooth+expcast+f8lin+dbcache", "--plan-only"])
+    assert a.methods == ["stock+dbcache", "vsmooth+expcast+f8lin+dbcache"]
+    for bad in ("vsmooth+dbcache+f8lin", "stock", "nope+f8lin"):  # wrong order, stock alone, unknown base
+        with pytest.raises(SystemExit):
+            bp.parse_args(["--methods", bad, "--plan-only"])

@@ -181,3 +181,11 @@ def test_pipeline_table_names_its_runs_the_float8_stack_and_torchao_error_ratio(
     lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
     assert [ln.split(" | ")[0] for ln in lines[1:]] == ["| stock (Inductor + cuDNN)", "| torchao FP8 attention (FA3 FP8)",
                                                         "| V-Smooth + ExpCast + float8 linears"]
+
+
+def test_stack_variant_names():
+    assert render.name("stock+f8lin") == "float8 linears (torchao), attention stock"
+    assert render.name("stock+dbcache") == "cache-dit DBCache, attention stock"
+    assert render.name("mcsparse@0.15+f8lin+dbcache") == "MC-Sparse s = 0.15 + float8 linears + cache-dit DBCache"
+    assert render._pipe_order(["mcsparse@0.15+dbcache", "vsmooth+f8lin", "stock", "vsmooth"]) == [
+        "stock", "vsmooth", "vsmooth+f8lin", "mcsparse@0.15+dbcache"]
