@@ -48,6 +48,8 @@ the Inductor settings of every other row): the full stack in one compile, or flo
 A variant ``...+dbcache`` runs with cache-dit's DBCache on the pipeline (``DBCACHE``: a static step mask, cache-dit's
 "medium" policy, 29 of 50 steps computed, a cached step computing the first 8 blocks; the note says how many steps
 were computed); ``stock+dbcache`` is the cache alone, ``<method>+f8lin+dbcache`` the whole stack.
+``dynamo``: the graphs Dynamo compiled for the variant's first and timed generations and its graph breaks (a
+regional compile of identical blocks is one graph: more means a recompile).
 ``attn_ms`` of stock and of a peer: its attention kernels' time in the 1-step profile x steps.
 ``speedup_vs_stock`` (= ``speedup_vs_cudnn``): stock's median over the variant's, same compile mode;
 ``rel_l2`` / ``cos_sim``: final latents against stock's (random weights: not a quality measure either).
@@ -69,6 +71,8 @@ from typing import Dict, List, Optional
 import torch  # noqa: E402
 
 import vc_compile  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
 from benchmarks import common  # noqa: E402
 from benchmarks.common import append_rows, kernel_times, metrics, prefer_cudnn, print_table  # noqa: E402
 from vc_compile.config import merge_options  # noqa: E402
@@ -114,7 +118,7 @@ PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's 
 EXTRAS = ["model", "layers", "steps", "guidance", "compile", "first_generation_s", "first_generation_extra_s", "first_steps",
           "speedup_vs_stock", "ms_per_step", "timed_generations", "generation_ms_all", "attn_ms",
           *(f"attn_{p}_ms" for p in PHASES), *(f"step_{p}_ms" for p in PHASES), "phases", "profile_overhead",
-          "sites", "sdpa_kernel", "caches", "attn_rel_l2", "note"]
+          "sites", "sdpa_kernel", "caches", "attn_rel_l2", "dynamo", "note"]
 ATTN_KERNELS = ("cudnn", "fmha", "flash", "sdpa", "attention", "attn")
 # ---- planning priors (replaced by measurements as the run goes) ----
 # generation time relative to stock: the measured end-to-end speed-ups (H200, 2026-12-01, this configuration)
@@ -394,6 +398,8 @@ def attention_errors(qkv, labels, a, n_rows: int = 512) -> Dict[str, float]:
 
 def compile_variant(pipe, base, label, opts, mode, smoke):
     torch._dynamo.reset()
+    for k in ("stats", "graph_break"):  # dynamo_summary() reads them per variant
+        counters[k].clear()
     vc_compile.reset(report=True)
     uncompile(base)
     stockish = not is_method(label)
@@ -404,6 +410,14 @@ def compile_variant(pipe, base, label, opts, mode, smoke):
         base.compile_repeated_blocks(**kw)  # in place: under a peer's wrapper too
     else:
         pipe.transformer = torch.compile(pipe.transformer, **kw)
+
+
+def dynamo_summary() -> str:
+    """Graphs Dynamo compiled for the variant and its graph breaks: a regional compile of identical blocks is one
+    graph; more (with no break) means a recompile."""
+    n = counters["stats"].get("unique_graphs", 0)
+    breaks = sum(counters["graph_break"].values())
+    return f"{n} graph{'s' if n != 1 else ''}, {breaks} graph break{'s' if breaks != 1 else ''}"
 
 
 def phase_totals() -> Dict[str, int]:
@@ -521,6 +535,7 @@ class Result:
     sdpa_kernel: str = ""
     skipped: List[str] = field(default_factory=list)
     peer_note: str = ""  # a peer: what ran (peer_status)
+    dynamo: str = ""  # graphs and graph breaks of the first + timed generations
     attn_step_ms: float = float("nan")  # stock / a peer: attention kernels' time in one profiled step
 
 
@@ -572,6 +587,7 @@ def _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, le
         res.gens_s.append(s)
         if k == 0:
             res.step_ms, res.phases, res.latents = rec.step_ms(), rec.phases, lat
+    res.dynamo = dynamo_summary()  # after the first and the timed generations, before any profiled recompile
     est.observe(label, mode, first_s=res.first_s, gen_s=statistics.median(res.gens_s), first_frac=a.first_steps / a.steps)
     if not is_method(label) and cuda:  # which attention kernels actually ran, and their time in one step
         res.sdpa_kernel, res.attn_step_ms = stock_attention_kernel(pipe, call, a.guidance)
@@ -600,7 +616,7 @@ def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
                first_steps=a.first_steps,
                ms_per_step=med / a.steps, timed_generations=len(res.gens_s),
                generation_ms_all=" ".join(f"{s * 1e3:.0f}" for s in res.gens_s), sites=res.sites,
-               sdpa_kernel=res.sdpa_kernel, caches=a.caches,
+               sdpa_kernel=res.sdpa_kernel, caches=a.caches, dynamo=res.dynamo,
                density=METHODS.get(base_label(res.label), {}).get("density", 1.0))
     if stock is not None and stock.gens_s and res.gens_s:
         sp = statistics.median(stock.gens_s) * 1e3 / med
