@@ -1,0 +1,122 @@
+"""MC-Sparse's schedule by fidelity: how long a warm-up the trained demo model needs.
+
+    python -m benchmarks.bench_mcsparse_schedule                          # 50 steps, s = 0.15, warm-up 2..10
+    python -m benchmarks.bench_mcsparse_schedule --warmups 0,4,10 --density 0.25 --steps 50
+    python -m benchmarks.bench_mcsparse_schedule --smoke                  # CPU: 3 steps, 4 frames, no rows
+
+The warm-up is the largest share of MC-Sparse's attention time over a generation (Wan 2.1 1.3B, 50 steps, H200:
+6.3 s of 15.3 s, ``bench_pipeline.csv``): its steps run the dense 8-bit V-Smooth path, ~1.7x a reuse step's
+cost at s = 0.15. Its length (``warmup_steps``; default 20% of the steps, the paper's) is a fidelity choice, so
+it is measured: the trained demo model (``vc_compile.demo``: a WanTransformer3DModel trained on sprite clips,
+16 x 32 x 32 px = 4096 tokens, CFG 3), one ``--steps``-step generation per warm-up length, each against the
+dense clip of the same seed (PSNR, SSIM, rel. L2 of the frames) and the anchors where the schedule puts them
+(the first step after the warm-up and 52% of the steps). The same generation with V-Smooth alone is the
+8-bit floor the sparse steps add to. ``attn_cost`` models the generation's attention time in reuse-step units
+from the measured per-call costs of the 1.3B pipeline rows (warm-up 1.7, anchor 0.55 x 1.7 / ... see COSTS).
+
+On a CPU the op runs its plain-PyTorch reference (the kernels' oracle): the fidelity is the method's, the times
+say nothing. Rows: ``benchmarks/results/bench_mcsparse_schedule.csv`` (device column: where it ran).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import append_rows, print_table
+
+BENCH = "bench_mcsparse_schedule"
+# per-call attention cost relative to a reuse step at s = 0.15 (Wan 2.1 1.3B pipeline, H200, 2026-12-02,
+# bench_pipeline.csv ce849ed: warm-up 6.33 s / 600 calls = 10.5 ms, anchor 3.09 s / 120 = 25.8 ms, reuse
+# 5.88 s / 2280 = 2.58 ms)
+COSTS = {"warmup": 10.5 / 2.58, "anchor": 25.8 / 2.58, "reuse": 1.0}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--density", type=float, default=0.15)
+    ap.add_argument("--warmups", default="2,4,6,8,10", help="warm-up lengths (steps), comma-separated")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu (reference kernels)")
+    ap.add_argument("--smoke", action="store_true", help="CPU: 3 steps, 4 frames (1024 tokens), warm-ups 0,1, "
+                    "no rows")
+    a = ap.parse_args(argv)
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.smoke:
+        a.steps, a.warmups, a.device = 3, "0,1", "cpu"
+    a.warmup_list = [int(x) for x in a.warmups.split(",") if x.strip()]
+    if any(w < 0 or w >= a.steps for w in a.warmup_list):
+        ap.error(f"--warmups must lie in [0, {a.steps - 1}]")
+    return a
+
+
+def schedule_cost(steps: int, warmup: int, density: float) -> tuple:
+    """(phase per step, the generation's attention cost in reuse-step units) as MC-Sparse runs them."""
+    from vc_compile.config import VCConfig
+    from vc_compile.methods import mcsparse
+    cfg = VCConfig.from_options({"method": "mcsparse", "density": density, "warmup_steps": warmup})
+    anchors = set(mcsparse.anchor_steps(cfg, steps))
+    phases = ["warmup" if i < warmup else "anchor" if i in anchors else "reuse" for i in range(steps)]
+    return phases, sum(COSTS[p] for p in phases)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    from vc_compile.demo.metrics import compare
+    from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
+    from vc_compile.demo.pipe import build_pipeline
+    from vc_compile.demo.runner import run_pipeline
+
+    device, cpu = torch.device(a.device), a.device == "cpu"
+    transformer, text_encoder, cfg, trained = load_demo(None, device=device, dtype=torch.bfloat16, allow_random=True)
+    frames, height, width = (4 if a.smoke else cfg.frames), cfg.height, cfg.width
+    tokens = cfg.tokens(frames, height, width)
+    cond = encode(text_encoder, parse_prompt(DEFAULT_PROMPT, cfg.max_sprites), torch.bfloat16)
+    uncond = encode(text_encoder, parse_prompt("", cfg.max_sprites), torch.bfloat16)
+    pipe = build_pipeline(transformer, a.steps)
+    base = {"experimental": {"compiler": "eager" if cpu else "inductor"}, "min_seq_len": min(1024, tokens)}
+    kw = dict(frames=frames, height=height, width=width, steps=a.steps, seed=a.seed, guidance=3.0,
+              warmup=0 if cpu else 2, profile=False, progress=False)  # the CPU's eager path compiles nothing
+    log(f"[{BENCH}] demo model ({'trained' if trained else 'RANDOM weights'}), {tokens} tokens, {a.steps} steps, "
+        f"s = {a.density:g}, warm-ups {a.warmup_list}, {a.device}"
+        + (" (reference kernels: fidelity only)" if cpu else ""))
+    t0 = time.perf_counter()
+    runs = [("dense", {"method": "dense"}, None), ("vsmooth", {"method": "vsmooth"}, None)]
+    runs += [(f"mcsparse@{a.density:g} warmup {w}", {"method": "mcsparse", "density": a.density,
+                                                      "warmup_steps": w}, w) for w in a.warmup_list]
+    dense, rows = None, []
+    for label, opts, w in runs:
+        res = run_pipeline(pipe, cond, uncond, label, {**base, **opts}, **kw)
+        if dense is None:
+            dense = res.clip
+        m = compare(res.clip, dense)
+        row = dict(variant=label.split(" ")[0], B=1, H=cfg.num_attention_heads, S=tokens,
+                   D=cfg.attention_head_dim, density=a.density if w is not None else 1.0, steps=a.steps,
+                   warmup_steps=w if w is not None else "", psnr_db=m["psnr"], ssim=m["ssim"], rel_l2=m["rel_l2"],
+                   ms=res.e2e_ms, model="vc-demo" + ("" if trained else " (random weights)"), device=a.device,
+                   note=("reference kernels on CPU: fidelity only, times meaningless" if cpu else "") +
+                        ("" if trained else "; random weights: errors understated"))
+        if w is not None:
+            phases, cost = schedule_cost(a.steps, w, a.density)
+            row.update(anchors=" ".join(str(i) for i, p in enumerate(phases) if p == "anchor"), attn_cost=cost,
+                       phases=res.summary)
+        rows.append(row)
+        log(f"  {label}: PSNR {m['psnr']:.2f} dB, SSIM {m['ssim']:.4f}"
+            + (f", anchors {row['anchors']}, attention cost {row['attn_cost']:.0f} reuse steps" if w is not None
+               else "") + f" [{time.perf_counter() - t0:.0f} s]")
+    print_table(rows, ["variant", "warmup_steps", "anchors", "psnr_db", "ssim", "rel_l2", "attn_cost"])
+    if not a.smoke:
+        path = append_rows(BENCH, rows, extras=["model", "steps", "warmup_steps", "anchors", "psnr_db", "ssim",
+                                                "attn_cost", "device", "phases", "note"])
+        log(f"[{BENCH}] rows appended to {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""benchmarks/bench_mcsparse_schedule.py: the schedule it models is the one MC-Sparse runs (its warm-up length
+moves the first anchor with it), and its arguments are checked. The study itself needs the demo model's
+generations (GPU; on a CPU ~1 min for its --smoke), so only the schedule logic runs here."""
+import pytest
+
+from benchmarks import bench_mcsparse_schedule as bs
+
+
+def test_schedule_follows_the_warmup_length():
+    phases, cost = bs.schedule_cost(50, 10, 0.15)
+    assert phases[:10] == ["warmup"] * 10 and phases.count("anchor") == 2 and phases[10] == "anchor"
+    assert cost == pytest.approx(10 * bs.COSTS["warmup"] + 2 * bs.COSTS["anchor"] + 38)
+    short, cheaper = bs.schedule_cost(50, 4, 0.15)
+    assert short[4] == "anchor" and short.count("warmup") == 4 and cheaper < cost
+
+
+def test_warmups_must_fit_the_schedule():
+    assert bs.parse_args(["--warmups", "0,5", "--steps", "10", "--device", "cpu"]).warmup_list == [0, 5]
+    with pytest.raises(SystemExit):
+        bs.parse_args(["--warmups", "10", "--steps", "10"])
