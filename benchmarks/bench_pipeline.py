@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import sys
 import time
@@ -148,10 +149,7 @@ def stacks(label: str) -> tuple:
 
 def base_label(label: str) -> str:
     """The variant without its stack: ``"vsmooth+expcast+f8lin"`` -> ``"vsmooth+expcast"``."""
-    for suffix in reversed(STACKS):
-        if label.endswith(suffix):
-            label = label[:-len(suffix)]
-    return label
+    return label[:len(label) - len("".join(stacks(label)))]
 
 
 def is_method(label: str) -> bool:
@@ -171,8 +169,8 @@ def float8_linears(base):
     f8 = copy.deepcopy(base)
     try:
         # NOTE set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning for the
-        # whole process (measured on the 1.3B pipeline, H200: a 157 s first generation instead of 12 s, and every
-        # later variant compiled under it); off, every row shares one Inductor configuration
+        # whole process (1.3B pipeline, H200, 2026-12-02: a 157 s first generation of stock+f8lin, 10.8 s with it
+        # off, and every later variant compiled under it); off, every row shares one Inductor configuration
         quantize_(f8, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
                   filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and name.startswith("blocks."))
     except (AssertionError, RuntimeError) as e:
@@ -181,26 +179,29 @@ def float8_linears(base):
     return f8, f"float8 linears: torchao quantize_ Float8DynamicActivationFloat8WeightConfig(PerRow), {n} block linears"
 
 
-def dbcache_status() -> tuple:
+def dbcache_missing() -> Optional[str]:
+    """Why the ``+dbcache`` variants cannot run here, or None."""
     try:
-        import cache_dit
+        import cache_dit  # noqa: F401
     except ImportError as e:
-        return None, f"cache-dit skipped: not importable ({str(e)[:100]})"
-    return cache_dit, f"cache-dit {getattr(cache_dit, '__version__', '')}".strip()
+        return f"cache-dit skipped: not importable ({str(e)[:100]})"
+    return None
 
 
 @contextlib.contextmanager
 def dbcache_scope(pipe, steps: int, layers: int):
     """cache-dit's DBCache on ``pipe`` for a generation of ``steps`` steps (DBCACHE; the first-block count capped
-    at a quarter of the blocks for cut models), disabled after. Yields the step mask."""
+    at a quarter of the blocks for cut models), disabled after. Yields what it runs, for the row's note."""
     import cache_dit
     mask = cache_dit.steps_mask(total_steps=steps, mask_policy=DBCACHE["mask_policy"]) if steps >= 8 else [1] * steps
+    fn = min(DBCACHE["Fn_compute_blocks"], max(1, layers // 4))
     cache_dit.enable_cache(pipe, cache_config=cache_dit.DBCacheConfig(
-        Fn_compute_blocks=min(DBCACHE["Fn_compute_blocks"], max(1, layers // 4)),
-        Bn_compute_blocks=DBCACHE["Bn_compute_blocks"], max_warmup_steps=0, steps_computation_mask=mask,
-        steps_computation_policy="static", residual_diff_threshold=1e6, num_inference_steps=steps))
+        Fn_compute_blocks=fn, Bn_compute_blocks=DBCACHE["Bn_compute_blocks"], max_warmup_steps=0,
+        steps_computation_mask=mask, steps_computation_policy="static", residual_diff_threshold=1e6,
+        num_inference_steps=steps))
     try:
-        yield mask
+        yield (f"cache-dit DBCache F{fn}B{DBCACHE['Bn_compute_blocks']}, static '{DBCACHE['mask_policy']}' mask: "
+               f"{sum(mask)} of {len(mask)} steps computed")
     finally:
         cache_dit.disable_cache(pipe)
 
@@ -536,7 +537,6 @@ class Result:
     skipped: List[str] = field(default_factory=list)
     peer_note: str = ""  # a peer: what ran (peer_status)
     dynamo: str = ""  # graphs and graph breaks of the first + timed generations
-    attn_step_ms: float = float("nan")  # stock / a peer: attention kernels' time in one profiled step
 
 
 def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reserve_s) -> Result:
@@ -557,12 +557,8 @@ def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reser
         pipe.transformer = base  # before a cache wraps the pipeline's transformer
     cache = (dbcache_scope(pipe, a.steps, base.config.num_layers) if DBC in stacks(label)
              else contextlib.nullcontext())
-    with peer_scope(label, pipe, base), cache as mask:
-        if mask is not None:
-            fn = min(DBCACHE["Fn_compute_blocks"], max(1, base.config.num_layers // 4))
-            res.peer_note = "; ".join(x for x in (res.peer_note, f"cache-dit DBCache F{fn}B0, static "
-                                      f"'{DBCACHE['mask_policy']}' mask: {sum(mask)} of {len(mask)} steps computed")
-                                      if x)
+    with peer_scope(label, pipe, base), cache as cache_note:
+        res.peer_note = "; ".join(x for x in (res.peer_note, cache_note) if x)
         _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, left, reserve_s)
     uncompile(base)
     pipe.transformer = base
@@ -590,7 +586,9 @@ def _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, le
     res.dynamo = dynamo_summary()  # after the first and the timed generations, before any profiled recompile
     est.observe(label, mode, first_s=res.first_s, gen_s=statistics.median(res.gens_s), first_frac=a.first_steps / a.steps)
     if not is_method(label) and cuda:  # which attention kernels actually ran, and their time in one step
-        res.sdpa_kernel, res.attn_step_ms = stock_attention_kernel(pipe, call, a.guidance)
+        res.sdpa_kernel, step_ms = stock_attention_kernel(pipe, call, a.guidance)
+        if math.isfinite(step_ms):
+            res.attn = {"total": step_ms * a.steps}  # its attention kernels in one profiled step x the steps
         log(f"    {label} attention kernel: {res.sdpa_kernel}")
     if is_method(label) and a.profiled:  # the op's per-call events: our methods only
         if est.item_s("profiled", label, mode) + reserve_s > left():
@@ -629,8 +627,6 @@ def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
         for p in PHASES:
             row[f"step_{p}_ms"] = sum(t for t, ph in zip(res.step_ms, res.phases) if ph == p)
         row["phases"] = " ".join(f"{p}:{res.phases.count(p)}" for p in PHASES if p in res.phases)
-    if not res.attn and res.attn_step_ms == res.attn_step_ms:  # stock / a peer: one profiled step x steps
-        res.attn = {"total": res.attn_step_ms * a.steps}
     if res.attn:
         row["attn_ms"] = res.attn["total"]
         row.update({f"attn_{p}_ms": res.attn[p] for p in PHASES if p in res.attn})
@@ -852,11 +848,8 @@ def _main(argv=None):
                 reserve += sum(est.item_s("cold", lab, m) + est.item_s("timed", lab, m)
                                for m in a.modes[a.modes.index(mode) + 1:] for lab in labels)
                 model = base
-                if DBC in stacks(label) and "dbcache" not in a.peer_notes:
-                    mod, note = dbcache_status()
-                    a.peer_notes["dbcache"] = note if mod is None else None
-                if DBC in stacks(label) and a.peer_notes["dbcache"]:
-                    skipped.append(f"{label}: {a.peer_notes['dbcache']}")
+                if DBC in stacks(label) and dbcache_missing():
+                    skipped.append(f"{label}: {dbcache_missing()}")
                     continue
                 if F8 in stacks(label):
                     if f8 is None and "f8" not in a.peer_notes:  # built once, at the first such variant
