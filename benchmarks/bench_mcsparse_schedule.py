@@ -87,9 +87,11 @@ def main(argv=None):
         f"s = {a.density:g}, warm-ups {a.warmup_list}, {a.device}"
         + (" (reference kernels: fidelity only)" if cpu else ""))
     t0 = time.perf_counter()
-    runs = [("dense", {"method": "dense"}, None), ("vsmooth", {"method": "vsmooth"}, None)]
+    runs = [("dense", {"method": "dense"}, None)]  # the reference first; V-Smooth (the 8-bit floor) last
     runs += [(f"mcsparse@{a.density:g} warmup {w}", {"method": "mcsparse", "density": a.density,
                                                       "warmup_steps": w}, w) for w in a.warmup_list]
+    runs += [("vsmooth", {"method": "vsmooth"}, None)]
+    extras = ["model", "steps", "warmup_steps", "anchors", "psnr_db", "ssim", "attn_cost", "device", "phases", "note"]
     dense, rows = None, []
     for label, opts, w in runs:
         res = run_pipeline(pipe, cond, uncond, label, {**base, **opts}, **kw)
@@ -107,13 +109,13 @@ def main(argv=None):
             row.update(anchors=" ".join(str(i) for i, p in enumerate(phases) if p == "anchor"), attn_cost=cost,
                        phases=res.summary)
         rows.append(row)
+        if not a.smoke:  # row by row: a long CPU study keeps what it finished
+            path = append_rows(BENCH, [row], extras=extras)
         log(f"  {label}: PSNR {m['psnr']:.2f} dB, SSIM {m['ssim']:.4f}"
             + (f", anchors {row['anchors']}, attention cost {row['attn_cost']:.0f} reuse steps" if w is not None
                else "") + f" [{time.perf_counter() - t0:.0f} s]")
     print_table(rows, ["variant", "warmup_steps", "anchors", "psnr_db", "ssim", "rel_l2", "attn_cost"])
     if not a.smoke:
-        path = append_rows(BENCH, rows, extras=["model", "steps", "warmup_steps", "anchors", "psnr_db", "ssim",
-                                                "attn_cost", "device", "phases", "note"])
         log(f"[{BENCH}] rows appended to {path}")
     return rows
 
