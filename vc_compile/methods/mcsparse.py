@@ -84,6 +84,9 @@ from .protocol import Plan
 # NOTE the paper's schedule: 10 dense warm-up steps of 50 (20%), anchors at steps 10 and 26 (20%, 52%).
 # Measured (H200, 2026-12-01): those 10 steps as bf16 SDPA at 38 ms each (S = 32760, H40) against 7.7 ms reuse steps:
 # with the warm-up on V-Smooth (1.34x cuDNN) they cost ~29 ms.
+# Kept at 20% by fidelity: the trained demo model (4096 tokens, 50 steps, s = 0.15, reference path, 2026-12-02,
+# bench_mcsparse_schedule.csv) gives PSNR vs dense 26.8 dB with 10 warm-up steps, 23.6 / 20.6 / 19.1 dB with 6 / 4 / 2:
+# the 19-20% of attention time a shorter warm-up would save costs 3-8 dB.
 WARMUP_FRACTION = 0.2
 ANCHOR_FRACTION = 0.52
 
