@@ -86,7 +86,7 @@ from .protocol import Plan
 # with the warm-up on V-Smooth (1.34x cuDNN) they cost ~29 ms.
 # Kept at 20% by fidelity: the trained demo model (4096 tokens, 50 steps, s = 0.15, reference path, 2026-12-02,
 # bench_mcsparse_schedule.csv) gives PSNR vs dense 26.8 dB with 10 warm-up steps, 23.6 / 20.6 / 19.1 dB with 6 / 4 / 2:
-# the 19-20% of attention time a shorter warm-up would save costs 3-8 dB.
+# the 12-25% of modelled attention cost a shorter warm-up would save costs 3-8 dB.
 WARMUP_FRACTION = 0.2
 ANCHOR_FRACTION = 0.52
 
