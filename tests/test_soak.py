@@ -137,6 +137,7 @@ def test_deleting_the_model_frees_its_metadata():
             vc_compile.step(i)
             cm(x, ctx)
             cm2(x, ctx)
+    ptrs1 = {b.q.weight.data_ptr() for b in m.blocks}
     ptrs2 = {b.q.weight.data_ptr() for b in m2.blocks}
     held_2 = sum(state.nbytes(state.get(k)) for k in state.keys() if k[1] in ptrs2)
     assert state.bytes_held() > held_2 > 0
@@ -147,7 +148,34 @@ def test_deleting_the_model_frees_its_metadata():
     assert sum(s.bytes_held for s in vc_compile.report().sites if s.site in sites) == held_2
     del m2, cm2
     gc.collect()
-    assert state.bytes_held() == 0 and not ops._WATCHED
+    assert state.bytes_held() == 0
+    # no entry of these blocks is left, nor one whose weight is dead (models of other tests may still live)
+    assert not [b for b in ops._WATCHED if b[1] in ptrs1 | ptrs2]
+    assert not [b for b, e in ops._WATCHED.items() if e.ref() is None]
+
+
+def test_a_late_finalizer_spares_the_newer_weight_at_its_address():
+    """A weight freed while the state lock was held has its finalizer queued; if a new weight has
+    meanwhile been watched at the same (site, address), draining the queue must not drop the new
+    weight's entry or metadata, and the new weight's own deletion must still free them."""
+    old = torch.nn.Parameter(torch.zeros(4))
+    new = torch.nn.Parameter(torch.zeros(4))
+    block = (987654, 11)
+    key_old, key_new = block + ("old",), block + ("new",)
+    state.put(key_old, torch.zeros(8))
+    ops._watch(old, key_old)
+    stale = ops._WATCHED[block]
+    # the old weight's death is queued, not drained (as under a held lock); the new one takes its place
+    ops._FREED.append((block, stale))
+    state.put(key_new, torch.zeros(8))
+    ops._watch(new, key_new)
+    assert ops._WATCHED[block] is not stale and ops._WATCHED[block].ref() is new
+    assert state.get(key_old) is None, "the replaced weight's metadata outlived it"
+    ops._drain_freed()
+    assert ops._WATCHED[block].ref() is new and state.get(key_new) is not None
+    del new
+    gc.collect()
+    assert block not in ops._WATCHED and state.get(key_new) is None
 
 def test_dynamo_reset_and_recompile():
     """After ``torch._dynamo.reset()`` the model recompiles into the same call sites (site identity is

@@ -99,12 +99,29 @@ def _shape_ineligible(qs, ks, vs, qd, kd, vd, min_seq_len: int, head_dims) -> Op
 # What the op remembers per site lives in the process's Runtime (runtime/runtime.py: Checks); bound here once.
 _CHECKS = _runtime.current().checks
 GRAPHS = _runtime.current().graphs  # the reuse steps replayed as CUDA graphs (runtime/graphs.py)
-_WATCHED: Dict[Tuple[int, int], Set[tuple]] = _CHECKS.watched  # (site, ident_ptr) -> metadata keys written
+_WATCHED: Dict[Tuple[int, int], "_Watch"] = _CHECKS.watched  # (site, ident_ptr) -> the weight, metadata keys written
 _FREED: collections.deque = _CHECKS.freed
 
 
-def _ident_freed(block: Tuple[int, int]) -> None:
-    _FREED.append(block)
+class _Watch:
+    """One watched block: the weight it was registered for (weakly) and the metadata keys written for it.
+    A finalizer names the entry it belongs to, so a late one (queued while the state lock was held) can
+    never drop the entry of a newer weight that took the same address and site."""
+
+    __slots__ = ("ref", "keys", "__weakref__")
+
+    def __init__(self, ref):
+        self.ref, self.keys = ref, set()
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self):
+        return iter(self.keys)
+
+
+def _ident_freed(block: Tuple[int, int], entry: "_Watch") -> None:
+    _FREED.append((block, entry))
     if not state.busy() and not _report.busy():  # (state.put may take the report's)
         _drain_freed()
 
@@ -112,31 +129,44 @@ def _ident_freed(block: Tuple[int, int]) -> None:
 def _drain_freed() -> None:
     while _FREED:
         try:
-            block = _FREED.popleft()
+            block, entry = _FREED.popleft()
         except IndexError:
             return
-        for key in _WATCHED.pop(block, ()):
-            if state.get(key) is not None:
-                state.put(key, None)
+        if _WATCHED.get(block) is not entry:
+            continue  # the address was watched again for a newer weight: that entry is not this one's
+        del _WATCHED[block]
+        _drop_keys(entry.keys)
 
 
 def _watch(ident: Optional[torch.Tensor], key: tuple) -> None:
     if not isinstance(ident, torch.nn.Parameter):
         return  # only module weights are stable objects; a per-call alias would drop metadata every call
     block = key[:2]
-    keys = _WATCHED.get(block)
-    if keys is None:
+    entry = _WATCHED.get(block)
+    if entry is None or entry.ref() is not ident:
+        # new, or an entry whose weight died unseen (its finalizer still queued) or is another object at
+        # the same address: this weight gets its own finalizer, else deleting it would not free its metadata
         try:
-            weakref.finalize(ident, _ident_freed, block).atexit = False
+            ref = weakref.ref(ident)
         except TypeError:  # a tensor subclass without weakref support: dropped at the next generation
             return
-        keys = _WATCHED[block] = set()
-    keys.add(key)
+        if entry is not None:
+            _WATCHED.pop(block)
+            _drop_keys(entry.keys - {key})  # (``key`` was just written for this weight)
+        entry = _WATCHED[block] = _Watch(ref)
+        weakref.finalize(ident, _ident_freed, block, entry).atexit = False
+    entry.keys.add(key)
+
+
+def _drop_keys(keys) -> None:
+    for key in keys:
+        if state.get(key) is not None:
+            state.put(key, None)
 
 
 def _forget_watched(_gen: int) -> None:  # a new generation cleared the store: the key sets start over
-    for keys in _WATCHED.values():
-        keys.clear()
+    for entry in _WATCHED.values():
+        entry.keys.clear()
 
 
 # Block identity checks (MC-Sparse): a selection and residual cached at an anchor step are reused at later

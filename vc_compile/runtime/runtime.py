@@ -72,7 +72,7 @@ class Checks:
         self.sharp_worst: dict = {}  # site -> (readings taken, the largest)
         self.sharp_warned: set = set()
         self.nonfinite_warned: set = set()
-        self.watched: dict = {}  # (site, ident ptr) -> metadata keys written
+        self.watched: dict = {}  # (site, ident ptr) -> the weight (weakly) and the metadata keys written
         self.freed: collections.deque = collections.deque()
 
     def forget(self) -> None:
