@@ -113,12 +113,6 @@ class _Watch:
     def __init__(self, ref):
         self.ref, self.keys = ref, set()
 
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def __iter__(self):
-        return iter(self.keys)
-
 
 def _ident_freed(block: Tuple[int, int], entry: "_Watch") -> None:
     _FREED.append((block, entry))
