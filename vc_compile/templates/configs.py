@@ -196,12 +196,17 @@ class VSmoothSm90Config(_Json):
     # A/B is within its noise); output bit for bit the same. SASS: the key loop 617 -> 587 instructions, FMNMX
     # 140 -> 76 (a probe without any clamp, wrong codes: 23.00 / 124.2 ms, the ceiling of this change).
     byte_mask: bool = True
+    # keys per softmax step: 128 (one V block, PV into a fresh accumulator folded in fp32: two-level), or 256 (two
+    # V blocks under one row max, PV accumulated in the MMA's accumulator, FA3's way: half the rescales and
+    # per-step overhead per key; needs the warp-specialised MS structure and an even ``stages`` >= 4, counted
+    # in 128-key blocks)
+    step_keys: int = 128
 
     def __post_init__(self):
         _coerce_enum(self, "p_operand", POperand)
         _coerce_enum(self, "rowsum", RowSum)
         _coerce_enum(self, "mean", MeanTerm)
-        _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 5)))
+        _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 7)), step_keys={128, 256})
         for flag in ("warp_specialize", "byte_mask"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"VSmoothSm90Config.{flag}={getattr(self, flag)!r}; accepted: True, False")
@@ -216,6 +221,11 @@ class VSmoothSm90Config(_Json):
                              "rowsum='fp16' with mean='ffma'")
         if self.rowsum == RowSum.MMA and not regs:
             raise ValueError(f"{self}: rowsum='mma' takes P~ from registers: needs p_operand='registers'")
+        if self.step_keys == 256 and not (self.warp_specialize and self.rowsum == RowSum.MMA
+                                          and self.stages in (4, 6)):
+            raise ValueError(f"{self}: step_keys=256 is built on the warp-specialised structure with MMA row sums "
+                             "(warp_specialize=True, rowsum='mma', mean='tf32_window') and stages 4 or 6 (128-key "
+                             "blocks, two per step)")
 
     @property
     def mma_sums(self) -> bool:

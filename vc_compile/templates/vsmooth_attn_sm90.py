@@ -107,13 +107,18 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS, VS
 
 
 @gluon.jit
-def _ws_producer(ring: KVRing, Sk, nb, D: gl.constexpr, BV: gl.constexpr, MEAN: gl.constexpr):
+def _ws_producer(ring: KVRing, Sk, nb, D: gl.constexpr, BV: gl.constexpr, MEAN: gl.constexpr, PAIR: gl.constexpr):
     """The producer warp: K_j, then V_j (and mu'_j, when MEAN), into the STAGES ring once both consumers freed
-    the stage."""
+    the stage. PAIR: whole pairs of blocks (an odd count gets one more: TMA fills what lies past the tensors with
+    zeros, the next head's K rows are masked by the consumers)."""
     STAGES: gl.constexpr = ring.STAGES
     bh = gl.program_id(1)
     head = Head(bh * Sk, bh * D, bh * gl.cdiv(Sk, BV))
-    for j in range(nb):
+    if PAIR:
+        nload = 2 * gl.cdiv(nb, 2)
+    else:
+        nload = nb
+    for j in range(nload):
         slot = j % STAGES
         ph = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first round passes
         mbarrier.wait(ring.kempty.index(slot), ph)
@@ -129,7 +134,8 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
                                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
                                  BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                                  MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                                 MS: gl.constexpr, BYTEMASK: gl.constexpr, num_warps: gl.constexpr):
+                                 MS: gl.constexpr, BYTEMASK: gl.constexpr, PAIR: gl.constexpr, LEFT: gl.constexpr,
+                                 num_warps: gl.constexpr):
     """Warp-specialised (register P~): two consumer warp groups of BM rows each (the default partition and a
     worker) share a K / V ring that a producer warp fills; one CTA (12 warps) per SM."""
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, BM, D], desc_q.layout)
@@ -159,15 +165,20 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
         mbarrier.init(vempty.index(i), count=2)
     start = gl.program_id(0) * (2 * BM)
     ring = KVRing(desc_k, desc_v, desc_m, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, BN, STAGES, 1)
-    win0 = MeanWindow(desc_g, ones0, mg0, mgbar0)
-    win1 = MeanWindow(desc_g, ones1, mg1, mgbar1)
+    if PAIR:  # the second row-sum operand of each consumer (fill_ones_pair)
+        win0 = MeanWindow(desc_g, ones0, mg0, mgbar0, _ones_operand(BN))
+        win1 = MeanWindow(desc_g, ones1, mg1, mgbar1, _ones_operand(BN))
+    else:
+        win0 = MeanWindow(desc_g, ones0, mg0, mgbar0)
+        win1 = MeanWindow(desc_g, ones1, mg1, mgbar1)
     # the q_smem pair stands in for the P~ buffer (register P~ reads none)
     gl.warp_specialize([
         (attend_rows, (desc_q, q_smem.index(0), q_smem, qbar.index(0), ring, win0, QS, KS, VS, OUT, LSE, S, Sk, nb,
-                       start, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK)),
+                       start, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK, PAIR, LEFT)),
         (attend_rows, (desc_q, q_smem.index(1), q_smem, qbar.index(1), ring, win1, QS, KS, VS, OUT, LSE, S, Sk, nb,
-                       start + BM, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK)),
-        (_ws_producer, (ring, Sk, nb, D, BV, MEAN and not MS)),
+                       start + BM, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK, PAIR,
+                       LEFT)),
+        (_ws_producer, (ring, Sk, nb, D, BV, MEAN and not MS, PAIR)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -255,6 +266,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
                   MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), MS=int(ms),
                   BYTEMASK=int(launch.byte_mask and preg))
     if ws:
+        consts.update(PAIR=int(launch.step_keys == 256), LEFT=int(launch.step_keys == 256 and Sk % 256 != 0))
         _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
     else:
         _vsmooth_attn_sm90_kernel[(-(-S // BM), B * H)](*args, **consts, PREG=int(preg), num_warps=nw)

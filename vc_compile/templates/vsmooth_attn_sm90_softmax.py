@@ -160,6 +160,89 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
     return p8, alpha, r, m_new
 
 
+@gluon.jit
+def _tile_logits_masked(tile: Tile, s_i32, blk, Sk, ks0, ks1):
+    """Base-2 logits of key block ``blk`` with keys past Sk at -inf, rounded as the reference (``softmax_block``'s
+    MASK branch)."""
+    BN: gl.constexpr = tile.BN
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, tile.s_layout))
+    lo = (cols < tile.BKS)[None, :]
+    t = (s_i32 + 0x4B400000).to(gl.float32, bitcast=True)
+    s = t * gl.where(lo, ks0, ks1) + gl.where(lo, ks0 * -12582912.0, ks1 * -12582912.0)
+    return gl.where((blk * BN + cols < Sk)[None, :], s * tile.qs[:, None], float("-inf"))
+
+
+@gluon.jit
+def _tile_codes_full(tile: Tile, t, a0, a1, m_new):
+    """A full block's pre-packing values from t (= C + qk), its per-half logit scales a0, a1 and the row max
+    m_new: the ExpCast code by one FFMA (``softmax_block``'s derivation) or the exp2 argument."""
+    cols = gl.arange(0, tile.BN, layout=gl.SliceLayout(0, tile.s_layout))
+    lo = (cols < tile.BKS)[None, :]
+    if tile.EXPCAST:
+        X = 119.65 - 8.0 * m_new
+        fl = gl.floor(X)
+        fx = X - fl
+        n0 = gl.floor(a0 * (8.0 * 12582912.0) - fx + 0.5)
+        n1 = gl.floor(a1 * (8.0 * 12582912.0) - fx + 0.5)
+        A0 = (n0 + fx) * (1.0 / 12582912.0)
+        A1 = (n1 + fx) * (1.0 / 12582912.0)
+        K0 = (8388608.0 + fl) - n0
+        K1 = (8388608.0 + fl) - n1
+        y = gl.fma(t, gl.where(lo, A0[:, None], A1[:, None]), gl.where(lo, K0[:, None], K1[:, None]))
+        if not tile.BYTEMASK:
+            y = gl.maximum(y, 8388608.0)
+    else:
+        b0 = (8.0 - m_new) - 12582912.0 * a0
+        b1 = (8.0 - m_new) - 12582912.0 * a1
+        y = t * gl.where(lo, a0[:, None], a1[:, None]) + gl.where(lo, b0[:, None], b1[:, None])
+    return y
+
+
+@gluon.jit
+def _tile_pack(tile: Tile, y, MASK: gl.constexpr):
+    """Pre-packing values -> P~ fp8 as the PV MMA's register A operand (``p_operand``)."""
+    y = p_operand(y, tile.o_layout)
+    if tile.EXPCAST:
+        if MASK:
+            y = gl.maximum(y + 8388608.0, 8388608.0)
+        if tile.BYTEMASK and not MASK:
+            p8 = codes_masked(y)
+        else:
+            p8 = y.to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+    else:
+        p8 = e4m3x4(gl.exp2(y))
+    return p8
+
+
+@gluon.jit
+def softmax_pair(tile: Tile, sa, sb, j, Sk, m_i, ka0, ka1, kb0, kb1, MASK: gl.constexpr):
+    """The online-softmax step of a 256-key step: key blocks j and j + 1 (scores ``sa``, ``sb``, two K scales
+    each) under ONE row max: (P~_a, P~_b as register A operands, alpha, m_new). Full blocks (MASK = 0) form
+    ExpCast's code by one FFMA, or the exp2 argument by one FFMA, as ``softmax_block``; MASK = 1 (the last step,
+    holding the key tail and possibly a block wholly past Sk) rounds as the reference."""
+    if MASK:
+        s_a = _tile_logits_masked(tile, sa, j, Sk, ka0, ka1)
+        s_b = _tile_logits_masked(tile, sb, j + 1, Sk, kb0, kb1)
+        m_new = gl.maximum(m_i, gl.maximum(gl.max(s_a, 1), gl.max(s_b, 1)))
+        if tile.EXPCAST:  # code = 8 (logit - m) + 119.65
+            ya = s_a * 8.0 + (119.65 - 8.0 * m_new)[:, None]
+            yb = s_b * 8.0 + (119.65 - 8.0 * m_new)[:, None]
+        else:
+            ya = s_a - (m_new - 8.0)[:, None]
+            yb = s_b - (m_new - 8.0)[:, None]
+    else:
+        cols = gl.arange(0, tile.BN, layout=gl.SliceLayout(0, tile.s_layout))
+        lo = (cols < tile.BKS)[None, :]
+        ta = (sa + 0x4B400000).to(gl.float32, bitcast=True)
+        tb = (sb + 0x4B400000).to(gl.float32, bitcast=True)
+        a0, a1, m_a = half_scales_max(ta, lo, tile.qs, m_i, ka0, ka1)
+        b0, b1, m_new = half_scales_max(tb, lo, tile.qs, m_a, kb0, kb1)
+        ya = _tile_codes_full(tile, ta, a0, a1, m_new)
+        yb = _tile_codes_full(tile, tb, b0, b1, m_new)
+    alpha = gl.exp2(m_i - m_new)
+    return _tile_pack(tile, ya, MASK), _tile_pack(tile, yb, MASK), alpha, m_new
+
+
 # $1..$4: four codes y (fp32 bits), $0: their four E4M3 bytes. PRMT selectors: one nibble per result byte (byte
 # 0 first), bits 0-2 the source byte (0-3 the first operand, 4-7 the second), bit 3 = replicate that byte's top
 # bit. tests/test_vsmooth_attn_sm90.py emulates this text instruction by instruction.
