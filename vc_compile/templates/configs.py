@@ -201,13 +201,18 @@ class VSmoothSm90Config(_Json):
     # per-step overhead per key; needs the warp-specialised MS structure and an even ``stages`` >= 4, counted
     # in 128-key blocks)
     step_keys: int = 128
+    # PV_j left running on the tensor cores through the softmax of block j + 1 and folded after it (FA3's
+    # intra-warpgroup order), instead of retired before S_{j+1} is waited for; warp-specialised MS only
+    overlap_pv: bool = False
+    # probe: 128-key steps with PV accumulated in the MMA's accumulator (no two-level fold)
+    direct_pv: bool = False
 
     def __post_init__(self):
         _coerce_enum(self, "p_operand", POperand)
         _coerce_enum(self, "rowsum", RowSum)
         _coerce_enum(self, "mean", MeanTerm)
         _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 7)), step_keys={128, 256})
-        for flag in ("warp_specialize", "byte_mask"):
+        for flag in ("warp_specialize", "byte_mask", "overlap_pv", "direct_pv"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"VSmoothSm90Config.{flag}={getattr(self, flag)!r}; accepted: True, False")
         regs = self.p_operand == POperand.REGISTERS
@@ -221,6 +226,12 @@ class VSmoothSm90Config(_Json):
                              "rowsum='fp16' with mean='ffma'")
         if self.rowsum == RowSum.MMA and not regs:
             raise ValueError(f"{self}: rowsum='mma' takes P~ from registers: needs p_operand='registers'")
+        if self.overlap_pv and not (self.warp_specialize and self.rowsum == RowSum.MMA and self.step_keys == 128):
+            raise ValueError(f"{self}: overlap_pv is built on the warp-specialised structure with MMA row sums "
+                             "(warp_specialize=True, rowsum='mma', mean='tf32_window') and 128-key steps")
+        if self.direct_pv and not (self.warp_specialize and self.rowsum == RowSum.MMA and self.step_keys == 128
+                                   and not self.overlap_pv):
+            raise ValueError(f"{self}: direct_pv is a probe of the warp-specialised MS structure at 128-key steps")
         if self.step_keys == 256 and not (self.warp_specialize and self.rowsum == RowSum.MMA
                                           and self.stages in (4, 6)):
             raise ValueError(f"{self}: step_keys=256 is built on the warp-specialised structure with MMA row sums "

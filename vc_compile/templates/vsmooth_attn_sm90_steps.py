@@ -17,7 +17,7 @@ Step orders:
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                             warpgroup_mma_wait)
+                                                             warpgroup_mma_init, warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
 from vc_compile.templates.vsmooth_attn_sm90_softmax import (Tile, fold_pv, k_scales, mean_slot, row_sum_mma,
@@ -247,7 +247,7 @@ def pipelined_step(j, nb, Sk, acc, l_i, m_i, alpha, r, ks0, ks1, q_smem, p_smem,
 @gluon.jit
 def register_step(j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing,
                   head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MS: gl.constexpr, MASK: gl.constexpr,
-                  NEXT: gl.constexpr):
+                  NEXT: gl.constexpr, DIRECT: gl.constexpr = 0):
     """Register P~, key block j (module doc): enters with S_j computed (``s_i``), returns (acc, l_i, m_i,
     S_{j+1} (NEXT) or ``s_i``, the window Rb, block j+1's K scales). MS = 1: l_i is [BM, 8] (every column the
     running sum) and the mean term waits in Rb, flushed with the last S wait of every 8th step."""
@@ -263,7 +263,11 @@ def register_step(j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, z
     mbarrier.wait(ring.vbar.index(slot), (j // STAGES) & 1)
     if NEXT:
         mbarrier.wait(ring.kbar.index(nslot), ((j + 1) // STAGES) & 1)
-    pv_tok = warpgroup_mma(p8, ring.v_smem.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    if DIRECT:  # probe: PV accumulated in the MMA's accumulator (rescaled first), no fresh accumulator
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        pv_tok = warpgroup_mma(p8, ring.v_smem.index(slot).permute((1, 0)), acc, is_async=True)
+    else:
+        pv_tok = warpgroup_mma(p8, ring.v_smem.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
     if MS:
         rs_tok = row_sum_mma(p8, win.ones_smem, o_layout)
     if NEXT:
@@ -277,7 +281,10 @@ def register_step(j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, z
     else:
         pv = warpgroup_mma_wait(1 if NEXT else 0, deps=[pv_tok])  # PV_j done (groups retire in order)
     mu = ring.load_mu(slot, o_layout, MU)
-    acc = fold_pv(acc, alpha, r, pv, mu, o_layout, MU)
+    if DIRECT:
+        acc = gl.convert_layout(pv, o_layout)
+    else:
+        acc = fold_pv(acc, alpha, r, pv, mu, o_layout, MU)
     ring.release_v(head, j, nb, slot, MU)
     if MS and MEAN:
         Rb = mean_slot(Rb, rs, alpha, j % 8)
@@ -304,15 +311,89 @@ def register_step(j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, z
 @gluon.jit
 def register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing,
                   head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MS: gl.constexpr,
-                  HAS_TAIL: gl.constexpr):
+                  HAS_TAIL: gl.constexpr, DIRECT: gl.constexpr = 0):
     """Register P~: every key block of the program's rows, S_0 given (``s_i``); returns (acc, l_i, m_i, Rb)."""
     for j in range(0, nb - 1):
         acc, l_i, m_i, s_i, Rb, ks0, ks1 = register_step(
             j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile, ring, head, win, g_row,
-            ng, MEAN, MS, False, True)
+            ng, MEAN, MS, False, True, DIRECT)
     acc, l_i, m_i, s_i, Rb, ks0, ks1 = register_step(  # the last block: masked when it holds the key tail
         nb - 1, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile, ring, head, win, g_row,
-        ng, MEAN, MS, HAS_TAIL, False)
+        ng, MEAN, MS, HAS_TAIL, False, DIRECT)
+    return acc, l_i, m_i, Rb
+
+
+@gluon.jit
+def overlap_step(j, nb, Sk, acc, l_i, m_i, s_i, pv_tok, rs_tok, alpha_p, Rb, ks0, ks1, q_smem, zero_s, zero_o,
+                 tile: Tile, ring: KVRing, head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr,
+                 MASK: gl.constexpr, NEXT: gl.constexpr):
+    """Register P~, MS, PV overlapped with the next softmax (FA3's intra-warpgroup order): enters with S_j retired
+    (``s_i``) and PV_{j-1}, its row sums (``pv_tok``, ``rs_tok``) still on the tensor cores (their register A
+    operand P~_{j-1} stays allocated until the wait: ptxas tracks wgmma's asynchronous register reads).
+    softmax(S_j) while PV_{j-1} runs -> PV_{j-1} retired, folded at max m_{j-1} (``alpha_p``) -> S_{j+1}, then PV_j
+    and its row sums issued -> S_{j+1} retired, PV_j left running into the next step. Returns (acc, l_i, m_i,
+    S_{j+1} (NEXT) or ``s_i``, PV_j's tokens, alpha_j, Rb, block j+1's K scales)."""
+    STAGES: gl.constexpr = ring.STAGES
+    o_layout: gl.constexpr = tile.o_layout
+    r_layout: gl.constexpr = rs_layout(o_layout)
+    slot = j % STAGES
+    nslot = (j + 1) % STAGES
+    p8, alpha, r, m_i = softmax_block(tile, s_i, j, Sk, m_i, ks0, ks1, MASK, True, False)
+    ring.release_k(head, j, nb, slot)  # S_j retired last step
+    ks0n, ks1n = k_scales(tile, j + 1, Sk)
+    pv, rs = warpgroup_mma_wait(0, deps=[pv_tok, rs_tok])  # PV_{j-1} done
+    l_i = l_i * gl.convert_layout(alpha_p, gl.SliceLayout(1, r_layout))[:, None] + rs
+    acc = fold_pv(acc, alpha_p, 0.0, pv, 0.0, o_layout, False)
+    mbarrier.arrive(ring.vempty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)  # V_{j-1} read
+    if MEAN:
+        Rb = mean_slot(Rb, rs, alpha_p, (j + 7) % 8)
+        if (j + 7) % 8 == 7:  # block j - 1 closed window (j - 1) // 8: R_w mu'_w on the tensor cores
+            acc = win.flush(acc, Rb, (j - 1) // 8, o_layout)
+            acc = gl.convert_layout(warpgroup_mma_wait(0, deps=[acc]), o_layout)
+            Rb = gl.zeros([acc.shape[0], 8], gl.float32, r_layout)
+            win.load_group(g_row, (j - 1) // 8 + 2, ng, acc.shape[1])  # its buffer is free
+    if NEXT:
+        mbarrier.wait(ring.kbar.index(nslot), ((j + 1) // STAGES) & 1)
+        # the retired tiles' registers as the fresh accumulators (use_acc=False): no zero-fill moves defining
+        # accumulator registers while PV_j is open (ptxas C7515 serialised every wgmma with them)
+        s_tok = warpgroup_mma(q_smem, ring.k_smem.index(nslot).permute((1, 0)), s_i, use_acc=False,
+                              is_async=True)
+    mbarrier.wait(ring.vbar.index(slot), (j // STAGES) & 1)
+    pv_tok = warpgroup_mma(p8, ring.v_smem.index(slot).permute((1, 0)), pv, use_acc=False, is_async=True)
+    rs_tok = warpgroup_mma(gl.convert_layout(p8, gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=4)),
+                           win.ones_smem.permute((1, 0)), rs, use_acc=False, is_async=True)
+    if NEXT:
+        s_n = warpgroup_mma_wait(2, deps=[s_tok])  # S_{j+1} done; PV_j and its row sums still run
+    else:
+        s_n = s_i
+    return acc, l_i, m_i, s_n, pv_tok, rs_tok, alpha, Rb, ks0n, ks1n
+
+
+@gluon.jit
+def overlap_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing,
+                 head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr):
+    """Every key block with PV overlapping the next softmax (``overlap_step``), S_0 given; the last PV retired
+    and folded after the loop. Step 0 folds a placeholder PV_{-1} (zeros, alpha 1, no MMA)."""
+    o_layout: gl.constexpr = tile.o_layout
+    r_layout: gl.constexpr = rs_layout(o_layout)
+    BM: gl.constexpr = acc.shape[0]
+    pv_tok = warpgroup_mma_init(zero_o)
+    rs_tok = warpgroup_mma_init(gl.zeros([BM, 8], gl.float32, r_layout))
+    alpha_p = gl.full([BM], 1.0, gl.float32, gl.SliceLayout(1, tile.s_layout))
+    for j in range(0, nb - 1):
+        acc, l_i, m_i, s_i, pv_tok, rs_tok, alpha_p, Rb, ks0, ks1 = overlap_step(
+            j, nb, Sk, acc, l_i, m_i, s_i, pv_tok, rs_tok, alpha_p, Rb, ks0, ks1, q_smem, zero_s, zero_o,
+            tile, ring, head, win, g_row, ng, MEAN, False, True)
+    acc, l_i, m_i, s_i, pv_tok, rs_tok, alpha_p, Rb, ks0, ks1 = overlap_step(
+        nb - 1, nb, Sk, acc, l_i, m_i, s_i, pv_tok, rs_tok, alpha_p, Rb, ks0, ks1, q_smem, zero_s, zero_o,
+        tile, ring, head, win, g_row, ng, MEAN, HAS_TAIL, False)
+    pv, rs = warpgroup_mma_wait(0, deps=[pv_tok, rs_tok])  # the last block's PV
+    l_i = l_i * gl.convert_layout(alpha_p, gl.SliceLayout(1, r_layout))[:, None] + rs
+    acc = fold_pv(acc, alpha_p, 0.0, pv, 0.0, o_layout, False)
+    if MEAN:  # whatever the last window holds
+        Rb = mean_slot(Rb, rs, alpha_p, (nb - 1) % 8)
+        acc = win.flush(acc, Rb, (nb - 1) // 8, o_layout)
+        acc = gl.convert_layout(warpgroup_mma_wait(0, deps=[acc]), o_layout)
     return acc, l_i, m_i, Rb
 
 
@@ -424,7 +505,7 @@ def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS,
                 start_m, BM: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr, BV: gl.constexpr,
                 EXPCAST: gl.constexpr, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
                 PREG: gl.constexpr, MS: gl.constexpr, BYTEMASK: gl.constexpr = 0, PAIR: gl.constexpr = 0,
-                LEFT: gl.constexpr = 0):
+                LEFT: gl.constexpr = 0, OVERLAP: gl.constexpr = 0, DIRECT: gl.constexpr = 0):
     """BM query rows from ``start_m`` of head ``program_id(1)`` through all key blocks; O (and the LSE) stored.
     ring.WS = 0: the warps also load K / V; ring.WS = 1 (PREG only): a producer warp does and this is one of two
     consumer warp groups. MS = 1 (PREG only): row sums and the mean term on the tensor cores (``register_step``),
@@ -508,18 +589,31 @@ def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS,
             l_i = Rb
         else:
             l_i = gl.zeros([BM], gl.float32, row_s)
-        if EXPCAST and BYTEMASK:
+        if OVERLAP:
+            gl.static_assert(WS == 1 and MS == 1, "the PV overlap is built on the warp-specialised MS structure")
+            if EXPCAST and BYTEMASK:
+                tile_b = Tile(qs, KS + bh * gl.cdiv(Sk, BKS), s_layout, o_layout, BN, BKS, EXPCAST, 1)
+                if bytemask_ok(gl.where(rows < S, qs, 0.0), tile.KS_bh, gl.cdiv(Sk, BKS)):
+                    acc, l_i, m_i, Rb = overlap_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s,
+                                                     zero_o, tile_b, ring, head, win, g_row, ng, MEAN, HAS_TAIL)
+                else:
+                    acc, l_i, m_i, Rb = overlap_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s,
+                                                     zero_o, tile, ring, head, win, g_row, ng, MEAN, HAS_TAIL)
+            else:
+                acc, l_i, m_i, Rb = overlap_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
+                                                 tile, ring, head, win, g_row, ng, MEAN, HAS_TAIL)
+        elif EXPCAST and BYTEMASK:
             # the byte-mask clamp where every code of the tile is >= -2^22, else the FMNMX clamp (one loop each)
             tile_b = Tile(qs, KS + bh * gl.cdiv(Sk, BKS), s_layout, o_layout, BN, BKS, EXPCAST, 1)
             if bytemask_ok(gl.where(rows < S, qs, 0.0), tile.KS_bh, gl.cdiv(Sk, BKS)):
                 acc, l_i, m_i, Rb = register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                                  tile_b, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL)
+                                                  tile_b, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, DIRECT)
             else:
                 acc, l_i, m_i, Rb = register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                                  tile, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL)
+                                                  tile, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, DIRECT)
         else:
             acc, l_i, m_i, Rb = register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                              tile, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL)
+                                              tile, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, DIRECT)
         if MS:  # every column holds the row sum
             l_i = gl.convert_layout(gl.max(l_i, 1), row_s)
     else:
