@@ -50,7 +50,7 @@ def parse(spec):
         kw = dict(STRUCTURES[name])
         for f in fields:
             key, val = f.split("=")
-            kw[key] = int(val) if val.isdigit() else val
+            kw[key] = {"true": True, "false": False}.get(val, int(val) if val.isdigit() else val)
         try:
             launch = C.VSmoothSm90Config(**kw)
         except (TypeError, ValueError) as e:
