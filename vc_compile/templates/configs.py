@@ -206,12 +206,14 @@ class VSmoothSm90Config(_Json):
     overlap_pv: bool = False
     # probe: 128-key steps with PV accumulated in the MMA's accumulator (no two-level fold)
     direct_pv: bool = False
+    # key blocks whose PV the FP8 MMA accumulates before an fp32 fold (1: a fresh accumulator per block)
+    pv_window: int = 1
 
     def __post_init__(self):
         _coerce_enum(self, "p_operand", POperand)
         _coerce_enum(self, "rowsum", RowSum)
         _coerce_enum(self, "mean", MeanTerm)
-        _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 7)), step_keys={128, 256})
+        _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 7)), step_keys={128, 256}, pv_window={1, 2, 4, 8})
         for flag in ("warp_specialize", "byte_mask", "overlap_pv", "direct_pv"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"VSmoothSm90Config.{flag}={getattr(self, flag)!r}; accepted: True, False")
@@ -232,6 +234,9 @@ class VSmoothSm90Config(_Json):
         if self.direct_pv and not (self.warp_specialize and self.rowsum == RowSum.MMA and self.step_keys == 128
                                    and not self.overlap_pv):
             raise ValueError(f"{self}: direct_pv is a probe of the warp-specialised MS structure at 128-key steps")
+        if self.pv_window > 1 and not (self.warp_specialize and self.rowsum == RowSum.MMA and self.step_keys == 128
+                                       and not (self.overlap_pv or self.direct_pv)):
+            raise ValueError(f"{self}: pv_window > 1 is built on the warp-specialised MS structure at 128-key steps")
         if self.step_keys == 256 and not (self.warp_specialize and self.rowsum == RowSum.MMA
                                           and self.stages in (4, 6)):
             raise ValueError(f"{self}: step_keys=256 is built on the warp-specialised structure with MMA row sums "

@@ -135,7 +135,8 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
                                  BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                                  MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
                                  MS: gl.constexpr, BYTEMASK: gl.constexpr, PAIR: gl.constexpr, LEFT: gl.constexpr,
-                                 OVERLAP: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr):
+                                 OVERLAP: gl.constexpr, DIRECT: gl.constexpr, PVW: gl.constexpr,
+                                 num_warps: gl.constexpr):
     """Warp-specialised (register P~): two consumer warp groups of BM rows each (the default partition and a
     worker) share a K / V ring that a producer warp fills; one CTA (12 warps) per SM."""
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, BM, D], desc_q.layout)
@@ -175,10 +176,10 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
     gl.warp_specialize([
         (attend_rows, (desc_q, q_smem.index(0), q_smem, qbar.index(0), ring, win0, QS, KS, VS, OUT, LSE, S, Sk, nb,
                        start, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK, PAIR, LEFT, OVERLAP,
-                       DIRECT)),
+                       DIRECT, PVW)),
         (attend_rows, (desc_q, q_smem.index(1), q_smem, qbar.index(1), ring, win1, QS, KS, VS, OUT, LSE, S, Sk, nb,
                        start + BM, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK, PAIR,
-                       LEFT, OVERLAP, DIRECT)),
+                       LEFT, OVERLAP, DIRECT, PVW)),
         (_ws_producer, (ring, Sk, nb, D, BV, MEAN and not MS, PAIR)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -268,7 +269,8 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
                   BYTEMASK=int(launch.byte_mask and preg))
     if ws:
         consts.update(PAIR=int(launch.step_keys == 256), LEFT=int(launch.step_keys == 256 and Sk % 256 != 0),
-                      OVERLAP=int(launch.overlap_pv), DIRECT=int(launch.direct_pv))
+                      OVERLAP=int(launch.overlap_pv), DIRECT=int(launch.direct_pv),
+                      PVW=launch.pv_window)
         _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
     else:
         _vsmooth_attn_sm90_kernel[(-(-S // BM), B * H)](*args, **consts, PREG=int(preg), num_warps=nw)

@@ -324,6 +324,82 @@ def register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero
 
 
 @gluon.jit
+def window_step(j, nb, Sk, acc, accm, ap, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, tile: Tile, ring: KVRing,
+                head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MASK: gl.constexpr, NEXT: gl.constexpr,
+                G: gl.constexpr):
+    """Register P~, MS, PV accumulated in the MMA's accumulator ``accm`` over windows of G key blocks (rescaled by
+    alpha before each block's MMA; fresh at each window's first block) and promoted into the fp32 ``acc`` at each
+    window's end: acc = acc * ap + accm, ap the product of the window's alphas. G = 1 is the two-level
+    accumulation's precision, larger G fewer fp32 folds; the FP8 MMA keeps ~13 mantissa bits of its running
+    sum, so the error grows with G. Returns (acc, accm, ap, l_i, m_i, S_{j+1} or ``s_i``, Rb, block j+1's K
+    scales)."""
+    STAGES: gl.constexpr = ring.STAGES
+    o_layout: gl.constexpr = tile.o_layout
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    slot = j % STAGES
+    nslot = (j + 1) % STAGES
+    p8, alpha, r, m_i = softmax_block(tile, s_i, j, Sk, m_i, ks0, ks1, MASK, True, False)
+    ring.release_k(head, j, nb, slot)  # S_j retired last step
+    ks0n, ks1n = k_scales(tile, j + 1, Sk)
+    mbarrier.wait(ring.vbar.index(slot), (j // STAGES) & 1)
+    if NEXT:
+        mbarrier.wait(ring.kbar.index(nslot), ((j + 1) // STAGES) & 1)
+    accm = accm * gl.convert_layout(alpha, row_o)[:, None]
+    ap = ap * alpha
+    pv_tok = warpgroup_mma(p8, ring.v_smem.index(slot).permute((1, 0)), accm, use_acc=j % G != 0, is_async=True)
+    rs_tok = row_sum_mma(p8, win.ones_smem, o_layout)
+    if NEXT:
+        s_tok = warpgroup_mma(q_smem, ring.k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+    accm, rs = warpgroup_mma_wait(1 if NEXT else 0, deps=[pv_tok, rs_tok])  # S_{j+1} may still run
+    accm = gl.convert_layout(accm, o_layout)
+    l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, rs_layout(o_layout)))[:, None] + rs
+    if NEXT:
+        if j % G == G - 1:  # the window's end: promote into fp32
+            acc = acc * gl.convert_layout(ap, row_o)[:, None] + accm
+            ap = gl.full(ap.shape, 1.0, gl.float32, ap.type.layout)
+    else:
+        acc = acc * gl.convert_layout(ap, row_o)[:, None] + accm
+    ring.release_v(head, j, nb, slot, False)
+    if MEAN:
+        Rb = mean_slot(Rb, rs, alpha, j % 8)
+        if NEXT:
+            if j % 8 == 7:  # the mean window's last block (G divides 8: acc was just promoted, at the max m_j)
+                acc = win.flush(acc, Rb, j // 8, o_layout)
+                s_n, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
+                acc = gl.convert_layout(acc, o_layout)
+                Rb = gl.zeros([acc.shape[0], 8], gl.float32, rs_layout(o_layout))
+                win.load_group(g_row, j // 8 + 2, ng, acc.shape[1])  # its buffer is free
+            else:
+                s_n = warpgroup_mma_wait(0, deps=[s_tok])
+        else:  # the last block: whatever the window holds
+            acc = win.flush(acc, Rb, j // 8, o_layout)
+            acc = gl.convert_layout(warpgroup_mma_wait(0, deps=[acc]), o_layout)
+            s_n = s_i
+    elif NEXT:
+        s_n = warpgroup_mma_wait(0, deps=[s_tok])
+    else:
+        s_n = s_i
+    return acc, accm, ap, l_i, m_i, s_n, Rb, ks0n, ks1n
+
+
+@gluon.jit
+def window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing,
+                head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, G: gl.constexpr):
+    """``window_step`` over every key block, S_0 given; returns (acc, l_i, m_i, Rb)."""
+    accm = zero_o
+    ap = gl.full([acc.shape[0]], 1.0, gl.float32, gl.SliceLayout(1, tile.s_layout))
+    for j in range(0, nb - 1):
+        acc, accm, ap, l_i, m_i, s_i, Rb, ks0, ks1 = window_step(
+            j, nb, Sk, acc, accm, ap, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, tile, ring, head, win, g_row, ng,
+            MEAN, False, True, G)
+    acc, accm, ap, l_i, m_i, s_i, Rb, ks0, ks1 = window_step(
+        nb - 1, nb, Sk, acc, accm, ap, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, tile, ring, head, win, g_row, ng,
+        MEAN, HAS_TAIL, False, G)
+    return acc, l_i, m_i, Rb
+
+
+@gluon.jit
 def overlap_step(j, nb, Sk, acc, l_i, m_i, s_i, pv_tok, rs_tok, alpha_p, Rb, ks0, ks1, q_smem, zero_s, zero_o,
                  tile: Tile, ring: KVRing, head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr,
                  MASK: gl.constexpr, NEXT: gl.constexpr):
@@ -505,7 +581,8 @@ def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS,
                 start_m, BM: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr, BV: gl.constexpr,
                 EXPCAST: gl.constexpr, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
                 PREG: gl.constexpr, MS: gl.constexpr, BYTEMASK: gl.constexpr = 0, PAIR: gl.constexpr = 0,
-                LEFT: gl.constexpr = 0, OVERLAP: gl.constexpr = 0, DIRECT: gl.constexpr = 0):
+                LEFT: gl.constexpr = 0, OVERLAP: gl.constexpr = 0, DIRECT: gl.constexpr = 0,
+                PVW: gl.constexpr = 1):
     """BM query rows from ``start_m`` of head ``program_id(1)`` through all key blocks; O (and the LSE) stored.
     ring.WS = 0: the warps also load K / V; ring.WS = 1 (PREG only): a producer warp does and this is one of two
     consumer warp groups. MS = 1 (PREG only): row sums and the mean term on the tensor cores (``register_step``),
@@ -589,7 +666,20 @@ def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS,
             l_i = Rb
         else:
             l_i = gl.zeros([BM], gl.float32, row_s)
-        if OVERLAP:
+        if PVW > 1:
+            gl.static_assert(MS == 1, "PV windows are built on the MS structure")
+            if EXPCAST and BYTEMASK:
+                tile_b = Tile(qs, KS + bh * gl.cdiv(Sk, BKS), s_layout, o_layout, BN, BKS, EXPCAST, 1)
+                if bytemask_ok(gl.where(rows < S, qs, 0.0), tile.KS_bh, gl.cdiv(Sk, BKS)):
+                    acc, l_i, m_i, Rb = window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
+                                                    tile_b, ring, head, win, g_row, ng, MEAN, HAS_TAIL, PVW)
+                else:
+                    acc, l_i, m_i, Rb = window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
+                                                    tile, ring, head, win, g_row, ng, MEAN, HAS_TAIL, PVW)
+            else:
+                acc, l_i, m_i, Rb = window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
+                                                tile, ring, head, win, g_row, ng, MEAN, HAS_TAIL, PVW)
+        elif OVERLAP:
             gl.static_assert(WS == 1 and MS == 1, "the PV overlap is built on the warp-specialised MS structure")
             if EXPCAST and BYTEMASK:
                 tile_b = Tile(qs, KS + bh * gl.cdiv(Sk, BKS), s_layout, o_layout, BN, BKS, EXPCAST, 1)
