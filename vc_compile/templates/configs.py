@@ -196,25 +196,21 @@ class VSmoothSm90Config(_Json):
     # A/B is within its noise); output bit for bit the same. SASS: the key loop 617 -> 587 instructions, FMNMX
     # 140 -> 76 (a probe without any clamp, wrong codes: 23.00 / 124.2 ms, the ceiling of this change).
     byte_mask: bool = True
-    # keys per softmax step: 128 (one V block, PV into a fresh accumulator folded in fp32: two-level), or 256 (two
-    # V blocks under one row max, PV accumulated in the MMA's accumulator, FA3's way: half the rescales and
-    # per-step overhead per key; needs the warp-specialised MS structure and an even ``stages`` >= 4, counted
-    # in 128-key blocks)
-    step_keys: int = 128
-    # PV_j left running on the tensor cores through the softmax of block j + 1 and folded after it (FA3's
-    # intra-warpgroup order), instead of retired before S_{j+1} is waited for; warp-specialised MS only
-    overlap_pv: bool = False
-    # probe: 128-key steps with PV accumulated in the MMA's accumulator (no two-level fold)
-    direct_pv: bool = False
-    # key blocks whose PV the FP8 MMA accumulates before an fp32 fold (1: a fresh accumulator per block)
+    # key blocks whose PV the FP8 MMA accumulates in its own accumulator before one fp32 fold (1: a fresh
+    # accumulator per block, the two-level accumulation; ``steps.window_step``). NOTE (H200, 2026-12-03,
+    # bench_vsmooth_attn_sm90.csv, kernel alone, S = 32760 / 75600 H40, one run, FA3 FP8 23.07 / 123.8 ms):
+    # ExpCast 23.92 / 131.7 ms at G = 1, 24.03 / 127.0 (G = 2), 23.50 / 125.2 (4), 23.45 / 123.6 (8), rel. L2
+    # 6.203e-3 -> 6.206e-3 and 4.266e-3 -> 4.267e-3; V-Smooth (exp2) 26.8 / 143.9 -> 27.5-27.7 / 145.5-146.5,
+    # slower at every G. Never folding (all keys in the MMA's ~13-bit running sum, FA3's way) ran 23.28 / 123.4
+    # at 1.5x / 1.7x the error (9.15e-3 / 7.46e-3).
     pv_window: int = 1
 
     def __post_init__(self):
         _coerce_enum(self, "p_operand", POperand)
         _coerce_enum(self, "rowsum", RowSum)
         _coerce_enum(self, "mean", MeanTerm)
-        _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 7)), step_keys={128, 256}, pv_window={1, 2, 4, 8})
-        for flag in ("warp_specialize", "byte_mask", "overlap_pv", "direct_pv"):
+        _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 5)), pv_window={1, 2, 4, 8})
+        for flag in ("warp_specialize", "byte_mask"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"VSmoothSm90Config.{flag}={getattr(self, flag)!r}; accepted: True, False")
         regs = self.p_operand == POperand.REGISTERS
@@ -228,20 +224,9 @@ class VSmoothSm90Config(_Json):
                              "rowsum='fp16' with mean='ffma'")
         if self.rowsum == RowSum.MMA and not regs:
             raise ValueError(f"{self}: rowsum='mma' takes P~ from registers: needs p_operand='registers'")
-        if self.overlap_pv and not (self.warp_specialize and self.rowsum == RowSum.MMA and self.step_keys == 128):
-            raise ValueError(f"{self}: overlap_pv is built on the warp-specialised structure with MMA row sums "
-                             "(warp_specialize=True, rowsum='mma', mean='tf32_window') and 128-key steps")
-        if self.direct_pv and not (self.warp_specialize and self.rowsum == RowSum.MMA and self.step_keys == 128
-                                   and not self.overlap_pv):
-            raise ValueError(f"{self}: direct_pv is a probe of the warp-specialised MS structure at 128-key steps")
-        if self.pv_window > 1 and not (self.warp_specialize and self.rowsum == RowSum.MMA and self.step_keys == 128
-                                       and not (self.overlap_pv or self.direct_pv)):
-            raise ValueError(f"{self}: pv_window > 1 is built on the warp-specialised MS structure at 128-key steps")
-        if self.step_keys == 256 and not (self.warp_specialize and self.rowsum == RowSum.MMA
-                                          and self.stages in (4, 6)):
-            raise ValueError(f"{self}: step_keys=256 is built on the warp-specialised structure with MMA row sums "
-                             "(warp_specialize=True, rowsum='mma', mean='tf32_window') and stages 4 or 6 (128-key "
-                             "blocks, two per step)")
+        if self.pv_window > 1 and not (self.warp_specialize and self.rowsum == RowSum.MMA):
+            raise ValueError(f"{self}: pv_window > 1 is built on the warp-specialised structure with MMA row sums "
+                             "(warp_specialize=True, rowsum='mma', mean='tf32_window')")
 
     @property
     def mma_sums(self) -> bool:
@@ -253,6 +238,7 @@ _SHARED_P = VSmoothSm90Config()
 _REG_P = VSmoothSm90Config(p_operand=POperand.REGISTERS)
 _MS_WS = VSmoothSm90Config(p_operand=POperand.REGISTERS, warp_specialize=True, rowsum=RowSum.MMA,
                            mean=MeanTerm.TF32_WINDOW)
+_MS_WS_W8 = dataclasses.replace(_MS_WS, pv_window=8)  # ExpCast, D = 128: see the NOTE on ``pv_window``
 # NOTE (H200, S = 32760, D = 128, naive 8-bit / V-Smooth, ms): (BM, warps, stages) (64, 4, 2) 30.85 / 37.78,
 # (64, 4, 3) 44.73 / 59.02 (122 KB of shared memory: one CTA per SM), (128, 8, 2) 35.54 / 44.60 (one CTA of two
 # warp groups, no ping-pong between them); cuDNN 38.85. Both head dims run two CTAs (8 warps) per SM at
@@ -290,12 +276,13 @@ VSMOOTH_SM90_SHORT: Dict[Tuple[int, bool], VSmoothSm90Config] = {
     (128, False): _SHARED_P, (128, True): _SHARED_P, (64, False): _REG_P, (64, True): _REG_P}
 # ... and (from this many query rows, the configuration from there on)
 VSMOOTH_SM90_LONG: Dict[Tuple[int, bool], Tuple[int, VSmoothSm90Config]] = {
-    (128, False): (6144, _MS_WS), (128, True): (4096, _MS_WS), (64, False): (6144, _MS_WS), (64, True): (6144, _MS_WS)}
+    (128, False): (6144, _MS_WS), (128, True): (4096, _MS_WS_W8), (64, False): (6144, _MS_WS),
+    (64, True): (6144, _MS_WS)}
 # What the autotuner may pick on an sm_90 GPU outside the shipped table (every structure the kernel has, at the
 # measured (BM, warps, stages) = (64, 4, 2)); the regime's default first.
 _SM90_STRUCTURES = (_SHARED_P, _REG_P, VSmoothSm90Config(p_operand=POperand.REGISTERS, warp_specialize=True),
                     VSmoothSm90Config(p_operand=POperand.REGISTERS, rowsum=RowSum.MMA, mean=MeanTerm.TF32_WINDOW),
-                    _MS_WS)
+                    _MS_WS, _MS_WS_W8)
 
 
 def sm90_regime(D: int, expcast: bool, S: int) -> str:

@@ -25,12 +25,17 @@ Launch configuration (``configs.VSmoothSm90Config``; the measured defaults per h
   F2FP.MERGE_C packing gave wrong / NaN rows with the mean term on).
 * ``rowsum="mma"`` / ``mean="tf32_window"`` ("MS", register P~ only): the row sum and the V-Smooth mean term
   leave the ALUs for the tensor cores (``row_sum_mma``, ``MeanWindow.flush``; kernels_notes v7).
+* ``pv_window`` (MS, warp-specialised): PV summed by the FP8 MMA in its own accumulator over G blocks (rescaled
+  by alpha before each MMA) and folded into fp32 once per window (``steps.window_step``): the fold of every block
+  gone at the two-level accumulation's error (G = 8: ExpCast 23.92 -> 23.45 / 131.7 -> 123.6 ms at S = 32760 /
+  75600 H40, rel. L2 6.203e-3 -> 6.206e-3; kernels_notes).
 * ``warp_specialize``: two consumer warp groups and a producer warp (below).
 * ``byte_mask`` (register P~, ExpCast): the code's clamp at 0 is done on the packed bytes
   (``softmax.codes_masked``) in every program whose scales keep all codes >= -2^22 (``steps.bytemask_ok``,
   checked once per program); the others run the same loop with the FMNMX clamp. Same bits either way.
 
-acc         the PV accumulator in units of v_scale; O = acc * v_scale / l_i.
+acc         the PV accumulator in units of v_scale; O = acc * v_scale / l_i (``pv_window`` > 1: acc holds the folded
+            windows, the MMA's own accumulator the current one).
 m_i, l_i    running row max / row sum (of the decoded P~, summed in fp16; MS: exact, by an MMA, l_i a [BM, 8]
             tile whose columns all hold the sum).
 
@@ -107,18 +112,13 @@ def _vsmooth_attn_sm90_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS, VS
 
 
 @gluon.jit
-def _ws_producer(ring: KVRing, Sk, nb, D: gl.constexpr, BV: gl.constexpr, MEAN: gl.constexpr, PAIR: gl.constexpr):
+def _ws_producer(ring: KVRing, Sk, nb, D: gl.constexpr, BV: gl.constexpr, MEAN: gl.constexpr):
     """The producer warp: K_j, then V_j (and mu'_j, when MEAN), into the STAGES ring once both consumers freed
-    the stage. PAIR: whole pairs of blocks (an odd count gets one more: TMA fills what lies past the tensors with
-    zeros, the next head's K rows are masked by the consumers)."""
+    the stage."""
     STAGES: gl.constexpr = ring.STAGES
     bh = gl.program_id(1)
     head = Head(bh * Sk, bh * D, bh * gl.cdiv(Sk, BV))
-    if PAIR:
-        nload = 2 * gl.cdiv(nb, 2)
-    else:
-        nload = nb
-    for j in range(nload):
+    for j in range(nb):
         slot = j % STAGES
         ph = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first round passes
         mbarrier.wait(ring.kempty.index(slot), ph)
@@ -134,8 +134,7 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
                                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr,
                                  BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                                  MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                                 MS: gl.constexpr, BYTEMASK: gl.constexpr, PAIR: gl.constexpr, LEFT: gl.constexpr,
-                                 OVERLAP: gl.constexpr, DIRECT: gl.constexpr, PVW: gl.constexpr,
+                                 MS: gl.constexpr, BYTEMASK: gl.constexpr, PVW: gl.constexpr,
                                  num_warps: gl.constexpr):
     """Warp-specialised (register P~): two consumer warp groups of BM rows each (the default partition and a
     worker) share a K / V ring that a producer warp fills; one CTA (12 warps) per SM."""
@@ -166,21 +165,16 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
         mbarrier.init(vempty.index(i), count=2)
     start = gl.program_id(0) * (2 * BM)
     ring = KVRing(desc_k, desc_v, desc_m, k_smem, v_smem, m_smem, kbar, vbar, kempty, vempty, BN, STAGES, 1)
-    if PAIR:  # the second row-sum operand of each consumer (fill_ones_pair)
-        win0 = MeanWindow(desc_g, ones0, mg0, mgbar0, _ones_operand(BN))
-        win1 = MeanWindow(desc_g, ones1, mg1, mgbar1, _ones_operand(BN))
-    else:
-        win0 = MeanWindow(desc_g, ones0, mg0, mgbar0)
-        win1 = MeanWindow(desc_g, ones1, mg1, mgbar1)
+    win0 = MeanWindow(desc_g, ones0, mg0, mgbar0)
+    win1 = MeanWindow(desc_g, ones1, mg1, mgbar1)
     # the q_smem pair stands in for the P~ buffer (register P~ reads none)
     gl.warp_specialize([
         (attend_rows, (desc_q, q_smem.index(0), q_smem, qbar.index(0), ring, win0, QS, KS, VS, OUT, LSE, S, Sk, nb,
-                       start, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK, PAIR, LEFT, OVERLAP,
-                       DIRECT, PVW)),
+                       start, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK, PVW)),
         (attend_rows, (desc_q, q_smem.index(1), q_smem, qbar.index(1), ring, win1, QS, KS, VS, OUT, LSE, S, Sk, nb,
-                       start + BM, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK, PAIR,
-                       LEFT, OVERLAP, DIRECT, PVW)),
-        (_ws_producer, (ring, Sk, nb, D, BV, MEAN and not MS, PAIR)),
+                       start + BM, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK,
+                       PVW)),
+        (_ws_producer, (ring, Sk, nb, D, BV, MEAN and not MS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -268,9 +262,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
                   MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), MS=int(ms),
                   BYTEMASK=int(launch.byte_mask and preg))
     if ws:
-        consts.update(PAIR=int(launch.step_keys == 256), LEFT=int(launch.step_keys == 256 and Sk % 256 != 0),
-                      OVERLAP=int(launch.overlap_pv), DIRECT=int(launch.direct_pv),
-                      PVW=launch.pv_window)
+        consts.update(PVW=launch.pv_window)
         _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
     else:
         _vsmooth_attn_sm90_kernel[(-(-S // BM), B * H)](*args, **consts, PREG=int(preg), num_warps=nw)

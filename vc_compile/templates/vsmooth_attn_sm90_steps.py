@@ -13,15 +13,18 @@ Step orders:
   issued together -> PV_j retired (S_{j+1} still running) -> fold -> S_{j+1} retired. Every MMA is retired within
   its step (one in flight across the loop's back edge makes ptxas serialise them all). MS: the row sum is a third
   MMA beside PV_j and the mean term waits in R_w for 8 blocks, added by tf32 MMAs (``MeanWindow.flush``).
+* register P~ with PV windows (``window_step``, ``pv_window`` = G > 1): as the register order, but PV_j goes into
+  the MMA's accumulator of the current window (rescaled by alpha before the MMA) and is folded into fp32 once
+  per G blocks, not per block.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                             warpgroup_mma_init, warpgroup_mma_wait)
+                                                             warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
 from vc_compile.templates.vsmooth_attn_sm90_softmax import (Tile, fold_pv, k_scales, mean_slot, row_sum_mma,
-                                                            rs_layout, softmax_block, softmax_pair)
+                                                            rs_layout, softmax_block)
 
 # NOTE ``from __future__ import annotations`` must not be used here: the aggregates check their fields' types.
 
@@ -140,32 +143,13 @@ class MeanWindow:
     ones_smem: gl.shared_memory_descriptor
     mg_smem: gl.shared_memory_descriptor
     mgbar: gl.shared_memory_descriptor
-    ones_b: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, desc_g, ones_smem, mg_smem, mgbar, ones_b=None):
+    def __init__(self, desc_g, ones_smem, mg_smem, mgbar):
         self.desc_g = desc_g
         self.ones_smem = ones_smem
         self.mg_smem = mg_smem
         self.mgbar = mgbar
-        self.ones_b = ones_smem if ones_b is None else ones_b
-
-    @gluon.jit
-    def fill_ones_pair(self):
-        """256-key steps: the row-sum operands of the step's two blocks, [8, BN] each, ones in the columns that
-        take block a's (``ones_smem``: 0, 1, 4, 5) and block b's (``ones_b``: 2, 3, 6, 7) row sums, so that one
-        [BM, 8] accumulator holds both and every window slot of an (even, odd) block pair (``mean_slot``'s column
-        2 (i % 4) + i // 4) sees its own block's sum. Bytes 0x38 as ``fill_ones``."""
-        fill: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
-        n = gl.arange(0, 8, layout=gl.SliceLayout(1, fill))[:, None]
-        k = gl.arange(0, self.ones_smem.shape[1], layout=gl.SliceLayout(0, fill))[None, :]
-        one = gl.full(self.ones_smem.shape, 0x38, gl.uint8, fill)
-        zero = gl.full(self.ones_smem.shape, 0, gl.uint8, fill)
-        sel = ((n & 2) == 0) & (k >= 0)
-        self.ones_smem.store(gl.where(sel, one, zero).to(gl.float8e4nv, bitcast=True))
-        self.ones_b.store(gl.where(sel, zero, one).to(gl.float8e4nv, bitcast=True))
-        fence_async_shared()
-        gl.thread_barrier()
 
     @gluon.jit
     def fill_ones(self):
@@ -247,7 +231,7 @@ def pipelined_step(j, nb, Sk, acc, l_i, m_i, alpha, r, ks0, ks1, q_smem, p_smem,
 @gluon.jit
 def register_step(j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing,
                   head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MS: gl.constexpr, MASK: gl.constexpr,
-                  NEXT: gl.constexpr, DIRECT: gl.constexpr = 0):
+                  NEXT: gl.constexpr):
     """Register P~, key block j (module doc): enters with S_j computed (``s_i``), returns (acc, l_i, m_i,
     S_{j+1} (NEXT) or ``s_i``, the window Rb, block j+1's K scales). MS = 1: l_i is [BM, 8] (every column the
     running sum) and the mean term waits in Rb, flushed with the last S wait of every 8th step."""
@@ -263,11 +247,7 @@ def register_step(j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, z
     mbarrier.wait(ring.vbar.index(slot), (j // STAGES) & 1)
     if NEXT:
         mbarrier.wait(ring.kbar.index(nslot), ((j + 1) // STAGES) & 1)
-    if DIRECT:  # probe: PV accumulated in the MMA's accumulator (rescaled first), no fresh accumulator
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        pv_tok = warpgroup_mma(p8, ring.v_smem.index(slot).permute((1, 0)), acc, is_async=True)
-    else:
-        pv_tok = warpgroup_mma(p8, ring.v_smem.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    pv_tok = warpgroup_mma(p8, ring.v_smem.index(slot).permute((1, 0)), zero_o, use_acc=False, is_async=True)
     if MS:
         rs_tok = row_sum_mma(p8, win.ones_smem, o_layout)
     if NEXT:
@@ -281,10 +261,7 @@ def register_step(j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, z
     else:
         pv = warpgroup_mma_wait(1 if NEXT else 0, deps=[pv_tok])  # PV_j done (groups retire in order)
     mu = ring.load_mu(slot, o_layout, MU)
-    if DIRECT:
-        acc = gl.convert_layout(pv, o_layout)
-    else:
-        acc = fold_pv(acc, alpha, r, pv, mu, o_layout, MU)
+    acc = fold_pv(acc, alpha, r, pv, mu, o_layout, MU)
     ring.release_v(head, j, nb, slot, MU)
     if MS and MEAN:
         Rb = mean_slot(Rb, rs, alpha, j % 8)
@@ -311,15 +288,15 @@ def register_step(j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, z
 @gluon.jit
 def register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing,
                   head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MS: gl.constexpr,
-                  HAS_TAIL: gl.constexpr, DIRECT: gl.constexpr = 0):
+                  HAS_TAIL: gl.constexpr):
     """Register P~: every key block of the program's rows, S_0 given (``s_i``); returns (acc, l_i, m_i, Rb)."""
     for j in range(0, nb - 1):
         acc, l_i, m_i, s_i, Rb, ks0, ks1 = register_step(
             j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile, ring, head, win, g_row,
-            ng, MEAN, MS, False, True, DIRECT)
+            ng, MEAN, MS, False, True)
     acc, l_i, m_i, s_i, Rb, ks0, ks1 = register_step(  # the last block: masked when it holds the key tail
         nb - 1, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile, ring, head, win, g_row,
-        ng, MEAN, MS, HAS_TAIL, False, DIRECT)
+        ng, MEAN, MS, HAS_TAIL, False)
     return acc, l_i, m_i, Rb
 
 
@@ -400,169 +377,6 @@ def window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o
 
 
 @gluon.jit
-def overlap_step(j, nb, Sk, acc, l_i, m_i, s_i, pv_tok, rs_tok, alpha_p, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                 tile: Tile, ring: KVRing, head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr,
-                 MASK: gl.constexpr, NEXT: gl.constexpr):
-    """Register P~, MS, PV overlapped with the next softmax (FA3's intra-warpgroup order): enters with S_j retired
-    (``s_i``) and PV_{j-1}, its row sums (``pv_tok``, ``rs_tok``) still on the tensor cores (their register A
-    operand P~_{j-1} stays allocated until the wait: ptxas tracks wgmma's asynchronous register reads).
-    softmax(S_j) while PV_{j-1} runs -> PV_{j-1} retired, folded at max m_{j-1} (``alpha_p``) -> S_{j+1}, then PV_j
-    and its row sums issued -> S_{j+1} retired, PV_j left running into the next step. Returns (acc, l_i, m_i,
-    S_{j+1} (NEXT) or ``s_i``, PV_j's tokens, alpha_j, Rb, block j+1's K scales)."""
-    STAGES: gl.constexpr = ring.STAGES
-    o_layout: gl.constexpr = tile.o_layout
-    r_layout: gl.constexpr = rs_layout(o_layout)
-    slot = j % STAGES
-    nslot = (j + 1) % STAGES
-    p8, alpha, r, m_i = softmax_block(tile, s_i, j, Sk, m_i, ks0, ks1, MASK, True, False)
-    ring.release_k(head, j, nb, slot)  # S_j retired last step
-    ks0n, ks1n = k_scales(tile, j + 1, Sk)
-    pv, rs = warpgroup_mma_wait(0, deps=[pv_tok, rs_tok])  # PV_{j-1} done
-    l_i = l_i * gl.convert_layout(alpha_p, gl.SliceLayout(1, r_layout))[:, None] + rs
-    acc = fold_pv(acc, alpha_p, 0.0, pv, 0.0, o_layout, False)
-    mbarrier.arrive(ring.vempty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)  # V_{j-1} read
-    if MEAN:
-        Rb = mean_slot(Rb, rs, alpha_p, (j + 7) % 8)
-        if (j + 7) % 8 == 7:  # block j - 1 closed window (j - 1) // 8: R_w mu'_w on the tensor cores
-            acc = win.flush(acc, Rb, (j - 1) // 8, o_layout)
-            acc = gl.convert_layout(warpgroup_mma_wait(0, deps=[acc]), o_layout)
-            Rb = gl.zeros([acc.shape[0], 8], gl.float32, r_layout)
-            win.load_group(g_row, (j - 1) // 8 + 2, ng, acc.shape[1])  # its buffer is free
-    if NEXT:
-        mbarrier.wait(ring.kbar.index(nslot), ((j + 1) // STAGES) & 1)
-        # the retired tiles' registers as the fresh accumulators (use_acc=False): no zero-fill moves defining
-        # accumulator registers while PV_j is open (ptxas C7515 serialised every wgmma with them)
-        s_tok = warpgroup_mma(q_smem, ring.k_smem.index(nslot).permute((1, 0)), s_i, use_acc=False,
-                              is_async=True)
-    mbarrier.wait(ring.vbar.index(slot), (j // STAGES) & 1)
-    pv_tok = warpgroup_mma(p8, ring.v_smem.index(slot).permute((1, 0)), pv, use_acc=False, is_async=True)
-    rs_tok = warpgroup_mma(gl.convert_layout(p8, gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=4)),
-                           win.ones_smem.permute((1, 0)), rs, use_acc=False, is_async=True)
-    if NEXT:
-        s_n = warpgroup_mma_wait(2, deps=[s_tok])  # S_{j+1} done; PV_j and its row sums still run
-    else:
-        s_n = s_i
-    return acc, l_i, m_i, s_n, pv_tok, rs_tok, alpha, Rb, ks0n, ks1n
-
-
-@gluon.jit
-def overlap_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing,
-                 head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr):
-    """Every key block with PV overlapping the next softmax (``overlap_step``), S_0 given; the last PV retired
-    and folded after the loop. Step 0 folds a placeholder PV_{-1} (zeros, alpha 1, no MMA)."""
-    o_layout: gl.constexpr = tile.o_layout
-    r_layout: gl.constexpr = rs_layout(o_layout)
-    BM: gl.constexpr = acc.shape[0]
-    pv_tok = warpgroup_mma_init(zero_o)
-    rs_tok = warpgroup_mma_init(gl.zeros([BM, 8], gl.float32, r_layout))
-    alpha_p = gl.full([BM], 1.0, gl.float32, gl.SliceLayout(1, tile.s_layout))
-    for j in range(0, nb - 1):
-        acc, l_i, m_i, s_i, pv_tok, rs_tok, alpha_p, Rb, ks0, ks1 = overlap_step(
-            j, nb, Sk, acc, l_i, m_i, s_i, pv_tok, rs_tok, alpha_p, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-            tile, ring, head, win, g_row, ng, MEAN, False, True)
-    acc, l_i, m_i, s_i, pv_tok, rs_tok, alpha_p, Rb, ks0, ks1 = overlap_step(
-        nb - 1, nb, Sk, acc, l_i, m_i, s_i, pv_tok, rs_tok, alpha_p, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-        tile, ring, head, win, g_row, ng, MEAN, HAS_TAIL, False)
-    pv, rs = warpgroup_mma_wait(0, deps=[pv_tok, rs_tok])  # the last block's PV
-    l_i = l_i * gl.convert_layout(alpha_p, gl.SliceLayout(1, r_layout))[:, None] + rs
-    acc = fold_pv(acc, alpha_p, 0.0, pv, 0.0, o_layout, False)
-    if MEAN:  # whatever the last window holds
-        Rb = mean_slot(Rb, rs, alpha_p, (nb - 1) % 8)
-        acc = win.flush(acc, Rb, (nb - 1) // 8, o_layout)
-        acc = gl.convert_layout(warpgroup_mma_wait(0, deps=[acc]), o_layout)
-    return acc, l_i, m_i, Rb
-
-
-@gluon.jit
-def pair_step(j, nbp, Sk, acc, l_i, m_i, sa, sb, Rb, ka0, ka1, kb0, kb1, q_smem, zero_s, tile: Tile,
-              ring: KVRing, head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MASK: gl.constexpr,
-              NEXT: gl.constexpr):
-    """A 256-key step (``step_keys=256``, warp-specialised MS structure): key blocks j, j + 1 (j even) under one row
-    max, entered with their scores ``sa``, ``sb``. PV goes straight into ``acc`` (rescaled by alpha first: one
-    FMUL per output element per 256 keys, against one FFMA per 128 keys for the two-level fold), the row sums of
-    both blocks into one [BM, 8] tile (``MeanWindow.fill_ones_pair``). Order, keeping at most one score tile
-    in flight beside P~: S_{j+2} -> acc *= alpha -> PV_a, PV_b, row sums -> all retired -> S_{j+3} -> window
-    bookkeeping -> retired. ``nbp``: the blocks the ring streams (even). Returns (acc, l_i, m_i, S_{j+2},
-    S_{j+3} (NEXT) or the inputs, Rb, the next pair's four K scales)."""
-    STAGES: gl.constexpr = ring.STAGES
-    o_layout: gl.constexpr = tile.o_layout
-    r_layout: gl.constexpr = rs_layout(o_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    sla = j % STAGES
-    slb = (j + 1) % STAGES
-    p8a, p8b, alpha, m_i = softmax_pair(tile, sa, sb, j, Sk, m_i, ka0, ka1, kb0, kb1, MASK)
-    ring.release_k(head, j, nbp, sla)  # S_j, S_{j+1} retired last step
-    ring.release_k(head, j + 1, nbp, slb)
-    ka0n, ka1n = k_scales(tile, j + 2, Sk)  # in flight during the MMAs
-    kb0n, kb1n = k_scales(tile, j + 3, Sk)
-    if NEXT:
-        mbarrier.wait(ring.kbar.index((j + 2) % STAGES), ((j + 2) // STAGES) & 1)
-        ta_tok = warpgroup_mma(q_smem, ring.k_smem.index((j + 2) % STAGES).permute((1, 0)), zero_s, use_acc=False,
-                               is_async=True)
-    mbarrier.wait(ring.vbar.index(sla), (j // STAGES) & 1)
-    mbarrier.wait(ring.vbar.index(slb), ((j + 1) // STAGES) & 1)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    pv = warpgroup_mma(p8a, ring.v_smem.index(sla).permute((1, 0)), acc, is_async=True)
-    pv = warpgroup_mma(p8b, ring.v_smem.index(slb).permute((1, 0)), pv, is_async=True)
-    rs = row_sum_mma(p8a, win.ones_smem, o_layout)
-    rs = warpgroup_mma(gl.convert_layout(p8b, gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=4)),
-                       win.ones_b.permute((1, 0)), rs, is_async=True)
-    if NEXT:
-        acc, rs, s_a = warpgroup_mma_wait(0, deps=[pv, rs, ta_tok])
-        mbarrier.wait(ring.kbar.index((j + 3) % STAGES), ((j + 3) // STAGES) & 1)
-        tb_tok = warpgroup_mma(q_smem, ring.k_smem.index((j + 3) % STAGES).permute((1, 0)), zero_s, use_acc=False,
-                               is_async=True)
-    else:
-        acc, rs = warpgroup_mma_wait(0, deps=[pv, rs])
-        s_a = sa
-    ring.release_v(head, j, nbp, sla, False)
-    ring.release_v(head, j + 1, nbp, slb, False)
-    a_rs = gl.convert_layout(alpha, gl.SliceLayout(1, r_layout))[:, None]
-    l_i = l_i * a_rs + rs  # columns 0, 1, 4, 5: block a's sums; 2, 3, 6, 7: block b's
-    acc = gl.convert_layout(acc, o_layout)
-    if MEAN:
-        i = j % 8
-        cols = gl.arange(0, 8, layout=gl.SliceLayout(0, r_layout))
-        ca = 2 * (i % 4) + i // 4
-        cb = 2 * ((i + 1) % 4) + (i + 1) // 4
-        Rb = gl.where(((cols == ca) | (cols == cb))[None, :], rs, Rb * a_rs)
-        if NEXT:
-            if i == 6:  # the window's last pair: R_w mu'_w on the tensor cores, behind S_{j+3}
-                acc = win.flush(acc, Rb, j // 8, o_layout)
-                s_b, acc = warpgroup_mma_wait(0, deps=[tb_tok, acc])
-                acc = gl.convert_layout(acc, o_layout)
-                Rb = gl.zeros([acc.shape[0], 8], gl.float32, r_layout)
-                win.load_group(g_row, j // 8 + 2, ng, acc.shape[1])  # its buffer is free
-            else:
-                s_b = warpgroup_mma_wait(0, deps=[tb_tok])
-        else:  # the last step: whatever the window holds
-            acc = win.flush(acc, Rb, j // 8, o_layout)
-            acc = gl.convert_layout(warpgroup_mma_wait(0, deps=[acc]), o_layout)
-            s_b = sb
-    elif NEXT:
-        s_b = warpgroup_mma_wait(0, deps=[tb_tok])
-    else:
-        s_b = sb
-    return acc, l_i, m_i, s_a, s_b, Rb, ka0n, ka1n, kb0n, kb1n
-
-
-@gluon.jit
-def pair_loop(nbp, Sk, acc, l_i, m_i, sa, sb, Rb, ka0, ka1, kb0, kb1, q_smem, zero_s, tile: Tile,
-              ring: KVRing, head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, LEFT: gl.constexpr):
-    """256-key steps over the program's ``nbp`` (even) blocks, S_0 and S_1 given. LEFT: the last step holds the key
-    tail or a block wholly past Sk (Sk % 256 != 0) and is masked; else every step is full."""
-    npair = nbp // 2
-    for p in range(0, npair - 1):
-        acc, l_i, m_i, sa, sb, Rb, ka0, ka1, kb0, kb1 = pair_step(
-            2 * p, nbp, Sk, acc, l_i, m_i, sa, sb, Rb, ka0, ka1, kb0, kb1, q_smem, zero_s, tile, ring, head, win,
-            g_row, ng, MEAN, False, True)
-    acc, l_i, m_i, sa, sb, Rb, ka0, ka1, kb0, kb1 = pair_step(
-        nbp - 2, nbp, Sk, acc, l_i, m_i, sa, sb, Rb, ka0, ka1, kb0, kb1, q_smem, zero_s, tile, ring, head, win,
-        g_row, ng, MEAN, LEFT, False)
-    return acc, l_i, m_i, Rb
-
-
-@gluon.jit
 def bytemask_ok(qs, KS_bh, nks):
     """Whether ExpCast's byte-mask clamp (``softmax.codes_masked``) is exact for these rows (``qs``, 0 on padding
     rows) against all nks K scales of the head: every code >= -2^22, i.e. 8 ks qs <= 1 (|qk_max - qk| <=
@@ -580,9 +394,7 @@ def bytemask_ok(qs, KS_bh, nks):
 def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS, KS, VS, OUT, LSE, S, Sk, nb,
                 start_m, BM: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr, BV: gl.constexpr,
                 EXPCAST: gl.constexpr, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                PREG: gl.constexpr, MS: gl.constexpr, BYTEMASK: gl.constexpr = 0, PAIR: gl.constexpr = 0,
-                LEFT: gl.constexpr = 0, OVERLAP: gl.constexpr = 0, DIRECT: gl.constexpr = 0,
-                PVW: gl.constexpr = 1):
+                PREG: gl.constexpr, MS: gl.constexpr, BYTEMASK: gl.constexpr = 0, PVW: gl.constexpr = 1):
     """BM query rows from ``start_m`` of head ``program_id(1)`` through all key blocks; O (and the LSE) stored.
     ring.WS = 0: the warps also load K / V; ring.WS = 1 (PREG only): a producer warp does and this is one of two
     consumer warp groups. MS = 1 (PREG only): row sums and the mean term on the tensor cores (``register_step``),
@@ -611,11 +423,8 @@ def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS,
         for i in gl.static_range(STAGES):
             ring.load_k(head, i, i, i < nb)
             ring.load_v(head, i, i, i < nb, MEAN and not MS)
-    if PAIR:
-        win.fill_ones_pair()
-    elif MS:
-        win.fill_ones()
     if MS:
+        win.fill_ones()
         if MEAN:
             for w in gl.static_range(2):
                 win.load_group(g_row, w, ng, D)
@@ -634,30 +443,7 @@ def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS,
     ks1 = gl.load(tile.KS_bh + 1, mask=BKS < Sk, other=0.0)
     acc = zero_o
     n_full = Sk // BN
-    if PAIR:
-        gl.static_assert(WS == 1 and MS == 1, "256-key steps are built on the warp-specialised MS structure")
-        nbp = 2 * gl.cdiv(nb, 2)  # the ring streams whole pairs (a block past the keys: zeros, masked)
-        mbarrier.wait(ring.kbar.index(1), 0)
-        ta_tok = warpgroup_mma(q_smem, ring.k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        tb_tok = warpgroup_mma(q_smem, ring.k_smem.index(1).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        sa, sb = warpgroup_mma_wait(0, deps=[ta_tok, tb_tok])
-        kb0, kb1 = k_scales(tile, 1, Sk)
-        Rb = gl.zeros([BM, 8], gl.float32, rs_layout(o_layout))
-        l_i = Rb
-        if EXPCAST and BYTEMASK:
-            tile_b = Tile(qs, KS + bh * gl.cdiv(Sk, BKS), s_layout, o_layout, BN, BKS, EXPCAST, 1)
-            if bytemask_ok(gl.where(rows < S, qs, 0.0), tile.KS_bh, gl.cdiv(Sk, BKS)):
-                acc, l_i, m_i, Rb = pair_loop(nbp, Sk, acc, l_i, m_i, sa, sb, Rb, ks0, ks1, kb0, kb1, q_smem, zero_s,
-                                              tile_b, ring, head, win, g_row, ng, MEAN, LEFT)
-            else:
-                acc, l_i, m_i, Rb = pair_loop(nbp, Sk, acc, l_i, m_i, sa, sb, Rb, ks0, ks1, kb0, kb1, q_smem, zero_s,
-                                              tile, ring, head, win, g_row, ng, MEAN, LEFT)
-        else:
-            acc, l_i, m_i, Rb = pair_loop(nbp, Sk, acc, l_i, m_i, sa, sb, Rb, ks0, ks1, kb0, kb1, q_smem, zero_s,
-                                          tile, ring, head, win, g_row, ng, MEAN, LEFT)
-        # columns 0, 1, 4, 5 hold block a's sums, 2, 3, 6, 7 block b's: the 8 columns add up to 4 l
-        l_i = gl.convert_layout(gl.sum(l_i, 1) * 0.25, row_s)
-    elif PREG:
+    if PREG:
         s_tok = warpgroup_mma(q_smem, ring.k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s_i = warpgroup_mma_wait(0, deps=[s_tok])
         # alpha = 0 at block 0 (m_i = -inf): acc, l_i (and MS's window Rb) start at 0
@@ -679,31 +465,18 @@ def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS,
             else:
                 acc, l_i, m_i, Rb = window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
                                                 tile, ring, head, win, g_row, ng, MEAN, HAS_TAIL, PVW)
-        elif OVERLAP:
-            gl.static_assert(WS == 1 and MS == 1, "the PV overlap is built on the warp-specialised MS structure")
-            if EXPCAST and BYTEMASK:
-                tile_b = Tile(qs, KS + bh * gl.cdiv(Sk, BKS), s_layout, o_layout, BN, BKS, EXPCAST, 1)
-                if bytemask_ok(gl.where(rows < S, qs, 0.0), tile.KS_bh, gl.cdiv(Sk, BKS)):
-                    acc, l_i, m_i, Rb = overlap_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s,
-                                                     zero_o, tile_b, ring, head, win, g_row, ng, MEAN, HAS_TAIL)
-                else:
-                    acc, l_i, m_i, Rb = overlap_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s,
-                                                     zero_o, tile, ring, head, win, g_row, ng, MEAN, HAS_TAIL)
-            else:
-                acc, l_i, m_i, Rb = overlap_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                                 tile, ring, head, win, g_row, ng, MEAN, HAS_TAIL)
         elif EXPCAST and BYTEMASK:
             # the byte-mask clamp where every code of the tile is >= -2^22, else the FMNMX clamp (one loop each)
             tile_b = Tile(qs, KS + bh * gl.cdiv(Sk, BKS), s_layout, o_layout, BN, BKS, EXPCAST, 1)
             if bytemask_ok(gl.where(rows < S, qs, 0.0), tile.KS_bh, gl.cdiv(Sk, BKS)):
                 acc, l_i, m_i, Rb = register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                                  tile_b, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, DIRECT)
+                                                  tile_b, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL)
             else:
                 acc, l_i, m_i, Rb = register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                                  tile, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, DIRECT)
+                                                  tile, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL)
         else:
             acc, l_i, m_i, Rb = register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                              tile, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, DIRECT)
+                                              tile, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL)
         if MS:  # every column holds the row sum
             l_i = gl.convert_layout(gl.max(l_i, 1), row_s)
     else:
