@@ -378,7 +378,10 @@ def test_gpu_ms_mean_term_keeps_fp32_accuracy_on_large_means(D, expcast, window)
                                   launch=dataclasses.replace(MS_WS, pv_window=window))
     sm = g.vsmooth_attention_sm90(qk, vq, expcast=expcast, out_dtype=torch.float32, launch=SMEM)
     part = sm - v.float().mean(dim=2, keepdim=True)
-    assert ((ms - sm).norm() / part.norm()).item() <= 2e-3
+    # window 8: the FP8 MMA sums 8 blocks of P~ R before the fp32 fold, +15-20% on this kernel-to-kernel
+    # difference (H200: 2.31-2.35e-3; on structured inputs 1.06e-3 vs 0.88e-3 at the same error against fp64);
+    # a one-MMA tf32 mean term would be 3-12% off, so the bound still tells the hi / lo split apart
+    assert ((ms - sm).norm() / part.norm()).item() <= (2e-3 if window == 1 else 2.5e-3)
 
 
 # ---- ExpCast's clamp as a byte mask (``softmax.codes_masked``) --------------------------------------------

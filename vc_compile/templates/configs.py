@@ -202,7 +202,8 @@ class VSmoothSm90Config(_Json):
     # ExpCast 23.92 / 131.7 ms at G = 1, 24.03 / 127.0 (G = 2), 23.50 / 125.2 (4), 23.45 / 123.6 (8), rel. L2
     # 6.203e-3 -> 6.206e-3 and 4.266e-3 -> 4.267e-3; V-Smooth (exp2) 26.8 / 143.9 -> 27.5-27.7 / 145.5-146.5,
     # slower at every G. Never folding (all keys in the MMA's ~13-bit running sum, FA3's way) ran 23.28 / 123.4
-    # at 1.5x / 1.7x the error (9.15e-3 / 7.46e-3).
+    # at 1.5x / 1.7x the error (9.15e-3 / 7.46e-3). D = 64, S = 32760: G = 8 17.45 vs 16.84 ms (kept at 1). Only
+    # on smoothed V: without the block means the kernel runs G = 1 (vsmooth_attn_sm90.py, kernels_notes).
     pv_window: int = 1
 
     def __post_init__(self):

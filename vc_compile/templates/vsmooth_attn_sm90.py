@@ -262,7 +262,10 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
                   MEAN=mean, HAS_TAIL=Sk % BN != 0, RETURN_LSE=bool(return_lse), MS=int(ms),
                   BYTEMASK=int(launch.byte_mask and preg))
     if ws:
-        consts.update(PVW=launch.pv_window)
+        # the window only on smoothed V (block means removed): without them the FP8 MMA's running sum of V's mean
+        # outgrows each block's share (H200, ExpCast, H3: rel. L2 vs fp64 at S = 2048 / 20000, G = 1 -> 8:
+        # smoothed 6.78e-3 -> 6.78e-3 / 2.806e-3 -> 2.807e-3; naive 8-bit 7.97e-3 -> 1.59e-2 / 3.55e-3 -> 1.60e-2)
+        consts.update(PVW=launch.pv_window if mean else 1)
         _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
     else:
         _vsmooth_attn_sm90_kernel[(-(-S // BM), B * H)](*args, **consts, PREG=int(preg), num_warps=nw)
