@@ -470,28 +470,28 @@ def _none_yet(csv_name: str, how: str) -> str:
 
 
 def sm90_ab_tables(rows) -> List[str]:
-    """``bench_vsmooth_attn_sm90.csv``: for each (H, S, inputs), the rows of its latest run (one date and commit):
-    the Gluon kernel's launch variants beside cuDNN, FA3's FP8 kernel and torchao's op of that run."""
+    """``bench_vsmooth_attn_sm90.csv``: for each (H, S, D, inputs), the rows of its latest run (one date and
+    commit): the Gluon kernel's launch variants beside cuDNN, FA3's FP8 kernel and torchao's op of that run."""
     if not rows:
         return [_none_yet("bench_vsmooth_attn_sm90.csv", "`python -m benchmarks.bench_vsmooth_attn_sm90` on a GPU")]
     groups: Dict[tuple, List[Dict[str, str]]] = {}
     for r in rows:
-        groups.setdefault((int(r["H"]), int(r["S"]), r.get("inputs", "")), []).append(r)
+        groups.setdefault((int(r["H"]), int(r["S"]), int(r.get("D") or 128), r.get("inputs", "")), []).append(r)
     body = []
-    for (H, S, inputs), rs in sorted(groups.items()):
+    for (H, S, D, inputs), rs in sorted(groups.items()):
         run = max((r.get("date", ""), r.get("commit", "")) for r in rs)
         for r in rs:
             if (r.get("date", ""), r.get("commit", "")) != run:
                 continue
-            body.append([str(H), str(S), inputs, r["variant"], f(r.get("ms"), "{:.2f}"),
+            body.append([str(H), str(S), str(D), inputs, r["variant"], f(r.get("ms"), "{:.2f}"),
                          f(num(r.get("speedup_vs_cudnn")), "{:.2f}x"), f(num(r.get("speedup_vs_fa3")), "{:.2f}x"),
                          f(num(r.get("speedup_vs_torchao")), "{:.2f}x"), f(r.get("rel_l2"), "{:.2e}"),
                          "" if r["variant"] in ("sdpa_cudnn", "fa3-fp8", "torchao-fp8") else r.get("note", "") or "",
                          f"{run[0][:10]} {run[1]}"])
     gpus = sorted({r.get("gpu", "") for r in rows})
-    return [f"**bench_vsmooth_attn_sm90** (the Gluon kernel alone, its launch variants; B = 1, D = 128; "
+    return [f"**bench_vsmooth_attn_sm90** (the Gluon kernel alone, its launch variants; B = 1; "
             f"{', '.join(gpus)}; the latest run of each shape and input, every row of that run)\n\n" + md_table(
-                ["H", "S", "inputs", "variant", "ms", "x cuDNN", "x FA3 FP8", "x torchao FP8", "rel. L2 vs fp32",
+                ["H", "S", "D", "inputs", "variant", "ms", "x cuDNN", "x FA3 FP8", "x torchao FP8", "rel. L2 vs fp32",
                  "note", "run"], body)]
 
 

@@ -143,6 +143,11 @@ def test_sm90_ab_block_shows_the_latest_run_per_shape():
     assert "24.00" in text and "0.96x" in text and "| new |" in text
     assert "25.00" not in text and "a long baseline note" not in text
     assert "bench_vsmooth_attn_sm90.csv" in sm90_ab_tables([])[0]
+    # a D = 64 run of the same (H, S, inputs) is a shape of its own: it hides none of the D = 128 rows
+    d64 = [dict(r, D="64", date="2026-12-02 03:00", commit="ccc", ms="17.0", variant=r["variant"] + "_d64")
+           for r in rows[1:]]
+    text = sm90_ab_tables(rows + d64)[0]
+    assert "24.00" in text and "17.00" in text and "| 64 |" in text and "| 128 |" in text
 
 
 def test_cold_start_block_shows_the_latest_run():
