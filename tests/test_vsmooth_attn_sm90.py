@@ -179,6 +179,29 @@ def test_default_tables_by_rows():
                 assert cands[0] == d(D, e, S) and len(set(cands)) == len(cands) == 6
 
 
+def test_pv_window_is_safe_on_smoothed_v_only():
+    """Why ``pv_window`` needs V-Smooth's block means, on the CPU emulation of the kernel (``fp22_window_sums``:
+    the FP8 MMA's running sum and each product aligned to the largest and cut to 13 bits, the model that reproduces
+    the H200's numbers). Smoothed V: the residual changes sign within a block, the window's sum stays of the size
+    of its products, and a window of 8 blocks leaves the error where the per-block fold has it (H200, S = 2048:
+    6.778e-3 -> 6.783e-3; here 6.18e-3 -> 6.17e-3). Unsmoothed V: its mean piles up in the sum and every product
+    loses low bits (H200 7.97e-3 -> 1.59e-2; here 7.56e-3 -> 1.49e-2), so the kernel, and the emulation, fold per
+    block whenever the mean term is off (``zero_mean``)."""
+    from vc_compile.reference import vsmooth_attn_sm90 as emu
+    S = 2048
+    q, k, v = make_qkv(1, 1, S, 128, torch.bfloat16, device="cpu")
+    rows = torch.arange(0, S, 64)
+    truth = torch.softmax((q[:, :, rows].double() @ k.double().transpose(-1, -2)) * 128 ** -0.5, -1) @ v.double()
+    err = lambda qk, vq, w: rel(emu.attention(qk, vq, rows=rows, out_dtype=torch.float32, pv_window=w), truth)  # noqa: E731
+    qk, vq = quantise(q, k, v, "int8", True)
+    assert err(qk, vq, 8) <= 1.02 * err(qk, vq, 1)
+    qk, vq = quantise(q, k, v, "int8", False)
+    forced = vq._replace(zero_mean=False)  # v_mean is all zeros: the window runs, the mean term adds nothing
+    assert err(qk, forced, 8) >= 1.6 * err(qk, forced, 1)
+    assert torch.equal(emu.attention(qk, vq, rows=rows, out_dtype=torch.float32, pv_window=8),
+                       emu.attention(qk, vq, rows=rows, out_dtype=torch.float32, pv_window=1))
+
+
 def test_config_validation():
     """Named fields and str enums; the combinations the kernel has no code for are refused, naming the field."""
     assert VSmoothSm90Config(p_operand="registers", rowsum="mma", mean="tf32_window").mma_sums

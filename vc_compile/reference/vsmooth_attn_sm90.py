@@ -14,7 +14,8 @@ with S; where V-Smooth's error comes from) can be answered on a CPU:
   - the masked key-tail block (when S % 128 != 0) always takes the unfolded path (mode 2 for ExpCast).
 * Row sums of the decoded P~ (MS: an FP8 MMA with an all-ones B tile; ``rowsum="mma"`` applies the same ~22-bit
   accumulator model as PV; ``"exact"`` sums in fp64; ``"fp16"``: the non-MS kernels' fp16 block sums).
-* PV: per block a fresh FP8 accumulator (``sage2.fp22_block_sums``), then fp32; the V-Smooth mean term
+* PV: per block a fresh FP8 accumulator (``sage2.fp22_block_sums``), then fp32 (``pv_window``: per window of
+  blocks, ``fp22_window_sums``); the V-Smooth mean term
   r_j mu_j exactly (hi/lo tf32 in the kernel, ~2^-20); O = acc v_scale / l, rounded to ``out_dtype``.
 
 ``EXPCAST_OFFSET`` (quant.py) is the kernel's 119.65 = 8 * 8 + 56 - 0.35 (row max -> code 120 = 256). The
@@ -160,13 +161,56 @@ def fp22_row_sums(p: torch.Tensor, bits: int = sage2.ACC_MANTISSA_BITS) -> torch
     return acc
 
 
+def fp22_window_sums(p: torch.Tensor, v: torch.Tensor, m: torch.Tensor, window: int,
+                     bits: int = sage2.ACC_MANTISSA_BITS) -> torch.Tensor:
+    """PV as the kernel's ``pv_window`` forms it: P~ [.., n, nb*128], V [.., nb*128, D], the running max of each
+    block m [.., n, nb]. Within a window of ``window`` blocks the FP8 MMA's accumulator carries the sum, rescaled
+    in fp32 by 2^(m_{j-1} - m_j) before each block; at each window's end it is added to the fp64 total at the
+    current max. Returns [.., n, D] fp64 at the last block's max.
+
+    The accumulator model here is per term: each 32-key slice's products and the running sum are aligned to the
+    largest of them and truncated toward zero to ``bits`` mantissa bits below it, then added. It reproduces what
+    the H200 measured (ExpCast, S = 2048, rel. L2 vs fp64, windows of 1 / 2 / 8 blocks: unsmoothed V 7.97e-3 /
+    8.39e-3 / 1.59e-2 on the GPU, 7.56e-3 / 8.16e-3 / 1.49e-2 here; smoothed V unchanged on both), where
+    truncating only the slice's sum (``sage2.fp22_block_sums``, right for a fresh block accumulator) gave
+    7.14e-3 / 7.15e-3 / 7.25e-3: once the running sum outgrows the products, every product loses its low bits."""
+    *lead, n, L = p.shape
+    D = v.shape[-1]
+    K = sage2.MMA_K
+    nb, ns = L // BN, BN // K
+    pd = p.double().reshape(*lead, n, nb, ns, K)
+    vd = v.double().reshape(*lead, nb, ns, K, D)
+    total = torch.zeros(*lead, n, D, dtype=torch.float64, device=p.device)
+    m_total = None  # the max the total is expressed at
+    accm = None
+    for j in range(nb):
+        mj = m[..., j].unsqueeze(-1)
+        if j % window == 0:
+            accm = torch.zeros_like(total)
+        else:
+            accm = (accm.float() * torch.exp2((m[..., j - 1] - m[..., j]).unsqueeze(-1).float())).double()
+        for i in range(ns):
+            prods = pd[..., j, i, :].unsqueeze(-1) * vd[..., j, i, :, :].unsqueeze(-3)  # [.., n, K, D], exact
+            top = torch.maximum(prods.abs().amax(-2), accm.abs())
+            quantum = torch.exp2(torch.floor(torch.log2(top.clamp_min(1e-300))) - bits)
+            accm = (torch.trunc(accm / quantum) * quantum
+                    + (torch.trunc(prods / quantum.unsqueeze(-2)) * quantum.unsqueeze(-2)).sum(-2))
+        if j % window == window - 1 or j == nb - 1:
+            scale = 0.0 if m_total is None else torch.exp2((m_total - mj).double())
+            total = total * scale + accm
+            m_total = mj
+    return total
+
+
 def attention(qk: QKQuant, vq: VQuant, *, p_mode: str = "expcast", offset: Optional[float] = None,
               floor_code: float = 0.0, block_ref: Optional[float] = None, rows: Optional[torch.Tensor] = None,
               chunk: int = 128, acc_bits: int = sage2.ACC_MANTISSA_BITS, rowsum: str = "mma",
-              out_dtype=torch.bfloat16, code_fn=None, return_parts: bool = False):
+              out_dtype=torch.bfloat16, code_fn=None, return_parts: bool = False, pv_window: int = 1):
     """The kernel's output for query ``rows`` (all when None), [B, H, n, D] in ``out_dtype`` (the kernel writes
     the input dtype; fp32 to see the emulation unrounded). Arguments: see ``block_probs``; ``return_parts``:
-    also {"p_eff": P~ 2^(m_j - m) / l [B, H, n, Sk], "v_eff": V_q [B, H, Sk, D]} for error decompositions."""
+    also {"p_eff": P~ 2^(m_j - m) / l [B, H, n, Sk], "v_eff": V_q [B, H, Sk, D]} for error decompositions.
+    ``pv_window``: the launch field of that name (``fp22_window_sums``); like the kernel, 1 when V carries no
+    block means (``vq.zero_mean``)."""
     from vc_compile.formats import natural_layout
 
     from .preprocess import dequantize_v
@@ -197,7 +241,10 @@ def attention(qk: QKQuant, vq: VQuant, *, p_mode: str = "expcast", offset: Optio
         else:
             rsum = rblk
         l = (rsum * w).sum(-1)
-        acc = sage2.online_combine(sage2.fp22_block_sums(p, r8, bits=acc_bits), m)  # units of v_scale
+        if pv_window > 1 and not vq.zero_mean:
+            acc = fp22_window_sums(p, r8, m, pv_window, acc_bits)
+        else:
+            acc = sage2.online_combine(sage2.fp22_block_sums(p, r8, bits=acc_bits), m)  # units of v_scale
         acc = acc * vs.unsqueeze(2) + torch.einsum("bhnj,bhjd->bhnd", rblk * w, mu)  # + r_j mu_j
         outs.append((acc / l.unsqueeze(-1)).to(out_dtype))
         if return_parts:
