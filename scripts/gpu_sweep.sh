@@ -9,7 +9,8 @@
 #                 kernel benchmarks with their FA4 / cuDNN / sageattention baselines (KERNEL_BENCH=0: A/B only)
 #   pipeline | generation | anchor | guard | flags | cold   the whole-generation benchmarks
 #   other stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, soak,
-#   cp (two GPUs), gputests, gpukey, vsmooth (A/B), preprocess, tune, pkg (NVML, enable(), package tests)
+#   cp (two GPUs), gputests, gpukey, vsmooth (A/B), sm90 (the Gluon kernel vs FA3 FP8), ncu (ExpCast kernel and
+#   FA3 FP8, one launch each: instructions, issue, pipes), preprocess, tune, pkg (NVML, enable(), package tests)
 # Results: benchmarks/results/*.csv (and .old's) are copied to $OUT/results after every stage.
 # Environment: VC_COMMIT names the commit in the rows (where the checkout's .git is absent or stale); OLD_COMMIT
 # the old tree's.
@@ -128,6 +129,14 @@ while [ $# -gt 0 ]; do
         tests/test_mcsparse_ladder.py tests/test_hostile.py -k "gpu or cuda or kernels" ;;
     vsmooth)
       run_stage vsmooth 170 $PY -m benchmarks.bench_vsmooth_attn --quick --ab --ab-plan ws ;;
+    sm90)  # the Gluon kernel alone beside FA3 FP8 / torchao / cuDNN (its default and SM90_CONFIGS' launches)
+      run_stage sm90 "${SM90_S:-300}" $PY -m benchmarks.bench_vsmooth_attn_sm90 \
+        --shapes "${SM90_SHAPES:-40x32760x128,40x75600x128}" --configs "${SM90_CONFIGS:-[]}" ;;
+    ncu)  # instructions, issue slots and pipe use of one launch: the ExpCast kernel and FA3's FP8 kernel
+      run_stage ncu "${NCU_S:-240}" bash -c 'for w in ours fa3; do
+        ncu --profile-from-start off --clock-control none --section SpeedOfLight --section InstructionStats \
+          --section ComputeWorkloadAnalysis --section SchedulerStats --page raw --csv \
+          $PY -m scripts.ncu_sm90_kernel --which $w --H 40 --S 32760 > "$OUT/ncu_$w.csv"; done' ;;
     preprocess)
       run_stage preprocess 80 $PY -m benchmarks.bench_preprocess --budget 70 --csv "$OUT/bench_preprocess.csv" ;;
     tune)
