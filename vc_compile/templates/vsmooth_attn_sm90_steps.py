@@ -306,10 +306,11 @@ def window_step(j, nb, Sk, acc, accm, ap, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, z
                 G: gl.constexpr):
     """Register P~, MS, PV accumulated in the MMA's accumulator ``accm`` over windows of G key blocks (rescaled by
     alpha before each block's MMA; fresh at each window's first block) and promoted into the fp32 ``acc`` at each
-    window's end: acc = acc * ap + accm, ap the product of the window's alphas. G = 1 is the two-level
-    accumulation's precision, larger G fewer fp32 folds; the FP8 MMA keeps ~13 mantissa bits of its running
-    sum, so the error grows with G. Returns (acc, accm, ap, l_i, m_i, S_{j+1} or ``s_i``, Rb, block j+1's K
-    scales)."""
+    window's end: acc = acc * ap + accm, ap the product of the window's alphas. The FP8 MMA keeps ~13 mantissa
+    bits of its running sum: on smoothed V (block means removed, the residual changes sign within a block) the
+    error does not move up to G = 8, on unsmoothed V it doubles, so the host runs G = 1 there. G divides 8: the
+    mean term's flush follows a promotion. Returns (acc, accm, ap, l_i, m_i, S_{j+1} or ``s_i``, Rb, block j+1's
+    K scales)."""
     STAGES: gl.constexpr = ring.STAGES
     o_layout: gl.constexpr = tile.o_layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
