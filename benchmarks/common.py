@@ -457,6 +457,20 @@ def kernel_times(prof) -> Dict[str, float]:
     return out
 
 
+def run_clustered_inputs(B, H, S, D, dtype, device="cpu", seed=0):
+    """[B, H, S, D] q, k, v of the kernels' GPU tests (``tests/test_vsmooth_attn.make_qkv``): peaked attention,
+    channel-biased K, V from 6 centres in token runs plus 0.3 noise, 1% token outliers (15x)."""
+    g = torch.Generator().manual_seed(seed)
+    q = 1.5 * torch.randn(B, H, S, D, generator=g)
+    k = torch.randn(B, H, S, D, generator=g) + 3.0 * torch.randn(H, 1, D, generator=g)
+    centers = 2.0 * torch.randn(B, H, 6, D, generator=g)
+    run = (torch.arange(S) * 6 // S).view(1, 1, S, 1).expand(B, H, S, D)
+    v = torch.gather(centers, 2, run) + 0.3 * torch.randn(B, H, S, D, generator=g)
+    out = torch.rand(B, H, S, 1, generator=g) < 0.01
+    v = v + out * 15.0 * torch.randn(B, H, S, D, generator=g)
+    return [t.to(dtype).to(device) for t in (q, k, v)]
+
+
 def structured_inputs(B, H, S, D, seed=0, device="cpu", dtype=torch.bfloat16):
     """[B, S, H, D] q, k, v (the model's layout; view them with ``.transpose(1, 2)`` for SDPA): channel-
     biased K, V in 64 clusters per head scattered over the tokens plus 1% token outliers, as

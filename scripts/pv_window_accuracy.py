@@ -4,24 +4,19 @@ beside the shared-memory-P~ kernel (docs/kernels_notes.md, "PV summed by the FP8
 
     python3 -m scripts.pv_window_accuracy [--S 2048,4173,20000] [--H 3]
 
-Inputs: the GPU tests' ``make_qkv`` (peaked attention, channel-biased K, V clustered in token runs with token
-outliers). Without block means the kernel itself runs window 1 whatever the launch says, so this script forces
+Inputs: the GPU tests' (``benchmarks.common.run_clustered_inputs``: peaked attention, channel-biased K, V clustered
+in token runs with token outliers), quantised as the tests do (``preprocess``, identity order). Without block means the kernel itself runs window 1 whatever the launch says, so this script forces
 the window on unsmoothed V by marking it as carrying (all-zero) means: what the kernel would do without that rule.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
-from test_vsmooth_attn import make_qkv, quantise, rel, truth_of  # noqa: E402
-
-from vc_compile.templates import vsmooth_attn_sm90 as g  # noqa: E402
-from vc_compile.templates.configs import VSmoothSm90Config  # noqa: E402
+from vc_compile.templates import vsmooth_attn_sm90 as g
+from vc_compile.templates.configs import VSmoothSm90Config
 
 
 def main(argv=None):
@@ -31,13 +26,19 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs an sm_90 GPU")
+    from benchmarks.common import run_clustered_inputs
+    from vc_compile.reference import preprocess as ref_pre
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
     ms_ws = VSmoothSm90Config(p_operand="registers", warp_specialize=True, rowsum="mma", mean="tf32_window")
     cfgs = [("smem", VSmoothSm90Config())] + [(f"w{w}", dataclasses.replace(ms_ws, pv_window=w)) for w in (1, 2, 4, 8)]
     for S in (int(x) for x in a.S.split(",")):
-        q, k, v = make_qkv(1, a.H, S, 128, torch.bfloat16, device="cuda")
-        truth = truth_of(q, k, v)
+        q, k, v = run_clustered_inputs(1, a.H, S, 128, torch.bfloat16, device="cuda")
+        truth = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double()).float()
         for smooth in (True, False):
-            qk, vq = quantise(q, k, v, "int8", smooth)
+            qk = ref_pre.preprocess_qk(q, k, None, sm_scale=128 ** -0.5, qk_format="int8")
+            vq = ref_pre.preprocess_v(v, None, smooth=smooth)
             vq = vq if smooth else vq._replace(zero_mean=False)  # the window on unsmoothed V (module doc)
             outs = {n: g.vsmooth_attention_sm90(qk, vq, expcast=True, launch=c) for n, c in cfgs}
             cells = " | ".join(f"{n} {rel(o, truth):.3e} ({rel(o, outs['smem']):.1e} vs smem)" for n, o in outs.items())

@@ -43,16 +43,10 @@ def rel(a, b):
 
 
 def make_qkv(B, H, S, D, dtype, device=KERNEL_DEVICE, seed=0):
-    """Peaked attention, channel-biased K, clustered V (clusters in token runs) with token outliers."""
-    g = torch.Generator().manual_seed(seed)
-    q = 1.5 * torch.randn(B, H, S, D, generator=g)
-    k = torch.randn(B, H, S, D, generator=g) + 3.0 * torch.randn(H, 1, D, generator=g)
-    centers = 2.0 * torch.randn(B, H, 6, D, generator=g)
-    run = (torch.arange(S) * 6 // S).view(1, 1, S, 1).expand(B, H, S, D)
-    v = torch.gather(centers, 2, run) + 0.3 * torch.randn(B, H, S, D, generator=g)
-    out = torch.rand(B, H, S, 1, generator=g) < 0.01
-    v = v + out * 15.0 * torch.randn(B, H, S, D, generator=g)
-    return [t.to(dtype).to(device) for t in (q, k, v)]
+    """Peaked attention, channel-biased K, clustered V (clusters in token runs) with token outliers
+    (``benchmarks.common.run_clustered_inputs``, which scripts share)."""
+    from benchmarks.common import run_clustered_inputs
+    return run_clustered_inputs(B, H, S, D, dtype, device=device, seed=seed)
 
 
 def truth_of(q, k, v):
