@@ -229,6 +229,34 @@ def pipelined_step(j, nb, Sk, acc, l_i, m_i, alpha, r, ks0, ks1, q_smem, p_smem,
 
 
 @gluon.jit
+def finish_step(j, acc, Rb, rs, alpha, s_tok, s_i, win: MeanWindow, g_row, ng, o_layout: gl.constexpr,
+                MEAN: gl.constexpr, NEXT: gl.constexpr):
+    """The end of a register-P~ MS step: r_j into the mean window Rb, R_w mu'_w added by tf32 MMAs after every 8th
+    block (behind S_{j+1}) and after the last, and S_{j+1} (``s_tok``, NEXT) retired. Returns (acc, Rb, S_{j+1} or
+    ``s_i``)."""
+    if MEAN:
+        Rb = mean_slot(Rb, rs, alpha, j % 8)
+        if NEXT:
+            if j % 8 == 7:  # the window's last block: R_w mu'_w on the tensor cores, behind S_{j+1}
+                acc = win.flush(acc, Rb, j // 8, o_layout)
+                s_n, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
+                acc = gl.convert_layout(acc, o_layout)
+                Rb = gl.zeros([acc.shape[0], 8], gl.float32, rs_layout(o_layout))
+                win.load_group(g_row, j // 8 + 2, ng, acc.shape[1])  # its buffer is free
+            else:
+                s_n = warpgroup_mma_wait(0, deps=[s_tok])
+        else:  # the last block: whatever the window holds
+            acc = win.flush(acc, Rb, j // 8, o_layout)
+            acc = gl.convert_layout(warpgroup_mma_wait(0, deps=[acc]), o_layout)
+            s_n = s_i
+    elif NEXT:
+        s_n = warpgroup_mma_wait(0, deps=[s_tok])
+    else:
+        s_n = s_i
+    return acc, Rb, s_n
+
+
+@gluon.jit
 def register_step(j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing,
                   head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MS: gl.constexpr, MASK: gl.constexpr,
                   NEXT: gl.constexpr):
@@ -263,21 +291,9 @@ def register_step(j, nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, z
     mu = ring.load_mu(slot, o_layout, MU)
     acc = fold_pv(acc, alpha, r, pv, mu, o_layout, MU)
     ring.release_v(head, j, nb, slot, MU)
-    if MS and MEAN:
-        Rb = mean_slot(Rb, rs, alpha, j % 8)
-        if NEXT:
-            if j % 8 == 7:  # the window's last block: R_w mu'_w on the tensor cores, behind S_{j+1}
-                acc = win.flush(acc, Rb, j // 8, o_layout)
-                s_n, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
-                acc = gl.convert_layout(acc, o_layout)
-                Rb = gl.zeros([acc.shape[0], 8], gl.float32, rs_layout(o_layout))
-                win.load_group(g_row, j // 8 + 2, ng, acc.shape[1])  # its buffer is free
-            else:
-                s_n = warpgroup_mma_wait(0, deps=[s_tok])
-        else:  # the last block: whatever the window holds
-            acc = win.flush(acc, Rb, j // 8, o_layout)
-            acc = gl.convert_layout(warpgroup_mma_wait(0, deps=[acc]), o_layout)
-            s_n = s_i
+    if MS:
+        acc, Rb, s_n = finish_step(j, acc, Rb, rs, alpha, s_tok if NEXT else s_i, s_i, win, g_row, ng, o_layout,
+                                   MEAN, NEXT)
     elif NEXT:
         s_n = warpgroup_mma_wait(0, deps=[s_tok])
     else:
@@ -339,25 +355,9 @@ def window_step(j, nb, Sk, acc, accm, ap, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, z
     else:
         acc = acc * gl.convert_layout(ap, row_o)[:, None] + accm
     ring.release_v(head, j, nb, slot, False)
-    if MEAN:
-        Rb = mean_slot(Rb, rs, alpha, j % 8)
-        if NEXT:
-            if j % 8 == 7:  # the mean window's last block (G divides 8: acc was just promoted, at the max m_j)
-                acc = win.flush(acc, Rb, j // 8, o_layout)
-                s_n, acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
-                acc = gl.convert_layout(acc, o_layout)
-                Rb = gl.zeros([acc.shape[0], 8], gl.float32, rs_layout(o_layout))
-                win.load_group(g_row, j // 8 + 2, ng, acc.shape[1])  # its buffer is free
-            else:
-                s_n = warpgroup_mma_wait(0, deps=[s_tok])
-        else:  # the last block: whatever the window holds
-            acc = win.flush(acc, Rb, j // 8, o_layout)
-            acc = gl.convert_layout(warpgroup_mma_wait(0, deps=[acc]), o_layout)
-            s_n = s_i
-    elif NEXT:
-        s_n = warpgroup_mma_wait(0, deps=[s_tok])
-    else:
-        s_n = s_i
+    # (G divides 8: at a mean window's last block acc was just promoted, at the max m_j)
+    acc, Rb, s_n = finish_step(j, acc, Rb, rs, alpha, s_tok if NEXT else s_i, s_i, win, g_row, ng, o_layout, MEAN,
+                               NEXT)
     return acc, accm, ap, l_i, m_i, s_n, Rb, ks0n, ks1n
 
 
@@ -374,6 +374,22 @@ def window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o
     acc, accm, ap, l_i, m_i, s_i, Rb, ks0, ks1 = window_step(
         nb - 1, nb, Sk, acc, accm, ap, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, tile, ring, head, win, g_row, ng,
         MEAN, HAS_TAIL, False, G)
+    return acc, l_i, m_i, Rb
+
+
+@gluon.jit
+def key_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing, head: Head,
+             win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MS: gl.constexpr, HAS_TAIL: gl.constexpr,
+             PVW: gl.constexpr):
+    """Register P~: every key block, with PV windows of PVW blocks (``window_loop``, MS only) or a fold per block
+    (``register_loop``); returns (acc, l_i, m_i, Rb)."""
+    if PVW > 1:
+        gl.static_assert(MS == 1, "PV windows are built on the MS structure")
+        acc, l_i, m_i, Rb = window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile, ring,
+                                        head, win, g_row, ng, MEAN, HAS_TAIL, PVW)
+    else:
+        acc, l_i, m_i, Rb = register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile,
+                                          ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL)
     return acc, l_i, m_i, Rb
 
 
@@ -453,31 +469,18 @@ def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS,
             l_i = Rb
         else:
             l_i = gl.zeros([BM], gl.float32, row_s)
-        if PVW > 1:
-            gl.static_assert(MS == 1, "PV windows are built on the MS structure")
-            if EXPCAST and BYTEMASK:
-                tile_b = Tile(qs, KS + bh * gl.cdiv(Sk, BKS), s_layout, o_layout, BN, BKS, EXPCAST, 1)
-                if bytemask_ok(gl.where(rows < S, qs, 0.0), tile.KS_bh, gl.cdiv(Sk, BKS)):
-                    acc, l_i, m_i, Rb = window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                                    tile_b, ring, head, win, g_row, ng, MEAN, HAS_TAIL, PVW)
-                else:
-                    acc, l_i, m_i, Rb = window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                                    tile, ring, head, win, g_row, ng, MEAN, HAS_TAIL, PVW)
-            else:
-                acc, l_i, m_i, Rb = window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                                tile, ring, head, win, g_row, ng, MEAN, HAS_TAIL, PVW)
-        elif EXPCAST and BYTEMASK:
+        if EXPCAST and BYTEMASK:
             # the byte-mask clamp where every code of the tile is >= -2^22, else the FMNMX clamp (one loop each)
             tile_b = Tile(qs, KS + bh * gl.cdiv(Sk, BKS), s_layout, o_layout, BN, BKS, EXPCAST, 1)
             if bytemask_ok(gl.where(rows < S, qs, 0.0), tile.KS_bh, gl.cdiv(Sk, BKS)):
-                acc, l_i, m_i, Rb = register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                                  tile_b, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL)
+                acc, l_i, m_i, Rb = key_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile_b,
+                                             ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, PVW)
             else:
-                acc, l_i, m_i, Rb = register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                                  tile, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL)
+                acc, l_i, m_i, Rb = key_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile,
+                                             ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, PVW)
         else:
-            acc, l_i, m_i, Rb = register_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o,
-                                              tile, ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL)
+            acc, l_i, m_i, Rb = key_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile,
+                                         ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, PVW)
         if MS:  # every column holds the row sum
             l_i = gl.convert_layout(gl.max(l_i, 1), row_s)
     else:
