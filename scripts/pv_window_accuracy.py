@@ -26,11 +26,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs an sm_90 GPU")
-    from benchmarks.common import run_clustered_inputs
+    from benchmarks.common import metrics, run_clustered_inputs
     from vc_compile.reference import preprocess as ref_pre
 
     def rel(a, b):
-        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+        return metrics(a, b)["rel_l2"]
+
     ms_ws = VSmoothSm90Config(p_operand="registers", warp_specialize=True, rowsum="mma", mean="tf32_window")
     cfgs = [("smem", VSmoothSm90Config())] + [(f"w{w}", dataclasses.replace(ms_ws, pv_window=w)) for w in (1, 2, 4, 8)]
     for S in (int(x) for x in a.S.split(",")):
