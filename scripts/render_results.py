@@ -495,6 +495,38 @@ def sm90_ab_tables(rows) -> List[str]:
                  "note", "run"], body)]
 
 
+def sm90_kernel_line(rows) -> str:
+    """One table from ``bench_vsmooth_attn_sm90.csv`` for the README: the default launches of the Gluon kernel
+    alone (ExpCast, V-Smooth) at H = 40, D = 128 on the structured inputs, per S from its latest run, against FA3's
+    FP8 kernel, torchao's op and cuDNN of that run, with both kernels' error ("" when no such run)."""
+    groups: Dict[int, List[Dict[str, str]]] = {}
+    for r in rows:
+        if (r.get("H"), r.get("D") or "128", r.get("inputs", "")) == ("40", "128", "structured"):
+            groups.setdefault(int(r["S"]), []).append(r)
+    body, runs = [], set()
+    for S, rs in sorted(groups.items()):
+        run = max((r.get("date", ""), r.get("commit", "")) for r in rs)
+        by = {r["variant"]: r for r in rs if (r.get("date", ""), r.get("commit", "")) == run}
+        fa3 = by.get("fa3-fp8")
+        cells = []
+        for v in ("expcast_kernel", "exp2_kernel"):
+            r = by.get(v)
+            cells.append("-" if r is None else
+                         f"{f(r.get('ms'), '{:.2f}')} ms, {f(num(r.get('speedup_vs_fa3')), '{:.2f}x')} FA3 FP8, "
+                         f"{f(num(r.get('speedup_vs_torchao')), '{:.2f}x')} torchao, "
+                         f"{f(num(r.get('speedup_vs_cudnn')), '{:.2f}x')} cuDNN; rel. L2 {f(r.get('rel_l2'), '{:.1e}')}")
+        if all(c == "-" for c in cells):
+            continue
+        body.append([str(S)] + cells + ["-" if fa3 is None else f"{f(fa3.get('ms'), '{:.2f}')} ms; rel. L2 "
+                                        f"{f(fa3.get('rel_l2'), '{:.1e}')}"])
+        runs.add(f"{run[0][:10]} {run[1]}")
+    if not body:
+        return ""
+    return ("The 8-bit kernel alone (no preprocessing), default launches, from `bench_vsmooth_attn_sm90.csv`:\n\n" +
+            md_table(["S (B = 1, H = 40, D = 128)", "V-Smooth + ExpCast kernel", "V-Smooth kernel", "FA3 FP8 kernel"],
+                     body) + f"\n\nRuns {', '.join(sorted(runs))}; rel. L2 against fp32 on the structured inputs.")
+
+
 def overhead_tables(rows) -> List[str]:
     """``bench_op_overhead.csv``: per (H, S), the rows of its latest run per variant: host time and GPU time per
     reuse call (back to back), launches, x cuDNN of the same run."""
@@ -548,7 +580,8 @@ def blocks(results_dir: str) -> Dict[str, str]:
         _none_yet("bench_generation.csv", "`python -m benchmarks.bench_generation` on a GPU"),
         "kernels": "\n\n".join(kernel_tables(ker)) if any(ker.values()) else
         _none_yet("bench_vsmooth_attn.csv / bench_sparse_attn.csv", "the kernel benchmarks"),
-        "kernels-summary": kernel_summary(ker),
+        "kernels-summary": "\n\n".join(t for t in (kernel_summary(ker),
+                                                      sm90_kernel_line(rd("bench_vsmooth_attn_sm90.csv"))) if t),
         "kernels-sm90": "\n\n".join(sm90_ab_tables(rd("bench_vsmooth_attn_sm90.csv"))),
         "op-overhead": "\n\n".join(overhead_tables(rd("bench_op_overhead.csv"))),
         "cold-start": "\n\n".join(cold_start_tables(rd("bench_cold_start.csv"))),

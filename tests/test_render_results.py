@@ -150,6 +150,23 @@ def test_sm90_ab_block_shows_the_latest_run_per_shape():
     assert "24.00" in text and "17.00" in text and "| 64 |" in text and "| 128 |" in text
 
 
+def test_sm90_kernel_line_quotes_the_default_launches_of_the_latest_run():
+    """README's kernel-alone table: per S the latest run's ExpCast and V-Smooth default rows beside FA3 FP8's,
+    launch variants and other shapes left out."""
+    from scripts.render_results import sm90_kernel_line
+    base = dict(H="40", D="128", inputs="structured", S="32760")
+    rows = [dict(base, date="2026-12-01 01:00", commit="old", variant="expcast_kernel", ms="25.0"),
+            dict(base, date="2026-12-03 01:00", commit="new", variant="fa3-fp8", ms="23.0", rel_l2="0.09"),
+            dict(base, date="2026-12-03 01:00", commit="new", variant="expcast_kernel", ms="23.5", speedup_vs_fa3="0.98",
+                 rel_l2="0.006"),
+            dict(base, date="2026-12-03 01:00", commit="new", variant="expcast_kernel:pv_window=1", ms="24.0"),
+            dict(base, D="64", date="2026-12-04 01:00", commit="d64", variant="expcast_kernel", ms="16.8")]
+    text = sm90_kernel_line(rows)
+    assert "23.50 ms, 0.98x FA3 FP8" in text and "23.00 ms; rel. L2 9.0e-02" in text and "2026-12-03 new" in text
+    assert "25.00" not in text and "24.00" not in text and "16.80" not in text
+    assert sm90_kernel_line([]) == ""
+
+
 def test_cold_start_block_shows_the_latest_run():
     """bench_cold_start.csv: only the latest run's rows (date to the hour and commit), each process mode."""
     base = dict(model="wan2.1-t2v-1.3b", S=32760, steps=10, gpu="NVIDIA H200")
