@@ -157,15 +157,15 @@ def _quant_pair(xe, xo, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl
 
 @triton.jit
 def _v_block_stats(v_base, PERM, b, h, blk, S, svs, svd, spb, sph, sps, D: tl.constexpr, BV: tl.constexpr,
-                   HAS_PERM: tl.constexpr, SMOOTH: tl.constexpr):
+                   HAS_PERM: tl.constexpr, SMOOTH: tl.constexpr, RS: tl.constexpr = 32):
     """(mu, ra) of V' block ``blk`` (rows gathered through PERM): its mean over the valid rows (zeros unless
     SMOOTH) and the residual's per-channel amax max_t |v_t - mu| (NaN / inf -> +inf, which max keeps).
     One sweep: column sums, maxima and minima of RS-row slices accumulated in registers, reduced once; the
     residual's amax is max(vmax - mu, mu - vmin), exactly max_t |fl(v_t - mu)| (rounding is monotone and
     symmetric), so no second pass over the block's elements.
     NOTE (H200, S = 32760, H = 40, ncu): the two-pass form (mean, then |v - mu| over the whole 128 x 128 fp32
-    tile) ran at 1.0 TB/s, 128 registers, 25% occupancy, stalled on the gathered loads (0.40 ms)."""
-    RS: tl.constexpr = 32
+    tile) ran at 1.0 TB/s, 128 registers, 25% occupancy, stalled on the gathered loads (0.40 ms). RS = BV: the
+    block's rows in one load (one round trip for the gather)."""
     d = tl.arange(0, D)
     acc = tl.zeros([RS, D], tl.float32)
     vmax = tl.full([RS, D], float("-inf"), tl.float32)
@@ -557,7 +557,7 @@ def _one_pass_kernel(Q, K, V, PERM, HPM, Q8, K8, QS, KS, KMEAN, V8T, VSCALE, MUP
                      blk_stride, n_samp, q_fold, h_norm, k_count, nbv, S_pad, ng, n_items, ahead,
                      D: tl.constexpr, TQ: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr,
                      HAS_PERM: tl.constexpr, HADAMARD: tl.constexpr, FP8_OUT: tl.constexpr, SMOOTH: tl.constexpr,
-                     SM90: tl.constexpr, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
+                     SM90: tl.constexpr, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, RS: tl.constexpr):
     # The whole preprocessing of Q, K and V in one launch. Items: (head bh, 128-row block blk), head-major,
     # item = bh * nbv + blk; program p of P (all resident at once) takes items p, p + P, ... twice:
     #   stats (``ahead`` items before its quantisation): V' block blk's mean and residual amax, the sums of
@@ -583,7 +583,7 @@ def _one_pass_kernel(Q, K, V, PERM, HPM, Q8, K8, QS, KS, KMEAN, V8T, VSCALE, MUP
             b = bh // H
             h = bh % H
             mu, ra = _v_block_stats(V + b.to(tl.int64) * svb + h.to(tl.int64) * svh, PERM, b, h, blk, S, svs, svd,
-                                    spb, sph, sps, D, BV, HAS_PERM, SMOOTH)
+                                    spb, sph, sps, D, BV, HAS_PERM, SMOOTH, RS)
             ks = _k_block_sums(K, b, h, blk, S, skb, skh, sks, skd, blk_stride, n_samp, D, BK, BV)
             row = (bh * nbv + blk).to(tl.int64) * D + d
             tl.store(VMEAN + row, mu)
@@ -680,7 +680,8 @@ def _one_pass(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, v_layout,
     args = [q, k, v, p, hpm, q8, k8, q_scale, k_scale, k_mean, v8t, v_scale, mup if sm90 else v_scale,
             mug if sm90 else v_scale, v_mean, kpart, vpart, fin, sync, S, H, BH, *q.stride(), *k.stride(),
             *v.stride(), *pstr, st, n_samp, float(sm_scale) * LOG2E, h_norm, float(count), nbv, S_pad, ng, n_items]
-    kw = dict(D=D, TQ=TILE_Q, BK=BLOCK_K, BV=BLOCK_V, RB=32, HAS_PERM=perm is not None, HADAMARD=hadamard,
+    kw = dict(D=D, TQ=TILE_Q, BK=BLOCK_K, BV=BLOCK_V, RB=32, RS=launch.one_pass_stats_rows,
+              HAS_PERM=perm is not None, HADAMARD=hadamard,
               FP8_OUT=qk_format == "fp8", SMOOTH=smooth, SM90=sm90, INTERPRET=interp,
               DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=8 if D == 128 else 4)
     if not interp:  # registers for one_pass_per_sm programs per SM (65536 per SM)
@@ -688,7 +689,8 @@ def _one_pass(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, v_layout,
     if interp:
         programs = 1  # programs run one after another: one program takes every item in order
     else:
-        key = (dev, q.dtype, qk_format, hadamard, smooth, sm90, perm is not None, D, launch.one_pass_per_sm)
+        key = (dev, q.dtype, qk_format, hadamard, smooth, sm90, perm is not None, D, launch.one_pass_per_sm,
+               launch.one_pass_stats_rows)
         if key not in _RESIDENT:
             compiled = _one_pass_kernel.warmup(*args, nbv, grid=(1,), **kw)
             _RESIDENT[key] = _resident_programs(compiled, dev, launch.one_pass_per_sm)
