@@ -631,6 +631,8 @@ def _resident_programs(compiled, device: torch.device, cap: int) -> int:
     """How many programs of ``compiled`` run at once on ``device`` (registers, shared memory, threads per SM, at
     most ``cap`` per SM): the one-pass grid, whose programs wait on each other, must not exceed it."""
     props = torch.cuda.get_device_properties(device)
+    if getattr(compiled, "n_regs", None) is None:
+        compiled._init_handles()  # loads the binary: registers and spills are known from then on
     warps = compiled.metadata.num_warps
     regs_warp = -(-max(1, compiled.n_regs) * 32 // 256) * 256  # allocated per warp in units of 256
     by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_warp * warps)
