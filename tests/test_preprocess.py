@@ -19,7 +19,6 @@ from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile import formats
 from vc_compile.reference import preprocess as ref
 from vc_compile.templates import preprocess as tpl
-from vc_compile.templates.configs import PreprocessConfig
 
 FP8 = torch.float8_e4m3fn
 # Code-for-code only against the CPU reference: on CUDA, torch divides by a Python scalar as a multiply
@@ -225,35 +224,6 @@ def test_gpu_large(D, hadamard):
 
 
 
-@requires_cuda
-@pytest.mark.parametrize("H,S", [(40, 32760), (3, 75600), (12, 4173)])
-def test_gpu_one_pass_matches_two_launches(H, S):
-    """The persistent one-launch kernel against the two launches on GPU-sized problems: many programs waiting
-    on each other per head (40 x 256 items; 3 x 591 items, a head longer than the grid, where a program must
-    run its statistics a whole head ahead), repeated to catch a race (the outputs of every repeat bit-equal)."""
-    D = 128
-    q, k, v = make_qkv(1, H, S, D, torch.bfloat16, device="cuda")
-    perm = random_perm(1, H, S, device="cuda")
-    a = tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="sm90")
-    first = None
-    for _ in range(5):
-        b = tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="sm90",
-                           launch=PreprocessConfig(one_pass=True))
-        flat = [t for t in (*b[0], *b[1]) if torch.is_tensor(t)]
-        if first is None:
-            first = [t.clone() for t in flat]
-        else:
-            assert all(torch.equal(x.view(torch.uint8) if x.dtype == FP8 else x,
-                                   y.view(torch.uint8) if y.dtype == FP8 else y) for x, y in zip(first, flat))
-    assert_codes(a[0].q8, b[0].q8, exact=True, what="q8")
-    assert_codes(a[0].k8, b[0].k8, exact=False, what="k8")
-    assert_codes(a[1].v8t, b[1].v8t, exact=False, what="v8t")
-    for x, y in ((a[0].q_scale, b[0].q_scale), (a[0].k_scale, b[0].k_scale), (a[1].v_scale, b[1].v_scale),
-                 (a[1].v_mean, b[1].v_mean), (a[0].k_mean, b[0].k_mean)):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-    assert torch.equal(a[1].v_mean, b[1].v_mean) and torch.equal(a[1].v_scale, b[1].v_scale)
-
-
 def test_k_mean_is_the_mean_of_the_sampled_blocks():
     """Above S = 8191 the K mean is taken over every st-th 64-token block (reference.k_mean_mask): the
     kernel's colsum pass reads exactly those rows (S = 8200: st = 2, the last sampled block holds 8)."""
@@ -293,19 +263,16 @@ def test_sampled_k_mean_smooths_as_well_as_the_full_mean():
 @pytest.mark.parametrize("S,D,dtype", [(300, 64, torch.bfloat16), (1100, 128, torch.bfloat16),
                                        (517, 128, torch.float16)])
 @pytest.mark.parametrize("layout", ["natural", "sm90"])
-@pytest.mark.parametrize("one_pass", [False, True], ids=["two_launches", "one_pass"])
-def test_fused_matches_reference(S, D, dtype, layout, one_pass):
+def test_fused_matches_reference(S, D, dtype, layout):
     """Q, K and V in two launches (pass 1: K's sampled sums, V's block means and partial amaxes; pass 2: every
     code, with K's mean and V's scale reduced from the partials in each program) give the reference's codes and
     scales; the "sm90" layout is the reference's V^T with each 128-column block in ``sm90_key_order`` and
-    mu' / its tf32 groups as ``to_sm90_layout`` makes them. S = 1100: 9 V blocks, a partial last mean window.
-    ``one_pass``: the same outputs from the one-launch kernel (per-head arrival counters; one program under the
-    interpreter, every program of a persistent grid on a GPU)."""
+    mu' / its tf32 groups as ``to_sm90_layout`` makes them. S = 1100: 9 V blocks, a partial last mean window."""
     B, H = 2, 2
     q, k, v = make_qkv(B, H, S, D, dtype)
     perm = random_perm(B, H, S)
     sm = D ** -0.5
-    qk, vq = tpl.preprocess(q, k, v, perm, sm_scale=sm, v_layout=layout, launch=PreprocessConfig(one_pass=one_pass))
+    qk, vq = tpl.preprocess(q, k, v, perm, sm_scale=sm, v_layout=layout)
     rq, rv = ref.preprocess_qk(q, k, perm, sm_scale=sm), ref.preprocess_v(v, perm)
     assert_codes(qk.q8, rq.q8, exact=EXACT, what="q8")
     assert_codes(qk.k8, rq.k8, exact=False, what="k8")
@@ -344,11 +311,9 @@ def test_sm90_layout_round_trip_and_attention_unchanged():
         tpl.preprocess(q, k, v, sm_scale=0.1, v_layout="tiled")
 
 
-@pytest.mark.parametrize("one_pass", [False, True], ids=["two_launches", "one_pass"])
-def test_fused_is_two_launches_and_no_torch_compute(one_pass):
+def test_fused_is_two_launches_and_no_torch_compute():
     """A reuse step's preprocessing is the two Triton launches and nothing else: no torch op that computes
-    (only allocations) runs between or around them (each eager op is a kernel launch and host time on a GPU).
-    ``one_pass``: one launch, and the zero fill of its arrival counters."""
+    (only allocations) runs between or around them (each eager op is a kernel launch and host time on a GPU)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -362,7 +327,7 @@ def test_fused_is_two_launches_and_no_torch_compute(one_pass):
             return func(*args, **(kwargs or {}))
 
     launches = []
-    real = {n: getattr(tpl, n) for n in ("_stats_kernel", "_quant_kernel", "_one_pass_kernel")}
+    real = {n: getattr(tpl, n) for n in ("_stats_kernel", "_quant_kernel")}
 
     class Spy:
         def __init__(self, name):
@@ -386,40 +351,8 @@ def test_fused_is_two_launches_and_no_torch_compute(one_pass):
         for n in real:
             mp.setattr(tpl, n, Spy(n))
         with mode:
-            tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="sm90",
-                           launch=PreprocessConfig(one_pass=one_pass))
+            tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="sm90")
     finally:
         mp.undo()
-    if one_pass:
-        assert launches == ["_one_pass_kernel"]
-        assert set(mode.ops) <= {"empty", "empty_strided", "zeros", "zero_", "fill_"}, mode.ops
-        assert {"zeros", "zero_", "fill_"} & set(mode.ops), "the arrival counters must start at zero"
-    else:
-        assert launches == ["_stats_kernel", "_quant_kernel"]
-        assert set(mode.ops) <= {"empty", "empty_strided"}, mode.ops
-
-
-@pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_one_pass_nonfinite_as_two_launches(which):
-    """NaN in q, k or v poisons the same scales in one launch as in two (a Q row, every Q scale of the head via
-    the K mean, a V channel: the finals carry +inf / NaN from the per-block partials), and nothing outside
-    that (b, h)."""
-    B, H, S, D = 2, 2, 300, 64
-    q, k, v = (t.contiguous() for t in make_qkv(B, H, S, D, torch.bfloat16))
-    (q, k, v)["qkv".index(which)][1, 0, 150, 3] = float("nan")
-    perm = random_perm(B, H, S)
-    a = tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="sm90")
-    b = tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="sm90", launch=PreprocessConfig(one_pass=True))
-    for x, y in ((a[0].q_scale, b[0].q_scale), (a[0].k_scale, b[0].k_scale), (a[1].v_scale, b[1].v_scale)):
-        torch.testing.assert_close(x, y, rtol=1e-6, atol=0, equal_nan=True)
-    n = {"q": (1, 0, 0), "k": (S, b[0].k_scale.shape[-1], 0), "v": (0, 0, 1)}[which]
-    assert tuple(int(x.isnan().sum()) for x in (b[0].q_scale, b[0].k_scale, b[1].v_scale)) == n
-    for x, y in ((a[0].q8, b[0].q8), (a[0].k8, b[0].k8), (a[1].v8t, b[1].v8t)):
-        assert_codes(x, y, exact=False, what="codes")
-
-
-def test_one_pass_config_is_validated():
-    with pytest.raises(ValueError, match="one_pass_per_sm"):
-        PreprocessConfig(one_pass=True, one_pass_per_sm=0)
-    with pytest.raises(ValueError, match="one_pass"):
-        PreprocessConfig(one_pass="yes")
+    assert launches == ["_stats_kernel", "_quant_kernel"]
+    assert set(mode.ops) <= {"empty", "empty_strided"}, mode.ops

@@ -430,9 +430,7 @@ def sparse_variant(qk_format: str, C: int, n_keep: int, Sk: int) -> str:
 class PreprocessConfig(_Json):
     """Launch of the two preprocessing passes (templates/preprocess.py). ``stats_per_sm``: pass 1's programs
     per SM when it reads V (splits per head = that x 132 / heads; pass 2 reduces that many partials per head),
-    ``stats_warps`` its warps per program (with V, D = 128). ``one_pass``: Q, K and V (no RoPE) in one launch of
-    a persistent grid whose programs wait on each other per head (``_one_pass_kernel``: V read from DRAM once),
-    at most ``one_pass_per_sm`` programs per SM, V's statistics gathered ``one_pass_stats_rows`` rows a load.
+    ``stats_warps`` its warps per program (with V, D = 128).
     How the Q/K quantisation applies a fused RoPE prologue (no effect without RoPE): ``rope_packed``:
     interleaved pairs of 16-bit q/k read as 32-bit words and the codes stored as int16 pairs (applies when the
     inputs allow it and the codes are INT8; else the pairs are split in registers). ``rope_head_fast``: grid (B*H, token blocks), the
@@ -441,12 +439,9 @@ class PreprocessConfig(_Json):
     rope_head_fast: bool = True
     stats_per_sm: int = 8
     stats_warps: int = 4
-    one_pass: bool = False
-    one_pass_per_sm: int = 2
-    one_pass_stats_rows: int = 32
 
     def __post_init__(self):
-        for name in ("rope_packed", "rope_head_fast", "one_pass"):
+        for name in ("rope_packed", "rope_head_fast"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PreprocessConfig.{name}={getattr(self, name)!r}; accepted: True, False")
         if isinstance(self.stats_per_sm, bool) or not isinstance(self.stats_per_sm, int) \
@@ -454,11 +449,6 @@ class PreprocessConfig(_Json):
             raise ValueError(f"PreprocessConfig.stats_per_sm={self.stats_per_sm!r}; accepted: an int in [1, 64]")
         if self.stats_warps not in (2, 4, 8):
             raise ValueError(f"PreprocessConfig.stats_warps={self.stats_warps!r}; accepted: 2, 4, 8")
-        if isinstance(self.one_pass_per_sm, bool) or not isinstance(self.one_pass_per_sm, int) \
-                or not 1 <= self.one_pass_per_sm <= 8:
-            raise ValueError(f"PreprocessConfig.one_pass_per_sm={self.one_pass_per_sm!r}; accepted: an int in [1, 8]")
-        if self.one_pass_stats_rows not in (32, 64, 128):
-            raise ValueError(f"PreprocessConfig.one_pass_stats_rows={self.one_pass_stats_rows!r}; accepted: 32, 64, 128")
 
 
 # NOTE (H200, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D], Wan pair tables; bench_preprocess.py):

@@ -156,45 +156,6 @@ def _quant_pair(xe, xo, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl
 
 
 @triton.jit
-def _v_block_stats(v_base, PERM, b, h, blk, S, svs, svd, spb, sph, sps, D: tl.constexpr, BV: tl.constexpr,
-                   HAS_PERM: tl.constexpr, SMOOTH: tl.constexpr, RS: tl.constexpr = 32):
-    """(mu, ra) of V' block ``blk`` (rows gathered through PERM): its mean over the valid rows (zeros unless
-    SMOOTH) and the residual's per-channel amax max_t |v_t - mu| (NaN / inf -> +inf, which max keeps).
-    One sweep: column sums, maxima and minima of RS-row slices accumulated in registers, reduced once; the
-    residual's amax is max(vmax - mu, mu - vmin), exactly max_t |fl(v_t - mu)| (rounding is monotone and
-    symmetric), so no second pass over the block's elements.
-    NOTE (H200, S = 32760, H = 40, ncu): the two-pass form (mean, then |v - mu| over the whole 128 x 128 fp32
-    tile) ran at 1.0 TB/s, 128 registers, 25% occupancy, stalled on the gathered loads (0.40 ms). RS = BV: the
-    block's rows in one load (one round trip for the gather)."""
-    d = tl.arange(0, D)
-    acc = tl.zeros([RS, D], tl.float32)
-    vmax = tl.full([RS, D], float("-inf"), tl.float32)
-    vmin = tl.full([RS, D], float("inf"), tl.float32)
-    for j in tl.static_range(BV // RS):
-        rows = blk * BV + j * RS + tl.arange(0, RS)
-        rmask = rows < S
-        if HAS_PERM:
-            src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps, mask=rmask, other=0)
-        else:
-            src = rows
-        x = tl.load(v_base + src[:, None].to(tl.int64) * svs + d[None, :] * svd, mask=rmask[:, None],
-                    other=0.0).to(tl.float32)
-        acc += x
-        vmax = _nanmax(vmax, tl.where(rmask[:, None], x, float("-inf")))
-        vmin = tl.minimum(vmin, tl.where(rmask[:, None], x, float("inf")), propagate_nan=tl.PropagateNan.ALL)
-    vmax = tl.reduce(vmax, 0, _nanmax)
-    vmin = -tl.reduce(-vmin, 0, _nanmax)
-    if SMOOTH:
-        cnt = tl.minimum(S - blk * BV, BV).to(tl.float32)
-        mu = tl.math.div_rn(tl.sum(acc, 0), cnt)
-    else:
-        mu = tl.zeros([D], tl.float32)
-    ra = _nanmax(vmax - mu, mu - vmin)
-    ra = tl.where(ra < float("inf"), ra, float("inf"))  # NaN (or inf - inf) -> +inf: max keeps it
-    return mu, ra
-
-
-@triton.jit
 def _stats_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_split, n_sub, N_SUB_C: tl.constexpr,
                   D: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                   V=None, PERM=None, VMEAN=None, VPART=None, svb=0, svh=0, svs=0, svd=0, spb=0, sph=0, sps=0,
@@ -230,15 +191,44 @@ def _stats_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_spli
             acc += x.to(tl.float32)
         tl.store(OUT + (bh * n_split + sp).to(tl.int64) * D + d, tl.sum(acc, 0))
     if DO_V:
-        # one sweep per block (_v_block_stats)
+        # One sweep per block: column sums, maxima and minima of V' over RS-row slices accumulated in registers,
+        # reduced once; the residual's amax is max(vmax - mu, mu - vmin), exactly max_t |fl(v_t - mu)| (rounding
+        # is monotone and symmetric), so no second pass over the block's elements.
+        # NOTE (H200, S = 32760, H = 40, ncu): the two-pass form (mean, then |v - mu| over the whole 128 x 128
+        # fp32 tile) ran at 1.0 TB/s, 128 registers, 25% occupancy, stalled on the gathered loads (0.40 ms).
         amax = tl.zeros([D], tl.float32)
+        RS: tl.constexpr = 32
         v_base = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
         for i in tl.range(0, PER_V_C if PER_V_C >= 0 else per_v):
             blk = sp * per_v + i
             if blk < nbv:
-                mu, ra = _v_block_stats(v_base, PERM, b, h, blk, S, svs, svd, spb, sph, sps, D, BV, HAS_PERM,
-                                        SMOOTH)
+                acc = tl.zeros([RS, D], tl.float32)
+                vmax = tl.full([RS, D], float("-inf"), tl.float32)
+                vmin = tl.full([RS, D], float("inf"), tl.float32)
+                for j in tl.static_range(BV // RS):
+                    rows = blk * BV + j * RS + tl.arange(0, RS)
+                    rmask = rows < S
+                    if HAS_PERM:
+                        src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps, mask=rmask,
+                                      other=0)
+                    else:
+                        src = rows
+                    x = tl.load(v_base + src[:, None].to(tl.int64) * svs + d[None, :] * svd, mask=rmask[:, None],
+                                other=0.0).to(tl.float32)
+                    acc += x
+                    vmax = _nanmax(vmax, tl.where(rmask[:, None], x, float("-inf")))
+                    vmin = tl.minimum(vmin, tl.where(rmask[:, None], x, float("inf")),
+                                      propagate_nan=tl.PropagateNan.ALL)
+                vmax = tl.reduce(vmax, 0, _nanmax)
+                vmin = -tl.reduce(-vmin, 0, _nanmax)
+                if SMOOTH:
+                    cnt = tl.minimum(S - blk * BV, BV).to(tl.float32)
+                    mu = tl.math.div_rn(tl.sum(acc, 0), cnt)
+                else:
+                    mu = tl.zeros([D], tl.float32)
                 tl.store(VMEAN + (bh * nbv + blk).to(tl.int64) * D + d, mu)
+                ra = _nanmax(vmax - mu, mu - vmin)
+                ra = tl.where(ra < float("inf"), ra, float("inf"))  # NaN (or inf - inf) -> +inf: max keeps it
                 amax = tl.maximum(amax, ra)
         tl.store(VPART + (bh * n_split + sp).to(tl.int64) * D + d, amax)
 
@@ -510,109 +500,6 @@ def _quant_v_block(V, PERM, VMEAN, VPART, V8T, VSCALE, MUP, MUG, blk, bh, b, h, 
                         tl.store(MUG + ((g + 1) * D + d) * 8 + blk % 8 + c, z)
 
 
-# ---- one launch: a persistent grid, each head's V read from DRAM once ----------------------------------------
-@triton.jit
-def _k_block_sums(K, b, h, blk, S, skb, skh, sks, skd, blk_stride, n_samp, D: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr):
-    """Column sums of K's sampled BK-token blocks among the BV / BK at rows [blk BV, (blk + 1) BV) (block j is
-    sampled when j % blk_stride == 0 and j // blk_stride < n_samp: reference.preprocess.k_mean_mask); zeros
-    when none is."""
-    d = tl.arange(0, D)
-    acc = tl.zeros([D], tl.float32)
-    base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
-    for j in tl.static_range(BV // BK):
-        kb = blk * (BV // BK) + j
-        if (kb % blk_stride == 0) & (kb // blk_stride < n_samp):
-            rows = kb * BK + tl.arange(0, BK)
-            x = tl.load(base + rows[:, None].to(tl.int64) * sks + d[None, :] * skd, mask=(rows < S)[:, None],
-                        other=0.0)
-            acc += tl.sum(x.to(tl.float32), 0)
-    return acc
-
-
-@triton.jit
-def _head_finals(KPART, VPART, FIN, bh, nbv, BH, D: tl.constexpr, RB: tl.constexpr):
-    """Head bh's K sum and V residual amax from its nbv per-block partials, in a fixed order (computed once,
-    by the program that completed the head): FIN[0, bh] (sum), FIN[1, bh] (amax; +inf marks a non-finite
-    channel). Loads bypass L1 (the partials were written by other SMs)."""
-    d = tl.arange(0, D)
-    r = tl.arange(0, RB)
-    ks = tl.zeros([RB, D], tl.float32)
-    va = tl.zeros([RB, D], tl.float32)
-    c = 0
-    while c < nbv:  # (a while: the interpreter cannot iterate range() over a runtime bound)
-        rows = c + r
-        m = (rows < nbv)[:, None]
-        off = (bh * nbv + rows[:, None]).to(tl.int64) * D + d[None, :]
-        ks += tl.load(KPART + off, mask=m, other=0.0, cache_modifier=".cg")
-        va = tl.maximum(va, tl.load(VPART + off, mask=m, other=0.0, cache_modifier=".cg"))
-        c += RB
-    tl.store(FIN + bh * D + d, tl.sum(ks, 0))
-    tl.store(FIN + (BH + bh) * D + d, tl.max(va, 0))
-
-
-@triton.jit(do_not_specialize=["ahead"])
-def _one_pass_kernel(Q, K, V, PERM, HPM, Q8, K8, QS, KS, KMEAN, V8T, VSCALE, MUP, MUG, VMEAN, KPART, VPART, FIN,
-                     SYNC, S, H, BH, sqb, sqh, sqs, sqd, skb, skh, sks, skd, svb, svh, svs, svd, spb, sph, sps,
-                     blk_stride, n_samp, q_fold, h_norm, k_count, nbv, S_pad, ng, n_items, ahead,
-                     D: tl.constexpr, TQ: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr,
-                     HAS_PERM: tl.constexpr, HADAMARD: tl.constexpr, FP8_OUT: tl.constexpr, SMOOTH: tl.constexpr,
-                     SM90: tl.constexpr, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, RS: tl.constexpr):
-    # The whole preprocessing of Q, K and V in one launch. Items: (head bh, 128-row block blk), head-major,
-    # item = bh * nbv + blk; program p of P (all resident at once) takes items p, p + P, ... twice:
-    #   stats (``ahead`` items before its quantisation): V' block blk's mean and residual amax, the sums of
-    #     K's sampled rows among rows [blk 128, (blk + 1) 128); then one arrival on the head's counter
-    #     (SYNC[bh]); the arrival that completes the head reduces its partials (``_head_finals``) and raises
-    #     SYNC[BH + bh];
-    #   quantisation (pass 2's work for that block, ``_quant_v_block`` / ``_quant_qk_block``): after SYNC[BH + bh]
-    #     is raised, with the head's finals as the single "partial".
-    # Deadlock-free when every program is resident: a program waiting on head h has made its stats arrivals up
-    # to ``ahead`` >= nbv - 1 items past its own, so the slowest program's head is complete (the host sizes
-    # the grid from the compiled kernel's occupancy). V' block blk is read again ~``ahead`` items after its
-    # stats read: with ahead ~ one head (8.4 MB of bf16 V at S = 32760) that read is an L2 hit, so V comes
-    # from DRAM once instead of twice. Under the interpreter programs run one after another: P = 1.
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    d = tl.arange(0, D)
-    it = pid
-    nxt = pid
-    while it < n_items:
-        while (nxt < n_items) & (nxt <= it + ahead):
-            bh = nxt // nbv
-            blk = nxt % nbv
-            b = bh // H
-            h = bh % H
-            mu, ra = _v_block_stats(V + b.to(tl.int64) * svb + h.to(tl.int64) * svh, PERM, b, h, blk, S, svs, svd,
-                                    spb, sph, sps, D, BV, HAS_PERM, SMOOTH, RS)
-            ks = _k_block_sums(K, b, h, blk, S, skb, skh, sks, skd, blk_stride, n_samp, D, BK, BV)
-            row = (bh * nbv + blk).to(tl.int64) * D + d
-            tl.store(VMEAN + row, mu)
-            tl.store(VPART + row, ra)
-            tl.store(KPART + row, ks)
-            # every thread's stores before the (one-thread) release: a CTA barrier, then the cumulative release
-            tl.debug_barrier()
-            arrived = tl.atomic_add(SYNC + bh, 1, sem="acq_rel", scope="gpu")
-            if arrived == nbv - 1:
-                _head_finals(KPART, VPART, FIN, bh, nbv, BH, D, RB)
-                tl.debug_barrier()
-                tl.atomic_xchg(SYNC + BH + bh, 1, sem="release", scope="gpu")
-            nxt += P
-        bh = it // nbv
-        blk = it % nbv
-        b = bh // H
-        h = bh % H
-        ready = tl.atomic_add(SYNC + BH + bh, 0, sem="acquire", scope="gpu")
-        while ready == 0:
-            ready = tl.atomic_add(SYNC + BH + bh, 0, sem="acquire", scope="gpu")
-        _quant_v_block(V, PERM, VMEAN, FIN + BH * D, V8T, VSCALE, MUP, MUG, blk, bh, b, h, d, S, S_pad, nbv, 1, ng,
-                       svb, svh, svs, svd, spb, sph, sps, D, BV, 1, HAS_PERM, INTERPRET, SM90)
-        _quant_qk_block(Q, K, PERM, FIN, HPM, Q8, K8, QS, KS, KMEAN, blk, bh, b, h, d,
-                        S, sqb, sqh, sqs, sqd, skb, skh, sks, skd, spb, sph, sps,
-                        q_fold, h_norm, k_count, 1, D, TQ, BK, 1, HAS_PERM, HADAMARD, FP8_OUT, INTERPRET,
-                        DOT_PREC, Q, Q, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, False, False, False)
-        it += P
-
-
 def _check_qk(q, k, qk_format):
     if qk_format not in ("int8", "fp8"):
         raise ValueError(f"qk_format must be 'int8' or 'fp8', got {qk_format!r}")
@@ -622,87 +509,6 @@ def _check_qk(q, k, qk_format):
     err = vsmooth_head_dim_error(q.shape[-1])
     if err:
         raise ValueError(err)
-
-
-_RESIDENT = {}  # (device, compile key) -> programs resident at once (from the compiled kernel's resources)
-
-
-def _resident_programs(compiled, device: torch.device, cap: int) -> int:
-    """How many programs of ``compiled`` run at once on ``device`` (registers, shared memory, threads per SM, at
-    most ``cap`` per SM): the one-pass grid, whose programs wait on each other, must not exceed it."""
-    props = torch.cuda.get_device_properties(device)
-    if getattr(compiled, "n_regs", None) is None:
-        compiled._init_handles()  # loads the binary: registers and spills are known from then on
-    warps = compiled.metadata.num_warps
-    regs_warp = -(-max(1, compiled.n_regs) * 32 // 256) * 256  # allocated per warp in units of 256
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_warp * warps)
-    smem = compiled.metadata.shared
-    by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (smem + 1024) if smem else cap
-    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
-    per_sm = min(by_regs, by_smem, by_threads, cap)
-    if per_sm < 1:
-        raise RuntimeError(f"the one-pass preprocessing kernel does not fit an SM ({compiled.n_regs} registers, "
-                           f"{smem} B shared); use PreprocessConfig(one_pass=False)")
-    return props.multi_processor_count * per_sm
-
-
-def _one_pass(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, v_layout, launch):
-    """``preprocess`` of Q, K and V (no RoPE) as ``_one_pass_kernel``: one launch (plus the zeroing of its
-    2 B H counters)."""
-    B, H, S, D = q.shape
-    BH, dev = B * H, q.device
-    nbv = triton.cdiv(S, BLOCK_V)
-    S_pad = nbv * BLOCK_V
-    ng = triton.cdiv(nbv, 8)
-    st, n_samp, _, _, count = _k_geometry(S, BH, 1)
-    interp = interpreting()
-    hpm, h_norm = q, 1.0  # hpm: any pointer when unused
-    if hadamard:
-        h_norm = float(D) ** -0.5
-        hpm = (hadamard_matrix(D, device=dev) * (float(D) ** 0.5)).round().to(q.dtype).contiguous()
-    code_dtype = FP8 if qk_format == "fp8" else torch.int8
-    q8 = torch.empty(B, H, S, D, device=dev, dtype=code_dtype)
-    k8 = torch.empty(B, H, S, D, device=dev, dtype=code_dtype)
-    q_scale = torch.empty(B, H, S, device=dev, dtype=torch.float32)
-    k_scale = torch.empty(B, H, triton.cdiv(S, BLOCK_K), device=dev, dtype=torch.float32)
-    k_mean = torch.empty(B, H, D, device=dev, dtype=torch.float32)
-    sm90 = v_layout == "sm90"
-    v8t = torch.empty(B, H, D, S_pad, device=dev, dtype=FP8)
-    v_scale = torch.empty(B, H, D, device=dev, dtype=torch.float32)
-    v_mean = torch.empty(B, H, nbv, D, device=dev, dtype=torch.float32)
-    mup = torch.empty(BH * nbv, D, device=dev, dtype=torch.float32) if sm90 else None
-    mug = torch.empty(BH * ng * 2 * D, 8, device=dev, dtype=torch.float32) if sm90 else None
-    kpart = torch.empty(BH, nbv, D, device=dev, dtype=torch.float32)  # K sums per block
-    vpart = torch.empty(BH, nbv, D, device=dev, dtype=torch.float32)  # V residual amaxes per block
-    fin = torch.empty(2, BH, D, device=dev, dtype=torch.float32)
-    sync = torch.zeros(2 * BH, device=dev, dtype=torch.int32)
-    p = perm if perm is not None else v
-    pstr = perm.stride() if perm is not None else (0, 0, 0)
-    n_items = BH * nbv
-    args = [q, k, v, p, hpm, q8, k8, q_scale, k_scale, k_mean, v8t, v_scale, mup if sm90 else v_scale,
-            mug if sm90 else v_scale, v_mean, kpart, vpart, fin, sync, S, H, BH, *q.stride(), *k.stride(),
-            *v.stride(), *pstr, st, n_samp, float(sm_scale) * LOG2E, h_norm, float(count), nbv, S_pad, ng, n_items]
-    kw = dict(D=D, TQ=TILE_Q, BK=BLOCK_K, BV=BLOCK_V, RB=32, RS=launch.one_pass_stats_rows,
-              HAS_PERM=perm is not None, HADAMARD=hadamard,
-              FP8_OUT=qk_format == "fp8", SMOOTH=smooth, SM90=sm90, INTERPRET=interp,
-              DOT_PREC="ieee" if q.dtype == torch.float32 else None, num_warps=8 if D == 128 else 4)
-    if not interp:  # registers for one_pass_per_sm programs per SM (65536 per SM)
-        kw["maxnreg"] = min(255, 65536 // (launch.one_pass_per_sm * 32 * kw["num_warps"]) // 8 * 8)
-    if interp:
-        programs = 1  # programs run one after another: one program takes every item in order
-    else:
-        key = (dev, q.dtype, qk_format, hadamard, smooth, sm90, perm is not None, D, launch.one_pass_per_sm,
-               launch.one_pass_stats_rows)
-        if key not in _RESIDENT:
-            compiled = _one_pass_kernel.warmup(*args, nbv, grid=(1,), **kw)
-            _RESIDENT[key] = _resident_programs(compiled, dev, launch.one_pass_per_sm)
-        programs = min(n_items, _RESIDENT[key])
-    # every program has arrived at the counters of all items up to ``ahead`` past its own before it waits
-    ahead = max(nbv, programs)
-    _one_pass_kernel[(programs,)](*args, ahead, **kw)
-    qk = QKQuant(q8, q_scale, k8, k_scale, k_mean, float(sm_scale))
-    vq = VQuant(v8t, v_scale, v_mean, S, zero_mean=not smooth, layout=v_layout, mu_prime=mup, mu_groups=mug)
-    return qk, vq
 
 
 def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hadamard: bool = False,
@@ -731,9 +537,6 @@ def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hada
             raise ValueError(err)
     if do_v and do_qk and v.shape != q.shape:
         raise ValueError(f"preprocess needs v of q's shape, got {tuple(v.shape)} and {tuple(q.shape)}")
-    if do_qk and do_v and rope is None and launch.one_pass:
-        return _one_pass(q, k, v, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format,
-                         smooth=smooth, v_layout=v_layout, launch=launch)
     BH = B * H
     nbv = triton.cdiv(S, BLOCK_V)
     S_pad = nbv * BLOCK_V
