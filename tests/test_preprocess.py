@@ -19,6 +19,7 @@ from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile import formats
 from vc_compile.reference import preprocess as ref
 from vc_compile.templates import preprocess as tpl
+from vc_compile.templates.configs import PreprocessConfig
 
 FP8 = torch.float8_e4m3fn
 # Code-for-code only against the CPU reference: on CUDA, torch divides by a Python scalar as a multiply
@@ -192,6 +193,15 @@ def test_nonfinite_inputs_poison_their_scales(which, bad, fmt, hadamard, D):
     for x, y in ((a.q_scale, c.q_scale), (a.k_scale, c.k_scale), (va.v_scale, vc.v_scale), (a.q8, c.q8),
                  (a.k8, c.k8), (va.v8t, vc.v8t), (va.v_mean, vc.v_mean)):
         assert torch.equal(x[other].float(), y[other].float())
+
+
+def test_launch_options_are_validated():
+    """Register caps and warps of the two passes: only the measured values (a wrong cap would fail to compile
+    or spill on the GPU, with no error on the CPU, where they are ignored)."""
+    for bad in (dict(quant_regs=72), dict(stats_regs=-1), dict(quant_warps=2)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            PreprocessConfig(**bad)
+    assert PreprocessConfig(quant_regs=0, stats_regs=64, quant_warps=16).quant_warps == 16
 
 
 def test_rejects_bad_args():

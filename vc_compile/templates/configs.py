@@ -442,7 +442,7 @@ class PreprocessConfig(_Json):
     stats_per_sm: int = 8
     stats_warps: int = 4
     quant_warps: int = 8
-    quant_regs: int = 0
+    quant_regs: int = 80
     stats_regs: int = 0
 
     def __post_init__(self):
@@ -468,6 +468,11 @@ class PreprocessConfig(_Json):
 # the measurements behind both RoPE switches are in templates/preprocess.py's module doc (RoPE prologue).
 # Pass 1 with V (one sweep per block, scripts/ab_op_kernels.py, ExpCast reuse step, same run): (warps,
 # programs per SM) = (8, 4) 0.552 / 1.376 ms, (4, 4) 0.413 / 0.721, (8, 8) 0.489 / 1.192, (4, 8) 0.335 / 0.585.
+# Pass 2's registers (H200, 2026-12-03, scripts/ab_op_kernels.py, ExpCast reuse step, same run, ms at S = 32760 H40 /
+# 75600 H40 / 32760 H12 / 14040 H12): uncapped (128, 2 programs of 8 warps per SM) 0.676 / 1.556 / 0.370 / 0.151
+# (0.676 / 1.566 / 0.378 / 0.155 at the run's end), capped at 80 (3 per SM, 88 B spilled outside the tile work)
+# 0.637 / 1.456 / 0.331 / 0.151; 16 warps at 64 registers (2 per SM) 0.865 / 1.986 / 0.396 / 0.159. Pass 1 at 8
+# warps and 64 registers: 0.431 / 1.043 against 0.343 / 0.606.
 PREPROCESS_DEFAULT = PreprocessConfig()
 
 
