@@ -44,6 +44,8 @@ def parse_args(argv=None):
     ap.add_argument("--warmups", default="2,4,6,8,10", help="warm-up lengths (steps), comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu (reference kernels)")
+    ap.add_argument("--expcast", action="store_true", help="MC-Sparse's warm-up (and the V-Smooth floor) on the "
+                    "ExpCast path (option expcast)")
     ap.add_argument("--smoke", action="store_true", help="CPU: 3 steps, 4 frames (1024 tokens), warm-ups 0,1, "
                     "no rows")
     a = ap.parse_args(argv)
@@ -88,9 +90,11 @@ def main(argv=None):
         + (" (reference kernels: fidelity only)" if cpu else ""))
     t0 = time.perf_counter()
     runs = [("dense", {"method": "dense"}, None)]  # the reference first; V-Smooth (the 8-bit floor) last
-    runs += [(f"mcsparse@{a.density:g} warmup {w}", {"method": "mcsparse", "density": a.density,
-                                                      "warmup_steps": w}, w) for w in a.warmup_list]
-    runs += [("vsmooth", {"method": "vsmooth"}, None)]
+    ec = {"expcast": True} if a.expcast else {}
+    tag = "+expcast" if a.expcast else ""
+    runs += [(f"mcsparse{tag}@{a.density:g} warmup {w}", {"method": "mcsparse", "density": a.density,
+                                                           "warmup_steps": w, **ec}, w) for w in a.warmup_list]
+    runs += [(f"vsmooth{tag}", {"method": "vsmooth", **ec}, None)]
     extras = ["model", "steps", "warmup_steps", "anchors", "psnr_db", "ssim", "attn_cost", "device", "phases", "note"]
     dense, rows = None, []
     for label, opts, w in runs:
