@@ -472,7 +472,8 @@ class PreprocessConfig(_Json):
 # 75600 H40 / 32760 H12 / 14040 H12): uncapped (128, 2 programs of 8 warps per SM) 0.676 / 1.556 / 0.370 / 0.151
 # (0.676 / 1.566 / 0.378 / 0.155 at the run's end), capped at 80 (3 per SM, 88 B spilled outside the tile work)
 # 0.637 / 1.456 / 0.331 / 0.151; 16 warps at 64 registers (2 per SM) 0.865 / 1.986 / 0.396 / 0.159. Pass 1 at 8
-# warps and 64 registers: 0.431 / 1.043 against 0.343 / 0.606.
+# warps and 64 registers: 0.431 / 1.043 against 0.343 / 0.606. The cap applies where it was measured (D = 128, no
+# Hadamard, no RoPE): the Hadamard rotation's wgmma needs >= 90 registers (ptxas C7602 at 80).
 PREPROCESS_DEFAULT = PreprocessConfig()
 
 

@@ -570,7 +570,9 @@ def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hada
     qk = vq = None
     args = []
     kw = dict(D=D, TQ=TILE_Q, BK=BLOCK_K, INTERPRET=interp, num_warps=launch.quant_warps * D // 128,
-              **({'maxnreg': launch.quant_regs} if launch.quant_regs and not interp else {}),
+              # the cap where it was measured (no Hadamard: its wgmma needs >= 90 registers; no RoPE; D = 128)
+              **({'maxnreg': launch.quant_regs} if launch.quant_regs and not interp and not hadamard
+                 and rope is None and D == 128 else {}),
               HAS_PERM=perm is not None)
     if do_qk:
         hpm, h_norm = x, 1.0  # hpm: any pointer when unused
