@@ -87,6 +87,10 @@ from .protocol import Plan
 # Kept at 20% by fidelity: the trained demo model (4096 tokens, 50 steps, s = 0.15, reference path, 2026-12-02,
 # bench_mcsparse_schedule.csv) gives PSNR vs dense 26.8 dB with 10 warm-up steps, 23.6 / 20.6 / 19.1 dB with 6 / 4 / 2:
 # the 12-25% of modelled attention cost a shorter warm-up would save costs 3-8 dB.
+# The warm-up on ExpCast instead (option expcast; 28.2 vs 31.6 ms a grouping step at S = 32760 H40, H200,
+# bench_vsmooth_attn 310da1f) measured 26.29 dB / SSIM 0.905 against 26.84 dB / 0.903 on the same demo run
+# (2026-12-03, cd1047c): within the schedule's spread, not a clear loss; the default stays V-Smooth until a
+# captured-input or second-seed measurement decides it.
 WARMUP_FRACTION = 0.2
 ANCHOR_FRACTION = 0.52
 
