@@ -45,8 +45,10 @@ for Q/K or V alone)
   un-rotated from the model's tensor and never written rotated. With RoPE the grid of pass 2 is
   (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``) and the Q tile runs as two 64-row halves (register
   pressure).
-NOTE (H200, S = 32760 / 75600, H = 40): the two passes take 0.33 + 0.66 / 0.58 + 1.50 ms against 1.67 / 3.84 ms
-for the 14 launches they replaced (docs/kernels_notes.md, "Preprocessing", with the variants tried).
+NOTE (H200, S = 32760 / 75600, H = 40): the two passes take 0.34 + 0.64 / 0.61 + 1.46 ms (pass 2 capped at 80
+registers: 3 programs per SM) against 1.67 / 3.84 ms for the 14 launches they replaced; one persistent launch
+reading V from DRAM once measured 1.65-2.11 / 3.75-4.63 ms (docs/kernels_notes.md, "Preprocessing", with the
+variants tried).
 
 Exactness: the per-row/block divisions are ``div_rn`` (IEEE, like torch), INT8 codes are the low byte
 of ``fma(x, inv, 1.5 * 2^23)`` (round to nearest even of the exact product, = the reference's float64
