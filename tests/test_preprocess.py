@@ -196,12 +196,12 @@ def test_nonfinite_inputs_poison_their_scales(which, bad, fmt, hadamard, D):
 
 
 def test_launch_options_are_validated():
-    """Register caps and warps of the two passes: only the measured values (a wrong cap would fail to compile
-    or spill on the GPU, with no error on the CPU, where they are ignored)."""
-    for bad in (dict(quant_regs=72), dict(stats_regs=-1), dict(quant_warps=2)):
+    """Pass 2's register cap and warps: only the measured values (a wrong cap would fail to compile or spill
+    on the GPU, with no error on the CPU, where it is ignored)."""
+    for bad in (dict(quant_regs=72), dict(quant_regs=-1), dict(quant_warps=2)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PreprocessConfig(**bad)
-    assert PreprocessConfig(quant_regs=0, stats_regs=64, quant_warps=16).quant_warps == 16
+    assert PreprocessConfig(quant_regs=0, quant_warps=16).quant_warps == 16
 
 
 def test_default_launch_compiles_for_sm90():

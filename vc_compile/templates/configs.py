@@ -430,9 +430,9 @@ def sparse_variant(qk_format: str, C: int, n_keep: int, Sk: int) -> str:
 class PreprocessConfig(_Json):
     """Launch of the two preprocessing passes (templates/preprocess.py). ``stats_per_sm``: pass 1's programs
     per SM when it reads V (splits per head = that x 132 / heads; pass 2 reduces that many partials per head),
-    ``stats_warps`` its warps per program (with V, D = 128), ``stats_regs`` its register cap (0: none); ``quant_warps``: pass 2's warps per program at
-    D = 128 (half at D = 64), ``quant_regs`` a register cap per thread (0: the compiler's choice), which sets
-    how many of its programs share an SM.
+    ``stats_warps`` its warps per program (with V, D = 128). ``quant_warps``: pass 2's warps per program at
+    D = 128 (half at D = 64), ``quant_regs`` its register cap per thread (0: the compiler's choice), which sets
+    how many of its programs share an SM (applied at D = 128 without Hadamard or RoPE, where it was measured).
     How the Q/K quantisation applies a fused RoPE prologue (no effect without RoPE): ``rope_packed``:
     interleaved pairs of 16-bit q/k read as 32-bit words and the codes stored as int16 pairs (applies when the
     inputs allow it and the codes are INT8; else the pairs are split in registers). ``rope_head_fast``: grid (B*H, token blocks), the
@@ -443,7 +443,6 @@ class PreprocessConfig(_Json):
     stats_warps: int = 4
     quant_warps: int = 8
     quant_regs: int = 80
-    stats_regs: int = 0
 
     def __post_init__(self):
         for name in ("rope_packed", "rope_head_fast"):
@@ -456,9 +455,6 @@ class PreprocessConfig(_Json):
             raise ValueError(f"PreprocessConfig.stats_warps={self.stats_warps!r}; accepted: 2, 4, 8")
         if self.quant_warps not in (4, 8, 16):
             raise ValueError(f"PreprocessConfig.quant_warps={self.quant_warps!r}; accepted: 4, 8, 16")
-        if self.stats_regs not in (0, 64, 80, 96, 128):
-            raise ValueError(f"PreprocessConfig.stats_regs={self.stats_regs!r}; accepted: 0 (the compiler's choice), "
-                             "64, 80, 96, 128")
         if self.quant_regs not in (0, 64, 80, 96, 128):
             raise ValueError(f"PreprocessConfig.quant_regs={self.quant_regs!r}; accepted: 0 (the compiler's choice), "
                              "64, 80, 96, 128")

@@ -565,7 +565,6 @@ def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hada
     kx = k if do_qk else v
     _stats_kernel[(nsk, BH)](kx, kpart if do_qk else v_mean, S, H, *kx.stride(), st, n_samp, per_k, n_sub,
                              loop_bound(n_sub), D=D, BS=BS, BK=BLOCK_K, num_warps=launch.stats_warps if do_v and D == 128 else 4,
-                             **({'maxnreg': launch.stats_regs} if launch.stats_regs and do_v and not interp else {}),
                              **kw,
                              **(colsum_rope_kwargs(rope, D) if do_qk else {}))
     # ---- pass 2
