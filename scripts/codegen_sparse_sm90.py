@@ -94,7 +94,22 @@ def consumer_loop(sass: str) -> dict:
             "lds": sum(1 for x in body if _op(x).startswith("LDS")),
             "local_memory": sum(1 for x in body if _op(x).startswith(("LDL", "STL"))),
             "mufu_ex2": sum(1 for x in body if _op(x).startswith("MUFU.EX2")),
-            "bar_sync": sum(1 for x in body if _op(x).startswith("BAR.SYNC")), **issue_order(body)}
+            "bar_sync": sum(1 for x in body if _op(x).startswith("BAR.SYNC")), **issue_order(body),
+            **overlap_order(body)}
+
+
+def overlap_order(body: list) -> dict:
+    """The ``overlap`` order (FlashAttention-3's): S_j's HGMMAs (shared-memory A) issued before PV_{j-1}'s
+    (register A), then the wait that leaves PV_{j-1} in flight (``DEPBAR.LE gsb0, 0x1``), the softmax's exp2
+    while it runs, then the wait for PV_{j-1} (``0x0``). ``softmax_during_pv``: the share of MUFU.EX2 between
+    the two waits."""
+    at = lambda pat: [i for i, x in enumerate(body) if re.search(pat, x)]  # noqa: E731
+    pv, qk = at(r"HGMMA\S* R\d+, R\d+, gdesc"), at(r"HGMMA\S* R\d+, gdesc")
+    w1, w0, ex2 = at(r"DEPBAR\.LE gsb0, 0x1\b"), at(r"DEPBAR\.LE gsb0, 0x0\b"), at(r"MUFU\.EX2")
+    if not (pv and qk and w1 and w0 and ex2):
+        return {"overlap_order_ok": False, "softmax_during_pv": 0.0}
+    return {"overlap_order_ok": max(qk) < min(pv) and max(pv) < min(w1) < min(w0),
+            "softmax_during_pv": round(sum(min(w1) < i < min(w0) for i in ex2) / len(ex2), 3)}
 
 
 def issue_order(body: list) -> dict:
@@ -149,11 +164,12 @@ def main(argv=None):
         g.needs_64bit_offsets = lambda *extents: True
     out = {}
     for C in map(int, a.C.split(",")):
-        cfgs = ([CF.SparseAttnSm90Config(*map(int, c.split("/"))) for c in a.configs.split(",")] if a.configs
+        cfgs = ([CF.SparseAttnSm90Config.from_spec(c) for c in a.configs.split(",")] if a.configs
                 else [CF.sparse_sm90_default(C)])
         for cfg in cfgs:
             k = compile_one(a.S, C, cfg, a.density)
-            name = f"c{C}_BN{cfg.block_n}_s{cfg.stages}" + ("_off64" if a.off64 else "")
+            name = (f"c{C}_BN{cfg.block_n}_s{cfg.stages}" + "".join(f for f, n in cfg.SPEC_FLAGS.items() if getattr(cfg, n))
+                    + ("_off64" if a.off64 else ""))
             out[name] = kernel_stats(k)
             if a.dump:
                 cs.dump_asm(k, f"{a.dump}_{name}")

@@ -351,7 +351,7 @@ SPARSE_SWEPT = tuple(SparseAttnConfig(*c) for c in ((64, 4, 3), (64, 4, 4), (64,
                                                      (64, 8, 3), (64, 8, 4), (128, 8, 3)))
 
 
-# ---- the Gluon sm_90 gather kernel (templates/sparse_attn_sm90.py; not used by any default yet) ----------
+# ---- the Gluon sm_90 gather kernel (templates/sparse_attn_sm90.py; dispatch.sparse_kernel says where it runs) --
 SM90_SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one sm_90 CTA may use
 SM90_REGS_PER_THREAD_SLOT = 504  # 65536 registers over 128 threads, in setmaxnreg's steps of 8 (3 x 168)
 
@@ -361,8 +361,9 @@ class SparseAttnSm90Config(_Json):
     """The warp-specialised Gluon gather kernel's launch: ``block_n`` keys per ring stage, ``stages`` K / V
     stages per ring (one ring per CTA at C = 128, one per query group at C = 64), the registers per thread
     that ``setmaxnreg`` gives the two consumer warp groups and the 4-warp producer (two consumers and the
-    producer share the 504-register thread slot of a 12-warp CTA), and whether the grid is persistent.
-    Unmeasured: docs/sparse_notes.md, "Gluon gather kernel"."""
+    producer share the 504-register thread slot of a 12-warp CTA), whether the grid is persistent, and where the
+    synchronisation sits (``producer_fence``, ``one_wait``, ``overlap``). Measurements: docs/sparse_notes.md,
+    "Gluon gather kernel"."""
     block_n: int = 128
     stages: int = 2
     # NOTE (offline sm_90 SASS, scripts/codegen_sparse_sm90.py, C = 128, BN = 128): 240 / 24 spills 72 bytes in
@@ -373,15 +374,42 @@ class SparseAttnSm90Config(_Json):
     # one CTA per SM looping over the tiles (the producer gathers the next tile's first blocks while the consumers
     # finish this one) instead of one CTA per tile; the same kernel either way (the grid decides)
     persistent: bool = False
+    # where the proxy fence between the cp.async rows (generic proxy) and the wgmma reads (async proxy) sits:
+    # False: in the consumers, after each ready wait (two per block on their critical path); True: in the
+    # producer, after its own copies completed (cp.async.wait_group), before one release arrival per stage
+    producer_fence: bool = False
+    # the consumers retire PV_j and S_{j+1} with one wait and free both stages behind one warp-group barrier
+    # (False: PV_j first, so V_j's stage is freed while S_{j+1} still runs)
+    one_wait: bool = False
+    # FlashAttention-3's order inside a consumer: S_j and PV_{j-1} issued together, the softmax of S_j while
+    # PV_{j-1} runs (False: softmax(S_j), then PV_j and S_{j+1} together, both waited for)
+    overlap: bool = False
 
     def __post_init__(self):
         _check_ints(self, block_n={64, 128}, stages={2, 3, 4}, consumer_regs=set(range(128, 257, 8)),
                     producer_regs=set(range(24, 129, 8)))
-        if not isinstance(self.persistent, bool):
-            raise ValueError(f"SparseAttnSm90Config.persistent={self.persistent!r}; accepted: True, False")
+        for name in ("persistent", "producer_fence", "one_wait", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SparseAttnSm90Config.{name}={getattr(self, name)!r}; accepted: True, False")
         if 2 * self.consumer_regs + self.producer_regs > SM90_REGS_PER_THREAD_SLOT:
             raise ValueError(f"{self}: 2 x consumer_regs + producer_regs = "
                              f"{2 * self.consumer_regs + self.producer_regs} > {SM90_REGS_PER_THREAD_SLOT}")
+
+    # the letters after "BN/stages" in ``from_spec`` (scripts' --configs)
+    SPEC_FLAGS = {"p": "persistent", "f": "producer_fence", "w": "one_wait", "o": "overlap"}
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "SparseAttnSm90Config":
+        """``"BN/stages"`` plus any of the letters p (persistent), f (producer_fence), w (one_wait), o (overlap),
+        e.g. ``"128/2fo"``."""
+        head = spec.rstrip("".join(cls.SPEC_FLAGS))
+        flags = spec[len(head):]
+        try:
+            bn, st = head.split("/")
+            return cls(block_n=int(bn), stages=int(st), **{cls.SPEC_FLAGS[f]: True for f in flags})
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"sparse sm_90 launch spec {spec!r}: expected BN/stages plus any of "
+                             f"{''.join(cls.SPEC_FLAGS)} ({e})") from None
 
     def smem_bytes(self, C: int, D: int, DV: int, elem: int = 2) -> int:
         """Shared memory of one CTA: the K / V rings (two at C = 64: each consumer its own group), both consumers'
@@ -398,11 +426,18 @@ class SparseAttnSm90Config(_Json):
                              f"(> {SM90_SMEM_BYTES}); use fewer stages or block_n = 64")
 
 
-# Per group size C: the design's choice, from the register and shared-memory arithmetic (not yet timed). C = 128:
-# one ring of 128-key stages (S 64 + acc 64 + P 32 registers of a consumer's 240), 2 stages = 128 KB + Q 32 KB.
-# C = 64: two rings (the two consumers' groups select different keys), so 64-key stages: 2 x 2 x 32 KB + 32 KB.
+# Per group size C. C = 128: one ring of 128-key stages (S 64 + O 64 + P 32 registers of a consumer's 232), 2 stages
+# = 128 KB + Q 32 KB, the proxy fence in the producer and FlashAttention-3's order in the consumers.
+# NOTE (H200, 2026-12-03, benchmarks/bench_sparse_attn_sm90.py, B1 H40 D128 bf16, residual epilogue, ms at
+# S = 32760 s = 0.15 / 0.25, S = 75600 s = 0.15 / 0.25, same run): Triton gather 7.71 / 12.89 / 39.84 / 65.89;
+# 128/2 7.30 / 10.46 / 34.18 / 55.77; 128/2fo 6.53 / 10.20 / 32.74 / 53.35 (eta 0.73 / 0.78 / 0.81 / 0.82 against
+# FA3 bf16 31.73 / 175.3); 128/3fo 6.55 / 10.30 / 33.23 / 55.69; 128/2o 6.93 / 11.04 / 36.27 / 62.73; 128/2f 7.03 /
+# 10.95 / 37.92 / 64.23 (the two switches pay together: without the fence on the consumers' path, the overlap's
+# second MMA has something to hide). The repeats of 128/2 in one run moved 0.2-14% (75600, s = 0.15: 34.18 / 38.84).
+# C = 64: two rings (the two consumers' groups select different keys), so 64-key stages: 2 x 2 x 32 KB + 32 KB;
+# 64/2 8.57, 64/2o 8.48, 64/3fo 10.11 against the Triton kernel's 8.95 (S = 32760, s = 0.15, same run).
 SPARSE_SM90_DEFAULT: Dict[int, SparseAttnSm90Config] = {
-    128: SparseAttnSm90Config(block_n=128, stages=2),
+    128: SparseAttnSm90Config(block_n=128, stages=2, producer_fence=True, overlap=True),
     64: SparseAttnSm90Config(block_n=64, stages=2),
 }
 

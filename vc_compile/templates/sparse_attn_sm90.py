@@ -1,7 +1,8 @@
 """Token-gather sparse attention for sm_90 in Gluon: the bf16 / fp16 contract of ``sparse_attn.py``
 (``qk_format="bf16"``; reference ``vc_compile/reference/sparse_attn.py``) with a producer warp group gathering the
-selected K / V rows while two consumer warp groups run the MMAs and the softmax. NOT used by any default: reached
-only by calling ``sparse_attention_sm90``; unmeasured (docs/sparse_notes.md, "Gluon gather kernel").
+selected K / V rows while two consumer warp groups run the MMAs and the softmax. MC-Sparse's gather kernel on
+sm_90 GPUs (``dispatch.sparse_kernel``: bf16 / fp16 scores, head dims 64 / 128, C = 64 / 128); measured in
+``benchmarks/bench_sparse_attn_sm90.py`` (docs/sparse_notes.md, "Gluon gather kernel").
 
 Why a second kernel: the Triton kernel runs one warp group per program at 255 registers, so two programs share an
 SM, each waits for its own gathered rows (long-scoreboard stalls on the gather) and runs QK -> softmax -> PV in
@@ -16,10 +17,12 @@ BN          keys per block (``SparseAttnSm90Config.block_n``); nb = ceil(n_keep 
 ring        STAGES stages of K [BN, D] and V [BN, Dv] rows in shared memory (the rows of one block of the
             group's selected keys, in selection order), four mbarriers per stage: kready / vready (the
             producer's cp.async rows landed: every producer thread arrives when its own copies complete,
-            ``cp.async.mbarrier.arrive.noinc``) and kempty / vempty (the consumers that read the ring are done).
+            ``cp.async.mbarrier.arrive.noinc``; PFENCE: one arrival after the producer waited for its copies
+            and fenced) and kempty / vempty (the consumers that read the ring are done).
 s           base-2 logits s = (q . k) * sm_scale * log2(e); online softmax with exp2, the scale folded into the
             exponent's FFMA; m_i, l_i the running row max (in scaled units) and row sum; acc the PV accumulator
-            (fp32, in the wgmma accumulator's registers, rescaled by alpha before each PV).
+            (fp32, in the wgmma accumulator's registers, rescaled by alpha before each PV; OVERLAP: after PV_{j-1}
+            retired, by alpha_j).
 P           exp2(s - m_i) as the PV MMA's A operand in registers (16-bit: the QK accumulator's registers already
             hold the A operand's elements; the conversion is a cast, no shared memory).
 
@@ -33,13 +36,24 @@ gathers the next tile's first blocks during this tile's last blocks and epilogue
 * producer (4 warps, ``producer_regs`` registers): per block, the BN key ids (loaded a block ahead), then K rows
   and V rows by cp.async (16 bytes per thread, 4 threads per 64-byte row segment: full 32-byte sectors) into the
   next free stage; masked (zero-filled) rows past n_keep. C = 64: the blocks of both groups, one ring each.
+  The cp.async writes are generic-proxy writes that wgmma reads through the async proxy: a proxy fence sits
+  between them. ``producer_fence`` (PFENCE, the C = 128 default): the producer waits for its own copies
+  (cp.async.wait_group), fences and releases the stage (K_j once it landed, V_{j-1} once K_j is issued), so
+  the consumers' loop has no fence; otherwise every consumer fences after each ready wait.
 * two consumers (4 warps each, ``consumer_regs``): 64 query rows each, gathered through sigma into shared memory
   (Q stays there: QK's A operand). C = 128: rows 0-63 and 64-127 of the CTA's group, one shared ring (a K / V
   stage is freed when both consumers are done: the gathered bytes per FLOP halve against C = 64); C = 64: one
-  group each, each its own ring. Per block j (S_j given): softmax(S_j) -> acc *= alpha -> issue PV_j
-  (P from registers, V_j from the ring) and S_{j+1} = Q K_{j+1}^T together (async wgmma) -> wait until one group
-  is outstanding (PV_j done: free V_j) -> wait for S_{j+1} (free K_{j+1}). The tensor cores run one consumer's
-  MMAs during the other's softmax (the order ``vsmooth_attn_sm90_steps.register_step`` measured best).
+  group each, each its own ring. Per block, two orders:
+  - ``overlap`` (OVERLAP, FlashAttention-3's order inside a warp group; the C = 128 default): issue S_j =
+    Q K_j^T and PV_{j-1} (P_{j-1} from registers, V_{j-1} from the ring) together -> wait for S_j (free K_j)
+    -> softmax(S_j) while PV_{j-1} runs -> wait for PV_{j-1} (free V_{j-1}) -> acc *= alpha_j, P_j cast to
+    16 bits (only now: a non-wgmma write of a wgmma operand while one is in flight makes ptxas serialise every
+    wgmma, C7513). Registers: S 64 + acc 64 + P 32, P_{j-1} live until PV_{j-1} retires.
+  - otherwise (S_j given): softmax(S_j) -> acc *= alpha -> issue PV_j and S_{j+1} = Q K_{j+1}^T together ->
+    wait until one group is outstanding (PV_j done: free V_j; ``one_wait``: both at once) -> wait for S_{j+1}
+    (free K_{j+1}), the order ``vsmooth_attn_sm90_steps.register_step`` measured best for the 8-bit kernel.
+  Either way the tensor cores also run one consumer's MMAs during the other's softmax. Both orders do the same
+  operations on acc in the same order: the same bits.
 * epilogue per consumer: O = acc / l_i (+ residual, gathered through sigma), the flagged columns NaN, the rows
   scattered to sigma.
 
@@ -85,10 +99,13 @@ def _gather_rows(base, kid, row_stride, smem, d, valid, MASK: gl.constexpr):
 @gluon.jit
 def _produce_block(it, kid, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty, vempty,
                    ring: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
-                   MASK: gl.constexpr):
+                   MASK: gl.constexpr, PFENCE: gl.constexpr, vprev=False):
     """The block at ring position ``it`` (the CTA's blocks counted over its tiles) of ring ``ring``: wait for its
     stage to be free, then the K rows and the V rows by cp.async, each completing on its ready barrier (one noinc
-    arrival per producer thread)."""
+    arrival per producer thread). PFENCE: the producer completes its own copies (cp.async.wait_group), fences
+    the generic proxy against the async one and releases the stage with one arrival; V of the block before
+    (``vprev``: there is one in flight) is released once K of this block is issued, K of this block once it
+    landed, before this block's V is issued (``_produce_flush`` releases a tile's last V)."""
     NW: gl.constexpr = gl.num_warps()
     slot = ring * STAGES + it % STAGES
     ph = ((it // STAGES) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first round passes
@@ -96,10 +113,30 @@ def _produce_block(it, kid, valid, k_base, v_base, sks, svs, k_smem, v_smem, kre
     dv = gl.arange(0, DV, layout=gl.SliceLayout(0, _gather_layout(NW)))
     mbarrier.wait(kempty.index(slot), ph)
     _gather_rows(k_base, kid, sks, k_smem.index(slot), dk, valid, MASK)
-    async_copy.mbarrier_arrive(kready.index(slot), increment_count=False)
+    if PFENCE:
+        async_copy.commit_group()
+        async_copy.wait_group(1)  # V of the block before landed (K of this one may still fly)
+        fence_async_shared()
+        mbarrier.arrive(vready.index(ring * STAGES + (it + STAGES - 1) % STAGES), count=1, pred=vprev)
+        async_copy.wait_group(0)
+        fence_async_shared()
+        mbarrier.arrive(kready.index(slot), count=1)
+    else:
+        async_copy.mbarrier_arrive(kready.index(slot), increment_count=False)
     mbarrier.wait(vempty.index(slot), ph)
     _gather_rows(v_base, kid, svs, v_smem.index(slot), dv, valid, MASK)
-    async_copy.mbarrier_arrive(vready.index(slot), increment_count=False)
+    if PFENCE:
+        async_copy.commit_group()
+    else:
+        async_copy.mbarrier_arrive(vready.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _produce_flush(it, vready, ring: gl.constexpr, STAGES: gl.constexpr):
+    """PFENCE: release V of the block at ring position ``it`` (the last of a tile) once it landed."""
+    async_copy.wait_group(0)
+    fence_async_shared()
+    mbarrier.arrive(vready.index(ring * STAGES + it % STAGES), count=1)
 
 
 @gluon.jit
@@ -114,7 +151,7 @@ def _load_ids(i_base, blk, offs, sin, N_KEEP, OFF64: gl.constexpr):
 def _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, gc, bh, it0,
                   skb, skh, sks, svb, svh, svs, sib, sih, sig, sin,
                   GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_TAIL: gl.constexpr, OFF64: gl.constexpr):
+                  HAS_TAIL: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr):
     """Tile (gc, bh): block j of every ring (ring r = the tile's group r) at ring position it0 + j, the rings in
     lockstep so that at C = 64 neither consumer waits for the other's blocks; each block's ids loaded a block
     ahead."""
@@ -135,27 +172,31 @@ def _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, 
     for j in range(0, nb - 1 if HAS_TAIL else nb):
         kn0 = _load_ids(ib0, j + 1, offs, sin, N_KEEP, OFF64)  # in flight during this block's copies
         _produce_block(it0 + j, kid0, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
-                       vempty, 0, STAGES, D, DV, False)
+                       vempty, 0, STAGES, D, DV, False, PFENCE, j > 0)
         kid0 = kn0
         if GPC == 2:
             kn1 = _load_ids(ib1, j + 1, offs, sin, N_KEEP, OFF64)
             _produce_block(it0 + j, kid1, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
-                           kempty, vempty, 1, STAGES, D, DV, False)
+                           kempty, vempty, 1, STAGES, D, DV, False, PFENCE, j > 0)
             kid1 = kn1
     if HAS_TAIL:  # the last block: rows past n_keep zero-filled (no stale or non-finite V row meets p = 0)
         valid = (nb - 1) * BN + offs < N_KEEP
         _produce_block(it0 + nb - 1, kid0, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
-                       vempty, 0, STAGES, D, DV, True)
+                       vempty, 0, STAGES, D, DV, True, PFENCE, nb > 1)
         if GPC == 2:
             _produce_block(it0 + nb - 1, kid1, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
-                           kempty, vempty, 1, STAGES, D, DV, True)
+                           kempty, vempty, 1, STAGES, D, DV, True, PFENCE, nb > 1)
+    if PFENCE:
+        _produce_flush(it0 + nb - 1, vready, 0, STAGES)
+        if GPC == 2:
+            _produce_flush(it0 + nb - 1, vready, 1, STAGES)
 
 
 @gluon.jit
 def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles,
               skb, skh, sks, svb, svh, svs, sib, sih, sig, sin,
               GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-              HAS_TAIL: gl.constexpr, OFF64: gl.constexpr):
+              HAS_TAIL: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr):
     """The producer warp group: the CTA's tiles t = program_id, + num_programs, ... (tile t = CTA group t % n_gc of
     head t // n_gc); the ring position runs on across tiles, so a persistent CTA gathers its next tile's first
     blocks while the consumers finish this one."""
@@ -163,7 +204,8 @@ def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N
     it0 = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, t % n_gc, t // n_gc,
-                      it0, skb, skh, sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64)
+                      it0, skb, skh, sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64,
+                      PFENCE)
         it0 += nb
     # no producer thread exits with its copies in flight (their noinc arrivals are what the consumers wait on)
     async_copy.commit_group()
@@ -173,7 +215,8 @@ def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N
 @gluon.jit
 def _consume_block(j, it, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, N_KEEP,
                    sm_scale_log2, zero_s, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-                   PDT: gl.constexpr, MASK: gl.constexpr, NEXT: gl.constexpr):
+                   PDT: gl.constexpr, MASK: gl.constexpr, NEXT: gl.constexpr, PFENCE: gl.constexpr,
+                   ONE_WAIT: gl.constexpr):
     """Block j (at ring position ``it``) with S_j given: softmax -> PV_j and S_{j+1} (NEXT) issued together ->
     PV_j retired (V_j freed) -> S_{j+1} retired (K_{j+1} freed). Returns (S_{j+1} or s, m_i, l_i, acc)."""
     o_layout: gl.constexpr = acc.type.layout
@@ -189,16 +232,23 @@ def _consume_block(j, it, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vrea
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p16 = gl.convert_layout(p.to(PDT), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     mbarrier.wait(vready.index(slot), (it // STAGES) & 1)
-    fence_async_shared()  # the rows were written by cp.async (generic proxy); wgmma reads through the async proxy
+    if not PFENCE:
+        fence_async_shared()  # the rows were written by cp.async (generic proxy); wgmma reads through the async proxy
     pv_tok = warpgroup_mma(p16, v_smem.index(slot), acc, is_async=True)
     if NEXT:
         mbarrier.wait(kready.index(nslot), ((it + 1) // STAGES) & 1)
-        fence_async_shared()
+        if not PFENCE:
+            fence_async_shared()
         s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=[pv_tok])  # PV_j done (groups retire in order); S_{j+1} may still run
-        mbarrier.arrive(vempty.index(slot), count=1)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(kempty.index(nslot), count=1)
+        if ONE_WAIT:  # both retired, then both stages freed behind one warp-group barrier
+            acc, s = warpgroup_mma_wait(0, deps=[pv_tok, s_tok])
+            mbarrier.arrive(vempty.index(slot), count=1)
+            mbarrier.arrive(kempty.index(nslot), count=1)
+        else:
+            acc = warpgroup_mma_wait(1, deps=[pv_tok])  # PV_j done (groups retire in order); S_{j+1} may still run
+            mbarrier.arrive(vempty.index(slot), count=1)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            mbarrier.arrive(kempty.index(nslot), count=1)
     else:
         acc = warpgroup_mma_wait(0, deps=[pv_tok])
         mbarrier.arrive(vempty.index(slot), count=1)
@@ -206,11 +256,65 @@ def _consume_block(j, it, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vrea
 
 
 @gluon.jit
+def _softmax(s, j, m_i, l_i, N_KEEP, sm_scale_log2, BN: gl.constexpr, PDT: gl.constexpr, o_layout: gl.constexpr,
+             MASK: gl.constexpr):
+    """Block j's online-softmax step on S_j: (P_j, fp32, in S's layout; alpha_j in the O layout's rows, the new
+    row max, the new row sum). ``_p_operand`` makes P_j PV's register A operand."""
+    if MASK:
+        cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
+        s = gl.where((cols < N_KEEP)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * sm_scale_log2)
+    p = gl.exp2(s * sm_scale_log2 - m_new[:, None])  # the scale folded into the exponent: one FFMA per score
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_new, l_i
+
+
+@gluon.jit
+def _p_operand(p, PDT: gl.constexpr, o_layout: gl.constexpr):
+    """P (fp32, S's layout) as the PV MMA's 16-bit register A operand (the same registers' elements: a cast)."""
+    return gl.convert_layout(p.to(PDT), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+
+@gluon.jit
+def _overlap_block(j, it, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, N_KEEP,
+                   sm_scale_log2, zero_s, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+                   PDT: gl.constexpr, MASK: gl.constexpr, PFENCE: gl.constexpr):
+    """OVERLAP (FlashAttention-3's order in one warp group), block j >= 1 at ring position ``it``, with P_{j-1}
+    given (16-bit, PV's register operand) and O rescaled to its max: S_j and PV_{j-1} issued together -> S_j
+    retired (K_j freed) -> softmax(S_j) -> PV_{j-1} retired (V_{j-1} freed) -> O rescaled by alpha_j, P_j cast.
+    Returns (P_j, m_i, l_i, acc).
+    NOTE what ptxas makes of it (offline SASS, C = 128): the wait for PV_{j-1} lands after the row max, before the
+    exponentials (P_j is loop-carried in the registers PV_{j-1} reads, and ptxas interleaves the casts with the
+    exponentials), so PV_{j-1} overlaps S_j's MMA and the row max, not the exponentials. Casting P_{j-1} at the top
+    instead (the softmax then touches only S's registers) moved the same wait to the same place and spilled 232
+    bytes; a cast written before the wait serialises every wgmma (ptxas C7513)."""
+    o_layout: gl.constexpr = acc.type.layout
+    slot = ring * STAGES + it % STAGES
+    pslot = ring * STAGES + (it + STAGES - 1) % STAGES
+    mbarrier.wait(kready.index(slot), (it // STAGES) & 1)
+    if not PFENCE:
+        fence_async_shared()
+    s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(vready.index(pslot), ((it - 1) // STAGES) & 1)
+    if not PFENCE:
+        fence_async_shared()
+    pv_tok = warpgroup_mma(p16, v_smem.index(pslot), acc, is_async=True)
+    s = warpgroup_mma_wait(1, deps=[s_tok])  # S_j done (groups retire in order); PV_{j-1} may still run
+    mbarrier.arrive(kempty.index(slot), count=1)
+    p, alpha, m_i, l_i = _softmax(s, j, m_i, l_i, N_KEEP, sm_scale_log2, BN, PDT, o_layout, MASK)
+    acc, p16 = warpgroup_mma_wait(0, deps=[pv_tok, p16])  # P_{j-1}'s registers are PV's operand until here
+    mbarrier.arrive(vempty.index(pslot), count=1)
+    return _p_operand(p, PDT, o_layout), m_i, l_i, acc * alpha[:, None]
+
+
+@gluon.jit
 def _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
                   sm_scale_log2, gc, bh, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
                   half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                   DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
-                  HAS_FLAG: gl.constexpr, OFF64: gl.constexpr):
+                  HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr,
+                  OVERLAP: gl.constexpr):
     """One consumer warp group on tile (gc, bh): 64 query rows (``half`` of a C = 128 group, or all of group
     2 gc + half at C = 64) through every key block of its ring (ring positions it0 ...), then the epilogue."""
     BM: gl.constexpr = 64
@@ -247,17 +351,38 @@ def _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vrea
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
     slot0 = ring * STAGES + it0 % STAGES
     mbarrier.wait(kready.index(slot0), (it0 // STAGES) & 1)
-    fence_async_shared()
+    if not PFENCE:
+        fence_async_shared()
     s_tok = warpgroup_mma(q_smem, k_smem.index(slot0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     mbarrier.arrive(kempty.index(slot0), count=1)
-    for j in range(0, nb - 1):
-        s, m_i, l_i, acc = _consume_block(j, it0 + j, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready,
-                                          kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT, False,
-                                          True)
-    s, m_i, l_i, acc = _consume_block(nb - 1, it0 + nb - 1, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready,
-                                      kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT, HAS_TAIL,
-                                      False)
+    if OVERLAP:
+        # block 0's softmax masked when there is a tail (exact on a full block too: every column < n_keep)
+        p, alpha, m_i, l_i = _softmax(s, 0, m_i, l_i, N_KEEP, sm_scale_log2, BN, PDT, o_layout, HAS_TAIL)
+        p16 = _p_operand(p, PDT, o_layout)
+        for j in range(1, nb - 1):
+            p16, m_i, l_i, acc = _overlap_block(j, it0 + j, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready,
+                                                vready, kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES,
+                                                BN, PDT, False, PFENCE)
+        if nb > 1:
+            p16, m_i, l_i, acc = _overlap_block(nb - 1, it0 + nb - 1, p16, m_i, l_i, acc, q_smem, k_smem, v_smem,
+                                                kready, vready, kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring,
+                                                STAGES, BN, PDT, HAS_TAIL, PFENCE)
+        lslot = ring * STAGES + (it0 + nb - 1) % STAGES
+        mbarrier.wait(vready.index(lslot), ((it0 + nb - 1) // STAGES) & 1)
+        if not PFENCE:
+            fence_async_shared()
+        pv_tok = warpgroup_mma(p16, v_smem.index(lslot), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[pv_tok])
+        mbarrier.arrive(vempty.index(lslot), count=1)
+    else:
+        for j in range(0, nb - 1):
+            s, m_i, l_i, acc = _consume_block(j, it0 + j, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready,
+                                              kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT,
+                                              False, True, PFENCE, ONE_WAIT)
+        s, m_i, l_i, acc = _consume_block(nb - 1, it0 + nb - 1, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready,
+                                          vready, kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT,
+                                          HAS_TAIL, False, PFENCE, ONE_WAIT)
 
     # epilogue: O = acc / l, + residual, flagged columns NaN, rows scattered to sigma
     ro = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
@@ -281,14 +406,15 @@ def _consumer(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, 
               sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
               half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
               DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
-              HAS_FLAG: gl.constexpr, OFF64: gl.constexpr):
+              HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr,
+              OVERLAP: gl.constexpr):
     """One consumer warp group over the CTA's tiles (as ``_producer``)."""
     nb = gl.cdiv(N_KEEP, BN)
     it0 = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
                       sm_scale_log2, t % n_gc, t // n_gc, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, half, C,
-                      GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64)
+                      GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP)
         it0 += nb
 
 
@@ -300,7 +426,7 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, RES, OUT, FLAG,
                              C: gl.constexpr, GPC: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                              BN: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr,
                              HAS_RES: gl.constexpr, HAS_FLAG: gl.constexpr, OFF64: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                             PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                              num_warps: gl.constexpr):
     """Two consumer warp groups (the default partition and a worker) and a producer warp group; module doc."""
     dt: gl.constexpr = K.dtype.element_ty
@@ -313,19 +439,20 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, RES, OUT, FLAG,
     kempty = gl.allocate_shared_memory(gl.int64, [NR * STAGES, 1], mbarrier.MBarrierLayout())
     vempty = gl.allocate_shared_memory(gl.int64, [NR * STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NR * STAGES):
-        mbarrier.init(kready.index(i), count=32 * 4)  # every producer thread's noinc cp.async arrival
-        mbarrier.init(vready.index(i), count=32 * 4)
+        # every producer thread's noinc cp.async arrival, or (PFENCE) one arrival after the producer's fence
+        mbarrier.init(kready.index(i), count=1 if PFENCE else 32 * 4)
+        mbarrier.init(vready.index(i), count=1 if PFENCE else 32 * 4)
         mbarrier.init(kempty.index(i), count=2 // NR)  # C = 128: both consumers read the ring; C = 64: one
         mbarrier.init(vempty.index(i), count=2 // NR)
     gl.warp_specialize([
         (_consumer, (Q, SIGMA, RES, OUT, FLAG, q_smem.index(0), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
                      N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 0, C, GPC, BN,
-                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64)),
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP)),
         (_consumer, (Q, SIGMA, RES, OUT, FLAG, q_smem.index(1), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
                      N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 1, C, GPC, BN,
-                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64)),
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP)),
         (_producer, (K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles, skb, skh,
-                     sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64)),
+                     sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64, PFENCE)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -384,6 +511,8 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
         res.stride(0), res.stride(1), res.stride(2), out.stride(0), out.stride(1), out.stride(2),
         H, S, G, n_keep, float(sm_scale) * LOG2E, n_gc, n_tiles,
         C=C, GPC=GPC, D=D, DV=DV, BN=BN, STAGES=launch.stages, HAS_TAIL=n_keep % BN != 0, HAS_RES=has_res,
-        HAS_FLAG=flag is not None, OFF64=off64, CONSUMER_REGS=launch.consumer_regs,
+        HAS_FLAG=flag is not None, OFF64=off64, PFENCE=launch.producer_fence, ONE_WAIT=launch.one_wait,
+        OVERLAP=launch.overlap,
+        CONSUMER_REGS=launch.consumer_regs,
         PRODUCER_REGS=launch.producer_regs, num_warps=4, maxnreg=WS_MAXNREG)
     return out
