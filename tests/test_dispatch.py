@@ -89,8 +89,9 @@ def test_report_label_is_the_dispatch_decision():
     from vc_compile.config import VCConfig
     from vc_compile.methods import vsmooth
     cfg = VCConfig()
-    assert vsmooth.path_label("triton", None, cfg, cpu) == "triton"
-    assert vsmooth.path_label("reference", None, cfg, cpu) == "reference"
+    x = torch.zeros(1, 1, 8, 64)
+    assert vsmooth.path_label("triton", None, cfg, x, x) == "triton"
+    assert vsmooth.path_label("reference", None, cfg, x, x) == "reference"
 
 
 def test_every_entry_has_a_kernel_and_a_reference():

@@ -27,7 +27,7 @@ def _toy():
 
     m = types.SimpleNamespace(USES_KERNELS=True, FUSES_ROPE=False, NEEDS_IDENTITY=False,
                               needs_fp8=lambda cfg: False, ineligible=lambda q, k, v: None, plan=plan, run=run,
-                              path_label=lambda path, phase, cfg, device: f"toy:{phase.value}",
+                              path_label=lambda path, phase, cfg, q, v: f"toy:{phase.value}",
                               replayable=lambda phase, cfg: False)
     return m, seen
 

@@ -425,7 +425,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         state.put(key, new_meta)
         _watch(ident, key)
     rec.phases[phase.value] += 1
-    label = "sdpa" if phase == Phase.DENSE else M.path_label(path, phase, cfg, q.device)
+    label = "sdpa" if phase == Phase.DENSE else M.path_label(path, phase, cfg, q, v)
     rec.kernel_path[label + "+cuda_graph" if phase != Phase.DENSE and replayed else label] += 1
     rec.step_sources[info.source] += 1
     if phase != Phase.DENSE and impl == dispatch.Impl.REFERENCE and out.device.type == "cpu":

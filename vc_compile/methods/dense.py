@@ -32,7 +32,7 @@ def ineligible(q, k, v) -> Optional[str]:
     return None
 
 
-def path_label(path: str, phase: Phase, cfg, device) -> str:
+def path_label(path: str, phase: Phase, cfg, q, v) -> str:
     return "sdpa"
 
 

@@ -258,14 +258,18 @@ def query_order(impl, q, cfg) -> torch.Tensor:
     return dispatch.pddp_perm(impl, q, cfg.group_size)
 
 
-def path_label(path: str, phase, cfg, device=None) -> str:
-    """The kernel path recorded in ``report()`` for this call: ``path`` ("triton", "reference", ...),
-    plus the parts of the ablation variants that run as plain torch on the Triton path."""
+def path_label(path: str, phase, cfg, q=None, v=None) -> str:
+    """The kernel path recorded in ``report()`` for this call: ``path`` ("triton", "reference", ...), the
+    gather kernel's label where the call runs the Gluon sm_90 one (``dispatch.sparse_kernel``, the same decision
+    the call makes; q and v given), plus the parts of the ablation variants that run as plain torch on the
+    Triton path."""
     ex = cfg.experimental
     if phase == Phase.WARMUP:
-        return vsmooth.path_label(path, phase, cfg, device)
+        return vsmooth.path_label(path, phase, cfg, q, v)
     if path != "triton" or phase not in (Phase.ANCHOR, Phase.REUSE):
         return path
+    if q is not None and v is not None:
+        path = dispatch.sparse_label(q, v, cfg.sparse_qk.value, cfg.group_size)
     selects = phase == Phase.ANCHOR or ex.selection_refresh == SelectionRefresh.EVERY_STEP
     if not selects:
         return path

@@ -17,7 +17,8 @@ A method module is an ``AttentionMethod``:
                      what runs when the site is too sharp, and a guard reading to record;
 ``run(q, k, v, *, phase, meta, cfg, sm_scale, impl, **kw) -> (out, new meta)``  ``Phase.DENSE`` never reaches
                      it (the op runs stock SDPA);
-``path_label(path, phase, cfg, device) -> str``  the kernel path ``report()`` records;
+``path_label(path, phase, cfg, q, v) -> str``  the kernel path ``report()`` records for a call on these inputs
+                     (the dispatch decisions depend on their device, head dims and dtype);
 ``replayable(phase, cfg) -> bool``  whether ``run`` of this phase launches the same kernels on the same buffers
                      whatever q, k, v hold, reads nothing back to the host and returns the metadata it was given:
                      the op may then replay it as a CUDA graph (``cuda_graphs``, runtime/graphs.py).
@@ -58,6 +59,6 @@ class AttentionMethod(Protocol):
 
     def run(self, q, k, v, *, phase, meta, cfg, sm_scale, impl, **kw): ...
 
-    def path_label(self, path: str, phase: Phase, cfg, device) -> str: ...
+    def path_label(self, path: str, phase: Phase, cfg, q, v) -> str: ...
 
     def replayable(self, phase: Phase, cfg) -> bool: ...

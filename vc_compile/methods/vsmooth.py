@@ -84,11 +84,11 @@ def ineligible(q, k, v) -> Optional[str]:
     return dispatch.vsmooth_ineligible(q, k, v)
 
 
-def path_label(path: str, phase, cfg, device) -> str:
+def path_label(path: str, phase, cfg, q, v) -> str:
     """The kernel path recorded in ``report()``: ``"triton/gluon_sm90"`` where the attention runs the Gluon
     sm_90 kernel (templates/vsmooth_attn_sm90.py; INT8 Q/K on an sm_90 GPU), else ``path``."""
     if path == "triton":
-        return dispatch.vsmooth_label(device, cfg.qk_format.value)
+        return dispatch.vsmooth_label(q.device, cfg.qk_format.value)
     return path
 
 

@@ -109,9 +109,10 @@ KERNELS: Dict[str, KernelRow] = {r.name: r for r in (
               candidates=lambda fmt, D, C_, **_: list(C.sparse_candidates(fmt, D, C_)),
               variant=lambda fmt, C_, keep, Sk, **_: C.sparse_variant(fmt, C_, keep, Sk),
               reference="sparse_attn", entries=("sparse_attention",)),
-    # the Gluon gather kernel: opt-in, reached only by calling it directly until it is measured (no wrapper yet)
+    # the Gluon gather kernel: bf16 / fp16 on sm_90 (``sparse_kernel``), its launch per group size (untuned)
     KernelRow("sparse_attn_sm90", "sparse_attn_sm90", C.SparseAttnSm90Config, label="triton/gluon_sm90_gather",
-              core=False, reference="sparse_attn"),
+              core=False, reference="sparse_attn", entries=("sparse_attention_sm90",),
+              ref_names=(("sparse_attention_sm90", "sparse_attn:sparse_attention"),)),
     KernelRow("finite_flags", "finite_flags", C.FiniteFlagsConfig, reference="finite_flags",
               entries=("finite_flags", "probe_error"), default_launch=C.FINITE_FLAGS_DEFAULT,
               launched=("finite_flags",)),
@@ -421,12 +422,34 @@ def sparse_candidates(qk_format: str, D: int, C_: int) -> List:
     return candidates("sparse_attn", fmt=qk_format, D=D, C_=C_)
 
 
+def sparse_kernel(q, v, qk_format: str, group_size: int, launch=None) -> str:
+    """The gather kernel a TRITON ``sparse_attention`` call runs: "sparse_attn_sm90" (the warp-specialised Gluon
+    kernel) on an sm_90 GPU for bf16 / fp16 scores (``qk_format="bf16"``) with head dims 64 / 128 and C = 64 /
+    128, "sparse_attn" (Triton) otherwise; a launch config picks its kernel."""
+    if launch is not None:
+        return "sparse_attn_sm90" if isinstance(launch, C.SparseAttnSm90Config) else "sparse_attn"
+    dev = q.device
+    if (dev.type != "cuda" or interpreting() or qk_format != "bf16" or int(group_size) not in (64, 128)
+            or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128)
+            or v.shape[-1] not in (64, 128)):
+        return "sparse_attn"
+    return "sparse_attn_sm90" if _is_sm90(dev.index if dev.index is not None else torch.cuda.current_device()) \
+        else "sparse_attn"
+
+
+def sparse_label(q, v, qk_format: str, group_size: int) -> str:
+    """The kernel path ``report()`` records for a TRITON ``sparse_attention`` call (no launch config): the row
+    label of the kernel ``sparse_kernel`` picks."""
+    return KERNELS[sparse_kernel(q, v, qk_format, group_size)].label
+
+
 def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_size: int, residual=None,
-                     out_dtype=None, qk_format: str = "bf16", launch: Optional[C.SparseAttnConfig] = None,
-                     k_fp8=None, flag=None):
+                     out_dtype=None, qk_format: str = "bf16", launch=None, k_fp8=None, flag=None):
     """Token-gather sparse attention (reference/sparse_attn.py; ``qk_format="fp8"``: reference/sparse_attn_q8.py):
     [B, H, S, Dv] in ``out_dtype`` (default q.dtype), original query order; ``flag`` [B, H, Dv] int32
-    (``finite_flags``): NaN in the flagged columns. The tuning runs without ``flag`` (one epilogue select)."""
+    (``finite_flags``): NaN in the flagged columns. TRITON: the kernel of ``sparse_kernel`` (``launch``: a
+    ``SparseAttnConfig`` or ``SparseAttnSm90Config``, which picks its kernel); the Triton kernel's launch is tuned
+    (without ``flag``: one epilogue select), the Gluon kernel's is its default per group size."""
     if impl == Impl.REFERENCE:
         _no_launch(launch)
         # FP8 QK has an oracle of its own (the FP8 rounding of q and k before the scores)
@@ -434,6 +457,10 @@ def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_
               if qk_format == "fp8" else reference_fn("sparse_attn", "sparse_attention"))
         return fn(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual,
                   out_dtype=out_dtype, flag=flag)
+    if sparse_kernel(q, v, qk_format, group_size, launch) == "sparse_attn_sm90":
+        return kernel_fn("sparse_attn_sm90", "sparse_attention_sm90")(
+            q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual, out_dtype=out_dtype,
+            flag=flag, launch=launch)
     kmod = kernel_module("sparse_attn")
     if launch is None:
         fmt = "fp8" if qk_format == "fp8" else "bf16"
