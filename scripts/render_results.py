@@ -7,8 +7,8 @@
 
 ``--write`` replaces the text between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in
 README.md and docs/performance.md (``--docs FILE ...`` to choose) with block NAME (``blocks()``):
-``pipeline``, ``generation``, ``kernels``, ``kernels-summary``, ``kernels-sm90``, ``op-overhead``,
-``cold-start``, ``e2e``. A block whose CSV has no rows says
+``pipeline``, ``generation``, ``kernels``, ``kernels-summary``, ``kernels-sm90``, ``sparse-sm90``,
+``op-overhead``, ``cold-start``, ``e2e``. A block whose CSV has no rows says
 "no rows yet" (it never keeps or invents numbers); a broken marker is an error naming the file and block.
 
 Tables (markdown, printed):
@@ -495,6 +495,34 @@ def sm90_ab_tables(rows) -> List[str]:
                  "note", "run"], body)]
 
 
+def sparse_sm90_tables(rows) -> List[str]:
+    """``bench_sparse_attn_sm90.csv``: for each (H, S, D), the rows of its latest run (one date and commit): the
+    gather kernels (Triton, the Gluon sm_90 kernel's configs) per group size and density, beside cuDNN and FA3
+    bf16 of that run, with eta = (t_FA3 / t) x s."""
+    if not rows:
+        return [_none_yet("bench_sparse_attn_sm90.csv", "`python -m benchmarks.bench_sparse_attn_sm90` on a GPU")]
+    groups: Dict[tuple, List[Dict[str, str]]] = {}
+    for r in rows:
+        groups.setdefault((int(r["H"]), int(r["S"]), int(r.get("D") or 128)), []).append(r)
+    body = []
+    for (H, S, D), rs in sorted(groups.items()):
+        run = max((r.get("date", ""), r.get("commit", "")) for r in rs)
+        for r in rs:
+            if (r.get("date", ""), r.get("commit", "")) != run:
+                continue
+            cfg = r.get("config", "") or ""
+            cfg = "default" if cfg.startswith("default") else cfg
+            cfg = "shipped" if cfg.startswith("SparseAttnConfig") else cfg
+            body.append([str(H), str(S), str(D), r["variant"], cfg, r.get("C", "") or "", f(num(r.get("density")), "{:.2f}"),
+                         f(r.get("ms"), "{:.2f}"), f(num(r.get("speedup_vs_cudnn")), "{:.2f}x"),
+                         f(num(r.get("eta")), "{:.2f}"), f(r.get("rel_l2"), "{:.2e}"), f"{run[0][:10]} {run[1]}"])
+    gpus = sorted({r.get("gpu", "") for r in rows})
+    return [f"**bench_sparse_attn_sm90** (the gather kernels alone, reuse step with its residual epilogue; B = 1; "
+            f"{', '.join(gpus)}; the latest run of each shape, every row of that run; eta against FA3 bf16)\n\n"
+            + md_table(["H", "S", "D", "variant", "config", "C", "s", "ms", "x cuDNN", "eta", "rel. L2 vs fp32",
+                        "run"], body)]
+
+
 def sm90_kernel_line(rows) -> str:
     """One table from ``bench_vsmooth_attn_sm90.csv`` for the README: the default launches of the Gluon kernel
     alone (ExpCast, V-Smooth) at H = 40, D = 128 on the structured inputs, per S from its latest run, against FA3's
@@ -583,6 +611,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
         "kernels-summary": "\n\n".join(t for t in (kernel_summary(ker),
                                                       sm90_kernel_line(rd("bench_vsmooth_attn_sm90.csv"))) if t),
         "kernels-sm90": "\n\n".join(sm90_ab_tables(rd("bench_vsmooth_attn_sm90.csv"))),
+        "sparse-sm90": "\n\n".join(sparse_sm90_tables(rd("bench_sparse_attn_sm90.csv"))),
         "op-overhead": "\n\n".join(overhead_tables(rd("bench_op_overhead.csv"))),
         "cold-start": "\n\n".join(cold_start_tables(rd("bench_cold_start.csv"))),
         "e2e": "\n\n".join(e2e_tables(e2e)) if any(r.get("bench") == "e2e" for r in e2e) else

@@ -150,6 +150,25 @@ def test_sm90_ab_block_shows_the_latest_run_per_shape():
     assert "24.00" in text and "17.00" in text and "| 64 |" in text and "| 128 |" in text
 
 
+def test_sparse_sm90_block_shows_the_latest_run_per_shape_with_eta():
+    """The gather-kernel block: every row of the latest run of each (H, S, D) with its eta and x cuDNN, an older run
+    of that shape left out, the configs named shortly (the default, the Triton kernel's shipped config)."""
+    from scripts.render_results import sparse_sm90_tables
+    base = dict(B="1", H="40", S="32760", D="128", gpu="NVIDIA H200", C="128", density="0.15")
+    rows = [dict(base, date="2026-12-02 01:00", commit="aaa", variant="gluon_sm90_gather", config="128/2",
+                 ms="7.5", eta="0.61", speedup_vs_cudnn="5.0"),
+            dict(base, date="2026-12-03 02:00", commit="bbb", variant="sdpa_cudnn", density="1.0", ms="38.0"),
+            dict(base, date="2026-12-03 02:00", commit="bbb", variant="triton_gather",
+                 config="SparseAttnConfig(block_n=64, num_warps=4)", ms="7.6", eta="0.63", speedup_vs_cudnn="4.99"),
+            dict(base, date="2026-12-03 02:00", commit="bbb", variant="gluon_sm90_gather",
+                 config="default (SparseAttnSm90Config(block_n=128))", ms="6.48", eta="0.74", speedup_vs_cudnn="5.87",
+                 rel_l2="1.69e-3")]
+    text = sparse_sm90_tables(rows)[0]
+    assert "| 6.48 | 5.87x | 0.74 | 1.69e-03 |" in text and "| default |" in text and "| shipped |" in text
+    assert "7.50" not in text and "38.00" in text
+    assert "bench_sparse_attn_sm90.csv" in sparse_sm90_tables([])[0]
+
+
 def test_sm90_kernel_line_quotes_the_default_launches_of_the_latest_run():
     """README's kernel-alone table: per S the latest run's ExpCast and V-Smooth default rows beside FA3 FP8's,
     launch variants and other shapes left out."""
