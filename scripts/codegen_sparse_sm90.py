@@ -168,8 +168,8 @@ def main(argv=None):
                 else [CF.sparse_sm90_default(C)])
         for cfg in cfgs:
             k = compile_one(a.S, C, cfg, a.density)
-            name = (f"c{C}_BN{cfg.block_n}_s{cfg.stages}" + "".join(f for f, n in cfg.SPEC_FLAGS.items() if getattr(cfg, n))
-                    + ("_off64" if a.off64 else ""))
+            flags = "".join(f for f, n in cfg.SPEC_FLAGS.items() if getattr(cfg, n))
+            name = f"c{C}_BN{cfg.block_n}_s{cfg.stages}{flags}" + ("_off64" if a.off64 else "")
             out[name] = kernel_stats(k)
             if a.dump:
                 cs.dump_asm(k, f"{a.dump}_{name}")

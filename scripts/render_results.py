@@ -513,8 +513,8 @@ def sparse_sm90_tables(rows) -> List[str]:
             cfg = r.get("config", "") or ""
             cfg = "default" if cfg.startswith("default") else cfg
             cfg = "shipped" if cfg.startswith("SparseAttnConfig") else cfg
-            body.append([str(H), str(S), str(D), r["variant"], cfg, r.get("C", "") or "", f(num(r.get("density")), "{:.2f}"),
-                         f(r.get("ms"), "{:.2f}"), f(num(r.get("speedup_vs_cudnn")), "{:.2f}x"),
+            body.append([str(H), str(S), str(D), r["variant"], cfg, r.get("C", "") or "",
+                         f(num(r.get("density")), "{:.2f}"), f(r.get("ms"), "{:.2f}"), f(num(r.get("speedup_vs_cudnn")), "{:.2f}x"),
                          f(num(r.get("eta")), "{:.2f}"), f(r.get("rel_l2"), "{:.2e}"), f"{run[0][:10]} {run[1]}"])
     gpus = sorted({r.get("gpu", "") for r in rows})
     return [f"**bench_sparse_attn_sm90** (the gather kernels alone, reuse step with its residual epilogue; B = 1; "

@@ -321,7 +321,8 @@ def test_dispatch_rule(monkeypatch):
     assert dispatch.sparse_kernel(x(64, torch.float16), x(64, torch.float16), "bf16", 64) == "sparse_attn_sm90"
     assert dispatch.sparse_label(q, q, "bf16", 128) == "triton/gluon_sm90_gather"
     for why, args in (("FP8 scores", (q, q, "fp8", 128)), ("head dim 256", (x(256), x(256), "bf16", 128)),
-                      ("value head dim 32", (q, x(32), "bf16", 128)), ("fp32", (x(dtype=torch.float32),) * 2 + ("bf16", 128)),
+                      ("value head dim 32", (q, x(32), "bf16", 128)),
+                      ("fp32", (x(dtype=torch.float32),) * 2 + ("bf16", 128)),
                       ("CPU", (x(dev="cpu"), x(dev="cpu"), "bf16", 128))):
         assert dispatch.sparse_kernel(*args) == "sparse_attn", why
     assert dispatch.sparse_kernel(q, q, "bf16", 128, launch=CF.SparseAttnConfig()) == "sparse_attn"
