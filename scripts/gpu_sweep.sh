@@ -8,7 +8,8 @@
 #   kernels       scripts/ab_redesign.py on the tree in .old (if carried), this one, .old again; then the
 #                 kernel benchmarks with their FA4 / cuDNN / sageattention baselines (KERNEL_BENCH=0: A/B only)
 #   pipeline | generation | anchor | guard | flags | cold   the whole-generation benchmarks
-#   other stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, soak,
+#   other stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, sparse90 (the Gluon
+#   gather kernel vs the Triton one, cuDNN and FA3 bf16; SPARSE90_ARGS e.g. --configs default,128/2), soak,
 #   cp (two GPUs), gputests, gpukey, vsmooth (A/B), sm90 (the Gluon kernel vs FA3 FP8), ncu (ExpCast kernel and
 #   FA3 FP8, one launch each: instructions, issue, pipes), preprocess, tune, pkg (NVML, enable(), package tests)
 # Results: benchmarks/results/*.csv (and .old's) are copied to $OUT/results after every stage.
@@ -111,6 +112,8 @@ while [ $# -gt 0 ]; do
       run_stage sparseab75 200 $PY -m benchmarks.bench_sparse_attn --ab --sizes 75600 --budget 150 \
         --group-sizes 128 --ab-switches base,kvoff \
         --csv "$OUT/bench_sparse_attn.csv" ;;
+    sparse90)
+      run_stage sparse90 "${SPARSE90_S:-240}" $PY -m benchmarks.bench_sparse_attn_sm90 ${SPARSE90_ARGS:-} ;;
     soak)
       run_stage soak 170 $PY -m benchmarks.bench_soak --generations 60 --steps 6 --seq 4096 --alt-seq 3072 \
         --heads 8 --dim 1024 --cfg --plot "$OUT/soak_cuda.png" ;;
