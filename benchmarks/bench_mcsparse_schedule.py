@@ -3,6 +3,7 @@
     python -m benchmarks.bench_mcsparse_schedule                          # 50 steps, s = 0.15, warm-up 2..10
     python -m benchmarks.bench_mcsparse_schedule --warmups 0,4,10 --density 0.25 --steps 50
     python -m benchmarks.bench_mcsparse_schedule --smoke                  # CPU: 3 steps, 4 frames, no rows
+    python -m benchmarks.bench_mcsparse_schedule --warmups 10 --anchor-sets "10,26;10;10,18,26,34,42"
 
 The warm-up is the largest share of MC-Sparse's attention time over a generation (Wan 2.1 1.3B, 50 steps, H200:
 6.3 s of 15.3 s, ``bench_pipeline.csv``): its steps run the dense 8-bit V-Smooth path, ~1.7x a reuse step's
@@ -11,7 +12,8 @@ it is measured: the trained demo model (``vc_compile.demo``: a WanTransformer3DM
 16 x 32 x 32 px = 4096 tokens, CFG 3), one ``--steps``-step generation per warm-up length, each against the
 dense clip of the same seed (PSNR, SSIM, rel. L2 of the frames) and the anchors where the schedule puts them
 (the first step after the warm-up and 52% of the steps). The same generation with V-Smooth alone is the
-8-bit floor the sparse steps add to. ``attn_cost`` models the generation's attention time in reuse-step units
+8-bit floor the sparse steps add to. ``--anchor-sets`` sweeps the anchor schedule instead (option
+``anchor_steps``; the warm-up of ``--warmups``, one value): where re-selecting pays for its cost. ``attn_cost`` models the generation's attention time in reuse-step units
 from the measured per-call costs of the 1.3B pipeline rows (warm-up 1.7, anchor 0.55 x 1.7 / ... see COSTS).
 
 On a CPU the op runs its plain-PyTorch reference (the kernels' oracle): the fidelity is the method's, the times
@@ -46,23 +48,41 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu (reference kernels)")
     ap.add_argument("--expcast", action="store_true", help="MC-Sparse's warm-up (and the V-Smooth floor) on the "
                     "ExpCast path (option expcast)")
+    ap.add_argument("--anchor-sets", default=None,
+                    help='anchor schedules to compare, e.g. "10,26;10;10,18,26,34,42" (steps; needs one --warmups)')
+    ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the V-Smooth floor run")
     ap.add_argument("--smoke", action="store_true", help="CPU: 3 steps, 4 frames (1024 tokens), warm-ups 0,1, "
                     "no rows")
     a = ap.parse_args(argv)
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if a.smoke:
-        a.steps, a.warmups, a.device = 3, "0,1", "cpu"
+        a.steps, a.device = 3, "cpu"
+        a.warmups = a.warmups if a.anchor_sets else "0,1"
     a.warmup_list = [int(x) for x in a.warmups.split(",") if x.strip()]
     if any(w < 0 or w >= a.steps for w in a.warmup_list):
         ap.error(f"--warmups must lie in [0, {a.steps - 1}]")
+    a.anchor_list = None
+    if a.anchor_sets:
+        if len(a.warmup_list) != 1:
+            ap.error("--anchor-sets needs one --warmups value (the warm-up every schedule shares)")
+        try:
+            a.anchor_list = [tuple(sorted({int(x) for x in grp.split(",")})) for grp in a.anchor_sets.split(";")]
+        except ValueError:
+            ap.error(f"--anchor-sets {a.anchor_sets!r}: steps as integers, e.g. \"10,26;10\"")
+        w = a.warmup_list[0]
+        if any(not st or min(st) != w or max(st) >= a.steps for st in a.anchor_list):
+            ap.error(f"--anchor-sets: every schedule starts at step {w} (the first step after the warm-up selects: "
+                     f"nothing is cached before it) and stays below {a.steps}")
     return a
 
 
-def schedule_cost(steps: int, warmup: int, density: float) -> tuple:
-    """(phase per step, the generation's attention cost in reuse-step units) as MC-Sparse runs them."""
+def schedule_cost(steps: int, warmup: int, density: float, anchors=None) -> tuple:
+    """(phase per step, the generation's attention cost in reuse-step units) as MC-Sparse runs them
+    (``anchors``: the ``anchor_steps`` option, None for the default schedule)."""
     from vc_compile.config import VCConfig
     from vc_compile.methods import mcsparse
-    cfg = VCConfig.from_options({"method": "mcsparse", "density": density, "warmup_steps": warmup})
+    cfg = VCConfig.from_options({"method": "mcsparse", "density": density, "warmup_steps": warmup,
+                                 **({"anchor_steps": list(anchors)} if anchors else {})})
     anchors = set(mcsparse.anchor_steps(cfg, steps))
     phases = ["warmup" if i < warmup else "anchor" if i in anchors else "reuse" for i in range(steps)]
     return phases, sum(COSTS[p] for p in phases)
@@ -92,9 +112,16 @@ def main(argv=None):
     runs = [("dense", {"method": "dense"}, None)]  # the reference first; V-Smooth (the 8-bit floor) last
     ec = {"expcast": True} if a.expcast else {}
     tag = "+expcast" if a.expcast else ""
-    runs += [(f"mcsparse{tag}@{a.density:g} warmup {w}", {"method": "mcsparse", "density": a.density,
-                                                           "warmup_steps": w, **ec}, w) for w in a.warmup_list]
-    runs += [(f"vsmooth{tag}", {"method": "vsmooth", **ec}, None)]
+    if a.anchor_list:
+        w = a.warmup_list[0]
+        runs += [(f"mcsparse{tag}@{a.density:g} anchors {','.join(map(str, st))}",
+                  {"method": "mcsparse", "density": a.density, "warmup_steps": w, "anchor_steps": list(st), **ec}, w)
+                 for st in a.anchor_list]
+    else:
+        runs += [(f"mcsparse{tag}@{a.density:g} warmup {w}", {"method": "mcsparse", "density": a.density,
+                                                               "warmup_steps": w, **ec}, w) for w in a.warmup_list]
+    if a.floor:
+        runs += [(f"vsmooth{tag}", {"method": "vsmooth", **ec}, None)]
     extras = ["model", "steps", "warmup_steps", "anchors", "psnr_db", "ssim", "attn_cost", "device", "phases", "note"]
     dense, rows = None, []
     for label, opts, w in runs:
@@ -109,7 +136,7 @@ def main(argv=None):
                    note=("reference kernels on CPU: fidelity only, times meaningless" if cpu else "") +
                         ("" if trained else "; random weights: errors understated"))
         if w is not None:
-            phases, cost = schedule_cost(a.steps, w, a.density)
+            phases, cost = schedule_cost(a.steps, w, a.density, opts.get("anchor_steps"))
             row.update(anchors=" ".join(str(i) for i, p in enumerate(phases) if p == "anchor"), attn_cost=cost,
                        phases=res.summary)
         rows.append(row)

@@ -18,3 +18,17 @@ def test_warmups_must_fit_the_schedule():
     assert bs.parse_args(["--warmups", "0,5", "--steps", "10", "--device", "cpu"]).warmup_list == [0, 5]
     with pytest.raises(SystemExit):
         bs.parse_args(["--warmups", "10", "--steps", "10"])
+
+
+def test_anchor_sets_are_the_schedules_mcsparse_runs():
+    a = bs.parse_args(["--warmups", "10", "--anchor-sets", "10,26;10;10,18,26,34,42", "--device", "cpu"])
+    assert a.anchor_list == [(10, 26), (10,), (10, 18, 26, 34, 42)]
+    phases, cost = bs.schedule_cost(50, 10, 0.15, (10, 18, 26, 34, 42))
+    assert [i for i, p in enumerate(phases) if p == "anchor"] == [10, 18, 26, 34, 42]
+    assert cost == pytest.approx(10 * bs.COSTS["warmup"] + 5 * bs.COSTS["anchor"] + 35)
+    assert bs.schedule_cost(50, 10, 0.15, (10, 26)) == bs.schedule_cost(50, 10, 0.15)  # the default schedule
+    for bad in (["--warmups", "4,10", "--anchor-sets", "10"],  # one warm-up for all schedules
+                ["--warmups", "10", "--anchor-sets", "12,26"],  # the first step after the warm-up selects
+                ["--warmups", "10", "--anchor-sets", "10,50"], ["--warmups", "10", "--anchor-sets", "10,x"]):
+        with pytest.raises(SystemExit):
+            bs.parse_args(bad + ["--device", "cpu"])
