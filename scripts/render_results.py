@@ -8,7 +8,7 @@
 ``--write`` replaces the text between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in
 README.md and docs/performance.md (``--docs FILE ...`` to choose) with block NAME (``blocks()``):
 ``pipeline``, ``generation``, ``kernels``, ``kernels-summary``, ``kernels-sm90``, ``sparse-sm90``,
-``op-overhead``, ``cold-start``, ``e2e``. A block whose CSV has no rows says
+``schedule``, ``op-overhead``, ``cold-start``, ``e2e``. A block whose CSV has no rows says
 "no rows yet" (it never keeps or invents numbers); a broken marker is an error naming the file and block.
 
 Tables (markdown, printed):
@@ -523,6 +523,32 @@ def sparse_sm90_tables(rows) -> List[str]:
                         "run"], body)]
 
 
+def schedule_tables(rows) -> List[str]:
+    """``bench_mcsparse_schedule.csv``: MC-Sparse's schedule by fidelity on the demo model, the latest row of each
+    (variant, density, steps, warm-up, anchors), each against the dense clip of its own run, with the modelled
+    attention cost of the generation in reuse-step units."""
+    if not rows:
+        return [_none_yet("bench_mcsparse_schedule.csv", "`python -m benchmarks.bench_mcsparse_schedule`")]
+    latest_of: Dict[tuple, Dict[str, str]] = {}
+    for r in rows:
+        if r.get("variant") == "dense":
+            continue
+        latest_of[(r["variant"], r.get("density", ""), r.get("steps", ""), r.get("warmup_steps", ""),
+                   r.get("anchors", ""))] = r
+    body = []
+    for (v, dens, steps, w, anchors), r in sorted(
+            latest_of.items(), key=lambda kv: (kv[0][0], kv[0][1], num(kv[0][3]) or -1, len(kv[0][4]), kv[0][4])):
+        body.append([name(v.split("@")[0]) if "@" not in v else v, f(num(dens), "{:.2f}"), steps, w or "-",
+                     anchors or "-", f(num(r.get("psnr_db")), "{:.2f}"), f(num(r.get("ssim")), "{:.3f}"),
+                     f(num(r.get("attn_cost")), "{:.0f}"), r.get("device", ""),
+                     f"{r.get('date', '')[:10]} {r.get('commit', '')}"])
+    return ["**bench_mcsparse_schedule** (the trained demo model, 4096 tokens, CFG 3; PSNR / SSIM of the clip against "
+            "the dense clip of the same run; attention cost: the generation's attention in reuse-step units from "
+            "the 1.3B pipeline's per-call costs)\n\n" + md_table(
+                ["variant", "s", "steps", "warm-up", "anchors", "PSNR dB", "SSIM", "attention cost", "device", "run"],
+                body)]
+
+
 def sm90_kernel_line(rows) -> str:
     """One table from ``bench_vsmooth_attn_sm90.csv`` for the README: the default launches of the Gluon kernel
     alone (ExpCast, V-Smooth) at H = 40, D = 128 on the structured inputs, per S from its latest run, against FA3's
@@ -612,6 +638,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
                                                       sm90_kernel_line(rd("bench_vsmooth_attn_sm90.csv"))) if t),
         "kernels-sm90": "\n\n".join(sm90_ab_tables(rd("bench_vsmooth_attn_sm90.csv"))),
         "sparse-sm90": "\n\n".join(sparse_sm90_tables(rd("bench_sparse_attn_sm90.csv"))),
+        "schedule": "\n\n".join(schedule_tables(rd("bench_mcsparse_schedule.csv"))),
         "op-overhead": "\n\n".join(overhead_tables(rd("bench_op_overhead.csv"))),
         "cold-start": "\n\n".join(cold_start_tables(rd("bench_cold_start.csv"))),
         "e2e": "\n\n".join(e2e_tables(e2e)) if any(r.get("bench") == "e2e" for r in e2e) else

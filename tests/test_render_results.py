@@ -169,6 +169,22 @@ def test_sparse_sm90_block_shows_the_latest_run_per_shape_with_eta():
     assert "bench_sparse_attn_sm90.csv" in sparse_sm90_tables([])[0]
 
 
+def test_schedule_block_keeps_the_latest_row_of_each_schedule():
+    """The schedule block: one row per (variant, density, steps, warm-up, anchors), the latest; dense rows left out."""
+    from scripts.render_results import schedule_tables
+    base = dict(density="0.15", steps="50", warmup_steps="10", device="cpu", variant="mcsparse@0.15")
+    rows = [dict(base, variant="dense", density="1", warmup_steps="", psnr_db="inf", date="2026-12-02", commit="a"),
+            dict(base, anchors="10 26", psnr_db="26.0", ssim="0.9", attn_cost="98.7", date="2026-12-02", commit="a"),
+            dict(base, anchors="10 26", psnr_db="26.84", ssim="0.903", attn_cost="98.7", date="2026-12-03",
+                 commit="b"),
+            dict(base, anchors="10 18 26 34 42", psnr_db="33.12", ssim="0.976", attn_cost="125.7", date="2026-12-03",
+                 commit="b")]
+    text = schedule_tables(rows)[0]
+    assert "| 10 26 | 26.84 | 0.903 | 99 |" in text and "| 10 18 26 34 42 | 33.12 | 0.976 | 126 |" in text
+    assert "26.00" not in text and "inf" not in text
+    assert "bench_mcsparse_schedule.csv" in schedule_tables([])[0]
+
+
 def test_sm90_kernel_line_quotes_the_default_launches_of_the_latest_run():
     """README's kernel-alone table: per S the latest run's ExpCast and V-Smooth default rows beside FA3 FP8's,
     launch variants and other shapes left out."""

@@ -91,6 +91,10 @@ from .protocol import Plan
 # bench_vsmooth_attn 310da1f) measured 26.29 dB / SSIM 0.905 against 26.84 dB / 0.903 on the same demo run
 # (2026-12-03, cd1047c): within the schedule's spread, not a clear loss; the default stays V-Smooth until a
 # captured-input or second-seed measurement decides it.
+# NOTE anchors at 20% / 52% (the paper's) kept: on the same demo run (2026-12-03, bench_mcsparse_schedule.csv,
+# warm-up 10) a third anchor (10, 22, 34) gave 29.4 dB for +9% modelled attention cost, one every 8 steps 33.1 dB for
+# +27%, every 4 steps 37.1 dB (the dense 8-bit clip's 37.2) for +73%, a single anchor 20.8 dB; warm-up 6 with anchors
+# (6, 18, 30) 26.1 dB for -4%. The knobs are ``anchor_steps`` / ``anchor_interval`` (docs/performance.md).
 WARMUP_FRACTION = 0.2
 ANCHOR_FRACTION = 0.52
 
