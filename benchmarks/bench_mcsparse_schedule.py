@@ -122,7 +122,8 @@ def main(argv=None):
                                                                "warmup_steps": w, **ec}, w) for w in a.warmup_list]
     if a.floor:
         runs += [(f"vsmooth{tag}", {"method": "vsmooth", **ec}, None)]
-    extras = ["model", "steps", "warmup_steps", "anchors", "psnr_db", "ssim", "attn_cost", "device", "phases", "note"]
+    extras = ["model", "steps", "warmup_steps", "anchors", "psnr_db", "ssim", "attn_cost", "device", "phases", "note",
+              "seed"]
     dense, rows = None, []
     for label, opts, w in runs:
         res = run_pipeline(pipe, cond, uncond, label, {**base, **opts}, **kw)
@@ -133,6 +134,7 @@ def main(argv=None):
                    D=cfg.attention_head_dim, density=a.density if w is not None else 1.0, steps=a.steps,
                    warmup_steps=w if w is not None else "", psnr_db=m["psnr"], ssim=m["ssim"], rel_l2=m["rel_l2"],
                    ms=res.e2e_ms, model="vc-demo" + ("" if trained else " (random weights)"), device=a.device,
+                   seed=a.seed,
                    note=("reference kernels on CPU: fidelity only, times meaningless" if cpu else "") +
                         ("" if trained else "; random weights: errors understated"))
         if w is not None:

@@ -525,8 +525,8 @@ def sparse_sm90_tables(rows) -> List[str]:
 
 def schedule_tables(rows) -> List[str]:
     """``bench_mcsparse_schedule.csv``: MC-Sparse's schedule by fidelity on the demo model, the latest row of each
-    (variant, density, steps, warm-up, anchors), each against the dense clip of its own run, with the modelled
-    attention cost of the generation in reuse-step units."""
+    (variant, density, steps, warm-up, anchors, seed), each against the dense clip of its own run (same seed),
+    with the modelled attention cost of the generation in reuse-step units."""
     if not rows:
         return [_none_yet("bench_mcsparse_schedule.csv", "`python -m benchmarks.bench_mcsparse_schedule`")]
     latest_of: Dict[tuple, Dict[str, str]] = {}
@@ -534,18 +534,20 @@ def schedule_tables(rows) -> List[str]:
         if r.get("variant") == "dense":
             continue
         latest_of[(r["variant"], r.get("density", ""), r.get("steps", ""), r.get("warmup_steps", ""),
-                   r.get("anchors", ""))] = r
+                   r.get("anchors", ""), r.get("seed") or "0")] = r  # rows before the seed column: the default 0
     body = []
-    for (v, dens, steps, w, anchors), r in sorted(
-            latest_of.items(), key=lambda kv: (kv[0][0], kv[0][1], num(kv[0][3]) or -1, len(kv[0][4]), kv[0][4])):
+    for (v, dens, steps, w, anchors, seed), r in sorted(
+            latest_of.items(),
+            key=lambda kv: (kv[0][0], kv[0][1], num(kv[0][3]) or -1, len(kv[0][4]), kv[0][4], kv[0][5])):
         body.append([name(v.split("@")[0]) if "@" not in v else v, f(num(dens), "{:.2f}"), steps, w or "-",
-                     anchors or "-", f(num(r.get("psnr_db")), "{:.2f}"), f(num(r.get("ssim")), "{:.3f}"),
+                     anchors or "-", seed, f(num(r.get("psnr_db")), "{:.2f}"), f(num(r.get("ssim")), "{:.3f}"),
                      f(num(r.get("attn_cost")), "{:.0f}"), r.get("device", ""),
                      f"{r.get('date', '')[:10]} {r.get('commit', '')}"])
     return ["**bench_mcsparse_schedule** (the trained demo model, 4096 tokens, CFG 3; PSNR / SSIM of the clip against "
             "the dense clip of the same run; attention cost: the generation's attention in reuse-step units from "
             "the 1.3B pipeline's per-call costs)\n\n" + md_table(
-                ["variant", "s", "steps", "warm-up", "anchors", "PSNR dB", "SSIM", "attention cost", "device", "run"],
+                ["variant", "s", "steps", "warm-up", "anchors", "seed", "PSNR dB", "SSIM", "attention cost", "device",
+                 "run"],
                 body)]
 
 

@@ -179,8 +179,10 @@ def test_schedule_block_keeps_the_latest_row_of_each_schedule():
                  commit="b"),
             dict(base, anchors="10 18 26 34 42", psnr_db="33.12", ssim="0.976", attn_cost="125.7", date="2026-12-03",
                  commit="b")]
+    rows.append(dict(rows[2], seed="1", psnr_db="26.42", date="2026-12-04"))  # another seed: a row of its own
     text = schedule_tables(rows)[0]
-    assert "| 10 26 | 26.84 | 0.903 | 99 |" in text and "| 10 18 26 34 42 | 33.12 | 0.976 | 126 |" in text
+    assert "| 10 26 | 0 | 26.84 | 0.903 | 99 |" in text and "| 10 18 26 34 42 | 0 | 33.12 | 0.976 | 126 |" in text
+    assert "| 10 26 | 1 | 26.42 |" in text
     assert "26.00" not in text and "inf" not in text
     assert "bench_mcsparse_schedule.csv" in schedule_tables([])[0]
 
