@@ -98,14 +98,20 @@ def consumer_loop(sass: str) -> dict:
             **overlap_order(body)}
 
 
+def _marks(body: list) -> tuple:
+    """Positions in a consumer block of PV's HGMMAs (register A operand), QK's (shared-memory A), the waits that
+    leave one group in flight (``DEPBAR.LE gsb0, 0x1``) and none (``0x0``), and the MUFU.EX2s."""
+    at = lambda pat: [i for i, x in enumerate(body) if re.search(pat, x)]  # noqa: E731
+    return (at(r"HGMMA\S* R\d+, R\d+, gdesc"), at(r"HGMMA\S* R\d+, gdesc"), at(r"DEPBAR\.LE gsb0, 0x1\b"),
+            at(r"DEPBAR\.LE gsb0, 0x0\b"), at(r"MUFU\.EX2"))
+
+
 def overlap_order(body: list) -> dict:
     """The ``overlap`` order (FlashAttention-3's): S_j's HGMMAs (shared-memory A) issued before PV_{j-1}'s
     (register A), then the wait that leaves PV_{j-1} in flight (``DEPBAR.LE gsb0, 0x1``), the softmax's exp2
     while it runs, then the wait for PV_{j-1} (``0x0``). ``softmax_during_pv``: the share of MUFU.EX2 between
     the two waits."""
-    at = lambda pat: [i for i, x in enumerate(body) if re.search(pat, x)]  # noqa: E731
-    pv, qk = at(r"HGMMA\S* R\d+, R\d+, gdesc"), at(r"HGMMA\S* R\d+, gdesc")
-    w1, w0, ex2 = at(r"DEPBAR\.LE gsb0, 0x1\b"), at(r"DEPBAR\.LE gsb0, 0x0\b"), at(r"MUFU\.EX2")
+    pv, qk, w1, w0, ex2 = _marks(body)
     if not (pv and qk and w1 and w0 and ex2):
         return {"overlap_order_ok": False, "softmax_during_pv": 0.0}
     return {"overlap_order_ok": max(qk) < min(pv) and max(pv) < min(w1) < min(w0),
@@ -116,9 +122,7 @@ def issue_order(body: list) -> dict:
     """Whether the consumer's block runs in the intended order: the softmax (MUFU.EX2) before PV_j's first HGMMA
     (register A operand), then S_{j+1}'s HGMMAs (shared-memory A), then the wait that leaves one group in flight
     (``DEPBAR.LE gsb0, 0x1``: PV_j done, S_{j+1} running), then the wait for S_{j+1} (``0x0``)."""
-    at = lambda pat: [i for i, x in enumerate(body) if re.search(pat, x)]  # noqa: E731
-    pv, qk = at(r"HGMMA\S* R\d+, R\d+, gdesc"), at(r"HGMMA\S* R\d+, gdesc")
-    w1, w0, ex2 = at(r"DEPBAR\.LE gsb0, 0x1\b"), at(r"DEPBAR\.LE gsb0, 0x0\b"), at(r"MUFU\.EX2")
+    pv, qk, w1, w0, ex2 = _marks(body)
     if not (pv and qk and w1 and w0 and ex2):
         return {"order_ok": False, "softmax_before_pv": 0.0}
     return {"order_ok": max(pv) < min(qk) and max(qk) < min(w1) < min(w0),

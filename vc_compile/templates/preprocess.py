@@ -158,6 +158,17 @@ def _quant_pair(xe, xo, QMAX: tl.constexpr, FP8_OUT: tl.constexpr, INTERPRET: tl
 
 
 @triton.jit
+def _source_rows(PERM, b, h, rows, rmask, spb, sph, sps, HAS_PERM: tl.constexpr):
+    """The input rows that rows ``rows`` of K' / V' hold: perm[b, h, rows] (the V-Smooth key order), or the rows
+    themselves without a permutation."""
+    if HAS_PERM:
+        src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps, mask=rmask, other=0)
+    else:
+        src = rows
+    return src
+
+
+@triton.jit
 def _stats_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_split, n_sub, N_SUB_C: tl.constexpr,
                   D: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr,
                   V=None, PERM=None, VMEAN=None, VPART=None, svb=0, svh=0, svs=0, svd=0, spb=0, sph=0, sps=0,
@@ -210,11 +221,7 @@ def _stats_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_spli
                 for j in tl.static_range(BV // RS):
                     rows = blk * BV + j * RS + tl.arange(0, RS)
                     rmask = rows < S
-                    if HAS_PERM:
-                        src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps, mask=rmask,
-                                      other=0)
-                    else:
-                        src = rows
+                    src = _source_rows(PERM, b, h, rows, rmask, spb, sph, sps, HAS_PERM)
                     x = tl.load(v_base + src[:, None].to(tl.int64) * svs + d[None, :] * svd, mask=rmask[:, None],
                                 other=0.0).to(tl.float32)
                     acc += x
@@ -393,11 +400,7 @@ def _quant_qk_block(Q, K, PERM, KPART, HPM, Q8, K8, QS, KS, KMEAN, pid, bh, b, h
     for j in tl.static_range(TQ // BK):
         rows = pid * TQ + j * BK + tl.arange(0, BK)
         rmask = rows < S
-        if HAS_PERM:
-            src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps,
-                          mask=rmask, other=0)
-        else:
-            src = rows
+        src = _source_rows(PERM, b, h, rows, rmask, spb, sph, sps, HAS_PERM)
         if PACKED:
             ke, ko = rope_pairs_packed(K, b.to(tl.int64) * skb + h.to(tl.int64) * skh + src.to(tl.int64) * sks,
                                         src, rmask, COS, SIN, b.to(tl.int64) * scb + h.to(tl.int64) * sch,
@@ -445,11 +448,7 @@ def _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps,
         t = _sm90_rows(t)
     rows = blk * BV + t
     rmask = rows < S
-    if HAS_PERM:
-        src = tl.load(PERM + b.to(tl.int64) * spb + h.to(tl.int64) * sph + rows * sps, mask=rmask,
-                      other=0)
-    else:
-        src = rows
+    src = _source_rows(PERM, b, h, rows, rmask, spb, sph, sps, HAS_PERM)
     d = tl.arange(0, D)
     v = tl.load(V + b.to(tl.int64) * svb + h.to(tl.int64) * svh + src[:, None].to(tl.int64) * svs
                 + d[None, :] * svd, mask=rmask[:, None], other=0.0)

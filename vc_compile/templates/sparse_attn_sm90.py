@@ -222,15 +222,9 @@ def _consume_block(j, it, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vrea
     o_layout: gl.constexpr = acc.type.layout
     slot = ring * STAGES + it % STAGES
     nslot = ring * STAGES + (it + 1) % STAGES
-    if MASK:
-        cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
-        s = gl.where((cols < N_KEEP)[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * sm_scale_log2)
-    p = gl.exp2(s * sm_scale_log2 - m_new[:, None])  # the scale folded into the exponent: one FFMA per score
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p16 = gl.convert_layout(p.to(PDT), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    p, alpha, m_new, l_i = _softmax(s, j, m_i, l_i, N_KEEP, sm_scale_log2, BN, PDT, o_layout, MASK)
+    acc = acc * alpha[:, None]
+    p16 = _p_operand(p, PDT, o_layout)
     mbarrier.wait(vready.index(slot), (it // STAGES) & 1)
     if not PFENCE:
         fence_async_shared()  # the rows were written by cp.async (generic proxy); wgmma reads through the async proxy
