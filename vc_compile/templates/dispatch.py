@@ -346,7 +346,12 @@ def kmeans_perm(impl: Impl, x, n_clusters: int, n_iters: int, init=None):
 
 def uses_sm90(device: torch.device, qk_format: str) -> bool:
     """Whether ``vsmooth_attention`` (TRITON, no launch config) runs the Gluon sm_90 kernel for these inputs."""
-    if device.type != "cuda" or interpreting() or qk_format != "int8":
+    return qk_format == "int8" and _on_sm90(device)
+
+
+def _on_sm90(device: torch.device) -> bool:
+    """Whether ``device`` is an sm_90 GPU the compiled kernels run on (not under the interpreter)."""
+    if device.type != "cuda" or interpreting():
         return False
     return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -428,13 +433,9 @@ def sparse_kernel(q, v, qk_format: str, group_size: int, launch=None) -> str:
     128, "sparse_attn" (Triton) otherwise; a launch config picks its kernel."""
     if launch is not None:
         return "sparse_attn_sm90" if isinstance(launch, C.SparseAttnSm90Config) else "sparse_attn"
-    dev = q.device
-    if (dev.type != "cuda" or interpreting() or qk_format != "bf16" or int(group_size) not in (64, 128)
-            or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128)
-            or v.shape[-1] not in (64, 128)):
-        return "sparse_attn"
-    return "sparse_attn_sm90" if _is_sm90(dev.index if dev.index is not None else torch.cuda.current_device()) \
-        else "sparse_attn"
+    takes = (qk_format == "bf16" and int(group_size) in (64, 128) and q.dtype in (torch.bfloat16, torch.float16)
+             and q.shape[-1] in (64, 128) and v.shape[-1] in (64, 128))
+    return "sparse_attn_sm90" if takes and _on_sm90(q.device) else "sparse_attn"
 
 
 def sparse_label(q, v, qk_format: str, group_size: int) -> str:
