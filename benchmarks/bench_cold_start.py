@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_cold_start [--methods vsmooth+expcast,mcsparse@0.15] [--steps 10]
     python -m benchmarks.bench_cold_start --smoke          # CPU: tiny model, eager compiler, nothing appended
+    python -m benchmarks.bench_cold_start --methods mcsparse@0.15,mcsparse@0.15/noprebuild   # helpers on / off
 
 Per variant (``stock`` first: ``torch.compile`` with Inductor and SDPA on cuDNN; then each method through
 ``backend="vcattn"``), two processes in turn, each building the diffusers ``WanPipeline`` of
@@ -13,7 +14,10 @@ Per variant (``stock`` first: ``torch.compile`` with Inductor and SDPA on cuDNN;
 ``first_call_s`` is the wall time of the first generation (torch.compile is lazy: Dynamo, Inductor, our pass,
 the kernel builds and the steps all happen in it); ``extra_s`` its difference to stock's in the same mode;
 ``steady_s`` a second generation in the same process (the steps alone), so ``first_call_s - steady_s`` is the
-start-up cost. Model construction and imports are outside every figure. Rows:
+start-up cost. Model construction and imports are outside every figure. Methods build their kernels in helper
+processes while Inductor compiles (option ``prebuild``, runtime/prebuild.py; column ``prebuild``: what
+``report()`` said of them, ``prebuild_wait_s``: what the first call waited); a label ending in ``/noprebuild``
+runs the method without them (fresh only: a second process is unaffected). Rows:
 ``benchmarks/results/bench_cold_start.csv``.
 """
 from __future__ import annotations
@@ -50,12 +54,14 @@ def child(a) -> dict:
     t0 = time.perf_counter()
     pipe, base, call = bp.build_pipeline(spec, spec["cfg"]["num_layers"], device, seed=0)
     build_s = time.perf_counter() - t0
-    label = a.child
+    label, no_pb = _split(a.child)
     opts = None
     if label != "stock":
         opts = dict(bp.METHODS[label])
         if smoke:
             opts.update(bp.SMOKE_OPTS)
+        if no_pb:
+            opts["prebuild"] = "off"
     bp.compile_variant(pipe, base, label, opts, "regional", smoke)
     rec = bp.StepRecorder(device == "cuda", a.steps, f"{label} first")
     ctx = prefer_cudnn() if device == "cuda" else contextlib.nullcontext()
@@ -65,9 +71,21 @@ def child(a) -> dict:
         _, steady_s = bp.generate(pipe, call, a.steps, 5.0, rec2)
     rep = vc_compile.report() if label != "stock" else None
     sites = len(rep.sites) if rep is not None else 0
+    from vc_compile.runtime.runtime import current
+
+    pb = current().prebuilds
     return {"first_call_s": first_s, "steady_s": steady_s, "build_s": build_s, "sites": sites,
+            "prebuild": (rep.prebuild or "none") if rep is not None else "",
+            "prebuild_wait_s": round(pb.waited_s, 2),
             "tokens": bp.tokens(spec), "layers": spec["cfg"]["num_layers"], "model": spec["model"],
             "torch_threads": torch.get_num_threads()}
+
+
+NO_PREBUILD = "/noprebuild"  # label suffix: the method with option prebuild='off' (each kernel built at first launch)
+
+
+def _split(label: str):
+    return (label[:-len(NO_PREBUILD)], True) if label.endswith(NO_PREBUILD) else (label, False)
 
 
 def run_child(label, mode, cache_dir, a) -> dict:
@@ -103,7 +121,8 @@ def main(argv=None) -> int:
     res, rows = {}, []
     for label in labels:
         with tempfile.TemporaryDirectory(prefix="vc_cold_") as d:
-            for mode in ("fresh", "second"):
+            # without helpers a second process is what it always was (the caches are warm): fresh only
+            for mode in (("fresh",) if _split(label)[1] else ("fresh", "second")):
                 r = run_child(label, mode, d, a)
                 res[(label, mode)] = r
                 log(f"  {label:18s} {mode:6s}: first call {r['first_call_s']:6.1f} s, steady {r['steady_s']:5.1f} s, "
@@ -118,14 +137,16 @@ def main(argv=None) -> int:
                      "startup_extra_s": round((r["first_call_s"] - r["steady_s"])
                                               - (stock["first_call_s"] - stock["steady_s"]), 2),
                      "process_s": round(r["process_s"], 1), "model": r["model"], "layers": r["layers"],
-                     "sites": r["sites"],
+                     "sites": r["sites"], "prebuild": r.get("prebuild", ""),
+                     "prebuild_wait_s": r.get("prebuild_wait_s", ""),
                      "note": "regional compile; random weights; fresh = empty Inductor/Triton caches, second = "
                              "a second process on them"})
     cols = ["variant", "mode", "first_call_s", "extra_s", "steady_s", "startup_s", "startup_extra_s", "process_s"]
     print_table(rows, cols)
     if not a.smoke:
         path = append_rows(BENCH, rows, extras=["mode", "steps", "first_call_s", "extra_s", "steady_s", "startup_s",
-                                                "startup_extra_s", "process_s", "model", "layers", "sites", "note"])
+                                                "startup_extra_s", "process_s", "model", "layers", "sites", "note",
+                                                "prebuild", "prebuild_wait_s"])
         log(f"rows appended to {path}")
     return 0
 

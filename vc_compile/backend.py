@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.vcattn.*: also for graphs loaded from Inductor's cache)
-from .config import Compiler, VCConfig, VCConfigError, apply_env, options_dict
+from .config import Compiler, Kernels, Prebuild, VCConfig, VCConfigError, apply_env, options_dict
 from .log import get_logger
 from .passes.cp_detect import detect_context_parallel
 from .passes.rope_detect import detect_rope
@@ -78,6 +78,49 @@ def inductor_patches(cfg: VCConfig) -> dict:
     return patches
 
 
+def start_prebuild(gm: torch.fx.GraphModule, cfg: VCConfig) -> int:
+    """Hand the graph's rewritten calls to kernel-build helpers (``runtime/prebuild.py``, option ``prebuild``);
+    returns how many helpers started. Never fails the compile: a problem here only costs the first call's time."""
+    if cfg.prebuild == Prebuild.OFF:
+        return 0
+    try:
+        from .runtime import prebuild
+
+        reqs = prebuild.requests_for_graph(gm)
+        if cfg.prebuild == Prebuild.AUTO:
+            from .templates.interpret import interpreting
+
+            reqs = [r for r in reqs if r["q"]["device"].startswith("cuda") and not interpreting()
+                    and VCConfig.from_json(r["config"]).experimental.kernels != Kernels.REFERENCE
+                    and not _gated(r)]
+        return _runtime.current().prebuilds.start(reqs) if reqs else 0
+    except Exception as e:  # noqa: BLE001 - an optimisation of the first call's time, never a compile error
+        log.warning("vcattn: kernel builds ahead of the first call did not start (%s: %s); the kernels are "
+                    "built at their first launch", type(e).__name__, e)
+        return 0
+
+
+def _gated(req: dict) -> bool:
+    """Whether the speed gate will send this call to stock SDPA at run time (``ops.attention``'s check, from
+    the compile-time shapes): then none of our kernels runs there and nothing is worth building."""
+    from . import formats
+    from .config import SpeedGate
+    from .tune import gate
+
+    cfg = VCConfig.from_json(req["config"])
+    if cfg.speed_gate != SpeedGate.AUTO or not torch.cuda.is_available():
+        return False
+    q = torch.empty(req["q"]["shape"], device="meta")
+    k = torch.empty(req["k"]["shape"], device="meta")
+    if req["rope"]:
+        spec = formats.parse_spec(req["rope"])
+        q, k = formats.to_bhsd(q, spec), formats.to_bhsd(k, spec)
+    B, H, S, D = q.shape
+    name = torch.cuda.get_device_name(torch.device(req["q"]["device"]))
+    return gate.slower_than_stock(name, cfg.resolved_method.value, cfg.expcast, cfg.density,
+                                  float(B * H * S * k.shape[2] * D)) is not None
+
+
 def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None, **_):
     # options: a dict or a VCConfig; $VCATTN_METHOD (vc_compile/pipeline.py) may switch the method or, with
     # "off", compile this graph with Inductor and no rewrite (stock torch.compile: the A/B baseline)
@@ -95,6 +138,8 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
     stats = rewrite_sdpa(gm, cfg, graph_name=name)
     findings = detect_rope(gm, graph_name=name)  # RoPE producer forms, graph unchanged
     fuse_rope(gm, findings, cfg, graph_name=name)  # RoPE + permute into the preprocessing kernel (step 2)
+    if stats["rewritten"]:
+        start_prebuild(gm, cfg)  # our kernels build in helper processes while Inductor compiles the graph
     if stats["sites"]:
         # torch._dynamo.reset() or a deleted model frees the graph: its metadata goes with it, once no
         # other live graph has the site (a recompile for another grad mode keeps its site ids)

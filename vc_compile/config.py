@@ -87,6 +87,14 @@ class SpeedGate(str, enum.Enum):
     OFF = "off"  # always our path
 
 
+class Prebuild(str, enum.Enum):
+    """Whether the kernels of the compiled calls are built by helper processes while Inductor compiles
+    (runtime/prebuild.py)."""
+    AUTO = "auto"  # where the calls run our Triton kernels on a CUDA device
+    ON = "on"  # also on the CPU reference path (tests)
+    OFF = "off"  # each kernel is built at its first launch, in the calling process
+
+
 class SelectionRefresh(str, enum.Enum):
     ANCHOR = "anchor"  # select at anchor steps, reuse the selection in between
     EVERY_STEP = "every_step"  # re-select from the current q, k at every sparse step (mean_pool only)
@@ -146,6 +154,10 @@ OPTION_DOCS: Dict[str, str] = {
                      "have a std above this (checked once per site, block and shape) stays stock SDPA, reported: "
                      "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit); "
                      "with expcast, logits of base-2 magnitude beyond ~2000 then give NaN rows (outside its codes' range).",
+    "prebuild": "'auto' | 'on' | 'off': build the kernels of every rewritten call (each phase of its method, at "
+                "its compile-time shape) in helper processes while Inductor compiles, so that the first "
+                "generation finds them in Triton's cache; the first call waits for the helpers. 'auto' on CUDA "
+                "devices; 'off' builds each kernel at its first launch.",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
                    "Opt-in: on the H200 it saves 0.3-0.6 ms of preprocessing but only 0.2% of the op.",
@@ -265,6 +277,7 @@ class VCConfig:
     max_logit_std: float = 32.0
     cuda_graphs: CudaGraphs = CudaGraphs.AUTO
     speed_gate: SpeedGate = SpeedGate.AUTO
+    prebuild: Prebuild = Prebuild.AUTO
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
     # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first

@@ -99,6 +99,7 @@ def _shape_ineligible(qs, ks, vs, qd, kd, vd, min_seq_len: int, head_dims) -> Op
 # What the op remembers per site lives in the process's Runtime (runtime/runtime.py: Checks); bound here once.
 _CHECKS = _runtime.current().checks
 GRAPHS = _runtime.current().graphs  # the reuse steps replayed as CUDA graphs (runtime/graphs.py)
+_PREBUILDS = _runtime.current().prebuilds  # kernel-build helpers started at compile time (runtime/prebuild.py)
 _WATCHED: Dict[Tuple[int, int], "_Watch"] = _CHECKS.watched  # (site, ident_ptr) -> the weight, metadata keys written
 _FREED: collections.deque = _CHECKS.freed
 
@@ -359,6 +360,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
               sin: Optional[torch.Tensor] = None, rope: str = "") -> torch.Tensor:
     if _FREED:
         _drain_freed()
+    if _PREBUILDS.pending:  # the first call after a compile: the helpers' builds are further along than ours
+        _PREBUILDS.wait()
     q, k, rope_args = _rope_inputs(q, k, cos, sin, rope)
     cfg = _config(config)
     rec = _report.site(site)

@@ -139,7 +139,8 @@ class SiteRegistry:
             sites = sorted(self.sites.values(), key=lambda r: r.site)
         for s in sites:
             s.resolve_timing()
-        return Report(sites=sites, graphs_without_sdpa=list(self.empty_graphs))
+        return Report(sites=sites, graphs_without_sdpa=list(self.empty_graphs),
+                      prebuild=current().prebuilds.summary())
 
     def clear(self) -> None:
         with self.lock:
@@ -246,6 +247,7 @@ def config_column(sources: collections.Counter) -> str:
 class Report:
     sites: List[SiteRecord]
     graphs_without_sdpa: List[str]
+    prebuild: Optional[str] = None  # what the kernel-build helpers did (runtime/prebuild.py), None: none ran
 
     @property
     def rewritten(self) -> List[SiteRecord]:
@@ -276,7 +278,7 @@ class Report:
             for key in ("phases", "kernel_path", "runtime_fallbacks", "step_sources", "config_sources"):
                 d[key] = dict(d[key])
             out.append(d)
-        return {"sites": out, "graphs_without_sdpa": list(self.graphs_without_sdpa)}
+        return {"sites": out, "graphs_without_sdpa": list(self.graphs_without_sdpa), "prebuild": self.prebuild}
 
     def __str__(self) -> str:
         cols = ["site", "module", "shape", "method", "calls", "phases", "kernel", "config", "fallback", "ms",
@@ -317,6 +319,8 @@ class Report:
             lines.append(f"CUDA graph capture failed (launched from Python instead) at sites: {', '.join(no_graph)}")
         if self.graphs_without_sdpa:
             lines.append(f"graphs with no SDPA captured: {', '.join(self.graphs_without_sdpa)}")
+        if self.prebuild:
+            lines.append(self.prebuild)
         return "\n".join(lines)
 
     __repr__ = __str__

@@ -16,6 +16,8 @@ What ``vcattn::attention`` remembers between calls, and what ``vc_compile.reset(
   clears them, with the metadata they were captured for).
 * ``live_graphs``: how many live compiled graphs call each site (``backend.py``: a freed graph's metadata
   goes with it).
+* ``prebuilds``: the helper processes that build the kernels of the compiled calls ahead of their first launch
+  (``runtime/prebuild.py``; the op's first call waits for them).
 * ``subscribers``: functions run whenever a generation of any loop starts (``ops.py`` subscribes the store's
   ``clear`` and its own per-generation memory). A generation of a loop always starts in a context where that
   loop is the active one, so ``state.clear`` clears that loop's store.
@@ -88,6 +90,7 @@ class Runtime:
     def __init__(self):
         from ..tune.lookup import TunePolicy
         from .graphs import LaunchGraphs
+        from .prebuild import Prebuilds
         from .report import SiteRegistry
         from .state import MetadataStore
         from .tracker import Tracker
@@ -101,6 +104,7 @@ class Runtime:
         self.checks = Checks()
         self.graphs = LaunchGraphs()  # reuse steps captured as CUDA graphs (runtime/graphs.py)
         self.live_graphs: collections.Counter = collections.Counter()  # site id -> live compiled graphs
+        self.prebuilds = Prebuilds()  # kernel-build helper processes started at compile time (runtime/prebuild.py)
         self.default = Loop(self._tracker(), self._store())
         self._lock = threading.RLock()  # re-entrant: a finalizer run by a GC inside it may call loops()
         self._open: "weakref.WeakSet[Loop]" = weakref.WeakSet()  # the sampling() loops open now

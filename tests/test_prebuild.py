@@ -1,0 +1,218 @@
+"""Kernel builds ahead of the first call (runtime/prebuild.py): which steps a helper runs, which calls it gets,
+that it runs and leaves its marker, that a failing helper changes nothing but the time, and that the results
+are those of a process without helpers."""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import vc_compile
+from conftest import requires_cuda
+from vc_compile.config import VCConfig
+from vc_compile.runtime import prebuild
+from vc_compile.runtime.runtime import current
+
+
+class _Attn(nn.Module):
+    def __init__(self, heads=2, dim=64):
+        super().__init__()
+        self.h, self.d = heads, dim
+        self.proj = nn.Linear(heads * dim, 3 * heads * dim)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = self.proj(x).view(B, S, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, S, -1)
+
+
+def _req(method, steps=10, **opts):
+    cfg = VCConfig.from_options(dict(method=method, num_steps=steps, **opts))
+    spec = {"shape": (1, 2, 1100, 64), "stride": (140800, 64, 128, 1), "dtype": "bfloat16", "device": "cpu",
+            "offset": 0}
+    return {"config": cfg.to_json(), "site": 1, "scale": None, "rope": "", "q": spec, "k": spec, "v": spec,
+            "ident": None, "cos": None, "sin": None}
+
+
+def test_chains_cover_every_phase_twice_and_split_the_warmup():
+    from vc_compile.config import VCConfig
+    from vc_compile.methods import get
+    from vc_compile.methods.phase import Phase
+
+    # V-Smooth, 10 steps: group for ceil(0.25 * 10) = 3 steps, then reuse: one chain, two steps of each
+    assert prebuild.plan_chains(_req("vsmooth")) == [[0, 1, 3, 4]]
+    # MC-Sparse, 10 steps: warm-up 0-1 (own chain), anchors at 2 and 5 (20% / 52%), reuse between
+    chains = prebuild.plan_chains(_req("mcsparse"))
+    assert chains == [[0, 1], [2, 3, 4, 5, 6, 7]]
+    # every phase the schedule has is in some chain, and a chain never starts on a phase that needs metadata
+    req = _req("mcsparse", steps=50)
+    cfg = VCConfig.from_json(req["config"])
+    M = get(cfg.resolved_method)
+    phases, has = [], False
+    for i in range(50):
+        p = M.phase_for(cfg, i, 50, has)
+        has = has or p in (Phase.ANCHOR, Phase.REUSE, Phase.GROUP)
+        phases.append(p)
+    chains = prebuild.plan_chains(req)
+    assert {phases[i] for c in chains for i in c} == set(phases) - {Phase.DENSE}
+    assert all(phases[c[0]] != Phase.REUSE for c in chains)
+    # stock-SDPA warm-up steps build nothing; method "dense" runs no kernel of ours
+    assert all(phases[i] != Phase.DENSE for c in prebuild.plan_chains(_req("mcsparse", warmup_attention="sdpa"))
+               for i in c)
+    assert prebuild.plan_chains(_req("dense")) == []
+
+
+def test_requests_one_per_distinct_call_with_its_layout():
+    """Two calls of one layout are one request; the strided view the model hands SDPA is what is recorded."""
+    from vc_compile.backend import start_prebuild
+
+    seen = []
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = _Attn(), _Attn()
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    def backend(gm, example_inputs):
+        from vc_compile.backend import vcattn
+
+        seen.append(gm)
+        return vcattn(gm, example_inputs, options={"method": "vsmooth", "prebuild": "off",
+                                                   "experimental": {"compiler": "eager"}})
+
+    m = Two().to(torch.bfloat16)
+    x = torch.randn(1, 1100, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.compile(m, backend=backend)(x)
+    reqs = prebuild.requests_for_graph(seen[0])
+    assert len(reqs) == 1
+    r = reqs[0]
+    assert tuple(r["q"]["shape"]) == (1, 2, 1100, 64) and r["q"]["dtype"] == "bfloat16"
+    assert tuple(r["q"]["stride"]) == (1100 * 3 * 128, 64, 3 * 128, 1)  # the permuted view, not a copy
+    assert VCConfig.from_json(r["config"]).method.value == "vsmooth"
+    # 'auto' starts nothing on the CPU (no Triton kernels to build), 'off' nothing anywhere
+    assert start_prebuild(seen[0], VCConfig.from_options({"method": "vsmooth"})) == 0
+    assert start_prebuild(seen[0], VCConfig.from_options({"method": "vsmooth", "prebuild": "off"})) == 0
+
+
+def test_symbolic_shapes_are_left_out():
+    """dynamic=True: the sequence length is symbolic at compile time, so no helper can know the run-time layout."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        from vc_compile.backend import vcattn
+
+        seen.append(gm)
+        return vcattn(gm, example_inputs, options={"method": "vsmooth", "prebuild": "off",
+                                                   "experimental": {"compiler": "eager"}})
+
+    m = _Attn().to(torch.bfloat16)
+    with torch.no_grad():
+        torch.compile(m, backend=backend, dynamic=True)(torch.randn(1, 1100, 128, dtype=torch.bfloat16))
+    n_calls = sum(1 for n in seen[0].graph.nodes if n.target is torch.ops.vcattn.attention.default)
+    assert n_calls == 1 and prebuild.requests_for_graph(seen[0]) == []
+    assert prebuild.TensorSpec.of(torch.empty(1, 2, 1100, 64)) is not None
+
+
+@pytest.mark.parametrize("method", ["vsmooth", "mcsparse"])
+def test_helpers_run_leave_a_marker_and_change_no_result(method, tmp_path, monkeypatch):
+    """'on' on the CPU: the helpers run the reference path through every phase, the first call waits for them,
+    report() says so, a second compile finds their marker and starts none; the outputs over a whole generation
+    equal those of 'off' bit for bit."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    outs = {}
+    for mode in ("off", "on", "on-again"):
+        torch._dynamo.reset()
+        vc_compile.reset(report=True)
+        pb = current().prebuilds
+        pb.done.clear()
+        pb.cached, pb.waited_s = 0, 0.0
+        pb._started.clear()
+        torch.manual_seed(0)
+        m = _Attn().to(torch.bfloat16)
+        x = torch.randn(1, 1100, 128, dtype=torch.bfloat16)
+        f = torch.compile(m, backend="vcattn", options=dict(method=method, num_steps=6, speed_gate="off",
+                                                            prebuild="off" if mode == "off" else "on",
+                                                            experimental={"compiler": "eager"}))
+        ys = []
+        with torch.no_grad(), vc_compile.sampling(num_steps=6) as loop:
+            for i in range(6):
+                loop.step(i)
+                ys.append(f(x))
+        outs[mode] = torch.stack(ys)
+        text = str(vc_compile.report())
+        if mode == "off":
+            assert not pb.done and "helper" not in text
+        elif mode == "on":
+            assert pb.done and all(d["ok"] for d in pb.done), pb.done
+            assert len(pb.done) == (2 if method == "mcsparse" else 1)
+            assert "kernels built ahead by" in text
+            said = [d["said"] for d in pb.done]
+            ran = set().union(*(s["phases"] for s in said))
+            assert ran == ({"warmup", "anchor", "reuse"} if method == "mcsparse" else {"group", "reuse"})
+            assert os.listdir(tmp_path / "triton" / "vcattn_prebuild")
+        else:
+            assert not pb.done and pb.cached == (2 if method == "mcsparse" else 1)
+            assert "found built by an earlier process" in text
+    assert torch.equal(outs["off"], outs["on"]) and torch.equal(outs["on"], outs["on-again"])
+
+
+def test_a_failing_helper_costs_only_time(tmp_path, monkeypatch):
+    """A helper that cannot run (here: a CUDA tensor on a machine without one, or a crash) is reported with its
+    reason; the op then runs as without helpers."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    pb = prebuild.Prebuilds()
+    req = _req("vsmooth")
+    bad = dict(req, q=dict(req["q"], device="meta:0"))
+    assert pb.start([bad]) == 1 and pb.pending
+    pb.wait(timeout=120)
+    assert not pb.pending and len(pb.done) == 1 and not pb.done[0]["ok"]
+    assert "failed" in pb.summary() and "exit" in pb.summary()
+    assert not os.path.exists(tmp_path / "triton" / "vcattn_prebuild")  # no marker for a failure
+    assert pb.start([bad]) == 0  # one attempt per layout and process
+
+
+def test_a_helper_never_starts_helpers(monkeypatch):
+    monkeypatch.setenv(prebuild.ENV_CHILD, "1")
+    assert prebuild.Prebuilds().start([_req("vsmooth")]) == 0
+
+
+@requires_cuda
+def test_gpu_helpers_build_what_the_first_call_launches(tmp_path, monkeypatch):
+    """On a GPU with an empty Triton cache: the helpers fill it, the parent's first generation finds every
+    kernel there (no new cache entry appears after the helpers finished) and its outputs equal a process's
+    without helpers."""
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    results = {}
+    for mode in ("on", "off"):
+        torch._dynamo.reset()
+        vc_compile.reset(report=True)
+        pb = current().prebuilds
+        pb.done.clear()
+        pb._started.clear()
+        torch.manual_seed(0)
+        m = _Attn(heads=4, dim=128).cuda().to(torch.bfloat16)
+        x = torch.randn(1, 4096, 512, device="cuda", dtype=torch.bfloat16)
+        f = torch.compile(m, backend="vcattn", options=dict(method="mcsparse", num_steps=10, speed_gate="off",
+                                                            prebuild=mode))
+        ys = []
+        with torch.no_grad(), vc_compile.sampling(num_steps=10) as loop:
+            for i in range(10):
+                loop.step(i)
+                ys.append(f(x))
+                if mode == "on" and i == 0:
+                    assert pb.done and all(d["ok"] for d in pb.done), pb.done
+                    pb.wait()
+                    before = {p for p in cache.rglob("*") if p.suffix in (".cubin", ".json")}
+        torch.cuda.synchronize()
+        if mode == "on":
+            after = {p for p in cache.rglob("*") if p.suffix in (".cubin", ".json")}
+            new = [p for p in after - before if "vcattn_prebuild" not in str(p)]
+            assert not [p for p in new if p.suffix == ".cubin"], new
+        results[mode] = torch.stack(ys)
+    assert torch.equal(results["on"], results["off"])

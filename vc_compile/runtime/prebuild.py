@@ -1,0 +1,393 @@
+"""Kernel builds ahead of the first call: what a fresh process would otherwise wait for at its first generation.
+
+Triton builds a kernel at its first launch, serially, on the launching thread: a fresh process pays every kernel
+of its methods' phases inside the first generation (H200, Wan 2.1 1.3B, regional compile: +6.0 s of start-up for
+V-Smooth + ExpCast, +12.5 s for MC-Sparse over stock torch.compile, ``bench_cold_start.csv``). Our rewrite runs
+before Inductor compiles the graph, and knows every rewritten call's shapes, strides, dtypes and options then.
+So the backend hands them to helper processes that run those calls on random inputs of the same layout through
+each method's phases, while the parent goes on compiling: the kernels land in Triton's on-disk cache (and the
+tuning cache, where a launch configuration is tuned on first use), and the parent's first launch of each finds
+them there. Nothing of the parent's computation changes: the same kernels, looked up by the same keys.
+
+* ``requests_for_graph(gm)``: one request per distinct rewritten call (``vcattn::attention`` node) whose
+  tensors have static shapes: config, scale, RoPE spec and each tensor's layout (``TensorSpec``).
+* ``plan_chains(request)``: the steps a helper runs, split into independent chains that build in parallel
+  (one process each): a method's warm-up phase (MC-Sparse's ``WARMUP``) apart from the rest, which starts
+  from no metadata at its first step. Within a chain, the first two steps of every run of one phase (the
+  second: a warm-started grouping, a CUDA-graph capture).
+* ``Prebuilds`` (``runtime.Runtime.prebuilds``): the helper processes in flight. The op's first call after
+  a start waits for them (``wait``, at most ``WAIT_S``): their builds are further along than the parent's
+  would be, and two processes building the same kernel only compete for the CPU. A helper that fails or times
+  out changes nothing but the time: the parent builds its kernels itself; ``report()`` says what happened.
+* Option ``prebuild`` ('auto' | 'on' | 'off'): 'auto' starts helpers where the calls run on a CUDA device with
+  the Triton kernels; 'on' also on the CPU reference path (tests); a helper never starts helpers itself.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional
+
+ENV_CHILD = "VCATTN_PREBUILD_CHILD"  # set in a helper: it never starts helpers itself
+WAIT_S = 180.0  # the op's first call waits at most this long for the helpers, then kills them and goes on
+_ARGS = ("q", "k", "v", "ident", "site", "config", "scale", "cos", "sin", "rope")
+_TENSORS = ("q", "k", "v", "ident", "cos", "sin")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's layout (what Triton's specialisation sees: dtype, strides, alignment of a fresh storage)."""
+    shape: tuple
+    stride: tuple
+    dtype: str
+    device: str
+    offset: int = 0
+
+    @classmethod
+    def of(cls, t) -> Optional["TensorSpec"]:
+        """The spec of a (fake) tensor, or None where a size or stride is symbolic (dynamic shapes: the run-time
+        value is unknown at compile time)."""
+        try:
+            shape = tuple(int(s) for s in t.shape)
+            stride = tuple(int(s) for s in t.stride())
+            offset = int(t.storage_offset())
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        if any(type(s) is not int for s in (*t.shape, *t.stride())):
+            return None
+        return cls(shape, stride, str(t.dtype).replace("torch.", ""), str(t.device), offset)
+
+    def make(self, gen):
+        """Random values in this layout (one storage of the span the strides reach)."""
+        import torch
+
+        dtype = getattr(torch, self.dtype)
+        span = self.offset + 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride) if n > 0)
+        if dtype.is_floating_point:
+            base = torch.randn(span, generator=gen, dtype=torch.float32, device=self.device).to(dtype)
+        else:
+            base = torch.zeros(span, dtype=dtype, device=self.device)
+        return base.as_strided(self.shape, self.stride, self.offset)
+
+
+def _call_args(node) -> Dict[str, object]:
+    args = dict(zip(_ARGS, node.args))
+    args.update({k: v for k, v in node.kwargs.items() if k in _ARGS})
+    return args
+
+
+def requests_for_graph(gm) -> List[dict]:
+    """One JSON-able request per distinct ``vcattn::attention`` call of the graph (and its submodules) whose
+    tensors have static layouts; calls that differ only in their site id are one request."""
+    import torch
+    import torch.fx as fx
+
+    from ..passes.fx_nodes import val
+
+    target = torch.ops.vcattn.attention.default
+    out, seen = [], set()
+    for mod in gm.modules():
+        if not isinstance(mod, fx.GraphModule):
+            continue
+        for n in mod.graph.nodes:
+            if n.op != "call_function" or n.target is not target:
+                continue
+            a = _call_args(n)
+            req = {"config": a.get("config"), "site": a.get("site"), "scale": a.get("scale"),
+                   "rope": a.get("rope") or ""}
+            ok = isinstance(req["config"], str) and isinstance(req["site"], int) \
+                and (req["scale"] is None or isinstance(req["scale"], (int, float)))
+            for name in _TENSORS:
+                x = a.get(name)
+                if x is None:
+                    req[name] = None
+                    continue
+                t = val(x) if isinstance(x, fx.Node) else None
+                spec = TensorSpec.of(t) if isinstance(t, torch.Tensor) else None
+                if spec is None:
+                    ok = False
+                    break
+                req[name] = dataclasses.asdict(spec)
+            if not ok:
+                continue
+            key = json.dumps({k: v for k, v in req.items() if k != "site"}, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                out.append(req)
+    return out
+
+
+def _steps(cfg) -> int:
+    return max(1, int(cfg.num_steps))
+
+
+def plan_chains(req: dict) -> List[List[int]]:
+    """The steps of ``req``'s schedule a helper runs, as chains that build in parallel: the first two steps of
+    every run of one phase, the warm-up phase's in a chain of its own (the rest starts from no metadata, as
+    a method's first step after its warm-up may). Stock-SDPA steps are left out (no kernel of ours)."""
+    from ..config import VCConfig
+    from ..methods import get
+    from ..methods.phase import Phase
+
+    cfg = VCConfig.from_json(req["config"])
+    M = get(cfg.resolved_method)
+    if not M.USES_KERNELS:
+        return []
+    n = _steps(cfg)
+    warm, rest = [], []
+    prev, run, has_meta = None, 0, False
+    for i in range(n):
+        p = M.phase_for(cfg, i, n, has_meta)
+        run = run + 1 if p == prev else 1
+        prev = p
+        if p in (Phase.GROUP, Phase.ANCHOR, Phase.REUSE):
+            has_meta = True
+        if p == Phase.DENSE or run > 2:
+            continue
+        (warm if p == Phase.WARMUP else rest).append(i)
+    return [c for c in (warm, rest) if c]
+
+
+class Prebuilds:
+    """The helper processes of this process (``runtime.Runtime.prebuilds``). ``pending`` is the op's one check
+    per call (a plain attribute: False once nothing is in flight)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pending = False
+        self._procs: List[dict] = []
+        self._started: set = set()  # request keys already handed to a helper (a recompile of one shape: no second)
+        self.done: List[dict] = []  # finished helpers: chain, seconds, ok, what it said or why it failed
+        self.waited_s = 0.0  # what the op's first calls waited for them, in all
+        self.cached = 0  # chains not started: a helper built them into this Triton cache before (its marker)
+        atexit.register(self.kill)
+
+    def kill(self) -> None:
+        """Stop the helpers still running (the process is exiting, or nobody will wait for them)."""
+        with self.lock:
+            procs, self._procs = self._procs, []
+            self.pending = False
+        for rec in procs:
+            if rec["proc"].poll() is None:
+                rec["proc"].kill()
+
+    def start(self, requests: List[dict], *, reason: str = "") -> int:
+        """Start one helper per (request, chain) not started before and not built before into this Triton cache
+        (a marker the helper leaves there on success); returns how many were started."""
+        if os.environ.get(ENV_CHILD) == "1":
+            return 0
+        jobs = []
+        with self.lock:
+            for req in requests:
+                key = json.dumps({k: v for k, v in req.items() if k != "site"}, sort_keys=True)
+                if key in self._started:
+                    continue
+                self._started.add(key)
+                for chain in plan_chains(req):
+                    job = dict(req, steps=chain)
+                    job["marker"] = _marker_path(job)
+                    if job["marker"] and os.path.exists(job["marker"]):
+                        self.cached += 1  # built into this cache before: nothing to wait for
+                        continue
+                    jobs.append(job)
+        started = 0
+        for job in jobs:
+            p = _spawn(job)
+            if p is None:
+                continue
+            with self.lock:
+                self._procs.append({"proc": p, "job": job, "t0": time.perf_counter(), "reason": reason})
+                self.pending = True
+            started += 1
+        return started
+
+    def wait(self, timeout: float = WAIT_S) -> None:
+        """Wait for every helper in flight (the op's first call after a start): killed past ``timeout``."""
+        t0 = time.perf_counter()
+        with self.lock:
+            procs, self._procs = self._procs, []
+            self.pending = False
+        for rec in procs:
+            p = rec["proc"]
+            left = max(0.0, timeout - (time.perf_counter() - t0))
+            try:
+                out, err = p.communicate(timeout=left)
+                ok = p.returncode == 0
+                what = _last_json(out) if ok else _tail(err, p.returncode)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+                ok, what = False, f"killed after waiting {timeout:.0f} s"
+            self.done.append({"steps": rec["job"]["steps"], "shape": rec["job"]["q"]["shape"],
+                              "s": time.perf_counter() - rec["t0"], "ok": ok, "said": what})
+        waited = time.perf_counter() - t0
+        self.waited_s += waited
+        if procs:
+            from ..log import get_logger
+
+            bad = [d for d in self.done[-len(procs):] if not d["ok"]]
+            log = get_logger(__name__)
+            log.info("vcattn: %d kernel-build helper(s) finished; the first call waited %.2f s", len(procs), waited)
+            for d in bad:
+                log.warning("vcattn: a kernel-build helper failed (the kernels are built at their first launch "
+                            "instead): %s", d["said"])
+
+    def summary(self) -> Optional[str]:
+        """One line for ``report()``, or None when no helper ran."""
+        if not self.done and not self._procs:
+            return (f"kernels of {self.cached} call chain(s) found built by an earlier process's helpers"
+                    if self.cached else None)
+        bad = [d for d in self.done if not d["ok"]]
+        line = (f"kernels built ahead by {len(self.done)} helper process(es) "
+                f"(longest {max((d['s'] for d in self.done), default=0.0):.1f} s); the first call waited "
+                f"{self.waited_s:.2f} s")
+        if self._procs:
+            line += f"; {len(self._procs)} still running"
+        if bad:
+            line += f"; {len(bad)} failed (built at first launch instead): {bad[0]['said']}"
+        return line
+
+
+def _tail(err: str, rc) -> str:
+    lines = [x for x in (err or "").strip().splitlines() if x.strip()]
+    return f"exit {rc}: {lines[-1][:300] if lines else 'no output'}"
+
+
+def _last_json(out: str):
+    for line in reversed((out or "").strip().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
+
+
+_DIGEST: List[str] = []
+
+
+def _source_digest() -> str:
+    """Hash of the package's Python sources (kernels, dispatch, methods): a marker of an older tree never
+    vouches for this one's kernels."""
+    if not _DIGEST:
+        import vc_compile
+
+        h = hashlib.sha256()
+        root = os.path.dirname(os.path.abspath(vc_compile.__file__))
+        for d, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    h.update(f.encode())
+                    with open(os.path.join(d, f), "rb") as fh:
+                        h.update(fh.read())
+        _DIGEST.append(h.hexdigest())
+    return _DIGEST[0]
+
+
+def _marker_path(job: dict) -> Optional[str]:
+    """Where a helper that built ``job`` successfully leaves its marker: in the Triton cache it filled (wiping
+    the cache wipes the markers), keyed by the job, the package sources, torch, triton and the device."""
+    cache = _triton_cache_dir()
+    if not cache:
+        return None
+    import torch
+
+    dev = job["q"]["device"]
+    name = torch.cuda.get_device_name(torch.device(dev)) if dev.startswith("cuda") and torch.cuda.is_available() \
+        else dev
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "none"
+    key = json.dumps({k: v for k, v in job.items() if k not in ("site", "marker")}, sort_keys=True)
+    h = hashlib.sha256("|".join([key, _source_digest(), torch.__version__, tv, name]).encode()).hexdigest()
+    return os.path.join(cache, "vcattn_prebuild", h[:32] + ".json")
+
+
+def _spawn(job: dict):
+    """A helper process running ``job`` (the request with its steps), or None if it cannot start."""
+    import vc_compile
+
+    env = dict(os.environ)
+    env[ENV_CHILD] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(vc_compile.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    cache = _triton_cache_dir()
+    if cache:
+        env["TRITON_CACHE_DIR"] = cache  # the parent's, also where it was set in code
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "vc_compile.runtime.prebuild"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        p.stdin.write(json.dumps(job))
+        p.stdin.close()
+        p.stdin = None  # communicate() must not flush a closed pipe
+    except OSError:
+        return None
+    return p
+
+
+def _triton_cache_dir() -> Optional[str]:
+    """The parent's Triton cache directory where it was set in code (a helper inherits the environment's)."""
+    try:
+        import triton
+
+        return getattr(getattr(getattr(triton, "knobs", None), "cache", None), "dir", None)
+    except Exception:  # noqa: BLE001 - no triton: nothing to share
+        return None
+
+
+def run_job(job: dict) -> dict:
+    """In the helper: the job's calls on random inputs of its layouts, each at its step of a sampling loop of
+    the config's length. Returns what ran (phases and kernel paths, from this process's report)."""
+    import torch
+
+    import vc_compile
+    from .. import ops  # noqa: F401  (registers torch.ops.vcattn.attention)
+    from ..config import VCConfig
+    from . import report as _report
+
+    cfg = VCConfig.from_json(job["config"])
+    gen_dev = job["q"]["device"]
+    gen = torch.Generator(device=gen_dev).manual_seed(0)
+    t = {name: (TensorSpec(**{**job[name], "shape": tuple(job[name]["shape"]),
+                              "stride": tuple(job[name]["stride"])}).make(gen) if job.get(name) else None)
+         for name in _TENSORS}
+    t0 = time.perf_counter()
+    with torch.no_grad(), vc_compile.sampling(num_steps=_steps(cfg)) as loop:
+        for i in job["steps"]:
+            loop.step(i)
+            torch.ops.vcattn.attention(t["q"], t["k"], t["v"], t["ident"], job["site"], job["config"], job["scale"],
+                                       t["cos"], t["sin"], job["rope"])
+    if t["q"].is_cuda:
+        torch.cuda.synchronize(t["q"].device)
+    rec = _report.site(job["site"])
+    return {"steps": job["steps"], "s": round(time.perf_counter() - t0, 3), "phases": dict(rec.phases),
+            "kernels": dict(rec.kernel_path), "fallbacks": dict(rec.runtime_fallbacks)}
+
+
+def main() -> int:
+    job = json.loads(sys.stdin.read())
+    said = run_job(job)
+    marker = job.get("marker")
+    if marker:  # what ran here is what the parent will run (a fallback included): nothing left to build
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        tmp = f"{marker}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(said, f)
+        os.replace(tmp, marker)
+    sys.stdout.write(json.dumps(said) + "\n")  # the parent reads the last JSON line (the protocol, not a message)
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
