@@ -587,7 +587,7 @@ def _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, le
     est.observe(label, mode, first_s=res.first_s, gen_s=statistics.median(res.gens_s), first_frac=a.first_steps / a.steps)
     if not is_method(label) and cuda:  # which attention kernels actually ran, and their time in one step
         res.sdpa_kernel, step_ms = stock_attention_kernel(pipe, call, a.guidance)
-        if math.isfinite(step_ms):
+        if math.isfinite(step_ms) and DBC not in stacks(label):  # a cache skips blocks: one step is no measure
             res.attn = {"total": step_ms * a.steps}  # its attention kernels in one profiled step x the steps
         log(f"    {label} attention kernel: {res.sdpa_kernel}")
     if is_method(label) and a.profiled:  # the op's per-call events: our methods only
@@ -631,7 +631,8 @@ def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
         row["attn_ms"] = res.attn["total"]
         row.update({f"attn_{p}_ms": res.attn[p] for p in PHASES if p in res.attn})
         calls = a.steps * (2 if a.guidance > 1 else 1) * layers
-        row["tflops"] = 4.0 * H * S * S * Dh * calls / (res.attn["total"] * 1e-3) / 1e12
+        if DBC not in stacks(res.label):  # with a block cache the calls made are fewer than steps x layers
+            row["tflops"] = 4.0 * H * S * S * Dh * calls / (res.attn["total"] * 1e-3) / 1e12
         if len(res.prof_step_ms) > 1 and len(res.step_ms) > 1:
             row["profile_overhead"] = sum(res.prof_step_ms[1:]) / sum(res.step_ms[1:]) - 1.0
     cut = [] if layers == cfg["num_layers"] else [f"cut to {layers} of {cfg['num_layers']} layers"]
