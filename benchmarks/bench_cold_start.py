@@ -111,18 +111,22 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=DEFAULT_METHODS)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds per process")
+    ap.add_argument("--modes", default="fresh,second", help="which processes per variant: fresh, second or both")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny model, eager compiler; nothing appended")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(a)), flush=True)
         return 0
+    if a.modes not in ("fresh", "fresh,second"):
+        ap.error("--modes: 'fresh' or 'fresh,second' (a second process runs on the caches a fresh one left)")
     labels = ["stock"] + [m for m in a.methods.split(",") if m]
     res, rows = {}, []
     for label in labels:
         with tempfile.TemporaryDirectory(prefix="vc_cold_") as d:
             # without helpers a second process is what it always was (the caches are warm): fresh only
-            for mode in (("fresh",) if _split(label)[1] else ("fresh", "second")):
+            modes = [m for m in a.modes.split(",") if m in ("fresh", "second")]
+            for mode in (("fresh",) if _split(label)[1] else modes):
                 r = run_child(label, mode, d, a)
                 res[(label, mode)] = r
                 log(f"  {label:18s} {mode:6s}: first call {r['first_call_s']:6.1f} s, steady {r['steady_s']:5.1f} s, "

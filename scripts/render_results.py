@@ -612,15 +612,17 @@ def cold_start_tables(rows) -> List[str]:
     latest = [r for r in rows if (r.get("date", "")[:13], r.get("commit", "")) == run]
     body = [[r["variant"], r.get("mode", ""), f(num(r.get("first_call_s")), "{:.1f}"),
              f(num(r.get("extra_s")), "{:+.1f}"), f(num(r.get("steady_s")), "{:.1f}"),
-             f(num(r.get("startup_s")), "{:.1f}"), f(num(r.get("startup_extra_s")), "{:+.1f}")] for r in latest]
+             f(num(r.get("startup_s")), "{:.1f}"), f(num(r.get("startup_extra_s")), "{:+.1f}"),
+             f(num(r.get("prebuild_wait_s")), "{:.1f}") if r.get("variant") != "stock" else "-"] for r in latest]
     r0 = latest[0]
     return [f"**bench_cold_start** ({r0.get('model', '')}, {r0.get('S', '')} tokens, regional compile, "
             f"{r0.get('steps', '')}-step first generation, CFG 5; {r0.get('gpu', '')}, {r0.get('date', '')[:10]}, "
             f"commit {r0.get('commit', '')}; random weights). fresh = empty Inductor / Triton caches, second = a "
             "second process on them; extra = against stock in the same mode; start-up = first generation minus a "
-            "steady one in the same process.\n\n"
+            "steady one in the same process; waited = what the first call waited for the kernel-build helpers "
+            "(option `prebuild`; `/noprebuild`: without them, each kernel built at its first launch).\n\n"
             + md_table(["variant", "process", "first generation s", "extra s", "steady s", "start-up s",
-                        "start-up extra s"], body)]
+                        "start-up extra s", "waited s"], body)]
 
 
 def blocks(results_dir: str) -> Dict[str, str]:

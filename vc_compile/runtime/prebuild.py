@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Dict, List, Optional
@@ -218,12 +219,14 @@ class Prebuilds:
             p = rec["proc"]
             left = max(0.0, timeout - (time.perf_counter() - t0))
             try:
-                out, err = p.communicate(timeout=left)
+                p.wait(timeout=left)
+                out, err = _read(p.vc_out), _read(p.vc_err)
                 ok = p.returncode == 0
                 what = _last_json(out) if ok else _tail(err, p.returncode)
             except subprocess.TimeoutExpired:
                 p.kill()
-                out, err = p.communicate()
+                p.wait()
+                _read(p.vc_out), _read(p.vc_err)
                 ok, what = False, f"killed after waiting {timeout:.0f} s"
             self.done.append({"steps": rec["job"]["steps"], "shape": rec["job"]["q"]["shape"],
                               "s": time.perf_counter() - rec["t0"], "ok": ok, "said": what})
@@ -245,8 +248,14 @@ class Prebuilds:
             return (f"kernels of {self.cached} call chain(s) found built by an earlier process's helpers"
                     if self.cached else None)
         bad = [d for d in self.done if not d["ok"]]
+        longest = max(self.done, key=lambda d: d["s"], default=None)
+        detail = ""
+        if longest is not None and longest["ok"] and isinstance(longest["said"], dict):
+            said = longest["said"]
+            detail = (f": started {said.get('started_s', 0):.1f} s, ready {said.get('ready_s', 0):.1f} s, steps "
+                      + "+".join(f"{x:.1f}" for x in said.get("step_s", [])) + " s")
         line = (f"kernels built ahead by {len(self.done)} helper process(es) "
-                f"(longest {max((d['s'] for d in self.done), default=0.0):.1f} s); the first call waited "
+                f"(longest {longest['s'] if longest else 0.0:.1f} s{detail}); the first call waited "
                 f"{self.waited_s:.2f} s")
         if self._procs:
             line += f"; {len(self._procs)} still running"
@@ -324,15 +333,24 @@ def _spawn(job: dict):
     cache = _triton_cache_dir()
     if cache:
         env["TRITON_CACHE_DIR"] = cache  # the parent's, also where it was set in code
+    # NOTE the helper's output goes to files, not pipes: nobody reads a pipe before the first call, and a helper
+    # that fills one (warnings, a compiler's messages) would stall there, its builds with it
     try:
-        p = subprocess.Popen([sys.executable, "-m", "vc_compile.runtime.prebuild"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-        p.stdin.write(json.dumps(job))
-        p.stdin.close()
-        p.stdin = None  # communicate() must not flush a closed pipe
+        job = dict(job, t_spawn=time.time())
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        p = subprocess.Popen([sys.executable, "-m", "vc_compile.runtime.prebuild", json.dumps(job)],
+                             stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, text=True)
+        p.vc_out, p.vc_err = out, err
     except OSError:
         return None
     return p
+
+
+def _read(f) -> str:
+    f.seek(0)
+    text = f.read()
+    f.close()
+    return text
 
 
 def _triton_cache_dir() -> Optional[str]:
@@ -355,27 +373,35 @@ def run_job(job: dict) -> dict:
     from ..config import VCConfig
     from . import report as _report
 
+    started = time.time() - job.get("t_spawn", time.time())  # interpreter, imports
     cfg = VCConfig.from_json(job["config"])
     gen_dev = job["q"]["device"]
     gen = torch.Generator(device=gen_dev).manual_seed(0)
     t = {name: (TensorSpec(**{**job[name], "shape": tuple(job[name]["shape"]),
                               "stride": tuple(job[name]["stride"])}).make(gen) if job.get(name) else None)
          for name in _TENSORS}
+    if t["q"].is_cuda:
+        torch.cuda.synchronize(t["q"].device)
+    ready = time.time() - job.get("t_spawn", time.time())  # + CUDA context and the inputs
     t0 = time.perf_counter()
+    step_s = []
     with torch.no_grad(), vc_compile.sampling(num_steps=_steps(cfg)) as loop:
         for i in job["steps"]:
+            ts = time.perf_counter()
             loop.step(i)
             torch.ops.vcattn.attention(t["q"], t["k"], t["v"], t["ident"], job["site"], job["config"], job["scale"],
                                        t["cos"], t["sin"], job["rope"])
-    if t["q"].is_cuda:
-        torch.cuda.synchronize(t["q"].device)
+            if t["q"].is_cuda:
+                torch.cuda.synchronize(t["q"].device)
+            step_s.append(round(time.perf_counter() - ts, 2))
     rec = _report.site(job["site"])
-    return {"steps": job["steps"], "s": round(time.perf_counter() - t0, 3), "phases": dict(rec.phases),
+    return {"steps": job["steps"], "s": round(time.perf_counter() - t0, 3), "started_s": round(started, 2),
+            "ready_s": round(ready, 2), "step_s": step_s, "phases": dict(rec.phases),
             "kernels": dict(rec.kernel_path), "fallbacks": dict(rec.runtime_fallbacks)}
 
 
 def main() -> int:
-    job = json.loads(sys.stdin.read())
+    job = json.loads(sys.argv[1])
     said = run_job(job)
     marker = job.get("marker")
     if marker:  # what ran here is what the parent will run (a fallback included): nothing left to build
