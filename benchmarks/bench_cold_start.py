@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_cold_start [--methods vsmooth+expcast,mcsparse@0.15] [--steps 10]
     python -m benchmarks.bench_cold_start --smoke          # CPU: tiny model, eager compiler, nothing appended
-    python -m benchmarks.bench_cold_start --methods mcsparse@0.15,mcsparse@0.15/noprebuild   # helpers on / off
+    python -m benchmarks.bench_cold_start --methods mcsparse@0.15,mcsparse@0.15/prebuild   # helpers off / on
 
 Per variant (``stock`` first: ``torch.compile`` with Inductor and SDPA on cuDNN; then each method through
 ``backend="vcattn"``), two processes in turn, each building the diffusers ``WanPipeline`` of
@@ -14,10 +14,11 @@ Per variant (``stock`` first: ``torch.compile`` with Inductor and SDPA on cuDNN;
 ``first_call_s`` is the wall time of the first generation (torch.compile is lazy: Dynamo, Inductor, our pass,
 the kernel builds and the steps all happen in it); ``extra_s`` its difference to stock's in the same mode;
 ``steady_s`` a second generation in the same process (the steps alone), so ``first_call_s - steady_s`` is the
-start-up cost. Model construction and imports are outside every figure. Methods build their kernels in helper
-processes while Inductor compiles (option ``prebuild``, runtime/prebuild.py; column ``prebuild``: what
-``report()`` said of them, ``prebuild_wait_s``: what the first call waited); a label ending in ``/noprebuild``
-runs the method without them (fresh only: a second process is unaffected). Rows:
+start-up cost. Model construction and imports are outside every figure. A label ending in ``/prebuild`` runs
+the method with kernel-build helpers while Inductor compiles (option ``prebuild='auto'``, runtime/prebuild.py),
+``/noprebuild`` without them (fresh only: a second process is unaffected), a plain label with the default
+(column ``prebuild``: what ``report()`` said of the helpers, ``prebuild_wait_s``: what the first calls waited).
+Rows:
 ``benchmarks/results/bench_cold_start.csv``.
 """
 from __future__ import annotations
@@ -54,14 +55,14 @@ def child(a) -> dict:
     t0 = time.perf_counter()
     pipe, base, call = bp.build_pipeline(spec, spec["cfg"]["num_layers"], device, seed=0)
     build_s = time.perf_counter() - t0
-    label, no_pb = _split(a.child)
+    label, pb_opt = _split(a.child)
     opts = None
     if label != "stock":
         opts = dict(bp.METHODS[label])
         if smoke:
             opts.update(bp.SMOKE_OPTS)
-        if no_pb:
-            opts["prebuild"] = "off"
+        if pb_opt is not None:
+            opts["prebuild"] = pb_opt
     bp.compile_variant(pipe, base, label, opts, "regional", smoke)
     rec = bp.StepRecorder(device == "cuda", a.steps, f"{label} first")
     ctx = prefer_cudnn() if device == "cuda" else contextlib.nullcontext()
@@ -81,11 +82,17 @@ def child(a) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
-NO_PREBUILD = "/noprebuild"  # label suffix: the method with option prebuild='off' (each kernel built at first launch)
+# label suffixes: the method with option prebuild='off' (each kernel built at its first launch, the default) or
+# 'auto' (kernel-build helpers while Inductor compiles); plain labels run the default
+PREBUILD_SUFFIX = {"/noprebuild": "off", "/prebuild": "auto"}
 
 
 def _split(label: str):
-    return (label[:-len(NO_PREBUILD)], True) if label.endswith(NO_PREBUILD) else (label, False)
+    """(method label, the prebuild option its suffix asks for or None)."""
+    for suf, val in PREBUILD_SUFFIX.items():
+        if label.endswith(suf):
+            return label[:-len(suf)], val
+    return label, None
 
 
 def run_child(label, mode, cache_dir, a) -> dict:
@@ -126,7 +133,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="vc_cold_") as d:
             # without helpers a second process is what it always was (the caches are warm): fresh only
             modes = [m for m in a.modes.split(",") if m in ("fresh", "second")]
-            for mode in (("fresh",) if _split(label)[1] else modes):
+            for mode in (("fresh",) if _split(label)[1] == "off" else modes):
                 r = run_child(label, mode, d, a)
                 res[(label, mode)] = r
                 log(f"  {label:18s} {mode:6s}: first call {r['first_call_s']:6.1f} s, steady {r['steady_s']:5.1f} s, "

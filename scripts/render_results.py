@@ -619,8 +619,9 @@ def cold_start_tables(rows) -> List[str]:
             f"{r0.get('steps', '')}-step first generation, CFG 5; {r0.get('gpu', '')}, {r0.get('date', '')[:10]}, "
             f"commit {r0.get('commit', '')}; random weights). fresh = empty Inductor / Triton caches, second = a "
             "second process on them; extra = against stock in the same mode; start-up = first generation minus a "
-            "steady one in the same process; waited = what the first call waited for the kernel-build helpers "
-            "(option `prebuild`; `/noprebuild`: without them, each kernel built at its first launch).\n\n"
+            "steady one in the same process; waited = what the first calls waited for kernel-build helpers "
+            "(option `prebuild`, off by default; the column `prebuild` of the CSV says what each row's helpers "
+            "did; `/noprebuild`: without them, each kernel built at its first launch).\n\n"
             + md_table(["variant", "process", "first generation s", "extra s", "steady s", "start-up s",
                         "start-up extra s", "waited s"], body)]
 

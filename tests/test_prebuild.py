@@ -94,8 +94,9 @@ def test_requests_one_per_distinct_call_with_its_layout():
     assert tuple(r["q"]["shape"]) == (1, 2, 1100, 64) and r["q"]["dtype"] == "bfloat16"
     assert tuple(r["q"]["stride"]) == (1100 * 3 * 128, 64, 3 * 128, 1)  # the permuted view, not a copy
     assert VCConfig.from_json(r["config"]).method.value == "vsmooth"
-    # 'auto' starts nothing on the CPU (no Triton kernels to build), 'off' nothing anywhere
-    assert start_prebuild(seen[0], VCConfig.from_options({"method": "vsmooth"})) == 0
+    # 'auto' starts nothing on the CPU (no Triton kernels to build), 'off' (the default) nothing anywhere
+    assert VCConfig().prebuild.value == "off"
+    assert start_prebuild(seen[0], VCConfig.from_options({"method": "vsmooth", "prebuild": "auto"})) == 0
     assert start_prebuild(seen[0], VCConfig.from_options({"method": "vsmooth", "prebuild": "off"})) == 0
 
 
@@ -143,6 +144,9 @@ def test_helpers_run_leave_a_marker_and_change_no_result(method, tmp_path, monke
             for i in range(6):
                 loop.step(i)
                 ys.append(f(x))
+                if mode == "on" and i == 0:  # the first call waited for the helper of its own phase
+                    first = "warmup" if method == "mcsparse" else "group"
+                    assert any(first in d["phases"] for d in pb.done), pb.done
         outs[mode] = torch.stack(ys)
         text = str(vc_compile.report())
         if mode == "off":

@@ -90,9 +90,9 @@ class SpeedGate(str, enum.Enum):
 class Prebuild(str, enum.Enum):
     """Whether the kernels of the compiled calls are built by helper processes while Inductor compiles
     (runtime/prebuild.py)."""
+    OFF = "off"  # each kernel is built at its first launch, in the calling process (the default)
     AUTO = "auto"  # where the calls run our Triton kernels on a CUDA device
     ON = "on"  # also on the CPU reference path (tests)
-    OFF = "off"  # each kernel is built at its first launch, in the calling process
 
 
 class SelectionRefresh(str, enum.Enum):
@@ -154,10 +154,11 @@ OPTION_DOCS: Dict[str, str] = {
                      "have a std above this (checked once per site, block and shape) stays stock SDPA, reported: "
                      "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit); "
                      "with expcast, logits of base-2 magnitude beyond ~2000 then give NaN rows (outside its codes' range).",
-    "prebuild": "'auto' | 'on' | 'off': build the kernels of every rewritten call (each phase of its method, at "
+    "prebuild": "'off' | 'auto' | 'on': build the kernels of every rewritten call (each phase of its method, at "
                 "its compile-time shape) in helper processes while Inductor compiles, so that the first "
-                "generation finds them in Triton's cache; the first call waits for the helpers. 'auto' on CUDA "
-                "devices; 'off' builds each kernel at its first launch.",
+                "generation finds them in Triton's cache; a phase's first call waits for the helpers building it. "
+                "'auto' on CUDA devices. Off by default: on the H200 the helpers have not yet made a cold start "
+                "faster (docs/performance.md, Cold start).",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
                    "Opt-in: on the H200 it saves 0.3-0.6 ms of preprocessing but only 0.2% of the op.",
@@ -277,7 +278,12 @@ class VCConfig:
     max_logit_std: float = 32.0
     cuda_graphs: CudaGraphs = CudaGraphs.AUTO
     speed_gate: SpeedGate = SpeedGate.AUTO
-    prebuild: Prebuild = Prebuild.AUTO
+    # NOTE off by default. H200, Wan 1.3B, regional compile, fresh caches, 5-step first generation (bench_cold_start,
+    # e6b0279, same run): start-up over stock 12.9 s with helpers vs 11.8 s without (V-Smooth + ExpCast); MC-Sparse
+    # 23.3 s with them (24.5 s without, in the run before). A helper spends 7-10 s starting (Python, torch and
+    # triton imports, while Inductor's compile workers hold the CPUs) and builds slower than the parent would
+    # (14.1 s vs < 11.8 s), so the first call waited 13.6 / 22.1 s. On by default once it measures faster.
+    prebuild: Prebuild = Prebuild.OFF
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
     # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first

@@ -360,8 +360,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
               sin: Optional[torch.Tensor] = None, rope: str = "") -> torch.Tensor:
     if _FREED:
         _drain_freed()
-    if _PREBUILDS.pending:  # the first call after a compile: the helpers' builds are further along than ours
-        _PREBUILDS.wait()
     q, k, rope_args = _rope_inputs(q, k, cos, sin, rope)
     cfg = _config(config)
     rec = _report.site(site)
@@ -406,6 +404,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         rec.note_guard(*plan.guard)
     key = key + plan.slot
     kw = {} if rope_args is None else {"rope": rope_args}
+    if _PREBUILDS.pending and phase != Phase.DENSE:  # helpers build this phase's kernels: further along than us
+        _PREBUILDS.wait(phase.value)
     with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording(cfg.tune_cache_dir) as sources:
         replayed = False
         if phase == Phase.DENSE:  # method="dense" and every method's warm-up steps: stock SDPA

@@ -15,12 +15,22 @@ them there. Nothing of the parent's computation changes: the same kernels, looke
   (one process each): a method's warm-up phase (MC-Sparse's ``WARMUP``) apart from the rest, which starts
   from no metadata at its first step. Within a chain, the first two steps of every run of one phase (the
   second: a warm-started grouping, a CUDA-graph capture).
-* ``Prebuilds`` (``runtime.Runtime.prebuilds``): the helper processes in flight. The op's first call after
-  a start waits for them (``wait``, at most ``WAIT_S``): their builds are further along than the parent's
-  would be, and two processes building the same kernel only compete for the CPU. A helper that fails or times
+* ``Prebuilds`` (``runtime.Runtime.prebuilds``): the helper processes in flight. The op's first call of a
+  phase waits for the helpers that build that phase (``wait``, at most ``WAIT_S``): their builds are further
+  along than the parent's would be, and two processes building the same kernel only compete for the CPU; a
+  later phase's helper goes on meanwhile (MC-Sparse's anchor kernels build during its warm-up steps). A helper that fails or times
   out changes nothing but the time: the parent builds its kernels itself; ``report()`` says what happened.
-* Option ``prebuild`` ('auto' | 'on' | 'off'): 'auto' starts helpers where the calls run on a CUDA device with
+* Option ``prebuild`` ('off' | 'auto' | 'on'): 'auto' starts helpers where the calls run on a CUDA device with
   the Triton kernels; 'on' also on the CPU reference path (tests); a helper never starts helpers itself.
+
+NOTE off by default: it has not yet made a cold start faster. H200, Wan 2.1 1.3B, regional compile, fresh caches,
+5-step first generation (bench_cold_start, e6b0279, one run): start-up over stock 12.9 s with one helper against
+11.8 s without (V-Smooth + ExpCast), MC-Sparse 23.3 s with two (24.5 s without in the run before). The helper's
+own timings (``report()``): Python and the torch / triton imports took 7.0-10.3 s (about 2 s on an idle machine:
+Inductor's compile workers hold the CPUs meanwhile), its builds 14.1 s where the parent's take under 11.8 s, so
+the first call waited 13.6 / 22.1 s. Where to go: helpers started (imported, idle) when ``torch.compile`` or
+``vc_compile.enable`` is called, before Dynamo traces anything, taking their jobs at the rewrite; measured after
+the phase-aware wait (waits per phase, not all at the first call), which no GPU run has measured yet.
 """
 from __future__ import annotations
 
@@ -129,10 +139,9 @@ def _steps(cfg) -> int:
     return max(1, int(cfg.num_steps))
 
 
-def plan_chains(req: dict) -> List[List[int]]:
-    """The steps of ``req``'s schedule a helper runs, as chains that build in parallel: the first two steps of
-    every run of one phase, the warm-up phase's in a chain of its own (the rest starts from no metadata, as
-    a method's first step after its warm-up may). Stock-SDPA steps are left out (no kernel of ours)."""
+def _schedule(req: dict) -> list:
+    """The phase of every step of ``req``'s schedule (its config's ``num_steps``), or [] for a method that runs no
+    kernel of ours."""
     from ..config import VCConfig
     from ..methods import get
     from ..methods.phase import Phase
@@ -142,14 +151,25 @@ def plan_chains(req: dict) -> List[List[int]]:
     if not M.USES_KERNELS:
         return []
     n = _steps(cfg)
-    warm, rest = [], []
-    prev, run, has_meta = None, 0, False
+    out, has_meta = [], False
     for i in range(n):
         p = M.phase_for(cfg, i, n, has_meta)
+        has_meta = has_meta or p in (Phase.GROUP, Phase.ANCHOR, Phase.REUSE)
+        out.append(p)
+    return out
+
+
+def plan_chains(req: dict) -> List[List[int]]:
+    """The steps of ``req``'s schedule a helper runs, as chains that build in parallel: the first two steps of
+    every run of one phase, the warm-up phase's in a chain of its own (the rest starts from no metadata, as
+    a method's first step after its warm-up may). Stock-SDPA steps are left out (no kernel of ours)."""
+    from ..methods.phase import Phase
+
+    warm, rest = [], []
+    prev, run = None, 0
+    for i, p in enumerate(_schedule(req)):
         run = run + 1 if p == prev else 1
         prev = p
-        if p in (Phase.GROUP, Phase.ANCHOR, Phase.REUSE):
-            has_meta = True
         if p == Phase.DENSE or run > 2:
             continue
         (warm if p == Phase.WARMUP else rest).append(i)
@@ -191,8 +211,9 @@ class Prebuilds:
                 if key in self._started:
                     continue
                 self._started.add(key)
+                sched = _schedule(req)
                 for chain in plan_chains(req):
-                    job = dict(req, steps=chain)
+                    job = dict(req, steps=chain, phases=sorted({sched[i].value for i in chain}))
                     job["marker"] = _marker_path(job)
                     if job["marker"] and os.path.exists(job["marker"]):
                         self.cached += 1  # built into this cache before: nothing to wait for
@@ -209,12 +230,16 @@ class Prebuilds:
             started += 1
         return started
 
-    def wait(self, timeout: float = WAIT_S) -> None:
-        """Wait for every helper in flight (the op's first call after a start): killed past ``timeout``."""
+    def wait(self, phase: Optional[str] = None, timeout: float = WAIT_S) -> None:
+        """Wait for the helpers in flight that build ``phase`` (a ``Phase`` value; None: every helper), killed past
+        ``timeout``: the op's first call of each phase after a start. Helpers that already ended are reaped too;
+        the others go on (MC-Sparse's anchor and reuse kernels build during its warm-up steps)."""
         t0 = time.perf_counter()
         with self.lock:
-            procs, self._procs = self._procs, []
-            self.pending = False
+            procs = [r for r in self._procs if phase is None or phase in r["job"].get("phases", ())
+                     or r["proc"].poll() is not None]
+            self._procs = [r for r in self._procs if r not in procs]
+            self.pending = bool(self._procs)
         for rec in procs:
             p = rec["proc"]
             left = max(0.0, timeout - (time.perf_counter() - t0))
@@ -228,7 +253,8 @@ class Prebuilds:
                 p.wait()
                 _read(p.vc_out), _read(p.vc_err)
                 ok, what = False, f"killed after waiting {timeout:.0f} s"
-            self.done.append({"steps": rec["job"]["steps"], "shape": rec["job"]["q"]["shape"],
+            self.done.append({"steps": rec["job"]["steps"], "phases": rec["job"].get("phases", []),
+                              "shape": rec["job"]["q"]["shape"],
                               "s": time.perf_counter() - rec["t0"], "ok": ok, "said": what})
         waited = time.perf_counter() - t0
         self.waited_s += waited
@@ -237,7 +263,7 @@ class Prebuilds:
 
             bad = [d for d in self.done[-len(procs):] if not d["ok"]]
             log = get_logger(__name__)
-            log.info("vcattn: %d kernel-build helper(s) finished; the first call waited %.2f s", len(procs), waited)
+            log.info("vcattn: %d kernel-build helper(s) finished; the call waited %.2f s", len(procs), waited)
             for d in bad:
                 log.warning("vcattn: a kernel-build helper failed (the kernels are built at their first launch "
                             "instead): %s", d["said"])
