@@ -4,6 +4,7 @@
     python -m benchmarks.bench_mcsparse_schedule --warmups 0,4,10 --density 0.25 --steps 50
     python -m benchmarks.bench_mcsparse_schedule --smoke                  # CPU: 3 steps, 4 frames, no rows
     python -m benchmarks.bench_mcsparse_schedule --warmups 10 --anchor-sets "10,26;10;10,18,26,34,42"
+    python -m benchmarks.bench_mcsparse_schedule --warmups 10 --options '{"kmeans_iters": 1}'   # grouping cost
 
 The warm-up is the largest share of MC-Sparse's attention time over a generation (Wan 2.1 1.3B, 50 steps, H200:
 6.3 s of 15.3 s, ``bench_pipeline.csv``): its steps run the dense 8-bit V-Smooth path, ~1.7x a reuse step's
@@ -51,6 +52,9 @@ def parse_args(argv=None):
     ap.add_argument("--anchor-sets", default=None,
                     help='anchor schedules to compare, e.g. "10,26;10;10,18,26,34,42" (steps; needs one --warmups)')
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the V-Smooth floor run")
+    ap.add_argument("--options", default=None,
+                    help='JSON options added to every method run (MC-Sparse and the V-Smooth floor), e.g. '
+                         '\'{"kmeans_iters": 1}\': the grouping\'s cost against its fidelity')
     ap.add_argument("--smoke", action="store_true", help="CPU: 3 steps, 4 frames (1024 tokens), warm-ups 0,1, "
                     "no rows")
     a = ap.parse_args(argv)
@@ -58,6 +62,16 @@ def parse_args(argv=None):
     if a.smoke:
         a.steps, a.device = 3, "cpu"
         a.warmups = a.warmups if a.anchor_sets else "0,1"
+    a.extra_opts = {}
+    if a.options:
+        import json
+
+        try:
+            a.extra_opts = json.loads(a.options)
+        except ValueError as e:
+            ap.error(f"--options {a.options!r}: not JSON ({e})")
+        if not isinstance(a.extra_opts, dict):
+            ap.error(f"--options {a.options!r}: a JSON object of vcattn options")
     a.warmup_list = [int(x) for x in a.warmups.split(",") if x.strip()]
     if any(w < 0 or w >= a.steps for w in a.warmup_list):
         ap.error(f"--warmups must lie in [0, {a.steps - 1}]")
@@ -110,8 +124,8 @@ def main(argv=None):
         + (" (reference kernels: fidelity only)" if cpu else ""))
     t0 = time.perf_counter()
     runs = [("dense", {"method": "dense"}, None)]  # the reference first; V-Smooth (the 8-bit floor) last
-    ec = {"expcast": True} if a.expcast else {}
-    tag = "+expcast" if a.expcast else ""
+    ec = {**({"expcast": True} if a.expcast else {}), **a.extra_opts}
+    tag = ("+expcast" if a.expcast else "") + "".join(f"+{k}={v}" for k, v in sorted(a.extra_opts.items()))
     if a.anchor_list:
         w = a.warmup_list[0]
         runs += [(f"mcsparse{tag}@{a.density:g} anchors {','.join(map(str, st))}",
