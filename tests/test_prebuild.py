@@ -220,3 +220,40 @@ def test_gpu_helpers_build_what_the_first_call_launches(tmp_path, monkeypatch):
             assert not [p for p in new if p.suffix == ".cubin"], new
         results[mode] = torch.stack(ys)
     assert torch.equal(results["on"], results["off"])
+
+
+def test_helpers_started_ahead_take_the_jobs(tmp_path, monkeypatch):
+    """``warm``: helpers import while nothing asks for them; ``start`` hands them its jobs (their start-up is then
+    already behind them), the ones left without a job end at once, and a helper that never gets one ends when
+    its input closes."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    pb = prebuild.Prebuilds()
+    assert pb.warm(2) == 2 and pb.warm(2) == 0  # two are waiting: none more
+    idle = list(pb._idle)
+    assert pb.start([_req("vsmooth")]) == 1  # one chain: one helper taken, the other ended
+    assert not pb._idle and idle[1].wait(timeout=60) == 0
+    taken = pb._procs[0]["proc"]
+    assert taken is idle[0]
+    pb.wait(timeout=120)
+    assert len(pb.done) == 1 and pb.done[0]["ok"], pb.done
+    said = pb.done[0]["said"]
+    assert said["phases"] == {"group": 2, "reuse": 2} and said["started_s"] >= 0.0
+    # a helper started ahead and never used ends when its input closes (the parent's exit closes it too)
+    pb2 = prebuild.Prebuilds()
+    assert pb2.warm(1) == 1
+    p = pb2._idle[0]
+    pb2._drop_idle()
+    assert p.wait(timeout=60) == 0  # it ends by itself once its imports are done
+
+
+def test_enable_starts_helpers_only_where_prebuild_wants_them(monkeypatch):
+    from vc_compile.backend import warm_prebuild
+
+    started = []
+    monkeypatch.setattr(current().prebuilds, "warm", lambda n=2: started.append(n) or n)
+    assert warm_prebuild(VCConfig.from_options({"method": "mcsparse"})) == 0  # off by default
+    assert warm_prebuild(VCConfig.from_options({"method": "mcsparse", "prebuild": "auto"})) == (
+        2 if torch.cuda.is_available() else 0)  # auto: CUDA devices only
+    assert warm_prebuild(VCConfig.from_options({"method": "mcsparse", "prebuild": "on"})) == 2
+    assert warm_prebuild(VCConfig.from_options({"method": "vsmooth", "prebuild": "on"})) == 1
+    assert warm_prebuild(VCConfig.from_options({"method": "dense", "prebuild": "on"})) == 0

@@ -100,6 +100,27 @@ def start_prebuild(gm: torch.fx.GraphModule, cfg: VCConfig) -> int:
         return 0
 
 
+def warm_prebuild(cfg: VCConfig) -> int:
+    """Start the kernel-build helpers ahead of the first compile (``vc_compile.enable``), where option
+    ``prebuild`` will use them: their imports then run while Dynamo traces. Returns how many started."""
+    if cfg.prebuild == Prebuild.OFF:
+        return 0
+    from .config import Method
+
+    if cfg.prebuild == Prebuild.AUTO:
+        from .templates.interpret import interpreting
+
+        if not torch.cuda.is_available() or interpreting() or cfg.experimental.kernels == Kernels.REFERENCE:
+            return 0
+    if cfg.resolved_method == Method.DENSE:
+        return 0
+    try:
+        return _runtime.current().prebuilds.warm(2 if cfg.resolved_method == Method.MCSPARSE else 1)
+    except Exception as e:  # noqa: BLE001 - an optimisation of the first call's time, never an error of enable
+        log.warning("vcattn: kernel-build helpers did not start (%s: %s)", type(e).__name__, e)
+        return 0
+
+
 def _gated(req: dict) -> bool:
     """Whether the speed gate will send this call to stock SDPA at run time (``ops.attention``'s check, from
     the compile-time shapes): then none of our kernels runs there and nothing is worth building."""

@@ -190,6 +190,9 @@ def enable(pipe, method: Optional[str] = None, *, options: Any = None, regional:
 
         tracked = pipeline_calls.track(pipe)
     object.__setattr__(pipe, _STATE_ATTR, _Enabled(plain, compiled, backends, tracked, list(found)))
+    from .backend import warm_prebuild
+
+    warm_prebuild(cfg)  # prebuild on: its helpers import while the first call traces and compiles
     log.info("vc_compile.enable: method=%s on %s; steps from %s", cfg.resolved_method.value, ", ".join(what),
              "callback_on_step_end" if tracked else "the frame probe / timestep")
     return pipe

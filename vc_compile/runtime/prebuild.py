@@ -20,6 +20,8 @@ them there. Nothing of the parent's computation changes: the same kernels, looke
   along than the parent's would be, and two processes building the same kernel only compete for the CPU; a
   later phase's helper goes on meanwhile (MC-Sparse's anchor kernels build during its warm-up steps). A helper that fails or times
   out changes nothing but the time: the parent builds its kernels itself; ``report()`` says what happened.
+* ``Prebuilds.warm`` (called by ``vc_compile.enable``): helpers started before anything is traced, their
+  interpreter and imports done by the time the rewrite hands them jobs; those left without one end then.
 * Option ``prebuild`` ('off' | 'auto' | 'on'): 'auto' starts helpers where the calls run on a CUDA device with
   the Triton kernels; 'on' also on the CPU reference path (tests); a helper never starts helpers itself.
 
@@ -28,9 +30,10 @@ NOTE off by default: it has not yet made a cold start faster. H200, Wan 2.1 1.3B
 11.8 s without (V-Smooth + ExpCast), MC-Sparse 23.3 s with two (24.5 s without in the run before). The helper's
 own timings (``report()``): Python and the torch / triton imports took 7.0-10.3 s (about 2 s on an idle machine:
 Inductor's compile workers hold the CPUs meanwhile), its builds 14.1 s where the parent's take under 11.8 s, so
-the first call waited 13.6 / 22.1 s. Where to go: helpers started (imported, idle) when ``torch.compile`` or
-``vc_compile.enable`` is called, before Dynamo traces anything, taking their jobs at the rewrite; measured after
-the phase-aware wait (waits per phase, not all at the first call), which no GPU run has measured yet.
+the first call waited 13.6 / 22.1 s. Since then (not yet measured on a GPU): ``enable`` starts the helpers before
+Dynamo traces (``warm``), and each phase's first call waits only for the helper building that phase. Left: the
+builds of one helper are serial; compiling a chain's kernels in parallel needs their specialisations before
+their launch (Triton's ``jit_cache_hook`` / ``JITFunction.preload`` take them from a recorded manifest).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from typing import Dict, List, Optional
 
 ENV_CHILD = "VCATTN_PREBUILD_CHILD"  # set in a helper: it never starts helpers itself
 WAIT_S = 180.0  # the op's first call waits at most this long for the helpers, then kills them and goes on
+IDLE_S = 900.0  # a helper started ahead (``Prebuilds.warm``) exits after this long without a job
 _ARGS = ("q", "k", "v", "ident", "site", "config", "scale", "cos", "sin", "rope")
 _TENSORS = ("q", "k", "v", "ident", "cos", "sin")
 
@@ -188,16 +192,38 @@ class Prebuilds:
         self.done: List[dict] = []  # finished helpers: chain, seconds, ok, what it said or why it failed
         self.waited_s = 0.0  # what the op's first calls waited for them, in all
         self.cached = 0  # chains not started: a helper built them into this Triton cache before (its marker)
+        self._idle: list = []  # helpers started ahead (``warm``), imports done, waiting for a job
         atexit.register(self.kill)
+
+    def warm(self, n: int = 2) -> int:
+        """Start helpers ahead of the rewrite (``vc_compile.enable``, the backend's entry): their interpreter and
+        imports (~2 s idle, 7-10 s measured when started during Inductor's compile) run while Dynamo traces;
+        ``start`` hands them jobs. Returns how many were started; idle ones end at the first call's wait."""
+        if os.environ.get(ENV_CHILD) == "1":
+            return 0
+        with self.lock:
+            self._idle = [p for p in self._idle if p.poll() is None]
+            need = max(0, n - len(self._idle))
+        new = [p for p in (_launch() for _ in range(need)) if p is not None]
+        with self.lock:
+            self._idle.extend(new)
+        return len(new)
+
+    def _drop_idle(self) -> None:
+        with self.lock:
+            idle, self._idle = self._idle, []
+        for p in idle:
+            _discard(p)
 
     def kill(self) -> None:
         """Stop the helpers still running (the process is exiting, or nobody will wait for them)."""
         with self.lock:
             procs, self._procs = self._procs, []
+            idle, self._idle = self._idle, []
             self.pending = False
-        for rec in procs:
-            if rec["proc"].poll() is None:
-                rec["proc"].kill()
+        for p in [rec["proc"] for rec in procs] + idle:
+            if p.poll() is None:
+                p.kill()
 
     def start(self, requests: List[dict], *, reason: str = "") -> int:
         """Start one helper per (request, chain) not started before and not built before into this Triton cache
@@ -221,13 +247,18 @@ class Prebuilds:
                     jobs.append(job)
         started = 0
         for job in jobs:
-            p = _spawn(job)
+            with self.lock:
+                idle, self._idle = self._idle, []
+            p = _spawn(job, idle)
+            with self.lock:
+                self._idle = idle + self._idle
             if p is None:
                 continue
             with self.lock:
                 self._procs.append({"proc": p, "job": job, "t0": time.perf_counter(), "reason": reason})
                 self.pending = True
             started += 1
+        self._drop_idle()  # helpers started ahead that got no job: a later compile starts its own
         return started
 
     def wait(self, phase: Optional[str] = None, timeout: float = WAIT_S) -> None:
@@ -256,6 +287,8 @@ class Prebuilds:
             self.done.append({"steps": rec["job"]["steps"], "phases": rec["job"].get("phases", []),
                               "shape": rec["job"]["q"]["shape"],
                               "s": time.perf_counter() - rec["t0"], "ok": ok, "said": what})
+        if not self.pending:
+            self._drop_idle()  # every job handed out and done: helpers started ahead and still idle end here
         waited = time.perf_counter() - t0
         self.waited_s += waited
         if procs:
@@ -348,8 +381,9 @@ def _marker_path(job: dict) -> Optional[str]:
     return os.path.join(cache, "vcattn_prebuild", h[:32] + ".json")
 
 
-def _spawn(job: dict):
-    """A helper process running ``job`` (the request with its steps), or None if it cannot start."""
+def _launch():
+    """A helper process that imports what a job needs and then waits for its job on stdin (one JSON line; end
+    of input: it exits), or None if it cannot start."""
     import vc_compile
 
     env = dict(os.environ)
@@ -362,14 +396,51 @@ def _spawn(job: dict):
     # NOTE the helper's output goes to files, not pipes: nobody reads a pipe before the first call, and a helper
     # that fills one (warnings, a compiler's messages) would stall there, its builds with it
     try:
-        job = dict(job, t_spawn=time.time())
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        p = subprocess.Popen([sys.executable, "-m", "vc_compile.runtime.prebuild", json.dumps(job)],
-                             stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, text=True)
-        p.vc_out, p.vc_err = out, err
+        p = subprocess.Popen([sys.executable, "-m", "vc_compile.runtime.prebuild"], stdin=subprocess.PIPE,
+                             stdout=out, stderr=err, env=env, text=True)
+        p.vc_out, p.vc_err, p.vc_t0 = out, err, time.time()
     except OSError:
         return None
     return p
+
+
+def _hand(p, job: dict) -> bool:
+    """Give ``job`` to the waiting helper ``p``; False if it is gone."""
+    try:
+        p.stdin.write(json.dumps(dict(job, t_spawn=p.vc_t0, t_job=time.time())) + "\n")
+        p.stdin.close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _spawn(job: dict, idle: Optional[list] = None):
+    """A helper process running ``job`` (the request with its steps): one of ``idle`` (started earlier, its
+    imports done) if any is still alive, else a new one; None if none can start."""
+    while idle:
+        p = idle.pop(0)
+        if p.poll() is None and _hand(p, job):
+            return p
+        _discard(p)
+    p = _launch()
+    if p is not None and not _hand(p, job):
+        _discard(p)
+        return None
+    return p
+
+
+def _discard(p) -> None:
+    """Let a helper go: a waiting one exits at the end of its input (closed here; nothing waits for it), and its
+    output files are dropped."""
+    try:
+        if p.stdin and not p.stdin.closed:
+            p.stdin.close()
+    except OSError:
+        pass
+    for f in (p.vc_out, p.vc_err):
+        if not f.closed:
+            f.close()
 
 
 def _read(f) -> str:
@@ -399,7 +470,10 @@ def run_job(job: dict) -> dict:
     from ..config import VCConfig
     from . import report as _report
 
-    started = time.time() - job.get("t_spawn", time.time())  # interpreter, imports
+    # seconds from the helper's start to the job's start (interpreter, imports; a helper started ahead had them
+    # done before its job came: then from the job's hand-over)
+    started = time.time() - max(job.get("t_spawn", time.time()), job.get("t_job", 0.0))
+    t_in = time.time()
     cfg = VCConfig.from_json(job["config"])
     gen_dev = job["q"]["device"]
     gen = torch.Generator(device=gen_dev).manual_seed(0)
@@ -408,7 +482,7 @@ def run_job(job: dict) -> dict:
          for name in _TENSORS}
     if t["q"].is_cuda:
         torch.cuda.synchronize(t["q"].device)
-    ready = time.time() - job.get("t_spawn", time.time())  # + CUDA context and the inputs
+    ready = started + (time.time() - t_in)  # + CUDA context and the inputs
     t0 = time.perf_counter()
     step_s = []
     with torch.no_grad(), vc_compile.sampling(num_steps=_steps(cfg)) as loop:
@@ -427,7 +501,24 @@ def run_job(job: dict) -> dict:
 
 
 def main() -> int:
-    job = json.loads(sys.argv[1])
+    # the imports a job needs, before its job arrives (a helper started ahead of the rewrite, ``Prebuilds.warm``)
+    import torch  # noqa: F401
+
+    from .. import ops  # noqa: F401
+    from ..templates import dispatch
+
+    dispatch.triton_error()  # imports the kernel modules (triton, gluon)
+    try:
+        import select
+
+        if not select.select([sys.stdin], [], [], IDLE_S)[0]:
+            return 0  # no job came: the parent never compiled a graph with calls to build
+    except (ImportError, OSError, ValueError):
+        pass
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # not needed after all
+    job = json.loads(line)
     said = run_job(job)
     marker = job.get("marker")
     if marker:  # what ran here is what the parent will run (a fallback included): nothing left to build
