@@ -196,9 +196,9 @@ class Prebuilds:
         atexit.register(self.kill)
 
     def warm(self, n: int = 2) -> int:
-        """Start helpers ahead of the rewrite (``vc_compile.enable``, the backend's entry): their interpreter and
-        imports (~2 s idle, 7-10 s measured when started during Inductor's compile) run while Dynamo traces;
-        ``start`` hands them jobs. Returns how many were started; idle ones end at the first call's wait."""
+        """Start helpers ahead of the rewrite (``vc_compile.enable``): their interpreter and imports (~2 s idle,
+        7-10 s measured when started during Inductor's compile) run while Dynamo traces; ``start`` hands them
+        jobs and ends those it has none for. Returns how many were started."""
         if os.environ.get(ENV_CHILD) == "1":
             return 0
         with self.lock:
