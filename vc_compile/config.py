@@ -279,10 +279,11 @@ class VCConfig:
     cuda_graphs: CudaGraphs = CudaGraphs.AUTO
     speed_gate: SpeedGate = SpeedGate.AUTO
     # NOTE off by default. H200, Wan 1.3B, regional compile, fresh caches, 5-step first generation (bench_cold_start,
-    # e6b0279, same run): start-up over stock 12.9 s with helpers vs 11.8 s without (V-Smooth + ExpCast); MC-Sparse
-    # 23.3 s with them (24.5 s without, in the run before). A helper spends 7-10 s starting (Python, torch and
-    # triton imports, while Inductor's compile workers hold the CPUs) and builds slower than the parent would
-    # (14.1 s vs < 11.8 s), so the first call waited 13.6 / 22.1 s. On by default once it measures faster.
+    # two runs, start-up over stock with helpers / without, same run): V-Smooth + ExpCast 14.4 / 9.8 s (62ca3f0)
+    # and 12.9 / 11.8 s (e6b0279); MC-Sparse 17.6 / 24.5 s (62ca3f0) and 23.3 s with them (e6b0279). A helper spent
+    # 7-10 s starting (Python, torch and triton imports, while Inductor's compile workers hold the CPUs) and built
+    # slower than the parent would (14.1 s vs < 11.8 s), so the first call waited 13.6-22.1 s. On by default once
+    # it measures faster.
     prebuild: Prebuild = Prebuild.OFF
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused

@@ -26,13 +26,13 @@ them there. Nothing of the parent's computation changes: the same kernels, looke
   the Triton kernels; 'on' also on the CPU reference path (tests); a helper never starts helpers itself.
 
 NOTE off by default: it has not yet made a cold start faster. H200, Wan 2.1 1.3B, regional compile, fresh caches,
-5-step first generation (bench_cold_start, e6b0279, one run): start-up over stock 12.9 s with one helper against
-11.8 s without (V-Smooth + ExpCast), MC-Sparse 23.3 s with two (24.5 s without in the run before). The helper's
-own timings (``report()``): Python and the torch / triton imports took 7.0-10.3 s (about 2 s on an idle machine:
-Inductor's compile workers hold the CPUs meanwhile), its builds 14.1 s where the parent's take under 11.8 s, so
-the first call waited 13.6 / 22.1 s. Since then (not yet measured on a GPU): ``enable`` starts the helpers before
-Dynamo traces (``warm``), and each phase's first call waits only for the helper building that phase. Left: the
-builds of one helper are serial; compiling a chain's kernels in parallel needs their specialisations before
+5-step first generation (bench_cold_start; start-up over stock with helpers / without, same run): V-Smooth +
+ExpCast 14.4 / 9.8 s (62ca3f0), 12.9 / 11.8 s (e6b0279); MC-Sparse 17.6 / 24.5 s (62ca3f0), 23.3 s with its two
+helpers (e6b0279): run-to-run spread of several seconds. The helper's own timings (``report()``): Python and the
+torch / triton imports took 7.0-10.3 s (about 2 s on an idle machine: Inductor's compile workers hold the CPUs
+meanwhile), its builds 14.1 s where the parent's take under 11.8 s, so the first call waited 13.6 / 22.1 s (e6b0279).
+Since then (not yet measured on a GPU): ``enable`` starts the helpers before Dynamo traces (``warm``), and each
+phase's first call waits only for the helper building that phase. Left: the builds of one helper are serial; compiling a chain's kernels in parallel needs their specialisations before
 their launch (Triton's ``jit_cache_hook`` / ``JITFunction.preload`` take them from a recorded manifest).
 """
 from __future__ import annotations
