@@ -32,8 +32,9 @@ helpers (e6b0279): run-to-run spread of several seconds. The helper's own timing
 torch / triton imports took 7.0-10.3 s (about 2 s on an idle machine: Inductor's compile workers hold the CPUs
 meanwhile), its builds 14.1 s where the parent's take under 11.8 s, so the first call waited 13.6 / 22.1 s (e6b0279).
 Since then (not yet measured on a GPU): ``enable`` starts the helpers before Dynamo traces (``warm``), and each
-phase's first call waits only for the helper building that phase. Left: the builds of one helper are serial; compiling a chain's kernels in parallel needs their specialisations before
-their launch (Triton's ``jit_cache_hook`` / ``JITFunction.preload`` take them from a recorded manifest).
+phase's first call waits only for the helper building that phase. Left: the builds of one helper are serial;
+compiling a chain's kernels in parallel needs their specialisations before their launch (Triton's
+``jit_cache_hook`` / ``JITFunction.preload`` take them from a recorded manifest).
 """
 from __future__ import annotations
 
