@@ -64,6 +64,11 @@ def child(a) -> dict:
         if pb_opt is not None:
             opts["prebuild"] = pb_opt
     bp.compile_variant(pipe, base, label, opts, "regional", smoke)
+    if opts is not None:  # what vc_compile.enable does after compiling: kernel-build helpers start (prebuild on)
+        from vc_compile.backend import warm_prebuild
+        from vc_compile.config import VCConfig
+
+        warm_prebuild(VCConfig.from_options(opts))
     rec = bp.StepRecorder(device == "cuda", a.steps, f"{label} first")
     ctx = prefer_cudnn() if device == "cuda" else contextlib.nullcontext()
     with ctx:
