@@ -603,27 +603,36 @@ def overhead_tables(rows) -> List[str]:
             + md_table(["H", "S", "variant", "host ms", "GPU ms", "launches", "x cuDNN", "kernel path", "run"], body)]
 
 
-def cold_start_tables(rows) -> List[str]:
-    """``bench_cold_start.csv``: the latest run's rows (first generation per variant in a fresh process and in a
-    second one on its caches, against stock's in the same mode)."""
+def cold_start_tables(rows, runs: int = 2) -> List[str]:
+    """``bench_cold_start.csv``: the latest ``runs`` runs' rows (first generation per variant in a fresh process and
+    in a second one on its caches, against stock's in the same mode), newest first. A row whose kernel-build
+    helpers ran (CSV column ``prebuild``) says so in its variant."""
     if not rows:
         return [_none_yet("bench_cold_start.csv", "`python -m benchmarks.bench_cold_start` on a GPU")]
-    run = rows[-1].get("date", "")[:13], rows[-1].get("commit", "")
-    latest = [r for r in rows if (r.get("date", "")[:13], r.get("commit", "")) == run]
-    body = [[r["variant"], r.get("mode", ""), f(num(r.get("first_call_s")), "{:.1f}"),
-             f(num(r.get("extra_s")), "{:+.1f}"), f(num(r.get("steady_s")), "{:.1f}"),
-             f(num(r.get("startup_s")), "{:.1f}"), f(num(r.get("startup_extra_s")), "{:+.1f}"),
-             f(num(r.get("prebuild_wait_s")), "{:.1f}") if r.get("variant") != "stock" else "-"] for r in latest]
-    r0 = latest[0]
-    return [f"**bench_cold_start** ({r0.get('model', '')}, {r0.get('S', '')} tokens, regional compile, "
-            f"{r0.get('steps', '')}-step first generation, CFG 5; {r0.get('gpu', '')}, {r0.get('date', '')[:10]}, "
-            f"commit {r0.get('commit', '')}; random weights). fresh = empty Inductor / Triton caches, second = a "
-            "second process on them; extra = against stock in the same mode; start-up = first generation minus a "
-            "steady one in the same process; waited = what the first calls waited for kernel-build helpers "
-            "(option `prebuild`, off by default; the column `prebuild` of the CSV says what each row's helpers "
-            "did; `/noprebuild`: without them, each kernel built at its first launch).\n\n"
-            + md_table(["variant", "process", "first generation s", "extra s", "steady s", "start-up s",
-                        "start-up extra s", "waited s"], body)]
+    keys = []
+    for r in rows:
+        k = (r.get("date", "")[:13], r.get("commit", ""))
+        if k not in keys:
+            keys.append(k)
+    out = []
+    for run in reversed(keys[-runs:]):
+        latest = [r for r in rows if (r.get("date", "")[:13], r.get("commit", "")) == run]
+        body = [[r["variant"] + (" (helpers)" if (r.get("prebuild") or "").startswith("kernels built ahead") else ""),
+                 r.get("mode", ""), f(num(r.get("first_call_s")), "{:.1f}"),
+                 f(num(r.get("extra_s")), "{:+.1f}"), f(num(r.get("steady_s")), "{:.1f}"),
+                 f(num(r.get("startup_s")), "{:.1f}"), f(num(r.get("startup_extra_s")), "{:+.1f}"),
+                 f(num(r.get("prebuild_wait_s")), "{:.1f}") if r.get("variant") != "stock" else "-"]
+                for r in latest]
+        r0 = latest[0]
+        out.append(f"**bench_cold_start** ({r0.get('model', '')}, {r0.get('S', '')} tokens, regional compile, "
+                   f"{r0.get('steps', '')}-step first generation, CFG 5; {r0.get('gpu', '')}, {r0.get('date', '')[:10]}, "
+                   f"commit {r0.get('commit', '')}; random weights). fresh = empty Inductor / Triton caches, second = "
+                   "a second process on them; extra = against stock in the same mode; start-up = first generation "
+                   "minus a steady one in the same process; (helpers) = kernel-build helpers ran (option `prebuild`, "
+                   "off by default), waited = what the first calls waited for them; `/noprebuild`: without them.\n\n"
+                   + md_table(["variant", "process", "first generation s", "extra s", "steady s", "start-up s",
+                               "start-up extra s", "waited s"], body))
+    return out
 
 
 def blocks(results_dir: str) -> Dict[str, str]:
