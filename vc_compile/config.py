@@ -242,7 +242,13 @@ class VCConfig:
     hadamard: bool = False
     qk_format: QKFormat = QKFormat.INT8
     kmeans_clusters: int = 0
-    kmeans_iters: int = 3
+    # NOTE 1, not 3: the trained demo model (CPU reference, 4096 tokens, 50 steps, bench_mcsparse_schedule, PSNR
+    # against the dense clip of the same seed, seeds 0 / 1): V-Smooth 38.14 / 39.59 dB with 3 Lloyd iterations per
+    # warm-started grouping step, 40.68 / 44.98 dB with 1; MC-Sparse s = 0.15 (its warm-up groups) 26.22 / 26.42
+    # vs 26.25 / 27.14 dB. Each iteration is a pass over V per grouping step: a grouping call cost ~1.35 ms more
+    # than a reuse call at H12 S32760 (H200 pipeline rows, 3 iterations), on V-Smooth's 13 grouping steps and
+    # MC-Sparse's 10 warm-up steps; the time the 2 dropped iterations save awaits a GPU pipeline row.
+    kmeans_iters: int = 1
     group_fraction: float = 0.25
     density: float = 0.15
     # NOTE 128 by default (H200, 2026-11-29, 3fc643d): the gather kernel's reuse step at s = 0.15 is 4.28x
