@@ -625,8 +625,8 @@ def cold_start_tables(rows, runs: int = 2) -> List[str]:
                 for r in latest]
         r0 = latest[0]
         out.append(f"**bench_cold_start** ({r0.get('model', '')}, {r0.get('S', '')} tokens, regional compile, "
-                   f"{r0.get('steps', '')}-step first generation, CFG 5; {r0.get('gpu', '')}, {r0.get('date', '')[:10]}, "
-                   f"commit {r0.get('commit', '')}; random weights). fresh = empty Inductor / Triton caches, second = "
+                   f"{r0.get('steps', '')}-step first generation, CFG 5; {r0.get('gpu', '')}, "
+                   f"{r0.get('date', '')[:10]}, commit {r0.get('commit', '')}; random weights). fresh = empty Inductor / Triton caches, second = "
                    "a second process on them; extra = against stock in the same mode; start-up = first generation "
                    "minus a steady one in the same process; (helpers) = kernel-build helpers ran (option `prebuild`, "
                    "off by default), waited = what the first calls waited for them; `/noprebuild`: without them.\n\n"

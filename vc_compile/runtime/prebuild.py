@@ -1,8 +1,8 @@
 """Kernel builds ahead of the first call: what a fresh process would otherwise wait for at its first generation.
 
 Triton builds a kernel at its first launch, serially, on the launching thread: a fresh process pays every kernel
-of its methods' phases inside the first generation (H200, Wan 2.1 1.3B, regional compile: +6.0 s of start-up for
-V-Smooth + ExpCast, +12.5 s for MC-Sparse over stock torch.compile, ``bench_cold_start.csv``). Our rewrite runs
+of its methods' phases inside the first generation (H200, Wan 2.1 1.3B, regional compile: +6-12 s of start-up for
+V-Smooth + ExpCast, +12-25 s for MC-Sparse over stock torch.compile, ``bench_cold_start.csv``). Our rewrite runs
 before Inductor compiles the graph, and knows every rewritten call's shapes, strides, dtypes and options then.
 So the backend hands them to helper processes that run those calls on random inputs of the same layout through
 each method's phases, while the parent goes on compiling: the kernels land in Triton's on-disk cache (and the
@@ -18,8 +18,9 @@ them there. Nothing of the parent's computation changes: the same kernels, looke
 * ``Prebuilds`` (``runtime.Runtime.prebuilds``): the helper processes in flight. The op's first call of a
   phase waits for the helpers that build that phase (``wait``, at most ``WAIT_S``): their builds are further
   along than the parent's would be, and two processes building the same kernel only compete for the CPU; a
-  later phase's helper goes on meanwhile (MC-Sparse's anchor kernels build during its warm-up steps). A helper that fails or times
-  out changes nothing but the time: the parent builds its kernels itself; ``report()`` says what happened.
+  later phase's helper goes on meanwhile (MC-Sparse's anchor kernels build during its warm-up steps). A helper
+  that fails or times out changes nothing but the time: the parent builds its kernels itself; ``report()`` says
+  what happened.
 * ``Prebuilds.warm`` (called by ``vc_compile.enable``): helpers started before anything is traced, their
   interpreter and imports done by the time the rewrite hands them jobs; those left without one end then.
 * Option ``prebuild`` ('off' | 'auto' | 'on'): 'auto' starts helpers where the calls run on a CUDA device with
@@ -30,8 +31,8 @@ NOTE off by default: it has not yet made a cold start faster. H200, Wan 2.1 1.3B
 ExpCast 14.4 / 9.8 s (62ca3f0), 12.9 / 11.8 s (e6b0279); MC-Sparse 17.6 / 24.5 s (62ca3f0), 23.3 s with its two
 helpers (e6b0279): run-to-run spread of several seconds. The helper's own timings (``report()``): Python and the
 torch / triton imports took 7.0-10.3 s (about 2 s on an idle machine: Inductor's compile workers hold the CPUs
-meanwhile), its builds 14.1 s where the parent's take under 11.8 s, so the first call waited 13.6 / 22.1 s (e6b0279).
-Since then (not yet measured on a GPU): ``enable`` starts the helpers before Dynamo traces (``warm``), and each
+meanwhile), its builds 14.1 s where the parent's take under 11.8 s, so the first call waited 13.6 / 22.1 s
+(e6b0279). Since then (not yet measured on a GPU): ``enable`` starts the helpers before Dynamo traces (``warm``), and each
 phase's first call waits only for the helper building that phase. Left: the builds of one helper are serial;
 compiling a chain's kernels in parallel needs their specialisations before their launch (Triton's
 ``jit_cache_hook`` / ``JITFunction.preload`` take them from a recorded manifest).
