@@ -202,8 +202,12 @@ def test_gpu_helpers_build_what_the_first_call_launches(tmp_path, monkeypatch):
         torch.manual_seed(0)
         m = _Attn(heads=4, dim=128).cuda().to(torch.bfloat16)
         x = torch.randn(1, 4096, 512, device="cuda", dtype=torch.bfloat16)
-        f = torch.compile(m, backend="vcattn", options=dict(method="mcsparse", num_steps=10, speed_gate="off",
-                                                            prebuild=mode))
+        o = dict(method="mcsparse", num_steps=10, speed_gate="off", prebuild=mode)
+        f = torch.compile(m, backend="vcattn", options=o)
+        if mode == "on":  # as vc_compile.enable does: helpers start before anything is traced
+            from vc_compile.backend import warm_prebuild
+
+            assert warm_prebuild(VCConfig.from_options(o)) == 2
         ys = []
         with torch.no_grad(), vc_compile.sampling(num_steps=10) as loop:
             for i in range(10):
@@ -257,3 +261,34 @@ def test_enable_starts_helpers_only_where_prebuild_wants_them(monkeypatch):
     assert warm_prebuild(VCConfig.from_options({"method": "mcsparse", "prebuild": "on"})) == 2
     assert warm_prebuild(VCConfig.from_options({"method": "vsmooth", "prebuild": "on"})) == 1
     assert warm_prebuild(VCConfig.from_options({"method": "dense", "prebuild": "on"})) == 0
+
+
+@pytest.mark.usefixtures("fresh_vcattn")
+def test_a_fused_rope_call_is_rebuilt_with_its_tables(tmp_path, monkeypatch):
+    """A RoPE-fused call (rope_fusion, the tiny Wan: q, k un-rotated in [B, S, H, D], cos / sin tables) reaches
+    the helper with its layout spec and tables; the helper runs it and the output equals the one without."""
+    pytest.importorskip("diffusers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import tiny_diffusers
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    outs = {}
+    for mode in ("off", "on"):
+        torch._dynamo.reset()
+        vc_compile.reset(report=True)
+        pb = current().prebuilds
+        pb.done.clear()
+        pb._started.clear()
+        m, args, kw = tiny_diffusers.wan(fp32_rope=True)
+        opts = {"min_seq_len": 16, "method": "vsmooth", "rope_fusion": True, "prebuild": mode, "num_steps": 4,
+                "experimental": {"compiler": "eager", "kmeans_init_iters": 2, "kernels": "reference"}}
+        with torch.no_grad():
+            outs[mode] = torch.compile(m, backend="vcattn", options=opts)(*args, **kw).sample
+        if mode == "on":
+            assert len(pb.done) == 1 and pb.done[0]["ok"], pb.done
+            assert pb.done[0]["said"]["phases"] == {"group": 1, "reuse": 2}  # 4 steps: group 0, then reuse
+            assert [s.rope_fusion for s in vc_compile.report().rewritten] == ["fused"]
+    assert torch.equal(outs["on"], outs["off"])
