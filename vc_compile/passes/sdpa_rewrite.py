@@ -296,8 +296,10 @@ def _site_keys(nodes, labels, root_id, cfg_json: str, mod_name: str) -> dict:
     what names the call site: the compiled callable (``root_id``: its module instance or code object),
     the nested graph, the module path, the user-code stack of the call and its occurrence among equal
     ones; and what must not be shared: the options (another method's metadata), q's dtype and shape
-    string, and the outcome. Two model instances share no key (``root_id``); a shared graph's blocks
-    are kept apart at run time by the block identity, as before."""
+    string, and the outcome. A recompile for another model instance gets keys of its own (``root_id``);
+    a graph Dynamo does not recompile but reuses for another instance (the identical blocks of a regional
+    compile, or of two models of one class) keeps its site ids, so those calls share a site in
+    ``report()``, and the block identity keeps their metadata apart at run time."""
     keys, seen = {}, {}
     if root_id is None:  # not inside a Dynamo compile (a graph handed over by hand): no sharing
         return dict.fromkeys(nodes)
