@@ -242,13 +242,13 @@ class VCConfig:
     hadamard: bool = False
     qk_format: QKFormat = QKFormat.INT8
     kmeans_clusters: int = 0
-    # NOTE 1, not 3: the trained demo model (CPU reference, 4096 tokens, 50 steps, bench_mcsparse_schedule, PSNR
-    # against the dense clip of the same seed, seeds 0 / 1): V-Smooth 38.14 / 39.59 dB with 3 Lloyd iterations per
-    # warm-started grouping step, 40.68 / 44.98 dB with 1; MC-Sparse s = 0.15 (its warm-up groups) 26.22 / 26.42
-    # vs 26.25 / 27.14 dB. Each iteration is a pass over V per grouping step: a grouping call cost ~1.35 ms more
-    # than a reuse call at H12 S32760 (H200 pipeline rows, 3 iterations), on V-Smooth's 13 grouping steps and
-    # MC-Sparse's 10 warm-up steps; the time the 2 dropped iterations save awaits a GPU pipeline row.
-    kmeans_iters: int = 1
+    # NOTE 3 kept: fewer iterations are not safe on every path. The trained demo model (CPU reference, 4096 tokens,
+    # 50 steps, bench_mcsparse_schedule, PSNR against the dense clip of the same seed), 3 vs 1 Lloyd iterations per
+    # warm-started grouping step: V-Smooth 38.14 vs 40.68 dB (seed 0), 39.59 vs 44.98 (seed 1); MC-Sparse s = 0.15
+    # 26.22 vs 26.25, 26.42 vs 27.14; but V-Smooth + ExpCast 37.24 vs 29.41 dB and MC-Sparse with the ExpCast
+    # warm-up 26.29 vs 25.10 (seed 0). A grouping call costs ~1.35 ms over a reuse call at H12 S32760 (H200
+    # pipeline rows, 3 iterations): 1.5-2% of a generation is at stake.
+    kmeans_iters: int = 3
     group_fraction: float = 0.25
     density: float = 0.15
     # NOTE 128 by default (H200, 2026-11-29, 3fc643d): the gather kernel's reuse step at s = 0.15 is 4.28x
