@@ -27,6 +27,15 @@ class _Attn(nn.Module):
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, S, -1)
 
 
+def _fresh():
+    """No compiled graph, no site, no helper record (``reset(report=True)`` forgets them): the process's helpers."""
+    torch._dynamo.reset()
+    vc_compile.reset(report=True)
+    pb = current().prebuilds
+    assert not pb.done and not pb.cached and pb.waited_s == 0.0
+    return pb
+
+
 def _req(method, steps=10, **opts):
     cfg = VCConfig.from_options(dict(method=method, num_steps=steps, **opts))
     spec = {"shape": (1, 2, 1100, 64), "stride": (140800, 64, 128, 1), "dtype": "bfloat16", "device": "cpu",
@@ -36,7 +45,6 @@ def _req(method, steps=10, **opts):
 
 
 def test_chains_cover_every_phase_twice_and_split_the_warmup():
-    from vc_compile.config import VCConfig
     from vc_compile.methods import get
     from vc_compile.methods.phase import Phase
 
@@ -127,12 +135,7 @@ def test_helpers_run_leave_a_marker_and_change_no_result(method, tmp_path, monke
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     outs = {}
     for mode in ("off", "on", "on-again"):
-        torch._dynamo.reset()
-        vc_compile.reset(report=True)
-        pb = current().prebuilds
-        pb.done.clear()
-        pb.cached, pb.waited_s = 0, 0.0
-        pb._started.clear()
+        pb = _fresh()
         torch.manual_seed(0)
         m = _Attn().to(torch.bfloat16)
         x = torch.randn(1, 1100, 128, dtype=torch.bfloat16)
@@ -194,11 +197,7 @@ def test_gpu_helpers_build_what_the_first_call_launches(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     results = {}
     for mode in ("on", "off"):
-        torch._dynamo.reset()
-        vc_compile.reset(report=True)
-        pb = current().prebuilds
-        pb.done.clear()
-        pb._started.clear()
+        pb = _fresh()
         torch.manual_seed(0)
         m = _Attn(heads=4, dim=128).cuda().to(torch.bfloat16)
         x = torch.randn(1, 4096, 512, device="cuda", dtype=torch.bfloat16)
@@ -277,11 +276,7 @@ def test_a_fused_rope_call_is_rebuilt_with_its_tables(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     outs = {}
     for mode in ("off", "on"):
-        torch._dynamo.reset()
-        vc_compile.reset(report=True)
-        pb = current().prebuilds
-        pb.done.clear()
-        pb._started.clear()
+        pb = _fresh()
         m, args, kw = tiny_diffusers.wan(fp32_rope=True)
         opts = {"min_seq_len": 16, "method": "vsmooth", "rope_fusion": True, "prebuild": mode, "num_steps": 4,
                 "experimental": {"compiler": "eager", "kmeans_init_iters": 2, "kernels": "reference"}}

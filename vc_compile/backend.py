@@ -122,24 +122,19 @@ def warm_prebuild(cfg: VCConfig) -> int:
 
 
 def _gated(req: dict) -> bool:
-    """Whether the speed gate will send this call to stock SDPA at run time (``ops.attention``'s check, from
-    the compile-time shapes): then none of our kernels runs there and nothing is worth building."""
+    """Whether the speed gate will send this call to stock SDPA at run time (``ops.gate_reason``, from the
+    compile-time shapes): then none of our kernels runs there and nothing is worth building."""
     from . import formats
-    from .config import SpeedGate
-    from .tune import gate
 
-    cfg = VCConfig.from_json(req["config"])
-    if cfg.speed_gate != SpeedGate.AUTO or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return False
     q = torch.empty(req["q"]["shape"], device="meta")
     k = torch.empty(req["k"]["shape"], device="meta")
     if req["rope"]:
         spec = formats.parse_spec(req["rope"])
         q, k = formats.to_bhsd(q, spec), formats.to_bhsd(k, spec)
-    B, H, S, D = q.shape
-    name = torch.cuda.get_device_name(torch.device(req["q"]["device"]))
-    return gate.slower_than_stock(name, cfg.resolved_method.value, cfg.expcast, cfg.density,
-                                  float(B * H * S * k.shape[2] * D)) is not None
+    return ops.gate_reason(VCConfig.from_json(req["config"]), torch.device(req["q"]["device"]), q.shape,
+                           k.shape[2]) is not None
 
 
 def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None, **_):

@@ -63,6 +63,16 @@ def _gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
+def gate_reason(cfg: VCConfig, device: torch.device, q_shape, keys: int) -> Optional[str]:
+    """The speed gate's reason to leave a call of q's [B, H, S, D] shape and ``keys`` keys on ``device`` (CUDA) to
+    stock SDPA, or None (``speed_gate='off'``, no measurements for this GPU, or ours is faster there)."""
+    if cfg.speed_gate != SpeedGate.AUTO:
+        return None
+    B, H, S, D = q_shape
+    return _gate.slower_than_stock(_gpu_name(device), cfg.resolved_method.value, cfg.expcast, cfg.density,
+                                   float(B * H * S * keys * D))
+
+
 def runtime_ineligible(q, k, v, cfg: VCConfig) -> Optional[str]:
     """Reasons only knowable at run time (symbolic shapes in the graph, devices), plus the rewrite's own
     checks again for callers that reach the op directly: whatever the methods cannot run goes to stock
@@ -372,10 +382,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         impl, path = dispatch.choose(method.value, cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
         if impl == dispatch.Impl.TRITON:
             reason = M.ineligible(q, k, v)
-            if reason is None and cfg.speed_gate == SpeedGate.AUTO and q.is_cuda:
-                B, H, S, D = q.shape
-                reason = _gate.slower_than_stock(_gpu_name(q.device), method.value, cfg.expcast, cfg.density,
-                                                 float(B * H * S * k.shape[2] * D))
+            if reason is None and q.is_cuda:
+                reason = gate_reason(cfg, q.device, q.shape, k.shape[2])
     if rope_args is not None and (reason is not None or not M.FUSES_ROPE):
         q, k, rope_args = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args), None
     if reason is not None:

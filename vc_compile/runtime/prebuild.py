@@ -81,6 +81,10 @@ class TensorSpec:
             return None
         return cls(shape, stride, str(t.dtype).replace("torch.", ""), str(t.device), offset)
 
+    @classmethod
+    def from_json(cls, d: dict) -> "TensorSpec":
+        return cls(**{**d, "shape": tuple(d["shape"]), "stride": tuple(d["stride"])})
+
     def make(self, gen):
         """Random values in this layout (one storage of the span the strides reach)."""
         import torch
@@ -92,6 +96,11 @@ class TensorSpec:
         else:
             base = torch.zeros(span, dtype=dtype, device=self.device)
         return base.as_strided(self.shape, self.stride, self.offset)
+
+
+def _key(req: dict) -> str:
+    """A request's identity: everything but its site id (calls of one layout and options are one request)."""
+    return json.dumps({k: v for k, v in req.items() if k != "site"}, sort_keys=True)
 
 
 def _call_args(node) -> Dict[str, object]:
@@ -134,7 +143,7 @@ def requests_for_graph(gm) -> List[dict]:
                 req[name] = dataclasses.asdict(spec)
             if not ok:
                 continue
-            key = json.dumps({k: v for k, v in req.items() if k != "site"}, sort_keys=True)
+            key = _key(req)
             if key not in seen:
                 seen.add(key)
                 out.append(req)
@@ -211,6 +220,14 @@ class Prebuilds:
             self._idle.extend(new)
         return len(new)
 
+    def forget(self) -> None:
+        """What ``vc_compile.reset(report=True)`` forgets: the finished helpers' records and which layouts were
+        handed out (a compile after it may start helpers again; their markers still spare finished builds)."""
+        with self.lock:
+            self.done.clear()
+            self._started.clear()
+            self.cached, self.waited_s = 0, 0.0
+
     def _drop_idle(self) -> None:
         with self.lock:
             idle, self._idle = self._idle, []
@@ -227,7 +244,7 @@ class Prebuilds:
             if p.poll() is None:
                 p.kill()
 
-    def start(self, requests: List[dict], *, reason: str = "") -> int:
+    def start(self, requests: List[dict]) -> int:
         """Start one helper per (request, chain) not started before and not built before into this Triton cache
         (a marker the helper leaves there on success); returns how many were started."""
         if os.environ.get(ENV_CHILD) == "1":
@@ -235,7 +252,7 @@ class Prebuilds:
         jobs = []
         with self.lock:
             for req in requests:
-                key = json.dumps({k: v for k, v in req.items() if k != "site"}, sort_keys=True)
+                key = _key(req)
                 if key in self._started:
                     continue
                 self._started.add(key)
@@ -257,7 +274,7 @@ class Prebuilds:
             if p is None:
                 continue
             with self.lock:
-                self._procs.append({"proc": p, "job": job, "t0": time.perf_counter(), "reason": reason})
+                self._procs.append({"proc": p, "job": job, "t0": time.perf_counter()})
                 self.pending = True
             started += 1
         self._drop_idle()  # helpers started ahead that got no job: a later compile starts its own
@@ -479,9 +496,7 @@ def run_job(job: dict) -> dict:
     cfg = VCConfig.from_json(job["config"])
     gen_dev = job["q"]["device"]
     gen = torch.Generator(device=gen_dev).manual_seed(0)
-    t = {name: (TensorSpec(**{**job[name], "shape": tuple(job[name]["shape"]),
-                              "stride": tuple(job[name]["stride"])}).make(gen) if job.get(name) else None)
-         for name in _TENSORS}
+    t = {name: TensorSpec.from_json(job[name]).make(gen) if job.get(name) else None for name in _TENSORS}
     if t["q"].is_cuda:
         torch.cuda.synchronize(t["q"].device)
     ready = started + (time.time() - t_in)  # + CUDA context and the inputs

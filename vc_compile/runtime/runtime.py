@@ -179,7 +179,8 @@ class Runtime:
     def reset(self, report: bool = False) -> None:
         """Drop all cached metadata and step state (a fresh generation in every loop: the default one and
         the sampling loops open now, each keeping its ``num_steps``) and what the op remembered per site;
-        ``report=True`` also forgets the call-site records and counts, else only the counts are zeroed."""
+        ``report=True`` also forgets the call-site records and counts (and the kernel-build helpers' records),
+        else only the counts are zeroed."""
         for loop in self.loops():
             loop.tracker.reset()
             loop.store.clear()
@@ -187,6 +188,7 @@ class Runtime:
         self.graphs.clear()
         if report:
             self.sites.clear()
+            self.prebuilds.forget()
         else:
             self.sites.reset_counts()
 
