@@ -56,18 +56,27 @@ def log(*a):
     print(*a, flush=True)
 
 
-def count_launches(fn, cuda: bool) -> int:
-    """GPU activities (kernels, memsets, copies) of one call, from torch.profiler; -1 on a CPU."""
+def gpu_activities(fn, cuda: bool) -> list:
+    """The names of the GPU activities (kernels, memsets, copies) of one call, in order, from torch.profiler;
+    None on a CPU."""
     if not cuda:
         fn()
-        return -1
+        return None
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    return [e.name for e in evs]
+
+
+def count_launches(fn, cuda: bool) -> int:
+    """GPU activities (kernels, memsets, copies) of one call; -1 on a CPU."""
+    names = gpu_activities(fn, cuda)
+    return -1 if names is None else len(names)
 
 
 def burst(fn, n: int, cuda: bool):
@@ -113,6 +122,7 @@ def run_method(runner: Runner, opts: dict, n_reuse: int):
     ``ms`` = CUDA events around them / n (the GPU's time per call, launch gaps included)."""
     site, call = runner.op(opts)
     drift, launches, steps_run, seen, first_host = runner.drift(), -1, 0, 0, float("nan")
+    activities = None
     n_steps = 50
     host = gpu = float("nan")
     note, replays = "", ""
@@ -124,7 +134,8 @@ def run_method(runner: Runner, opts: dict, n_reuse: int):
             before = _phase_counts(site)
             fn = lambda: call(*qkv)  # noqa: E731
             if seen == 2:
-                launches = count_launches(fn, runner.cuda)
+                activities = gpu_activities(fn, runner.cuda)
+                launches = -1 if activities is None else len(activities)
             else:
                 h, _ = timed_call(fn, runner.cuda)
                 if seen == 1:
@@ -170,6 +181,8 @@ def run_method(runner: Runner, opts: dict, n_reuse: int):
     paths = ",".join(sorted(rec.kernel_path)) if rec is not None else ""
     if rec is not None and rec.cuda_graph_failure:
         note = (note + "; " if note else "") + f"graph capture failed: {rec.cuda_graph_failure}"
+    if activities:  # what the launch count is made of, in the log (kernel names abridged)
+        log("    activities: " + "; ".join(n[:48] for n in activities))
     return dict(host_ms=host, ms=gpu, launches=launches, replays=replays, steps_run=steps_run + i,
                 first_host_ms=first_host,
                 kernel_path=paths, note=note)
