@@ -277,12 +277,18 @@ def peer_status(label: str, device) -> tuple:
         from torch.nn import attention as na
         if "FA4" not in getattr(na, "list_flash_attention_impls", lambda: [])():
             return False, f"fa4 skipped: torch {torch.__version__} registers no FA4 flash SDPA implementation"
-        try:
-            with _flash_impl("FA4"):
-                pass
-        except Exception as e:  # noqa: BLE001 - flash-attn-4 missing / not loadable
-            return False, f"fa4 skipped: FA4 does not activate ({type(e).__name__}: {str(e)[:100]}); needs flash-attn-4"
-        return True, "fa4: FlashAttention-4 as torch's flash SDPA (activate_flash_attention_impl), flash first"
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        shim = common.fa4_sdpa_shim()
+        try:  # activate it and run one small call: a glue / wheel mismatch shows here, not mid-run
+            with _flash_impl("FA4"), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                x = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
+                torch.nn.functional.scaled_dot_product_attention(x, x, x)
+        except Exception as e:  # noqa: BLE001 - flash-attn-4 missing / not loadable / incompatible
+            return False, (f"fa4 skipped: FA4 does not run as torch's flash SDPA ({type(e).__name__}: "
+                           f"{str(e)[:100]}); needs flash-attn-4 whose _flash_attn_fwd torch {torch.__version__} "
+                           "can call")
+        return True, ("fa4: FlashAttention-4 as torch's flash SDPA (activate_flash_attention_impl), flash first"
+                      + (f"; {shim}" if shim else ""))
     raise ValueError(f"unknown peer {label!r}; known: {list(PEERS)}")
 
 
