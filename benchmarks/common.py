@@ -12,6 +12,8 @@ Benchmarks are modules of the ``benchmarks`` package, run from the repository ro
 """
 from __future__ import annotations
 
+import functools
+
 import contextlib
 import csv
 import datetime
@@ -181,6 +183,7 @@ def fa4_sdpa_shim() -> Optional[str]:
     if getattr(fwd, "_vc_two_outputs", False):
         return "flash_attn.cute.interface._flash_attn_fwd wrapped to return (out, lse) for torch's FA4 glue"
 
+    @functools.wraps(fwd)  # its attributes too: torch's glue reads ``_flash_attn_fwd.compile_cache``
     def two_outputs(*args, **kwargs):
         r = fwd(*args, **kwargs)
         return tuple(r[:2]) if isinstance(r, tuple) and len(r) > 2 else r
