@@ -7,14 +7,15 @@
 Per (H, S) (B = 1, D = 128, bf16, structured inputs drifting a little each step, as ``bench_generation``
 makes them) and per method, the op ``torch.ops.vcattn.attention`` runs inside ``vc_compile.sampling`` with
 ``vc_compile.step(i)``; past its first three reuse steps (warm-up of the kernels, the CUDA graph capture where
-``cuda_graphs`` allows it: ``first_host_ms``, a launch count) and two more on the timed inputs (the steady
-state: a graph on q, k, v in place captured), ``--reuse`` reuse steps run back to back, as a sampling loop runs
-them (one set of inputs, no synchronisation in between):
+``cuda_graphs`` allows it: ``first_host_ms``) and two more on the timed inputs (the steady state: a graph on q,
+k, v in place captured), one steady-state call is profiled (``launches``), then ``--reuse`` reuse steps run back
+to back, as a sampling loop runs them (one set of inputs, no synchronisation in between):
 
 * ``host_ms``: their wall time per call: the CPU's cost (Python, metadata, launches). Where it exceeds the
   GPU's time the op is host-bound: the GPU idles between calls.
 * ``ms``: CUDA events around them, per call: what a call costs the GPU, idle gaps included.
-* ``launches``: GPU activities (kernels, memsets, copies) the profiler sees for one reuse call.
+* ``launches``: GPU activities (kernels, memsets, copies) the profiler sees for one steady-state reuse call
+  (their names in the log).
 * ``replays``: how many of the timed calls replayed a CUDA graph, and how many of those replayed it on the
   caller's q, k, v in place (``direct``: nothing copied; runtime/graphs.py).
 * ``kernel_path``: what ``report()`` recorded (``+cuda_graph``: replayed).
@@ -116,8 +117,9 @@ def timed_call(fn, cuda: bool):
 
 def run_method(runner: Runner, opts: dict, n_reuse: int):
     """Steps a sampling loop of 50 steps. Its first reuse step warms (kernels compiled, configs looked up), the
-    second is the one a CUDA graph is captured on where ``cuda_graphs`` allows (``first_host_ms``), the third
-    counts launches (torch.profiler); then ``n_reuse`` reuse steps run back to back on one set of inputs, without
+    second is the one a CUDA graph is captured on where ``cuda_graphs`` allows (``first_host_ms``); after two
+    settling calls on the timed inputs one steady-state call counts launches (torch.profiler); then ``n_reuse``
+    reuse steps run back to back on one set of inputs, without
     a synchronisation: ``host_ms`` = their wall time / n (the CPU's cost, what a host-bound pipeline waits for),
     ``ms`` = CUDA events around them / n (the GPU's time per call, launch gaps included)."""
     site, call = runner.op(opts)
@@ -133,13 +135,9 @@ def run_method(runner: Runner, opts: dict, n_reuse: int):
             vc_compile.step(i)
             before = _phase_counts(site)
             fn = lambda: call(*qkv)  # noqa: E731
-            if seen == 2:
-                activities = gpu_activities(fn, runner.cuda)
-                launches = -1 if activities is None else len(activities)
-            else:
-                h, _ = timed_call(fn, runner.cuda)
-                if seen == 1:
-                    first_host = h
+            h, _ = timed_call(fn, runner.cuda)
+            if seen == 1:
+                first_host = h
             i += 1
             if _step_phase(before, _phase_counts(site)) == "reuse":
                 seen += 1
@@ -148,13 +146,20 @@ def run_method(runner: Runner, opts: dict, n_reuse: int):
         # one step; timing it instead put a capture (GPU idle, ~3 ms of host) into the timed calls (H200:
         # ExpCast H12 S8192 0.86-0.90 GPU ms per call against 0.67-0.68 with the staged graph captured earlier)
         settle = 2
-        if seen < 3 or i + settle + n_reuse > n_steps:
+        if seen < 3 or i + settle + 1 + n_reuse > n_steps:
             note = f"too few reuse steps ({seen} by step {i} of {n_steps})"
         else:
             for j in range(i, i + settle):
                 vc_compile.step(j)
                 call(*qkv)
             i += settle
+            # NOTE the launches of a steady-state call (what the timed calls are): counted on an earlier reuse step
+            # they included the three input copies of a graph replayed on staged inputs (H200, 6e5a57b: 7-8 GPU
+            # activities per call at H12 S <= 8192, of which 3 input copies)
+            vc_compile.step(i)
+            activities = gpu_activities(lambda: call(*qkv), runner.cuda)
+            launches = -1 if activities is None else len(activities)
+            i += 1
             before = _phase_counts(site).get("reuse", 0)
             g0 = (GRAPHS.replays, GRAPHS.direct_replays)
             if runner.cuda:

@@ -179,7 +179,14 @@ def pipeline_tables(rows) -> List[str]:
             title += "; each speed-up against the stock generation of its own run"
         title += "."
         fs, caches = num(any_row.get("first_steps")), any_row.get("caches") or ""
-        if (fs is not None and fs < num(steps)) or caches == "shared":
+        per_run = {}  # first-generation steps -> the commits whose runs used that many
+        for r in by_var.values():
+            per_run.setdefault(num(r.get("first_steps")) or num(steps), set()).add(r.get("commit") or "?")
+        if len(per_run) > 1:  # runs timed different first generations: say which, each against its own stock
+            title += (" First generation = torch.compile + kernel builds + the first steps: "
+                      + "; ".join(f"{n:.0f} in {', '.join(sorted(c))}" for n, c in sorted(per_run.items()))
+                      + " (each difference against the stock variant of the same run).")
+        elif (fs is not None and fs < num(steps)) or caches == "shared":
             title += (f" First generation = torch.compile + kernel builds + {fs or steps:.0f} steps"
                       + (", Inductor/Triton caches shared between the variants (a later variant reuses "
                          "kernels an earlier one built)" if caches == "shared" else
