@@ -2,7 +2,7 @@
 # The GPU benchmark and test stages, one or a few per invocation, each under its own time limit:
 #     bash scripts/gpu_sweep.sh STAGE [STAGE ...]
 # Stages (each under its own time limit, logged to $OUT/<stage>.log; a failing stage does not stop the next):
-#   fa4part DIR   copy the FA4 wheel parts carried in DIR (ignored, e.g. .fa4a) to /tmp/fa4 on the machine
+#   fa4part DIR   copy the FA4 parts and wheels carried in DIR (ignored, e.g. .fa4a) to /tmp/fa4 on the machine
 #   install       pip install the carried wheels (.whl/*.whl, /tmp/fa4 joined) into /tmp/site (--no-deps)
 #   tests         the GPU tests (pytest -n 8 over the kernel test files)
 #   kernels       scripts/ab_redesign.py on the tree in .old (if carried), this one, .old again; then the
@@ -45,15 +45,18 @@ run_stage() {  # name limit_s command...
 
 install_wheels() {
   shopt -s nullglob
-  local parts=(/tmp/fa4/cu13.part*)
-  if [ ${#parts[@]} -eq 3 ] && [ -e "${parts[0]}" ]; then
-    cat /tmp/fa4/cu13.part00 /tmp/fa4/cu13.part01 /tmp/fa4/cu13.part02 \
-      >/tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
-    md5sum /tmp/fa4/*.whl | grep cu13
-  fi
+  # FA4's CuTe DSL libraries (nvidia-cutlass-dsl-libs-cu13, a 92 MB wheel) come as an xz tarball of the
+  # wheel's contents split in parts (cu13xz.part*, 63 MB in all; fa4part DIR copies them in), extracted AFTER
+  # pip: pip --target --upgrade replaces a top-level folder it installs into (nvidia_cutlass_dsl), which wiped
+  # the libraries when they were extracted first. cuda-bindings is not among the wheels: the image has it.
   local wheels=(.whl/*.whl /tmp/fa4/*.whl)
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "${wheels[@]}" 2>&1 | grep -v -i warning
+  local parts=(/tmp/fa4/cu13xz.part*)
+  if [ ${#parts[@]} -ge 2 ]; then
+    cat "${parts[@]}" | tar xJf - -C /tmp/site && echo "cutlass-dsl cu13 libraries extracted"
+    [ -e /tmp/fa4/cu13_distinfo.tar ] && tar xf /tmp/fa4/cu13_distinfo.tar -C /tmp/site
+  fi
   $PY -c "import diffusers, sageattention; print('diffusers', diffusers.__version__)"
   $PY -c "from flash_attn.cute import flash_attn_func; print('flash-attn-4 ok')"
 }
@@ -80,7 +83,7 @@ GPU_TESTS="tests/test_anchor.py tests/test_anchor_mass.py tests/test_topk.py tes
 
 while [ $# -gt 0 ]; do
   case $1 in
-    fa4part) cp "$2"/cu13.part* /tmp/fa4/ && ls -la /tmp/fa4; [ -d "$2/small" ] && cp "$2"/small/*.whl /tmp/fa4/; shift ;;
+    fa4part) cp "$2"/cu13xz.part* "$2"/*.whl "$2"/*.tar /tmp/fa4/ 2>/dev/null; ls -la /tmp/fa4; shift ;;
     install) run_stage install 240 install_wheels ;;
     tests) run_stage tests "${TESTS_S:-240}" $PY -m pytest -n 8 -v -p no:cacheprovider -rfE --timeout 150 \
              ${TESTS_K:+-k "$TESTS_K"} ${TESTS_FILES:-$GPU_TESTS} ;;
