@@ -205,13 +205,19 @@ class VSmoothSm90Config(_Json):
     # at 1.5x / 1.7x the error (9.15e-3 / 7.46e-3). D = 64, S = 32760: G = 8 17.45 vs 16.84 ms (kept at 1). Only
     # on smoothed V: without the block means the kernel runs G = 1 (vsmooth_attn_sm90.py, kernels_notes).
     pv_window: int = 1
+    # FA3's intra-warpgroup overlap on top of PV windows (``steps.overlap_loop``): S_{j+1} and PV_j issued
+    # together, the softmax of S_{j+1} run while PV_j is on the tensor cores, both retired within the step; the
+    # window's fp32 accumulator lives in shared memory (32 KB per consumer), which leaves the overlap its
+    # registers (in registers it needed ~250 of 240: ``overlap_pv`` in kernels_notes' removed variants).
+    # Experimental: no default or tuner candidate selects it until an H200 A/B against ``pv_window`` alone.
+    pv_overlap: bool = False
 
     def __post_init__(self):
         _coerce_enum(self, "p_operand", POperand)
         _coerce_enum(self, "rowsum", RowSum)
         _coerce_enum(self, "mean", MeanTerm)
         _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 5)), pv_window={1, 2, 4, 8})
-        for flag in ("warp_specialize", "byte_mask"):
+        for flag in ("warp_specialize", "byte_mask", "pv_overlap"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"VSmoothSm90Config.{flag}={getattr(self, flag)!r}; accepted: True, False")
         regs = self.p_operand == POperand.REGISTERS
@@ -228,6 +234,9 @@ class VSmoothSm90Config(_Json):
         if self.pv_window > 1 and not (self.warp_specialize and self.rowsum == RowSum.MMA):
             raise ValueError(f"{self}: pv_window > 1 is built on the warp-specialised structure with MMA row sums "
                              "(warp_specialize=True, rowsum='mma', mean='tf32_window')")
+        if self.pv_overlap and self.pv_window == 1:
+            raise ValueError(f"{self}: pv_overlap keeps the fp32 accumulator of PV windows in shared memory: "
+                             "needs pv_window > 1")
 
     @property
     def mma_sums(self) -> bool:

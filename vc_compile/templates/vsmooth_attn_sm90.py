@@ -29,6 +29,8 @@ Launch configuration (``configs.VSmoothSm90Config``; the measured defaults per h
   by alpha before each MMA) and folded into fp32 once per window (``steps.window_step``): the fold of every block
   gone at the two-level accumulation's error (G = 8: ExpCast 23.92 -> 23.45 / 131.7 -> 123.6 ms at S = 32760 /
   75600 H40, rel. L2 6.203e-3 -> 6.206e-3; kernels_notes).
+* ``pv_overlap`` (on ``pv_window``; experimental, selected by no default): FA3's intra-warpgroup order, the
+  softmax of S_{j+1} while PV_j runs, the window's fp32 accumulator in shared memory (``steps.overlap_loop``).
 * ``warp_specialize``: two consumer warp groups and a producer warp (below).
 * ``byte_mask`` (register P~, ExpCast): the code's clamp at 0 is done on the packed bytes
   (``softmax.codes_masked``) in every program whose scales keep all codes >= -2^22 (``steps.bytemask_ok``,
@@ -135,7 +137,7 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
                                  BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                                  MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
                                  MS: gl.constexpr, BYTEMASK: gl.constexpr, PVW: gl.constexpr,
-                                 num_warps: gl.constexpr):
+                                 OVL: gl.constexpr, num_warps: gl.constexpr):
     """Warp-specialised (register P~): two consumer warp groups of BM rows each (the default partition and a
     worker) share a K / V ring that a producer warp fills; one CTA (12 warps) per SM."""
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, BM, D], desc_q.layout)
@@ -155,6 +157,9 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
     ones1 = _ones_operand(BN)
     mg0, mgbar0 = _mean_group_buffers(desc_g, D, MS)
     mg1, mgbar1 = _mean_group_buffers(desc_g, D, MS)
+    # OVL: each consumer's fp32 accumulator [BM, D] (32 KB at D = 128; a placeholder otherwise)
+    acc_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D] if OVL else [2, 8, 8],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     for i in gl.static_range(2):
         mbarrier.init(qbar.index(i), count=1)
         mbarrier.init(_turn.index(i), count=1)
@@ -170,10 +175,11 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
     # the q_smem pair stands in for the P~ buffer (register P~ reads none)
     gl.warp_specialize([
         (attend_rows, (desc_q, q_smem.index(0), q_smem, qbar.index(0), ring, win0, QS, KS, VS, OUT, LSE, S, Sk, nb,
-                       start, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK, PVW)),
+                       start, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK, PVW,
+                       acc_smem.index(0), OVL)),
         (attend_rows, (desc_q, q_smem.index(1), q_smem, qbar.index(1), ring, win1, QS, KS, VS, OUT, LSE, S, Sk, nb,
                        start + BM, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK,
-                       PVW)),
+                       PVW, acc_smem.index(1), OVL)),
         (_ws_producer, (ring, Sk, nb, D, BV, MEAN and not MS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -266,6 +272,8 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         # outgrows each block's share (H200, ExpCast, H3: rel. L2 vs fp64 at S = 2048 / 20000, G = 1 -> 8:
         # smoothed 6.78e-3 -> 6.78e-3 / 2.806e-3 -> 2.807e-3; naive 8-bit 7.97e-3 -> 1.59e-2 / 3.55e-3 -> 1.60e-2)
         consts.update(PVW=launch.pv_window if mean else 1)
+        # the overlap is built on the windows and carries ExpCast's codes across the loop (exp2: not built)
+        consts.update(OVL=int(launch.pv_overlap and consts["PVW"] > 1 and expcast))
         _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
     else:
         _vsmooth_attn_sm90_kernel[(-(-S // BM), B * H)](*args, **consts, PREG=int(preg), num_warps=nw)

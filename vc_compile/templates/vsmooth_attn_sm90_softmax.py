@@ -75,11 +75,13 @@ def k_scales(tile: Tile, blk, Sk):
 
 @gluon.jit
 def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, PREG: gl.constexpr,
-                  ROWSUM: gl.constexpr = True):
+                  ROWSUM: gl.constexpr = True, PACK: gl.constexpr = True):
     """One key block's online-softmax step: (P~ fp8 [BM, BN], alpha [BM], r [BM], m_new [BM]). ``ks0``,
     ``ks1``: the block's two K scales (keys [0, BKS) and [BKS, BN)), loaded a step ahead by the caller. MASK:
     the key-tail block. PREG: P~ comes back as the PV MMA's register A operand (keys relabelled, ``p_operand``).
-    ROWSUM = 0: r is not formed here (the MMA sums P~, ``row_sum_mma``)."""
+    ROWSUM = 0: r is not formed here (the MMA sums P~, ``row_sum_mma``). PACK = 0 (PREG, ExpCast, no ROWSUM):
+    the codes come back unpacked (fp32, in the A operand's layout), for ``pack_codes`` later: a value carried
+    across a loop's back edge as fp8 is unpacked and repacked byte by byte (~200 instructions a block)."""
     BN: gl.constexpr = tile.BN
     BKS: gl.constexpr = tile.BKS
     EXPCAST: gl.constexpr = tile.EXPCAST
@@ -140,13 +142,11 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
     alpha = gl.exp2(m_i - m_new)
     if PREG:  # fp32: a renaming of registers; the fp8 packing below then lands in the A operand's registers
         y = p_operand(y, tile.o_layout)
-    if EXPCAST:
-        if MASK:
-            y = gl.maximum(y + 8388608.0, 8388608.0)  # round to the integer code (magic add), clamp at 0
-        if tile.BYTEMASK and not MASK:
-            p8 = codes_masked(y)  # the clamp at code 0 as a byte mask, while packing
-        else:
-            p8 = y.to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+    if EXPCAST and not PACK:
+        gl.static_assert(PREG and not ROWSUM, "unpacked codes: the register-P~ MMA-row-sum path")
+        p8 = y
+    elif EXPCAST:
+        p8 = pack_codes(tile, y, MASK)
     elif PREG:
         p8 = e4m3x4(gl.exp2(y))  # MUFU + cast, packed without ptxas's F2FP.MERGE_C chain (see e4m3x4)
     else:
@@ -158,6 +158,20 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
     else:
         r = 0.0
     return p8, alpha, r, m_new
+
+
+@gluon.jit
+def pack_codes(tile: Tile, y, MASK: gl.constexpr):
+    """ExpCast's codes y (fp32, ``softmax_block``'s) as E4M3 P~: the key-tail block rounds and clamps them here
+    (the reference's second rounding), full blocks are clamped by the byte mask (``codes_masked``) or were
+    clamped by an FMNMX already."""
+    if MASK:
+        y = gl.maximum(y + 8388608.0, 8388608.0)  # round to the integer code (magic add), clamp at 0
+    if tile.BYTEMASK and not MASK:
+        p8 = codes_masked(y)  # the clamp at code 0 as a byte mask, while packing
+    else:
+        p8 = y.to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+    return p8
 
 
 # $1..$4: four codes y (fp32 bits), $0: their four E4M3 bytes. PRMT selectors: one nibble per result byte (byte
