@@ -76,7 +76,7 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
         # the one that retires PV_j; P~ crosses the loop's back edge as fp32 codes (no byte repacking); the
         # fp32 accumulator in shared memory (its loads / stores in the 1-in-8 promotion), no P~ stores
         o = st["overlap"]
-        assert o["found"] and o["softmax_while_pv_runs"] == 1.0 and o["byte_repack"] == 0
+        assert o["found"] and o["byte_repack"] == 0 and o["softmax_while_pv_runs"] == 1.0
         assert w["rowsum_mma"] == 4 and w["tf32_mma"] == 3 and w["fp8_unpack"] == 0
         assert w["sts"] == w["lds"] == 32 and st["ctas_per_sm"] >= 1
         return
@@ -418,16 +418,18 @@ def test_gpu_pv_overlap_matches_the_window_kernel(D, S):
 
 
 @requires_sm90
-def test_gpu_pv_overlap_nan_rows_and_exp2_fallback():
-    """A NaN query row stays NaN and the others finite under the overlap; on the exp2 path (V-Smooth) the launch
-    option is ignored (the overlap carries ExpCast codes): the window kernel's output, bit for bit."""
+def test_gpu_pv_overlap_nan_rows_and_where_it_is_ignored():
+    """A NaN query row stays NaN and the others finite under the overlap. Where the kernel does not build it
+    the option is ignored, the window kernel's output bit for bit: the exp2 path (V-Smooth), and unsmoothed V
+    (naive 8-bit: one-block windows)."""
     from vc_compile.templates import vsmooth_attn_sm90 as g
     q, k, v = make_qkv(1, 2, 1000, 128, torch.bfloat16, device="cuda")
     w8 = dataclasses.replace(MS_WS, pv_window=8)
     ovl = dataclasses.replace(w8, pv_overlap=True)
-    qk, vq = quantise(q, k, v, "int8", True)
-    assert torch.equal(g.vsmooth_attention_sm90(qk, vq, expcast=False, launch=ovl),
-                       g.vsmooth_attention_sm90(qk, vq, expcast=False, launch=w8))
+    for smooth, expcast in ((True, False), (False, True)):
+        qk, vq = quantise(q, k, v, "int8", smooth)
+        assert torch.equal(g.vsmooth_attention_sm90(qk, vq, expcast=expcast, launch=ovl),
+                           g.vsmooth_attention_sm90(qk, vq, expcast=expcast, launch=w8))
     q[0, 1, 7] = float("nan")
     qk, vq = quantise(q, k, v, "int8", True)
     o = g.vsmooth_attention_sm90(qk, vq, expcast=True, launch=ovl)

@@ -209,7 +209,9 @@ class VSmoothSm90Config(_Json):
     # together, the softmax of S_{j+1} run while PV_j is on the tensor cores, both retired within the step; the
     # window's fp32 accumulator lives in shared memory (32 KB per consumer), which leaves the overlap its
     # registers (in registers it needed ~250 of 240: ``overlap_pv`` in kernels_notes' removed variants).
-    # Experimental: no default or tuner candidate selects it until an H200 A/B against ``pv_window`` alone.
+    # ExpCast only (on the exp2 path ptxas sank the exponentials below the PV wait: offline sm_90 SASS); elsewhere
+    # the option is ignored. Experimental: no default or tuner candidate selects it until an H200 A/B against
+    # ``pv_window`` alone.
     pv_overlap: bool = False
 
     def __post_init__(self):

@@ -29,8 +29,8 @@ Launch configuration (``configs.VSmoothSm90Config``; the measured defaults per h
   by alpha before each MMA) and folded into fp32 once per window (``steps.window_step``): the fold of every block
   gone at the two-level accumulation's error (G = 8: ExpCast 23.92 -> 23.45 / 131.7 -> 123.6 ms at S = 32760 /
   75600 H40, rel. L2 6.203e-3 -> 6.206e-3; kernels_notes).
-* ``pv_overlap`` (on ``pv_window``; experimental, selected by no default): FA3's intra-warpgroup order, the
-  softmax of S_{j+1} while PV_j runs, the window's fp32 accumulator in shared memory (``steps.overlap_loop``).
+* ``pv_overlap`` (ExpCast, on ``pv_window``; experimental, selected by no default): FA3's intra-warpgroup order,
+  the softmax of S_{j+1} while PV_j runs, the window's fp32 accumulator in shared memory (``steps.overlap_loop``).
 * ``warp_specialize``: two consumer warp groups and a producer warp (below).
 * ``byte_mask`` (register P~, ExpCast): the code's clamp at 0 is done on the packed bytes
   (``softmax.codes_masked``) in every program whose scales keep all codes >= -2^22 (``steps.bytemask_ok``,
@@ -272,7 +272,8 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         # outgrows each block's share (H200, ExpCast, H3: rel. L2 vs fp64 at S = 2048 / 20000, G = 1 -> 8:
         # smoothed 6.78e-3 -> 6.78e-3 / 2.806e-3 -> 2.807e-3; naive 8-bit 7.97e-3 -> 1.59e-2 / 3.55e-3 -> 1.60e-2)
         consts.update(PVW=launch.pv_window if mean else 1)
-        # the overlap is built on the windows and carries ExpCast's codes across the loop (exp2: not built)
+        # built on the windows; ExpCast's only: on the exp2 path ptxas sank the 64 MUFU.EX2 of a block below the
+        # PV wait (offline sm_90 SASS), which leaves nothing of the softmax's latency hidden
         consts.update(OVL=int(launch.pv_overlap and consts["PVW"] > 1 and expcast))
         _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
     else:

@@ -142,9 +142,9 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
     alpha = gl.exp2(m_i - m_new)
     if PREG:  # fp32: a renaming of registers; the fp8 packing below then lands in the A operand's registers
         y = p_operand(y, tile.o_layout)
-    if EXPCAST and not PACK:
-        gl.static_assert(PREG and not ROWSUM, "unpacked codes: the register-P~ MMA-row-sum path")
-        p8 = y
+    if not PACK:
+        gl.static_assert(PREG and not ROWSUM, "unpacked P~: the register-P~ MMA-row-sum path")
+        p8 = y if EXPCAST else gl.exp2(y)  # the codes / the exponentials, fp32, for pack_codes
     elif EXPCAST:
         p8 = pack_codes(tile, y, MASK)
     elif PREG:
@@ -162,9 +162,11 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
 
 @gluon.jit
 def pack_codes(tile: Tile, y, MASK: gl.constexpr):
-    """ExpCast's codes y (fp32, ``softmax_block``'s) as E4M3 P~: the key-tail block rounds and clamps them here
-    (the reference's second rounding), full blocks are clamped by the byte mask (``codes_masked``) or were
-    clamped by an FMNMX already."""
+    """``softmax_block``'s unpacked P~ (fp32, PACK = 0) as E4M3 in the A operand's registers. ExpCast (y its codes):
+    the key-tail block rounds and clamps them here (the reference's second rounding), full blocks are clamped by
+    the byte mask (``codes_masked``) or were clamped by an FMNMX already. exp2 (y = 256 * 2^(s - m)): the cast."""
+    if not tile.EXPCAST:
+        return e4m3x4(y)
     if MASK:
         y = gl.maximum(y + 8388608.0, 8388608.0)  # round to the integer code (magic add), clamp at 0
     if tile.BYTEMASK and not MASK:

@@ -415,8 +415,9 @@ def block_done(j, accm, rs, alpha, l_i, Rb, ap, acc_smem, win: MeanWindow, g_row
 def overlap_step(j, nb, Sk, accm, ap, l_i, m_i, y, alpha, Rb, ks0, ks1, acc_smem, q_smem, zero_s, tile: Tile,
                  ring: KVRing, head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MASK: gl.constexpr,
                  G: gl.constexpr):
-    """FA3's intra-warpgroup order, key block j: enters with block j's ExpCast codes ``y`` (unpacked: fp8 carried
-    across the loop's back edge is repacked byte by byte), its alpha_j and m_j, and ``accm`` rescaled to m_j;
+    """FA3's intra-warpgroup order, key block j: enters with block j's P~ unpacked (``y``: ExpCast's codes or the
+    exponentials, fp32; fp8 carried across the loop's back edge is repacked byte by byte), its alpha_j and m_j,
+    and ``accm`` rescaled to m_j;
     packs P~_j, issues S_{j+1}, then PV_j and r_j; retires S_{j+1} (PV_j still running) and runs its softmax
     (``ks0``, ``ks1``: block j+1's K scales; MASK: block j+1 holds the key tail) while PV_j is on the tensor cores;
     retires PV_j, then ``block_done`` and the rescale of accm to m_{j+1}. Every MMA issued here is retired here
@@ -453,12 +454,11 @@ def overlap_step(j, nb, Sk, accm, ap, l_i, m_i, y, alpha, Rb, ks0, ks1, acc_smem
 def overlap_loop(nb, Sk, l_i, m_i, s_i, Rb, ks0, ks1, acc_smem, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing,
                  head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr,
                  G: gl.constexpr):
-    """``overlap_step`` over every key block (``pv_overlap``, ExpCast), S_0 given: block 0's softmax first, then one
+    """``overlap_step`` over every key block (``pv_overlap``), S_0 given: block 0's softmax first, then one
     step per block (the one whose softmax is the key tail's masked), then the last block's PV. The fp32
     accumulator is ``acc_smem`` (zeroed here); returns (acc, l_i, m_i, Rb), acc in registers."""
     o_layout: gl.constexpr = tile.o_layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    gl.static_assert(tile.EXPCAST != 0, "the overlap carries ExpCast codes across the loop (exp2: not built)")
     acc_smem.store(zero_o)
     ring.release_k(head, 0, nb, 0)  # S_0 retired
     ks0n, ks1n = k_scales(tile, 1, Sk)
