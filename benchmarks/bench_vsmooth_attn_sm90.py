@@ -93,9 +93,9 @@ def run(shapes, modes, extra, inputs, n_rows=512, sink=None):
                 default = vsmooth_sm90_default(D, ec, S)
                 ref_out = None
                 for spec in [{}] + list(extra):
-                    cfg = dataclasses.replace(default, **spec)
                     name = f"{mode}_kernel" + ("" if not spec else ":" + ",".join(f"{a}={b}" for a, b in spec.items()))
-                    try:
+                    try:  # (a launch the config refuses over this mode's default is logged and skipped)
+                        cfg = dataclasses.replace(default, **spec)
                         call = lambda cfg=cfg: vsmooth_attention_sm90(qk, vq, expcast=ec, launch=cfg)  # noqa: E731
                         out = call()
                         torch.cuda.synchronize()
