@@ -152,11 +152,9 @@ def overlap_loop_stats(sass: str) -> dict:
     hi = next((i for i, x in enumerate(b) if lo is not None and i > lo and re.search(r"DEPBAR\.LE gsb0, 0x0\b", x)),
               None)
     fm = [i for i, x in enumerate(b) if op(x).startswith("FMNMX")]
-    mu = [i for i, x in enumerate(b) if op(x).startswith("MUFU.EX2")]
-    inside = lambda idx: sum(1 for i in idx if lo is not None and hi is not None and lo < i < hi)  # noqa: E731
+    inside = sum(1 for i in fm if lo is not None and hi is not None and lo < i < hi)
     return {"found": lo is not None and hi is not None, "instructions": len(b),
-            "softmax_while_pv_runs": round(inside(fm) / max(len(fm), 1), 3),
-            "mufu": len(mu), "mufu_while_pv_runs": round(inside(mu) / max(len(mu), 1), 3),
+            "softmax_while_pv_runs": round(inside / max(len(fm), 1), 3),
             "byte_repack": sum(1 for x in b if re.search(r"PRMT R\d+, R\d+, 0x777[0-3]", x))}
 
 

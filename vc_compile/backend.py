@@ -88,11 +88,8 @@ def start_prebuild(gm: torch.fx.GraphModule, cfg: VCConfig) -> int:
 
         reqs = prebuild.requests_for_graph(gm)
         if cfg.prebuild == Prebuild.AUTO:
-            from .templates.interpret import interpreting
-
-            reqs = [r for r in reqs if r["q"]["device"].startswith("cuda") and not interpreting()
-                    and VCConfig.from_json(r["config"]).experimental.kernels != Kernels.REFERENCE
-                    and not _gated(r)]
+            cuda = lambda r: r["q"]["device"].startswith("cuda")  # noqa: E731
+            reqs = [r for r in reqs if _auto_builds(cuda(r), VCConfig.from_json(r["config"])) and not _gated(r)]
         return _runtime.current().prebuilds.start(reqs) if reqs else 0
     except Exception as e:  # noqa: BLE001 - an optimisation of the first call's time, never a compile error
         log.warning("vcattn: kernel builds ahead of the first call did not start (%s: %s); the kernels are "
@@ -107,11 +104,8 @@ def warm_prebuild(cfg: VCConfig) -> int:
         return 0
     from .config import Method
 
-    if cfg.prebuild == Prebuild.AUTO:
-        from .templates.interpret import interpreting
-
-        if not torch.cuda.is_available() or interpreting() or cfg.experimental.kernels == Kernels.REFERENCE:
-            return 0
+    if cfg.prebuild == Prebuild.AUTO and not _auto_builds(torch.cuda.is_available(), cfg):
+        return 0
     if cfg.resolved_method == Method.DENSE:
         return 0
     try:
@@ -119,6 +113,13 @@ def warm_prebuild(cfg: VCConfig) -> int:
     except Exception as e:  # noqa: BLE001 - an optimisation of the first call's time, never an error of enable
         log.warning("vcattn: kernel-build helpers did not start (%s: %s)", type(e).__name__, e)
         return 0
+
+
+def _auto_builds(cuda: bool, cfg: VCConfig) -> bool:
+    """``prebuild='auto'``: helpers only where the calls run our Triton kernels on a CUDA device."""
+    from .templates.interpret import interpreting
+
+    return cuda and not interpreting() and cfg.experimental.kernels != Kernels.REFERENCE
 
 
 def _gated(req: dict) -> bool:

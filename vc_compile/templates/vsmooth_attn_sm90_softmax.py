@@ -79,7 +79,7 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
     """One key block's online-softmax step: (P~ fp8 [BM, BN], alpha [BM], r [BM], m_new [BM]). ``ks0``,
     ``ks1``: the block's two K scales (keys [0, BKS) and [BKS, BN)), loaded a step ahead by the caller. MASK:
     the key-tail block. PREG: P~ comes back as the PV MMA's register A operand (keys relabelled, ``p_operand``).
-    ROWSUM = 0: r is not formed here (the MMA sums P~, ``row_sum_mma``). PACK = 0 (PREG, ExpCast, no ROWSUM):
+    ROWSUM = 0: r is not formed here (the MMA sums P~, ``row_sum_mma``). PACK = 0 (ExpCast, PREG, no ROWSUM):
     the codes come back unpacked (fp32, in the A operand's layout), for ``pack_codes`` later: a value carried
     across a loop's back edge as fp8 is unpacked and repacked byte by byte (~200 instructions a block)."""
     BN: gl.constexpr = tile.BN
@@ -142,11 +142,12 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
     alpha = gl.exp2(m_i - m_new)
     if PREG:  # fp32: a renaming of registers; the fp8 packing below then lands in the A operand's registers
         y = p_operand(y, tile.o_layout)
-    if not PACK:
-        gl.static_assert(PREG and not ROWSUM, "unpacked P~: the register-P~ MMA-row-sum path")
-        p8 = y if EXPCAST else gl.exp2(y)  # the codes / the exponentials, fp32, for pack_codes
-    elif EXPCAST:
-        p8 = pack_codes(tile, y, MASK)
+    if EXPCAST:
+        if PACK:
+            p8 = pack_codes(tile, y, MASK)
+        else:
+            gl.static_assert(PREG and not ROWSUM, "unpacked codes: the register-P~ MMA-row-sum path")
+            p8 = y
     elif PREG:
         p8 = e4m3x4(gl.exp2(y))  # MUFU + cast, packed without ptxas's F2FP.MERGE_C chain (see e4m3x4)
     else:
@@ -162,11 +163,9 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
 
 @gluon.jit
 def pack_codes(tile: Tile, y, MASK: gl.constexpr):
-    """``softmax_block``'s unpacked P~ (fp32, PACK = 0) as E4M3 in the A operand's registers. ExpCast (y its codes):
-    the key-tail block rounds and clamps them here (the reference's second rounding), full blocks are clamped by
-    the byte mask (``codes_masked``) or were clamped by an FMNMX already. exp2 (y = 256 * 2^(s - m)): the cast."""
-    if not tile.EXPCAST:
-        return e4m3x4(y)
+    """ExpCast's codes y (fp32, ``softmax_block``'s) as E4M3 P~: the key-tail block rounds and clamps them here
+    (the reference's second rounding), full blocks are clamped by the byte mask (``codes_masked``) or were
+    clamped by an FMNMX already."""
     if MASK:
         y = gl.maximum(y + 8388608.0, 8388608.0)  # round to the integer code (magic add), clamp at 0
     if tile.BYTEMASK and not MASK:

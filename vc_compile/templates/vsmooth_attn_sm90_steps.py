@@ -172,6 +172,11 @@ class MeanWindow:
                                             self.mg_smem.index(2 * buf + h), pred=pred)
 
     @gluon.jit
+    def flushed(self, acc, Rb, w, o_layout: gl.constexpr):
+        """``flush`` and its wait: acc + R_w mu'_w, back in the MMA layout ``o_layout``."""
+        return gl.convert_layout(warpgroup_mma_wait(0, deps=[self.flush(acc, Rb, w, o_layout)]), o_layout)
+
+    @gluon.jit
     def flush(self, acc, Rb, w, o_layout: gl.constexpr):
         """acc += R_w mu'_w for window w (8 key blocks) as tf32 MMAs, async: R [BM, 8] the blocks' row sums at the
         current max (``mean_slot``), mu'_w [8, D] their mean rows (buffer w % 2, K-major: [D, 8], hi and lo tf32
@@ -246,8 +251,7 @@ def finish_step(j, acc, Rb, rs, alpha, s_tok, s_i, win: MeanWindow, g_row, ng, o
             else:
                 s_n = warpgroup_mma_wait(0, deps=[s_tok])
         else:  # the last block: whatever the window holds
-            acc = win.flush(acc, Rb, j // 8, o_layout)
-            acc = gl.convert_layout(warpgroup_mma_wait(0, deps=[acc]), o_layout)
+            acc = win.flushed(acc, Rb, j // 8, o_layout)
             s_n = s_i
     elif NEXT:
         s_n = warpgroup_mma_wait(0, deps=[s_tok])
@@ -396,14 +400,12 @@ def block_done(j, accm, rs, alpha, l_i, Rb, ap, acc_smem, win: MeanWindow, g_row
         Rb = mean_slot(Rb, rs, alpha, j % 8)
     if LAST:
         if MEAN:
-            accm = win.flush(accm, Rb, j // 8, o_layout)
-            accm = gl.convert_layout(warpgroup_mma_wait(0, deps=[accm]), o_layout)
+            accm = win.flushed(accm, Rb, j // 8, o_layout)
         promote(acc_smem, accm, ap, o_layout)
     elif j % G == G - 1:
         if MEAN:
             if j % 8 == 7:  # G divides 8: a mean window ends only where a PV window does
-                accm = win.flush(accm, Rb, j // 8, o_layout)
-                accm = gl.convert_layout(warpgroup_mma_wait(0, deps=[accm]), o_layout)
+                accm = win.flushed(accm, Rb, j // 8, o_layout)
                 Rb = gl.zeros([accm.shape[0], 8], gl.float32, rs_layout(o_layout))
                 win.load_group(g_row, j // 8 + 2, ng, accm.shape[1])  # its buffer is free
         promote(acc_smem, accm, ap, o_layout)
@@ -415,10 +417,9 @@ def block_done(j, accm, rs, alpha, l_i, Rb, ap, acc_smem, win: MeanWindow, g_row
 def overlap_step(j, nb, Sk, accm, ap, l_i, m_i, y, alpha, Rb, ks0, ks1, acc_smem, q_smem, zero_s, tile: Tile,
                  ring: KVRing, head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MASK: gl.constexpr,
                  G: gl.constexpr):
-    """FA3's intra-warpgroup order, key block j: enters with block j's P~ unpacked (``y``: ExpCast's codes or the
-    exponentials, fp32; fp8 carried across the loop's back edge is repacked byte by byte), its alpha_j and m_j,
-    and ``accm`` rescaled to m_j;
-    packs P~_j, issues S_{j+1}, then PV_j and r_j; retires S_{j+1} (PV_j still running) and runs its softmax
+    """FA3's intra-warpgroup order, key block j: enters with block j's ExpCast codes unpacked (``y``, fp32: fp8
+    carried across the loop's back edge is repacked byte by byte), its alpha_j and m_j, and ``accm`` rescaled to
+    m_j; packs P~_j, issues S_{j+1}, then PV_j and r_j; retires S_{j+1} (PV_j still running) and runs its softmax
     (``ks0``, ``ks1``: block j+1's K scales; MASK: block j+1 holds the key tail) while PV_j is on the tensor cores;
     retires PV_j, then ``block_done`` and the rescale of accm to m_{j+1}. Every MMA issued here is retired here
     (one in flight across the loop's back edge makes ptxas serialise them). Returns (accm, ap, l_i, m_{j+1},
@@ -454,7 +455,7 @@ def overlap_step(j, nb, Sk, accm, ap, l_i, m_i, y, alpha, Rb, ks0, ks1, acc_smem
 def overlap_loop(nb, Sk, l_i, m_i, s_i, Rb, ks0, ks1, acc_smem, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing,
                  head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr,
                  G: gl.constexpr):
-    """``overlap_step`` over every key block (``pv_overlap``), S_0 given: block 0's softmax first, then one
+    """``overlap_step`` over every key block (``pv_overlap``, ExpCast), S_0 given: block 0's softmax first, then one
     step per block (the one whose softmax is the key tail's masked), then the last block's PV. The fp32
     accumulator is ``acc_smem`` (zeroed here); returns (acc, l_i, m_i, Rb), acc in registers."""
     o_layout: gl.constexpr = tile.o_layout
