@@ -24,6 +24,7 @@ export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPAT
 export PYTHONUNBUFFERED=1
 export VC_COMMIT=${VC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 PY=${PYTHON:-python3}
+export PY  # stages run through bash -c read it
 
 run_stage() {  # name limit_s command...
   local name=$1 lim=$2; shift 2
@@ -139,10 +140,12 @@ while [ $# -gt 0 ]; do
       run_stage sm90 "${SM90_S:-300}" $PY -m benchmarks.bench_vsmooth_attn_sm90 \
         --shapes "${SM90_SHAPES:-40x32760x128,40x75600x128}" --configs "${SM90_CONFIGS:-[]}" ;;
     ncu)  # instructions, issue slots and pipe use of one launch: the ExpCast kernel and FA3's FP8 kernel
-      run_stage ncu "${NCU_S:-240}" bash -c 'for w in ours fa3; do
+      # NCU_WHICH: which of them (default both); NCU_LAUNCH: launch-field overrides of ours (JSON)
+      export NCU_WHICH=${NCU_WHICH:-ours fa3} NCU_LAUNCH=${NCU_LAUNCH:-"{}"}
+      run_stage ncu "${NCU_S:-240}" bash -c 'for w in $NCU_WHICH; do
         ncu --profile-from-start off --clock-control none --section SpeedOfLight --section InstructionStats \
-          --section ComputeWorkloadAnalysis --section SchedulerStats --page raw --csv \
-          $PY -m scripts.ncu_sm90_kernel --which $w --H 40 --S 32760 > "$OUT/ncu_$w.csv"; done' ;;
+          --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --page raw --csv \
+          $PY -m scripts.ncu_sm90_kernel --which $w --H 40 --S 32760 --launch "$NCU_LAUNCH" > "$OUT/ncu_$w.csv"; done' ;;
     preprocess)
       run_stage preprocess 80 $PY -m benchmarks.bench_preprocess --budget 70 --csv "$OUT/bench_preprocess.csv" ;;
     tune)

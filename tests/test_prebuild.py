@@ -215,6 +215,9 @@ def test_gpu_helpers_build_what_the_first_call_launches(tmp_path, monkeypatch):
                 if mode == "on" and i == 0:
                     assert pb.done and all(d["ok"] for d in pb.done), pb.done
                     pb.wait()
+                    # each helper found its kernels before building them, and built them all at once
+                    said = [d["said"] for d in pb.done]
+                    assert all(x["found"] >= 1 and x["built"] == x["found"] for x in said), said
                     before = {p for p in cache.rglob("*") if p.suffix in (".cubin", ".json")}
         torch.cuda.synchronize()
         if mode == "on":
@@ -287,3 +290,56 @@ def test_a_fused_rope_call_is_rebuilt_with_its_tables(tmp_path, monkeypatch):
             assert pb.done[0]["said"]["phases"] == {"group": 1, "reuse": 2}  # 4 steps: group 0, then reuse
             assert [s.rope_fusion for s in vc_compile.report().rewritten] == ["fused"]
     assert torch.equal(outs["on"], outs["off"])
+
+
+def test_builds_found_ahead_are_the_builds_a_launch_needs(tmp_path):
+    """The helper's parallel build, offline for sm_90 (scripts/codegen_stats.py's fake driver): with launches
+    turned away, the preprocessing's launches build nothing and name their kernels; ``build_parallel`` builds
+    those on two threads into Triton's cache; the same launches afterwards build nothing new (Triton's
+    post-compile hook never fires), so every kernel they need was among those found."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    code = """
+import os
+from scripts import codegen_stats as cs
+import torch
+from triton import knobs
+cs._install()
+from vc_compile.runtime import prebuild
+from vc_compile.templates import preprocess as tpre
+q = torch.empty(1, 1000, 2, 64, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+perm = torch.empty(1, 2, 1000, dtype=torch.int64)
+call = lambda: tpre.preprocess(q, q, q, perm, sm_scale=0.1, hadamard=True, qk_format="int8", v_layout="sm90")
+built = []
+knobs.runtime.jit_post_compile_hook = lambda **kw: built.append(kw["fn"].name)
+with prebuild.launches_turned_away() as found:
+    try:
+        call()
+    except Exception:
+        pass
+cache = os.environ["TRITON_CACHE_DIR"]
+print("found", sorted(fn.__name__ for fn, _ in found), "built", built,
+      "cached", len(os.listdir(cache)) if os.path.isdir(cache) else 0)
+n, errors = prebuild.build_parallel(found, device=0, workers=2)
+print("parallel", n, errors, "built", sorted(built), "cached", len(os.listdir(cache)))
+built.clear()
+try:
+    call()
+except Exception:
+    pass
+print("again built", built)
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    if "No module named" in r.stderr or (r.returncode != 0 and "GPUTarget" in r.stderr):
+        pytest.skip(f"offline sm_90 compile unavailable here: {r.stderr.strip()[-300:]}")
+    lines = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.split()}
+    assert r.returncode == 0 and {"found", "parallel", "again"} <= set(lines), r.stdout[-2000:] + r.stderr[-2000:]
+    assert "['_quant_kernel', '_stats_kernel'] built [] cached 0" in lines["found"], lines["found"]
+    assert lines["parallel"].startswith("parallel 2 [] built ['_quant_kernel', '_stats_kernel']"), lines["parallel"]
+    assert int(lines["parallel"].split()[-1]) == 2  # one cache entry per kernel
+    assert lines["again"] == "again built []", lines["again"]
