@@ -87,9 +87,15 @@ def start_prebuild(gm: torch.fx.GraphModule, cfg: VCConfig) -> int:
         from .runtime import prebuild
 
         reqs = prebuild.requests_for_graph(gm)
+        cuda = lambda r: r["q"]["device"].startswith("cuda")  # noqa: E731
         if cfg.prebuild == Prebuild.AUTO:
-            cuda = lambda r: r["q"]["device"].startswith("cuda")  # noqa: E731
             reqs = [r for r in reqs if _auto_builds(cuda(r), VCConfig.from_json(r["config"])) and not _gated(r)]
+        gpu = [r for r in reqs if cuda(r) and _auto_builds(True, VCConfig.from_json(r["config"]))]
+        if gpu:  # kernels shipped built (sm_90): loaded, and a call layout they were recorded for needs no helper
+            from .runtime import shipped
+
+            covered, _ = shipped.load(gpu)
+            reqs = [r for r in reqs if r not in covered]
         return _runtime.current().prebuilds.start(reqs) if reqs else 0
     except Exception as e:  # noqa: BLE001 - an optimisation of the first call's time, never a compile error
         log.warning("vcattn: kernel builds ahead of the first call did not start (%s: %s); the kernels are "

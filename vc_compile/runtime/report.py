@@ -140,7 +140,7 @@ class SiteRegistry:
         for s in sites:
             s.resolve_timing()
         return Report(sites=sites, graphs_without_sdpa=list(self.empty_graphs),
-                      prebuild=current().prebuilds.summary())
+                      prebuild=_prebuild_line())
 
     def clear(self) -> None:
         with self.lock:
@@ -340,3 +340,11 @@ def clear() -> None:
 def reset_counts() -> None:
     """Zero the run-time counts of every site but keep the sites (used between demo runs)."""
     current().sites.reset_counts()
+
+
+def _prebuild_line() -> Optional[str]:
+    """What the shipped kernels and the kernel-build helpers did (``runtime/shipped.py``, ``runtime/prebuild.py``)."""
+    from . import shipped
+
+    lines = [x for x in (shipped.summary(), current().prebuilds.summary()) if x]
+    return "; ".join(lines) or None
