@@ -158,6 +158,9 @@ while [ $# -gt 0 ]; do
         $PY -c "from vc_compile.tune.cache import current_arch as a, cache_dir as d; print(a().dirname, d())"
         $PY -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/test_pipeline_calls.py \
           tests/test_package.py' ;;
+    pack)  # everything under $OUT in one archive (a run returns a limited number of files)
+      (cd "$OUT" && tar czf /tmp/pack.tgz --exclude=pack.tgz . && find . -mindepth 1 -delete && mv /tmp/pack.tgz .)
+      ls -la "$OUT" ;;
     *) echo "unknown stage $1"; exit 2 ;;
   esac
   shift

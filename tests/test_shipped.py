@@ -93,6 +93,8 @@ def test_layouts_match_as_launches_see_them():
     for n in ("q", "k", "v"):
         contig[n]["stride"] = [12 * 32760 * 128, 32760 * 128, 128, 1]
     assert shipped.match_key(contig) == shipped.match_key(a)
+    ident = {"shape": [1536, 1536], "stride": [1536, 1], "dtype": "bfloat16", "device": "cuda", "offset": 0}
+    assert shipped.match_key(dict(a, ident=ident, scale=0.088)) == shipped.match_key(a)  # compared, not launched
     assert shipped.match_key(request({"method": "vsmooth", "expcast": True}, 1, 12, 32768, 128)) \
         != shipped.match_key(a)
     assert shipped.match_key(request({"method": "vsmooth", "expcast": True}, 1, 40, 32760, 128)) \

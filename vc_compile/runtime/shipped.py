@@ -51,9 +51,10 @@ def _cls(n: int) -> str:
 
 def match_key(req: dict) -> str:
     """A request's layout as its kernels' launches see it: family, shapes, stride classes (Triton specialises an
-    integer on == 1 and divisibility by 16), offsets, scale and RoPE spec."""
-    parts = [family(req), str(req.get("scale")), req.get("rope") or ""]
-    for name in ("q", "k", "v", "ident", "cos", "sin"):
+    integer on == 1 and divisibility by 16), offsets, and the RoPE spec with its tables; not the block identity
+    (a weight the op only compares) nor the scale (a float argument, never specialised on)."""
+    parts = [family(req), req.get("rope") or ""]
+    for name in ("q", "k", "v", "cos", "sin"):
         s = req.get(name)
         parts.append("-" if not s else
                      f"{name}{list(s['shape'])}/{''.join(_cls(int(x)) for x in s['stride'])}/{s['dtype']}"
