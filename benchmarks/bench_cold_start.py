@@ -15,9 +15,11 @@ Per variant (``stock`` first: ``torch.compile`` with Inductor and SDPA on cuDNN;
 the kernel builds and the steps all happen in it); ``extra_s`` its difference to stock's in the same mode;
 ``steady_s`` a second generation in the same process (the steps alone), so ``first_call_s - steady_s`` is the
 start-up cost. Model construction and imports are outside every figure. A label ending in ``/prebuild`` runs
-the method with kernel-build helpers while Inductor compiles (option ``prebuild='auto'``, runtime/prebuild.py),
-``/noprebuild`` without them (fresh only: a second process is unaffected), a plain label with the default
-(column ``prebuild``: what ``report()`` said of the helpers, ``prebuild_wait_s``: what the first calls waited).
+the method with option ``prebuild='auto'`` (the shipped sm_90 kernels loaded, runtime/shipped.py, and kernel-build
+helpers for the calls they do not cover, runtime/prebuild.py), ``/noprebuild`` with 'off' (every kernel built at
+its launch; fresh only: a second process is unaffected), a plain label with the default ('shipped') (column
+``prebuild``: what ``report()`` said of the shipped kernels and the helpers, ``prebuild_wait_s``: what the first
+calls waited for helpers).
 Rows:
 ``benchmarks/results/bench_cold_start.csv``.
 """
@@ -87,8 +89,8 @@ def child(a) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
-# label suffixes: the method with option prebuild='off' (each kernel built at its first launch, the default) or
-# 'auto' (kernel-build helpers while Inductor compiles); plain labels run the default
+# label suffixes: the method with option prebuild='off' (each kernel built at its first launch) or 'auto' (shipped
+# kernels, helpers for the rest while Inductor compiles); plain labels run the default ('shipped')
 PREBUILD_SUFFIX = {"/noprebuild": "off", "/prebuild": "auto"}
 
 

@@ -624,7 +624,9 @@ def cold_start_tables(rows, runs: int = 2) -> List[str]:
     out = []
     for run in reversed(keys[-runs:]):
         latest = [r for r in rows if (r.get("date", "")[:13], r.get("commit", "")) == run]
-        body = [[r["variant"] + (" (helpers)" if (r.get("prebuild") or "").startswith("kernels built ahead") else ""),
+        said = lambda r: r.get("prebuild") or ""  # noqa: E731
+        body = [[r["variant"] + (" (shipped)" if "shipped sm_90 kernel(s) loaded" in said(r) else "")
+                 + (" (helpers)" if "kernels built ahead" in said(r) else ""),
                  r.get("mode", ""), f(num(r.get("first_call_s")), "{:.1f}"),
                  f(num(r.get("extra_s")), "{:+.1f}"), f(num(r.get("steady_s")), "{:.1f}"),
                  f(num(r.get("startup_s")), "{:.1f}"), f(num(r.get("startup_extra_s")), "{:+.1f}"),
@@ -635,8 +637,10 @@ def cold_start_tables(rows, runs: int = 2) -> List[str]:
                    f"{r0.get('steps', '')}-step first generation, CFG 5; {r0.get('gpu', '')}, "
                    f"{r0.get('date', '')[:10]}, commit {r0.get('commit', '')}; random weights). fresh = empty Inductor / Triton caches, second = "
                    "a second process on them; extra = against stock in the same mode; start-up = first generation "
-                   "minus a steady one in the same process; (helpers) = kernel-build helpers ran (option `prebuild`, "
-                   "off by default), waited = what the first calls waited for them; `/noprebuild`: without them.\n\n"
+                   "minus a steady one in the same process; (shipped) = the package's built sm_90 kernels were "
+                   "loaded, (helpers) = kernel-build helpers ran, waited = what the first calls waited for them "
+                   "(option `prebuild`: `/prebuild` 'auto', `/noprebuild` 'off', a plain label the default of "
+                   "that commit: 'off' before the shipped kernels, 'shipped' from a599286 on).\n\n"
                    + md_table(["variant", "process", "first generation s", "extra s", "steady s", "start-up s",
                                "start-up extra s", "waited s"], body))
     return out

@@ -73,7 +73,7 @@ def test_chains_cover_every_phase_twice_and_split_the_warmup():
 
 def test_requests_one_per_distinct_call_with_its_layout():
     """Two calls of one layout are one request; the strided view the model hands SDPA is what is recorded."""
-    from vc_compile.backend import start_prebuild
+    from vc_compile.backend import start_prebuild, warm_prebuild
 
     seen = []
 
@@ -102,10 +102,12 @@ def test_requests_one_per_distinct_call_with_its_layout():
     assert tuple(r["q"]["shape"]) == (1, 2, 1100, 64) and r["q"]["dtype"] == "bfloat16"
     assert tuple(r["q"]["stride"]) == (1100 * 3 * 128, 64, 3 * 128, 1)  # the permuted view, not a copy
     assert VCConfig.from_json(r["config"]).method.value == "vsmooth"
-    # 'auto' starts nothing on the CPU (no Triton kernels to build), 'off' (the default) nothing anywhere
-    assert VCConfig().prebuild.value == "off"
-    assert start_prebuild(seen[0], VCConfig.from_options({"method": "vsmooth", "prebuild": "auto"})) == 0
-    assert start_prebuild(seen[0], VCConfig.from_options({"method": "vsmooth", "prebuild": "off"})) == 0
+    # 'auto' starts nothing on the CPU (no Triton kernels to build), 'shipped' (the default) and 'off' nothing
+    # anywhere
+    assert VCConfig().prebuild.value == "shipped"
+    for mode in ("auto", "shipped", "off"):
+        assert start_prebuild(seen[0], VCConfig.from_options({"method": "vsmooth", "prebuild": mode})) == 0
+    assert warm_prebuild(VCConfig.from_options({"method": "vsmooth", "prebuild": "shipped"})) == 0
 
 
 def test_symbolic_shapes_are_left_out():
@@ -257,7 +259,7 @@ def test_enable_starts_helpers_only_where_prebuild_wants_them(monkeypatch):
 
     started = []
     monkeypatch.setattr(current().prebuilds, "warm", lambda n=2: started.append(n) or n)
-    assert warm_prebuild(VCConfig.from_options({"method": "mcsparse"})) == 0  # off by default
+    assert warm_prebuild(VCConfig.from_options({"method": "mcsparse"})) == 0  # no helpers by default
     assert warm_prebuild(VCConfig.from_options({"method": "mcsparse", "prebuild": "auto"})) == (
         2 if torch.cuda.is_available() else 0)  # auto: CUDA devices only
     assert warm_prebuild(VCConfig.from_options({"method": "mcsparse", "prebuild": "on"})) == 2

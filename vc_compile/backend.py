@@ -88,7 +88,7 @@ def start_prebuild(gm: torch.fx.GraphModule, cfg: VCConfig) -> int:
 
         reqs = prebuild.requests_for_graph(gm)
         cuda = lambda r: r["q"]["device"].startswith("cuda")  # noqa: E731
-        if cfg.prebuild == Prebuild.AUTO:
+        if cfg.prebuild in (Prebuild.AUTO, Prebuild.SHIPPED):
             reqs = [r for r in reqs if _auto_builds(cuda(r), VCConfig.from_json(r["config"])) and not _gated(r)]
         gpu = [r for r in reqs if cuda(r) and _auto_builds(True, VCConfig.from_json(r["config"]))]
         if gpu:  # kernels shipped built (sm_90): loaded, and a call layout they were recorded for needs no helper
@@ -96,6 +96,8 @@ def start_prebuild(gm: torch.fx.GraphModule, cfg: VCConfig) -> int:
 
             covered, _ = shipped.load(gpu)
             reqs = [r for r in reqs if r not in covered]
+        if cfg.prebuild == Prebuild.SHIPPED:
+            return 0
         return _runtime.current().prebuilds.start(reqs) if reqs else 0
     except Exception as e:  # noqa: BLE001 - an optimisation of the first call's time, never a compile error
         log.warning("vcattn: kernel builds ahead of the first call did not start (%s: %s); the kernels are "
@@ -106,7 +108,7 @@ def start_prebuild(gm: torch.fx.GraphModule, cfg: VCConfig) -> int:
 def warm_prebuild(cfg: VCConfig) -> int:
     """Start the kernel-build helpers ahead of the first compile (``vc_compile.enable``), where option
     ``prebuild`` will use them: their imports then run while Dynamo traces. Returns how many started."""
-    if cfg.prebuild == Prebuild.OFF:
+    if cfg.prebuild in (Prebuild.OFF, Prebuild.SHIPPED):
         return 0
     from .config import Method
 

@@ -88,11 +88,13 @@ class SpeedGate(str, enum.Enum):
 
 
 class Prebuild(str, enum.Enum):
-    """Whether the kernels of the compiled calls are built by helper processes while Inductor compiles
+    """Where the kernels of the compiled calls come from before their first launch: the package's shipped
+    binaries (runtime/shipped.py) and helper processes building them while Inductor compiles
     (runtime/prebuild.py)."""
-    OFF = "off"  # each kernel is built at its first launch, in the calling process (the default)
-    AUTO = "auto"  # where the calls run our Triton kernels on a CUDA device
-    ON = "on"  # also on the CPU reference path (tests)
+    OFF = "off"  # each kernel is built at its first launch, in the calling process
+    SHIPPED = "shipped"  # shipped binaries (sm_90) loaded; the rest built at their launch (the default)
+    AUTO = "auto"  # shipped binaries, and helpers for the calls whose layout none was recorded for (CUDA)
+    ON = "on"  # also helpers on the CPU reference path (tests)
 
 
 class SelectionRefresh(str, enum.Enum):
@@ -154,11 +156,14 @@ OPTION_DOCS: Dict[str, str] = {
                      "have a std above this (checked once per site, block and shape) stays stock SDPA, reported: "
                      "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit); "
                      "with expcast, logits of base-2 magnitude beyond ~2000 then give NaN rows (outside its codes' range).",
-    "prebuild": "'off' | 'auto' | 'on': build the kernels of every rewritten call (each phase of its method, at "
-                "its compile-time shape) in helper processes while Inductor compiles, so that the first "
-                "generation finds them in Triton's cache; a phase's first call waits for the helpers building it. "
-                "'auto' on CUDA devices. Off by default: on the H200 the helpers have not yet made a cold start "
-                "faster (docs/performance.md, Cold start).",
+    "prebuild": "'shipped' | 'auto' | 'on' | 'off': where a fresh process's kernels come from before their first "
+                "launch. 'shipped' (default): the package's sm_90 binaries of the recorded call layouts are "
+                "loaded instead of built (H200, Wan 2.1 1.3B, fresh caches: start-up over stock +2.6 s for "
+                "V-Smooth + ExpCast and +2.5 s for MC-Sparse, against +14.5 / +29.7 s building them); 'auto' "
+                "also builds the kernels of other layouts in helper processes while Inductor compiles (a phase's "
+                "first call waits for them; each helper holds its call's inputs on the GPU meanwhile); 'on' also "
+                "on the CPU reference path; 'off' builds every kernel at its first launch (docs/performance.md, "
+                "Cold start).",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
                    "Opt-in: on the H200 it saves 0.3-0.6 ms of preprocessing but only 0.2% of the op.",
@@ -290,7 +295,7 @@ class VCConfig:
     # 7-10 s starting (Python, torch and triton imports, while Inductor's compile workers hold the CPUs) and built
     # slower than the parent would (14.1 s vs < 11.8 s), so the first call waited 13.6-22.1 s. On by default once
     # it measures faster.
-    prebuild: Prebuild = Prebuild.OFF
+    prebuild: Prebuild = Prebuild.SHIPPED
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
     # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first

@@ -23,19 +23,20 @@ them there. Nothing of the parent's computation changes: the same kernels, looke
   what happened.
 * ``Prebuilds.warm`` (called by ``vc_compile.enable``): helpers started before anything is traced, their
   interpreter and imports done by the time the rewrite hands them jobs; those left without one end then.
-* Option ``prebuild`` ('off' | 'auto' | 'on'): 'auto' starts helpers where the calls run on a CUDA device with
-  the Triton kernels; 'on' also on the CPU reference path (tests); a helper never starts helpers itself.
+* Option ``prebuild`` ('shipped' | 'auto' | 'on' | 'off'): 'auto' starts helpers where the calls run on a CUDA
+  device with the Triton kernels, for the calls whose layout the shipped kernels were not recorded for
+  (``runtime/shipped.py``); 'on' also on the CPU reference path (tests); 'shipped' (the default) and 'off' start
+  none. A helper never starts helpers itself. A helper first finds every kernel its job launches (``discover``:
+  the job run with launches turned away), builds them all at once (``build_parallel``), then runs the job.
 
-NOTE off by default: it has not yet made a cold start faster. H200, Wan 2.1 1.3B, regional compile, fresh caches,
-5-step first generation (bench_cold_start; start-up over stock with helpers / without, same run): V-Smooth +
-ExpCast 14.4 / 9.8 s (62ca3f0), 12.9 / 11.8 s (e6b0279); MC-Sparse 17.6 / 24.5 s (62ca3f0), 23.3 s with its two
-helpers (e6b0279): run-to-run spread of several seconds. The helper's own timings (``report()``): Python and the
-torch / triton imports took 7.0-10.3 s (about 2 s on an idle machine: Inductor's compile workers hold the CPUs
-meanwhile), its builds 14.1 s where the parent's take under 11.8 s, so the first call waited 13.6 / 22.1 s
-(e6b0279). Since then (not yet measured on a GPU): ``enable`` starts the helpers before Dynamo traces (``warm``), and each
-phase's first call waits only for the helper building that phase. Left: the builds of one helper are serial;
-compiling a chain's kernels in parallel needs their specialisations before their launch (Triton's
-``jit_cache_hook`` / ``JITFunction.preload`` take them from a recorded manifest).
+NOTE helpers only under ``prebuild='auto'`` / 'on' (the default, 'shipped', loads the package's built kernels
+instead: ``runtime/shipped.py``). H200, Wan 2.1 1.3B, regional compile, fresh caches, 5-step first generation
+(bench_cold_start, start-up over stock, same run, e6524a7): V-Smooth + ExpCast 14.5 s building at the launches,
+9.3 s with a helper (started 9.5 s after its spawn: imports under Inductor's load; its 6 kernels built in
+parallel in 6.8 s; the first call waited 8.0 s); MC-Sparse 29.7 s against 8.5 s (17 kernels in 6.4 s). Before
+the parallel build (62ca3f0, e6b0279) one helper built its kernels one by one: 12.9-14.4 s and 17.6-23.3 s,
+no better than without helpers. What bounds a helper now: its imports and the longest single build (the
+warp-specialised Gluon kernel, ~6 s); the shipped kernels remove both (+2.6 / +2.5 s, a599286).
 """
 from __future__ import annotations
 

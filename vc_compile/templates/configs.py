@@ -210,8 +210,10 @@ class VSmoothSm90Config(_Json):
     # window's fp32 accumulator lives in shared memory (32 KB per consumer), which leaves the overlap its
     # registers (in registers it needed ~250 of 240: ``overlap_pv`` in kernels_notes' removed variants).
     # ExpCast only (on the exp2 path ptxas sank the exponentials below the PV wait: offline sm_90 SASS); elsewhere
-    # the option is ignored. Experimental: no default or tuner candidate selects it until an H200 A/B against
-    # ``pv_window`` alone.
+    # the option is ignored. NOTE experimental, selected by no default or tuner candidate: slower on the H200
+    # (2026-12-03, bench_vsmooth_attn_sm90.csv, kernel alone, same run, D = 128): 28.24 vs 23.45 ms at 40 x 32760
+    # (FA3 FP8 23.26), 151.14 vs 125.78 at 40 x 75600 (FA3 125.85), 8.69 vs 7.16 at 12 x 32760: 17-21% behind the
+    # window kernel it would replace, at the same error (6.196e-3 vs 6.196e-3).
     pv_overlap: bool = False
 
     def __post_init__(self):
