@@ -74,12 +74,14 @@ class TensorSpec:
         """The spec of a (fake) tensor, or None where a size or stride is symbolic (dynamic shapes: the run-time
         value is unknown at compile time)."""
         try:
+            # symbolic sizes are left alone: int() of a SymInt would specialise the graph on its value (a guard,
+            # then a recompile at every new length)
+            if any(type(s) is not int for s in (*t.shape, *t.stride(), t.storage_offset())):
+                return None
             shape = tuple(int(s) for s in t.shape)
             stride = tuple(int(s) for s in t.stride())
             offset = int(t.storage_offset())
         except (TypeError, ValueError, RuntimeError):
-            return None
-        if any(type(s) is not int for s in (*t.shape, *t.stride())):
             return None
         return cls(shape, stride, str(t.dtype).replace("torch.", ""), str(t.device), offset)
 

@@ -176,19 +176,32 @@ def load(requests: List[dict], device=None) -> Tuple[List[dict], Optional[str]]:
 
     if not requests:
         return [], None
-    dev = torch.cuda.current_device() if device is None else device
+    covered = []
     with _LOCK:
-        why = _refusal(dev)
-        if why:
-            _STATE["why"] = why
-            return [], summary()
-        m = _manifest()
-        fams = {family(r) for r in requests} - _STATE["families"]
-        _STATE["families"] |= fams
-        load_entries([e for e in m["kernels"] if fams & set(e["families"])], dev)
-        recorded = set(m.get("requests", {}))
-        covered = [r for r in requests if match_key(r) in recorded]
+        for dev in sorted({_index(r, device) for r in requests}):
+            mine = [r for r in requests if _index(r, device) == dev]
+            why = _refusal(dev)
+            if why:
+                _STATE["why"] = why
+                continue
+            m = _manifest()
+            fams = {(dev, family(r)) for r in mine} - _STATE["families"]
+            _STATE["families"] |= fams
+            names = {f for _, f in fams}
+            load_entries([e for e in m["kernels"] if names & set(e["families"])], dev)
+            recorded = set(m.get("requests", {}))
+            covered += [r for r in mine if match_key(r) in recorded]
         return covered, summary()
+
+
+def _index(req: dict, device=None) -> int:
+    """The CUDA device index a request's calls run on (its q's device; ``device`` overrides)."""
+    import torch
+
+    if device is not None:
+        return int(device)
+    d = torch.device(req["q"]["device"])
+    return d.index if d.index is not None else torch.cuda.current_device()
 
 
 def summary() -> Optional[str]:
