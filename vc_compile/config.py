@@ -289,12 +289,11 @@ class VCConfig:
     max_logit_std: float = 32.0
     cuda_graphs: CudaGraphs = CudaGraphs.AUTO
     speed_gate: SpeedGate = SpeedGate.AUTO
-    # NOTE off by default. H200, Wan 1.3B, regional compile, fresh caches, 5-step first generation (bench_cold_start,
-    # two runs, start-up over stock with helpers / without, same run): V-Smooth + ExpCast 14.4 / 9.8 s (62ca3f0)
-    # and 12.9 / 11.8 s (e6b0279); MC-Sparse 17.6 / 24.5 s (62ca3f0) and 23.3 s with them (e6b0279). A helper spent
-    # 7-10 s starting (Python, torch and triton imports, while Inductor's compile workers hold the CPUs) and built
-    # slower than the parent would (14.1 s vs < 11.8 s), so the first call waited 13.6-22.1 s. On by default once
-    # it measures faster.
+    # NOTE 'shipped' by default. H200, Wan 2.1 1.3B, regional compile, fresh caches, 5-step first generation
+    # (bench_cold_start, start-up over stock's): with the shipped kernels V-Smooth + ExpCast +2.6 s and MC-Sparse
+    # +2.5 s (a599286); building each kernel at its launch +14.5 / +29.7 s, helpers building them in parallel
+    # +9.3 / +8.5 s (same run, e6524a7; a helper's imports take ~9.5 s under Inductor's load and its longest build
+    # ~6 s). Helpers stay opt-in ('auto'): each holds its call's inputs on the GPU while the model compiles.
     prebuild: Prebuild = Prebuild.SHIPPED
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
