@@ -22,12 +22,14 @@ import sys
 import tempfile
 import time
 
-# (label, options, B, H, S, D, dtype): Wan 2.1 1.3B 480p 81 frames (12 heads x 32760 tokens), Wan 2.1 14B 720p
-# (40 x 75600) and 480p (40 x 32760)
+# call layouts (B, H, S, D), bf16: Wan 2.1 1.3B 480p 81 frames (12 heads x 32760 tokens), Wan 2.1 14B 720p
+# (40 x 75600) and 480p (40 x 32760); "wide" adds CogVideoX-5B 720 x 480, 49 frames (48 heads of 64 over 226 text
+# + 17550 video tokens), the first head dim of 64
 METHODS = {"vsmooth": {"method": "vsmooth"}, "vsmooth+expcast": {"method": "vsmooth", "expcast": True},
            "mcsparse": {"method": "mcsparse", "density": 0.15}}
 SHAPES = {"default": [(1, 12, 32760, 128), (1, 40, 75600, 128), (1, 40, 32760, 128)],
-          "small": [(1, 12, 32760, 128)]}
+          "small": [(1, 12, 32760, 128)],
+          "wide": [(1, 12, 32760, 128), (1, 40, 75600, 128), (1, 40, 32760, 128), (1, 48, 17776, 64)]}
 
 
 def request(opts: dict, B: int, H: int, S: int, D: int, dtype: str = "bfloat16", device: str = "cuda") -> dict:
