@@ -162,3 +162,22 @@ def test_gpu_shipped_kernels_give_the_built_results(tmp_path):
     assert "loaded" in said["shipped"]["line"]
     a, b = torch.load(tmp_path / "shipped.pt"), torch.load(tmp_path / "built.pt")
     assert torch.equal(a, b)
+
+
+def test_an_unreadable_shipped_kernel_is_skipped(tmp_path, monkeypatch):
+    """A damaged cubin file or entry never fails a compile: that kernel is counted, said in report()'s line, and
+    built at its launch; the others still load."""
+    monkeypatch.setattr(shipped, "_STATE", dict(shipped._STATE, families=set(), loaded=0, stale=0, why=None,
+                                                unreadable=0))
+
+    class Fn:  # a Triton function as the loader sees it: its source hash and per-device caches
+        cache_key = "abc"
+        device_caches = {0: ({},)}
+
+    monkeypatch.setattr(shipped, "_function", lambda path: Fn)
+    entry = {"fn": "m:f", "cache_key": "abc", "file": "missing.cubin.xz", "name": "k", "spec": "{}", "metadata": {}}
+    assert shipped.load_entries([entry], 0, str(tmp_path)) == 0
+    assert shipped._STATE["unreadable"] == 1 and Fn.device_caches[0][0] == {}
+    shipped._STATE["loaded"] = 1  # as if another kernel had loaded: the line reports both
+    assert "1 shipped kernel(s) unreadable" in shipped.summary()
+

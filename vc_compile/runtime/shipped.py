@@ -63,8 +63,8 @@ def match_key(req: dict) -> str:
 
 
 _LOCK = threading.Lock()
-_STATE: Dict[str, object] = {"manifest": None, "families": set(), "loaded": 0, "stale": 0, "why": None,
-                             "pool": None}
+_STATE: Dict[str, object] = {"manifest": None, "families": set(), "loaded": 0, "stale": 0, "unreadable": 0,
+                             "why": None, "pool": None}
 
 
 def _manifest() -> Optional[dict]:
@@ -153,7 +153,11 @@ def load_entries(entries: List[dict], dev: int, directory: Optional[str] = None)
                 _STATE["stale"] += 1  # the kernel's source changed since it was built: built at its launch
                 continue
             cache = fn.device_caches[dev][0]
-            key, k = _compiled(fn, e, tmp, directory or DIR)
+            try:
+                key, k = _compiled(fn, e, tmp, directory or DIR)
+            except Exception:  # noqa: BLE001 - an unreadable file or entry: that kernel is built at its launch
+                _STATE["unreadable"] = _STATE.get("unreadable", 0) + 1
+                continue
             if key not in cache:
                 cache[key] = k
                 new.append(k)
@@ -208,9 +212,11 @@ def summary() -> Optional[str]:
     """One line for ``report()``."""
     if _STATE["why"] and not _STATE["loaded"]:
         return f"shipped kernels not used: {_STATE['why']}"
-    if not _STATE["loaded"] and not _STATE["stale"]:
+    if not _STATE["loaded"] and not _STATE["stale"] and not _STATE.get("unreadable"):
         return None
     line = f"{_STATE['loaded']} shipped sm_90 kernel(s) loaded (not built)"
     if _STATE["stale"]:
         line += f"; {_STATE['stale']} shipped kernel(s) skipped: their sources changed since they were built"
+    if _STATE.get("unreadable"):
+        line += f"; {_STATE['unreadable']} shipped kernel(s) unreadable (built at their launch)"
     return line
