@@ -93,9 +93,7 @@ def record(a) -> int:
                 for fn in seen:  # kernels built for an earlier layout are found again (from the disk cache)
                     fn.device_caches.clear()
                 job = dict(req, steps=chain)
-                gen = torch.Generator(device="cuda").manual_seed(0)
-                t = {n: prebuild.TensorSpec.from_json(job[n]).make(gen) if job.get(n) else None
-                     for n in prebuild._TENSORS}
+                t = prebuild.inputs(job)
                 t0 = time.time()
                 found, why = prebuild.discover(job, t, cfg)
                 built, errors = prebuild.build_parallel(found, dev)

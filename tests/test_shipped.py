@@ -127,8 +127,7 @@ req = request({"method": "vsmooth", "expcast": True}, 1, 12, 32760, 128)
 built = []
 knobs.runtime.jit_post_compile_hook = lambda **kw: built.append(kw["fn"].name)
 covered = shipped.load([req])[0] if sys.argv[1] == "shipped" else []
-gen = torch.Generator(device="cuda").manual_seed(0)
-t = {n: prebuild.TensorSpec.from_json(req[n]).make(gen) if req.get(n) else None for n in prebuild._TENSORS}
+t = prebuild.inputs(req)
 outs = []
 with torch.no_grad(), vc_compile.sampling(num_steps=4) as loop:
     for i in range(4):

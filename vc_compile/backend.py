@@ -87,18 +87,18 @@ def start_prebuild(gm: torch.fx.GraphModule, cfg: VCConfig) -> int:
         from .runtime import prebuild
 
         reqs = prebuild.requests_for_graph(gm)
-        cuda = lambda r: r["q"]["device"].startswith("cuda")  # noqa: E731
-        if cfg.prebuild in (Prebuild.AUTO, Prebuild.SHIPPED):
-            reqs = [r for r in reqs if _auto_builds(cuda(r), VCConfig.from_json(r["config"])) and not _gated(r)]
-        gpu = [r for r in reqs if cuda(r) and _auto_builds(True, VCConfig.from_json(r["config"]))]
+        # the calls that will run our Triton kernels on a CUDA device
+        gpu = [r for r in reqs if _auto_builds(r["q"]["device"].startswith("cuda"), VCConfig.from_json(r["config"]))
+               and not _gated(r)]
+        covered = []
         if gpu:  # kernels shipped built (sm_90): loaded, and a call layout they were recorded for needs no helper
             from .runtime import shipped
 
             covered, _ = shipped.load(gpu)
-            reqs = [r for r in reqs if r not in covered]
         if cfg.prebuild == Prebuild.SHIPPED:
             return 0
-        return _runtime.current().prebuilds.start(reqs) if reqs else 0
+        todo = [r for r in (gpu if cfg.prebuild == Prebuild.AUTO else reqs) if r not in covered]  # 'on': CPU too
+        return _runtime.current().prebuilds.start(todo) if todo else 0
     except Exception as e:  # noqa: BLE001 - an optimisation of the first call's time, never a compile error
         log.warning("vcattn: kernel builds ahead of the first call did not start (%s: %s); the kernels are "
                     "built at their first launch", type(e).__name__, e)

@@ -579,12 +579,7 @@ def build_parallel(found: list, device=None, workers: Optional[int] = None) -> T
         if torch.cuda.is_available():
             torch.cuda.set_device(dev)  # preload builds for the thread's current device
         k = fn.preload(data)
-        try:
-            from triton.runtime import driver
-
-            driver.active.launcher_cls(k.src, k.metadata)  # its module is compiled and cached now, loaded later
-        except Exception:  # noqa: BLE001 - no launcher here (a driver without one): built at the launch
-            pass
+        build_launcher(k)
         return k
 
     n = max(1, min(len(found), workers or os.cpu_count() or 1))
@@ -599,11 +594,30 @@ def build_parallel(found: list, device=None, workers: Optional[int] = None) -> T
     return built, errors
 
 
+def build_launcher(k) -> None:
+    """Compile the launcher module of the built kernel ``k`` (a C compile, ~1 s, cached on disk by Triton) so that
+    its first launch only loads it; where that fails (a driver without launchers) the launch builds it."""
+    try:
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(k.src, k.metadata)
+    except Exception:  # noqa: BLE001 - built at the launch instead
+        pass
+
+
+def inputs(req: dict, seed: int = 0) -> dict:
+    """Random tensors in the layouts of a request (or job): q, k, v, ident, cos, sin (None where absent)."""
+    import torch
+
+    gen = torch.Generator(device=req["q"]["device"]).manual_seed(seed)
+    return {name: TensorSpec.from_json(req[name]).make(gen) if req.get(name) else None for name in _TENSORS}
+
+
 def run_job(job: dict) -> dict:
     """In the helper: the job's calls on random inputs of its layouts, each at its step of a sampling loop of
     the config's length, after building every kernel they launch in parallel (``discover``, then
-    ``build_parallel``; ``job["parallel"] = False``: one by one at their launches). Returns what ran (phases and
-    kernel paths, from this process's report) and the build's timings."""
+    ``build_parallel``). Returns what ran (phases and kernel paths, from this process's report) and the build's
+    timings."""
     import torch
 
     from .. import ops  # noqa: F401  (registers torch.ops.vcattn.attention)
@@ -615,15 +629,13 @@ def run_job(job: dict) -> dict:
     started = time.time() - max(job.get("t_spawn", time.time()), job.get("t_job", 0.0))
     t_in = time.time()
     cfg = VCConfig.from_json(job["config"])
-    gen_dev = job["q"]["device"]
-    gen = torch.Generator(device=gen_dev).manual_seed(0)
-    t = {name: TensorSpec.from_json(job[name]).make(gen) if job.get(name) else None for name in _TENSORS}
+    t = inputs(job)
     if t["q"].is_cuda:
         torch.cuda.synchronize(t["q"].device)
     ready = started + (time.time() - t_in)  # + CUDA context and the inputs
     t0 = time.perf_counter()
     par = {}
-    if job.get("parallel", True) and t["q"].is_cuda:
+    if t["q"].is_cuda:  # (the CPU reference path builds no kernel)
         found, why = discover(job, t, cfg)
         t1 = time.perf_counter()
         built, errors = build_parallel(found, t["q"].device.index)

@@ -31,6 +31,8 @@ import tempfile
 import threading
 from typing import Dict, List, Optional, Tuple
 
+from .prebuild import build_launcher
+
 DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "sm90")
 MANIFEST = os.path.join(DIR, "manifest.json")
 ARCH = (9, 0)
@@ -129,15 +131,6 @@ def _compiled(fn, entry: dict, tmp: str, directory: str):
     return d["key"], k
 
 
-def _build_launcher(k) -> None:
-    try:
-        from triton.runtime import driver
-
-        driver.active.launcher_cls(k.src, k.metadata)  # compiled into Triton's cache; loaded at the launch
-    except Exception:  # noqa: BLE001 - built at the first launch instead
-        pass
-
-
 def load_entries(entries: List[dict], dev: int, directory: Optional[str] = None) -> int:
     """Put each manifest entry's kernel in its function's in-memory cache (device ``dev``) unless one is there,
     skipping those whose source changed; their launchers build in background threads. Returns how many."""
@@ -156,7 +149,7 @@ def load_entries(entries: List[dict], dev: int, directory: Optional[str] = None)
             try:
                 key, k = _compiled(fn, e, tmp, directory or DIR)
             except Exception:  # noqa: BLE001 - an unreadable file or entry: that kernel is built at its launch
-                _STATE["unreadable"] = _STATE.get("unreadable", 0) + 1
+                _STATE["unreadable"] += 1
                 continue
             if key not in cache:
                 cache[key] = k
@@ -169,7 +162,7 @@ def load_entries(entries: List[dict], dev: int, directory: Optional[str] = None)
             _STATE["pool"] = cf.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
                                                    thread_name_prefix="vcattn-launchers")
         for k in new:
-            _STATE["pool"].submit(_build_launcher, k)
+            _STATE["pool"].submit(build_launcher, k)
     return len(new)
 
 
@@ -212,11 +205,11 @@ def summary() -> Optional[str]:
     """One line for ``report()``."""
     if _STATE["why"] and not _STATE["loaded"]:
         return f"shipped kernels not used: {_STATE['why']}"
-    if not _STATE["loaded"] and not _STATE["stale"] and not _STATE.get("unreadable"):
+    if not _STATE["loaded"] and not _STATE["stale"] and not _STATE["unreadable"]:
         return None
     line = f"{_STATE['loaded']} shipped sm_90 kernel(s) loaded (not built)"
     if _STATE["stale"]:
         line += f"; {_STATE['stale']} shipped kernel(s) skipped: their sources changed since they were built"
-    if _STATE.get("unreadable"):
+    if _STATE["unreadable"]:
         line += f"; {_STATE['unreadable']} shipped kernel(s) unreadable (built at their launch)"
     return line
