@@ -396,12 +396,58 @@ def test_fused_is_two_launches_and_no_torch_compute():
     q, k, v = make_qkv(B, H, S, D, torch.bfloat16)
     perm = random_perm(B, H, S)
     mp = pytest.MonkeyPatch()
+    tpl._PLANS.clear()  # a call recorded by another test would replay the real kernels, not the spies
     try:
         for n in real:
             mp.setattr(tpl, n, Spy(n))
         with mode:
-            tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="sm90")
+            tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="sm90")  # computed and recorded
+            tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="sm90")  # replayed
     finally:
         mp.undo()
-    assert launches == ["_stats_kernel", "_quant_kernel"]
+        tpl._PLANS.clear()
+    assert launches == ["_stats_kernel", "_quant_kernel"] * 2
     assert set(mode.ops) <= {"empty", "empty_strided"}, mode.ops
+
+
+@pytest.mark.parametrize("case", ["sm90", "natural_noperm", "qk_only", "v_only", "hadamard_fp8", "aliased"])
+def test_a_replayed_call_equals_a_computed_one(case, monkeypatch):
+    """A call recorded on one set of tensors and replayed on another of the same key (shapes, strides, dtypes,
+    alignment, aliasing, arguments) gives what computing it gives, bit for bit; a key that differs (here: the
+    inputs aliased in one call and not in the next) is computed, not replayed."""
+    B, H, S, D = 1, 2, 333, 64
+    kw = dict(sm_scale=D ** -0.5, v_layout="natural" if case == "natural_noperm" else "sm90",
+              hadamard=case == "hadamard_fp8", qk_format="fp8" if case == "hadamard_fp8" else "int8")
+    first, second = make_qkv(B, H, S, D, torch.bfloat16), make_qkv(B, H, S, D, torch.bfloat16)
+    perm = None if case == "natural_noperm" else random_perm(B, H, S)
+
+    def args(t):
+        q, k, v = t
+        if case == "qk_only":
+            return q, k, None
+        if case == "v_only":
+            return None, None, v
+        return q, k, v
+    if case == "aliased":
+        first = (first[0], first[0], first[0])
+    computed = []
+    real = tpl._preprocess
+    monkeypatch.setattr(tpl, "_preprocess", lambda *a, **k: computed.append(1) or real(*a, **k))
+    tpl._PLANS.clear()
+    tpl.preprocess(*args(first), perm, **kw)
+    got = tpl.preprocess(*args(second), perm, **kw)
+    want = real(*args(second), perm, rope=None, smooth=True, launch=tpl.PREPROCESS_DEFAULT, rec=None, **kw)
+    assert len(computed) == (2 if case == "aliased" else 1)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is None:
+            continue
+        assert type(g) is type(w)
+        for a, b in zip(g, w):
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                   b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+            else:
+                assert a == b
+    tpl._PLANS.clear()

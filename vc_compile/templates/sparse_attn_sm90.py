@@ -470,6 +470,7 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     ``out_dtype`` (default q.dtype), in the original query order. ``launch``: a ``SparseAttnSm90Config`` (None:
     ``configs.sparse_sm90_default(C)``). sm_90 only; C in {64, 128}, D and Dv in {64, 128}."""
     from vc_compile.templates.configs import sparse_sm90_default
+    from vc_compile.templates.launch import FAST_LAUNCH, aligned
     B, H, S, D = q.shape
     Sk, DV = k.shape[2], v.shape[3]
     C = int(group_size)
@@ -497,13 +498,18 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     n_gc = triton.cdiv(G, GPC)  # CTA tiles per head
     n_tiles = n_gc * B * H
     grid = min(n_tiles, _sm_count(q.device)) if launch.persistent else n_tiles
-    _sparse_attn_sm90_kernel[(grid,)](
-        q, k, v, sigma, idx, res, out, flag.contiguous() if flag is not None else out,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        idx.stride(0), idx.stride(1), idx.stride(2), idx.stride(3),
-        res.stride(0), res.stride(1), res.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        H, S, G, n_keep, float(sm_scale) * LOG2E, n_gc, n_tiles,
+    tensors = (q, k, v, sigma, idx, res, out, flag.contiguous() if flag is not None else out)
+    ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            idx.stride(0), idx.stride(1), idx.stride(2), idx.stride(3),
+            res.stride(0), res.stride(1), res.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            H, S, G, n_keep)
+    # the launch's key (templates/launch.py): every integer argument, the tensors' dtypes and alignment, the
+    # constexprs (from the launch and the shapes)
+    key = (ints, n_gc, n_tiles, tuple(t.dtype for t in tensors), aligned(*tensors), launch, C, D, DV, has_res,
+           flag is not None, off64)
+    FAST_LAUNCH(
+        _sparse_attn_sm90_kernel, (grid,), key, *tensors, *ints, float(sm_scale) * LOG2E, n_gc, n_tiles,
         C=C, GPC=GPC, D=D, DV=DV, BN=BN, STAGES=launch.stages, HAS_TAIL=n_keep % BN != 0, HAS_RES=has_res,
         HAS_FLAG=flag is not None, OFF64=off64, PFENCE=launch.producer_fence, ONE_WAIT=launch.one_wait,
         OVERLAP=launch.overlap,

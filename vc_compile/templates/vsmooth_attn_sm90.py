@@ -223,6 +223,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from vc_compile.formats import BLOCK_K, BLOCK_V, natural_layout, to_sm90_layout
+    from vc_compile.templates.launch import FAST_LAUNCH, aligned, tma_descriptor
     from vc_compile.templates.vsmooth_attn import check_inputs
 
     if not isinstance(launch, VSmoothSm90Config):
@@ -244,9 +245,12 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     q8, k8, v8t = q8.contiguous(), k8.contiguous(), vq.v8t.contiguous()
     S_pad = v8t.shape[-1]
     lay = _smem_layout
-    desc_q = TensorDescriptor.from_tensor(q8.view(B * H * S, D), [BM, D], lay([BM, D], gl.int8))
-    desc_k = TensorDescriptor.from_tensor(k8.view(B * H * Sk, D), [BN, D], lay([BN, D], gl.int8))
-    desc_v = TensorDescriptor.from_tensor(v8t.view(B * H * D, S_pad), [D, BN], lay([D, BN], gl.float8e4nv))
+
+    def desc(t, block, dtype):
+        return tma_descriptor(TensorDescriptor, t, block, lay(block, dtype))
+    desc_q = desc(q8.view(B * H * S, D), [BM, D], gl.int8)
+    desc_k = desc(k8.view(B * H * Sk, D), [BN, D], gl.int8)
+    desc_v = desc(v8t.view(B * H * D, S_pad), [D, BN], gl.float8e4nv)
     out = torch.empty(B, H, S, D, device=q8.device, dtype=out_dtype)
     lse = torch.empty(B, H, S, device=q8.device, dtype=torch.float32) if return_lse else out
     nb = -(-Sk // BN)
@@ -258,10 +262,10 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         mu_prime = (vq.v_mean / vq.v_scale.unsqueeze(2)).contiguous().view(-1, D)
     if not mean:  # never read (MEAN = 0); any fp32 [rows, D] tensor makes a valid descriptor
         mu_prime = _placeholder(q8.device, D)
-    desc_m = TensorDescriptor.from_tensor(mu_prime, [1, D], lay([1, D], gl.float32))
+    desc_m = desc(mu_prime, [1, D], gl.float32)
     if not (ms and mean):  # never read; a valid [rows, 8] fp32 descriptor
         mu_groups = _placeholder(q8.device, D).view(-1, 8)
-    desc_g = TensorDescriptor.from_tensor(mu_groups, [D, 8], lay([D, 8], gl.float32))
+    desc_g = desc(mu_groups, [D, 8], gl.float32)
     args = (desc_q, desc_k, desc_v, desc_m, desc_g, q_scale.contiguous(), k_scale.contiguous(),
             vq.v_scale.contiguous(), out, lse, S, Sk, nb)
     consts = dict(BM=BM, BN=BN, D=D, BKS=BLOCK_K, BV=BLOCK_V, STAGES=stages, EXPCAST=3 if expcast else 0,
@@ -275,7 +279,14 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         # built on the windows; ExpCast's only: on the exp2 path ptxas sank the 64 MUFU.EX2 of a block below the
         # PV wait (offline sm_90 SASS), which leaves nothing of the softmax's latency hidden
         consts.update(OVL=int(launch.pv_overlap and consts["PVW"] > 1 and expcast))
-        _vsmooth_attn_sm90_ws_kernel[(-(-S // (2 * BM)), B * H)](*args, **consts, num_warps=4, maxnreg=WS_MAXNREG)
+    # the launch's key (templates/launch.py): the descriptors' block shapes and layouts follow from the shapes, the
+    # dtypes and the launch; the scale tensors may come from a caller (their alignment is specialised on)
+    key = (B, H, S, Sk, D, S_pad, out_dtype, launch, tuple(sorted(consts.items())),
+           aligned(args[5], args[6], args[7], lse))
+    if ws:
+        FAST_LAUNCH(_vsmooth_attn_sm90_ws_kernel, (-(-S // (2 * BM)), B * H), key, *args, **consts, num_warps=4,
+                    maxnreg=WS_MAXNREG)
     else:
-        _vsmooth_attn_sm90_kernel[(-(-S // BM), B * H)](*args, **consts, PREG=int(preg), num_warps=nw)
+        FAST_LAUNCH(_vsmooth_attn_sm90_kernel, (-(-S // BM), B * H), key, *args, **consts, PREG=int(preg),
+                    num_warps=nw)
     return (out, lse) if return_lse else out

@@ -1,0 +1,131 @@
+"""Launching a compiled Triton / Gluon kernel again without Triton's per-call binder.
+
+Notation
+--------
+fn          a ``triton.JITFunction`` (Triton or Gluon kernel)
+key         the caller's description of everything the kernel's specialisation depends on besides ``fn``
+            and the launch options: the shapes, strides and dtypes that reach it as integers or tensors, and the
+            16-byte alignment of every tensor the caller did not allocate itself (the binder specialises on
+            ``data_ptr() % 16``, integer arguments on ``== 1`` and ``% 16``; a key that fixes the shapes and
+            strides fixes those)
+bound       the argument list the launcher takes: every parameter of ``fn`` in order (constexprs included, which
+            the launcher skips), defaults filled in
+
+What it does. ``launch(fn, grid, key, *args, **kwargs)`` runs ``fn[grid](*args, **kwargs)`` the first time a
+``(fn, key, kwargs' names)`` is seen, and remembers the compiled kernel and the order of its parameters. Later
+calls with that key hand the arguments straight to the compiled kernel's launcher: no binder, no
+specialisation, no cache-key hashing. The launcher itself is Triton's, so tensor descriptors, scratch memory
+and the stream are handled as in a normal launch.
+
+When it does not. Under the CPU interpreter, with a launch hook installed (``triton.knobs.runtime``, e.g. a
+profiler's), with a pre-run hook on ``fn``, or on a Triton other than 3.6 (the launcher's calling convention
+is 3.6's), every call takes the normal path. ``FAST_LAUNCH.enabled = False`` turns the fast path off for the
+process (tests compare both paths).
+
+NOTE (H200 host, torch 2.11, triton 3.6): Triton's binder and cache-key lookup are 10-40 us of host time per
+launch of our kernels (they take 30-60 arguments), several launches per attention call.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Tuple
+
+import triton
+from triton.runtime import driver
+
+from vc_compile.templates.interpret import interpreting
+
+_TRITON_36 = triton.__version__.startswith("3.6.")
+
+
+class FastLaunch:
+    """The process's remembered launches (see the module docstring)."""
+
+    def __init__(self):
+        self.enabled = True
+        self._memo: Dict[tuple, Tuple[Any, tuple]] = {}
+        self._lock = threading.Lock()
+        self.fast = 0  # launches that skipped the binder
+        self.slow = 0  # launches through fn[grid]
+
+    def usable(self, fn) -> bool:
+        """Whether a launch of ``fn`` may skip the binder now."""
+        if not (self.enabled and _TRITON_36) or interpreting() or getattr(fn, "pre_run_hooks", None):
+            return False
+        rt = triton.knobs.runtime
+        return _no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook)
+
+    def __call__(self, fn, grid: tuple, key, *args, **kwargs):
+        """``fn[grid](*args, **kwargs)``, remembered under ``key`` (see the module docstring)."""
+        if not self.usable(fn):
+            self.slow += 1
+            return fn[grid](*args, **kwargs)
+        device = driver.active.get_current_device()
+        mkey = (fn, key, tuple(kwargs), len(args), device)
+        hit = self._memo.get(mkey)
+        if hit is not None:
+            kernel, tail = hit
+            bound = args + tuple(kwargs[n] if isinstance(n, str) else n[0] for n in tail)
+            g = tuple(grid) + (1, 1)
+            stream = driver.active.get_current_stream(device)
+            kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *bound)
+            self.fast += 1
+            return kernel
+        kernel = fn[grid](*args, **kwargs)
+        self.slow += 1
+        if kernel is not None and not hasattr(kernel, "result"):
+            self._remember(mkey, fn, kernel, device, args, kwargs)
+        return kernel
+
+    def _remember(self, mkey, fn, kernel, device, args, kwargs) -> None:
+        binder = fn.device_caches[device][4]
+        bound, _, _ = binder(*args, **kwargs)
+        params = list(bound)
+        if len(params) != len(fn.params) or params[:len(args)] != [p.name for p in fn.params[:len(args)]]:
+            return  # not the plain positional-then-keyword binding assumed below: keep the normal path
+        tail = []
+        for name in params[len(args):]:
+            # a keyword given at the call: read it from the call; a default: the bound value itself, boxed in a
+            # tuple so that it is told apart from a name
+            tail.append(name if name in kwargs else (bound[name],))
+        with self._lock:
+            self._memo[mkey] = (kernel, tuple(tail))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._memo.clear()
+
+
+FAST_LAUNCH = FastLaunch()
+
+
+def _no_hook(hook) -> bool:
+    """Whether a launch hook of Triton's knobs calls nothing: None, or an empty ``HookChain`` (3.6's default, which
+    the binder's path still builds launch metadata for and hands to the launcher to call)."""
+    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
+
+
+def aligned(*tensors) -> tuple:
+    """The binder's alignment bits of tensors the caller did not allocate (part of a launch key)."""
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors if t is not None)
+
+
+_DESCRIPTORS: Dict[tuple, tuple] = {}
+
+
+def tma_descriptor(cls, tensor, block_shape, layout):
+    """``cls.from_tensor(tensor, block_shape, layout)`` (a Gluon ``TensorDescriptor``) with its checks run once per
+    (shape, strides, dtype, block, layout): later ones copy the checked fields and only test the base's
+    16-byte alignment (the one check that depends on the tensor itself).
+    NOTE (H200 host): five ``from_tensor`` per attention launch cost ~36 us of host time (its dataclass checks)."""
+    shape, strides = tuple(tensor.shape), tensor.stride()
+    key = (cls, shape, strides, tensor.dtype, tuple(block_shape), layout)
+    fields = _DESCRIPTORS.get(key)
+    if fields is None or tensor.data_ptr() % 16:
+        d = cls.from_tensor(tensor, list(block_shape), layout)
+        _DESCRIPTORS[key] = {k: v for k, v in vars(d).items() if k != "base"}
+        return d
+    d = object.__new__(cls)
+    d.__dict__.update(fields)
+    d.base = tensor
+    return d
