@@ -166,3 +166,25 @@ def test_gpu_remembered_launches_give_the_same_bits():
     assert FAST_LAUNCH.fast - before >= 4
     for w, g in zip(want, got):
         assert torch.equal(w, g)
+
+
+def test_report_says_how_kernels_were_launched(monkeypatch):
+    """``report()`` counts remembered launches and launches through the binder, and says why none is remembered
+    where the path is off (here: the CPU interpreter, or a Triton other than 3.6)."""
+    import vc_compile
+    from vc_compile.templates import launch as L
+
+    fl = L.FastLaunch()
+    monkeypatch.setattr(L, "FAST_LAUNCH", fl)
+    assert vc_compile.report().launches is None  # nothing launched yet
+    fl.fast, fl.slow = 7, 2
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "_TRITON_36", True)
+    line = vc_compile.report().launches
+    assert line == "kernel launches: 7 remembered (Triton's binder skipped), 2 through the binder"
+    assert vc_compile.report().to_dict()["launches"] == line
+    monkeypatch.setattr(L, "_TRITON_36", False)
+    assert "needs Triton 3.6" in vc_compile.report().launches
+    monkeypatch.setattr(L, "interpreting", lambda: True)
+    monkeypatch.setattr(L, "_TRITON_36", True)
+    assert vc_compile.report().launches.endswith("remembered launches off: the CPU interpreter runs the kernels")

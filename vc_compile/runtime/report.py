@@ -140,7 +140,7 @@ class SiteRegistry:
         for s in sites:
             s.resolve_timing()
         return Report(sites=sites, graphs_without_sdpa=list(self.empty_graphs),
-                      prebuild=_prebuild_line())
+                      prebuild=_prebuild_line(), launches=_launch_line())
 
     def clear(self) -> None:
         with self.lock:
@@ -248,6 +248,7 @@ class Report:
     sites: List[SiteRecord]
     graphs_without_sdpa: List[str]
     prebuild: Optional[str] = None  # what the kernel-build helpers did (runtime/prebuild.py), None: none ran
+    launches: Optional[str] = None  # how our kernels were launched (templates/launch.py), None: none was
 
     @property
     def rewritten(self) -> List[SiteRecord]:
@@ -278,7 +279,8 @@ class Report:
             for key in ("phases", "kernel_path", "runtime_fallbacks", "step_sources", "config_sources"):
                 d[key] = dict(d[key])
             out.append(d)
-        return {"sites": out, "graphs_without_sdpa": list(self.graphs_without_sdpa), "prebuild": self.prebuild}
+        return {"sites": out, "graphs_without_sdpa": list(self.graphs_without_sdpa), "prebuild": self.prebuild,
+                "launches": self.launches}
 
     def __str__(self) -> str:
         cols = ["site", "module", "shape", "method", "calls", "phases", "kernel", "config", "fallback", "ms",
@@ -321,6 +323,8 @@ class Report:
             lines.append(f"graphs with no SDPA captured: {', '.join(self.graphs_without_sdpa)}")
         if self.prebuild:
             lines.append(self.prebuild)
+        if self.launches:
+            lines.append(self.launches)
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -348,3 +352,15 @@ def _prebuild_line() -> Optional[str]:
 
     lines = [x for x in (shipped.summary(), current().prebuilds.summary()) if x]
     return "; ".join(lines) or None
+
+
+def _launch_line() -> Optional[str]:
+    """How the kernels were launched: remembered (Triton's binder skipped, ``templates/launch.py``) or through the
+    binder, and why the remembered path is off where it is. None before any launch (the module not imported:
+    nothing here imports triton)."""
+    import sys
+
+    mod = sys.modules.get("vc_compile.templates.launch")
+    if mod is None:
+        return None
+    return mod.FAST_LAUNCH.summary()

@@ -28,7 +28,7 @@ launch of our kernels (they take 30-60 arguments), several launches per attentio
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import triton
 from triton.runtime import driver
@@ -94,6 +94,24 @@ class FastLaunch:
     def clear(self) -> None:
         with self._lock:
             self._memo.clear()
+
+    def off_reason(self) -> Optional[str]:
+        """Why no launch can skip the binder in this process, or None."""
+        if not self.enabled:
+            return "turned off"
+        if not _TRITON_36:
+            return f"needs Triton 3.6 (its launcher's calling convention), this is {triton.__version__}"
+        if interpreting():
+            return "the CPU interpreter runs the kernels"
+        return None
+
+    def summary(self) -> Optional[str]:
+        """A line for ``report()``: launches remembered and through the binder, and why none is remembered."""
+        if not self.fast + self.slow:
+            return None
+        why = self.off_reason()
+        line = f"kernel launches: {self.fast} remembered (Triton's binder skipped), {self.slow} through the binder"
+        return line + (f"; remembered launches off: {why}" if why else "")
 
 
 FAST_LAUNCH = FastLaunch()
