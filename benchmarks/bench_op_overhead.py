@@ -22,7 +22,10 @@ to back, as a sampling loop runs them (one set of inputs, no synchronisation in 
 
 ``sdpa_cudnn`` is stock SDPA (cuDNN) on the same inputs, timed the same way in the same run;
 ``speedup_vs_cudnn`` = its ms / ours. ``--options`` (JSON) is merged into every method's options and named in
-the variant (e.g. the A/B of ``cuda_graphs``). ``scripts/host_breakdown.py`` splits the host time by layer.
+the variant (e.g. the A/B of ``cuda_graphs``). ``--ab-launch`` runs each method a second time right after, with
+every launch through Triton's binder and no recorded preprocessing (``templates/launch.py`` off; variant
+suffix `` [binder]``): the host-time A/B on one host, whose own speed moves between runs (stock's host time
+per call: 0.035-0.111 ms in three runs of one day on the H200). ``scripts/host_breakdown.py`` splits the host time by layer.
 Our path is measured with ``speed_gate="off"``: these rows are what the speed gate's table is generated from
 (``python3 -m scripts.gen_gate_table``; tune/gate.py). Rows are appended to
 ``benchmarks/results/bench_op_overhead.csv``.
@@ -210,14 +213,22 @@ def bench_shape(H, S, args, device):
             sdpa_host, sdpa_ms = burst(sd, args.reuse, runner.cuda)
     rows.append(dict(base, variant="sdpa_cudnn", ms=sdpa_ms, host_ms=sdpa_host,
                      launches=count_launches(sd, runner.cuda), speedup_vs_cudnn=1.0))
+    from vc_compile.templates.launch import FAST_LAUNCH
     for label in args.methods:
         opts = dict(METHODS[label], speed_gate="off", **args.options)  # our path, measured (the gate's source)
-        r = run_method(runner, opts, args.reuse)
-        name = label + (f" {json.dumps(args.options, sort_keys=True)}" if args.options else "")
-        rows.append(dict(base, variant=name, host_ms_sdpa=sdpa_host,
-                         speedup_vs_cudnn=sdpa_ms / r["ms"] if r["ms"] == r["ms"] else float("nan"), **r))
-        log(f"  H{H} S{S} {name:16s} host {r['host_ms']:.3f} ms  gpu {r['ms']:.3f} ms  launches "
-            f"{r['launches']}  x cuDNN {rows[-1]['speedup_vs_cudnn']:.2f}  {r['note']}")
+        # --ab-launch: the same method with every launch through Triton's binder right after, on the same host
+        for remembered in ((True, False) if args.ab_launch else (True,)):
+            FAST_LAUNCH.enabled = remembered
+            try:
+                r = run_method(runner, opts, args.reuse)
+            finally:
+                FAST_LAUNCH.enabled = True
+            name = label + (f" {json.dumps(args.options, sort_keys=True)}" if args.options else "") + \
+                ("" if remembered else " [binder]")
+            rows.append(dict(base, variant=name, host_ms_sdpa=sdpa_host,
+                             speedup_vs_cudnn=sdpa_ms / r["ms"] if r["ms"] == r["ms"] else float("nan"), **r))
+            log(f"  H{H} S{S} {name:16s} host {r['host_ms']:.3f} ms  gpu {r['ms']:.3f} ms  launches "
+                f"{r['launches']}  x cuDNN {rows[-1]['speedup_vs_cudnn']:.2f}  {r['note']}")
     return rows
 
 
@@ -228,6 +239,9 @@ def main(argv=None):
     ap.add_argument("--reuse", type=int, default=10, help="timed reuse steps per row (median)")
     ap.add_argument("--options", default="{}", help="JSON options merged into every method's, e.g. "
                     "'{\"cuda_graphs\": \"off\"}' (named in the variant)")
+    ap.add_argument("--ab-launch", action="store_true",
+                    help="each method also with every launch through Triton's binder (templates/launch.py off; "
+                    "variant suffix ' [binder]'), right after it on the same host")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, reference kernels, no rows")
     ap.add_argument("--csv", default=None, help="also append rows to this file")

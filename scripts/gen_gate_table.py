@@ -31,6 +31,8 @@ def build(csv_path: str = CSV) -> dict:
         for r in csv.DictReader(f):
             if r["variant"] == "sdpa_cudnn" or not r.get("speedup_vs_cudnn"):
                 continue
+            if r["variant"].endswith(" [binder]"):  # bench_op_overhead --ab-launch: not the path that ships
+                continue
             label, _, opts = r["variant"].partition(" ")
             opts = json.loads(opts) if opts else {}
             if set(opts) - {"cuda_graphs"}:

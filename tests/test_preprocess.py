@@ -451,3 +451,20 @@ def test_a_replayed_call_equals_a_computed_one(case, monkeypatch):
             else:
                 assert a == b
     tpl._PLANS.clear()
+
+
+def test_no_replay_with_the_remembered_launches_off(monkeypatch):
+    """``FAST_LAUNCH.enabled = False`` (the host-time A/B of bench_op_overhead --ab-launch) also turns the recorded
+    preprocessing off: every call is computed."""
+    from vc_compile.templates.launch import FAST_LAUNCH
+
+    B, H, S, D = 1, 2, 200, 64
+    q, k, v = make_qkv(B, H, S, D, torch.bfloat16)
+    computed = []
+    real = tpl._preprocess
+    monkeypatch.setattr(tpl, "_preprocess", lambda *a, **k: computed.append(1) or real(*a, **k))
+    monkeypatch.setattr(FAST_LAUNCH, "enabled", False)
+    tpl._PLANS.clear()
+    for _ in range(2):
+        tpl.preprocess(q, k, v, None, sm_scale=0.1)
+    assert len(computed) == 2 and not tpl._PLANS
