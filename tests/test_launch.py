@@ -188,3 +188,29 @@ def test_report_says_how_kernels_were_launched(monkeypatch):
     monkeypatch.setattr(L, "interpreting", lambda: True)
     monkeypatch.setattr(L, "_TRITON_36", True)
     assert vc_compile.report().launches.endswith("remembered launches off: the CPU interpreter runs the kernels")
+
+
+def test_a_launch_that_is_not_a_jit_functions_is_never_remembered(monkeypatch):
+    """A launch object without Triton's per-device caches (an autotuner, a wrapper), or one that hands back no
+    compiled kernel, goes through its own path every time: nothing is remembered, nothing fails."""
+    import types
+
+    from vc_compile.templates import launch as L
+
+    fl = L.FastLaunch()
+    monkeypatch.setattr(L, "interpreting", lambda: False)
+    monkeypatch.setattr(L, "_TRITON_36", True)
+    monkeypatch.setattr(L, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda d: 0)))
+    calls = []
+
+    class Wrapper:
+        pre_run_hooks = []
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k)) or "not a compiled kernel"
+    w = Wrapper()
+    for _ in range(3):
+        assert fl(w, (4, 2), ("key",), 1, 2, X=3) == "not a compiled kernel"
+    assert len(calls) == 3 and calls[0] == ((4, 2), (1, 2), {"X": 3}) and (fl.fast, fl.slow) == (0, 3)
+    assert not fl._memo

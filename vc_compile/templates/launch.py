@@ -33,6 +33,7 @@ import threading
 from typing import Any, Dict, Optional, Tuple
 
 import triton
+from triton.compiler import CompiledKernel
 from triton.runtime import driver
 
 from vc_compile.templates.interpret import interpreting
@@ -80,7 +81,10 @@ class FastLaunch:
         return kernel
 
     def _remember(self, mkey, fn, kernel, device, args, kwargs) -> None:
-        binder = fn.device_caches[device][4]
+        caches = getattr(fn, "device_caches", None)
+        if not isinstance(kernel, CompiledKernel) or caches is None or device not in caches:
+            return  # not a plain JIT function's launch (an autotuner, a wrapper): keep the normal path
+        binder = caches[device][4]
         bound, _, _ = binder(*args, **kwargs)
         params = list(bound)
         if len(params) != len(fn.params) or params[:len(args)] != [p.name for p in fn.params[:len(args)]]:
