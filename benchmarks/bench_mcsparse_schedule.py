@@ -5,6 +5,7 @@
     python -m benchmarks.bench_mcsparse_schedule --smoke                  # CPU: 3 steps, 4 frames, no rows
     python -m benchmarks.bench_mcsparse_schedule --warmups 10 --anchor-sets "10,26;10;10,18,26,34,42"
     python -m benchmarks.bench_mcsparse_schedule --warmups 10 --options '{"kmeans_iters": 1}'   # grouping cost
+    python -m benchmarks.bench_mcsparse_schedule --group-fractions 0.25,0.1,0.04,0.02   # V-Smooth's re-grouping
 
 The warm-up is the largest share of MC-Sparse's attention time over a generation (Wan 2.1 1.3B, 50 steps, H200:
 6.3 s of 15.3 s, ``bench_pipeline.csv``): its steps run the dense 8-bit V-Smooth path, ~1.7x a reuse step's
@@ -14,7 +15,9 @@ it is measured: the trained demo model (``vc_compile.demo``: a WanTransformer3DM
 dense clip of the same seed (PSNR, SSIM, rel. L2 of the frames) and the anchors where the schedule puts them
 (the first step after the warm-up and 52% of the steps). The same generation with V-Smooth alone is the
 8-bit floor the sparse steps add to. ``--anchor-sets`` sweeps the anchor schedule instead (option
-``anchor_steps``; the warm-up of ``--warmups``, one value): where re-selecting pays for its cost. ``attn_cost`` models the generation's attention time in reuse-step units
+``anchor_steps``; the warm-up of ``--warmups``, one value): where re-selecting pays for its cost.
+``--group-fractions`` sweeps V-Smooth's own schedule instead (option ``group_fraction``: the first steps that
+re-run the k-means grouping, 25% by default; each one costs ~9% more than a reuse step on the 1.3B pipeline). ``attn_cost`` models the generation's attention time in reuse-step units
 from the measured per-call costs of the 1.3B pipeline rows (warm-up 1.7, anchor 0.55 x 1.7 / ... see COSTS).
 
 On a CPU the op runs its plain-PyTorch reference (the kernels' oracle): the fidelity is the method's, the times
@@ -52,6 +55,9 @@ def parse_args(argv=None):
     ap.add_argument("--anchor-sets", default=None,
                     help='anchor schedules to compare, e.g. "10,26;10;10,18,26,34,42" (steps; needs one --warmups)')
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the V-Smooth floor run")
+    ap.add_argument("--group-fractions", default=None,
+                    help="V-Smooth's re-grouping schedule instead: the dense clip, then V-Smooth alone at each "
+                    "group_fraction (comma-separated, e.g. 0.25,0.04,0.02; no MC-Sparse runs)")
     ap.add_argument("--options", default=None,
                     help='JSON options added to every method run (MC-Sparse and the V-Smooth floor), e.g. '
                          '\'{"kmeans_iters": 1}\': the grouping\'s cost against its fidelity')
@@ -126,7 +132,12 @@ def main(argv=None):
     runs = [("dense", {"method": "dense"}, None)]  # the reference first; V-Smooth (the 8-bit floor) last
     ec = {**({"expcast": True} if a.expcast else {}), **a.extra_opts}
     tag = ("+expcast" if a.expcast else "") + "".join(f"+{k}={v}" for k, v in sorted(a.extra_opts.items()))
-    if a.anchor_list:
+    if a.group_fractions:  # V-Smooth's grouping schedule: dense, then V-Smooth per group_fraction
+        fracs = [float(x) for x in a.group_fractions.split(",") if x.strip()]
+        runs += [(f"vsmooth{tag}+group_fraction={g:g}", {"method": "vsmooth", **ec, "group_fraction": g}, None)
+                 for g in fracs]
+        a.floor = False
+    elif a.anchor_list:
         w = a.warmup_list[0]
         runs += [(f"mcsparse{tag}@{a.density:g} anchors {','.join(map(str, st))}",
                   {"method": "mcsparse", "density": a.density, "warmup_steps": w, "anchor_steps": list(st), **ec}, w)
