@@ -2,7 +2,7 @@
 device->host synchronisation the call makes.
 
     python3 -m scripts.host_breakdown [--method vsmooth|vsmooth+expcast|mcsparse@0.15] [--shape 12x8192]
-        [--steps 10] [--out F.json]
+        [--steps 10] [--cprofile N] [--out F.json]
 
 The op runs as ``benchmarks/bench_op_overhead`` runs it (a sampling loop, one call per step). On the reuse
 steps after the first two, each function in ``LAYERS`` is wrapped by a timer (perf_counter, inclusive of what
@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import functools
 import importlib
 import json
+import pstats
 import time
 import traceback
 import warnings
@@ -124,6 +126,8 @@ def main(argv=None):
                     help="each step's q, k, v written into the same buffers (as a compiled model's are)")
     ap.add_argument("--options", default="{}", help="JSON options merged into the method's, e.g. "
                     "'{\"cuda_graphs\": \"on\"}'")
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="instead of the timers: cProfile over the timed calls, the N functions of most own time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     H, S = (int(x) for x in args.shape.split("x"))
@@ -131,7 +135,8 @@ def main(argv=None):
     runner = Runner(S, H, 128, 50, 0, device, device.type == "cpu")
     site, call = runner.op(dict(METHODS[args.method], speed_gate="off", **json.loads(args.options)))
     acc = {"on": False, "t": collections.Counter(), "n": collections.Counter()}
-    undo = _wrap_all(acc)
+    undo = [] if args.cprofile else _wrap_all(acc)
+    prof = cProfile.Profile() if args.cprofile else None
     drift, n_reuse, totals, syncs = runner.drift(), 0, [], []
     try:
         with vc_compile.sampling(num_steps=50), sdpa_backend("cudnn" if runner.cuda else "math"):
@@ -151,9 +156,13 @@ def main(argv=None):
                     torch.cuda.set_sync_debug_mode("warn")
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
+                    if prof is not None and timing:
+                        prof.enable()
                     t0 = time.perf_counter()
                     call(*qkv)
                     dt = time.perf_counter() - t0
+                    if prof is not None and timing:
+                        prof.disable()
                 if sync_probe and runner.cuda:
                     torch.cuda.set_sync_debug_mode(0)
                     syncs = [str(w.message)[:300] for w in caught if "synchroniz" in str(w.message).lower()]
@@ -180,6 +189,10 @@ def main(argv=None):
     for r in rows:
         print(f"  {r['ms_per_call']:8.3f} ms  x{r['calls_per_call']:5.2f}  {r['layer']}")
     print(f"synchronisations in one reuse call: {len(syncs)}")
+    if prof is not None:
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime").print_stats(args.cprofile)
+        stats.sort_stats("cumulative").print_stats(args.cprofile)
     for s in syncs:
         print("  " + s.replace("\n", " | "))
     if args.out:
