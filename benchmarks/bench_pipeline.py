@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import statistics
 import sys
 import time
@@ -509,6 +510,27 @@ def stock_attention_kernel(pipe, call, guidance) -> tuple:
     return f"{kind}: {name[:80]} ({kern[name]:.0f} ms of {total:.0f} ms attention in 1 step)", total
 
 
+def kernel_table(pipe, call, guidance, label, out_dir) -> None:
+    """torch.profiler over a 2-step generation (a method's first step groups or anchors, its second reuses):
+    every CUDA kernel's milliseconds, written to ``out_dir/<label>.json``; the top 12 printed."""
+    import json
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    vc_compile.reset()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        pipe(**{**call, "latents": call["latents"].clone()}, num_inference_steps=2, guidance_scale=guidance)
+        torch.cuda.synchronize()
+    kern = kernel_times(prof)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", label) + ".json"), "w") as f:
+        json.dump({"label": label, "steps": 2, "total_ms": sum(kern.values()), "kernels": kern}, f, indent=0)
+    log(f"    {label}: {sum(kern.values()):.0f} ms of kernels in a 2-step generation; the largest:")
+    for n, t in sorted(kern.items(), key=lambda kv: -kv[1])[:12]:
+        log(f"      {t:8.1f} ms  {n[:110]}")
+
+
 def site_summary() -> str:
     rep = vc_compile.report()
     fb: Dict[str, int] = {}
@@ -591,6 +613,8 @@ def _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, le
             res.step_ms, res.phases, res.latents = rec.step_ms(), rec.phases, lat
     res.dynamo = dynamo_summary()  # after the first and the timed generations, before any profiled recompile
     est.observe(label, mode, first_s=res.first_s, gen_s=statistics.median(res.gens_s), first_frac=a.first_steps / a.steps)
+    if a.kernel_table and cuda:  # every kernel of a 2-step generation, for comparing variants outside attention
+        kernel_table(pipe, call, a.guidance, label, a.kernel_table)
     if not is_method(label) and cuda:  # which attention kernels actually ran, and their time in one step
         res.sdpa_kernel, step_ms = stock_attention_kernel(pipe, call, a.guidance)
         if math.isfinite(step_ms) and DBC not in stacks(label):  # a cache skips blocks: one step is no measure
@@ -759,6 +783,8 @@ def parse_args(argv=None):
     ap.add_argument("--capture-step", type=int, default=None,
                     help="denoising step whose inputs are captured (default: a fifth into the schedule)")
     ap.add_argument("--csv", default=None, help="also append the rows to this CSV")
+    ap.add_argument("--kernel-table", default=None, metavar="DIR",
+                    help="per variant, every kernel's time in a profiled 2-step generation, as DIR/<label>.json")
     ap.add_argument("--plan-only", action="store_true", help="print the plan and its estimate, run nothing")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny config, 2 steps, eager compiler, reference "
                     "kernels, no rows appended")
