@@ -8,7 +8,7 @@
 ``--write`` replaces the text between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in
 README.md and docs/performance.md (``--docs FILE ...`` to choose) with block NAME (``blocks()``):
 ``pipeline``, ``generation``, ``kernels``, ``kernels-summary``, ``kernels-sm90``, ``sparse-sm90``,
-``schedule``, ``op-overhead``, ``cold-start``, ``e2e``. A block whose CSV has no rows says
+``schedule``, ``vsmooth-schedule``, ``op-overhead``, ``cold-start``, ``e2e``. A block whose CSV has no rows says
 "no rows yet" (it never keeps or invents numbers); a broken marker is an error naming the file and block.
 
 Tables (markdown, printed):
@@ -646,6 +646,31 @@ def cold_start_tables(rows, runs: int = 2) -> List[str]:
     return out
 
 
+def vsmooth_schedule_tables(rows) -> List[str]:
+    """``bench_vsmooth_schedule.csv``: V-Smooth's grouping schedules by attention error on the demo model's dense
+    trajectory, the latest row of each (variant, steps, seed): mean / second-half / worst rel. L2 against fp64,
+    against re-grouping every step, and the group steps each schedule costs."""
+    if not rows:
+        return [_none_yet("bench_vsmooth_schedule.csv", "`python -m benchmarks.bench_vsmooth_schedule`")]
+    latest_of: Dict[tuple, Dict[str, str]] = {}
+    for r in rows:
+        latest_of[(r["variant"], r.get("steps", ""), r.get("seed") or "0")] = r
+    body = []
+    for (v, steps, seed), r in sorted(latest_of.items(), key=lambda kv: (kv[0][0].startswith("vsmooth+expcast"),
+                                                                         -(num(kv[1].get("group_steps")) or 0))):
+        body.append([v.replace("vsmooth+", "").replace("expcast+", "ExpCast, ").replace(",group_interval=",
+                                                                                          ", group_interval="),
+                     r.get("group_steps", ""), steps, seed, f(num(r.get("rel_l2")), "{:.3e}"),
+                     f(num(r.get("rel_l2_late")), "{:.3e}"), f(num(r.get("rel_l2_max")), "{:.3e}"),
+                     f(num(r.get("vs_every_step")), "{:.3f}x"), f(num(r.get("late_vs_every_step")), "{:.3f}x"),
+                     r.get("device", ""), f"{r.get('date', '')[:10]} {r.get('commit', '')}"])
+    return ["**bench_vsmooth_schedule** (the trained demo model, 4096 tokens, 6 layers x 2 CFG branches per step; "
+            "each call's attention on the dense trajectory's own q, k, v, rel. L2 against fp64; second half = "
+            "steps n/2 ..; x every step = against re-grouping at every step)\n\n" + md_table(
+                ["schedule", "group steps", "steps", "seed", "rel. L2", "second half", "worst call", "x every step",
+                 "second half x every step", "device", "run"], body)]
+
+
 def blocks(results_dir: str) -> Dict[str, str]:
     """{marker name: markdown} for every block ``--write`` fills."""
     rd = lambda name: read(os.path.join(results_dir, name))  # noqa: E731
@@ -664,6 +689,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
         "kernels-sm90": "\n\n".join(sm90_ab_tables(rd("bench_vsmooth_attn_sm90.csv"))),
         "sparse-sm90": "\n\n".join(sparse_sm90_tables(rd("bench_sparse_attn_sm90.csv"))),
         "schedule": "\n\n".join(schedule_tables(rd("bench_mcsparse_schedule.csv"))),
+        "vsmooth-schedule": "\n\n".join(vsmooth_schedule_tables(rd("bench_vsmooth_schedule.csv"))),
         "op-overhead": "\n\n".join(overhead_tables(rd("bench_op_overhead.csv"))),
         "cold-start": "\n\n".join(cold_start_tables(rd("bench_cold_start.csv"))),
         "e2e": "\n\n".join(e2e_tables(e2e)) if any(r.get("bench") == "e2e" for r in e2e) else

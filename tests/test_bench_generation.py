@@ -33,9 +33,9 @@ def test_smoke_phase_schedule_sums_and_fidelity():
         r = by[v]
         assert sum(r[f"n_{p}"] for p in bg.PHASES) == steps
         assert sum(r[f"ms_{p}"] for p in bg.PHASES) == pytest.approx(r["ms"])
-    # the schedule over 6 steps: V-Smooth groups on ceil(0.25 * 6) = 2 steps; MC-Sparse: 1 dense warm-up
-    # step (round(0.2 * 6)), anchors at steps 1 and round(0.52 * 6) = 3, reuse elsewhere
-    assert (by["vsmooth"]["n_group"], by["vsmooth"]["n_reuse"]) == (2, 4)
+    # the schedule over 6 steps: V-Smooth groups on step 0 (every 10th step); MC-Sparse: 1 warm-up step
+    # (round(0.2 * 6)), anchors at steps 1 and round(0.52 * 6) = 3, reuse elsewhere
+    assert (by["vsmooth"]["n_group"], by["vsmooth"]["n_reuse"]) == (1, 5)
     r = by["mcsparse@0.15"]
     assert (r["n_dense"], r["n_warmup"], r["n_anchor"], r["n_reuse"]) == (0, 1, 2, 3)  # V-Smooth warm-up
     for v in ("vsmooth", "mcsparse@0.15"):

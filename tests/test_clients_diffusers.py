@@ -106,7 +106,7 @@ def test_wan21_two_calls_per_step_two_generations():
     sites = self_attn(rep)
     assert len(sites) == 1 and len(rep.fallbacks) == 1
     assert {s.reason for s in rep.fallbacks} == {"cross-attention too short"}
-    # 4 steps x (cond, uncond): ceil(0.25 * 4) = 1 grouping step, on both branches
+    # 4 steps x (cond, uncond): 1 grouping step (step 0), on both branches
     for s in sites:
         assert s.phases == {"group": 2, "reuse": 6}
         assert s.step_sources == {"diffusers": 8}
@@ -123,7 +123,7 @@ def test_wan21_two_calls_per_step_two_generations():
     out2 = run(pipe, call, 3, width=192)
     assert TRACKER.generation > gen1
     sites = self_attn(vc_compile.report())
-    for s in sites:  # ceil(0.25 * 3) = 1 grouping step
+    for s in sites:  # 1 grouping step (step 0)
         assert s.phases == {"group": 2, "reuse": 4} and s.step_sources == {"diffusers": 6}
     assert {k[3][2] for k in state.keys()} == {288}  # nothing kept from the first resolution
     assert relerr(out2, ref2) < TOL["vsmooth"]

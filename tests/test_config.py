@@ -11,7 +11,7 @@ from vc_compile.config import Method, QKFormat, VCConfig, VCConfigError
 def test_defaults_and_roundtrip():
     cfg = VCConfig.from_options({})
     assert cfg.resolved_method == Method.VSMOOTH and cfg.qk_format == QKFormat.INT8
-    assert cfg.group_fraction == 0.25
+    assert cfg.group_fraction == 0.0 and cfg.group_interval == 10
     cfg2 = VCConfig.from_options({"method": "mcsparse", "density": 0.25, "anchor_steps": [3, 9]})
     assert VCConfig.from_json(cfg2.to_json()) == cfg2
     assert cfg2.anchor_steps == (3, 9)
@@ -30,6 +30,7 @@ def test_unknown_key_lists_accepted():
     ("density", 1.5, r"\(0, 1\]"),
     ("density", "high", "a number"),
     ("group_fraction", -0.1, r"\[0, 1\]"),
+    ("group_interval", -1, "an int >= 0"),
     ("qk_format", "int4", "int8"),
     ("expcast", "yes", "True or False"),
     ("group_size", 32, "64 or 128"),

@@ -462,7 +462,7 @@ def test_phases_and_step_sources_agree_across_ranks(ranks):
     implicit = ("timestep", "call-count")  # no explicit API, no pipeline frame: timestep input, else calls
     expected = {
         "dense": ({"dense": STEPS}, implicit),
-        "vsmooth": ({"group": 1, "reuse": 3}, ("explicit",)),  # ceil(0.25 * 4) grouping steps
+        "vsmooth": ({"group": 1, "reuse": 3}, ("explicit",)),  # 1 grouping step (step 0)
         "mcsparse": ({"warmup": 1, "anchor": 1, "reuse": 2}, ("diffusers",)),
         # rank 0's half of the per-token timesteps is all zeros: it must still step like rank 1
         "vsmooth_t2d": ({"group": 1, "reuse": 3}, implicit),

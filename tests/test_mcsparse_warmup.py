@@ -68,3 +68,45 @@ def test_sdpa_warmup_is_stock_sdpa():
         q, k, v = _inputs(i)
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=0, atol=0)
     assert _report.site(site).phases["dense"] == 2
+
+
+def _warmup_groupings(opts, steps, name):
+    """Outputs and, after each step, the warm-up's groupings (``VSmoothMeta``) the site holds (kept alive here,
+    so that identity means the same grouping)."""
+    cfg = VCConfig.from_options({**BASE, **opts})
+    site, outs, ids = _site(name), [], []
+    with vc_compile.sampling(num_steps=10):
+        for i in range(steps):
+            vc_compile.step(i)
+            q, k, v = _inputs(i)
+            outs.append(torch.ops.vcattn.attention(q, k, v, None, site, cfg.to_json(), None))
+            ids.append([m for key, m in state.items() if key[0] == site and type(m).__name__ == "VSmoothMeta"])
+    return outs, ids
+
+
+def test_warmup_regroups_on_vsmooth_schedule_only():
+    """A warm-up longer than ``group_fraction``'s window re-groups V on the window's steps and reuses that
+    grouping after it, as method="vsmooth" does on the same steps (same outputs, bit for bit)."""
+    vc_compile.reset(report=True)
+    opts = {"warmup_steps": 5, "group_fraction": 0.2}  # 10 steps: group at 0, 1; reuse at 2, 3, 4
+    mc, ids = _warmup_groupings({"method": "mcsparse", **opts}, 5, "mc-sched")
+    _, vs = _run({"method": "vsmooth", "group_fraction": 0.2}, 5, "vs-sched")
+    for a, b in zip(mc, vs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(len(x) == 1 for x in ids)
+    g = [x[0] for x in ids]
+    assert g[0] is not g[1] and g[1] is g[2] is g[3] is g[4]  # re-grouped at step 1, then reused
+    _, every = _warmup_groupings({"method": "mcsparse", "warmup_steps": 5, "group_fraction": 1.0}, 5, "mc-every")
+    assert len({id(x[0]) for x in every}) == 5  # group_fraction = 1: a new grouping at every warm-up step
+
+
+def test_expcast_warmup_is_vsmooth_expcast():
+    """``warmup_attention="expcast"``: the warm-up runs what method="vsmooth" with expcast=True returns, bit for
+    bit, and differs from the plain V-Smooth warm-up (ExpCast's codes are not exp2's)."""
+    vc_compile.reset(report=True)
+    _, mc = _run({"method": "mcsparse", "warmup_attention": "expcast"}, 2, "mc-ec")
+    _, vs = _run({"method": "vsmooth", "expcast": True}, 2, "vs-ec")
+    _, plain = _run({"method": "mcsparse", "warmup_attention": "vsmooth"}, 2, "mc-plain")
+    for a, b, c in zip(mc, vs, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert not torch.equal(a, c)

@@ -48,11 +48,14 @@ def test_chains_cover_every_phase_twice_and_split_the_warmup():
     from vc_compile.methods import get
     from vc_compile.methods.phase import Phase
 
-    # V-Smooth, 10 steps: group for ceil(0.25 * 10) = 3 steps, then reuse: one chain, two steps of each
-    assert prebuild.plan_chains(_req("vsmooth")) == [[0, 1, 3, 4]]
-    # MC-Sparse, 10 steps: warm-up 0-1 (own chain), anchors at 2 and 5 (20% / 52%), reuse between
+    # V-Smooth, 10 steps: group on step 0 (every 10th step), then reuse: one chain, the first two of each run
+    assert prebuild.plan_chains(_req("vsmooth")) == [[0, 1, 2]]
+    # 50 steps: groups at 0, 10, .., 40; the runs after the first group / reuse pair repeat it: not run again
+    assert prebuild.plan_chains(_req("vsmooth", steps=50)) == [[0, 1, 2, 10]]
+    # MC-Sparse, 10 steps: warm-up 0-1 (own chain), anchors at 2 and 5 (20% / 52%), reuse between (the reuse
+    # run after the second anchor repeats the one after the first: not run again)
     chains = prebuild.plan_chains(_req("mcsparse"))
-    assert chains == [[0, 1], [2, 3, 4, 5, 6, 7]]
+    assert chains == [[0, 1], [2, 3, 4, 5]]
     # every phase the schedule has is in some chain, and a chain never starts on a phase that needs metadata
     req = _req("mcsparse", steps=50)
     cfg = VCConfig.from_json(req["config"])
@@ -245,7 +248,7 @@ def test_helpers_started_ahead_take_the_jobs(tmp_path, monkeypatch):
     pb.wait(timeout=120)
     assert len(pb.done) == 1 and pb.done[0]["ok"], pb.done
     said = pb.done[0]["said"]
-    assert said["phases"] == {"group": 2, "reuse": 2} and said["started_s"] >= 0.0
+    assert said["phases"] == {"group": 1, "reuse": 2} and said["started_s"] >= 0.0  # steps 0, 1, 2
     # a helper started ahead and never used ends when its input closes (the parent's exit closes it too)
     pb2 = prebuild.Prebuilds()
     assert pb2.warm(1) == 1

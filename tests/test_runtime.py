@@ -115,9 +115,9 @@ def test_two_threads_through_the_op_keep_steps_and_metadata_apart():
     for i, (x, y) in enumerate(zip(got["b"], alone_b)):
         assert torch.equal(x, y), f"thread b, call {i}"
     assert dict(_report.site(site).phases) == phases_alone
-    # A: GROUP on steps 0-1 (25% of 8), REUSE after; B: steps 6 and 7 only, each a new generation after the
-    # first (6 < 7): the first call of each generation has no grouping cached, so GROUP
-    assert phases_alone == {"group": 2 + 4, "reuse": 6 + 4}
+    # A: GROUP on step 0 (every 10th step: group_interval), REUSE after; B: steps 6 and 7 only, each a new
+    # generation after the first (6 < 7): the first call of each generation has no grouping cached, so GROUP
+    assert phases_alone == {"group": 1 + 4, "reuse": 7 + 4}
 
 
 def test_two_threads_at_two_sites_report_their_own_phases():

@@ -353,7 +353,16 @@ def test_plain_function_timestep_argument():
 # ---- the schedules (each method owns its own: methods/<method>.py phase_for) ---------------------------------
 def test_schedule_tables():
     vs = VCConfig(method="vsmooth")
-    assert [vsmooth.phase_for(vs, s, 8, s > 0).value for s in range(8)] == ["group"] * 2 + ["reuse"] * 6
+    assert [vsmooth.phase_for(vs, s, 8, s > 0).value for s in range(8)] == ["group"] + ["reuse"] * 7
+    # the default re-groups every 10th step; group_fraction re-groups a window at the start instead / as well
+    assert [s for s in range(50) if vsmooth.phase_for(vs, s, 50, True) == Phase.GROUP] == [0, 10, 20, 30, 40]
+    window = VCConfig(method="vsmooth", group_fraction=0.25, group_interval=0)  # the schedule before 2026-12-04
+    assert [s for s in range(50) if vsmooth.phase_for(window, s, 50, True) == Phase.GROUP] == list(range(13))
+    both = VCConfig(method="vsmooth", group_fraction=0.1, group_interval=20)
+    assert [s for s in range(50) if vsmooth.phase_for(both, s, 50, True) == Phase.GROUP] == [0, 1, 2, 3, 4, 20, 40]
+    never = VCConfig(method="vsmooth", group_fraction=0.0, group_interval=0)  # only a call with nothing cached
+    assert [vsmooth.phase_for(never, s, 8, True) for s in range(8)] == [Phase.REUSE] * 8
+    assert vsmooth.phase_for(never, 3, 8, False) == Phase.GROUP
     mc = VCConfig(method="mcsparse")
     assert [mcsparse.phase_for(mc, s, 10, s > 2).value for s in range(10)] == (
         ["warmup"] * 2 + ["anchor"] + ["reuse"] * 2 + ["anchor"] + ["reuse"] * 4)
@@ -413,9 +422,11 @@ def _phases(rep):
 def test_compiled_no_recompiles_and_schedule():
     m, x, ctx = tiny_dit.make()
     model = TDiT(m)
+    # the grouping window of the first 25% of the steps (not the default schedule): its length shows the n each
+    # generation found
     cm = torch.compile(model, backend="vcattn",
-                       options={"min_seq_len": 64, "method": "vsmooth", "kmeans_iters": 1,
-                                "experimental": {"compiler": "eager", "kmeans_init_iters": 2}})
+                       options={"min_seq_len": 64, "method": "vsmooth", "kmeans_iters": 1, "group_fraction": 0.25,
+                                "group_interval": 0, "experimental": {"compiler": "eager", "kmeans_init_iters": 2}})
     # generation 1: explicit, 4 steps, CFG as two forwards
     with vc_compile.sampling(num_steps=4):
         for i, t in enumerate(torch.tensor([999, 750, 500, 250])):

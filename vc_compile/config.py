@@ -71,6 +71,7 @@ class QueryGrouping(str, enum.Enum):
 class WarmupAttention(str, enum.Enum):
     """What MC-Sparse's warm-up steps run (every phase fast)."""
     VSMOOTH = "vsmooth"  # the 8-bit V-Smooth path (grouping V as method="vsmooth" does)
+    EXPCAST = "expcast"  # the same with ExpCast's softmax, whatever ``expcast`` says: the fastest dense 8-bit path
     SDPA = "sdpa"  # stock scaled_dot_product_attention (the paper's dense warm-up)
 
 
@@ -129,7 +130,11 @@ OPTION_DOCS: Dict[str, str] = {
     "qk_format": "'int8' | 'fp8': 8-bit format of Q and K (fp8 is a little faster, less accurate).",
     "kmeans_clusters": "V-Smooth clusters per head; 0 = one per 128 tokens, at most 256.",
     "kmeans_iters": "Lloyd iterations per grouping step (warm-started from the previous step).",
-    "group_fraction": "V-Smooth: fraction of the steps, from the start, that re-group (default 0.25).",
+    "group_fraction": "V-Smooth (and MC-Sparse's 8-bit warm-up): fraction of the steps, from the start, that "
+                      "re-group V; the first step always does.",
+    "group_interval": "V-Smooth (and MC-Sparse's 8-bit warm-up): re-group V at every N-th step (0, N, 2N, ...); "
+                      "0 = never. Default 10: 1.2% above re-grouping every step on the demo model, against 5% "
+                      "for the first 25% of the steps (docs/methods.md).",
     "density": "MC-Sparse: fraction of keys each query group keeps (0 < density <= 1).",
     "group_size": "MC-Sparse: queries per group (the sparse kernel's query tile): 64 or 128 (128: 17% faster "
                   "sparse steps, 0.3-0.4 dB lower PSNR on the demo; docs/sparse_notes.md).",
@@ -254,7 +259,12 @@ class VCConfig:
     # warm-up 26.29 vs 25.10 (seed 0). A grouping call costs ~1.35 ms over a reuse call at H12 S32760 (H200
     # pipeline rows, 3 iterations): 1.5-2% of a generation is at stake.
     kmeans_iters: int = 3
-    group_fraction: float = 0.25
+    # NOTE (bench_vsmooth_schedule, demo model, 50 steps, attention rel. L2 vs fp64 over every call of the dense
+    # trajectory, 2026-12-04): re-grouping every step 6.73e-3; the first 25% of the steps (13 group steps, the
+    # previous default) 7.06e-3 (+5.0%); every 10th step (5) 6.81e-3 (+1.2%); every 25th (2) 6.97e-3 (+3.6%);
+    # step 0 only 7.38e-3 (+9.7%). Staleness costs little early and most late, so the schedule is spread out.
+    group_fraction: float = 0.0
+    group_interval: int = 10
     density: float = 0.15
     # NOTE 128 by default (H200, 2026-11-29, 3fc643d): the gather kernel's reuse step at s = 0.15 is 4.28x
     # cuDNN with C = 64 and 5.00x / 5.15x with C = 128 (S = 32760 / 75600, bench_sparse_attn --ab); the
@@ -356,6 +366,8 @@ class VCConfig:
             bad("density", "a float in (0, 1]")
         if not 0.0 <= self.group_fraction <= 1.0:
             bad("group_fraction", "a float in [0, 1]")
+        if not 0 <= self.group_interval <= 100000:
+            bad("group_interval", "an int >= 0 (0: no re-grouping after the group_fraction window)")
         if self.group_size not in GROUP_SIZES:
             bad("group_size", " or ".join(map(str, GROUP_SIZES)))
         if self.kmeans_clusters < 0:

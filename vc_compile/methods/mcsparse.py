@@ -7,8 +7,8 @@ runs ``methods/anchor.anchor_step`` ("cheap anchors": pass 2 on INT8 codes, radi
 ``anchor_dense``); cross-attention, other head dims and the ablation variants run the original passes
 (``run(..., cheap_anchor=False)`` forces them, for benchmarks). REUSE: the sparse kernel with the cached
 sigma/selection on the current q, k, v, plus R. WARMUP (20% of the steps by default): the 8-bit V-Smooth path
-(``methods/vsmooth.py``: V grouped on the warm-up's steps, as ``method="vsmooth"`` does), on its own metadata
-slot; with ``warmup_attention="sdpa"`` the warm-up is DENSE instead (stock SDPA, run by the op, the paper's).
+(``methods/vsmooth.py``: V re-grouped on V-Smooth's schedule, ``group_interval`` / ``group_fraction``, and
+the grouping reused between, as ``method="vsmooth"`` does on the same steps), on its own metadata slot; with ``warmup_attention="sdpa"`` the warm-up is DENSE instead (stock SDPA, run by the op, the paper's).
 Schedule (``phase_for``): WARMUP (or DENSE) warm-up, ANCHOR at ``anchor_steps`` (default: the paper's 20% and 52% of the
 steps) and whenever no metadata is cached, REUSE otherwise; a block whose selection is older than the latest anchor
 step (its call there was skipped, e.g. by a step or block cache: ``anchor_epoch``) selects at its next call.
@@ -139,7 +139,7 @@ def _kept(meta: Optional["SparseMeta"], epoch: int) -> Optional["SparseMeta"]:
 
 def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
     if step < warmup_steps(cfg, n, WARMUP_FRACTION):
-        return Phase.WARMUP if cfg.warmup_attention == WarmupAttention.VSMOOTH else Phase.DENSE
+        return Phase.DENSE if cfg.warmup_attention == WarmupAttention.SDPA else Phase.WARMUP
     if step in anchor_steps(cfg, n) or not has_meta:
         return Phase.ANCHOR
     return Phase.REUSE
@@ -149,6 +149,14 @@ def anchor_epoch(cfg, step: int, n: int) -> int:
     """Which of the schedule's anchor steps ``step`` follows: 0 from the first anchor step on, 1 from the second,
     ...; -1 before the first."""
     return bisect.bisect_right(anchor_steps(cfg, n), step) - 1
+
+
+@dataclass
+class WarmupAt:
+    """A warm-up step's plan metadata: whether it re-groups V (V-Smooth's own schedule, ``group_interval`` /
+    ``group_fraction``: ``vsmooth.group_phase``) and the warm-up's grouping so far (None before the first)."""
+    regroup: bool
+    meta: Optional[vsmooth.VSmoothMeta]
 
 
 @dataclass
@@ -178,7 +186,9 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
         phase = Phase.ANCHOR
     if phase == Phase.WARMUP:
         if warmup_ineligible(q, k, v, impl) is None:
-            return Plan(phase, slot(WARMUP_SLOT), WARMUP_SLOT, eight_bit=True, sharp_phase=Phase.DENSE)
+            wmeta = slot(WARMUP_SLOT)
+            regroup = vsmooth.group_phase(cfg, step, n, wmeta is not None) == Phase.GROUP
+            return Plan(phase, WarmupAt(regroup, wmeta), WARMUP_SLOT, eight_bit=True, sharp_phase=Phase.DENSE)
         return Plan(Phase.DENSE, meta)
     if phase == Phase.ANCHOR and slot(WARMUP_SLOT) is not None:  # the warm-up is over: its grouping is not needed
         return Plan(phase, AnchorAt(max(epoch, 0), meta), drop=(WARMUP_SLOT,))
@@ -220,11 +230,15 @@ def warmup_ineligible(q, k, v, impl) -> Optional[str]:
     return vsmooth.ineligible(q, k, v)
 
 
-def warmup_run(q, k, v, *, meta, cfg, sm_scale, impl):
-    """One warm-up step on the V-Smooth path, re-grouping V (k-means warm-started from the previous warm-up
-    step's centroids in ``meta``, a ``VSmoothMeta``): what ``method="vsmooth"`` does on the same steps, since
-    its grouping window (``group_fraction``, 25%) covers MC-Sparse's 20% warm-up."""
-    return vsmooth.run(q, k, v, phase=Phase.GROUP, meta=meta, cfg=cfg, sm_scale=sm_scale, impl=impl)
+def warmup_run(q, k, v, *, meta, cfg, sm_scale, impl, regroup: bool = True):
+    """One warm-up step on the V-Smooth path: what ``method="vsmooth"`` does on the same step. ``regroup``
+    (the plan's ``WarmupAt``: V-Smooth's schedule, by default step 0 of a warm-up of 10): k-means of V
+    warm-started from the previous grouping's centroids in ``meta`` (a ``VSmoothMeta``); otherwise that
+    grouping is reused (``bench_vsmooth_schedule``, docs/img/vsmooth_schedule.png: over the first 10 steps of 50
+    the grouping of step 0 gives the attention error of a fresh grouping at every step within ~2%)."""
+    phase = Phase.GROUP if regroup else Phase.REUSE
+    expcast = cfg.expcast or cfg.warmup_attention == WarmupAttention.EXPCAST
+    return vsmooth.run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm_scale, impl=impl, expcast=expcast)
 
 
 def select(impl, q, k, sigma, lse2, *, sm_scale, group_size, keep, selection=Selection.EXACT,
@@ -342,11 +356,12 @@ def _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep):
 def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, cheap_anchor: Optional[bool] = None):
     """``cheap_anchor`` (anchor steps): None = ``methods/anchor.anchor_step`` where it applies (the
     default), False = the original passes (cuDNN + LSE, bf16 pass 2, torch top-K; benchmarks/bench_anchor_mass.py
-    times both), True = anchor_step or a ValueError saying why it does not apply. WARMUP: ``meta`` is the
-    warm-up's own ``VSmoothMeta`` slot (the op keeps it apart from the sparse metadata, so a warm-up never looks
-    like a cached selection)."""
+    times both), True = anchor_step or a ValueError saying why it does not apply. WARMUP: ``meta`` is a ``WarmupAt``
+    holding the warm-up's own ``VSmoothMeta`` slot (the op keeps it apart from the sparse metadata, so a warm-up
+    never looks like a cached selection; a bare ``VSmoothMeta`` or None re-groups)."""
     if phase == Phase.WARMUP:
-        return warmup_run(q, k, v, meta=meta, cfg=cfg, sm_scale=sm_scale, impl=impl)
+        regroup, wmeta = (meta.regroup, meta.meta) if isinstance(meta, WarmupAt) else (True, meta)
+        return warmup_run(q, k, v, meta=wmeta, cfg=cfg, sm_scale=sm_scale, impl=impl, regroup=regroup)
     epoch = 0
     if isinstance(meta, AnchorAt):  # an anchor step as ``plan`` gives it
         epoch, meta = meta.epoch, meta.meta

@@ -1,6 +1,7 @@
 """``method="vsmooth"``: 8-bit attention with value smoothing (SPEC 3.1-3.3).
 
-GROUP steps: k-means of V rows per (b, h) (warm-started from this site's previous centroids), labels ->
+GROUP steps (``group_phase``: every ``group_interval``-th step, 10 by default, and the first ``group_fraction``
+of the steps): k-means of V rows per (b, h) (warm-started from this site's previous centroids), labels ->
 stable argsort -> permutation pi. Every step: preprocess (K smoothing, optional Hadamard, 8-bit Q/K, K and
 V permuted by pi, 128-row block means, FP8 residual) and the 8-bit attention with mean compensation.
 Metadata: ``VSmoothMeta(perm, centroids)`` per site/block/branch.
@@ -56,12 +57,14 @@ def phase_for(cfg, step: int, n: int, has_meta: bool) -> Phase:
 
 
 def group_phase(cfg, step: int, n: int, has_meta: bool) -> Phase:
-    """GROUP (re-cluster V) in the first ``group_fraction`` of the steps and whenever no grouping is cached,
-    REUSE after; naive 8-bit (``smooth_v=False``) has nothing to group: REUSE. (Also MC-Sparse's warm-up.)"""
+    """GROUP (re-cluster V) in the first ``group_fraction`` of the steps, at every ``group_interval``-th step
+    after (0: none) and whenever no grouping is cached, REUSE otherwise; naive 8-bit (``smooth_v=False``) has
+    nothing to group: REUSE. (Also MC-Sparse's warm-up.)"""
     if not cfg.experimental.smooth_v:
         return Phase.REUSE  # naive 8-bit: nothing to group
     in_window = step < max(1, math.ceil(cfg.group_fraction * n)) if cfg.group_fraction > 0 else False
-    return Phase.GROUP if (in_window or not has_meta) else Phase.REUSE
+    periodic = cfg.group_interval > 0 and step % cfg.group_interval == 0
+    return Phase.GROUP if (in_window or periodic or not has_meta) else Phase.REUSE
 
 
 USES_KERNELS = True
@@ -98,8 +101,11 @@ def replayable(phase: Phase, cfg) -> bool:
     return phase == Phase.REUSE
 
 
-def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl, rope=None):
-    """``rope``: q and k are un-rotated, the preprocessing applies this RoPE (prologue fusion)."""
+def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl, rope=None,
+        expcast: Optional[bool] = None):
+    """``rope``: q and k are un-rotated, the preprocessing applies this RoPE (prologue fusion). ``expcast``:
+    ExpCast's softmax or not, over the option (None: ``cfg.expcast``; MC-Sparse's warm-up)."""
+    expcast = cfg.expcast if expcast is None else expcast
     perm = None
     Sk = k.shape[2]
     smooth = cfg.experimental.smooth_v
@@ -114,6 +120,6 @@ def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl, rop
             meta = VSmoothMeta(perm=km.perm, centroids=km.centroids)
         perm = meta.perm
     qk, vq = dispatch.preprocess(impl, q, k, v, perm, sm_scale=sm_scale, hadamard=cfg.hadamard,
-                                 qk_format=cfg.qk_format.value, smooth=smooth, expcast=cfg.expcast, rope=rope)
-    out = dispatch.vsmooth_attention(impl, qk, vq, expcast=cfg.expcast, out_dtype=kernel_out_dtype(q.dtype))
+                                 qk_format=cfg.qk_format.value, smooth=smooth, expcast=expcast, rope=rope)
+    out = dispatch.vsmooth_attention(impl, qk, vq, expcast=expcast, out_dtype=kernel_out_dtype(q.dtype))
     return finish_output(out, q.dtype), meta

@@ -180,16 +180,22 @@ def _schedule(req: dict) -> list:
 
 def plan_chains(req: dict) -> List[List[int]]:
     """The steps of ``req``'s schedule a helper runs, as chains that build in parallel: the first two steps of
-    every run of one phase, the warm-up phase's in a chain of its own (the rest starts from no metadata, as
-    a method's first step after its warm-up may). Stock-SDPA steps are left out (no kernel of ours)."""
+    every run of one phase, once per (phase, phase before it) (a periodic schedule, e.g. V-Smooth's grouping
+    every 10th step, repeats the same two runs), the warm-up phase's in a chain of its own (the rest starts
+    from no metadata, as a method's first step after its warm-up may). Stock-SDPA steps are left out (no kernel
+    of ours)."""
     from ..methods.phase import Phase
 
     warm, rest = [], []
-    prev, run = None, 0
+    prev, before, run, seen, take = None, None, 0, set(), False
     for i, p in enumerate(_schedule(req)):
-        run = run + 1 if p == prev else 1
+        if p != prev:
+            before, run = prev, 0
+            take = (p, before) not in seen
+            seen.add((p, before))
+        run += 1
         prev = p
-        if p == Phase.DENSE or run > 2:
+        if p == Phase.DENSE or run > 2 or not take:
             continue
         (warm if p == Phase.WARMUP else rest).append(i)
     return [c for c in (warm, rest) if c]
