@@ -1,7 +1,7 @@
-"""MC-Sparse's warm-up steps on the 8-bit V-Smooth path (``warmup_attention``).
+"""MC-Sparse's warm-up steps on the 8-bit V-Smooth path (``warmup_attention``, ExpCast's softmax by default).
 
-The warm-up's outputs are exactly what ``method="vsmooth"`` returns on the same inputs (same k-means warm
-start, same kernels), its grouping lives apart from the sparse metadata (dropped at the anchor), and ``warmup_attention="sdpa"``
+The warm-up's outputs are exactly what ``method="vsmooth"`` (with ``expcast=True`` for the default warm-up)
+returns on the same inputs (same k-means warm start, same kernels), its grouping lives apart from the sparse metadata (dropped at the anchor), and ``warmup_attention="sdpa"``
 keeps the paper's stock-SDPA warm-up bit for bit. Reference kernels (the CPU path): the Triton path runs the
 same method code through the kernels' dispatch.
 """
@@ -46,7 +46,7 @@ def test_warmup_runs_vsmooth_and_keeps_its_grouping_apart():
     vc_compile.reset(report=True)
     held = []
     site, mc = _run({"method": "mcsparse"}, 3, "mc", held)  # warm-up = 2 of 10 steps, step 2 anchors
-    _, vs = _run({"method": "vsmooth"}, 2, "vs")
+    _, vs = _run({"method": "vsmooth", "expcast": True}, 2, "vs")  # the default warm-up: ExpCast's softmax
     for a, b in zip(mc[:2], vs):  # the same k-means warm start and kernels as method="vsmooth"
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     rec = _report.site(site)
@@ -90,7 +90,7 @@ def test_warmup_regroups_on_vsmooth_schedule_only():
     vc_compile.reset(report=True)
     opts = {"warmup_steps": 5, "group_fraction": 0.2}  # 10 steps: group at 0, 1; reuse at 2, 3, 4
     mc, ids = _warmup_groupings({"method": "mcsparse", **opts}, 5, "mc-sched")
-    _, vs = _run({"method": "vsmooth", "group_fraction": 0.2}, 5, "vs-sched")
+    _, vs = _run({"method": "vsmooth", "expcast": True, "group_fraction": 0.2}, 5, "vs-sched")
     for a, b in zip(mc, vs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert all(len(x) == 1 for x in ids)

@@ -6,7 +6,7 @@ returns ``O_dense``. For self-attention with head dim 64/128 and the default exa
 runs ``methods/anchor.anchor_step`` ("cheap anchors": pass 2 on INT8 codes, radix top-K; option
 ``anchor_dense``); cross-attention, other head dims and the ablation variants run the original passes
 (``run(..., cheap_anchor=False)`` forces them, for benchmarks). REUSE: the sparse kernel with the cached
-sigma/selection on the current q, k, v, plus R. WARMUP (20% of the steps by default): the 8-bit V-Smooth path
+sigma/selection on the current q, k, v, plus R. WARMUP (20% of the steps by default): the 8-bit V-Smooth path (ExpCast's softmax: ``warmup_attention``)
 (``methods/vsmooth.py``: V re-grouped on V-Smooth's schedule, ``group_interval`` / ``group_fraction``, and
 the grouping reused between, as ``method="vsmooth"`` does on the same steps), on its own metadata slot; with ``warmup_attention="sdpa"`` the warm-up is DENSE instead (stock SDPA, run by the op, the paper's).
 Schedule (``phase_for``): WARMUP (or DENSE) warm-up, ANCHOR at ``anchor_steps`` (default: the paper's 20% and 52% of the
