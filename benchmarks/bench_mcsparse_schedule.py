@@ -6,6 +6,7 @@
     python -m benchmarks.bench_mcsparse_schedule --warmups 10 --anchor-sets "10,26;10;10,18,26,34,42"
     python -m benchmarks.bench_mcsparse_schedule --warmups 10 --options '{"kmeans_iters": 1}'   # grouping cost
     python -m benchmarks.bench_mcsparse_schedule --group-fractions 0.25,0.1,0.04,0.02   # V-Smooth's re-grouping
+    python -m benchmarks.bench_mcsparse_schedule --open-loop --warmups 2,6,10        # attention error per step
 
 The warm-up is the largest share of MC-Sparse's attention time over a generation (Wan 2.1 1.3B, 50 steps, H200:
 6.3 s of 15.3 s, ``bench_pipeline.csv``): its steps run the dense 8-bit V-Smooth path, ~1.7x a reuse step's
@@ -19,6 +20,13 @@ dense clip of the same seed (PSNR, SSIM, rel. L2 of the frames) and the anchors 
 ``--group-fractions`` sweeps V-Smooth's own schedule instead (option ``group_fraction``: the first steps that
 re-run the k-means grouping, 25% by default; each one costs ~9% more than a reuse step on the 1.3B pipeline). ``attn_cost`` models the generation's attention time in reuse-step units
 from the measured per-call costs of the 1.3B pipeline rows (warm-up 1.7, anchor 0.55 x 1.7 / ... see COSTS).
+
+``--open-loop`` measures the attention instead of the clip, as ``bench_vsmooth_schedule`` does for V-Smooth: the
+demo model samples with stock SDPA, and every self-attention call of that trajectory (each layer, step and CFG
+branch) runs through the op once per schedule (a call site of its own, the schedule's own metadata), against
+fp64 on the same q, k, v. It separates what a schedule costs at each step from how the sampler compounds it
+(the clip's PSNR has both, and moves several dB with the seed). Rows: ``variant`` ``...+open-loop``, ``rel_l2`` the
+mean over every call, ``rel_l2_late`` over the second half of the steps, ``rel_l2_max`` the worst call.
 
 On a CPU the op runs its plain-PyTorch reference (the kernels' oracle): the fidelity is the method's, the times
 say nothing. Rows: ``benchmarks/results/bench_mcsparse_schedule.csv`` (device column: where it ran).
@@ -61,6 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--options", default=None,
                     help='JSON options added to every method run (MC-Sparse and the V-Smooth floor), e.g. '
                          '\'{"kmeans_iters": 1}\': the grouping\'s cost against its fidelity')
+    ap.add_argument("--open-loop", action="store_true", help="the attention error per call on the dense "
+                    "trajectory's inputs instead of the clip (see the module doc)")
     ap.add_argument("--smoke", action="store_true", help="CPU: 3 steps, 4 frames (1024 tokens), warm-ups 0,1, "
                     "no rows")
     a = ap.parse_args(argv)
@@ -108,8 +118,101 @@ def schedule_cost(steps: int, warmup: int, density: float, anchors=None) -> tupl
     return phases, sum(COSTS[p] for p in phases)
 
 
+def open_loop(a):
+    """``--open-loop``: each schedule's attention error per call on the dense trajectory (module doc)."""
+    import json
+    import math
+
+    import vc_compile
+    from benchmarks.bench_vsmooth_schedule import rel_l2
+    from vc_compile.config import VCConfig
+    from vc_compile.demo.capture import capture_sdpa
+    from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
+    from vc_compile.demo.sampler import sample
+    from vc_compile.runtime import report as _report
+
+    device, cpu = torch.device(a.device), a.device == "cpu"
+    transformer, text_encoder, mcfg, trained = load_demo(None, device=device, dtype=torch.bfloat16, allow_random=True)
+    frames = 4 if a.smoke else mcfg.frames
+    tokens = mcfg.tokens(frames, mcfg.height, mcfg.width)
+    cond = encode(text_encoder, parse_prompt(DEFAULT_PROMPT, mcfg.max_sprites), torch.bfloat16)
+    uncond = encode(text_encoder, parse_prompt("", mcfg.max_sprites), torch.bfloat16)
+    n = a.steps
+    ec = {**({"expcast": True} if a.expcast else {}), **a.extra_opts}
+    kern = {"experimental": {"kernels": "reference"}} if cpu else {}
+    scheds = []  # (label, options, warm-up)
+    if a.anchor_list:
+        w = a.warmup_list[0]
+        scheds = [(f"anchors {','.join(map(str, st))}", {"warmup_steps": w, "anchor_steps": list(st)}, w)
+                  for st in a.anchor_list]
+    else:
+        scheds = [(f"warmup {w}", {"warmup_steps": w}, w) for w in a.warmup_list]
+    cfgs = {lab: VCConfig.from_options({"method": "mcsparse", "density": a.density, "min_seq_len": 1, **kern, **ec,
+                                        **o}).to_json() for lab, o, _ in scheds}
+    sites, errs = {}, {(lab, t): [] for lab, _, _ in scheds for t in range(n)}
+    cur = {"step": -1, "forward0": 0}
+    names = ("cond", "uncond")
+    t0 = time.perf_counter()
+
+    def step_fn(i):
+        cur["step"] = i
+        cur["forward0"] = state["forward"] + 1
+        vc_compile.step(i)
+        if i % 5 == 0 or i == n - 1:
+            log(f"  step {i}/{n} [{time.perf_counter() - t0:.0f} s]")
+
+    def cb(info, q, k, v):
+        if info["kind"] != "self":
+            return
+        branch = names[min(info["forward"] - cur["forward0"], 1)]
+        sm = info.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+        with torch.no_grad():
+            qd, kd, vd = (x.double() for x in (q, k, v))
+            ref = torch.softmax(qd @ kd.transpose(-1, -2) * sm, dim=-1) @ vd
+            for lab, cj in cfgs.items():
+                key = (lab, info["layer"], branch)
+                if key not in sites:
+                    sites[key] = _report.register_site(graph="open-loop", node=f"{lab}/{info['layer']}/{branch}",
+                                                       module="demo", shape=str(tuple(q.shape)), dtype="bf16",
+                                                       method="mcsparse", rewritten=True).site
+                out = torch.ops.vcattn.attention(q, k, v, None, sites[key], cj, sm)
+                errs[(lab, cur["step"])].append(rel_l2(out, ref))
+
+    log(f"[{BENCH}] open loop: demo model ({'trained' if trained else 'RANDOM weights'}), {tokens} tokens, {n} "
+        f"steps, s = {a.density:g}, schedules {[lab for lab, _, _ in scheds]}, {a.device}")
+    vc_compile.reset(report=True)
+    with vc_compile.sampling(num_steps=n), capture_sdpa(transformer, cb) as state:
+        sample(transformer, cond, uncond=uncond, guidance=3.0, frames=frames, height=mcfg.height, width=mcfg.width,
+               steps=n, seed=a.seed, dtype=torch.bfloat16, step_fn=step_fn)
+    tag = ("+expcast" if a.expcast else "") + "".join(f"+{k}={v}" for k, v in sorted(a.extra_opts.items()))
+    rows = []
+    for lab, o, w in scheds:
+        allv = [e for t in range(n) for e in errs[(lab, t)]]
+        late = [e for t in range(n // 2, n) for e in errs[(lab, t)]]
+        phases, cost = schedule_cost(n, w, a.density, o.get("anchor_steps"))
+        rows.append(dict(variant=f"mcsparse{tag}@{a.density:g}+open-loop", B=1, H=mcfg.num_attention_heads, S=tokens,
+                         D=mcfg.attention_head_dim, density=a.density, steps=n, warmup_steps=w,
+                         anchors=" ".join(str(i) for i, p in enumerate(phases) if p == "anchor"), attn_cost=cost,
+                         rel_l2=sum(allv) / len(allv), rel_l2_late=sum(late) / len(late), rel_l2_max=max(allv),
+                         model="vc-demo" + ("" if trained else " (random weights)"), device=a.device, seed=a.seed,
+                         per_step=json.dumps([round(sum(errs[(lab, t)]) / len(errs[(lab, t)]), 6) for t in range(n)]),
+                         note=("reference kernels on CPU" if cpu else "kernels") + "; open loop: attention on the "
+                              "dense trajectory's inputs against fp64, per call"))
+        log(f"  {lab}: rel. L2 {rows[-1]['rel_l2']:.4e} (second half {rows[-1]['rel_l2_late']:.4e}, worst "
+            f"{rows[-1]['rel_l2_max']:.3e}), attention cost {cost:.0f} [{time.perf_counter() - t0:.0f} s]")
+    print_table(rows, ["variant", "warmup_steps", "anchors", "rel_l2", "rel_l2_late", "rel_l2_max", "attn_cost"])
+    if not a.smoke:
+        path = append_rows(BENCH, rows, extras=["model", "steps", "warmup_steps", "anchors", "psnr_db", "ssim",
+                                                "attn_cost", "device", "phases", "note", "seed", "rel_l2_late",
+                                                "rel_l2_max", "per_step"])
+        log(f"[{BENCH}] rows appended to {path}")
+    return rows
+
+
 def main(argv=None):
     a = parse_args(argv)
+    if a.open_loop:
+        return open_loop(a)
     from vc_compile.demo.metrics import compare
     from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
     from vc_compile.demo.pipe import build_pipeline
