@@ -537,8 +537,9 @@ def schedule_tables(rows) -> List[str]:
     if not rows:
         return [_none_yet("bench_mcsparse_schedule.csv", "`python -m benchmarks.bench_mcsparse_schedule`")]
     latest_of: Dict[tuple, Dict[str, str]] = {}
+    open_loop = [r for r in rows if r.get("variant", "").endswith("+open-loop")]
     for r in rows:
-        if r.get("variant") == "dense":
+        if r.get("variant") == "dense" or r in open_loop:
             continue
         latest_of[(r["variant"], r.get("density", ""), r.get("steps", ""), r.get("warmup_steps", ""),
                    r.get("anchors", ""), r.get("seed") or "0")] = r  # rows before the seed column: the default 0
@@ -550,12 +551,28 @@ def schedule_tables(rows) -> List[str]:
                      anchors or "-", seed, f(num(r.get("psnr_db")), "{:.2f}"), f(num(r.get("ssim")), "{:.3f}"),
                      f(num(r.get("attn_cost")), "{:.0f}"), r.get("device", ""),
                      f"{r.get('date', '')[:10]} {r.get('commit', '')}"])
-    return ["**bench_mcsparse_schedule** (the trained demo model, 4096 tokens, CFG 3; PSNR / SSIM of the clip against "
-            "the dense clip of the same run; attention cost: the generation's attention in reuse-step units from "
-            "the 1.3B pipeline's per-call costs)\n\n" + md_table(
-                ["variant", "s", "steps", "warm-up", "anchors", "seed", "PSNR dB", "SSIM", "attention cost", "device",
-                 "run"],
-                body)]
+    out = ["**bench_mcsparse_schedule** (the trained demo model, 4096 tokens, CFG 3; PSNR / SSIM of the clip against "
+           "the dense clip of the same run; attention cost: the generation's attention in reuse-step units from "
+           "the 1.3B pipeline's per-call costs)\n\n" + md_table(
+               ["variant", "s", "steps", "warm-up", "anchors", "seed", "PSNR dB", "SSIM", "attention cost", "device",
+                "run"],
+               body)]
+    if open_loop:
+        last: Dict[tuple, Dict[str, str]] = {}
+        for r in open_loop:
+            last[(r["variant"], r.get("steps", ""), r.get("warmup_steps", ""), r.get("anchors", ""),
+                  r.get("seed") or "0")] = r
+        ol = [[v.replace("+open-loop", ""), st, w, an or "-", sd, f(num(r.get("rel_l2")), "{:.3e}"),
+               f(num(r.get("rel_l2_late")), "{:.3e}"), f(num(r.get("rel_l2_max")), "{:.3e}"),
+               f(num(r.get("attn_cost")), "{:.0f}"), r.get("device", ""), f"{r.get('date', '')[:10]} {r.get('commit', '')}"]
+              for (v, st, w, an, sd), r in sorted(last.items(), key=lambda kv: (kv[0][0], num(kv[0][2]) or -1,
+                                                                                 kv[0][3]))]
+        out.append("**bench_mcsparse_schedule --open-loop** (the same model; every self-attention call of the dense "
+                   "trajectory through the op once per schedule, rel. L2 against fp64: the schedule's own error, "
+                   "without the sampler compounding it; second half = steps n/2 ..)\n\n" + md_table(
+                       ["variant", "steps", "warm-up", "anchors", "seed", "rel. L2", "second half", "worst call",
+                        "attention cost", "device", "run"], ol))
+    return out
 
 
 def sm90_kernel_line(rows) -> str:
