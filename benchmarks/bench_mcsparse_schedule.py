@@ -121,69 +121,43 @@ def schedule_cost(steps: int, warmup: int, density: float, anchors=None) -> tupl
 def open_loop(a):
     """``--open-loop``: each schedule's attention error per call on the dense trajectory (module doc)."""
     import json
-    import math
 
     import vc_compile
-    from benchmarks.bench_vsmooth_schedule import rel_l2
+    from benchmarks.bench_vsmooth_schedule import dense_trajectory, rel_l2
     from vc_compile.config import VCConfig
-    from vc_compile.demo.capture import capture_sdpa
-    from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
-    from vc_compile.demo.sampler import sample
     from vc_compile.runtime import report as _report
 
-    device, cpu = torch.device(a.device), a.device == "cpu"
-    transformer, text_encoder, mcfg, trained = load_demo(None, device=device, dtype=torch.bfloat16, allow_random=True)
-    frames = 4 if a.smoke else mcfg.frames
-    tokens = mcfg.tokens(frames, mcfg.height, mcfg.width)
-    cond = encode(text_encoder, parse_prompt(DEFAULT_PROMPT, mcfg.max_sprites), torch.bfloat16)
-    uncond = encode(text_encoder, parse_prompt("", mcfg.max_sprites), torch.bfloat16)
+    cpu = a.device == "cpu"
     n = a.steps
     ec = {**({"expcast": True} if a.expcast else {}), **a.extra_opts}
     kern = {"experimental": {"kernels": "reference"}} if cpu else {}
-    scheds = []  # (label, options, warm-up)
     if a.anchor_list:
         w = a.warmup_list[0]
         scheds = [(f"anchors {','.join(map(str, st))}", {"warmup_steps": w, "anchor_steps": list(st)}, w)
                   for st in a.anchor_list]
     else:
-        scheds = [(f"warmup {w}", {"warmup_steps": w}, w) for w in a.warmup_list]
+        scheds = [(f"warmup {w}", {"warmup_steps": w}, w) for w in a.warmup_list]  # (label, options, warm-up)
     cfgs = {lab: VCConfig.from_options({"method": "mcsparse", "density": a.density, "min_seq_len": 1, **kern, **ec,
                                         **o}).to_json() for lab, o, _ in scheds}
     sites, errs = {}, {(lab, t): [] for lab, _, _ in scheds for t in range(n)}
-    cur = {"step": -1, "forward0": 0}
-    names = ("cond", "uncond")
-    t0 = time.perf_counter()
 
-    def step_fn(i):
-        cur["step"] = i
-        cur["forward0"] = state["forward"] + 1
-        vc_compile.step(i)
-        if i % 5 == 0 or i == n - 1:
-            log(f"  step {i}/{n} [{time.perf_counter() - t0:.0f} s]")
+    def visit(t, layer, branch, q, k, v, sm, ref):
+        for lab, cj in cfgs.items():
+            key = (lab, layer, branch)
+            if key not in sites:
+                sites[key] = _report.register_site(graph="open-loop", node=f"{lab}/{layer}/{branch}", module="demo",
+                                                   shape=str(tuple(q.shape)), dtype="bf16", method="mcsparse",
+                                                   rewritten=True).site
+            out = torch.ops.vcattn.attention(q, k, v, None, sites[key], cj, sm)
+            errs[(lab, t)].append(rel_l2(out, ref))
 
-    def cb(info, q, k, v):
-        if info["kind"] != "self":
-            return
-        branch = names[min(info["forward"] - cur["forward0"], 1)]
-        sm = info.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-        with torch.no_grad():
-            qd, kd, vd = (x.double() for x in (q, k, v))
-            ref = torch.softmax(qd @ kd.transpose(-1, -2) * sm, dim=-1) @ vd
-            for lab, cj in cfgs.items():
-                key = (lab, info["layer"], branch)
-                if key not in sites:
-                    sites[key] = _report.register_site(graph="open-loop", node=f"{lab}/{info['layer']}/{branch}",
-                                                       module="demo", shape=str(tuple(q.shape)), dtype="bf16",
-                                                       method="mcsparse", rewritten=True).site
-                out = torch.ops.vcattn.attention(q, k, v, None, sites[key], cj, sm)
-                errs[(lab, cur["step"])].append(rel_l2(out, ref))
+    def header(tokens, trained):
+        return (f"[{BENCH}] open loop: demo model ({'trained' if trained else 'RANDOM weights'}), {tokens} tokens, "
+                f"{n} steps, s = {a.density:g}, schedules {[lab for lab, _, _ in scheds]}, {a.device}")
 
-    log(f"[{BENCH}] open loop: demo model ({'trained' if trained else 'RANDOM weights'}), {tokens} tokens, {n} "
-        f"steps, s = {a.density:g}, schedules {[lab for lab, _, _ in scheds]}, {a.device}")
     vc_compile.reset(report=True)
-    with vc_compile.sampling(num_steps=n), capture_sdpa(transformer, cb) as state:
-        sample(transformer, cond, uncond=uncond, guidance=3.0, frames=frames, height=mcfg.height, width=mcfg.width,
-               steps=n, seed=a.seed, dtype=torch.bfloat16, step_fn=step_fn)
+    with vc_compile.sampling(num_steps=n):
+        mcfg, tokens, trained, t0 = dense_trajectory(a, visit, header, on_step=vc_compile.step)
     tag = ("+expcast" if a.expcast else "") + "".join(f"+{k}={v}" for k, v in sorted(a.extra_opts.items()))
     rows = []
     for lab, o, w in scheds:

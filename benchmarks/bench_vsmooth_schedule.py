@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from benchmarks.common import append_rows, print_table
+from benchmarks.common import append_rows, metrics, print_table
 
 BENCH = "bench_vsmooth_schedule"
 PLOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img",
@@ -86,7 +86,52 @@ def group_steps(cfg, n: int) -> list:
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+    return metrics(out, ref)["rel_l2"]  # in float64, as every benchmark's
+
+
+def dense_trajectory(a, visit, header, branches=("cond", "uncond"), on_step=None):
+    """Sample the trained demo model with stock SDPA (``a.steps`` steps, CFG 3, ``a.seed``; 4 frames with
+    ``a.smoke``) and call ``visit(t, layer, branch, q, k, v, sm_scale, ref)`` at every self-attention call of
+    ``branches``, ``ref`` its fp64 output; ``on_step(i)`` at the start of step i. ``header(tokens, trained)``
+    gives the line logged before sampling. Returns (the demo model's config, tokens, trained, start time)."""
+    from vc_compile.demo.capture import capture_sdpa
+    from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
+    from vc_compile.demo.sampler import sample
+
+    transformer, text_encoder, mcfg, trained = load_demo(None, device=torch.device(a.device), dtype=torch.bfloat16,
+                                                         allow_random=True)
+    frames = 4 if a.smoke else mcfg.frames
+    tokens = mcfg.tokens(frames, mcfg.height, mcfg.width)
+    cond = encode(text_encoder, parse_prompt(DEFAULT_PROMPT, mcfg.max_sprites), torch.bfloat16)
+    uncond = encode(text_encoder, parse_prompt("", mcfg.max_sprites), torch.bfloat16)
+    n = a.steps
+    cur = {"step": -1, "forward0": 0}
+    names = ("cond", "uncond")
+    t0 = time.perf_counter()
+
+    def step_fn(i):
+        cur["step"] = i
+        cur["forward0"] = state["forward"] + 1
+        if on_step is not None:
+            on_step(i)
+        if i % 5 == 0 or i == n - 1:
+            log(f"  step {i}/{n} [{time.perf_counter() - t0:.0f} s]")
+
+    def cb(info, q, k, v):
+        branch = names[min(info["forward"] - cur["forward0"], 1)]
+        if info["kind"] != "self" or branch not in branches:
+            return
+        sm_scale = info.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+        with torch.no_grad():
+            qd, kd, vd = (x.double() for x in (q, k, v))
+            ref = torch.softmax(qd @ kd.transpose(-1, -2) * sm_scale, dim=-1) @ vd
+            visit(cur["step"], info["layer"], branch, q, k, v, sm_scale, ref)
+
+    log(header(tokens, trained))
+    with capture_sdpa(transformer, cb) as state:
+        sample(transformer, cond, uncond=uncond, guidance=3.0, frames=frames, height=mcfg.height, width=mcfg.width,
+               steps=n, seed=a.seed, dtype=torch.bfloat16, step_fn=step_fn)
+    return mcfg, tokens, trained, t0
 
 
 def plot(per_step, scheds, gsteps, n, path, expcast):
@@ -116,59 +161,32 @@ def plot(per_step, scheds, gsteps, n, path, expcast):
 def main(argv=None):
     a = parse_args(argv)
     from vc_compile.config import VCConfig
-    from vc_compile.demo.capture import capture_sdpa
-    from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
-    from vc_compile.demo.sampler import sample
     from vc_compile.methods import vsmooth
-    from vc_compile.methods.phase import Phase
     from vc_compile.templates import dispatch
 
-    device, cpu = torch.device(a.device), a.device == "cpu"
+    cpu = a.device == "cpu"
     impl = dispatch.Impl.REFERENCE if cpu else dispatch.Impl.TRITON
-    transformer, text_encoder, mcfg, trained = load_demo(None, device=device, dtype=torch.bfloat16,
-                                                         allow_random=True)
-    frames = 4 if a.smoke else mcfg.frames
-    tokens = mcfg.tokens(frames, mcfg.height, mcfg.width)
-    cond = encode(text_encoder, parse_prompt(DEFAULT_PROMPT, mcfg.max_sprites), torch.bfloat16)
-    uncond = encode(text_encoder, parse_prompt("", mcfg.max_sprites), torch.bfloat16)
     n = a.steps
     cfgs = {sc: VCConfig.from_options({"method": "vsmooth", "group_fraction": sc[0], "group_interval": sc[1],
                                        **({"expcast": True} if a.expcast else {})}) for sc in a.schedule_list}
     gsteps = {sc: group_steps(c, n) for sc, c in cfgs.items()}
     chains = {}  # (schedule, layer, branch) -> the schedule's grouping (VSmoothMeta)
     per_step = {(sc, t): [] for sc in a.schedule_list for t in range(n)}
-    cur = {"step": -1, "forward0": 0}
-    names = ("cond", "uncond")
-    t0 = time.perf_counter()
 
-    def step_fn(i):
-        cur["step"] = i
-        cur["forward0"] = state["forward"] + 1
-        if i % 5 == 0 or i == n - 1:
-            log(f"  step {i}/{n} [{time.perf_counter() - t0:.0f} s]")
+    def visit(t, layer, branch, q, k, v, sm_scale, ref):
+        for sc, c in cfgs.items():
+            key = (sc, layer, branch)
+            meta = chains.get(key)
+            phase = vsmooth.group_phase(c, t, n, meta is not None)
+            out, chains[key] = vsmooth.run(q, k, v, phase=phase, meta=meta, cfg=c, sm_scale=sm_scale, impl=impl)
+            per_step[(sc, t)].append(rel_l2(out, ref))
 
-    def cb(info, q, k, v):
-        branch = names[min(info["forward"] - cur["forward0"], 1)]
-        if info["kind"] != "self" or branch not in a.branch_list:
-            return
-        t = cur["step"]
-        sm_scale = info.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-        with torch.no_grad():
-            qd, kd, vd = (x.double() for x in (q, k, v))
-            ref = torch.softmax(qd @ kd.transpose(-1, -2) * sm_scale, dim=-1) @ vd
-            for sc, c in cfgs.items():
-                key = (sc, info["layer"], branch)
-                meta = chains.get(key)
-                phase = vsmooth.group_phase(c, t, n, meta is not None)
-                out, chains[key] = vsmooth.run(q, k, v, phase=phase, meta=meta, cfg=c, sm_scale=sm_scale, impl=impl)
-                per_step[(sc, t)].append(rel_l2(out, ref))
+    def header(tokens, trained):
+        return (f"[{BENCH}] demo model ({'trained' if trained else 'RANDOM weights'}), {tokens} tokens, {n} steps, "
+                f"{'ExpCast' if a.expcast else 'V-Smooth'}, branches {a.branch_list}, {a.device}"
+                + (" (reference kernels)" if cpu else ""))
 
-    log(f"[{BENCH}] demo model ({'trained' if trained else 'RANDOM weights'}), {tokens} tokens, {n} steps, "
-        f"{'ExpCast' if a.expcast else 'V-Smooth'}, branches {a.branch_list}, {a.device}"
-        + (" (reference kernels)" if cpu else ""))
-    with capture_sdpa(transformer, cb) as state:
-        sample(transformer, cond, uncond=uncond, guidance=3.0, frames=frames, height=mcfg.height, width=mcfg.width,
-               steps=n, seed=a.seed, dtype=torch.bfloat16, step_fn=step_fn)
+    mcfg, tokens, trained, t0 = dense_trajectory(a, visit, header, branches=a.branch_list)
     every = next((sc for sc in a.schedule_list if len(gsteps[sc]) == n), None)
     late = range(n // 2, n)
     rows = []
