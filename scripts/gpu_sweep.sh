@@ -149,6 +149,8 @@ while [ $# -gt 0 ]; do
     ship)  # the shipped sm_90 kernels recorded and built here (vc_compile/kernels/sm90), copied to $OUT/kernels
       run_stage ship "${SHIP_S:-200}" bash -c '$PY -m scripts.ship_kernels record ${SHIP_ARGS:-} &&
         mkdir -p "$OUT/kernels" && cp -r vc_compile/kernels/sm90 "$OUT/kernels/"' ;;
+    overhead)  # host time, launches and GPU time of reuse calls beside stock SDPA (the speed gate's rows)
+      run_stage overhead "${OVERHEAD_S:-300}" $PY -m benchmarks.bench_op_overhead ${OVERHEAD_ARGS:-} ;;
     preprocess)
       run_stage preprocess 80 $PY -m benchmarks.bench_preprocess --budget 70 --csv "$OUT/bench_preprocess.csv" ;;
     tune)

@@ -311,17 +311,20 @@ def test_sampled_k_mean_smooths_as_well_as_the_full_mean():
 # ---- the fused two-launch preprocessing (``tpl.preprocess``) -------------------------------------------------
 @pytest.mark.parametrize("S,D,dtype", [(300, 64, torch.bfloat16), (1100, 128, torch.bfloat16),
                                        (517, 128, torch.float16)])
-@pytest.mark.parametrize("layout", ["natural", "sm90"])
+@pytest.mark.parametrize("layout", ["natural", "natural+mu", "sm90"])
 def test_fused_matches_reference(S, D, dtype, layout):
     """Q, K and V in two launches (pass 1: K's sampled sums, V's block means and partial amaxes; pass 2: every
     code, with K's mean and V's scale reduced from the partials in each program) give the reference's codes and
     scales; the "sm90" layout is the reference's V^T with each 128-column block in ``sm90_key_order`` and
-    mu' / its tf32 groups as ``to_sm90_layout`` makes them. S = 1100: 9 V blocks, a partial last mean window."""
+    mu' / its tf32 groups as ``to_sm90_layout`` makes them; "natural+mu" (``mu_prime=True``) the natural layout
+    with mu' as that division makes it. S = 1100: 9 V blocks, a partial last mean window."""
     B, H = 2, 2
     q, k, v = make_qkv(B, H, S, D, dtype)
     perm = random_perm(B, H, S)
     sm = D ** -0.5
-    qk, vq = tpl.preprocess(q, k, v, perm, sm_scale=sm, v_layout=layout)
+    with_mu = layout == "natural+mu"
+    layout = "natural" if with_mu else layout
+    qk, vq = tpl.preprocess(q, k, v, perm, sm_scale=sm, v_layout=layout, mu_prime=with_mu)
     rq, rv = ref.preprocess_qk(q, k, perm, sm_scale=sm), ref.preprocess_v(v, perm)
     assert_codes(qk.q8, rq.q8, exact=EXACT, what="q8")
     assert_codes(qk.k8, rq.k8, exact=False, what="k8")
@@ -338,6 +341,9 @@ def test_fused_matches_reference(S, D, dtype, layout):
         want = formats.to_sm90_layout(vq._replace(layout="natural", v8t=nat.v8t))  # mu' from the kernel's own means
         assert torch.equal(vq.v8t.view(torch.uint8), want.v8t.view(torch.uint8))
         assert torch.equal(vq.mu_prime, want.mu_prime) and torch.equal(vq.mu_groups, want.mu_groups)
+    elif with_mu:  # the same IEEE division of the kernel's own means and scales as the eager one it replaces
+        assert vq.mu_groups is None
+        assert torch.equal(vq.mu_prime, (vq.v_mean / vq.v_scale.unsqueeze(2)).contiguous().view(-1, D))
     else:
         assert vq.mu_prime is None and vq.mu_groups is None
 
@@ -351,8 +357,9 @@ def test_sm90_layout_round_trip_and_attention_unchanged():
     qk, vq = ref.preprocess_qk(q, k, sm_scale=D ** -0.5), ref.preprocess_v(v)
     s9 = formats.to_sm90_layout(vq)
     assert s9.layout == "sm90" and not torch.equal(s9.v8t.view(torch.uint8), vq.v8t.view(torch.uint8))
-    back = formats.natural_layout(s9)
-    assert torch.equal(back.v8t.view(torch.uint8), vq.v8t.view(torch.uint8)) and back.mu_prime is None
+    back = formats.natural_layout(s9)  # mu' is per block: kept
+    assert torch.equal(back.v8t.view(torch.uint8), vq.v8t.view(torch.uint8)) and back.mu_groups is None
+    assert torch.equal(back.mu_prime, s9.mu_prime)
     assert torch.equal(ref_attn.vsmooth_attention(qk, s9), ref_attn.vsmooth_attention(qk, vq))
     with pytest.raises(ValueError, match="layout"):
         formats.natural_layout(vq._replace(layout="tiled"))

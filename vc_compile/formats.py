@@ -83,7 +83,8 @@ class VQuant(NamedTuple):
     S: int
     zero_mean: bool = False  # smooth=False: v_mean is all zeros and the attention kernels skip the mean term
     layout: str = "natural"  # or "sm90" (module doc)
-    mu_prime: Optional[torch.Tensor] = None  # "sm90" only
+    # [B*H*nb, D] fp32 mu / v_scale: "sm90" always, "natural" where the preprocessing was asked for it
+    mu_prime: Optional[torch.Tensor] = None
     mu_groups: Optional[torch.Tensor] = None  # "sm90" only
 
 
@@ -164,7 +165,7 @@ def natural_layout(vq: "VQuant") -> "VQuant":
     inv = torch.empty(BLOCK_V, dtype=torch.long)
     inv[torch.tensor(sm90_key_order())] = torch.arange(BLOCK_V)
     v8t = vq.v8t.view(B, H, D, S_pad // BLOCK_V, BLOCK_V)[..., inv.to(vq.v8t.device)].reshape(B, H, D, S_pad)
-    return vq._replace(v8t=v8t, layout="natural", mu_prime=None, mu_groups=None)
+    return vq._replace(v8t=v8t, layout="natural", mu_groups=None)  # mu' is per block: the same in both orders
 
 
 # ---- RoPE of the prologue fusion: the op-side conventions -------------------------------------------------

@@ -109,6 +109,7 @@ def _shape_ineligible(qs, ks, vs, qd, kd, vd, min_seq_len: int, head_dims) -> Op
 # What the op remembers per site lives in the process's Runtime (runtime/runtime.py: Checks); bound here once.
 _CHECKS = _runtime.current().checks
 GRAPHS = _runtime.current().graphs  # the reuse steps replayed as CUDA graphs (runtime/graphs.py)
+PROGRAMS = _runtime.current().programs  # the reuse steps replayed as recorded launches (runtime/programs.py)
 _PREBUILDS = _runtime.current().prebuilds  # kernel-build helpers started at compile time (runtime/prebuild.py)
 _WATCHED: Dict[Tuple[int, int], "_Watch"] = _CHECKS.watched  # (site, ident_ptr) -> the weight, metadata keys written
 _FREED: collections.deque = _CHECKS.freed
@@ -271,6 +272,7 @@ def forget_checks() -> None:
     _SHARP_WORST.clear()
     _SHARP_WARNED.clear()
     GRAPHS.clear()
+    PROGRAMS.clear()
     _NONFINITE_WARNED.clear()
 
 
@@ -340,6 +342,7 @@ def too_sharp(rec, key: tuple, q, k, sm_scale: float, cfg: VCConfig) -> bool:
 # the watched blocks' key sets.
 TRACKER.subscribe(state.clear)
 TRACKER.subscribe(GRAPHS.clear)
+TRACKER.subscribe(PROGRAMS.clear)
 TRACKER.subscribe(_forget_watched)
 TRACKER.subscribe(forget_identities)
 
@@ -423,12 +426,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         else:
             out, new_meta, replayed = None, meta, False
             if (rope_args is None and impl == dispatch.Impl.TRITON and meta is not None
-                    and M.replayable(phase, cfg) and GRAPHS.wanted(cfg.cuda_graphs.value, q, k)):
-                out = GRAPHS.run(key, meta, functools.partial(_replayed_run, M, phase, meta, cfg, sm, impl),
-                                 q, k, v, sources)
-                replayed = out is not None
-                if not replayed and rec.cuda_graph_failure is None:
-                    rec.cuda_graph_failure = GRAPHS.failures(meta).get(key)
+                    and M.replayable(phase, cfg)):
+                fn = functools.partial(_replayed_run, M, phase, meta, cfg, sm, impl)
+                if GRAPHS.wanted(cfg.cuda_graphs.value, q, k):
+                    out = GRAPHS.run(key, meta, fn, q, k, v, sources)
+                    replayed = out is not None
+                    if not replayed and rec.cuda_graph_failure is None:
+                        rec.cuda_graph_failure = GRAPHS.failures(meta).get(key)
+                if out is None and PROGRAMS.usable(q):  # else a recorded launch sequence (recorded at its 2nd call)
+                    out = PROGRAMS.run(key, meta, fn, q, k, v, sources)
+                    if out is None and rec.program_failure is None:
+                        rec.program_failure = PROGRAMS.failures(meta).get(key)
             if out is None:
                 out, new_meta = M.run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl, **kw)
     rec.config_sources.update(sources)

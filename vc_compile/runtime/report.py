@@ -61,6 +61,9 @@ class SiteRecord:
     # why this site's reuse steps are not replayed as CUDA graphs although the option allows it (a failed
     # capture; runtime/graphs.py), None = no failure
     cuda_graph_failure: Optional[str] = None
+    # why this site's reuse steps run the op's whole Python path instead of a recorded launch sequence
+    # (runtime/programs.py: a recording refused), None = no refusal
+    program_failure: Optional[str] = None
     _pending: list = field(default_factory=list, repr=False)
 
     def note_guard(self, err: Optional[float], reanchor: bool) -> None:
@@ -319,6 +322,10 @@ class Report:
         no_graph = [f"{s.site} ({s.cuda_graph_failure})" for s in self.sites if s.cuda_graph_failure]
         if no_graph:
             lines.append(f"CUDA graph capture failed (launched from Python instead) at sites: {', '.join(no_graph)}")
+        no_program = [f"{s.site} ({s.program_failure})" for s in self.sites if s.program_failure]
+        if no_program:
+            lines.append(f"reuse steps not recorded as launch sequences (the op's whole Python path instead) at "
+                         f"sites: {', '.join(no_program)}")
         if self.graphs_without_sdpa:
             lines.append(f"graphs with no SDPA captured: {', '.join(self.graphs_without_sdpa)}")
         if self.prebuild:
@@ -363,4 +370,10 @@ def _launch_line() -> Optional[str]:
     mod = sys.modules.get("vc_compile.templates.launch")
     if mod is None:
         return None
-    return mod.FAST_LAUNCH.summary()
+    line = mod.FAST_LAUNCH.summary()
+    progs = current().programs
+    if progs.replays:
+        line = (line or "kernel launches: none through Python") + (
+            f"; {progs.launches} more from {progs.replays} replays of recorded reuse steps "
+            f"({progs.recorded} recorded)")
+    return line

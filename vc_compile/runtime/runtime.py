@@ -14,6 +14,7 @@ What ``vcattn::attention`` remembers between calls, and what ``vc_compile.reset(
   blocks whose weights it watches; ``ops.py`` binds these containers at import).
 * ``graphs``: the reuse steps captured as CUDA graphs (``runtime/graphs.py``; a new generation of any loop
   clears them, with the metadata they were captured for).
+* ``programs``: the reuse steps recorded as launch sequences (``runtime/programs.py``; cleared with the graphs).
 * ``live_graphs``: how many live compiled graphs call each site (``backend.py``: a freed graph's metadata
   goes with it).
 * ``prebuilds``: the helper processes that build the kernels of the compiled calls ahead of their first launch
@@ -91,6 +92,7 @@ class Runtime:
         from ..tune.lookup import TunePolicy
         from .graphs import LaunchGraphs
         from .prebuild import Prebuilds
+        from .programs import LaunchPrograms
         from .report import SiteRegistry
         from .state import MetadataStore
         from .tracker import Tracker
@@ -103,6 +105,7 @@ class Runtime:
         self.tuning = TunePolicy()
         self.checks = Checks()
         self.graphs = LaunchGraphs()  # reuse steps captured as CUDA graphs (runtime/graphs.py)
+        self.programs = LaunchPrograms()  # reuse steps recorded as launch sequences (runtime/programs.py)
         self.live_graphs: collections.Counter = collections.Counter()  # site id -> live compiled graphs
         self.prebuilds = Prebuilds()  # kernel-build helper processes started at compile time (runtime/prebuild.py)
         self.default = Loop(self._tracker(), self._store())
@@ -186,6 +189,7 @@ class Runtime:
             loop.store.clear()
         self.checks.forget()
         self.graphs.clear()
+        self.programs.clear()
         if report:
             self.sites.clear()
             self.prebuilds.forget()

@@ -335,8 +335,10 @@ def preprocess(impl: Impl, q, k, v, perm=None, *, sm_scale: float, hadamard: boo
         return call("preprocess", "preprocess", impl, q, k, v, perm, sm_scale=sm_scale, hadamard=hadamard,
                     qk_format=qk_format, smooth=smooth, rope=rope, launch=launch)
     layout = vsmooth_v_layout(q.device, qk_format, q.shape[-1], expcast, k.shape[2])
+    # the sm_90 kernel's shared-memory-P~ path reads mu' too: written here, not divided eagerly per call
+    mu_prime = layout == "natural" and smooth and uses_sm90(q.device, qk_format)
     return call("preprocess", "preprocess", impl, q, k, v, perm, sm_scale=sm_scale, hadamard=hadamard,
-                qk_format=qk_format, smooth=smooth, rope=rope, v_layout=layout, launch=launch)
+                qk_format=qk_format, smooth=smooth, rope=rope, v_layout=layout, mu_prime=mu_prime, launch=launch)
 
 
 def kmeans_perm(impl: Impl, x, n_clusters: int, n_iters: int, init=None):

@@ -53,13 +53,16 @@ class FastLaunch:
 
     def usable(self, fn) -> bool:
         """Whether a launch of ``fn`` may skip the binder now."""
-        if not (self.enabled and _TRITON_36) or interpreting() or getattr(fn, "pre_run_hooks", None):
-            return False
-        rt = triton.knobs.runtime
-        return _no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook)
+        return self._usable_fn(fn) and no_launch_hooks()
+
+    def _usable_fn(self, fn) -> bool:
+        return self.enabled and _TRITON_36 and not interpreting() and not getattr(fn, "pre_run_hooks", None)
 
     def __call__(self, fn, grid: tuple, key, *args, **kwargs):
         """``fn[grid](*args, **kwargs)``, remembered under ``key`` (see the module docstring)."""
+        rec = getattr(RECORDING, "rec", None)
+        if rec is not None:  # runtime/programs.py records this call (its hook makes ``usable`` False meanwhile)
+            return self._recorded(rec, fn, grid, key, args, kwargs)
         if not self.usable(fn):
             self.slow += 1
             return fn[grid](*args, **kwargs)
@@ -78,6 +81,25 @@ class FastLaunch:
         self.slow += 1
         if kernel is not None and not hasattr(kernel, "result"):
             self._remember(mkey, fn, kernel, device, args, kwargs)
+        return kernel
+
+    def _recorded(self, rec, fn, grid, key, args, kwargs):
+        """A launch inside a recorded call (runtime/programs.py): launched as a remembered launch and noted as
+        (compiled kernel, grid, bound arguments); one the recording cannot note (not remembered yet, or one the
+        remembered path does not take) is launched through the binder and refuses the recording."""
+        device = driver.active.get_current_device()
+        hit = self._memo.get((fn, key, tuple(kwargs), len(args), device)) if self._usable_fn(fn) else None
+        if hit is None:
+            rec.refuse(f"a launch of {getattr(fn, '__name__', fn)} that is not remembered")
+            self.slow += 1
+            return fn[grid](*args, **kwargs)
+        kernel, tail = hit
+        bound = args + tuple(kwargs[n] if isinstance(n, str) else n[0] for n in tail)
+        g = tuple(grid) + (1, 1)
+        stream = driver.active.get_current_stream(device)
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *bound)
+        rec.launches.append((kernel, tuple(grid), bound))
+        self.fast += 1
         return kernel
 
     def _remember(self, mkey, fn, kernel, device, args, kwargs) -> None:
@@ -123,6 +145,14 @@ class FastLaunch:
 
 
 FAST_LAUNCH = FastLaunch()
+# this thread's recording of a call (runtime/programs.py sets ``RECORDING.rec``), or none
+RECORDING = threading.local()
+
+
+def no_launch_hooks() -> bool:
+    """Whether Triton's launch hooks call nothing (a profiler's would need every launch through the binder)."""
+    rt = triton.knobs.runtime
+    return _no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook)
 
 
 def _no_hook(hook) -> bool:

@@ -302,7 +302,7 @@ def _quant_kernel(Q, K, PERM, KPART, HPM, Q8, K8, QS, KS, KMEAN,
                   V=None, VMEAN=None, VPART=None, V8T=None, VSCALE=None, MUP=None, MUG=None,
                   svb=0, svh=0, svs=0, svd=0, S_pad=0, nbv=0, nsv=0, ng=0,
                   BV: tl.constexpr = 128, NSV: tl.constexpr = 1, DO_QK: tl.constexpr = True,
-                  DO_V: tl.constexpr = False, SM90: tl.constexpr = False,
+                  DO_V: tl.constexpr = False, SM90: tl.constexpr = False, MUP_NAT: tl.constexpr = False,
                   COS=None, SIN=None, scb=0, sch=0, scs=0, scd=0, ssb=0, ssh=0, sss=0, ssd=0, lo=0, hi=0,
                   ROPE: tl.constexpr = 0, PAIR_TABLE: tl.constexpr = False, HEAD_FAST: tl.constexpr = False,
                   PACKED: tl.constexpr = False, TAB_WORDS: tl.constexpr = False):
@@ -323,7 +323,7 @@ def _quant_kernel(Q, K, PERM, KPART, HPM, Q8, K8, QS, KS, KMEAN,
     d = tl.arange(0, D)
     if DO_V:
         _quant_v_block(V, PERM, VMEAN, VPART, V8T, VSCALE, MUP, MUG, pid, bh, b, h, d, S, S_pad, nbv, nsv, ng,
-                       svb, svh, svs, svd, spb, sph, sps, D, BV, NSV, HAS_PERM, INTERPRET, SM90)
+                       svb, svh, svs, svd, spb, sph, sps, D, BV, NSV, HAS_PERM, INTERPRET, SM90, MUP_NAT)
     if DO_QK:
         _quant_qk_block(Q, K, PERM, KPART, HPM, Q8, K8, QS, KS, KMEAN, pid, bh, b, h, d,
                         S, sqb, sqh, sqs, sqd, skb, skh, sks, skd, spb, sph, sps,
@@ -458,10 +458,10 @@ def _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps,
 @triton.jit
 def _quant_v_block(V, PERM, VMEAN, VPART, V8T, VSCALE, MUP, MUG, blk, bh, b, h, d, S, S_pad, nbv, nsv, ng,
                    svb, svh, svs, svd, spb, sph, sps, D: tl.constexpr, BV: tl.constexpr, NSV: tl.constexpr,
-                   HAS_PERM: tl.constexpr, INTERPRET: tl.constexpr, SM90: tl.constexpr):
+                   HAS_PERM: tl.constexpr, INTERPRET: tl.constexpr, SM90: tl.constexpr, MUP_NAT: tl.constexpr):
     """V' block ``blk``: the residual V' - mu quantised to E4M3 with the head's per-channel scale (the max of
     pass 1's partial amaxes) and stored transposed ([D, BV], K-major; SM90: the "sm90" layout, and mu' with its
-    tf32 hi / lo groups)."""
+    tf32 hi / lo groups; MUP_NAT: the natural layout with mu')."""
     if blk < nbv:
         v, rmask = _load_v_block(V, PERM, b, h, blk, S, svb, svh, svs, svd, spb, sph, sps, D, BV, HAS_PERM, SM90)
         mu = tl.load(VMEAN + (bh * nbv + blk).to(tl.int64) * D + d)
@@ -486,9 +486,10 @@ def _quant_v_block(V, PERM, VMEAN, VPART, V8T, VSCALE, MUP, MUG, blk, bh, b, h, 
         scale = tl.where(bad, float("nan"), scale)
         if blk == 0:
             tl.store(VSCALE + bh * D + d, scale)
-        if SM90:  # mu' = mu / v_scale and its tf32 split, window blk // 8, column blk % 8
+        if SM90 or MUP_NAT:  # mu' = mu / v_scale (IEEE, as torch divides)
             mup = tl.math.div_rn(mu, scale)
             tl.store(MUP + (bh * nbv + blk).to(tl.int64) * D + d, mup)
+        if SM90:  # and its tf32 split, window blk // 8, column blk % 8
             mhi = (mup.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
             g = (bh * ng + blk // 8).to(tl.int64) * 2
             tl.store(MUG + (g * D + d) * 8 + blk % 8, mhi)
@@ -514,14 +515,16 @@ def _check_qk(q, k, qk_format):
 
 def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hadamard: bool = False,
                qk_format: str = "int8", smooth: bool = True, rope=None, v_layout: str = "natural",
-               launch: PreprocessConfig = PREPROCESS_DEFAULT):
+               mu_prime: bool = False, launch: PreprocessConfig = PREPROCESS_DEFAULT):
     """The whole preprocessing in two launches: (QKQuant or None, VQuant or None), each as the reference's
     ``preprocess_qk`` / ``preprocess_v``. q, k, v [B, H, S, D] (any strides; q and k or v may be None).
     Pass 1 (``_stats_kernel``, grid (splits, B*H)): K's sampled column sums and V's block means and partial
     amaxes; pass 2 (``_quant_kernel``, grid (ceil(S/128), B*H)): every code and scale, K's mean and V's scale
     reduced from pass 1's partials inside each program (no torch op between the two launches).
     ``v_layout="sm90"``: V^T in the sm_90 kernel's key order with mu' and its tf32 groups
-    (``formats.VQuant``). ``rope``: q and k arrive un-rotated (prologue fusion).
+    (``formats.VQuant``); ``mu_prime`` (natural layout, smoothed V): mu' = mu / v_scale too, which the sm_90
+    kernel's shared-memory-P~ path reads (else it divides eagerly: one more launch and a torch op per call).
+    ``rope``: q and k arrive un-rotated (prologue fusion).
     Host side: a call is recorded per key (the inputs' shapes, strides, dtypes, devices, alignment and aliasing,
     and every other argument) as its allocations and its two launches with the tensors' places marked
     (``_Recorder``); a later call with the key replays that (``_Plan``): the same launches on its own tensors,
@@ -533,13 +536,13 @@ def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hada
     if rope is None and FAST_LAUNCH.enabled:  # off with the remembered launches (their A/B turns both off)
         key = (tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0,
                                               next(j for j, u in enumerate(inputs) if u is t)) for t in inputs),
-               float(sm_scale), hadamard, qk_format, smooth, v_layout, launch)
+               float(sm_scale), hadamard, qk_format, smooth, v_layout, mu_prime, launch)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan.run(inputs)
     rec = _Recorder(inputs) if key is not None else None
     out = _preprocess(q, k, v, perm, sm_scale=sm_scale, hadamard=hadamard, qk_format=qk_format, smooth=smooth,
-                      rope=rope, v_layout=v_layout, launch=launch, rec=rec)
+                      rope=rope, v_layout=v_layout, mu_prime=mu_prime, launch=launch, rec=rec)
     if rec is not None:
         plan = rec.plan(out)
         if plan is not None:
@@ -638,7 +641,8 @@ class _Plan:
 _PLANS: dict = {}
 
 
-def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v_layout, launch, rec):
+def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v_layout, launch, rec,
+                mu_prime=False):
     """``preprocess``'s work (``rec``: a ``_Recorder`` noting it, or None)."""
     from vc_compile.templates.launch import aligned
     empty = rec.empty if rec is not None else torch.empty
@@ -687,7 +691,7 @@ def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v
     lkey = None if rope is not None else (
         tuple(x.shape), tuple(t.stride() if t is not None else None for t in (q, k, v, perm)),
         tuple(t.dtype if t is not None else None for t in (q, k, v, perm)), aligned(q, k, v, perm),
-        hadamard, qk_format, smooth, v_layout, launch)
+        hadamard, qk_format, smooth, v_layout, mu_prime, launch)
     _launch(_stats_kernel, (nsk, BH), lkey, kx, kpart if do_qk else v_mean, S, H, *kx.stride(), st, n_samp, per_k,
             n_sub, loop_bound(n_sub), D=D, BS=BS, BK=BLOCK_K,
             num_warps=launch.stats_warps if do_v and D == 128 else 4, **kw,
@@ -732,15 +736,16 @@ def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v
         kw.update(NSP=1, HADAMARD=False, FP8_OUT=False, DOT_PREC=None, DO_QK=False)
     if do_v:
         sm90 = v_layout == "sm90"
+        mup_nat = bool(mu_prime) and not sm90 and smooth
         ng = triton.cdiv(nbv, 8)
         v8t = empty(B, H, D, S_pad, device=dev, dtype=FP8)
         v_scale = empty(B, H, D, device=dev, dtype=torch.float32)
-        mup = empty(BH * nbv, D, device=dev, dtype=torch.float32) if sm90 else None
+        mup = empty(BH * nbv, D, device=dev, dtype=torch.float32) if sm90 or mup_nat else None
         mug = empty(BH * ng * 2 * D, 8, device=dev, dtype=torch.float32) if sm90 else None
-        kw.update(V=v, VMEAN=v_mean, VPART=vpart, V8T=v8t, VSCALE=v_scale, MUP=mup if sm90 else v_scale,
+        kw.update(V=v, VMEAN=v_mean, VPART=vpart, V8T=v8t, VSCALE=v_scale, MUP=mup if mup is not None else v_scale,
                   MUG=mug if sm90 else v_scale, svb=v.stride(0), svh=v.stride(1), svs=v.stride(2), svd=v.stride(3),
                   S_pad=S_pad, nbv=nbv, nsv=nsv, ng=ng, BV=BLOCK_V, NSV=triton.next_power_of_2(nsv), DO_V=True,
-                  SM90=sm90)
+                  SM90=sm90, MUP_NAT=mup_nat)
         if not do_qk:
             args[2] = p
             args[20:23] = list(pstr)

@@ -258,6 +258,8 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     # 32 registers per thread through the key loop
     if mean and preg:
         mu_prime, mu_groups = vq.mu_prime, vq.mu_groups
+    elif mean and vq.mu_prime is not None:  # written by the preprocessing (``preprocess(mu_prime=True)``)
+        mu_prime = vq.mu_prime
     elif mean:
         mu_prime = (vq.v_mean / vq.v_scale.unsqueeze(2)).contiguous().view(-1, D)
     if not mean:  # never read (MEAN = 0); any fp32 [rows, D] tensor makes a valid descriptor
