@@ -26,7 +26,8 @@ the variant (e.g. the A/B of ``cuda_graphs``). ``--ab-launch`` runs each method 
 every launch through Triton's binder and no recorded preprocessing (``templates/launch.py`` off; variant
 suffix `` [binder]``): the host-time A/B on one host, whose own speed moves between runs (stock's host time
 per call: 0.035-0.111 ms in three runs of one day on the H200). ``scripts/host_breakdown.py`` splits the host time by layer.
-Our path is measured with ``speed_gate="off"``: these rows are what the speed gate's table is generated from
+Our path is measured with ``speed_gate="off"`` and ``group_interval=0`` (V-Smooth groups at step 0 only, so
+every timed call is a reuse call; ``--options`` may set it): these rows are what the speed gate's table is generated from
 (``python3 -m scripts.gen_gate_table``; tune/gate.py). Rows are appended to
 ``benchmarks/results/bench_op_overhead.csv``.
 """
@@ -215,7 +216,11 @@ def bench_shape(H, S, args, device):
                      launches=count_launches(sd, runner.cuda), speedup_vs_cudnn=1.0))
     from vc_compile.templates.launch import FAST_LAUNCH
     for label in args.methods:
-        opts = dict(METHODS[label], speed_gate="off", **args.options)  # our path, measured (the gate's source)
+        # our path, measured (the gate's source); V-Smooth groups at step 0 only (MC-Sparse's warm-up too): the timed
+        # calls are reuse calls. NOTE with the default schedule (every 10th step) the 13 steps from the settling
+        # calls to the last timed one always held a group step (H200, cf11bc3: V-Smooth / ExpCast H12 S32760 0.56 /
+        # 0.58 ms host per call, "1 of the 10 timed steps were not reuse steps", a k-means and a new recording)
+        opts = dict(METHODS[label], speed_gate="off", **{"group_interval": 0, **args.options})
         # --ab-launch: the same method with every launch through Triton's binder right after, on the same host
         for remembered in ((True, False) if args.ab_launch else (True,)):
             FAST_LAUNCH.enabled = remembered

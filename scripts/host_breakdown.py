@@ -43,6 +43,9 @@ LAYERS = [
     "vc_compile.runtime.graphs:LaunchGraphs._per_meta",
     "vc_compile.runtime.graphs:_where",
     "torch.cuda.graphs:CUDAGraph.replay",
+    "vc_compile.runtime.programs:LaunchPrograms.run",
+    "vc_compile.runtime.programs:layout_key",
+    "vc_compile.runtime.programs:Program.run",
     "torch._tensor:Tensor.clone",
     "vc_compile.runtime.report:Timer.__enter__",
     "vc_compile.runtime.report:Timer.__exit__",
@@ -133,7 +136,8 @@ def main(argv=None):
     H, S = (int(x) for x in args.shape.split("x"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     runner = Runner(S, H, 128, 50, 0, device, device.type == "cpu")
-    site, call = runner.op(dict(METHODS[args.method], speed_gate="off", **json.loads(args.options)))
+    # groups at step 0 only (as bench_op_overhead): every timed call is a reuse call
+    site, call = runner.op(dict(METHODS[args.method], speed_gate="off", **{"group_interval": 0, **json.loads(args.options)}))
     acc = {"on": False, "t": collections.Counter(), "n": collections.Counter()}
     undo = [] if args.cprofile else _wrap_all(acc)
     prof = cProfile.Profile() if args.cprofile else None
