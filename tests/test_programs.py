@@ -45,11 +45,12 @@ def test_the_layout_key_tells_apart_what_a_program_depends_on():
     assert base != P.layout_key(q.half(), q.clone(), q.clone())  # dtype
 
 
-# Offline sm_90 (scripts/codegen_stats.py's fake driver): kernels built, launchers replaced by recorders. Each method's
-# reuse step runs through a LaunchPrograms (first call normal, second recorded, third replayed), then once more
-# normally on the same tensors; the two launch sequences must match argument for argument: the same inputs and
-# constants (the metadata), the normal call's intermediates mapped one to one onto the replay's, descriptors with
-# the same shapes, strides, blocks and layouts, every other value equal.
+# Offline sm_90 (scripts/codegen_stats.py's fake driver): kernels built, each launcher Triton 3.6's own descriptor
+# expansion in front of a recorder (its C entry), the TMA fill a recorder of its arguments. Each method's reuse step
+# runs through a LaunchPrograms (first call normal, second recorded, third and fourth replayed), then once more
+# normally on the same tensors; the two launch sequences must match argument for argument at the C entry: the same
+# inputs and constants (the metadata), the normal call's intermediates mapped one to one onto the replay's, the
+# descriptors filled with the same fields at mapped addresses, every other value equal.
 _CODE = r"""
 import collections, torch
 from triton.runtime import driver
@@ -58,26 +59,44 @@ driver.set_active(cs._FakeDriver())
 from triton import knobs
 from triton.runtime.jit import JITFunction
 from triton.compiler.compiler import CompiledKernel
+from triton.backends.nvidia.driver import wrap_handle_tensordesc
 knobs.runtime.launch_enter_hook = knobs.HookChain()
 CompiledKernel.launch_metadata = lambda self, *a: None  # no loaded module offline
+
+class TensorMap:  # what the fake fill_tma_descriptor returns: its arguments, the base address first
+    def __init__(self, ptr, *rest):
+        self.ptr, self.rest = ptr, tuple(tuple(x) if isinstance(x, list) else x for x in rest)
+
+class Utils:
+    fill_tma_descriptor = staticmethod(TensorMap)
+driver.active.utils = Utils()
 seen = []
+
+class Launcher:  # Triton 3.6's CudaLauncher, its C entry replaced by a recorder of the expanded arguments
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+    def __init__(self, kernel):
+        self.launch = wrap_handle_tensordesc(self.entry, kernel.src.signature,
+                                             getattr(kernel.metadata, "tensordesc_meta", None))
+    def entry(self, *args):
+        seen.append(args)
+        if args[11] is not None:
+            args[11](args[10])  # Triton's enter hook, as the C entry calls it
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        self.launch(gx, gy, gz, stream, function, False, False, None, None, *args)
+
 orig = JITFunction.run
 def run(self, *a, grid, warmup, **kw):
     k = orig(self, *a, grid=grid, warmup=True, **kw)
     if k._run is None:
-        def launcher(*args):
-            seen.append(args)
-            if args[7] is not None:
-                args[7](args[6])  # Triton's enter hook, as the real launcher calls it
-        k._run = launcher
+        k._run = Launcher(k)
     return orig(self, *a, grid=grid, warmup=False, **kw)
 JITFunction.run = run
 from vc_compile.templates import dispatch
 dispatch._on_sm90 = lambda device: True  # CPU tensors stand for an sm_90 GPU's
 from vc_compile import VCConfig
-from vc_compile.methods import Phase, mcsparse as MS, vsmooth as VS
-from vc_compile.runtime.programs import LaunchPrograms, _Desc
-from vc_compile.templates.launch import FAST_LAUNCH
+from vc_compile.methods import Phase, vsmooth as VS
+from vc_compile.runtime.programs import LaunchPrograms
 T = dispatch.Impl.TRITON
 B, H, S, D = 1, 2, 1000, 128
 q, k, v = (torch.randn(B, S, H, D, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
@@ -93,17 +112,10 @@ def ms_fn():
     idx = torch.randint(0, S, (B, H, -(-S // 64), 192), dtype=torch.int32).sort(-1).values
     res = torch.randn(B, H, S, D, dtype=torch.bfloat16)
     class Meta: pass
-    meta = Meta()
-    cfg = VCConfig(method="mcsparse", density=0.15)
-    sparse = lambda sigma, idx, **kw: dispatch.sparse_attention(T, q_, k_, v_, sigma, idx, sm_scale=0.1,
-                                                                 group_size=64, **kw)
     def fn(q, k, v):
-        global q_, k_, v_
-        q_, k_, v_ = q, k, v
-        out = dispatch.sparse_attention(T, q, k, v, sigma, idx, sm_scale=0.1, group_size=64, residual=res,
-                                        out_dtype=torch.bfloat16)
-        return out
-    return meta, fn
+        return dispatch.sparse_attention(T, q, k, v, sigma, idx, sm_scale=0.1, group_size=64, residual=res,
+                                         out_dtype=torch.bfloat16)
+    return Meta(), fn
 
 def norm(x):
     return None if isinstance(x, knobs.HookChain) and not x.calls else x
@@ -112,25 +124,20 @@ def compare(normal, replay, fixed):
     if len(normal) != len(replay):
         return f"{len(normal)} vs {len(replay)} launches"
     ptrs = {}
+    def same_ptr(pa, pb):
+        if pa in fixed:
+            return pb == pa
+        return ptrs.setdefault(pa, pb) == pb
     for n, r in zip(normal, replay):
-        if n[:3] != r[:3] or n[4] is not r[4] or n[5] != r[5] or len(n) != len(r):
-            return "grid, function or metadata differ"
-        for i, (a, b) in enumerate(zip(n[9:], r[9:])):
-            if isinstance(a, torch.Tensor) or (hasattr(a, "block_shape") and not isinstance(b, torch.Tensor)):
-                if hasattr(a, "block_shape"):
-                    if not isinstance(b, (_Desc, type(a))):
-                        return f"arg {i}: descriptor {type(b)}"
-                    if isinstance(b, type(a)):  # a constant's (its base must not move)
-                        fixed = fixed | {b.base.data_ptr()}
-                    if (tuple(a.shape), tuple(a.strides), tuple(a.block_shape), a.layout, a.padding) != \
-                            (tuple(b.shape), tuple(b.strides), tuple(b.block_shape), b.layout, b.padding):
-                        return f"arg {i}: descriptor fields"
-                    a, b = a.base, b.base
-                pa, pb = a.data_ptr(), int(b) if not isinstance(b, torch.Tensor) else b.data_ptr()
-                if pa in fixed and pb != pa:
-                    return f"arg {i}: an input or constant moved"
-                if ptrs.setdefault(pa, pb) != pb:
-                    return f"arg {i}: one tensor at two places"
+        if n[:3] != r[:3] or n[4] is not r[4] or n[9] != r[9] or len(n) != len(r):
+            return "grid, function, metadata or argument count differ"
+        for i, (a, b) in enumerate(zip(n[13:], r[13:])):
+            if isinstance(a, torch.Tensor):
+                if not same_ptr(a.data_ptr(), b.data_ptr() if isinstance(b, torch.Tensor) else int(b)):
+                    return f"arg {i}: a tensor's address"
+            elif isinstance(a, TensorMap):
+                if not isinstance(b, TensorMap) or a.rest != b.rest or not same_ptr(a.ptr, b.ptr):
+                    return f"arg {i}: a TMA descriptor"
             elif norm(a) != norm(b) and not (a is None and b is None):
                 return f"arg {i}: {a!r} != {b!r}"
     if len(set(ptrs.values())) != len(ptrs):
@@ -151,6 +158,7 @@ for name, make in (("vsmooth", lambda: vs_fn(False)), ("expcast", lambda: vs_fn(
     out_n = fn(q, k, v)
     normal = list(seen)
     fixed = {t.data_ptr() for t in (q, k, v, perm)}
+    fixed |= {t.data_ptr() for L in next(iter(progs._entries.values()))[1].values() for t in L.program.consts}
     why = next(iter(progs.failures(meta).values()), None)
     res[name] = (progs.recorded, progs.replays, len(replay), why or compare(normal, replay, fixed),
                  out_r is not None and tuple(out_r.shape) == tuple(out_n.shape) and out_r.dtype == out_n.dtype)
@@ -179,7 +187,8 @@ def test_a_replayed_program_hands_the_launchers_what_the_normal_path_does(tmp_pa
                          ids=["vsmooth", "expcast", "mcsparse"])
 def test_gpu_recorded_reuse_steps_give_the_normal_paths_bits(opts):
     """On the GPU: a generation's reuse steps replayed from a recorded program give the same bits as the op's
-    normal path (programs off with the remembered launches), step for step, and the replays did happen."""
+    normal path (programs off with the remembered launches), step for step, and the replays did happen, the later
+    ones through the site's lane (its decisions kept, ops._Lane)."""
     import vc_compile
     from vc_compile.ops import PROGRAMS
     from vc_compile.templates.launch import FAST_LAUNCH
@@ -187,7 +196,7 @@ def test_gpu_recorded_reuse_steps_give_the_normal_paths_bits(opts):
     B, H, S, D = 1, 4, 3000, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     steps = [tuple(torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-                   for _ in range(3)) for _ in range(8)]
+                   for _ in range(3)) for _ in range(14)]
     cfg = vc_compile.VCConfig.from_options(dict(opts, cuda_graphs="off", speed_gate="off")).to_json()
 
     def generation(site):
@@ -202,6 +211,8 @@ def test_gpu_recorded_reuse_steps_give_the_normal_paths_bits(opts):
     got = generation(9101)
     assert PROGRAMS.replays > before
     assert "replays of recorded reuse steps" in str(vc_compile.report())
+    from vc_compile.ops import _LANES
+    assert any(key[0] == 9101 for key in _LANES)
     FAST_LAUNCH.enabled = False
     try:
         replays = PROGRAMS.replays

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from . import formats, methods, torch_ops
 from .config import Method, SpeedGate, VCConfig
 from .methods import Phase
+from .runtime import programs as _programs
 from .runtime import report as _report
 from .runtime import runtime as _runtime
 from .runtime import state
@@ -110,6 +111,7 @@ def _shape_ineligible(qs, ks, vs, qd, kd, vd, min_seq_len: int, head_dims) -> Op
 _CHECKS = _runtime.current().checks
 GRAPHS = _runtime.current().graphs  # the reuse steps replayed as CUDA graphs (runtime/graphs.py)
 PROGRAMS = _runtime.current().programs  # the reuse steps replayed as recorded launches (runtime/programs.py)
+from .runtime.graphs import AUTO_MAX_WORK as GRAPHS_AUTO_MAX_WORK  # noqa: E402
 _PREBUILDS = _runtime.current().prebuilds  # kernel-build helpers started at compile time (runtime/prebuild.py)
 _WATCHED: Dict[Tuple[int, int], "_Watch"] = _CHECKS.watched  # (site, ident_ptr) -> the weight, metadata keys written
 _FREED: collections.deque = _CHECKS.freed
@@ -273,6 +275,7 @@ def forget_checks() -> None:
     _SHARP_WARNED.clear()
     GRAPHS.clear()
     PROGRAMS.clear()
+    _LANES.clear()
     _NONFINITE_WARNED.clear()
 
 
@@ -368,31 +371,70 @@ _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor? ident, int site, st
             "Tensor? cos=None, Tensor? sin=None, str rope=\"\") -> Tensor", tags=_TAGS)
 
 
+class _Lane:
+    """A call site's decisions that follow from its config and its inputs' layout alone (kernel path, eligibility,
+    speed gate, softmax scale, report label), noted at a call whose reuse step replayed a recorded launch sequence
+    (runtime/programs.py): a later call of the same (site, config, scale) with the same layout skips deciding them
+    again, and where its reuse step has a program ready, replays it without the call's other scaffolding.
+    NOTE (H200 host, ExpCast reuse call at H12 S32760, scripts/host_breakdown.py): those decisions and the
+    scaffolding around a replay (timer, tuning-lookup recorder, graph check, report label) took ~60-100 us of the
+    op's 0.27 ms."""
+
+    __slots__ = ("layout", "cfg", "M", "impl", "path", "sm", "label")
+
+    def __init__(self, layout, cfg, M, impl, path, sm, label):
+        self.layout, self.cfg, self.M, self.impl, self.path, self.sm, self.label = layout, cfg, M, impl, path, sm, label
+
+
+_LANES: Dict[tuple, _Lane] = _CHECKS.lanes  # (site, config, scale) -> _Lane
+
+
+def _static_graphs(cfg: VCConfig, q, k) -> bool:
+    """Whether the option could ever want a CUDA graph for this call (``LaunchGraphs.wanted`` without its
+    stream checks): a lane only stands where it never does."""
+    mode = cfg.cuda_graphs.value
+    if mode == "off":
+        return False
+    B, H, S, D = q.shape
+    return mode == "on" or B * H * S * k.shape[2] * D <= GRAPHS_AUTO_MAX_WORK
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional[torch.Tensor],
               site: int, config: str, scale: Optional[float] = None, cos: Optional[torch.Tensor] = None,
               sin: Optional[torch.Tensor] = None, rope: str = "") -> torch.Tensor:
     if _FREED:
         _drain_freed()
-    q, k, rope_args = _rope_inputs(q, k, cos, sin, rope)
-    cfg = _config(config)
-    rec = _report.site(site)
-    rec.calls += 1
-    method = cfg.resolved_method
-    M = methods.get(method)
-    reason = runtime_ineligible(q, k, v, cfg)
-    impl, path = None, "sdpa"
-    if reason is None and M.USES_KERNELS:
-        impl, path = dispatch.choose(method.value, cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
-        if impl == dispatch.Impl.TRITON:
-            reason = M.ineligible(q, k, v)
-            if reason is None and q.is_cuda:
-                reason = gate_reason(cfg, q.device, q.shape, k.shape[2])
-    if rope_args is not None and (reason is not None or not M.FUSES_ROPE):
-        q, k, rope_args = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args), None
-    if reason is not None:
-        rec.runtime_fallbacks[reason] += 1
-        return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
-    sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    lane = _LANES.get((site, config, scale)) if not rope else None
+    layout = None
+    if lane is not None:
+        layout = _programs.layout_key(q, k, v)
+        if layout != lane.layout:
+            lane = None
+    if lane is not None:  # the decisions below, as this layout had them
+        cfg, M, impl, path, sm, rope_args = lane.cfg, lane.M, lane.impl, lane.path, lane.sm, None
+        rec = _report.site(site)
+        rec.calls += 1
+    else:
+        q, k, rope_args = _rope_inputs(q, k, cos, sin, rope)
+        cfg = _config(config)
+        rec = _report.site(site)
+        rec.calls += 1
+        method = cfg.resolved_method
+        M = methods.get(method)
+        reason = runtime_ineligible(q, k, v, cfg)
+        impl, path = None, "sdpa"
+        if reason is None and M.USES_KERNELS:
+            impl, path = dispatch.choose(method.value, cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
+            if impl == dispatch.Impl.TRITON:
+                reason = M.ineligible(q, k, v)
+                if reason is None and q.is_cuda:
+                    reason = gate_reason(cfg, q.device, q.shape, k.shape[2])
+        if rope_args is not None and (reason is not None or not M.FUSES_ROPE):
+            q, k, rope_args = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args), None
+        if reason is not None:
+            rec.runtime_fallbacks[reason] += 1
+            return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
+        sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ident_ptr = ident.data_ptr() if ident is not None else 0
     info = TRACKER.current((site, ident_ptr), cfg.num_steps, shape=(tuple(q.shape), tuple(k.shape)))
     if M.NEEDS_IDENTITY:
@@ -417,6 +459,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     kw = {} if rope_args is None else {"rope": rope_args}
     if _PREBUILDS.pending and phase != Phase.DENSE:  # helpers build this phase's kernels: further along than us
         _PREBUILDS.wait(phase.value)
+    if (lane is not None and meta is not None and phase != Phase.DENSE and not cfg.profile
+            and M.replayable(phase, cfg) and PROGRAMS.usable(q)):
+        hit = PROGRAMS.replay(key, meta, q, k, v, layout)
+        if hit is not None:  # the reuse step's recorded launches: the rest is the report's counts
+            out, sources = hit
+            if sources:
+                rec.config_sources.update(sources)
+            rec.phases[phase.value] += 1
+            rec.kernel_path[lane.label] += 1
+            rec.step_sources[info.source] += 1
+            return out
+    programmed = False
     with _report.Timer(rec, cfg.profile, q.is_cuda), _tune.recording(cfg.tune_cache_dir) as sources:
         replayed = False
         if phase == Phase.DENSE:  # method="dense" and every method's warm-up steps: stock SDPA
@@ -434,7 +488,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
                     if not replayed and rec.cuda_graph_failure is None:
                         rec.cuda_graph_failure = GRAPHS.failures(meta).get(key)
                 if out is None and PROGRAMS.usable(q):  # else a recorded launch sequence (recorded at its 2nd call)
-                    out = PROGRAMS.run(key, meta, fn, q, k, v, sources)
+                    layout = layout if layout is not None else _programs.layout_key(q, k, v)
+                    n_replays = PROGRAMS.replays
+                    out = PROGRAMS.run(key, meta, fn, q, k, v, sources, layout=layout)
+                    programmed = PROGRAMS.replays != n_replays
                     if out is None and rec.program_failure is None:
                         rec.program_failure = PROGRAMS.failures(meta).get(key)
             if out is None:
@@ -446,6 +503,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     rec.phases[phase.value] += 1
     label = "sdpa" if phase == Phase.DENSE else M.path_label(path, phase, cfg, q, v)
     rec.kernel_path[label + "+cuda_graph" if phase != Phase.DENSE and replayed else label] += 1
+    if programmed and lane is None and rope_args is None and not cfg.profile and not _static_graphs(cfg, q, k):
+        if len(_LANES) >= 4096:
+            _LANES.clear()
+        _LANES[(site, config, scale)] = _Lane(layout, cfg, M, impl, path, sm, label)
     rec.step_sources[info.source] += 1
     if phase != Phase.DENSE and impl == dispatch.Impl.REFERENCE and out.device.type == "cpu":
         _note_nonfinite(rec, out)

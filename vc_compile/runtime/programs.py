@@ -67,7 +67,7 @@ class _Desc:
 
     __slots__ = ("base", "shape", "strides", "padding", "block_shape", "layout")
 
-    def __init__(self, base, shape, strides, padding, block_shape, layout):
+    def __init__(self, base, shape, strides, padding, block_shape=None, layout=None):
         self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
         self.block_shape, self.layout = block_shape, layout
 
@@ -145,8 +145,45 @@ def layout_key(q, k, v) -> tuple:
             q is k, k is v, q is v, torch.cuda.current_device() if q.is_cuda else -1)
 
 
+def _raw_launcher(launcher):
+    """(the compiled launcher's C entry, {signature index: TMA descriptor metadata}) of Triton 3.6's CUDA launcher,
+    or None where it is not that shape (the program then calls the launcher object, as the normal path does).
+    The entry takes the descriptors expanded (``make_tensordesc_arg``), which a program does once per base address
+    instead of once per launch."""
+    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return None  # scratch is allocated per launch by the launcher object
+    if getattr(launcher, "launch_cooperative_grid", None) is None or getattr(launcher, "launch_pdl", None) is None:
+        return None
+    fn = launcher.launch
+    code = getattr(fn, "__code__", None)
+    if code is None or not fn.__closure__:
+        return (fn, {}) if callable(fn) else None  # no descriptor argument: the C entry itself
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= set(cells):
+        return None
+    metas = list(cells["tensordesc_meta"])
+    return cells["launcher"], dict(zip(sorted(cells["tensordesc_indices"]), metas))
+
+
+class _Launch:
+    """One recorded launch: the C entry and its arguments expanded, with holes (see ``Program``)."""
+
+    __slots__ = ("call", "head", "tmpl", "ptrs", "descs", "maps")
+
+    def __init__(self, call, head, tmpl, ptrs, descs):
+        self.call, self.head, self.tmpl, self.ptrs, self.descs = call, head, tmpl, ptrs, descs
+        self.maps: Dict[tuple, list] = {}  # (descriptor position, base address) -> its expanded arguments
+
+
 class Program:
-    """A recorded call (see the module docstring); ``run(q, k, v)`` launches it on these inputs."""
+    """A recorded call (see the module docstring); ``run(q, k, v, stream)`` launches it on these inputs.
+
+    Per launch: ``head`` (grid, function, and the launcher's fixed arguments), ``tmpl`` the argument list with
+    holes, ``ptrs`` [(position, slot, byte offset)] the tensor arguments (slots: q, k, v, workspace, output),
+    ``descs`` [(position, count, slot, byte offset, fields, metadata)] the TMA descriptors. With Triton 3.6's
+    launcher the C entry is called directly: a descriptor is expanded (its ``CUtensorMap`` filled) once per base
+    address and reused while the address repeats (the caching allocator hands a call's workspace the same block
+    step after step), and pointers go in as integers (no ``cuPointerGetAttribute`` per argument)."""
 
     __slots__ = ("ws_bytes", "out_spec", "launches", "consts", "device")
 
@@ -160,15 +197,32 @@ class Program:
         out = torch.empty_strided(shape, stride, dtype=dtype, device=dev)
         ws = torch.empty(self.ws_bytes, dtype=torch.uint8, device=dev) if self.ws_bytes else None
         bases = (q.data_ptr(), k.data_ptr(), v.data_ptr(), ws.data_ptr() if ws is not None else 0, out.data_ptr())
-        for run, g0, g1, g2, function, meta, template, holes, descs in self.launches:
-            args = list(template)
-            for pos, slot, off in holes:
-                args[pos] = _Ptr(bases[slot] + off)
-            for pos, slot, off, shp, strides, padding, block, layout in descs:
-                args[pos] = _Desc(_Ptr(bases[slot] + off), shp, strides, padding, block, layout)
-            run(g0, g1, g2, stream, function, meta, None, None, None, *args)
+        for L in self.launches:
+            args = L.tmpl.copy()
+            for pos, slot, off in L.ptrs:
+                args[pos] = bases[slot] + off
+            for pos, n, slot, off, fields, meta in L.descs:
+                base = bases[slot] + off
+                if n:  # expanded: the C entry's arguments, memoised per base address
+                    ex = L.maps.get((pos, base))
+                    if ex is None:
+                        ex = _expand(base, fields, meta)
+                        if len(L.maps) >= 64:
+                            L.maps.clear()
+                        L.maps[(pos, base)] = ex
+                    args[pos:pos + n] = ex
+                else:  # the launcher object expands it
+                    args[pos] = _Desc(_Ptr(base), *fields)
+            g0, g1, g2, function, fixed = L.head
+            L.call(g0, g1, g2, stream, function, *fixed, *args)
         del ws  # freed after the launches were queued on this stream (stream-ordered reuse, as in the normal path)
         return out
+
+
+def _expand(base: int, fields: tuple, meta) -> list:
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return make_tensordesc_arg(_Desc(_Ptr(base), *fields), meta)
 
 
 def build(rec: Recording, out, q, k, v) -> Tuple[Optional[Program], Optional[str]]:
@@ -219,26 +273,45 @@ def build(rec: Recording, out, q, k, v) -> Tuple[Optional[Program], Optional[str
     launches = []
     try:
         for kernel, grid, bound in rec.launches:
-            template, holes, descs = list(bound), [], []
-            for pos, a in enumerate(bound):
+            launcher = kernel.run
+            raw = _raw_launcher(launcher)
+            tmpl, ptrs, descs = [], [], []
+            for i, a in enumerate(bound):
                 if isinstance(a, torch.Tensor):
                     where = place(a)
                     if where is None:
-                        template[pos] = a.data_ptr()
+                        tmpl.append(a.data_ptr())
                     else:
-                        holes.append((pos,) + where)
-                        template[pos] = None
+                        ptrs.append((len(tmpl),) + where)
+                        tmpl.append(None)
                 elif hasattr(a, "block_shape") and isinstance(getattr(a, "base", None), torch.Tensor):
                     where = place(a.base)
-                    slot, boff = where if where is not None else (3, 0)
-                    shp, strides = tuple(a.shape), tuple(a.strides)
-                    if where is None:  # a constant base: the descriptor itself is a constant
-                        continue
-                    descs.append((pos, slot, boff, shp, strides, a.padding, tuple(a.block_shape), a.layout))
-                    template[pos] = None
+                    fields = (tuple(a.shape), tuple(a.strides), a.padding, tuple(a.block_shape), a.layout)
+                    if raw is not None and i in raw[1]:
+                        n = len(_expand(a.base.data_ptr(), fields, raw[1][i]))
+                        if where is None:  # a constant base: expanded once
+                            tmpl.extend(_expand(a.base.data_ptr(), fields, raw[1][i]))
+                            continue
+                        descs.append((len(tmpl), n, where[0], where[1], fields, raw[1][i]))
+                        tmpl.extend([None] * n)
+                    elif where is None:
+                        tmpl.append(a)
+                    else:
+                        descs.append((len(tmpl), 0, where[0], where[1], fields, None))
+                        tmpl.append(None)
+                elif raw is not None and i in raw[1]:
+                    raise _Unplaceable("a descriptor argument the program cannot expand")
+                else:
+                    tmpl.append(a)
             g = tuple(grid) + (1, 1)
-            launches.append((kernel.run, g[0], g[1], g[2], kernel.function, kernel.packed_metadata,
-                             tuple(template), tuple(holes), tuple(descs)))
+            if raw is not None:  # the C entry: cooperative grid, PDL, scratch (none), metadata, hooks (none)
+                call = raw[0]
+                fixed = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, kernel.packed_metadata,
+                         None, None, None)
+            else:
+                call, fixed = launcher, (kernel.packed_metadata, None, None, None)
+            launches.append(_Launch(call, (g[0], g[1], g[2], kernel.function, fixed), tmpl, tuple(ptrs),
+                                    tuple(descs)))
     except _Unplaceable as e:
         return None, str(e)
     return Program(off, (tuple(out.shape), out.stride(), out.dtype), tuple(launches), tuple(consts),
@@ -280,13 +353,14 @@ class LaunchPrograms:
             return False
         return not torch._C._cuda_isCurrentStreamCapturing()
 
-    def run(self, key: tuple, meta, fn: Callable, q, k, v, sources: collections.Counter) -> Optional[torch.Tensor]:
+    def run(self, key: tuple, meta, fn: Callable, q, k, v, sources: collections.Counter,
+            layout: Optional[tuple] = None) -> Optional[torch.Tensor]:
         """This call's output, through the entry's program (recorded at its second call), or None: run the call
-        normally (the entry's first call, or one refused)."""
+        normally (the entry's first call, or one refused). ``layout``: ``layout_key(q, k, v)`` if known."""
         per_meta = self._per_meta(meta)
         if per_meta is None:
             return None
-        layout = layout_key(q, k, v)
+        layout = layout if layout is not None else layout_key(q, k, v)
         ekey = (key, layout)
         entry = per_meta.get(ekey)
         if entry is None:
@@ -314,6 +388,23 @@ class LaunchPrograms:
         self.launches += len(entry.program.launches)
         sources.update(entry.sources)
         return out
+
+    def replay(self, key: tuple, meta, q, k, v, layout: tuple):
+        """(output, the recorded call's tuning-lookup counts) through the entry's program where it has one, else
+        None (nothing done: the caller takes the normal path)."""
+        hit = self._entries.get(id(meta))
+        if hit is None or hit[0]() is not meta:
+            return None
+        entry = hit[1].get((key, layout))
+        if entry is None or entry.program is None:
+            return None
+        from triton.runtime import driver
+
+        entry.calls += 1
+        out = entry.program.run(q, k, v, driver.active.get_current_stream(driver.active.get_current_device()))
+        self.replays += 1
+        self.launches += len(entry.program.launches)
+        return out, entry.sources
 
     def failures(self, meta) -> Dict[tuple, str]:
         hit = self._entries.get(id(meta))

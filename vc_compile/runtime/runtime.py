@@ -76,12 +76,13 @@ class Checks:
         self.sharp_warned: set = set()
         self.nonfinite_warned: set = set()
         self.watched: dict = {}  # (site, ident ptr) -> the weight (weakly) and the metadata keys written
+        self.lanes: dict = {}  # (site, config, scale) -> the call's layout-bound decisions (ops._Lane)
         self.freed: collections.deque = collections.deque()
 
     def forget(self) -> None:
         """What ``vc_compile.reset()`` forgets (the watched blocks stay: their finalizers are registered)."""
         for c in (self.idents, self.unstable, self.ident_warned, self.sharp, self.sharp_worst, self.sharp_warned,
-                  self.nonfinite_warned):
+                  self.nonfinite_warned, self.lanes):
             c.clear()
 
 
