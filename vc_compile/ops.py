@@ -380,10 +380,11 @@ class _Lane:
     scaffolding around a replay (timer, tuning-lookup recorder, graph check, report label) took ~60-100 us of the
     op's 0.27 ms."""
 
-    __slots__ = ("layout", "cfg", "M", "impl", "path", "sm", "label")
+    __slots__ = ("layout", "cfg", "M", "impl", "path", "sm", "label", "shapes")
 
-    def __init__(self, layout, cfg, M, impl, path, sm, label):
+    def __init__(self, layout, cfg, M, impl, path, sm, label, shapes):
         self.layout, self.cfg, self.M, self.impl, self.path, self.sm, self.label = layout, cfg, M, impl, path, sm, label
+        self.shapes = shapes  # (q shape, k shape, device) as the state key spells them
 
 
 _LANES: Dict[tuple, _Lane] = _CHECKS.lanes  # (site, config, scale) -> _Lane
@@ -436,13 +437,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
             return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
         sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ident_ptr = ident.data_ptr() if ident is not None else 0
-    info = TRACKER.current((site, ident_ptr), cfg.num_steps, shape=(tuple(q.shape), tuple(k.shape)))
+    shapes = lane.shapes if lane is not None else (tuple(q.shape), tuple(k.shape), str(q.device))
+    info = TRACKER.current((site, ident_ptr), cfg.num_steps, shape=shapes[:2])
     if M.NEEDS_IDENTITY:
         problem = identity_problem(rec, site, ident)
         if problem is not None:  # never metadata of another block: stock SDPA, counted
             rec.runtime_fallbacks[problem] += 1
             return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
-    key = (site, ident_ptr, info.branch, tuple(q.shape), tuple(k.shape), str(q.device))
+    key = (site, ident_ptr, info.branch) + shapes
     plan = M.plan(cfg, info.step, info.num_steps, lambda suffix: state.get(key + suffix), q, k, v, impl)
     for slot in plan.drop:
         state.put(key + slot, None)
@@ -465,7 +467,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         if hit is not None:  # the reuse step's recorded launches: the rest is the report's counts
             out, sources = hit
             if sources:
-                rec.config_sources.update(sources)
+                counts = rec.config_sources
+                for c, n in sources.items():
+                    counts[c] += n
             rec.phases[phase.value] += 1
             rec.kernel_path[lane.label] += 1
             rec.step_sources[info.source] += 1
@@ -506,7 +510,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     if programmed and lane is None and rope_args is None and not cfg.profile and not _static_graphs(cfg, q, k):
         if len(_LANES) >= 4096:
             _LANES.clear()
-        _LANES[(site, config, scale)] = _Lane(layout, cfg, M, impl, path, sm, label)
+        _LANES[(site, config, scale)] = _Lane(layout, cfg, M, impl, path, sm, label, shapes)
     rec.step_sources[info.source] += 1
     if phase != Phase.DENSE and impl == dispatch.Impl.REFERENCE and out.device.type == "cpu":
         _note_nonfinite(rec, out)
