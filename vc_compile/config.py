@@ -155,7 +155,7 @@ OPTION_DOCS: Dict[str, str] = {
                            "NaN as in SDPA (one pass over K/V; +19% of a reuse step measured at S = 32760).",
     "cuda_graphs": "'auto' | 'on' | 'off': replay a reuse step's kernel launches as one CUDA graph per call site "
                    "(q, k, v copied into staging buffers where they move; H200: 0.11-0.16 ms of host time per call, "
-                   "0.09-0.21 ms without, as a recorded launch sequence). 'auto' where the "
+                   "0.06-0.21 ms without, as a recorded launch sequence). 'auto' where the "
                    "call is small enough for its launches to dominate (B H S^2 D <= 1.1e11, e.g. 12 heads x 8K tokens).",
     "speed_gate": "'auto' | 'off': 'auto' leaves a call to stock SDPA where this GPU's shipped measurements "
                   "(benchmarks/results/bench_op_overhead.csv) put our reuse step below stock SDPA's speed at its "
