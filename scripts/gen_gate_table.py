@@ -4,9 +4,9 @@
     python3 -m scripts.gen_gate_table          # rewrites the JSON
     python3 -m scripts.gen_gate_table --check  # exit 1 if the JSON is not what this script writes
 
-Per GPU, method and (B H, S): the latest row measured with the CUDA-graph choice ``cuda_graphs="auto"`` makes at
-that size (the ``{"cuda_graphs": "on"}`` rows at or below ``graphs.AUTO_MAX_WORK``, the ``"off"`` rows above it,
-rows without options where they are the newest) gives one point (work = B H S^2 D, its ``speedup_vs_cudnn``).
+Per GPU, method and (B H, S): the latest row measured on the path the default takes (``cuda_graphs="off"``: no CUDA
+graph replayed in its calls, i.e. no ``+cuda_graph`` in its kernel path, options none or ``cuda_graphs`` only)
+gives one point (work = B H S^2 D, its ``speedup_vs_cudnn``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import json
 import os
 import sys
 
-from vc_compile.runtime.graphs import AUTO_MAX_WORK
 from vc_compile.tune.gate import PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,9 +38,8 @@ def build(csv_path: str = CSV) -> dict:
                 continue
             B, H, S, D = (int(r[c]) for c in ("B", "H", "S", "D"))
             work = float(B * H * S * S * D)
-            want = "on" if work <= AUTO_MAX_WORK else "off"
-            if opts.get("cuda_graphs", "auto") not in (want, "auto"):
-                continue
+            if "+cuda_graph" in r.get("kernel_path", "") or opts.get("cuda_graphs", "off") == "on":
+                continue  # a graph replayed: not the default's path
             x = float(r["speedup_vs_cudnn"])
             if x != x:
                 continue

@@ -16,7 +16,7 @@ from vc_compile.runtime.graphs import AUTO_MAX_WORK, LaunchGraphs
 
 
 def test_option_is_an_enum_with_a_clear_error():
-    assert VCConfig().cuda_graphs == CudaGraphs.AUTO
+    assert VCConfig().cuda_graphs == CudaGraphs.OFF  # the recorded launch sequences (runtime/programs.py)
     assert VCConfig.from_options({"cuda_graphs": "off"}).cuda_graphs == CudaGraphs.OFF
     with pytest.raises(ValueError, match="cuda_graphs"):
         VCConfig.from_options({"cuda_graphs": "sometimes"})

@@ -79,7 +79,7 @@ class CudaGraphs(str, enum.Enum):
     """Where a reuse step's kernel launches are replayed as a CUDA graph (runtime/graphs.py)."""
     AUTO = "auto"  # where the launches, not the kernels, bound the call (small shapes)
     ON = "on"  # every replayable call on a CUDA device
-    OFF = "off"  # always launch from Python
+    OFF = "off"  # never: the recorded launch sequence (runtime/programs.py), launched from Python
 
 
 class SpeedGate(str, enum.Enum):
@@ -153,10 +153,11 @@ OPTION_DOCS: Dict[str, str] = {
                        "this (relative L2; 0 = guard off). docs/mcsparse_guard.md.",
     "propagate_nonfinite": "MC-Sparse reuse steps: NaN/Inf in keys/values no query group selected turn the output "
                            "NaN as in SDPA (one pass over K/V; +19% of a reuse step measured at S = 32760).",
-    "cuda_graphs": "'auto' | 'on' | 'off': replay a reuse step's kernel launches as one CUDA graph per call site "
-                   "(q, k, v copied into staging buffers where they move; H200: 0.11-0.16 ms of host time per call, "
-                   "0.06-0.21 ms without, as a recorded launch sequence). 'auto' where the "
-                   "call is small enough for its launches to dominate (B H S^2 D <= 1.1e11, e.g. 12 heads x 8K tokens).",
+    "cuda_graphs": "'off' | 'auto' | 'on': replay a reuse step's kernel launches as one CUDA graph per call site "
+                   "(q, k, v copied into staging buffers where they move; each graph keeps ~2.5x q of intermediates). "
+                   "'off': the recorded launch sequence instead (H200: 0.06-0.21 ms of host time per call, as fast "
+                   "or faster than a graph at every measured size, no memory kept); 'auto': graphs where B H S^2 D "
+                   "<= 1.1e11 (e.g. 12 heads x 8K tokens).",
     "speed_gate": "'auto' | 'off': 'auto' leaves a call to stock SDPA where this GPU's shipped measurements "
                   "(benchmarks/results/bench_op_overhead.csv) put our reuse step below stock SDPA's speed at its "
                   "size (e.g. V-Smooth at 12 heads x 8K tokens on the H200), reported; 'off' always runs ours.",
@@ -303,7 +304,12 @@ class VCConfig:
     # 100 (bf16 SDPA 2e-3-7e-4; ExpCast and Hadamard the same within 5%). 32 keeps the predicted error under
     # twice the unit-logit one (0.07); a model with QK-norm sits far below it.
     max_logit_std: float = 32.0
-    cuda_graphs: CudaGraphs = CudaGraphs.AUTO
+    # NOTE 'off' by default since reuse steps replay recorded launch sequences (runtime/programs.py). H200, b9abd36,
+    # bench_op_overhead, x cuDNN per reuse call, sequence vs graph ('auto' then): 12 x 2K V-Smooth 0.43 / 0.36,
+    # ExpCast 0.43 / 0.42, MC-Sparse 0.58 / 0.35; 12 x 4K 0.66 / 0.63, 0.79 / 0.72, 2.03 / 0.94; 12 x 8K 0.88 / 0.87,
+    # 1.00 / 0.99, 3.75 / 2.90; and a graph keeps ~2.5x q per call site and CFG branch (e.g. 3.7 GB at 12 x 8K over
+    # 30 blocks x 2 branches)
+    cuda_graphs: CudaGraphs = CudaGraphs.OFF
     speed_gate: SpeedGate = SpeedGate.AUTO
     # NOTE 'shipped' by default. H200, Wan 2.1 1.3B, regional compile, fresh caches, 5-step first generation
     # (bench_cold_start, start-up over stock's): with the shipped kernels V-Smooth + ExpCast +2.6 s and MC-Sparse

@@ -31,9 +31,10 @@ reason is in ``report()``).
 
 When. The method says whether a call is replayable (``replayable(phase, cfg)``: its launches depend only on
 q, k, v and the metadata, with no host reads and no metadata update); the option ``cuda_graphs`` says
-where: ``off``; ``on`` (every replayable call on a CUDA device); ``auto`` (the default: where the call's
-attention work B H S Sk D is at most ``AUTO_MAX_WORK``, i.e. where the launches, not the kernels, bound the
-call). Never while another capture is running (the op inside a user's graph), never on a side stream, and a
+where: ``off`` (the default: the recorded launch sequence of runtime/programs.py instead, measured as fast or
+faster at every size, with no memory kept; config.py NOTE); ``on`` (every replayable call on a CUDA device);
+``auto`` (where the call's attention work B H S Sk D is at most ``AUTO_MAX_WORK``, i.e. where the launches, not
+the kernels, bound the call). Never while another capture is running (the op inside a user's graph), never on a side stream, and a
 capture that fails turns graphs off for that entry for good, with the reason in ``report()``.
 
 An entry lives as long as its metadata object (a weak key): when the metadata is replaced (a V-Smooth
