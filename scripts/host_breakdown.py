@@ -40,7 +40,7 @@ LAYERS = [
     "vc_compile.tune.gate:slower_than_stock",
     "vc_compile.runtime.graphs:LaunchGraphs.wanted",
     "vc_compile.runtime.graphs:LaunchGraphs.run",
-    "vc_compile.runtime.graphs:LaunchGraphs._per_meta",
+    "vc_compile.runtime.graphs:PerMeta.of",
     "vc_compile.runtime.graphs:_where",
     "torch.cuda.graphs:CUDAGraph.replay",
     "vc_compile.runtime.programs:LaunchPrograms.run",

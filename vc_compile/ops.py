@@ -111,7 +111,6 @@ def _shape_ineligible(qs, ks, vs, qd, kd, vd, min_seq_len: int, head_dims) -> Op
 _CHECKS = _runtime.current().checks
 GRAPHS = _runtime.current().graphs  # the reuse steps replayed as CUDA graphs (runtime/graphs.py)
 PROGRAMS = _runtime.current().programs  # the reuse steps replayed as recorded launches (runtime/programs.py)
-from .runtime.graphs import AUTO_MAX_WORK as GRAPHS_AUTO_MAX_WORK  # noqa: E402
 _PREBUILDS = _runtime.current().prebuilds  # kernel-build helpers started at compile time (runtime/prebuild.py)
 _WATCHED: Dict[Tuple[int, int], "_Watch"] = _CHECKS.watched  # (site, ident_ptr) -> the weight, metadata keys written
 _FREED: collections.deque = _CHECKS.freed
@@ -390,16 +389,6 @@ class _Lane:
 _LANES: Dict[tuple, _Lane] = _CHECKS.lanes  # (site, config, scale) -> _Lane
 
 
-def _static_graphs(cfg: VCConfig, q, k) -> bool:
-    """Whether the option could ever want a CUDA graph for this call (``LaunchGraphs.wanted`` without its
-    stream checks): a lane only stands where it never does."""
-    mode = cfg.cuda_graphs.value
-    if mode == "off":
-        return False
-    B, H, S, D = q.shape
-    return mode == "on" or B * H * S * k.shape[2] * D <= GRAPHS_AUTO_MAX_WORK
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional[torch.Tensor],
               site: int, config: str, scale: Optional[float] = None, cos: Optional[torch.Tensor] = None,
               sin: Optional[torch.Tensor] = None, rope: str = "") -> torch.Tensor:
@@ -507,7 +496,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     rec.phases[phase.value] += 1
     label = "sdpa" if phase == Phase.DENSE else M.path_label(path, phase, cfg, q, v)
     rec.kernel_path[label + "+cuda_graph" if phase != Phase.DENSE and replayed else label] += 1
-    if programmed and lane is None and rope_args is None and not cfg.profile and not _static_graphs(cfg, q, k):
+    # a lane only where the option can never want a graph (the lane's replay skips the graph check)
+    if programmed and lane is None and rope_args is None and not cfg.profile \
+            and not GRAPHS.may_want(cfg.cuda_graphs.value, q, k):
         if len(_LANES) >= 4096:
             _LANES.clear()
         _LANES[(site, config, scale)] = _Lane(layout, cfg, M, impl, path, sm, label, shapes)

@@ -82,15 +82,59 @@ def _where(q, k, v) -> tuple:
     return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in (q, k, v))
 
 
+class PerMeta:
+    """Entries that live as long as a metadata object: id(metadata) -> (a weak reference to it, {key: entry}).
+    By id: metadata dataclasses compare by value (unhashable); the weak reference's callback drops the entries
+    when the metadata dies, before its id can be reused. (The graphs here and runtime/programs.py's launch
+    sequences.)"""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: Dict[int, tuple] = {}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries = {}
+
+    def find(self, meta) -> Optional[dict]:
+        """The entries of ``meta``, or None (none made yet)."""
+        hit = self._entries.get(id(meta))
+        return hit[1] if hit is not None and hit[0]() is meta else None
+
+    def of(self, meta) -> Optional[dict]:
+        """The entries of ``meta``, made empty if new; None for metadata that cannot be weakly referenced."""
+        found = self.find(meta)
+        if found is not None:
+            return found
+        mid = id(meta)
+        entries = self._entries
+
+        def gone(_ref, mid=mid):
+            cur = entries.get(mid)
+            if cur is not None and cur[0] is _ref:
+                entries.pop(mid, None)
+        try:
+            ref = weakref.ref(meta, gone)
+        except TypeError:
+            return None
+        per_meta: dict = {}
+        with self._lock:
+            self._entries[mid] = (ref, per_meta)
+        return per_meta
+
+    def values(self):
+        """Every live metadata object's entries."""
+        return [hit[1] for hit in list(self._entries.values()) if hit[0]() is not None]
+
+
 class LaunchGraphs:
     """The process's captured graphs (see the module docstring)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        # id(metadata object) -> (a weak reference to it, {entry key: Entry}); the key is the op's state key (site,
-        # block, branch, shapes, device, slot). By id: metadata dataclasses compare by value (unhashable); the
-        # weak reference's callback drops the graphs when the metadata dies, before its id can be reused.
-        self._entries: Dict[int, tuple] = {}
+        # per metadata object: {entry key: Entry}; the key is the op's state key (site, block, branch, shapes,
+        # device, slot)
+        self._entries = PerMeta()
         self._staging: Dict[tuple, tuple] = {}
         self.broken: Optional[str] = None  # a capture failed: no more captures in this process
         self.captures = 0
@@ -99,8 +143,8 @@ class LaunchGraphs:
 
     def clear(self, *_args) -> None:
         """Forget every graph and staging buffer (a new generation drops the metadata anyway)."""
+        self._entries.clear()
         with self._lock:
-            self._entries = {}
             self._staging.clear()
 
     @staticmethod
@@ -114,6 +158,14 @@ class LaunchGraphs:
                                               else torch.cuda.current_device()) != 0:
             return False  # a side stream or a capture (never the default stream): staging is per stream
         if torch._C._cuda_isCurrentStreamCapturing():
+            return False
+        return LaunchGraphs.may_want(mode, q, k)
+
+    @staticmethod
+    def may_want(mode: str, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """``wanted`` without its device and stream checks: whether the option could ever want a graph for a call
+        of these shapes."""
+        if mode == "off":
             return False
         if mode == "on":
             return True
@@ -130,7 +182,7 @@ class LaunchGraphs:
         Which graph: the direct one where q, k, v sit at its addresses; else a new direct one where they sit
         where the previous call's did (inputs that stay put; at most ``MAX_DIRECT`` captures per entry), else
         the staged one."""
-        per_meta = self._per_meta(meta)
+        per_meta = self._entries.of(meta)
         if per_meta is None:  # metadata that cannot be weakly referenced: no graphs for it
             return None
         entry = per_meta.get(key)
@@ -168,29 +220,8 @@ class LaunchGraphs:
             return False
         return True
 
-    def _per_meta(self, meta) -> Optional[Dict[tuple, Entry]]:
-        mid = id(meta)
-        hit = self._entries.get(mid)
-        if hit is not None and hit[0]() is meta:
-            return hit[1]
-        entries = self._entries
-
-        def gone(_ref, mid=mid):
-            cur = entries.get(mid)
-            if cur is not None and cur[0] is _ref:
-                entries.pop(mid, None)
-        try:
-            ref = weakref.ref(meta, gone)
-        except TypeError:
-            return None
-        per_meta: Dict[tuple, Entry] = {}
-        with self._lock:
-            self._entries[mid] = (ref, per_meta)
-        return per_meta
-
     def failures(self, meta) -> Dict[tuple, str]:
-        hit = self._entries.get(id(meta))
-        per_meta = hit[1] if hit is not None and hit[0]() is meta else {}
+        per_meta = self._entries.find(meta) or {}
         return {key: e.failed for key, e in per_meta.items() if e.failed is not None}
 
     def _staging_for(self, q, k, v):

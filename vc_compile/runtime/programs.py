@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -113,8 +112,8 @@ def record(fn: Callable, q, k, v) -> Tuple[torch.Tensor, Recording]:
     """Run ``fn(q, k, v)`` under a recorder: (its output, what it did)."""
     import triton
 
-    from vc_compile.templates.launch import FAST_LAUNCH, RECORDING
-
+    L = _launch()
+    FAST_LAUNCH, RECORDING = L.FAST_LAUNCH, L.RECORDING
     rec = Recording()
     chain = triton.knobs.runtime.launch_enter_hook
     hook = None
@@ -336,22 +335,23 @@ class LaunchPrograms:
     """The process's recorded reuse steps (see the module docstring)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._entries: Dict[int, tuple] = {}  # id(metadata) -> (weak reference, {(state key, layout): Entry})
+        from .graphs import PerMeta
+
+        self._entries = PerMeta()  # per metadata object: {(state key, layout): Entry}
         self.recorded = 0
         self.replays = 0
         self.launches = 0
 
     def clear(self, *_args) -> None:
-        with self._lock:
-            self._entries = {}
+        self._entries.clear()
 
     @staticmethod
     def usable(q) -> bool:
         """Whether a call on q may run a program now (CUDA, remembered launches usable, no capture running)."""
-        from vc_compile.templates.launch import FAST_LAUNCH, no_launch_hooks
-
-        if not (q.is_cuda and FAST_LAUNCH.enabled and FAST_LAUNCH.off_reason() is None and no_launch_hooks()):
+        if not q.is_cuda:
+            return False
+        L = _launch()
+        if not (L.FAST_LAUNCH.enabled and L.FAST_LAUNCH.off_reason() is None and L.no_launch_hooks()):
             return False
         return not torch._C._cuda_isCurrentStreamCapturing()
 
@@ -359,7 +359,7 @@ class LaunchPrograms:
             layout: Optional[tuple] = None) -> Optional[torch.Tensor]:
         """This call's output, through the entry's program (recorded at its second call), or None: run the call
         normally (the entry's first call, or one refused). ``layout``: ``layout_key(q, k, v)`` if known."""
-        per_meta = self._per_meta(meta)
+        per_meta = self._entries.of(meta)
         if per_meta is None:
             return None
         layout = layout if layout is not None else layout_key(q, k, v)
@@ -369,66 +369,59 @@ class LaunchPrograms:
             if len(per_meta) >= 16:  # inputs that change layout every call: no program for them
                 return None
             entry = per_meta[ekey] = Entry(layout)
+        if entry.program is not None:
+            out = self._replay(entry, q, k, v)
+            sources.update(entry.sources)
+            return out
         entry.calls += 1
         if entry.failed is not None or entry.calls == 1:
             return None
-        if entry.program is None:
-            before = collections.Counter(sources)
-            out, rec = record(fn, q, k, v)
-            program, why = build(rec, out, q, k, v)
-            if program is None:
-                entry.failed = why
-            else:
-                entry.program = program
-                entry.sources = sources - before
-                self.recorded += 1
-            return out
-        from triton.runtime import driver
-
-        out = entry.program.run(q, k, v, driver.active.get_current_stream(driver.active.get_current_device()))
-        self.replays += 1
-        self.launches += len(entry.program.launches)
-        sources.update(entry.sources)
+        before = collections.Counter(sources)
+        out, rec = record(fn, q, k, v)
+        program, why = build(rec, out, q, k, v)
+        if program is None:
+            entry.failed = why
+        else:
+            entry.program = program
+            entry.sources = sources - before
+            self.recorded += 1
         return out
 
     def replay(self, key: tuple, meta, q, k, v, layout: tuple):
         """(output, the recorded call's tuning-lookup counts) through the entry's program where it has one, else
         None (nothing done: the caller takes the normal path)."""
-        hit = self._entries.get(id(meta))
-        if hit is None or hit[0]() is not meta:
-            return None
-        entry = hit[1].get((key, layout))
+        per_meta = self._entries.find(meta)
+        entry = per_meta.get((key, layout)) if per_meta is not None else None
         if entry is None or entry.program is None:
             return None
-        from triton.runtime import driver
+        return self._replay(entry, q, k, v), entry.sources
 
+    def _replay(self, entry: "Entry", q, k, v) -> torch.Tensor:
+        drv = _launch().driver.active
         entry.calls += 1
-        out = entry.program.run(q, k, v, driver.active.get_current_stream(driver.active.get_current_device()))
+        out = entry.program.run(q, k, v, drv.get_current_stream(drv.get_current_device()))
         self.replays += 1
         self.launches += len(entry.program.launches)
-        return out, entry.sources
+        return out
 
     def failures(self, meta) -> Dict[tuple, str]:
-        hit = self._entries.get(id(meta))
-        per_meta = hit[1] if hit is not None and hit[0]() is meta else {}
+        per_meta = self._entries.find(meta) or {}
         return {key[0]: e.failed for key, e in per_meta.items() if e.failed is not None}
 
-    def _per_meta(self, meta):
-        mid = id(meta)
-        hit = self._entries.get(mid)
-        if hit is not None and hit[0]() is meta:
-            return hit[1]
-        entries = self._entries
+    def programs(self) -> list:
+        """Every live program (tests)."""
+        return [e.program for per_meta in self._entries.values() for e in per_meta.values()
+                if e.program is not None]
 
-        def gone(_ref, mid=mid):
-            cur = entries.get(mid)
-            if cur is not None and cur[0] is _ref:
-                entries.pop(mid, None)
-        try:
-            ref = weakref.ref(meta, gone)
-        except TypeError:
-            return None
-        per_meta: dict = {}
-        with self._lock:
-            self._entries[mid] = (ref, per_meta)
-        return per_meta
+
+_LAUNCH = None
+
+
+def _launch():
+    """templates/launch.py, imported once on first use (this module imports no Triton at import time)."""
+    global _LAUNCH
+    if _LAUNCH is None:
+        from vc_compile.templates import launch
+
+        _LAUNCH = launch
+    return _LAUNCH

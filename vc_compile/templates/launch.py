@@ -70,13 +70,7 @@ class FastLaunch:
         mkey = (fn, key, tuple(kwargs), len(args), device)
         hit = self._memo.get(mkey)
         if hit is not None:
-            kernel, tail = hit
-            bound = args + tuple(kwargs[n] if isinstance(n, str) else n[0] for n in tail)
-            g = tuple(grid) + (1, 1)
-            stream = driver.active.get_current_stream(device)
-            kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *bound)
-            self.fast += 1
-            return kernel
+            return self._launch(hit, grid, args, kwargs, device)[0]
         kernel = fn[grid](*args, **kwargs)
         self.slow += 1
         if kernel is not None and not hasattr(kernel, "result"):
@@ -93,14 +87,19 @@ class FastLaunch:
             rec.refuse(f"a launch of {getattr(fn, '__name__', fn)} that is not remembered")
             self.slow += 1
             return fn[grid](*args, **kwargs)
+        kernel, bound = self._launch(hit, grid, args, kwargs, device)
+        rec.launches.append((kernel, tuple(grid), bound))
+        return kernel
+
+    def _launch(self, hit, grid, args, kwargs, device):
+        """A remembered launch: (the compiled kernel, the bound arguments it was handed)."""
         kernel, tail = hit
         bound = args + tuple(kwargs[n] if isinstance(n, str) else n[0] for n in tail)
         g = tuple(grid) + (1, 1)
         stream = driver.active.get_current_stream(device)
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *bound)
-        rec.launches.append((kernel, tuple(grid), bound))
         self.fast += 1
-        return kernel
+        return kernel, bound
 
     def _remember(self, mkey, fn, kernel, device, args, kwargs) -> None:
         caches = getattr(fn, "device_caches", None)
