@@ -1,15 +1,7 @@
 """The remembered launch (templates/launch.py): a later launch hands the compiled kernel's launcher exactly the
 arguments Triton's binder would have handed it, for the real kernels; it steps aside where it cannot be sure."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
 from conftest import requires_cuda
-
-ROOT = Path(__file__).parent.parent
+from offline_sm90 import result_line
 
 # Offline sm_90 (scripts/codegen_stats.py's fake driver, no launch): each kernel is compiled once, its launcher is
 # replaced by a recorder, and every call of the preprocessing, the attention kernel and the gather kernel runs
@@ -86,18 +78,11 @@ print("RESULT", sorted(res.items()), "fast", FAST_LAUNCH.fast)
 
 
 def test_a_remembered_launch_hands_the_launcher_what_the_binder_does(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    r = subprocess.run([sys.executable, "-c", _CODE], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=1200)
-    if "No module named" in r.stderr or (r.returncode != 0 and "GPUTarget" in r.stderr):
-        pytest.skip(f"offline sm_90 compile unavailable here: {r.stderr.strip()[-300:]}")
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")), "")
+    line, why = result_line(_CODE, tmp_path)
     # 2 launches of the preprocessing, 1 of each attention kernel, each handed the same arguments, object for
     # object; remembered launches: 4 in the third runs, 2 in the preprocessing between
     assert line == ("RESULT [('attention', (1, True)), ('gather', (1, True)), ('preprocess', (2, True))] "
-                    "fast 6"), r.stdout[-2000:] + r.stderr[-3000:]
+                    "fast 6"), why
 
 
 def test_the_remembered_launch_steps_aside_where_it_cannot_be_sure(monkeypatch):

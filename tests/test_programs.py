@@ -1,18 +1,12 @@
 """Recorded reuse steps (runtime/programs.py): a replayed program hands each kernel's launcher what the normal path
 hands it, on the call's own tensors; a call it cannot reproduce is never recorded, and says why."""
-import collections
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import requires_cuda
+from offline_sm90 import result_line
 from vc_compile.runtime import programs as P
-
-ROOT = Path(__file__).parent.parent
 
 
 def test_a_torch_operation_in_the_call_refuses_the_recording():
@@ -158,7 +152,7 @@ for name, make in (("vsmooth", lambda: vs_fn(False)), ("expcast", lambda: vs_fn(
     out_n = fn(q, k, v)
     normal = list(seen)
     fixed = {t.data_ptr() for t in (q, k, v, perm)}
-    fixed |= {t.data_ptr() for L in next(iter(progs._entries.values()))[1].values() for t in L.program.consts}
+    fixed |= {t.data_ptr() for prog in progs.programs() for t in prog.consts}
     why = next(iter(progs.failures(meta).values()), None)
     res[name] = (progs.recorded, progs.replays, len(replay), why or compare(normal, replay, fixed),
                  out_r is not None and tuple(out_r.shape) == tuple(out_n.shape) and out_r.dtype == out_n.dtype)
@@ -167,18 +161,11 @@ print("RESULT", sorted(res.items()))
 
 
 def test_a_replayed_program_hands_the_launchers_what_the_normal_path_does(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    r = subprocess.run([sys.executable, "-c", _CODE], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=1200)
-    if "No module named" in r.stderr or (r.returncode != 0 and "GPUTarget" in r.stderr):
-        pytest.skip(f"offline sm_90 compile unavailable here: {r.stderr.strip()[-300:]}")
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")), "")
+    line, why = result_line(_CODE, tmp_path)
     # per method: 1 program recorded, 2 replays (the third and fourth calls), launches per replay (V-Smooth: the
     # two preprocessing passes and the attention kernel; MC-Sparse: the gather kernel), the comparison
     assert line == ("RESULT [('expcast', (1, 2, 3, 'same', True)), ('mcsparse', (1, 2, 1, 'same', True)), "
-                    "('vsmooth', (1, 2, 3, 'same', True))]"), r.stdout[-2000:] + r.stderr[-3000:]
+                    "('vsmooth', (1, 2, 3, 'same', True))]"), why
 
 
 # The op itself offline (same harness; the CPU tensors stand for an sm_90 GPU's and programs are allowed on them):
@@ -204,16 +191,9 @@ print("RESULT", PROGRAMS.recorded, PROGRAMS.replays, any(key[0] == 4242 for key 
 
 
 def test_the_op_replays_through_programs_and_lanes_offline(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    r = subprocess.run([sys.executable, "-c", _OP_CODE], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=1200)
-    if "No module named" in r.stderr or (r.returncode != 0 and "GPUTarget" in r.stderr):
-        pytest.skip(f"offline sm_90 compile unavailable here: {r.stderr.strip()[-300:]}")
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")), "")
+    line, why = result_line(_OP_CODE, tmp_path)
     # 2 recordings (one per grouping's metadata), 7 + 7 replays (steps 3-9, 13-19), a lane, 20 calls counted
-    assert line == "RESULT 2 14 True 20 {'group': 2, 'reuse': 18} 20 None {}", r.stdout[-2000:] + r.stderr[-3000:]
+    assert line == "RESULT 2 14 True 20 {'group': 2, 'reuse': 18} 20 None {}", why
 
 
 @requires_cuda
