@@ -2,8 +2,8 @@
 # The test command (README quick start, CI): installs what the tests need, then runs them.
 # On a CPU-only machine the Triton kernels run under TRITON_INTERPRET=1 on small shapes and GPU-only
 # tests are skipped (marker `requires_cuda`). About 4-15 minutes on 2 CPU cores, by the machine's load
-# (`bash .ci/run` on a clean clone: 4 min 17 s in all, 4 min 05 s of tests, 1116 passed, 304 skipped,
-# 2026-12-03, installs already present; 14 min 51 s of tests on 2026-12-02; serially about twice that).
+# (`bash .ci/run` on a clean clone: 5 min 40 s of tests, 1165 passed, 325 skipped, 2026-12-04, installs already
+# present; 14 min 51 s of tests on 2026-12-02 under load; serially about twice that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh  # pip install -e ".[test,demo]" (torch kept)
