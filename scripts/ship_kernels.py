@@ -63,6 +63,19 @@ def add_kernel(kernels: dict, fn, spec: str, dev: int, out: str, fam: str):
     return kid
 
 
+def forget_launches(fns) -> None:
+    """Make the next launch of each of ``fns`` go through Triton's binder and compile hooks again: their in-memory
+    caches are cleared, and so are the process's remembered launches (``templates/launch.py``), which would
+    otherwise launch an earlier chain's compiled kernel without the binder. A chain that only reuses a kernel
+    another family recorded (ExpCast's preprocessing, V-Smooth's kernels) must still list it as its own, or the
+    loader, which loads by family, leaves that kernel to be built at the first call."""
+    from vc_compile.templates.launch import FAST_LAUNCH
+
+    for fn in fns:
+        fn.device_caches.clear()
+    FAST_LAUNCH.clear()
+
+
 def record(a) -> int:
     cache = tempfile.mkdtemp(prefix="vcattn_ship_")
     os.environ["TRITON_CACHE_DIR"] = cache  # every kernel is built here, none found from an earlier run
@@ -90,8 +103,7 @@ def record(a) -> int:
             cfg = VCConfig.from_json(req["config"])
             fam, ids = shipped.family(req), []
             for chain in prebuild.plan_chains(req):
-                for fn in seen:  # kernels built for an earlier layout are found again (from the disk cache)
-                    fn.device_caches.clear()
+                forget_launches(seen)  # kernels built for an earlier chain are found again (from the disk cache)
                 job = dict(req, steps=chain)
                 t = prebuild.inputs(job)
                 t0 = time.time()

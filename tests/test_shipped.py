@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import requires_cuda
+from offline_sm90 import result_line
 from vc_compile.runtime import shipped
 from scripts.ship_kernels import request
 
@@ -86,6 +87,71 @@ def test_the_shipped_manifest_names_current_sources():
     for key, rec in man["requests"].items():
         assert rec["kernels"] and set(rec["kernels"]) <= ids, key
         assert key.startswith(rec["family"] + "|")
+
+
+_FORGET = r"""
+import torch
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+from scripts import codegen_stats as cs
+driver.set_active(cs._FakeDriver())
+from scripts import ship_kernels as sk
+from vc_compile.templates import preprocess as tpre
+from vc_compile.templates.launch import FAST_LAUNCH
+knobs.runtime.launch_enter_hook = None  # as at record time: no launch hook, so launches are remembered
+orig = JITFunction.run
+def run(self, *a, grid, warmup, **kw):  # build, then hand the launcher to a no-op (nothing is launched)
+    k = orig(self, *a, grid=grid, warmup=True, **kw)
+    if k._run is None:
+        k._run = lambda *args: None
+    return orig(self, *a, grid=grid, warmup=False, **kw)
+JITFunction.run = run
+q = torch.randn(1, 1000, 2, 64, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+perm = torch.stack([torch.randperm(1000) for _ in range(2)]).view(1, 2, 1000)
+call = lambda: tpre.preprocess(q, q, q, perm, sm_scale=0.1, qk_format="int8", v_layout="sm90")
+seen = []
+knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(kw["fn"])
+call(); call()  # the first family's chain: built, then remembered
+fns = sorted({f.jit_function for f in seen}, key=lambda f: f.__name__)
+names = lambda: sorted({f.name for f in seen})
+seen.clear()
+for fn in fns:  # what the recorder did before: the functions' caches only
+    fn.device_caches.clear()
+call()
+caches_only = names()
+seen.clear()
+sk.forget_launches(fns)
+call()
+print("RESULT caches only", caches_only, "forgotten", names(), "remembered", FAST_LAUNCH.fast > 0)
+"""
+
+
+def test_a_later_chain_sees_the_kernels_an_earlier_one_remembered(tmp_path):
+    """Offline for sm_90: between two families' chains the recorder forgets the launches the first remembered, so
+    the second's launches of the same kernels pass Triton's compile hook (and are listed under the second
+    family). Clearing the functions' caches alone, as before, let the remembered launch run them unseen: the
+    shipped ExpCast layouts lacked the preprocessing kernels that V-Smooth's chain had remembered."""
+    line, tails = result_line(_FORGET, tmp_path)
+    assert line == ("RESULT caches only [] forgotten ['_quant_kernel', '_stats_kernel'] remembered True"), tails
+
+
+_PREP = {"_stats_kernel", "_quant_kernel"}
+
+
+@pytest.mark.xfail(strict=True, reason="the shipped set was recorded while the recorder kept remembered launches "
+                   "between chains (see the test above): ExpCast's layouts lack the preprocessing kernels until "
+                   "`python -m scripts.ship_kernels record` runs again on an sm_90 GPU, which turns this into a "
+                   "pass (then drop this mark)")
+def test_every_method_layout_ships_its_preprocessing_kernels():
+    """Every shipped call layout of an 8-bit method (V-Smooth, ExpCast, MC-Sparse's warm-up) lists the
+    preprocessing's two kernels, so a fresh process of any method builds neither at its first call."""
+    if not os.path.exists(shipped.MANIFEST):
+        pytest.skip("no shipped kernels in this tree")
+    man = json.load(open(shipped.MANIFEST))
+    name = {e["id"]: e["name"] for e in man["kernels"]}
+    lacking = {key: sorted(_PREP - {name[i] for i in rec["kernels"]}) for key, rec in man["requests"].items()}
+    assert not {k: v for k, v in lacking.items() if v}
 
 
 def test_layouts_match_as_launches_see_them():
