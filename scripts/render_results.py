@@ -27,7 +27,8 @@ Plots (matplotlib, the ``bench`` extra; skipped with a message when it is missin
 ``docs/img/bench_pipeline_speedup.png`` (speed-up per method, the targets marked),
 ``docs/img/bench_generation_phases.png`` (attention time by phase per method and shape) and
 ``docs/img/bench_generation_steps.png`` (per-step attention time over one generation).
-"Latest" = the last row (file order = time order) of each variant within its group.
+"Latest" = the last row (file order = time order) of each variant within its group, on one GPU: the blocks
+render each GPU's rows apart, the H200's (the figures of record) first and any other GPU's under its name.
 """
 from __future__ import annotations
 
@@ -688,28 +689,68 @@ def vsmooth_schedule_tables(rows) -> List[str]:
                  "second half x every step", "device", "run"], body)]
 
 
+# the GPU whose rows are the figures of record: its tables come first and carry no heading of their own
+REFERENCE_GPU = "NVIDIA H200"
+
+
+def gpus_of(rows: List[Dict[str, str]]) -> List[str]:
+    """The GPUs (the ``gpu`` column; "cpu" for CPU rows) that ``rows`` ran on: the reference GPU first, the rest in
+    the order they first appear."""
+    seen: List[str] = []
+    for r in rows:
+        g = r.get("gpu", "")
+        if g not in seen:
+            seen.append(g)
+    return sorted(seen, key=lambda g: g != REFERENCE_GPU)
+
+
+def per_gpu(render, rows, *, joiner: str = "\n\n") -> str:
+    """``render(rows)`` for the rows of each GPU apart (``rows``: a list of rows, or {bench: rows}): "latest row"
+    means latest on that GPU, so another GPU's rows (an H100's, say) never replace the reference GPU's figures.
+    Where there is more than one GPU, each one after the first is headed by its name. ``render`` returns markdown
+    or a list of markdown parts."""
+    def of(g):
+        if isinstance(rows, dict):
+            return {b: [r for r in rs if r.get("gpu", "") == g] for b, rs in rows.items()}
+        return [r for r in rows if r.get("gpu", "") == g]
+
+    def text(part) -> str:
+        return joiner.join(t for t in part if t) if isinstance(part, list) else part
+
+    gpus = gpus_of([r for rs in rows.values() for r in rs] if isinstance(rows, dict) else rows)
+    if len(gpus) <= 1:
+        return text(render(rows))
+    parts = []
+    for i, g in enumerate(gpus):
+        body = text(render(of(g)))
+        if body:
+            parts.append(body if i == 0 else f"On the {g or 'GPU not recorded'}:\n\n{body}")
+    return "\n\n".join(parts)
+
+
 def blocks(results_dir: str) -> Dict[str, str]:
-    """{marker name: markdown} for every block ``--write`` fills."""
+    """{marker name: markdown} for every block ``--write`` fills; each GPU's rows apart (``per_gpu``)."""
     rd = lambda name: read(os.path.join(results_dir, name))  # noqa: E731
     pipe, gen = rd("bench_pipeline.csv"), rd("bench_generation.csv")
     ker = {b: rd(f"{b}.csv") for b in KERNEL_ROWS}
     e2e = rd("bench_e2e.csv")
+    sm90 = rd("bench_vsmooth_attn_sm90.csv")
     return {
-        "pipeline": "\n\n".join(pipeline_tables(pipe)) if pipe else
+        "pipeline": per_gpu(pipeline_tables, pipe) if pipe else
         _none_yet("bench_pipeline.csv", "`python -m benchmarks.bench_pipeline` on a GPU"),
-        "generation": "\n\n".join(generation_tables(gen)) if gen else
+        "generation": per_gpu(generation_tables, gen) if gen else
         _none_yet("bench_generation.csv", "`python -m benchmarks.bench_generation` on a GPU"),
-        "kernels": "\n\n".join(kernel_tables(ker)) if any(ker.values()) else
+        "kernels": per_gpu(kernel_tables, ker) if any(ker.values()) else
         _none_yet("bench_vsmooth_attn.csv / bench_sparse_attn.csv", "the kernel benchmarks"),
-        "kernels-summary": "\n\n".join(t for t in (kernel_summary(ker),
-                                                      sm90_kernel_line(rd("bench_vsmooth_attn_sm90.csv"))) if t),
-        "kernels-sm90": "\n\n".join(sm90_ab_tables(rd("bench_vsmooth_attn_sm90.csv"))),
-        "sparse-sm90": "\n\n".join(sparse_sm90_tables(rd("bench_sparse_attn_sm90.csv"))),
-        "schedule": "\n\n".join(schedule_tables(rd("bench_mcsparse_schedule.csv"))),
-        "vsmooth-schedule": "\n\n".join(vsmooth_schedule_tables(rd("bench_vsmooth_schedule.csv"))),
-        "op-overhead": "\n\n".join(overhead_tables(rd("bench_op_overhead.csv"))),
-        "cold-start": "\n\n".join(cold_start_tables(rd("bench_cold_start.csv"))),
-        "e2e": "\n\n".join(e2e_tables(e2e)) if any(r.get("bench") == "e2e" for r in e2e) else
+        "kernels-summary": "\n\n".join(t for t in (per_gpu(kernel_summary, ker),
+                                                      per_gpu(sm90_kernel_line, sm90)) if t),
+        "kernels-sm90": per_gpu(sm90_ab_tables, sm90),
+        "sparse-sm90": per_gpu(sparse_sm90_tables, rd("bench_sparse_attn_sm90.csv")),
+        "schedule": per_gpu(schedule_tables, rd("bench_mcsparse_schedule.csv")),
+        "vsmooth-schedule": per_gpu(vsmooth_schedule_tables, rd("bench_vsmooth_schedule.csv")),
+        "op-overhead": per_gpu(overhead_tables, rd("bench_op_overhead.csv")),
+        "cold-start": per_gpu(cold_start_tables, rd("bench_cold_start.csv")),
+        "e2e": per_gpu(e2e_tables, e2e) if any(r.get("bench") == "e2e" for r in e2e) else
         _none_yet("bench_e2e.csv", "`python -m benchmarks.bench_e2e` on a GPU"),
     }
 

@@ -248,3 +248,28 @@ def test_stack_variant_names():
     assert render.name("mcsparse@0.15+f8lin+dbcache") == "MC-Sparse s = 0.15 + float8 linears + cache-dit DBCache"
     assert render._pipe_order(["mcsparse@0.15+dbcache", "vsmooth+f8lin", "stock", "vsmooth"]) == [
         "stock", "vsmooth", "vsmooth+f8lin", "mcsparse@0.15+dbcache"]
+
+
+def test_each_gpu_keeps_its_own_tables(tmp_path):
+    """Rows of another GPU appended after the reference GPU's (an H100 run, say) never replace the H200's latest
+    figures: each GPU gets its own tables, the H200's first and unheaded, the other's under its name; one GPU alone
+    renders as before, unheaded."""
+    res = tmp_path / "results"
+    p = str(res / "bench_pipeline.csv")
+    h200 = [dict(r, gpu="NVIDIA H200", date="2026-12-04 10:00", commit="aaa") for r in _pipe_rows(52000.0, 40000.0)]
+    common.append_rows("bench_pipeline", h200, path=p)
+    one = render.blocks(str(res))["pipeline"]
+    assert "On the" not in one and "| stock (Inductor + cuDNN) | 52.0 | 1.00x |" in one
+    h100 = [dict(r, gpu="NVIDIA H100 80GB HBM3", date="2026-12-05 10:00", commit="bbb")
+            for r in _pipe_rows(53000.0, 41000.0)]
+    common.append_rows("bench_pipeline", h100, path=p)
+    both = render.blocks(str(res))["pipeline"]
+    ref, other = both.split("On the NVIDIA H100 80GB HBM3:")
+    assert "| stock (Inductor + cuDNN) | 52.0 | 1.00x |" in ref and "53.0" not in ref
+    assert "| stock (Inductor + cuDNN) | 53.0 | 1.00x |" in other and "52.0" not in other
+    assert render.gpus_of(h100 + h200) == ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
+    # {bench: rows} inputs are split the same way
+    k = {"bench_vsmooth_attn": [dict(gpu="NVIDIA H100 80GB HBM3")], "bench_sparse_attn": [dict(gpu="NVIDIA H200")]}
+    seen = []
+    render.per_gpu(lambda rows: seen.append({b: len(rs) for b, rs in rows.items()}) or "x", k)
+    assert seen == [{"bench_vsmooth_attn": 0, "bench_sparse_attn": 1}, {"bench_vsmooth_attn": 1, "bench_sparse_attn": 0}]
