@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from conftest import requires_cuda
 from vc_compile.config import SpeedGate, VCConfig
 from vc_compile.tune import gate
 
@@ -82,3 +83,50 @@ def test_gpu_op_leaves_a_gated_call_to_stock_sdpa(monkeypatch):
     assert any(r.startswith("stock is faster at this shape") for r in rec.runtime_fallbacks)
     off = VCConfig.from_options({"method": "vsmooth", "max_logit_std": 0, "speed_gate": "off"}).to_json()
     assert not torch.equal(torch.ops.vcattn.attention(q, k, v, None, 992_002, off, None), ref)
+
+
+@pytest.mark.speed_gate
+def test_a_gpu_without_measurements_is_named_in_the_report(monkeypatch):
+    """On a GPU the table has no rows for, nothing is gated: ``ungated_gpu`` names it (not the H200, not with the
+    gate off), and report() says so per site with the two ways out (measure it, or ``speed_gate='off'``)."""
+    import vc_compile
+    import vc_compile.ops as ops
+    from vc_compile.runtime import report as report_mod
+
+    assert gate.measured("NVIDIA H200") and not gate.measured("Some Other GPU")
+    on = VCConfig.from_options({"method": "vsmooth"})
+    off = VCConfig.from_options({"method": "vsmooth", "speed_gate": "off"})
+    for name, cfg, said in (("NVIDIA H200", on, ""), ("Some Other GPU", on, "Some Other GPU"),
+                            ("Some Other GPU", off, "")):
+        monkeypatch.setattr(ops, "_gpu_name", lambda device, name=name: name)
+        assert ops.ungated_gpu(cfg, torch.device("cuda", 0)) == said
+    vc_compile.reset(report=True)
+    for _ in range(2):
+        rec = report_mod.register_site(graph="g", node="n", module="blocks.0.attn1", shape="[1, 12, 8192, 128]",
+                                       dtype="bfloat16", method="vsmooth", rewritten=True)
+        rec.ungated_gpu = "Some Other GPU"
+    text = str(vc_compile.report())
+    line = next(ln for ln in text.splitlines() if ln.startswith("speed gate:"))
+    sites = sorted(str(s.site) for s in vc_compile.report().sites)
+    assert line.startswith(f"speed gate: no measurements for the Some Other GPU (sites {', '.join(sites)}):")
+    assert "gen_gate_table" in line and "speed_gate='off'" in line
+    vc_compile.reset(report=True)
+    assert "speed gate:" not in str(vc_compile.report())
+
+
+@pytest.mark.speed_gate
+@requires_cuda
+def test_gpu_op_names_a_gpu_without_measurements(monkeypatch):
+    """The op on a GPU the gate has no rows for runs our kernels at a size the H200's rows would gate, and its
+    site's record names that GPU."""
+    import vc_compile
+    import vc_compile.ops as ops
+
+    monkeypatch.setattr(ops, "_gpu_name", lambda device: "Some Other GPU")
+    vc_compile.reset(report=True)
+    q, k, v = (torch.randn(1, 12, 8192, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cfg = VCConfig.from_options({"method": "vsmooth", "max_logit_std": 0}).to_json()
+    torch.ops.vcattn.attention(q, k, v, None, 992_004, cfg, None)
+    rec = next(s for s in vc_compile.report().sites if s.site == 992_004)
+    assert rec.ungated_gpu == "Some Other GPU" and not rec.runtime_fallbacks
+    assert "speed gate: no measurements for the Some Other GPU (sites 992004)" in str(vc_compile.report())

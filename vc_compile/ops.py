@@ -74,6 +74,15 @@ def gate_reason(cfg: VCConfig, device: torch.device, q_shape, keys: int) -> Opti
                                    float(B * H * S * keys * D))
 
 
+def ungated_gpu(cfg: VCConfig, device: torch.device) -> str:
+    """The name of ``device``'s GPU when the speed gate is on (``speed_gate='auto'``) but its table has no
+    measurements for that GPU, so nothing is gated there (report() says so per site); "" otherwise."""
+    if cfg.speed_gate != SpeedGate.AUTO:
+        return ""
+    gpu = _gpu_name(device)
+    return "" if _gate.measured(gpu) else gpu
+
+
 def runtime_ineligible(q, k, v, cfg: VCConfig) -> Optional[str]:
     """Reasons only knowable at run time (symbolic shapes in the graph, devices), plus the rewrite's own
     checks again for callers that reach the op directly: whatever the methods cannot run goes to stock
@@ -419,6 +428,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
                 reason = M.ineligible(q, k, v)
                 if reason is None and q.is_cuda:
                     reason = gate_reason(cfg, q.device, q.shape, k.shape[2])
+                    if reason is None:
+                        rec.ungated_gpu = ungated_gpu(cfg, q.device)
         if rope_args is not None and (reason is not None or not M.FUSES_ROPE):
             q, k, rope_args = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args), None
         if reason is not None:

@@ -26,6 +26,13 @@ _STATIC_FIELDS = ("graph", "node", "module", "shape", "dtype", "method", "rewrit
                   "rope", "rope_fusion")
 
 
+# report()'s line for sites that ran on a GPU the speed gate has no measurements for
+UNGATED_LINE = ("speed gate: no measurements for the {gpu} (sites {sites}): every call our kernels can run runs "
+                "them, also at sizes where stock SDPA may be faster (on the H200: up to 12 heads x 8K tokens); "
+                "measure this GPU (python -m benchmarks.bench_op_overhead, then python -m scripts.gen_gate_table) "
+                "or set speed_gate='off' to run ours everywhere knowingly")
+
+
 @dataclass
 class SiteRecord:
     site: int
@@ -64,6 +71,9 @@ class SiteRecord:
     # why this site's reuse steps run the op's whole Python path instead of a recorded launch sequence
     # (runtime/programs.py: a recording refused), None = no refusal
     program_failure: Optional[str] = None
+    # the GPU this site's calls ran our kernels on with the speed gate on but no measurements for that GPU in
+    # its table (tune/gate.py: nothing is gated there), "" = none
+    ungated_gpu: str = ""
     _pending: list = field(default_factory=list, repr=False)
 
     def note_guard(self, err: Optional[float], reanchor: bool) -> None:
@@ -328,6 +338,12 @@ class Report:
                          f"sites: {', '.join(no_program)}")
         if self.graphs_without_sdpa:
             lines.append(f"graphs with no SDPA captured: {', '.join(self.graphs_without_sdpa)}")
+        ungated: Dict[str, List[str]] = {}
+        for s in self.sites:
+            if s.ungated_gpu:
+                ungated.setdefault(s.ungated_gpu, []).append(str(s.site))
+        for gpu, sites in ungated.items():
+            lines.append(UNGATED_LINE.format(gpu=gpu, sites=", ".join(sites)))
         if self.prebuild:
             lines.append(self.prebuild)
         if self.launches:

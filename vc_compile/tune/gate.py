@@ -9,7 +9,7 @@ points beyond them. Below 1.0 the op runs stock SDPA and ``report()`` says why (
 shape``); ``speed_gate="off"`` forces our path.
 
 Where the table has no rows for the GPU (anything but the GPUs benchmarked), nothing is gated: the op cannot
-know, and says so in docs/performance.md. MC-Sparse is gated by its reuse step's speed-up at the measured
+know, and ``report()`` names that GPU with the sites that ran on it (``measured``; ``ops.ungated_gpu``). MC-Sparse is gated by its reuse step's speed-up at the measured
 density nearest to the call's (its anchor and warm-up steps are not measured here).
 """
 from __future__ import annotations
@@ -59,6 +59,12 @@ def estimate(points: List[Tuple[float, float]], work: float) -> float:
             t = (math.log(work) - math.log(w0)) / (math.log(w1) - math.log(w0))
             return math.exp(math.log(x0) + t * (math.log(x1) - math.log(x0)))
     return points[-1][1]
+
+
+def measured(gpu: str) -> bool:
+    """Whether the table has measurements for the GPU named ``gpu`` (elsewhere nothing is gated, and report() says
+    so per site)."""
+    return bool(table().get(gpu))
 
 
 @functools.lru_cache(maxsize=4096)
