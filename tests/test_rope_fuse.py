@@ -174,12 +174,14 @@ def test_cosmos_rotate_half_fused(monkeypatch):
     assert torch.equal(a, b)
 
 
-def test_hunyuan_masked_stays_stock_and_counted(monkeypatch):
-    """HunyuanVideo's attentions are masked, so stock SDPA: nothing to fuse into (counted per site)."""
+def test_hunyuan_key_padded_is_rewritten_unfused(monkeypatch):
+    """HunyuanVideo's joint attentions carry a key-padding mask: rewritten, the op slices q and k by the mask at
+    run time, so the RoPE is applied before it, not fused (counted per site)."""
     m, args, kw = tiny_diffusers.hunyuan()
     compile_run(monkeypatch, m, *args, options=opts(), **kw)
-    assert fuse_counters() == {"rope_unfused:stock sdpa": 2}  # dual- and single-stream blocks
-    assert counters["vcattn"]["rewrite"] == 0
+    # dual- and single-stream blocks
+    assert fuse_counters() == {"rope_unfused:key-padding mask (the op slices q and k: RoPE applied before it)": 2}
+    assert counters["vcattn"]["rewrite"] == 2
 
 
 def test_tiny_dit_inductor_fused(monkeypatch):

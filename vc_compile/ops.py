@@ -15,6 +15,13 @@
     fallbacks, other methods) first rotates them with the fp32 reference, so results never depend on
     whether the pass fused.
 
+    Key-padding masks: with ``key_mask`` (a boolean mask SDPA would broadcast as [B, 1, 1, Sk], e.g. HunyuanVideo's
+    joint attention over video + padded text tokens, which the rewrite pass passes on) the op reads the mask once
+    (one device-to-host copy a call): where every batch row keeps the same first L keys and drops the rest, the
+    method runs on the first L keys (with q, k, v of one length, on the first L queries too, the other query rows
+    attending to the same L keys through stock SDPA: their rows are independent); any other mask runs stock SDPA
+    with it, the reason counted (``key_padded``).
+
     Tagged ``cudagraph_unsafe``: under ``mode="reduce-overhead"``/``"max-autotune"`` Inductor partitions
     the CUDA graph around it, so its Python runs on every call and phases never freeze.
 
@@ -376,7 +383,7 @@ def _rope_inputs(q, k, cos, sin, rope: str):
 # a fresh tensor (never an input or a view of one) and mutates nothing, as the schema says.
 _LIB = torch.library.Library("vcattn", "FRAGMENT")
 _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor? ident, int site, str config, float? scale=None, "
-            "Tensor? cos=None, Tensor? sin=None, str rope=\"\") -> Tensor", tags=_TAGS)
+            "Tensor? cos=None, Tensor? sin=None, str rope=\"\", Tensor? key_mask=None) -> Tensor", tags=_TAGS)
 
 
 class _Lane:
@@ -400,7 +407,10 @@ _LANES: Dict[tuple, _Lane] = _CHECKS.lanes  # (site, config, scale) -> _Lane
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional[torch.Tensor],
               site: int, config: str, scale: Optional[float] = None, cos: Optional[torch.Tensor] = None,
-              sin: Optional[torch.Tensor] = None, rope: str = "") -> torch.Tensor:
+              sin: Optional[torch.Tensor] = None, rope: str = "",
+              key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if key_mask is not None:
+        return _key_padded(q, k, v, ident, site, config, scale, cos, sin, rope, key_mask)
     if _FREED:
         _drain_freed()
     lane = _LANES.get((site, config, scale)) if not rope else None
@@ -554,11 +564,59 @@ def _note_nonfinite(rec, out: torch.Tensor) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
+def key_prefix(mask: torch.Tensor, B: int, Sk: int) -> Tuple[Optional[int], Optional[str]]:
+    """(L, None) when the boolean ``mask``, as SDPA broadcasts it over [B, H, Sq, Sk], keeps the first L keys of
+    every batch row and drops the others (a key-padding mask); (None, why) otherwise. One device-to-host copy."""
+    if mask.dtype != torch.bool:
+        return None, "mask not boolean"
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    if mask.dim() > 4 or shape[1] != 1 or shape[2] != 1 or shape[3] != Sk or shape[0] not in (1, B):
+        return None, f"mask of shape {tuple(mask.shape)} is not a key-padding mask [B, 1, 1, Sk]"
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None, "key-padding mask read under CUDA graph capture"
+    m = mask.reshape(shape[0], Sk)
+    n = m.sum(-1)  # kept keys per row
+    prefix = (m == (torch.arange(Sk, device=m.device)[None, :] < n[:, None])).all()
+    lo, hi, ok = torch.stack([n.min(), n.max(), prefix.long()]).tolist()
+    if not ok:
+        return None, "mask keeps keys other than a prefix"
+    if lo != hi:
+        return None, "key-padding lengths differ across the batch"
+    if lo == 0:
+        return None, "mask drops every key"
+    return int(lo), None
+
+
+def _key_padded(q, k, v, ident, site, config, scale, cos, sin, rope, key_mask):
+    """``attention`` of a call SDPA would mask with ``key_mask`` (see the module docstring)."""
+    if rope:  # the mask splits q and k: rotate them first (the fp32 reference, as every unfused path)
+        q, k, rope_args = _rope_inputs(q, k, cos, sin, rope)
+        q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
+    Sk = k.shape[2]
+    L, why = key_prefix(key_mask, q.shape[0], Sk)
+    rec = _report.site(site)
+    if why is not None:
+        rec.calls += 1
+        rec.runtime_fallbacks[f"key_padded: {why}"] += 1
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale).contiguous()
+    rec.key_padding = f"{L} of {Sk} keys"
+    if L == Sk:
+        return attention(q, k, v, ident, site, config, scale)
+    k, v = k[:, :, :L], v[:, :, :L]
+    if q.shape[2] != Sk:  # queries of another sequence: every row attends to the kept keys
+        return attention(q, k, v, ident, site, config, scale)
+    # one sequence (joint attention): the kept prefix as self-attention through the method, the dropped query rows
+    # (padding tokens, which no kept row reads) against the same keys through stock SDPA
+    head = attention(q[:, :, :L], k, v, ident, site, config, scale)
+    tail = F.scaled_dot_product_attention(q[:, :, L:], k, v, scale=scale)
+    return torch.cat([head, tail.to(head.dtype)], dim=2)
+
+
 _LIB.impl("attention", attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("vcattn::attention")
-def _(q, k, v, ident, site, config, scale=None, cos=None, sin=None, rope=""):
+def _(q, k, v, ident, site, config, scale=None, cos=None, sin=None, rope="", key_mask=None):
     if rope:
         q = formats.to_bhsd(q, formats.parse_spec(rope))
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])

@@ -50,7 +50,10 @@ def _fix(reason: str, example, cfg: VCConfig) -> str:
     if reason in _SHORT:
         return (f"they have fewer than min_seq_len={cfg.min_seq_len} tokens (short attention is faster stock): "
                 "lower options={'min_seq_len': ...} to rewrite them")
-    return f"{reason!r}: vcattn leaves such attention (masks, causal, dropout, GQA) to stock SDPA"
+    if reason == "masked":
+        return ("'masked': vcattn leaves attention with a mask to stock SDPA unless the mask is a boolean key-padding "
+                "mask ([B, 1, 1, Sk], True for the kept keys, as HunyuanVideo's)")
+    return f"{reason!r}: vcattn leaves such attention (causal, dropout, GQA) to stock SDPA"
 
 
 def warn_fallbacks(records: List, short: Set[int], cfg: VCConfig, graph_name: str,

@@ -198,6 +198,8 @@ def _fake(att: fx.Node):
 
 
 def _fuse_site(graph: fx.Graph, att: fx.Node, m: RopeMatch, cfg: VCConfig) -> None:
+    if att.kwargs.get("key_mask") is not None:
+        raise _NoFuse("key-padding mask (the op slices q and k: RoPE applied before it)")
     if len(att.args) != 7 or att.kwargs:
         raise _NoFuse("the op call is not the rewrite's")
     qa = _val(att.args[0])

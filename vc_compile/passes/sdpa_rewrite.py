@@ -125,10 +125,26 @@ def _head_dim_reason(q, k, v, cfg: VCConfig, gm: Optional[fx.GraphModule]) -> Op
     return None if ok else "head_dim unsupported"
 
 
+def key_padding_mask(a: dict) -> bool:
+    """Whether the call's ``attn_mask`` is a boolean mask of a key-padding form, [B or 1, 1, 1, Sk] as SDPA
+    broadcasts it (HunyuanVideo's joint attention over video + padded text tokens): the op runs such a call on the
+    keys it keeps when, at run time, they are the same prefix in every batch row (ops.key_prefix), and stock SDPA
+    with the mask otherwise. Any other mask (additive, per query, per head) stays stock at compile time."""
+    m, q, k = (_val(a[x]) for x in ("attn_mask", "q", "k"))
+    if not all(isinstance(t, torch.Tensor) for t in (m, q, k)) or m.dtype != torch.bool or not 1 <= m.dim() <= 4:
+        return False
+    shape = (1,) * (4 - m.dim()) + tuple(m.shape)
+    dims = [_static(x) for x in (*shape, q.shape[0], k.shape[2])]
+    if any(d is None for d in dims):  # symbolic sizes: no guard taken on them here
+        return False
+    b, h, sq, sk, B, Sk = dims
+    return h == 1 and sq == 1 and sk == Sk and b in (1, B)
+
+
 def ineligible(a: dict, cfg: VCConfig, gm: Optional[fx.GraphModule] = None) -> Optional[str]:
     """The reason this SDPA call must stay stock, or None. ``gm``: the graph being compiled (lets a
     symbolic head dim be told apart from one the user marked dynamic)."""
-    if a["attn_mask"] is not None:
+    if a["attn_mask"] is not None and not (isinstance(a["attn_mask"], fx.Node) and key_padding_mask(a)):
         return "masked"
     if a["is_causal"] is True or isinstance(a["is_causal"], fx.Node):
         return "causal"
@@ -157,10 +173,12 @@ def ineligible(a: dict, cfg: VCConfig, gm: Optional[fx.GraphModule] = None) -> O
     if hd is not None:
         return hd
     Sq, Sk = _static(q.shape[2]), _static(k.shape[2])
+    # a short call with a mask stays "masked", as before key-padding masks were rewritten: stock for two reasons,
+    # it is never the small test model that the length warning is for (Mochi's masked 1-query caption pooling)
     if Sq is not None and Sq < cfg.min_seq_len:
-        return "sequence too short"
+        return "masked" if a["attn_mask"] is not None else "sequence too short"
     if Sk is not None and Sk < cfg.min_seq_len:
-        return "cross-attention too short"
+        return "masked" if a["attn_mask"] is not None else "cross-attention too short"
     return None
 
 
@@ -351,7 +369,8 @@ def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -
             with mod.graph.inserting_before(node):
                 new = mod.graph.call_function(
                     torch.ops.vcattn.attention.default,
-                    (a["q"], a["k"], a["v"], ident, rec.site, cfg_json, a["scale"]))
+                    (a["q"], a["k"], a["v"], ident, rec.site, cfg_json, a["scale"]),
+                    {"key_mask": a["attn_mask"]} if a["attn_mask"] is not None else {})
             new.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
             fake = _fake_value(new)
             if fake is not None:

@@ -129,6 +129,8 @@ def requests_for_graph(gm) -> List[dict]:
         for n in mod.graph.nodes:
             if n.op != "call_function" or n.target is not target:
                 continue
+            if n.kwargs.get("key_mask") is not None:  # the keys it runs on are known at run time only
+                continue
             a = _call_args(n)
             req = {"config": a.get("config"), "site": a.get("site"), "scale": a.get("scale"),
                    "rope": a.get("rope") or ""}

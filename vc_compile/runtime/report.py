@@ -74,6 +74,9 @@ class SiteRecord:
     # the GPU this site's calls ran our kernels on with the speed gate on but no measurements for that GPU in
     # its table (tune/gate.py: nothing is gated there), "" = none
     ungated_gpu: str = ""
+    # a key-padding mask's kept keys at the last masked call ("L of Sk keys": the method ran on those; ops.py),
+    # "" = no masked call
+    key_padding: str = ""
     _pending: list = field(default_factory=list, repr=False)
 
     def note_guard(self, err: Optional[float], reanchor: bool) -> None:
@@ -344,6 +347,10 @@ class Report:
                 ungated.setdefault(s.ungated_gpu, []).append(str(s.site))
         for gpu, sites in ungated.items():
             lines.append(UNGATED_LINE.format(gpu=gpu, sites=", ".join(sites)))
+        padded = [f"{s.site} ({s.key_padding})" for s in self.sites if s.key_padding]
+        if padded:
+            lines.append(f"key-padding masks: the method ran on the kept keys at sites {', '.join(padded)} (query "
+                         "rows past them on stock SDPA)")
         if self.prebuild:
             lines.append(self.prebuild)
         if self.launches:

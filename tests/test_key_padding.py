@@ -1,0 +1,175 @@
+"""Key-padding masks (ops.key_prefix, ops._key_padded; passes/sdpa_rewrite.key_padding_mask): a boolean mask that
+keeps the same first L keys in every batch row (HunyuanVideo's joint attention over video + padded text tokens)
+runs the method on those keys, bit for bit the method's call on the sliced inputs, the query rows past them on
+stock SDPA; every other mask runs stock SDPA with it, the reason counted; the pass rewrites only masks of the
+key-padding form and hands the mask to the op."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import vc_compile
+from vc_compile import ops
+from vc_compile.config import VCConfig
+from vc_compile.runtime import report as _report
+
+pytestmark = pytest.mark.usefixtures("fresh_vcattn")
+
+
+def qkv(B=1, Sq=300, Sk=300, D=64, seed=0):
+    """[B, S, H, D] projections seen as [B, H, S, D] (the usual layout), with a per-channel bias in K."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Sq, 2, D, generator=g)
+    k = torch.randn(B, Sk, 2, D, generator=g) + 2 * torch.randn(D, generator=g)
+    v = torch.randn(B, Sk, 2, D, generator=g)
+    return tuple(t.bfloat16().transpose(1, 2) for t in (q, k, v))
+
+
+def cfg(method):
+    return VCConfig.from_options({"method": method, "min_seq_len": 64, "max_logit_std": 0, "density": 0.5}).to_json()
+
+
+def prefix_mask(B, Sk, L, batch=True):
+    m = torch.zeros(B if batch else 1, 1, 1, Sk, dtype=torch.bool)
+    m[..., :L] = True
+    return m
+
+
+def steps(fn, n=3):
+    """fn(step) at each step of an n-step sampling loop; the outputs."""
+    out = []
+    with vc_compile.sampling(num_steps=n) as loop:
+        for i in range(n):
+            loop.step(i)
+            out.append(fn(i))
+    return out
+
+
+def relerr(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("method", ["dense", "vsmooth", "mcsparse"])
+@pytest.mark.parametrize("B,batch_mask", [(1, True), (2, True), (2, False)])
+def test_a_key_prefix_runs_the_method_on_the_kept_keys(method, B, batch_mask):
+    """q, k, v of one length (joint attention): rows < L are the method's call on the first L tokens, bit for bit,
+    at every phase of a schedule; rows >= L are stock SDPA against the same keys; the whole is SDPA-with-mask to
+    the method's accuracy."""
+    q, k, v = qkv(B)
+    L = 251  # odd, not a multiple of any tile
+    mask = prefix_mask(B, 300, L, batch_mask)
+    c = cfg(method)
+    masked = steps(lambda i: torch.ops.vcattn.attention(q, k, v, None, 990_001, c, None, key_mask=mask))
+    sliced = steps(lambda i: torch.ops.vcattn.attention(q[:, :, :L], k[:, :, :L], v[:, :, :L], None, 990_002, c,
+                                                        None))
+    tail = F.scaled_dot_product_attention(q[:, :, L:], k[:, :, :L], v[:, :, :L])
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    for out, head in zip(masked, sliced):
+        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+        assert torch.equal(out[:, :, :L], head) and torch.equal(out[:, :, L:], tail)
+        # bf16 SDPA: ~2e-3; the 8-bit methods on these inputs: ~1-4e-2 (the same call unmasked is no better)
+        assert relerr(out, ref) < (5e-3 if method == "dense" else 6e-2)
+    rec = _report.site(990_001)
+    assert rec.key_padding == f"{L} of 300 keys" and not rec.runtime_fallbacks and rec.calls == 3
+    assert "key-padding masks: the method ran on the kept keys at sites 990001 (251 of 300 keys)" \
+        in str(vc_compile.report())
+
+
+def test_queries_of_another_sequence_attend_to_the_kept_keys():
+    """Sq != Sk (cross-attention to a padded key sequence): every query row through the method on the kept keys."""
+    q, k, v = qkv(Sq=200, Sk=300)
+    mask = prefix_mask(1, 300, 180)
+    c = cfg("vsmooth")
+    out = steps(lambda i: torch.ops.vcattn.attention(q, k, v, None, 990_003, c, None, key_mask=mask))
+    ref = steps(lambda i: torch.ops.vcattn.attention(q, k[:, :, :180], v[:, :, :180], None, 990_004, c, None))
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+def test_a_mask_that_keeps_every_key_is_the_unmasked_call():
+    q, k, v = qkv()
+    c = cfg("vsmooth")
+    out = steps(lambda i: torch.ops.vcattn.attention(q, k, v, None, 990_005, c, None,
+                                                     key_mask=torch.ones(1, 1, 1, 300, dtype=torch.bool)))
+    ref = steps(lambda i: torch.ops.vcattn.attention(q, k, v, None, 990_006, c, None))
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+def _holes(B, Sk):
+    m = prefix_mask(B, Sk, 250)
+    m[..., 10] = False
+    return m
+
+
+def _ragged(B, Sk):
+    m = prefix_mask(B, Sk, 250)
+    m[1, ..., 200:] = False
+    return m
+
+
+@pytest.mark.parametrize("make,why", [
+    (_holes, "mask keeps keys other than a prefix"),
+    (_ragged, "key-padding lengths differ across the batch"),
+    (lambda B, Sk: torch.zeros(B, 1, 1, Sk, dtype=torch.bool), "mask drops every key"),
+    (lambda B, Sk: torch.where(prefix_mask(B, Sk, 250), 0.0, float("-inf")).bfloat16(), "mask not boolean"),
+    (lambda B, Sk: prefix_mask(B, Sk, 250).expand(B, 1, Sk, Sk), "is not a key-padding mask"),
+])
+def test_any_other_mask_runs_stock_sdpa_with_it(make, why):
+    """Where the kept keys are not one prefix shared by the batch, the call is stock SDPA with the mask (NaN rows
+    where SDPA has them), counted under its reason."""
+    q, k, v = qkv(B=2)
+    mask = make(2, 300)
+    out = torch.ops.vcattn.attention(q, k, v, None, 990_007, cfg("vsmooth"), None, key_mask=mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+    (reason, n), = _report.site(990_007).runtime_fallbacks.items()
+    assert reason.startswith("key_padded: ") and why in reason and n == 1
+
+
+def test_key_prefix_reads_the_mask_as_sdpa_broadcasts_it():
+    assert ops.key_prefix(prefix_mask(2, 300, 7), 2, 300) == (7, None)
+    assert ops.key_prefix(prefix_mask(1, 300, 7)[0, 0], 2, 300) == (7, None)  # [1, Sk]: every row of every batch
+    assert ops.key_prefix(prefix_mask(3, 300, 7), 2, 300)[1].endswith("is not a key-padding mask [B, 1, 1, Sk]")
+    assert ops.key_prefix(prefix_mask(2, 299, 7), 2, 300)[0] is None
+
+
+def test_opcheck_with_a_key_mask():
+    q, k, v = qkv()
+    with vc_compile.sampling(num_steps=10):
+        vc_compile.step(0)
+        torch.library.opcheck(torch.ops.vcattn.attention.default, (q, k, v, None, 990_008, cfg("vsmooth"), None),
+                              {"key_mask": prefix_mask(1, 300, 250)})
+
+
+class Joint(torch.nn.Module):
+    """Joint attention as HunyuanVideo writes it: q, k, v projections, [B, S, H, D] -> [B, H, S, D], SDPA with the
+    boolean [B, 1, 1, S] mask of the padded text tokens."""
+
+    def __init__(self, D=64, H=2):
+        super().__init__()
+        self.H = H
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(H * D, H * D) for _ in range(3))
+
+    def forward(self, x, mask):
+        B, S, _ = x.shape
+        q, k, v = (p(x).view(B, S, self.H, -1).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, S, -1)
+
+
+@pytest.mark.parametrize("mask_kind,rewritten", [("key_padding", True), ("per_query", False), ("additive", False)])
+def test_the_pass_rewrites_key_padding_masks_only(mask_kind, rewritten):
+    torch.manual_seed(0)
+    m = Joint().bfloat16().eval()
+    x = torch.randn(1, 300, 128).bfloat16()
+    mask = prefix_mask(1, 300, 260)
+    if mask_kind == "per_query":
+        mask = mask.expand(1, 1, 300, 300).contiguous()
+    elif mask_kind == "additive":
+        mask = torch.where(mask, 0.0, float("-inf")).bfloat16()
+    with torch.no_grad():
+        ref = m(x, mask)
+        out = torch.compile(m, backend="vcattn", options={"method": "dense", "min_seq_len": 64})(x, mask)
+    assert counters["vcattn"]["rewrite"] == int(rewritten)
+    assert counters["vcattn"]["fallback:masked"] == int(not rewritten)
+    (rec,) = vc_compile.report().sites
+    assert rec.rewritten == rewritten and rec.key_padding == ("260 of 300 keys" if rewritten else "")
+    assert relerr(out, ref) < 5e-3
