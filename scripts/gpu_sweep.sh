@@ -80,7 +80,8 @@ kernels() {  # the previous tree (.old) and this one, old -> new -> old again (d
 GPU_TESTS="tests/test_anchor.py tests/test_anchor_mass.py tests/test_topk.py tests/test_finite_flags.py
   tests/test_mcsparse_guard.py tests/test_mcsparse_warmup.py tests/test_vsmooth_attn_sm90.py tests/test_vsmooth_attn.py tests/test_sparse_attn.py
   tests/test_preprocess.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py tests/test_tune_lookup.py
-  tests/test_mcsparse_ladder.py tests/test_steps.py tests/test_rope_fuse.py tests/test_ops.py"
+  tests/test_mcsparse_ladder.py tests/test_steps.py tests/test_rope_fuse.py tests/test_ops.py tests/test_key_padding.py
+  tests/test_speed_gate.py"
 
 while [ $# -gt 0 ]; do
   case $1 in

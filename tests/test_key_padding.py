@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import vc_compile
+from conftest import requires_cuda
 from vc_compile import ops
 from vc_compile.config import VCConfig
 from vc_compile.runtime import report as _report
@@ -173,3 +174,31 @@ def test_the_pass_rewrites_key_padding_masks_only(mask_kind, rewritten):
     (rec,) = vc_compile.report().sites
     assert rec.rewritten == rewritten and rec.key_padding == ("260 of 300 keys" if rewritten else "")
     assert relerr(out, ref) < 5e-3
+
+
+@requires_cuda
+@pytest.mark.parametrize("method", ["vsmooth", "vsmooth+expcast", "mcsparse"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_gpu_a_key_prefix_runs_the_kernels_on_the_kept_keys(method, layout):
+    """On the GPU's kernels: the kept prefix of a [B, S, H, D] projection view or of a contiguous [B, H, S, D] tensor
+    (both strided differently from a tensor of L tokens) gives the kernels' call on a copy of the first L tokens, bit
+    for bit, at every phase; the whole is SDPA-with-mask to the method's accuracy."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, S, D, L = 1, 2, 4173, 128, 4001
+    shape = (B, S, H, D) if layout == "bshd" else (B, H, S, D)
+    q, k, v = (torch.randn(*shape, device="cuda", generator=g).bfloat16() for _ in range(3))
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    mask = prefix_mask(B, S, L).cuda()
+    name, expcast = method.split("+")[0], method.endswith("+expcast")
+    c = VCConfig.from_options({"method": name, "expcast": expcast, "max_logit_std": 0, "speed_gate": "off",
+                               "density": 0.25}).to_json()
+    masked = steps(lambda i: torch.ops.vcattn.attention(q, k, v, None, 990_101, c, None, key_mask=mask), n=4)
+    head = [t[:, :, :L].contiguous() for t in (q, k, v)]
+    sliced = steps(lambda i: torch.ops.vcattn.attention(*head, None, 990_102, c, None), n=4)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    for out, h in zip(masked, sliced):
+        assert torch.equal(out[:, :, :L], h)
+        assert relerr(out, ref) < 3e-2
+    rec = _report.site(990_101)
+    assert not rec.runtime_fallbacks and any(p != "sdpa" for p in rec.kernel_path)
