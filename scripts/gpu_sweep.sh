@@ -8,6 +8,7 @@
 #   kernels       scripts/ab_redesign.py on the tree in .old (if carried), this one, .old again; then the
 #                 kernel benchmarks with their FA4 / cuDNN / sageattention baselines (KERNEL_BENCH=0: A/B only)
 #   pipeline | generation | anchor | guard | flags | cold   the whole-generation benchmarks
+#   keypad        HunyuanVideo's key-padded joint attention beside stock SDPA with the mask (bench_key_padding)
 #   other stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, sparse90 (the Gluon
 #   gather kernel vs the Triton one, cuDNN and FA3 bf16; SPARSE90_ARGS e.g. --configs default,128/2), soak,
 #   cp (two GPUs), gputests, gpukey, vsmooth (A/B), sm90 (the Gluon kernel vs FA3 FP8), ncu (ExpCast kernel and
@@ -98,6 +99,7 @@ while [ $# -gt 0 ]; do
     guard) run_stage guard "${GUARD_S:-200}" $PY -m benchmarks.bench_mcsparse_guard ${GUARD_ARGS:-} ;;
     flags) run_stage flags "${FLAGS_S:-120}" $PY -m benchmarks.bench_finite_flags ${FLAGS_ARGS:-} ;;
     cold) run_stage cold "${COLD_S:-400}" $PY -m benchmarks.bench_cold_start ${COLD_ARGS:-} ;;
+    keypad) run_stage keypad "${KEYPAD_S:-300}" $PY -m benchmarks.bench_key_padding ${KEYPAD_ARGS:-} ;;
     e2e)
       run_stage demo 260 $PY -m vc_compile.demo --regional --out "$OUT/demo"
       run_stage e2e32k 270 $PY -m benchmarks.bench_e2e --sizes 32k --regional --csv "$OUT/bench_e2e.csv" ;;

@@ -8,7 +8,7 @@
 ``--write`` replaces the text between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in
 README.md and docs/performance.md (``--docs FILE ...`` to choose) with block NAME (``blocks()``):
 ``pipeline``, ``generation``, ``kernels``, ``kernels-summary``, ``kernels-sm90``, ``sparse-sm90``,
-``schedule``, ``vsmooth-schedule``, ``op-overhead``, ``cold-start``, ``e2e``. A block whose CSV has no rows says
+``schedule``, ``vsmooth-schedule``, ``op-overhead``, ``cold-start``, ``key-padding``, ``e2e``. A block whose CSV has no rows says
 "no rows yet" (it never keeps or invents numbers); a broken marker is an error naming the file and block.
 
 Tables (markdown, printed):
@@ -664,6 +664,30 @@ def cold_start_tables(rows, runs: int = 2) -> List[str]:
     return out
 
 
+def key_padding_tables(rows) -> List[str]:
+    """``bench_key_padding.csv``: per (H, S, kept text tokens), the rows of its latest run: HunyuanVideo's key-padded
+    joint attention through each method against stock SDPA with the mask and cuDNN on the kept keys."""
+    if not rows:
+        return [_none_yet("bench_key_padding.csv", "`python -m benchmarks.bench_key_padding` on a GPU")]
+    runs: Dict[tuple, tuple] = {}
+    for r in rows:
+        runs[(r.get("H"), r.get("S"), r.get("kept"))] = (r.get("date", ""), r.get("commit", ""))
+    body, seen = [], set()
+    for (H, S, kept), run in runs.items():
+        for r in rows:
+            if (r.get("H"), r.get("S"), r.get("kept"), r.get("date", ""), r.get("commit", "")) == (H, S, kept, *run):
+                body.append([H, S, f"{kept} of {r.get('text', '')}", r["variant"], f(r.get("ms"), "{:.2f}"),
+                             f(r.get("host_ms"), "{:.3f}"), f(num(r.get("speedup_vs_masked")), "{:.2f}x"),
+                             f(num(r.get("speedup_vs_kept")), "{:.2f}x"), f(r.get("rel_l2"), "{:.2e}")])
+                seen.add(f"{run[0][:10]} {run[1]}")
+    gpus = sorted({r.get("gpu", "") for r in rows})
+    return [f"**bench_key_padding** (HunyuanVideo's joint attention: B = 1, D = 128, bf16, video + 256 text tokens, the "
+            f"padding dropped by a boolean [B, 1, 1, S] mask; {', '.join(gpus)}; runs {', '.join(sorted(seen))}; x "
+            "masked = stock SDPA with the mask over the row, x kept = cuDNN on the kept keys over the row; rel. L2 "
+            "against fp32 on the kept keys)\n\n"
+            + md_table(["H", "S", "text kept", "variant", "ms", "host ms", "x masked", "x kept", "rel. L2"], body)]
+
+
 def vsmooth_schedule_tables(rows) -> List[str]:
     """``bench_vsmooth_schedule.csv``: V-Smooth's grouping schedules by attention error on the demo model's dense
     trajectory, the latest row of each (variant, steps, seed): mean / second-half / worst rel. L2 against fp64,
@@ -750,6 +774,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
         "vsmooth-schedule": per_gpu(vsmooth_schedule_tables, rd("bench_vsmooth_schedule.csv")),
         "op-overhead": per_gpu(overhead_tables, rd("bench_op_overhead.csv")),
         "cold-start": per_gpu(cold_start_tables, rd("bench_cold_start.csv")),
+        "key-padding": per_gpu(key_padding_tables, rd("bench_key_padding.csv")),
         "e2e": per_gpu(e2e_tables, e2e) if any(r.get("bench") == "e2e" for r in e2e) else
         _none_yet("bench_e2e.csv", "`python -m benchmarks.bench_e2e` on a GPU"),
     }

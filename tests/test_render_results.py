@@ -273,3 +273,16 @@ def test_each_gpu_keeps_its_own_tables(tmp_path):
     seen = []
     render.per_gpu(lambda rows: seen.append({b: len(rs) for b, rs in rows.items()}) or "x", k)
     assert seen == [{"bench_vsmooth_attn": 0, "bench_sparse_attn": 1}, {"bench_vsmooth_attn": 1, "bench_sparse_attn": 0}]
+
+
+def test_key_padding_block_shows_the_latest_run_per_shape():
+    base = dict(gpu="NVIDIA H200", H="24", S="25696", kept="64", text="256")
+    old = [dict(base, date="2026-12-01 10:00", commit="aaa", variant="sdpa_masked", ms="9.0")]
+    new = [dict(base, date="2026-12-07 10:00", commit="bbb", variant=v, ms=ms, host_ms="0.2", speedup_vs_masked=x,
+                speedup_vs_kept=y, rel_l2=e)
+           for v, ms, x, y, e in (("sdpa_masked", "6.0", "1.0", "0.5", ""), ("sdpa_kept_cudnn", "3.0", "2.0", "1.0", ""),
+                                  ("vsmooth+expcast", "2.0", "3.0", "1.5", "6.1e-03"))]
+    (text,) = render.key_padding_tables(old + new)
+    assert "| 24 | 25696 | 64 of 256 | vsmooth+expcast | 2.00 | 0.200 | 3.00x | 1.50x | 6.10e-03 |" in text
+    assert "9.00" not in text and "2026-12-07 bbb" in text  # the older run is not shown
+    assert "No rows yet" in render.key_padding_tables([])[0]
