@@ -233,6 +233,37 @@ def test_hunyuan_joint_attention_runs_on_the_kept_keys():
     assert graphs() == n
 
 
+# ---- HunyuanVideo 1.5: a per-query mask (valid_i & valid_j), the valid tokens reordered first ----------------
+def test_hunyuan15_per_query_padding_mask_runs_on_the_kept_block():
+    import diffusers
+
+    if not hasattr(diffusers, "HunyuanVideo15Transformer3DModel"):
+        pytest.skip(f"diffusers {diffusers.__version__} has no HunyuanVideo 1.5")
+    torch.manual_seed(0)
+    HunyuanVideo15Transformer3DModel = diffusers.HunyuanVideo15Transformer3DModel
+    tr = HunyuanVideo15Transformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64, num_layers=2,
+        num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=8, image_embed_dim=8, rope_axes_dim=(16, 24, 24),
+        task_type="t2v").to(BF).eval()
+    m1, m2 = torch.ones(1, 12, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)
+    m1[:, 7:], m2[:, 4:] = 0, 0  # 5 + 2 padding tokens; the 4 image tokens of t2v are invalid too
+    args = (torch.randn(1, 4, 3, 16, 16).to(BF), torch.tensor([500.0]).to(BF))
+    kw = dict(encoder_hidden_states=_embeds(1, 12, 16, seed=1), encoder_attention_mask=m1,
+              encoder_hidden_states_2=_embeds(1, 6, 8, seed=2), encoder_attention_mask_2=m2,
+              image_embeds=torch.zeros(1, 4, 8).to(BF), return_dict=False)
+    with torch.no_grad():
+        ref = tr(*args, **kw)[0].float()
+        ctr = torch.compile(tr, backend="vcattn", options=opts("vsmooth", min_seq_len=256))
+        with vc_compile.sampling(num_steps=3):
+            for i in range(3):
+                vc_compile.step(i)
+                out = ctr(*args, **kw)[0].float()
+    # 768 video + 4 byt5 + 7 mllm tokens kept of 790: the [B, 1, S, S] mask's first 779 rows keep the first 779 keys
+    (s,) = vc_compile.report().rewritten
+    assert s.key_padding == "779 of 790 keys" and s.phases == {"group": 2, "reuse": 4} and not s.runtime_fallbacks
+    assert relerr(out, ref) < TOL["vsmooth"]
+
+
 # ---- CogVideoX: batched CFG, direct SDPA in [B, H, S, D] -------------------------------------------------
 def cogvideox():
     tr = tiny_diffusers.cogvideox_transformer()

@@ -101,6 +101,13 @@ def _holes(B, Sk):
     return m
 
 
+def _rows_differ(B, Sk):
+    """Per query: the first query keeps 250 keys, a later one among the first 250 keeps 200."""
+    m = prefix_mask(B, Sk, 250).expand(B, 1, Sk, Sk).clone()
+    m[:, :, 100, 200:] = False
+    return m
+
+
 def _ragged(B, Sk):
     m = prefix_mask(B, Sk, 250)
     m[1, ..., 200:] = False
@@ -109,10 +116,11 @@ def _ragged(B, Sk):
 
 @pytest.mark.parametrize("make,why", [
     (_holes, "mask keeps keys other than a prefix"),
-    (_ragged, "key-padding lengths differ across the batch"),
+    (_ragged, "kept keys differ across the batch"),
     (lambda B, Sk: torch.zeros(B, 1, 1, Sk, dtype=torch.bool), "mask drops every key"),
     (lambda B, Sk: torch.where(prefix_mask(B, Sk, 250), 0.0, float("-inf")).bfloat16(), "mask not boolean"),
-    (lambda B, Sk: prefix_mask(B, Sk, 250).expand(B, 1, Sk, Sk), "is not a key-padding mask"),
+    (lambda B, Sk: prefix_mask(B, Sk, 250).expand(B, 2, 1, Sk), "is neither [B, 1, 1, Sk] nor [B, 1, Sq, Sk]"),
+    (_rows_differ, "mask keeps keys other than a prefix"),
 ])
 def test_any_other_mask_runs_stock_sdpa_with_it(make, why):
     """Where the kept keys are not one prefix shared by the batch, the call is stock SDPA with the mask (NaN rows
@@ -127,10 +135,37 @@ def test_any_other_mask_runs_stock_sdpa_with_it(make, why):
 
 
 def test_key_prefix_reads_the_mask_as_sdpa_broadcasts_it():
-    assert ops.key_prefix(prefix_mask(2, 300, 7), 2, 300) == (7, None)
-    assert ops.key_prefix(prefix_mask(1, 300, 7)[0, 0], 2, 300) == (7, None)  # [1, Sk]: every row of every batch
-    assert ops.key_prefix(prefix_mask(3, 300, 7), 2, 300)[1].endswith("is not a key-padding mask [B, 1, 1, Sk]")
-    assert ops.key_prefix(prefix_mask(2, 299, 7), 2, 300)[0] is None
+    assert ops.key_prefix(prefix_mask(2, 300, 7), 2, 300, 300) == (7, None)
+    assert ops.key_prefix(prefix_mask(1, 300, 7)[0, 0], 2, 300, 300) == (7, None)  # [1, Sk]: every row and batch
+    assert ops.key_prefix(prefix_mask(3, 300, 7), 2, 300, 300)[1].endswith("nor [B, 1, Sq, Sk]")
+    assert ops.key_prefix(prefix_mask(2, 299, 7), 2, 300, 300)[0] is None
+    # per query, valid_i & valid_j: the rows past the kept prefix keep nothing, and need not
+    valid = prefix_mask(2, 300, 7)[:, 0, 0]
+    assert ops.key_prefix((valid[:, :, None] & valid[:, None, :])[:, None], 2, 300, 300) == (7, None)
+
+
+def test_a_per_query_padding_mask_runs_the_method_on_the_kept_block():
+    """HunyuanVideo 1.5's mask, ``valid_i & valid_j`` over video + text tokens with the valid ones first: the first L
+    rows are the method's call on the first L tokens, bit for bit; the padding rows, which keep no key, are what
+    stock SDPA makes of them (zeros), and a per-query mask whose later rows keep other keys gives those rows their
+    own keys."""
+    q, k, v = qkv(B=1)
+    L = 251
+    valid = prefix_mask(1, 300, L)[:, 0, 0]
+    mask = (valid[:, :, None] & valid[:, None, :])[:, None]
+    c = cfg("vsmooth")
+    masked = steps(lambda i: torch.ops.vcattn.attention(q, k, v, None, 990_011, c, None, key_mask=mask))
+    sliced = steps(lambda i: torch.ops.vcattn.attention(q[:, :, :L], k[:, :, :L], v[:, :, :L], None, 990_012, c,
+                                                        None))
+    tail = F.scaled_dot_product_attention(q[:, :, L:], k, v, attn_mask=mask[..., L:, :])
+    for out, head in zip(masked, sliced):
+        assert torch.equal(out[:, :, :L], head) and torch.equal(out[:, :, L:], tail)
+    assert _report.site(990_011).key_padding == f"{L} of 300 keys"
+    # block-causal (a later block of rows also sees the first): rows past L through SDPA with their own mask rows
+    bc = mask.clone()
+    bc[..., L:, :] = True
+    out = torch.ops.vcattn.attention(q, k, v, None, 990_013, c, None, key_mask=bc)
+    assert torch.equal(out[:, :, L:], F.scaled_dot_product_attention(q[:, :, L:], k, v))
 
 
 def test_opcheck_with_a_key_mask():
@@ -156,7 +191,8 @@ class Joint(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, S, -1)
 
 
-@pytest.mark.parametrize("mask_kind,rewritten", [("key_padding", True), ("per_query", False), ("additive", False)])
+@pytest.mark.parametrize("mask_kind,rewritten", [("key_padding", True), ("per_query", True), ("per_head", False),
+                                                  ("additive", False)])
 def test_the_pass_rewrites_key_padding_masks_only(mask_kind, rewritten):
     torch.manual_seed(0)
     m = Joint().bfloat16().eval()
@@ -164,6 +200,8 @@ def test_the_pass_rewrites_key_padding_masks_only(mask_kind, rewritten):
     mask = prefix_mask(1, 300, 260)
     if mask_kind == "per_query":
         mask = mask.expand(1, 1, 300, 300).contiguous()
+    elif mask_kind == "per_head":
+        mask = mask.expand(1, 2, 1, 300).contiguous()
     elif mask_kind == "additive":
         mask = torch.where(mask, 0.0, float("-inf")).bfloat16()
     with torch.no_grad():

@@ -57,7 +57,9 @@ def test_tiny_dit_self_attention_rewritten_cross_attention_kept():
 
 
 CASES = [
-    ("masked", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(256, 256, dtype=torch.bool)), {}),
+    # an additive mask (a boolean padding mask is rewritten: tests/test_key_padding.py)
+    ("masked", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(256, 256, dtype=q.dtype)),
+     {}),
     ("causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), {}),
     ("dropout", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1), {}),
     ("head_dim unsupported", lambda q, k, v: F.scaled_dot_product_attention(q, k, v), {"D": 80}),

@@ -15,12 +15,13 @@
     fallbacks, other methods) first rotates them with the fp32 reference, so results never depend on
     whether the pass fused.
 
-    Key-padding masks: with ``key_mask`` (a boolean mask SDPA would broadcast as [B, 1, 1, Sk], e.g. HunyuanVideo's
-    joint attention over video + padded text tokens, which the rewrite pass passes on) the op reads the mask once
-    (one device-to-host copy a call): where every batch row keeps the same first L keys and drops the rest, the
-    method runs on the first L keys (with q, k, v of one length, on the first L queries too, the other query rows
-    attending to the same L keys through stock SDPA: their rows are independent); any other mask runs stock SDPA
-    with it, the reason counted (``key_padded``).
+    Padding masks: with ``key_mask`` (a boolean mask SDPA would broadcast as [B, 1, 1, Sk] or [B, 1, Sq, Sk]:
+    HunyuanVideo's joint attention over video + padded text tokens, HunyuanVideo 1.5's ``valid_i & valid_j``; the
+    rewrite pass passes it on) the op reads the mask (``key_prefix``: one or two device-to-host copies a call):
+    where every batch row keeps exactly the first L keys, for every query or for the first L queries, the method
+    runs on the first L keys (with q, k, v of one length, on the first L queries too; the other query rows go
+    through stock SDPA, on the kept keys or with their own mask rows: rows are independent); any other mask runs
+    stock SDPA with it, the reason counted (``key_padded``).
 
     Tagged ``cudagraph_unsafe``: under ``mode="reduce-overhead"``/``"max-autotune"`` Inductor partitions
     the CUDA graph around it, so its Python runs on every call and phases never freeze.
@@ -564,27 +565,30 @@ def _note_nonfinite(rec, out: torch.Tensor) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-def key_prefix(mask: torch.Tensor, B: int, Sk: int) -> Tuple[Optional[int], Optional[str]]:
-    """(L, None) when the boolean ``mask``, as SDPA broadcasts it over [B, H, Sq, Sk], keeps the first L keys of
-    every batch row and drops the others (a key-padding mask); (None, why) otherwise. One device-to-host copy."""
+def key_prefix(mask: torch.Tensor, B: int, Sq: int, Sk: int) -> Tuple[Optional[int], Optional[str]]:
+    """(L, None) when the boolean ``mask``, as SDPA broadcasts it over [B, H, Sq, Sk], keeps exactly the first L keys
+    in every batch row: for every query (a key-padding mask, [B, 1, 1, Sk]) or for the first L queries, whatever the
+    rows past them keep (a per-query mask [B, 1, Sq, Sk] of padded tokens, ``valid_i & valid_j`` as HunyuanVideo
+    1.5 builds it); (None, why) otherwise. One device-to-host copy, two for a per-query mask."""
     if mask.dtype != torch.bool:
         return None, "mask not boolean"
     shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
-    if mask.dim() > 4 or shape[1] != 1 or shape[2] != 1 or shape[3] != Sk or shape[0] not in (1, B):
-        return None, f"mask of shape {tuple(mask.shape)} is not a key-padding mask [B, 1, 1, Sk]"
+    if mask.dim() > 4 or shape[1] != 1 or shape[2] not in (1, Sq) or shape[3] != Sk or shape[0] not in (1, B):
+        return None, f"mask of shape {tuple(mask.shape)} is neither [B, 1, 1, Sk] nor [B, 1, Sq, Sk]"
     if mask.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None, "key-padding mask read under CUDA graph capture"
-    m = mask.reshape(shape[0], Sk)
-    n = m.sum(-1)  # kept keys per row
-    prefix = (m == (torch.arange(Sk, device=m.device)[None, :] < n[:, None])).all()
-    lo, hi, ok = torch.stack([n.min(), n.max(), prefix.long()]).tolist()
-    if not ok:
-        return None, "mask keeps keys other than a prefix"
+        return None, "mask read under CUDA graph capture"
+    m = mask.reshape(shape[0], shape[2], Sk)
+    n = m[:, 0].sum(-1)  # keys the first query keeps, per batch row
+    lo, hi = torch.stack([n.min(), n.max()]).tolist()
     if lo != hi:
-        return None, "key-padding lengths differ across the batch"
+        return None, "kept keys differ across the batch"
     if lo == 0:
-        return None, "mask drops every key"
-    return int(lo), None
+        return None, "mask drops every key of the first query"
+    L = int(lo)
+    top = m[:, :min(L, shape[2])]  # every query row of a key-padding mask; the first L of a per-query one
+    if not bool(top[..., :L].all() & ~top[..., L:].any()):
+        return None, "mask keeps keys other than a prefix"
+    return L, None
 
 
 def _key_padded(q, k, v, ident, site, config, scale, cos, sin, rope, key_mask):
@@ -592,23 +596,29 @@ def _key_padded(q, k, v, ident, site, config, scale, cos, sin, rope, key_mask):
     if rope:  # the mask splits q and k: rotate them first (the fp32 reference, as every unfused path)
         q, k, rope_args = _rope_inputs(q, k, cos, sin, rope)
         q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
-    Sk = k.shape[2]
-    L, why = key_prefix(key_mask, q.shape[0], Sk)
+    Sq, Sk = q.shape[2], k.shape[2]
+    L, why = key_prefix(key_mask, q.shape[0], Sq, Sk)
     rec = _report.site(site)
     if why is not None:
         rec.calls += 1
         rec.runtime_fallbacks[f"key_padded: {why}"] += 1
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale).contiguous()
     rec.key_padding = f"{L} of {Sk} keys"
-    if L == Sk:
-        return attention(q, k, v, ident, site, config, scale)
-    k, v = k[:, :, :L], v[:, :, :L]
-    if q.shape[2] != Sk:  # queries of another sequence: every row attends to the kept keys
-        return attention(q, k, v, ident, site, config, scale)
-    # one sequence (joint attention): the kept prefix as self-attention through the method, the dropped query rows
-    # (padding tokens, which no kept row reads) against the same keys through stock SDPA
-    head = attention(q[:, :, :L], k, v, ident, site, config, scale)
-    tail = F.scaled_dot_product_attention(q[:, :, L:], k, v, scale=scale)
+    per_query = key_mask.dim() >= 2 and key_mask.shape[-2] == Sq and Sq > 1
+    kept_k, kept_v = k[:, :, :L], v[:, :, :L]
+    # the rows through the method: with q, k, v of one length the first L (the kept prefix as self-attention), else
+    # every row a key-padding mask covers, or the first L a per-query one does
+    R = L if Sq == Sk else (min(L, Sq) if per_query else Sq)
+    head = attention(q[:, :, :R], kept_k, kept_v, ident, site, config, scale) if R < Sq or L < Sk else \
+        attention(q, k, v, ident, site, config, scale)
+    if R == Sq:
+        return head
+    # the other rows (padding tokens, which no row of the head reads): stock SDPA, on the kept keys for a key-padding
+    # mask, with their own mask rows for a per-query one (rows that keep nothing come out as SDPA makes them)
+    if per_query:
+        tail = F.scaled_dot_product_attention(q[:, :, R:], k, v, attn_mask=key_mask[..., R:, :], scale=scale)
+    else:
+        tail = F.scaled_dot_product_attention(q[:, :, R:], kept_k, kept_v, scale=scale)
     return torch.cat([head, tail.to(head.dtype)], dim=2)
 
 

@@ -51,8 +51,8 @@ def _fix(reason: str, example, cfg: VCConfig) -> str:
         return (f"they have fewer than min_seq_len={cfg.min_seq_len} tokens (short attention is faster stock): "
                 "lower options={'min_seq_len': ...} to rewrite them")
     if reason == "masked":
-        return ("'masked': vcattn leaves attention with a mask to stock SDPA unless the mask is a boolean key-padding "
-                "mask ([B, 1, 1, Sk], True for the kept keys, as HunyuanVideo's)")
+        return ("'masked': vcattn leaves attention with a mask to stock SDPA unless the mask is a boolean padding mask "
+                "([B, 1, 1, Sk] or [B, 1, Sq, Sk], True for what is kept, as HunyuanVideo's)")
     return f"{reason!r}: vcattn leaves such attention (causal, dropout, GQA) to stock SDPA"
 
 

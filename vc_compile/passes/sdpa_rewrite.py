@@ -126,10 +126,11 @@ def _head_dim_reason(q, k, v, cfg: VCConfig, gm: Optional[fx.GraphModule]) -> Op
 
 
 def key_padding_mask(a: dict) -> bool:
-    """Whether the call's ``attn_mask`` is a boolean mask of a key-padding form, [B or 1, 1, 1, Sk] as SDPA
-    broadcasts it (HunyuanVideo's joint attention over video + padded text tokens): the op runs such a call on the
-    keys it keeps when, at run time, they are the same prefix in every batch row (ops.key_prefix), and stock SDPA
-    with the mask otherwise. Any other mask (additive, per query, per head) stays stock at compile time."""
+    """Whether the call's ``attn_mask`` is a boolean mask of a padding form, [B or 1, 1, 1 or Sq, Sk] as SDPA
+    broadcasts it (HunyuanVideo's joint attention over video + padded text tokens: [B, 1, 1, S]; HunyuanVideo 1.5's:
+    [B, 1, S, S]): the op runs such a call on the keys it keeps when, at run time, every batch row keeps the same
+    first L keys for every query or for the first L queries (ops.key_prefix), and stock SDPA with the mask
+    otherwise. Any other mask (additive, per head) stays stock at compile time."""
     m, q, k = (_val(a[x]) for x in ("attn_mask", "q", "k"))
     if not all(isinstance(t, torch.Tensor) for t in (m, q, k)) or m.dtype != torch.bool or not 1 <= m.dim() <= 4:
         return False
@@ -138,7 +139,8 @@ def key_padding_mask(a: dict) -> bool:
     if any(d is None for d in dims):  # symbolic sizes: no guard taken on them here
         return False
     b, h, sq, sk, B, Sk = dims
-    return h == 1 and sq == 1 and sk == Sk and b in (1, B)
+    Sq = _static(q.shape[2])
+    return h == 1 and sq in (1, Sq) and sk == Sk and b in (1, B)
 
 
 def ineligible(a: dict, cfg: VCConfig, gm: Optional[fx.GraphModule] = None) -> Optional[str]:
