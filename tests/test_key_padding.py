@@ -72,7 +72,7 @@ def test_a_key_prefix_runs_the_method_on_the_kept_keys(method, B, batch_mask):
         assert relerr(out, ref) < (5e-3 if method == "dense" else 6e-2)
     rec = _report.site(990_001)
     assert rec.key_padding == f"{L} of 300 keys" and not rec.runtime_fallbacks and rec.calls == 3
-    assert "key-padding masks: the method ran on the kept keys at sites 990001 (251 of 300 keys)" \
+    assert "padding masks: the method ran on the kept keys at sites 990001 (251 of 300 keys)" \
         in str(vc_compile.report())
 
 

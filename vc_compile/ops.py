@@ -609,8 +609,7 @@ def _key_padded(q, k, v, ident, site, config, scale, cos, sin, rope, key_mask):
     # the rows through the method: with q, k, v of one length the first L (the kept prefix as self-attention), else
     # every row a key-padding mask covers, or the first L a per-query one does
     R = L if Sq == Sk else (min(L, Sq) if per_query else Sq)
-    head = attention(q[:, :, :R], kept_k, kept_v, ident, site, config, scale) if R < Sq or L < Sk else \
-        attention(q, k, v, ident, site, config, scale)
+    head = attention(q[:, :, :R], kept_k, kept_v, ident, site, config, scale)
     if R == Sq:
         return head
     # the other rows (padding tokens, which no row of the head reads): stock SDPA, on the kept keys for a key-padding

@@ -74,7 +74,7 @@ class SiteRecord:
     # the GPU this site's calls ran our kernels on with the speed gate on but no measurements for that GPU in
     # its table (tune/gate.py: nothing is gated there), "" = none
     ungated_gpu: str = ""
-    # a key-padding mask's kept keys at the last masked call ("L of Sk keys": the method ran on those; ops.py),
+    # a padding mask's kept keys at the last masked call ("L of Sk keys": the method ran on those; ops.key_prefix),
     # "" = no masked call
     key_padding: str = ""
     _pending: list = field(default_factory=list, repr=False)
@@ -349,7 +349,7 @@ class Report:
             lines.append(UNGATED_LINE.format(gpu=gpu, sites=", ".join(sites)))
         padded = [f"{s.site} ({s.key_padding})" for s in self.sites if s.key_padding]
         if padded:
-            lines.append(f"key-padding masks: the method ran on the kept keys at sites {', '.join(padded)} (query "
+            lines.append(f"padding masks: the method ran on the kept keys at sites {', '.join(padded)} (query "
                          "rows past them on stock SDPA)")
         if self.prebuild:
             lines.append(self.prebuild)
