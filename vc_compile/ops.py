@@ -17,7 +17,7 @@
 
     Padding masks: with ``key_mask`` (a boolean mask SDPA would broadcast as [B, 1, 1, Sk] or [B, 1, Sq, Sk]:
     HunyuanVideo's joint attention over video + padded text tokens, HunyuanVideo 1.5's ``valid_i & valid_j``; the
-    rewrite pass passes it on) the op reads the mask (``key_prefix``: one or two device-to-host copies a call):
+    rewrite pass passes it on) the op reads the mask (``key_prefix``: two small device-to-host copies a call):
     where every batch row keeps exactly the first L keys, for every query or for the first L queries, the method
     runs on the first L keys (with q, k, v of one length, on the first L queries too; the other query rows go
     through stock SDPA, on the kept keys or with their own mask rows: rows are independent); any other mask runs
@@ -569,7 +569,7 @@ def key_prefix(mask: torch.Tensor, B: int, Sq: int, Sk: int) -> Tuple[Optional[i
     """(L, None) when the boolean ``mask``, as SDPA broadcasts it over [B, H, Sq, Sk], keeps exactly the first L keys
     in every batch row: for every query (a key-padding mask, [B, 1, 1, Sk]) or for the first L queries, whatever the
     rows past them keep (a per-query mask [B, 1, Sq, Sk] of padded tokens, ``valid_i & valid_j`` as HunyuanVideo
-    1.5 builds it); (None, why) otherwise. One device-to-host copy, two for a per-query mask."""
+    1.5 builds it); (None, why) otherwise. Two device-to-host copies: the first query's count, then the check."""
     if mask.dtype != torch.bool:
         return None, "mask not boolean"
     shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
