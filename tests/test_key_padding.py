@@ -161,11 +161,24 @@ def test_a_per_query_padding_mask_runs_the_method_on_the_kept_block():
     for out, head in zip(masked, sliced):
         assert torch.equal(out[:, :, :L], head) and torch.equal(out[:, :, L:], tail)
     assert _report.site(990_011).key_padding == f"{L} of 300 keys"
-    # block-causal (a later block of rows also sees the first): rows past L through SDPA with their own mask rows
+    # later rows keeping other keys: rows past L through SDPA with their own mask rows
     bc = mask.clone()
     bc[..., L:, :] = True
     out = torch.ops.vcattn.attention(q, k, v, None, 990_013, c, None, key_mask=bc)
     assert torch.equal(out[:, :, L:], F.scaled_dot_product_attention(q[:, :, L:], k, v))
+
+
+def test_a_block_causal_mask_stays_stock():
+    """Block-causal (SkyReels-V2's diffusion forcing, 3 blocks of 100 tokens): the first block's rows keep a prefix
+    of 100 keys, but the method would serve a third of the call: stock SDPA with the mask, the reason counted."""
+    q, k, v = qkv()
+    blk = torch.arange(300) // 100
+    mask = (blk[None, :] <= blk[:, None])[None, None]
+    out = torch.ops.vcattn.attention(q, k, v, None, 990_014, cfg("vsmooth"), None, key_mask=mask)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert dict(_report.site(990_014).runtime_fallbacks) == {
+        "key_padded: the kept prefix covers under half of the query rows": 1}
+    assert ops.key_prefix(mask, 1, 300, 300) == (100, None)  # a prefix, for the first 100 rows
 
 
 def test_opcheck_with_a_key_mask():

@@ -603,12 +603,18 @@ def _key_padded(q, k, v, ident, site, config, scale, cos, sin, rope, key_mask):
         rec.calls += 1
         rec.runtime_fallbacks[f"key_padded: {why}"] += 1
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale).contiguous()
-    rec.key_padding = f"{L} of {Sk} keys"
     per_query = key_mask.dim() >= 2 and key_mask.shape[-2] == Sq and Sq > 1
-    kept_k, kept_v = k[:, :, :L], v[:, :, :L]
     # the rows through the method: with q, k, v of one length the first L (the kept prefix as self-attention), else
     # every row a key-padding mask covers, or the first L a per-query one does
     R = L if Sq == Sk else (min(L, Sq) if per_query else Sq)
+    if per_query and 2 * R < Sq:
+        # e.g. a block-causal mask (SkyReels-V2's diffusion forcing): the first block's rows keep a prefix, the
+        # rest keep more; the method would serve the smaller part of the call and the mask's read cost the rest
+        rec.calls += 1
+        rec.runtime_fallbacks["key_padded: the kept prefix covers under half of the query rows"] += 1
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale).contiguous()
+    rec.key_padding = f"{L} of {Sk} keys"
+    kept_k, kept_v = k[:, :, :L], v[:, :, :L]
     head = attention(q[:, :, :R], kept_k, kept_v, ident, site, config, scale)
     if R == Sq:
         return head
