@@ -15,7 +15,7 @@ inputs drifting a little each step as ``bench_generation`` makes them), the rows
   model dropped its padding itself;
 * each method through ``torch.ops.vcattn.attention(..., key_mask=mask)``, timed on reuse steps as
   ``bench_op_overhead`` times them (``run_method``: back to back, CUDA events; ``host_ms`` the CPU's time per
-  call, which includes the mask's read, one device-to-host copy).
+  call, which includes the mask's read: two small device-to-host copies).
 
 ``speedup_vs_masked`` / ``speedup_vs_kept`` = the baseline's ms / the row's; ``rel_l2`` against fp32 attention on
 the kept keys (512 sampled query rows) of a reuse step on the first inputs. Rows go to
@@ -24,6 +24,7 @@ the kept keys (512 sampled query rows) of a reuse step on the first inputs. Rows
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,7 @@ def bench_shape(H, video, text, kept, args, device):
                                  lambda: F.scaled_dot_product_attention(q, k[:, :, :L], v[:, :, :L]))}
     for name, (backend, fn) in stock.items():
         try:
-            with sdpa_backend(backend) if backend else torch.no_grad():
+            with sdpa_backend(backend) if backend else contextlib.nullcontext():
                 fn()
                 host, ms[name] = burst(fn, args.reuse, runner.cuda)
         except RuntimeError as e:  # e.g. no backend takes the mask at this size: said, not timed
