@@ -139,10 +139,6 @@ def test_a_later_chain_sees_the_kernels_an_earlier_one_remembered(tmp_path):
 _PREP = {"_stats_kernel", "_quant_kernel"}
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped set was recorded while the recorder kept remembered launches "
-                   "between chains (see the test above): ExpCast's layouts lack the preprocessing kernels until "
-                   "`python -m scripts.ship_kernels record` runs again on an sm_90 GPU, which turns this into a "
-                   "pass (then drop this mark)")
 def test_every_method_layout_ships_its_preprocessing_kernels():
     """Every shipped call layout of an 8-bit method (V-Smooth, ExpCast, MC-Sparse's warm-up) lists the
     preprocessing's two kernels, so a fresh process of any method builds neither at its first call."""
