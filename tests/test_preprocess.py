@@ -348,6 +348,23 @@ def test_fused_matches_reference(S, D, dtype, layout):
         assert vq.mu_prime is None and vq.mu_groups is None
 
 
+def test_fused_reduces_more_than_32_partials_in_steps():
+    """Pass 2 reduces pass 1's partials 32 rows a step (the whole [NSP, D] tile spilled at the register cap):
+    with 36 splits a head (one head, S = 4500: 36 V blocks) K's mean and V's scale are the reference's, through
+    two steps of which the second is partly masked."""
+    B, H, S, D = 1, 1, 4500, 128
+    assert tpl._split_count(-(-S // formats.BLOCK_V), B * H, tpl.PREPROCESS_DEFAULT.stats_per_sm) == 36
+    q, k, v = make_qkv(B, H, S, D, torch.bfloat16)
+    perm = random_perm(B, H, S)
+    qk, vq = tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="natural")
+    rq, rv = ref.preprocess_qk(q, k, perm, sm_scale=D ** -0.5), ref.preprocess_v(v, perm)
+    torch.testing.assert_close(qk.k_mean, rq.k_mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qk.k_scale, rq.k_scale, rtol=2e-6, atol=0)
+    assert_codes(qk.k8, rq.k8, exact=False, what="k8")
+    torch.testing.assert_close(vq.v_scale, rv.v_scale, rtol=1e-6, atol=0)
+    assert_codes(vq.v8t, rv.v8t, exact=False, what="v8t")
+
+
 def test_sm90_layout_round_trip_and_attention_unchanged():
     """``to_sm90_layout`` / ``natural_layout`` are inverse, and the reference attention reads either layout
     to the same output (a layout is a storage order, never a different V)."""
