@@ -198,7 +198,8 @@ def test_nonfinite_inputs_poison_their_scales(which, bad, fmt, hadamard, D):
 def test_launch_options_are_validated():
     """Pass 2's register cap and warps: only the measured values (a wrong cap would fail to compile or spill
     on the GPU, with no error on the CPU, where it is ignored)."""
-    for bad in (dict(quant_regs=72), dict(quant_regs=-1), dict(quant_warps=2)):
+    for bad in (dict(quant_regs=72), dict(quant_regs=-1), dict(quant_warps=2), dict(stats_regs=96),
+                dict(stats_regs=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PreprocessConfig(**bad)
     assert PreprocessConfig(quant_regs=0, quant_warps=16).quant_warps == 16
@@ -246,7 +247,8 @@ for D in (64, 128):
 def test_pass2_spills_no_more_with_many_splits():
     """Offline sm_90 compile (scripts/codegen_stats.py's fake driver) of pass 2 at 12 heads x 8192 tokens, where
     pass 1 splits a head 64 ways: pass 2 reads the partials 32 rows a step, so at its 80-register cap it spills
-    what it spills at 40 heads (88-96 bytes), not the 768 bytes the whole [64, D] tile of partials cost."""
+    what it spills at 40 heads (88-96 bytes), not the 768 bytes the whole [64, D] tile of partials cost. And
+    ``PreprocessConfig.stats_regs`` caps pass 1's registers (40 x 32760)."""
     import os
     import subprocess
     import sys
@@ -264,6 +266,14 @@ tpre.preprocess(q, q, q, torch.empty(1, 12, 8192, dtype=torch.int64), sm_scale=0
 for n, k in cs.COMPILED:
     st = cs.stats(k)
     print("STATS", n, st["registers"], st["spill_bytes"])
+from vc_compile.templates.configs import PreprocessConfig
+cs.COMPILED.clear()
+q = torch.empty(1, 32760, 40, 128, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+tpre.preprocess(q, q, q, torch.empty(1, 40, 32760, dtype=torch.int64), sm_scale=0.1, v_layout="sm90",
+                launch=PreprocessConfig(stats_regs=168))
+for n, k in cs.COMPILED:
+    st = cs.stats(k)
+    print("STATS", n + "@168", st["registers"], st["spill_bytes"])
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=900)
     if "No module named" in r.stderr or (r.returncode != 0 and "GPUTarget" in r.stderr):
@@ -272,6 +282,9 @@ for n, k in cs.COMPILED:
     assert r.returncode == 0 and "_quant_kernel" in stats, r.stdout[-2000:] + r.stderr[-2000:]
     regs, spill = stats["_quant_kernel"]
     assert regs <= 80 and 0 <= spill <= 128, stats
+    # the stats_regs option reaches pass 1's compile (40 x 32760: 185 registers uncapped, 12 bytes spilled at 168)
+    regs, spill = stats["_stats_kernel@168"]
+    assert regs <= 168 and 0 <= spill <= 64, stats
 
 
 def test_rejects_bad_args():

@@ -476,21 +476,27 @@ def sparse_variant(qk_format: str, C: int, n_keep: int, Sk: int) -> str:
 # ---- the V-Smooth preprocessing (templates/preprocess.py) -----------------------------------------------
 @dataclass(frozen=True)
 class PreprocessConfig(_Json):
-    """Launch of the two preprocessing passes (templates/preprocess.py). ``stats_per_sm``: pass 1's programs
-    per SM when it reads V (splits per head = that x 132 / heads; pass 2 reduces that many partials per head),
-    ``stats_warps`` its warps per program (with V, D = 128). ``quant_warps``: pass 2's warps per program at
-    D = 128 (half at D = 64), ``quant_regs`` its register cap per thread (0: the compiler's choice), which sets
-    how many of its programs share an SM (applied at D = 128 without Hadamard or RoPE, where it was measured).
-    How the Q/K quantisation applies a fused RoPE prologue (no effect without RoPE): ``rope_packed``:
-    interleaved pairs of 16-bit q/k read as 32-bit words and the codes stored as int16 pairs (applies when the
-    inputs allow it and the codes are INT8; else the pairs are split in registers). ``rope_head_fast``: grid (B*H, token blocks), the
-    heads of one token block back to back (the table rows come from L2)."""
+    """Launch of the two preprocessing passes (templates/preprocess.py). ``stats_per_sm``: pass 1's programs per SM
+    when it reads V (splits per head = that x 132 / heads; pass 2 reduces that many partials per head),
+    ``stats_warps`` its warps per program (with V, D = 128), ``stats_regs`` its register cap there (0: the
+    compiler's choice). ``quant_warps``: pass 2's warps per program at D = 128 (half at D = 64), ``quant_regs`` its
+    register cap per thread (0: the compiler's choice), which sets how many of its programs share an SM (applied at
+    D = 128 without Hadamard or RoPE, where it was measured). How the Q/K quantisation applies a fused RoPE prologue
+    (no effect without RoPE): ``rope_packed``: interleaved pairs of 16-bit q/k read as 32-bit words and the codes
+    stored as int16 pairs (applies when the inputs allow it and the codes are INT8; else the pairs are split in
+    registers). ``rope_head_fast``: grid (B*H, token blocks), the heads of one token block back to back (the table
+    rows come from L2)."""
     rope_packed: bool = True
     rope_head_fast: bool = True
     stats_per_sm: int = 8
     stats_warps: int = 4
     quant_warps: int = 8
     quant_regs: int = 80
+    # pass 1's register cap a thread (0: the compiler's choice), applied with V at D = 128. NOTE not measured yet:
+    # with the index prefetch pass 1 holds 185 registers at 4 warps (2 programs an SM, 12% of the warps active;
+    # ncu, H100, 2026-12-06, 40 x 32760: 0.27 ms at 1.5 TB/s); offline sm_90 a cap of 168 spills 12 bytes (3
+    # programs an SM), 128 spills 68 (4). The A/B: scripts/ab_op_kernels.py --pre-launch '{"stats_regs": 168}'.
+    stats_regs: int = 0
 
     def __post_init__(self):
         for name in ("rope_packed", "rope_head_fast"):
@@ -503,6 +509,9 @@ class PreprocessConfig(_Json):
             raise ValueError(f"PreprocessConfig.stats_warps={self.stats_warps!r}; accepted: 2, 4, 8")
         if self.quant_warps not in (4, 8, 16):
             raise ValueError(f"PreprocessConfig.quant_warps={self.quant_warps!r}; accepted: 4, 8, 16")
+        if self.stats_regs not in (0, 128, 168) or isinstance(self.stats_regs, bool):
+            raise ValueError(f"PreprocessConfig.stats_regs={self.stats_regs!r}; accepted: 0 (the compiler's choice), "
+                             "128, 168")
         if self.quant_regs not in (0, 64, 80, 96, 128):
             raise ValueError(f"PreprocessConfig.quant_regs={self.quant_regs!r}; accepted: 0 (the compiler's choice), "
                              "64, 80, 96, 128")

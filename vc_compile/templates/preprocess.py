@@ -734,6 +734,7 @@ def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v
     _launch(_stats_kernel, (nsk, BH), lkey, kx, kpart if do_qk else v_mean, S, H, *kx.stride(), st, n_samp, per_k,
             n_sub, loop_bound(n_sub), D=D, BS=BS, BK=BLOCK_K,
             num_warps=launch.stats_warps if do_v and D == 128 else 4, **kw,
+            **({'maxnreg': launch.stats_regs} if launch.stats_regs and do_v and D == 128 and not interp else {}),
             rec=rec, **(colsum_rope_kwargs(rope, D) if do_qk else {}))
     # ---- pass 2
     qk = vq = None
