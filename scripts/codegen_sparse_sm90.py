@@ -173,7 +173,7 @@ def main(argv=None):
         for cfg in cfgs:
             k = compile_one(a.S, C, cfg, a.density)
             flags = "".join(f for f, n in cfg.SPEC_FLAGS.items() if getattr(cfg, n))
-            name = f"c{C}_BN{cfg.block_n}_s{cfg.stages}{flags}" + (f"l{cfg.release_lag}" if cfg.release_lag else "") + ("_off64" if a.off64 else "")
+            name = f"c{C}_BN{cfg.block_n}_s{cfg.stages}{flags}" + ("_off64" if a.off64 else "")
             out[name] = kernel_stats(k)
             if a.dump:
                 cs.dump_asm(k, f"{a.dump}_{name}")

@@ -1,4 +1,4 @@
-"""The Gluon sm_90 gather kernel (``templates/sparse_attn_sm90.py``).
+"""The Gluon sm_90 gather kernel (``templates/sparse_attn_sm90.py``; not used by any default).
 
 On CPU: it compiles for sm_90 offline (``scripts/codegen_sparse_sm90.py``) without spills, with the wgmmas not
 serialised by ptxas, PV taking P from registers and QK from shared memory in the consumers' key loop, and the
@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -31,18 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # the compiles checked: both defaults (C = 128: producer fence and overlap order), the other order at C = 128 and a
 # deeper 64-key ring, and the 64-bit offset path (tensors whose in-head offsets pass 2^31) of both defaults; name: C
-# and the producer's lagged release (``release_lag``) on a 128-key and a 64-key ring
 COMPILES = {"c64_BN64_s2": 64, "c128_BN128_s2fo": 128, "c128_BN128_s2": 128, "c128_BN64_s4": 128,
-            "c64_BN64_s2_off64": 64, "c128_BN128_s2fo_off64": 128, "c128_BN128_s3fol1": 128,
-            "c128_BN64_s6fol4": 128}
-RUNS = ([], ["--C", "128", "--configs", "64/4,128/2,128/3fol1,64/6fol4"], ["--off64"])
-
-
-def _variant_spec(variant):
-    """(BN, stages, flags, lag) from a compile's name, e.g. c128_BN128_s3fol1 -> (128, 3, "fo", 1)."""
-    bn = int(variant.split("_BN")[1].split("_")[0])
-    m = re.fullmatch(r"(\d+)([a-z]*?)(?:l(\d+))?", variant.split("_s")[1].split("_")[0])
-    return bn, int(m.group(1)), m.group(2), int(m.group(3) or 0)
+            "c64_BN64_s2_off64": 64, "c128_BN128_s2fo_off64": 128}
+RUNS = ([], ["--C", "128", "--configs", "64/4,128/2"], ["--off64"])
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +52,10 @@ def codegen():
 def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     st = codegen[variant]
     C = COMPILES[variant]
-    bn, stages, flags, _lag = _variant_spec(variant)
+    bn = int(variant.split("_BN")[1].split("_")[0])
     cfg = CF.sparse_sm90_default(C)
     D = 128
+    flags = variant.split("_s")[1].split("_")[0].lstrip("0123456789")
     overlap = "o" in flags
     # nothing spills in the loops (the producer's 40 registers included; the overlap order and the 64-bit offset
     # path at C = 128: 12 bytes outside the loops), and ptxas keeps the wgmmas asynchronous
@@ -73,6 +64,7 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     assert st["consumer"]["local_memory"] == 0 and st["producer"]["local_memory"] == 0
     # one 12-warp CTA per SM, within the shared memory the config's estimate allows, the registers split as the
     # config says
+    stages = int(variant.split("_s")[1].split("_")[0].rstrip("pfwo"))
     assert st["ctas_per_sm"] == 1
     assert st["smem_bytes"] <= SparseAttnSm90Config(bn, stages).smem_bytes(C, D, D) <= CF.SM90_SMEM_BYTES
     assert {cfg.consumer_regs, cfg.producer_regs} <= set(st["setmaxnreg"]), st["setmaxnreg"]
@@ -99,9 +91,7 @@ def test_config_validation():
     assert CF.sparse_sm90_default(128) == SparseAttnSm90Config(producer_fence=True, overlap=True)
     assert CF.sparse_sm90_default(64) == SparseAttnSm90Config(64, 2)
     assert SparseAttnSm90Config.from_json(SparseAttnSm90Config(64, 3).to_json()) == SparseAttnSm90Config(64, 3)
-    for bad in (dict(block_n=32), dict(block_n=256), dict(stages=1), dict(stages=7), dict(block_n=True),
-                dict(release_lag=1, stages=3), dict(release_lag=1, stages=2, producer_fence=True),
-                dict(release_lag=5, stages=6, producer_fence=True), dict(release_lag=True, producer_fence=True),
+    for bad in (dict(block_n=32), dict(block_n=256), dict(stages=1), dict(stages=5), dict(block_n=True),
                 dict(consumer_regs=236), dict(producer_regs=16), dict(consumer_regs=248, producer_regs=24),
                 dict(consumer_regs=240, producer_regs=32), dict(persistent=1)):
         with pytest.raises(ValueError):
@@ -115,10 +105,6 @@ def test_config_validation():
     for C, cfg in ((64, SparseAttnSm90Config(128, 2)), (128, SparseAttnSm90Config(128, 4))):
         with pytest.raises(ValueError, match="shared memory"):
             cfg.check_fits(C, 128, 128)
-    # the lagged release is built for one ring: C = 64 (two rings) refuses it with the fix in the message
-    SparseAttnSm90Config.from_spec("64/6fol4").check_fits(128, 128, 128)
-    with pytest.raises(ValueError, match="release_lag=0"):
-        SparseAttnSm90Config.from_spec("64/4fol2").check_fits(64, 128, 128)
 
 
 def _args(S=200, D=128, DV=128, C=128, dtype=torch.bfloat16, keep=50):
@@ -187,8 +173,6 @@ def test_gpu_key_counts_and_launch_configs(C):
     q, k, v, sigma, idx, res = make_inputs(2, 3, S, D, torch.bfloat16, 0.5, C=C, device="cuda")
     cfgs = [c for c in (SparseAttnSm90Config(bn, st) for bn in (64, 128) for st in (2, 3, 4))
             if c.smem_bytes(C, D, D) <= CF.SM90_SMEM_BYTES]
-    if C == 128:  # the lagged release: blocks fewer than the lag (keep = 40) release only in the tile's flush
-        cfgs += [SparseAttnSm90Config.from_spec(s) for s in ("128/3fol1", "64/4fol2", "64/6fol4", "64/6fl3")]
     for keep in (40, 256, 256 + 128 - 7):
         sel = idx[..., :keep].sort(-1).values.contiguous()
         ref = ref_sparse(q, k, v, sigma, sel, sm_scale=D ** -0.5, group_size=C, residual=res, out_dtype=torch.float32)
@@ -229,10 +213,8 @@ def test_gpu_order_switches_are_the_same_arithmetic(C):
     kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res, out_dtype=torch.float32)
     bn = 128 if C == 128 else 64
     one = _gluon(q, k, v, sigma, idx, launch=SparseAttnSm90Config(bn, 2), **kw)
-    specs = [f"{bn}/2{flags}" for flags in ("f", "w", "fo", "pfo")]
-    if C == 128:  # the producer's lagged release moves only the producer's waits
-        specs += ["128/3fol1", "128/3pfol1", "128/3fl1"]
-    for spec in specs:
+    for flags in ("f", "w", "fo", "pfo"):
+        spec = f"{bn}/2{flags}"
         out = _gluon(q, k, v, sigma, idx, launch=SparseAttnSm90Config.from_spec(spec), **kw)
         assert torch.equal(one, out), spec
 
@@ -362,9 +344,7 @@ def test_spec_parsing():
     assert SparseAttnSm90Config.from_spec("128/2") == SparseAttnSm90Config()
     assert SparseAttnSm90Config.from_spec("64/3pfw") == SparseAttnSm90Config(64, 3, persistent=True,
                                                                              producer_fence=True, one_wait=True)
-    assert SparseAttnSm90Config.from_spec("128/3fol1") == SparseAttnSm90Config(128, 3, producer_fence=True,
-                                                                               overlap=True, release_lag=1)
-    for bad in ("128", "128/2x", "a/b", "128/3fol", "128/3fo1"):
+    for bad in ("128", "128/2x", "a/b"):
         with pytest.raises(ValueError, match="BN/stages"):
             SparseAttnSm90Config.from_spec(bad)
     with pytest.raises(ValueError, match="producer_fence"):

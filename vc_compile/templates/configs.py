@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -398,26 +397,13 @@ class SparseAttnSm90Config(_Json):
     # FlashAttention-3's order inside a consumer: S_j and PV_{j-1} issued together, the softmax of S_j while
     # PV_{j-1} runs (False: softmax(S_j), then PV_j and S_{j+1} together, both waited for)
     overlap: bool = False
-    # with the producer fence: how many blocks the producer keeps in flight behind the one it releases. 0: K_j is
-    # released once it landed, before V_j is issued (one block's rows at most in flight, and the producer waits a
-    # whole round trip for K_j every block); n >= 1: block j's K and V are issued together and block j - n is
-    # released after them (n + 1 blocks in flight). Needs ``stages >= n + 2`` (the consumers free V_{j-1} only
-    # after S_j, so a stage more than the blocks in flight) and one ring (C = 128)
-    release_lag: int = 0
 
     def __post_init__(self):
-        _check_ints(self, block_n={64, 128}, stages={2, 3, 4, 5, 6}, consumer_regs=set(range(128, 257, 8)),
-                    producer_regs=set(range(24, 129, 8)), release_lag={0, 1, 2, 3, 4})
+        _check_ints(self, block_n={64, 128}, stages={2, 3, 4}, consumer_regs=set(range(128, 257, 8)),
+                    producer_regs=set(range(24, 129, 8)))
         for name in ("persistent", "producer_fence", "one_wait", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseAttnSm90Config.{name}={getattr(self, name)!r}; accepted: True, False")
-        if self.release_lag:
-            if not self.producer_fence:
-                raise ValueError(f"{self}: release_lag needs producer_fence=True (the producer's own copy waits "
-                                 "are what it lags)")
-            if self.stages < self.release_lag + 2:
-                raise ValueError(f"{self}: release_lag={self.release_lag} needs stages >= {self.release_lag + 2} "
-                                 "(with fewer the producer and the consumers wait for each other)")
         if 2 * self.consumer_regs + self.producer_regs > SM90_REGS_PER_THREAD_SLOT:
             raise ValueError(f"{self}: 2 x consumer_regs + producer_regs = "
                              f"{2 * self.consumer_regs + self.producer_regs} > {SM90_REGS_PER_THREAD_SLOT}")
@@ -428,17 +414,15 @@ class SparseAttnSm90Config(_Json):
     @classmethod
     def from_spec(cls, spec: str) -> "SparseAttnSm90Config":
         """``"BN/stages"`` plus any of the letters p (persistent), f (producer_fence), w (one_wait), o (overlap),
-        then optionally ``l<n>`` (release_lag), e.g. ``"128/2fo"``, ``"128/3fol1"``."""
-        m = re.fullmatch(r"(\d+)/(\d+)([a-z]*?)(?:l(\d+))?", spec)
+        e.g. ``"128/2fo"``."""
+        head = spec.rstrip("".join(cls.SPEC_FLAGS))
+        flags = spec[len(head):]
         try:
-            if m is None:
-                raise ValueError("no match")
-            bn, st, flags, lag = m.groups()
-            return cls(block_n=int(bn), stages=int(st), release_lag=int(lag or 0),
-                       **{cls.SPEC_FLAGS[f]: True for f in flags})
+            bn, st = head.split("/")
+            return cls(block_n=int(bn), stages=int(st), **{cls.SPEC_FLAGS[f]: True for f in flags})
         except (ValueError, KeyError) as e:
             raise ValueError(f"sparse sm_90 launch spec {spec!r}: expected BN/stages plus any of "
-                             f"{''.join(cls.SPEC_FLAGS)}, then optionally l<lag> ({e})") from None
+                             f"{''.join(cls.SPEC_FLAGS)} ({e})") from None
 
     def smem_bytes(self, C: int, D: int, DV: int, elem: int = 2) -> int:
         """Shared memory of one CTA: the K / V rings (two at C = 64: each consumer its own group), both consumers'
@@ -449,8 +433,6 @@ class SparseAttnSm90Config(_Json):
                 + 512)
 
     def check_fits(self, C: int, D: int, DV: int, elem: int = 2) -> None:
-        if self.release_lag and C != 128:
-            raise ValueError(f"{self}: release_lag is built for one ring (C = 128), got C = {C}; use release_lag=0")
         need = self.smem_bytes(C, D, DV, elem)
         if need > SM90_SMEM_BYTES:
             raise ValueError(f"{self}: {need} bytes of shared memory at C = {C}, D = {D}, Dv = {DV} "

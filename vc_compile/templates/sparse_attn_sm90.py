@@ -132,48 +132,6 @@ def _produce_block(it, kid, valid, k_base, v_base, sks, svs, k_smem, v_smem, kre
 
 
 @gluon.jit
-def _produce_block_lag(it, kid, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty, vempty,
-                       release, STAGES: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, MASK: gl.constexpr,
-                       LAG: gl.constexpr):
-    """LAG >= 1 (one ring, PFENCE): block ``it``'s K rows and V rows issued back to back (one cp.async group
-    each), then, where ``release`` (block it - LAG exists in this tile), block it - LAG released: its K once
-    its group completed (2 LAG + 1 newer groups may still fly), its V after the next group, each behind the
-    proxy fence. LAG + 1 blocks' rows are in flight while the producer waits, against one in ``_produce_block``."""
-    NW: gl.constexpr = gl.num_warps()
-    slot = it % STAGES
-    ph = ((it // STAGES) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first round passes
-    dk = gl.arange(0, D, layout=gl.SliceLayout(0, _gather_layout(NW)))
-    dv = gl.arange(0, DV, layout=gl.SliceLayout(0, _gather_layout(NW)))
-    mbarrier.wait(kempty.index(slot), ph)
-    _gather_rows(k_base, kid, sks, k_smem.index(slot), dk, valid, MASK)
-    async_copy.commit_group()
-    mbarrier.wait(vempty.index(slot), ph)
-    _gather_rows(v_base, kid, svs, v_smem.index(slot), dv, valid, MASK)
-    async_copy.commit_group()
-    rslot = (it + STAGES - LAG) % STAGES
-    async_copy.wait_group(2 * LAG + 1)  # K of block it - LAG landed
-    fence_async_shared()
-    mbarrier.arrive(kready.index(rslot), count=1, pred=release)
-    async_copy.wait_group(2 * LAG)  # and its V
-    fence_async_shared()
-    mbarrier.arrive(vready.index(rslot), count=1, pred=release)
-
-
-@gluon.jit
-def _produce_flush_lag(it_last, nb, kready, vready, STAGES: gl.constexpr, LAG: gl.constexpr):
-    """LAG >= 1: release a tile's last LAG blocks (those of its nb that exist), oldest first."""
-    for r in gl.static_range(LAG):
-        blk = nb - LAG + r  # the tile's block index; ring position it_last - (LAG - 1 - r)
-        rslot = (it_last + STAGES - (LAG - 1 - r)) % STAGES
-        async_copy.wait_group(2 * (LAG - r) - 1)
-        fence_async_shared()
-        mbarrier.arrive(kready.index(rslot), count=1, pred=blk >= 0)
-        async_copy.wait_group(2 * (LAG - r) - 2)
-        fence_async_shared()
-        mbarrier.arrive(vready.index(rslot), count=1, pred=blk >= 0)
-
-
-@gluon.jit
 def _produce_flush(it, vready, ring: gl.constexpr, STAGES: gl.constexpr):
     """PFENCE: release V of the block at ring position ``it`` (the last of a tile) once it landed."""
     async_copy.wait_group(0)
@@ -193,10 +151,10 @@ def _load_ids(i_base, blk, offs, sin, N_KEEP, OFF64: gl.constexpr):
 def _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, gc, bh, it0,
                   skb, skh, sks, svb, svh, svs, sib, sih, sig, sin,
                   GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_TAIL: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, LAG: gl.constexpr):
+                  HAS_TAIL: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr):
     """Tile (gc, bh): block j of every ring (ring r = the tile's group r) at ring position it0 + j, the rings in
     lockstep so that at C = 64 neither consumer waits for the other's blocks; each block's ids loaded a block
-    ahead. LAG >= 1 (one ring): ``_produce_block_lag``'s order."""
+    ahead."""
     NW: gl.constexpr = gl.num_warps()
     row_l: gl.constexpr = gl.SliceLayout(1, _gather_layout(NW))
     b = (bh // H).to(gl.int64)
@@ -208,49 +166,37 @@ def _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, 
     # a C = 64 tile past the last group (odd G) gathers the last group's keys again; its rows store nothing
     ib0 = IDX + b * sib + h * sih + gl.minimum(gc * GPC, G - 1).to(gl.int64) * sig
     kid0 = _load_ids(ib0, 0, offs, sin, N_KEEP, OFF64)
-    if LAG > 0:
-        for j in range(0, nb - 1 if HAS_TAIL else nb):
-            kn0 = _load_ids(ib0, j + 1, offs, sin, N_KEEP, OFF64)  # in flight during this block's copies
-            _produce_block_lag(it0 + j, kid0, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
-                               kempty, vempty, j >= LAG, STAGES, D, DV, False, LAG)
-            kid0 = kn0
-        if HAS_TAIL:  # the last block: rows past n_keep zero-filled
-            valid = (nb - 1) * BN + offs < N_KEEP
-            _produce_block_lag(it0 + nb - 1, kid0, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
-                               kempty, vempty, nb - 1 >= LAG, STAGES, D, DV, True, LAG)
-        _produce_flush_lag(it0 + nb - 1, nb, kready, vready, STAGES, LAG)
-    else:
+    if GPC == 2:
+        ib1 = IDX + b * sib + h * sih + gl.minimum(gc * GPC + 1, G - 1).to(gl.int64) * sig
+        kid1 = _load_ids(ib1, 0, offs, sin, N_KEEP, OFF64)
+    for j in range(0, nb - 1 if HAS_TAIL else nb):
+        kn0 = _load_ids(ib0, j + 1, offs, sin, N_KEEP, OFF64)  # in flight during this block's copies
+        _produce_block(it0 + j, kid0, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
+                       vempty, 0, STAGES, D, DV, False, PFENCE, j > 0)
+        kid0 = kn0
         if GPC == 2:
-            ib1 = IDX + b * sib + h * sih + gl.minimum(gc * GPC + 1, G - 1).to(gl.int64) * sig
-            kid1 = _load_ids(ib1, 0, offs, sin, N_KEEP, OFF64)
-        for j in range(0, nb - 1 if HAS_TAIL else nb):
-            kn0 = _load_ids(ib0, j + 1, offs, sin, N_KEEP, OFF64)  # in flight during this block's copies
-            _produce_block(it0 + j, kid0, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
-                           vempty, 0, STAGES, D, DV, False, PFENCE, j > 0)
-            kid0 = kn0
-            if GPC == 2:
-                kn1 = _load_ids(ib1, j + 1, offs, sin, N_KEEP, OFF64)
-                _produce_block(it0 + j, kid1, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
-                               kempty, vempty, 1, STAGES, D, DV, False, PFENCE, j > 0)
-                kid1 = kn1
-        if HAS_TAIL:  # the last block: rows past n_keep zero-filled (no stale or non-finite V row meets p = 0)
-            valid = (nb - 1) * BN + offs < N_KEEP
-            _produce_block(it0 + nb - 1, kid0, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
-                           vempty, 0, STAGES, D, DV, True, PFENCE, nb > 1)
-            if GPC == 2:
-                _produce_block(it0 + nb - 1, kid1, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
-                               kempty, vempty, 1, STAGES, D, DV, True, PFENCE, nb > 1)
-        if PFENCE:
-            _produce_flush(it0 + nb - 1, vready, 0, STAGES)
-            if GPC == 2:
-                _produce_flush(it0 + nb - 1, vready, 1, STAGES)
+            kn1 = _load_ids(ib1, j + 1, offs, sin, N_KEEP, OFF64)
+            _produce_block(it0 + j, kid1, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
+                           kempty, vempty, 1, STAGES, D, DV, False, PFENCE, j > 0)
+            kid1 = kn1
+    if HAS_TAIL:  # the last block: rows past n_keep zero-filled (no stale or non-finite V row meets p = 0)
+        valid = (nb - 1) * BN + offs < N_KEEP
+        _produce_block(it0 + nb - 1, kid0, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
+                       vempty, 0, STAGES, D, DV, True, PFENCE, nb > 1)
+        if GPC == 2:
+            _produce_block(it0 + nb - 1, kid1, valid, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
+                           kempty, vempty, 1, STAGES, D, DV, True, PFENCE, nb > 1)
+    if PFENCE:
+        _produce_flush(it0 + nb - 1, vready, 0, STAGES)
+        if GPC == 2:
+            _produce_flush(it0 + nb - 1, vready, 1, STAGES)
 
 
 @gluon.jit
 def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles,
               skb, skh, sks, svb, svh, svs, sib, sih, sig, sin,
               GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-              HAS_TAIL: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, LAG: gl.constexpr):
+              HAS_TAIL: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr):
     """The producer warp group: the CTA's tiles t = program_id, + num_programs, ... (tile t = CTA group t % n_gc of
     head t // n_gc); the ring position runs on across tiles, so a persistent CTA gathers its next tile's first
     blocks while the consumers finish this one."""
@@ -259,7 +205,7 @@ def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, t % n_gc, t // n_gc,
                       it0, skb, skh, sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64,
-                      PFENCE, LAG)
+                      PFENCE)
         it0 += nb
     # no producer thread exits with its copies in flight (their noinc arrivals are what the consumers wait on)
     async_copy.commit_group()
@@ -474,8 +420,8 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, RES, OUT, FLAG,
                              C: gl.constexpr, GPC: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                              BN: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr,
                              HAS_RES: gl.constexpr, HAS_FLAG: gl.constexpr, OFF64: gl.constexpr,
-                             PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr, OVERLAP: gl.constexpr, LAG: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                             PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                             num_warps: gl.constexpr):
     """Two consumer warp groups (the default partition and a worker) and a producer warp group; module doc."""
     dt: gl.constexpr = K.dtype.element_ty
     NR: gl.constexpr = GPC  # rings: one per group of the CTA
@@ -500,7 +446,7 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, RES, OUT, FLAG,
                      N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 1, C, GPC, BN,
                      D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP)),
         (_producer, (K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles, skb, skh,
-                     sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64, PFENCE, LAG)),
+                     sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64, PFENCE)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -566,7 +512,7 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
         _sparse_attn_sm90_kernel, (grid,), key, *tensors, *ints, float(sm_scale) * LOG2E, n_gc, n_tiles,
         C=C, GPC=GPC, D=D, DV=DV, BN=BN, STAGES=launch.stages, HAS_TAIL=n_keep % BN != 0, HAS_RES=has_res,
         HAS_FLAG=flag is not None, OFF64=off64, PFENCE=launch.producer_fence, ONE_WAIT=launch.one_wait,
-        OVERLAP=launch.overlap, LAG=launch.release_lag,
+        OVERLAP=launch.overlap,
         CONSUMER_REGS=launch.consumer_regs,
         PRODUCER_REGS=launch.producer_regs, num_warps=4, maxnreg=WS_MAXNREG)
     return out
