@@ -198,7 +198,7 @@ def test_nonfinite_inputs_poison_their_scales(which, bad, fmt, hadamard, D):
 def test_launch_options_are_validated():
     """Pass 2's register cap and warps: only the measured values (a wrong cap would fail to compile or spill
     on the GPU, with no error on the CPU, where it is ignored)."""
-    for bad in (dict(quant_regs=72), dict(quant_regs=-1), dict(quant_warps=2), dict(stats_regs=96),
+    for bad in (dict(quant_regs=72), dict(quant_regs=-1), dict(quant_warps=2), dict(stats_regs=112),
                 dict(stats_regs=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PreprocessConfig(**bad)

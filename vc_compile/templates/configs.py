@@ -509,9 +509,9 @@ class PreprocessConfig(_Json):
             raise ValueError(f"PreprocessConfig.stats_warps={self.stats_warps!r}; accepted: 2, 4, 8")
         if self.quant_warps not in (4, 8, 16):
             raise ValueError(f"PreprocessConfig.quant_warps={self.quant_warps!r}; accepted: 4, 8, 16")
-        if self.stats_regs not in (0, 128, 168) or isinstance(self.stats_regs, bool):
+        if self.stats_regs not in (0, 96, 128, 168) or isinstance(self.stats_regs, bool):
             raise ValueError(f"PreprocessConfig.stats_regs={self.stats_regs!r}; accepted: 0 (the compiler's choice), "
-                             "128, 168")
+                             "96, 128, 168")
         if self.quant_regs not in (0, 64, 80, 96, 128):
             raise ValueError(f"PreprocessConfig.quant_regs={self.quant_regs!r}; accepted: 0 (the compiler's choice), "
                              "64, 80, 96, 128")
