@@ -492,11 +492,14 @@ class PreprocessConfig(_Json):
     stats_warps: int = 4
     quant_warps: int = 8
     quant_regs: int = 80
-    # pass 1's register cap a thread (0: the compiler's choice), applied with V at D = 128. NOTE not measured yet:
-    # with the index prefetch pass 1 holds 185 registers at 4 warps (2 programs an SM, 12% of the warps active;
-    # ncu, H100, 2026-12-06, 40 x 32760: 0.27 ms at 1.5 TB/s); offline sm_90 a cap of 168 spills 12 bytes (3
-    # programs an SM), 128 spills 68 (4). The A/B: scripts/ab_op_kernels.py --pre-launch '{"stats_regs": 168}'.
-    stats_regs: int = 0
+    # pass 1's register cap a thread (0: the compiler's choice), applied with V at D = 128. NOTE uncapped, pass 1
+    # holds 185 registers at 4 warps with the index prefetch (2 programs an SM, 12% of the warps active; ncu, H100,
+    # 2026-12-06, 40 x 32760: 0.27 ms at 1.5 TB/s); offline sm_90 caps of 168 / 128 / 96 spill 12 / 68 / 216 bytes
+    # for 3 / 4 / 5 programs an SM. Same run, H100 80GB HBM3, 2026-12-06, scripts/ab_op_kernels.py (ExpCast reuse
+    # step, two interleaved rounds), `_stats_kernel` ms at 40 x 32760 / 12 x 32760 / 12 x 8192: uncapped 0.283 /
+    # 0.096 / 0.032; 128: 0.242 / 0.082 / 0.031 (-14%); 96: 0.304 / 0.101 / 0.031; 168 (the run before): 0.265 /
+    # 0.089. The whole preprocessing at 40 x 32760: 0.978 -> 0.937 ms.
+    stats_regs: int = 128
 
     def __post_init__(self):
         for name in ("rope_packed", "rope_head_fast"):
