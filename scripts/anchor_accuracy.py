@@ -8,6 +8,9 @@ tau+1.. return O_sparse(t) + R (bf16 residual, as ``residual="bf16"``). Variants
   sel8      the selection from pass 2 on the INT8 codes ("shift" exp, bf16 masses) + pass 1's 8-bit LSE; O_dense bf16
   sel8x     as sel8 with the exact exp2 and fp32 masses (isolates the "shift" exp + bf16 storage)
   q8        sel8's selection AND O_dense = the 8-bit V-Smooth output (one 8-bit dense pass; the default)
+  run<R>    (``--runs``) the exact masses of ``base``, but keys selected in aligned runs of R consecutive keys (the
+            run's mass = the sum of its keys'; the top ceil(n_keep / R) runs per group): what a gather that moves R
+            rows per copy (one TMA box of R rows) would cost in accuracy; O_dense and R as ``base``
 Pass 1 runs with the V-Smooth key order pi of k-means on V at tau (as after V-Smooth grouping steps).
 Reported per input set: the reuse-step error (rel. L2 against fp64 dense attention, mean over the reuse
 steps), the anchor step's own output error, the selection overlap with ``base`` and the exact mass the
@@ -104,7 +107,21 @@ def base_anchor(q, k, v, sigma, keep, sm):
     return o.to(q.dtype), idx, o.to(q.dtype).float() - o_sp, mass
 
 
-def study(name, seq, log):
+def run_selection(mass, keep, R):
+    """Keys in aligned runs of R: the top ceil(keep / R) whole runs by summed mass per group, expanded to their
+    keys, ascending int32 [B, H, G, ceil(keep / R) * R]. Keys past the last whole run (Sk % R of them; none at
+    the study's sizes) are never selected."""
+    B, H, G, Sk = mass.shape
+    nr = Sk // R
+    n = -(-keep // R)
+    if n > nr:
+        raise ValueError(f"run_selection: {n} runs of {R} keys asked for, {nr} whole runs in {Sk} keys")
+    m = mass[..., :nr * R].float().reshape(B, H, G, nr, R).sum(-1)
+    runs = m.topk(n, dim=-1).indices.sort(-1).values
+    return (runs[..., None] * R + torch.arange(R)).flatten(-2).to(torch.int32)
+
+
+def study(name, seq, log, runs=()):
     q0, k0, v0 = seq[0]
     B, H, S, D = q0.shape
     sm = D ** -0.5
@@ -122,6 +139,10 @@ def study(name, seq, log):
         res = anchor_step(impl, q0, k0, v0, sm_scale=sm, group_size=C, keep=keep, key_perm=pi, cfg=cfg,
                           sigma=sigma)
         variants[vname] = (res.out, res.idx, res.residual)
+    for R in runs:
+        idx = run_selection(mass_b, keep, R)
+        o_sp = sparse_attention(q0, k0, v0, sigma, idx, sm_scale=sm, group_size=C, out_dtype=torch.float32)
+        variants[f"run{R}"] = (o_b, idx, o_b.float() - o_sp)
     rows = {}
     for vname, (o, idx, r) in variants.items():
         r16 = r.to(torch.bfloat16)
@@ -130,7 +151,7 @@ def study(name, seq, log):
         sparse_only = [rel(sparse_attention(*seq[t], sigma, idx, sm_scale=sm, group_size=C,
                                             out_dtype=torch.float32), truths[t]) for t in range(1, len(seq))]
         inter = (torch.zeros(B, H, idx.shape[2], S).scatter_(3, idx.long(), 1.0)
-                 * torch.zeros(B, H, idx.shape[2], S).scatter_(3, idx_b.long(), 1.0)).sum().item()
+                 * torch.zeros(B, H, idx_b.shape[2], S).scatter_(3, idx_b.long(), 1.0)).sum().item()
         captured = (torch.gather(mass_b, -1, idx.long()).sum() / torch.gather(mass_b, -1, idx_b.long()).sum()).item()
         rows[vname] = {"anchor_out_err": rel(o, truths[0]), "reuse_err_mean": sum(reuse) / len(reuse),
                        "reuse_err_last": reuse[-1], "sparse_only_err_mean": sum(sparse_only) / len(sparse_only),
@@ -149,15 +170,17 @@ def main(argv=None):
     ap.add_argument("--S", type=int, default=2048)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-structured", action="store_true")
+    ap.add_argument("--runs", default="", help="comma-separated run lengths R for the run<R> variants, e.g. 8,16")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
+    runs = [int(r) for r in a.runs.split(",") if r]
     out = {}
     log = lambda m: print(m, flush=True)  # noqa: E731
     if not a.no_structured:
-        out["structured"] = study("structured", structured_sequence(a.S, 2, 128, a.steps), log)
+        out["structured"] = study("structured", structured_sequence(a.S, 2, 128, a.steps), log, runs)
     if a.capture and os.path.exists(os.path.join(a.capture, "index.json")):
         for name, seq in demo_sequences(a.capture):
-            out[name] = study(name, seq, log)
+            out[name] = study(name, seq, log, runs)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
 
