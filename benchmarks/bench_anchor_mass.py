@@ -4,6 +4,8 @@
     python -m benchmarks.bench_anchor_mass --sizes 32760 --heads 12          # Wan 1.3B's head count
     python -m benchmarks.bench_anchor_mass --csv $OUT/bench_anchor_mass.csv  # also copy the results file
     python -m benchmarks.bench_anchor_mass --smoke           # CPU dry run (interpreter), S = 300, H = 2, no CSV
+    python -m benchmarks.bench_anchor_mass --sizes 32760 --mass-configs 1/shift/3,1/exact/3,2/exact/3
+                                                             # + pass 2's launch A/B (rows pass2_mass:...)
 
 Three anchor steps on the same inputs (bf16, a channel bias on K, outlier V tokens; density 0.15, C = 128):
 * ``old``: ``methods/mcsparse.run(..., cheap_anchor=False)``: PDDP, cuDNN + LSE, bf16-MMA pass 2 (fp32 masses,
@@ -89,7 +91,19 @@ def kernel_ms(fn):
     return out
 
 
-def bench_size(S, H, log, dev="cuda"):
+def parse_mass_configs(text: str):
+    """``--mass-configs``: comma-separated ``NG/exp/stages`` (e.g. ``1/exact/3``) -> AnchorMassConfig list."""
+    out = []
+    for spec in (t for t in text.split(",") if t):
+        try:
+            ng, ex, st = spec.split("/")
+            out.append(KC.AnchorMassConfig(groups_per_program=int(ng), exp=ex, num_stages=int(st)))
+        except ValueError as e:
+            raise SystemExit(f"--mass-configs {spec!r}: expected NG/exp/stages, e.g. 1/exact/3 ({e})")
+    return out
+
+
+def bench_size(S, H, log, dev="cuda", mass_configs=()):
     torch.manual_seed(0)
     q, k, v = inputs(H, S, dev)
     sm = D ** -0.5
@@ -165,6 +179,22 @@ def bench_size(S, H, log, dev="cuda"):
             del m
     put(("new_bf16", "new_q8"), "pass2_mass", timed(new_mass, **fast))
     m16 = TA.mass_heads(prep, qk, 0, hcn, key_perm=None, launch=mcfg, mass_dtype=torch.bfloat16)
+    ab_rows = []
+    for mc in mass_configs:  # pass 2's launch A/B: the same masses (exp mode aside), other program shapes
+        pmc = TA.prepare_queries(qk, lse_s, sigma, group_size=C, launch=mc)
+
+        def mass_mc(pmc=pmc, mc=mc):
+            for h0 in range(0, H, hcn):
+                m = TA.mass_heads(pmc, qk, h0, min(H, h0 + hcn), key_perm=None, launch=mc, mass_dtype=torch.bfloat16)
+                del m
+        t = timed(mass_mc, **fast)
+        mm = TA.mass_heads(pmc, qk, 0, hcn, key_perm=None, launch=mc, mass_dtype=torch.bfloat16).float()
+        err = ((mm - m16.float()).norm() / m16.float().norm()).item()
+        name = f"pass2_mass:NG={mc.groups_per_program},exp={mc.exp.value},stages={mc.num_stages}"
+        ab_rows.append(dict(variant=name, S=S, H=H, ms=t, density=dens, part="pass2_mass_ab", rel_l2=err,
+                            note=f"masses vs the default launch's (heads 0-{hcn - 1}); default {T['new_bf16']['pass2_mass']:.3f} ms"))
+        log(f"  {name}: {t:.3f} ms (default {T['new_bf16']['pass2_mass']:.3f}), masses vs default rel. L2 {err:.2e}")
+        del pmc, mm
     put(("new_bf16", "new_q8"), "topk", timed(lambda: dispatch.topk(impl, m16, keep), **fast) * H / m16.shape[0])
     del m16, prep
     idx_new = dispatch.anchor_select_q8(impl, qk, lse_s, sigma, group_size=C, keep=keep)
@@ -198,6 +228,9 @@ def bench_size(S, H, log, dev="cuda"):
                 f"{n[:48]} {t:.2f}" for n, t in km[:8]))
 
     rows = [dict(variant="sdpa_cudnn", S=S, H=H, ms=t_cudnn, speedup_vs_cudnn=1.0, density=1.0, part="dense")]
+    for r in ab_rows:
+        r["speedup_vs_cudnn"] = t_cudnn / r["ms"]
+    rows += ab_rows
     for p in PATHS:
         for part in PARTS:
             if part in T[p]:
@@ -252,18 +285,22 @@ def main():
     ap.add_argument("--heads", type=int, default=40)
     ap.add_argument("--csv", default=None, help="also copy the results file here")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run: interpreter, S = 300, H = 2, nothing saved")
+    ap.add_argument("--mass-configs", default="",
+                    help="pass 2's launches to time beside the default, NG/exp/stages comma-separated "
+                         "(e.g. 1/shift/3,1/exact/3,2/exact/3); rows pass2_mass:...")
     a = ap.parse_args()
+    mass_configs = parse_mass_configs(a.mass_configs)
     log = lambda m: print(m, flush=True)  # noqa: E731
     cols = ["variant", "S", "ms", "speedup_vs_cudnn", "rel_l2", "note"]
     if a.smoke:
-        print_table(bench_size(300, 2, log, dev="cpu"), cols)
+        print_table(bench_size(300, 2, log, dev="cpu", mass_configs=mass_configs), cols)
         return
     if not torch.cuda.is_available():
         sys.exit("bench_anchor_mass: needs a CUDA GPU (H200); --smoke runs on the CPU")
     t0 = time.monotonic()
     rows, path = [], None
     for S in (int(s) for s in a.sizes.split(",")):
-        new = bench_size(S, a.heads, log)
+        new = bench_size(S, a.heads, log, mass_configs=mass_configs)
         path = append_rows("bench_anchor_mass", new, extras=EXTRAS)  # per size: a time-out later keeps these rows
         if a.csv:
             with open(path) as f_in, open(a.csv, "w", newline="") as f_out:
