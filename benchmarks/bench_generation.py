@@ -57,8 +57,8 @@ import torch.nn.functional as F  # noqa: E402
 import vc_compile  # noqa: E402
 import vc_compile.ops  # noqa: E402,F401 - registers torch.ops.vcattn.*, which this script calls directly
 from benchmarks.common import (truth_rows, Drift, add_speedup, append_rows, attn_flops, fa3_fp8_fn,  # noqa: E402
-                               fa4_fn, fa4_status, fp8_baselines, kernel_times, metrics, print_table,
-                               sdpa_backend)
+                               fa4_fn, fa4_status, fp8_baselines, kernel_times, metrics, parse_methods,
+                               print_table, sdpa_backend)
 from vc_compile.config import merge_options  # noqa: E402
 
 BENCH = "bench_generation"
@@ -358,10 +358,7 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU check of this script: S=256, H=2, 6 steps, "
                     "reference kernels, nothing appended")
     a = ap.parse_args(argv)
-    a.methods = [m for m in a.methods.split(",") if m]
-    bad = [m for m in a.methods if m not in METHODS]
-    if bad:
-        ap.error(f"unknown methods {bad}; known: {list(METHODS)}")
+    a.methods = parse_methods(ap, a.methods, METHODS)
     if a.smoke:
         a.sizes, a.heads, a.steps, a.breakdown_size = "256", "2", min(a.steps, 6), "256x2"
         a.head_dim = 64

@@ -33,7 +33,8 @@ import vc_compile
 import vc_compile.ops  # noqa: F401 - registers torch.ops.vcattn.*
 from benchmarks.bench_generation import _SITES, Runner, _phase_counts, _step_phase
 from benchmarks.bench_op_overhead import METHODS, burst, run_method
-from benchmarks.common import Drift, append_rows, metrics, print_table, sdpa_backend, truth_rows
+from benchmarks.common import (Drift, append_rows, metrics, parse_methods, print_table, sdpa_backend,
+                               truth_rows)
 from vc_compile.config import merge_options
 
 BENCH = "bench_key_padding"
@@ -114,10 +115,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, reference kernels, no rows")
     ap.add_argument("--csv", default=None, help="also append rows to this file")
     args = ap.parse_args(argv)
-    args.methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in args.methods if m not in METHODS]
-    if bad:
-        ap.error(f"unknown method(s) {bad}; choose from {list(METHODS)}")
+    args.methods = parse_methods(ap, args.methods, METHODS)
     if args.smoke:
         shapes = [(2, 96, 16, 5)]
         args.reuse = min(args.reuse, 2)

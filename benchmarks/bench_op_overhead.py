@@ -42,7 +42,7 @@ import torch
 import vc_compile
 import vc_compile.ops  # noqa: F401 - registers torch.ops.vcattn.*
 from benchmarks.bench_generation import Runner, _phase_counts, _step_phase
-from benchmarks.common import Drift, append_rows, print_table, sdpa_backend
+from benchmarks.common import Drift, append_rows, parse_methods, print_table, sdpa_backend
 from vc_compile.ops import GRAPHS
 
 BENCH = "bench_op_overhead"
@@ -251,11 +251,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, reference kernels, no rows")
     ap.add_argument("--csv", default=None, help="also append rows to this file")
     args = ap.parse_args(argv)
-    args.methods = [m for m in args.methods.split(",") if m]
+    args.methods = parse_methods(ap, args.methods, METHODS)
     args.options = json.loads(args.options)
-    bad = [m for m in args.methods if m not in METHODS]
-    if bad:
-        ap.error(f"unknown method(s) {bad}; choose from {list(METHODS)}")
     if args.smoke:
         shapes = [(2, 64)]
         args.reuse = min(args.reuse, 2)

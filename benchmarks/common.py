@@ -533,6 +533,16 @@ class Drift:
         return tuple(x.to(torch.bfloat16) for x in self.x)
 
 
+def parse_methods(ap, text: str, known) -> List[str]:
+    """A benchmark's ``--methods``: the comma-separated names, each one of ``known``; any other is an argparse
+    error naming it and the known ones (exits, as ``ap.error`` does)."""
+    methods = [m for m in text.split(",") if m]
+    bad = [m for m in methods if m not in known]
+    if bad:
+        ap.error(f"unknown method(s) {bad}; choose from {list(known)}")
+    return methods
+
+
 def append_rows(bench: str, rows: List[Dict[str, object]], path: Optional[str] = None,
                 extras: Optional[List[str]] = None) -> str:
     """Append rows (dicts with the COLUMNS and optional extras) to results/<bench>.csv (or ``path``).
