@@ -558,12 +558,16 @@ class AnchorMassConfig(_Json):
 
 
 def anchor_mass_default(group_size: int, exp: ExpMode = ExpMode.SHIFT) -> AnchorMassConfig:
-    """256 queries per program (NG = 2 at C = 128, 4 at C = 64). NOTE a prediction from the sm_90 SASS mix
-    (docs/anchor_notes.md), not yet timed: benchmarks/bench_anchor_mass.py measures the anchor step on the H200."""
+    """C = 128: one group per program (NG = 1); C = 64: NG = 4 (256 queries, not timed against the others).
+    NOTE same run, H100 80GB HBM3, 40 x 32760, 3 stages (benchmarks/bench_anchor_mass.py --mass-configs, rows
+    pass2_mass:*): NG = 1 shift 14.79 ms, NG = 2 shift (the previous default, from the SASS mix) 15.97, NG = 1 exact
+    15.74, NG = 2 exact 16.84, NG = 1 shift with 2 stages 16.02; the same masses (rel. L2 0 between the shift
+    launches). NG = 2 streams half the K8 tiles from L2 but holds 210 registers and two CTAs an SM (one warp per
+    scheduler each); NG = 1, 146 registers and three."""
     if int(group_size) not in (64, 128):
         raise ValueError(f"anchor mass: group_size must be 64 or 128 (the sparse kernel's query tile), "
                          f"got {group_size}")
-    return AnchorMassConfig(groups_per_program=max(1, 256 // int(group_size)), exp=exp)
+    return AnchorMassConfig(groups_per_program=1 if int(group_size) == 128 else 4, exp=exp)
 
 
 @dataclass(frozen=True)
