@@ -342,12 +342,15 @@ def cheap_anchor_applies(q, k, v, cfg) -> Optional[str]:
 
 
 def _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep):
-    """(out, O_dense, idx, R fp32 or None) by ``methods/anchor.anchor_step`` over ``impl``'s kernels."""
+    """(out, O_dense, idx, R or None) by ``methods/anchor.anchor_step`` over ``impl``'s kernels; R in bf16 when that
+    is how it is cached (formed in the gather kernel's epilogue), fp32 for the FP8 residual's per-token scales."""
     from . import anchor as A
 
     res = A.anchor_step(impl, q, k, v, sm_scale=sm_scale, group_size=cfg.group_size, keep=keep,
                         cfg=A.AnchorConfig(dense_out=cfg.anchor_dense), sigma=sigma,
-                        residual=cfg.residual != Residual.NONE, out_dtype=kernel_out_dtype(q.dtype), sparse_qk=cfg.sparse_qk.value)
+                        residual=cfg.residual != Residual.NONE, out_dtype=kernel_out_dtype(q.dtype),
+                        sparse_qk=cfg.sparse_qk.value,
+                        residual_dtype=torch.bfloat16 if cfg.residual == Residual.BF16 else torch.float32)
     out = finish_output(res.out, q.dtype).contiguous()  # SDPA's layout, as the original passes
     return out, res.out, res.idx, res.residual
 # ----------
