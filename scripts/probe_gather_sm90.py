@@ -4,7 +4,8 @@
 
 Each program (one per query group and head, head-major as the gather kernel's tiles) copies its n_keep selected
 K and V rows (BN = 128 a block) into a two-stage shared-memory ring and does nothing with them: by cp.async
-(16 bytes a thread; TPR threads a row: 4 = the gather kernel's 64-byte segments, 8, 16), and by one TMA box of
+(16 bytes a thread; TPR threads a row: 4 = the gather kernel's 64-byte segments, 8, 16; and in the gather kernel's
+producer order, K_j landed before V_j is issued), and by one TMA box of
 [1, 64] per half row issued from one warp. The TMA variant lands in an unswizzled layout, which wgmma cannot read:
 Gluon 3.6 refuses a one-row box into the 128-byte-swizzled layout (it needs >= [8, 64]), so it times the copy
 engine only. S = 32760 / 75600, s = 0.15, H = 40, D = 128, random sorted selections. docs/sparse_notes.md has
@@ -21,7 +22,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 @gluon.jit
 def _gather_cp(K, V, IDX, n_gc, N_KEEP, sks, skh, sih, sig, TPR: gl.constexpr, BN: gl.constexpr,
-               D: gl.constexpr):
+               D: gl.constexpr, CHAIN: gl.constexpr = False):
     NW: gl.constexpr = gl.num_warps()
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [NW, 1], [1, 0])
     sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
@@ -39,10 +40,17 @@ def _gather_cp(K, V, IDX, n_gc, N_KEEP, sks, skh, sih, sig, TPR: gl.constexpr, B
     for j in range(0, nb):
         kid = gl.load(ib + j * BN + offs)
         s = j % 2
-        async_copy.async_copy_global_to_shared(ks.index(s), kb + kid[:, None] * sks + d[None, :])
-        async_copy.async_copy_global_to_shared(vs.index(s), vb + kid[:, None] * sks + d[None, :])
-        async_copy.commit_group()
-        async_copy.wait_group(1)
+        if CHAIN:  # the gather kernel's producer order: K_j, wait for V_{j-1} and K_j to land, then V_j
+            async_copy.async_copy_global_to_shared(ks.index(s), kb + kid[:, None] * sks + d[None, :])
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            async_copy.async_copy_global_to_shared(vs.index(s), vb + kid[:, None] * sks + d[None, :])
+            async_copy.commit_group()
+        else:  # K_j and V_j together, one block in flight while the next is issued
+            async_copy.async_copy_global_to_shared(ks.index(s), kb + kid[:, None] * sks + d[None, :])
+            async_copy.async_copy_global_to_shared(vs.index(s), vb + kid[:, None] * sks + d[None, :])
+            async_copy.commit_group()
+            async_copy.wait_group(1)
     async_copy.wait_group(0)
 
 
@@ -95,12 +103,13 @@ def main():
             idx[hh] = torch.rand(G, S, device="cuda").topk(n_keep, dim=-1, sorted=False).indices.sort(-1).values.int()
         nbytes = H * G * n_keep * 2 * D * 2
         rows = []
-        for tpr in (4, 8, 16):
+        for tpr, chain in ((4, False), (8, False), (16, False), (4, True)):
             f = lambda: _gather_cp[(H * G,)](k, v, idx, G, n_keep, k.stride(1), k.stride(0), idx.stride(0),
-                                             idx.stride(1), TPR=tpr, BN=BN, D=D, num_warps=4)
+                                             idx.stride(1), TPR=tpr, BN=BN, D=D, CHAIN=chain, num_warps=4)
             try:
                 ms = bench(f)
-                rows.append((f"cp.async TPR{tpr} 4w", ms))
+                rows.append((f"cp.async TPR{tpr} 4w" + (", K landed before V (the kernel's order)" if chain else ""),
+                             ms))
             except Exception as e:  # noqa: BLE001
                 print("cp", tpr, type(e).__name__, str(e)[:300])
         k2 = k.view(H * S, D)
