@@ -234,8 +234,10 @@ def generation_tables(rows) -> List[str]:
             body.append([NAMES.get(v, v), f(r.get("ms"), "{:.0f}"), f(r.get("speedup_vs_cudnn"), "{:.2f}x"),
                          f(r.get("speedup_vs_fa4"), "{:.2f}x"), ph, f(r.get("first_generation_s"), "{:.1f}"),
                          f(r.get("rel_l2"), "{:.2e}")])
+        several = len({r.get("commit") for r in main.values()}) > 1
         txt = (f"**Bare attention over a {steps}-step generation, B=1 H={H} S={S} D={D} bf16** "
-               f"({any_row.get('gpu')}, {any_row.get('date')}, commit {any_row.get('commit')})\n\n")
+               f"({any_row.get('gpu')}; runs: {_runs(main)})"
+               + (": each x cuDNN against the cuDNN row of its own run" if several else "") + "\n\n")
         txt += md_table(["method", "attention ms (sum)", "x cuDNN", "x FA4",
                          "ms (steps): " + " / ".join(PHASES), "first generation s", "rel. L2 vs fp32"], body)
         if brk:

@@ -59,6 +59,9 @@ def test_render_latest_rows_tables_and_plots(tmp_path, capsys):
     assert "| stock (Inductor + cuDNN) | 52.0 | 1.00x |" in text and "60.0" not in text
     assert "| MC-Sparse s = 0.15 | 70 | 1.63x | - | 38 (1) / - (0) / 0 (0) / 24 (1) / 8 (1) |" in text
     assert "| MC-Sparse s = 0.15 | 8.00 | 7.70 | 0.10 | 0.20 | 0.30 | 3.8% |" in text
+    gen_head = next(ln for ln in text.splitlines() if ln.startswith("**Bare attention over a 3-step"))
+    assert "runs: " in gen_head and "(cuDNN (bf16), MC-Sparse s = 0.15)" in gen_head  # the run, its rows
+    assert "own run" not in gen_head  # one run: no note on mixed baselines
     assert "random weights: speed only, not quality" in text
     if importlib.util.find_spec("matplotlib") is None:
         assert "plots skipped" in capsys.readouterr().err
