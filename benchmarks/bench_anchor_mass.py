@@ -6,6 +6,8 @@
     python -m benchmarks.bench_anchor_mass --smoke           # CPU dry run (interpreter), S = 300, H = 2, no CSV
     python -m benchmarks.bench_anchor_mass --sizes 32760 --mass-configs 1/shift/3,1/exact/3,2/exact/3
                                                              # + pass 2's launch A/B (rows pass2_mass:...)
+    python -m benchmarks.bench_anchor_mass --sizes 32760 --topk-configs 8192/8/8,4096/4/8
+                                                             # + the top-K's launch A/B (rows topk:...)
 
 Three anchor steps on the same inputs (bf16, a channel bias on K, outlier V tokens; density 0.15, C = 128):
 * ``old``: ``methods/mcsparse.run(..., cheap_anchor=False)``: PDDP, cuDNN + LSE, bf16-MMA pass 2 (fp32 masses,
@@ -103,7 +105,19 @@ def parse_mass_configs(text: str):
     return out
 
 
-def bench_size(S, H, log, dev="cuda", mass_configs=()):
+def parse_topk_configs(text: str):
+    """``--topk-configs``: comma-separated ``block/digit/warps`` (e.g. ``8192/8/8``) -> TopKConfig list."""
+    out = []
+    for spec in (t for t in text.split(",") if t):
+        try:
+            blk, dg, nw = spec.split("/")
+            out.append(KC.TopKConfig(block=int(blk), digit=int(dg), num_warps=int(nw)))
+        except ValueError as e:
+            raise SystemExit(f"--topk-configs {spec!r}: expected block/digit/warps, e.g. 8192/8/8 ({e})")
+    return out
+
+
+def bench_size(S, H, log, dev="cuda", mass_configs=(), topk_configs=()):
     torch.manual_seed(0)
     q, k, v = inputs(H, S, dev)
     sm = D ** -0.5
@@ -196,6 +210,17 @@ def bench_size(S, H, log, dev="cuda", mass_configs=()):
         log(f"  {name}: {t:.3f} ms (default {T['new_bf16']['pass2_mass']:.3f}), masses vs default rel. L2 {err:.2e}")
         del pmc, mm
     put(("new_bf16", "new_q8"), "topk", timed(lambda: dispatch.topk(impl, m16, keep), **fast) * H / m16.shape[0])
+    if topk_configs:
+        idx16 = dispatch.topk(impl, m16, keep)
+    for tc in topk_configs:  # the top-K's launch A/B: the same indices (an exact select), other launches
+        t = timed(lambda tc=tc: dispatch.topk(impl, m16, keep, launch=tc), **fast) * H / m16.shape[0]
+        same = bool(torch.equal(dispatch.topk(impl, m16, keep, launch=tc), idx16))
+        name = f"topk:block={tc.block},digit={tc.digit},warps={tc.num_warps}"
+        ab_rows.append(dict(variant=name, S=S, H=H, ms=t, density=dens, part="topk_ab",
+                            note=f"indices equal to the default launch's: {same}; default {T['new_bf16']['topk']:.3f} ms"))
+        log(f"  {name}: {t:.3f} ms (default {T['new_bf16']['topk']:.3f}), same indices {same}")
+    if topk_configs:
+        del idx16
     del m16, prep
     idx_new = dispatch.anchor_select_q8(impl, qk, lse_s, sigma, group_size=C, keep=keep)
     # R as anchor_step forms the cached bf16 residual: the gather kernel's epilogue adds -O_dense, one rounding
@@ -298,19 +323,23 @@ def main():
     ap.add_argument("--mass-configs", default="",
                     help="pass 2's launches to time beside the default, NG/exp/stages comma-separated "
                          "(e.g. 1/shift/3,1/exact/3,2/exact/3); rows pass2_mass:...")
+    ap.add_argument("--topk-configs", default="",
+                    help="the top-K's launches to time beside the default, block/digit/warps comma-separated "
+                         "(e.g. 8192/8/8,4096/4/8); rows topk:...")
     a = ap.parse_args()
     mass_configs = parse_mass_configs(a.mass_configs)
+    topk_configs = parse_topk_configs(a.topk_configs)
     log = lambda m: print(m, flush=True)  # noqa: E731
     cols = ["variant", "S", "ms", "speedup_vs_cudnn", "rel_l2", "note"]
     if a.smoke:
-        print_table(bench_size(300, 2, log, dev="cpu", mass_configs=mass_configs), cols)
+        print_table(bench_size(300, 2, log, dev="cpu", mass_configs=mass_configs, topk_configs=topk_configs), cols)
         return
     if not torch.cuda.is_available():
         sys.exit("bench_anchor_mass: needs a CUDA GPU (H200); --smoke runs on the CPU")
     t0 = time.monotonic()
     rows, path = [], None
     for S in (int(s) for s in a.sizes.split(",")):
-        new = bench_size(S, a.heads, log, mass_configs=mass_configs)
+        new = bench_size(S, a.heads, log, mass_configs=mass_configs, topk_configs=topk_configs)
         path = append_rows("bench_anchor_mass", new, extras=EXTRAS)  # per size: a time-out later keeps these rows
         if a.csv:
             with open(path) as f_in, open(a.csv, "w", newline="") as f_out:
