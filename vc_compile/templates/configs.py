@@ -577,10 +577,14 @@ class TopKConfig(_Json):
     2 passes); ``num_warps``.
     NOTE sm_90 SASS (scripts/codegen_anchor.py, bf16 rows): a 256-bin ``tl.histogram`` pass costs ~75
     instructions per element, a 16-bin pass ~32-46, the compaction ~46: digit 8 ~195 per element for bf16,
-    digit 4 ~200 (fp32: ~345 vs ~325); 8 reads the row fewer times. Not yet timed on the GPU."""
-    block: int = 4096
+    digit 4 ~200 (fp32: ~345 vs ~325); 8 reads the row fewer times.
+    NOTE same run, H100 80GB HBM3, 40 heads, bf16 masses (benchmarks/bench_anchor_mass.py --topk-configs, rows
+    topk:*), ms at S = 32760 / 75600: block 2048, digit 8, 4 warps 3.51 / 17.27; 4096/8/8 (the previous default)
+    3.71 / 18.94; 4096/8/4 3.85 / 20.66; 4096/4/8 3.87 / 20.42; 8192/8/8 4.41 / 23.60; 8192/4/8 4.27 / 22.72;
+    16384/8/16 4.08 / 22.70; 16384/8/8 5.47 / 33.79; 32768/8/16 21.38 / 43.86. Equal indices for every launch."""
+    block: int = 2048
     digit: int = 8
-    num_warps: int = 8
+    num_warps: int = 4
 
     def __post_init__(self):
         b = self.block
