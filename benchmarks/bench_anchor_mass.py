@@ -93,28 +93,28 @@ def kernel_ms(fn):
     return out
 
 
-def parse_mass_configs(text: str):
-    """``--mass-configs``: comma-separated ``NG/exp/stages`` (e.g. ``1/exact/3``) -> AnchorMassConfig list."""
+def _parse_specs(text: str, option: str, form: str, make):
+    """Comma-separated ``a/b/c`` launch specs of ``option`` -> [make(a, b, c)]; a malformed or invalid spec
+    stops the benchmark naming the option and the expected ``form``."""
     out = []
     for spec in (t for t in text.split(",") if t):
         try:
-            ng, ex, st = spec.split("/")
-            out.append(KC.AnchorMassConfig(groups_per_program=int(ng), exp=ex, num_stages=int(st)))
-        except ValueError as e:
-            raise SystemExit(f"--mass-configs {spec!r}: expected NG/exp/stages, e.g. 1/exact/3 ({e})")
+            out.append(make(*spec.split("/")))
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"{option} {spec!r}: expected {form} ({e})")
     return out
+
+
+def parse_mass_configs(text: str):
+    """``--mass-configs``: comma-separated ``NG/exp/stages`` (e.g. ``1/exact/3``) -> AnchorMassConfig list."""
+    return _parse_specs(text, "--mass-configs", "NG/exp/stages, e.g. 1/exact/3", lambda ng, ex, st: KC.AnchorMassConfig(
+        groups_per_program=int(ng), exp=ex, num_stages=int(st)))
 
 
 def parse_topk_configs(text: str):
     """``--topk-configs``: comma-separated ``block/digit/warps`` (e.g. ``8192/8/8``) -> TopKConfig list."""
-    out = []
-    for spec in (t for t in text.split(",") if t):
-        try:
-            blk, dg, nw = spec.split("/")
-            out.append(KC.TopKConfig(block=int(blk), digit=int(dg), num_warps=int(nw)))
-        except ValueError as e:
-            raise SystemExit(f"--topk-configs {spec!r}: expected block/digit/warps, e.g. 8192/8/8 ({e})")
-    return out
+    return _parse_specs(text, "--topk-configs", "block/digit/warps, e.g. 8192/8/8", lambda blk, dg, nw: KC.TopKConfig(
+        block=int(blk), digit=int(dg), num_warps=int(nw)))
 
 
 def bench_size(S, H, log, dev="cuda", mass_configs=(), topk_configs=()):
@@ -217,7 +217,8 @@ def bench_size(S, H, log, dev="cuda", mass_configs=(), topk_configs=()):
         same = bool(torch.equal(dispatch.topk(impl, m16, keep, launch=tc), idx16))
         name = f"topk:block={tc.block},digit={tc.digit},warps={tc.num_warps}"
         ab_rows.append(dict(variant=name, S=S, H=H, ms=t, density=dens, part="topk_ab",
-                            note=f"indices equal to the default launch's: {same}; default {T['new_bf16']['topk']:.3f} ms"))
+                            note=f"indices equal to the default launch's: {same}; "
+                                 f"default {T['new_bf16']['topk']:.3f} ms"))
         log(f"  {name}: {t:.3f} ms (default {T['new_bf16']['topk']:.3f}), same indices {same}")
     if topk_configs:
         del idx16
