@@ -5,7 +5,7 @@ consumers' loop (the backward branch around an HGMMA: its instruction mix, HGMMA
 shared-memory traffic, warpgroup waits) and the producer's loop (cp.async LDGSTS, mbarrier arrivals).
 
     python3 -m scripts.codegen_sparse_sm90 [--S 32760] [--density 0.15] [--C 64,128] [--configs 128/2,64/3]
-        [--off64] [--json] [--dump PREFIX]
+        [--off64] [--qk8] [--json] [--dump PREFIX]
 
 Same fake-driver warm-up compile as scripts/codegen_stats.py (B = 1, H = 40, D = Dv = 128, bf16, residual and
 flag epilogue on, n_keep from the density). Never run under TRITON_INTERPRET=1.
@@ -30,7 +30,7 @@ def _op(t: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
 
 
-def compile_one(S, C, cfg, density=0.15, D=128, flag=True, residual=True):
+def compile_one(S, C, cfg, density=0.15, D=128, flag=True, residual=True, qk8=False):
     from vc_compile.formats import n_keep
     from vc_compile.templates import sparse_attn_sm90 as g
     B, H = 1, 40
@@ -41,8 +41,9 @@ def compile_one(S, C, cfg, density=0.15, D=128, flag=True, residual=True):
     fl = torch.empty(B, H, D, dtype=torch.int32) if flag else None
     cs.COMPILED.clear()
     try:
-        g.sparse_attention_sm90(q, q, q, sig, idx, sm_scale=D ** -0.5, group_size=C, residual=q if residual else None,
-                                flag=fl, launch=cfg)
+        k = torch.empty(B, H, S, D, dtype=torch.int8) if qk8 else q
+        g.sparse_attention_sm90(q, k, q, sig, idx, sm_scale=D ** -0.5, group_size=C, residual=q if residual else None,
+                                flag=fl, launch=cfg, k_scale=torch.empty(B, H) if qk8 else None)
     except Exception:  # noqa: BLE001 - host code after the (fake) launch
         pass
     return [k for name, k in cs.COMPILED if name == "_sparse_attn_sm90_kernel"][-1]
@@ -89,6 +90,8 @@ def consumer_loop(sass: str) -> dict:
             # PV takes P from registers: HGMMA with a register A operand ("R..., gdesc")
             "hgmma_register_a": sum(1 for x in hg if re.search(r"HGMMA\S* R\d+, R\d+, gdesc", x)),
             "hgmma_smem_a": sum(1 for x in hg if re.search(r"HGMMA\S* R\d+, gdesc", x)),
+            # the 8-bit QK variant: QK as IGMMA (S8 x S8 -> S32, k = 32), Q from shared memory
+            "igmma_smem_a": sum(1 for x in body if re.search(r"IGMMA\S* R\d+, gdesc", x)),
             "warpgroup_waits": sum(1 for x in body if _op(x).startswith("WARPGROUP.DEPBAR")),
             "sts": sum(1 for x in body if _op(x).startswith("STS")),
             "lds": sum(1 for x in body if _op(x).startswith("LDS")),
@@ -102,7 +105,7 @@ def _marks(body: list) -> tuple:
     """Positions in a consumer block of PV's HGMMAs (register A operand), QK's (shared-memory A), the waits that
     leave one group in flight (``DEPBAR.LE gsb0, 0x1``) and none (``0x0``), and the MUFU.EX2s."""
     at = lambda pat: [i for i, x in enumerate(body) if re.search(pat, x)]  # noqa: E731
-    return (at(r"HGMMA\S* R\d+, R\d+, gdesc"), at(r"HGMMA\S* R\d+, gdesc"), at(r"DEPBAR\.LE gsb0, 0x1\b"),
+    return (at(r"HGMMA\S* R\d+, R\d+, gdesc"), at(r"[HI]GMMA\S* R\d+, gdesc"), at(r"DEPBAR\.LE gsb0, 0x1\b"),
             at(r"DEPBAR\.LE gsb0, 0x0\b"), at(r"MUFU\.EX2"))
 
 
@@ -158,6 +161,7 @@ def main(argv=None):
     p.add_argument("--C", default="64,128")
     p.add_argument("--configs", default=None, help="BN/stages,...; default: the kernel's default per C")
     p.add_argument("--off64", action="store_true", help="force the 64-bit offset path (OFF64, for Sk * stride >= 2^31)")
+    p.add_argument("--qk8", action="store_true", help="the 8-bit QK variant (int8 K codes, one scale a head)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dump", default=None, help="write PREFIX_c<C>_<cfg>.ttgir/.ptx/.sass")
     a = p.parse_args(argv)
@@ -171,9 +175,10 @@ def main(argv=None):
         cfgs = ([CF.SparseAttnSm90Config.from_spec(c) for c in a.configs.split(",")] if a.configs
                 else [CF.sparse_sm90_default(C)])
         for cfg in cfgs:
-            k = compile_one(a.S, C, cfg, a.density)
+            k = compile_one(a.S, C, cfg, a.density, qk8=a.qk8)
             flags = "".join(f for f, n in cfg.SPEC_FLAGS.items() if getattr(cfg, n))
-            name = f"c{C}_BN{cfg.block_n}_s{cfg.stages}{flags}" + ("_off64" if a.off64 else "")
+            name = (f"c{C}_BN{cfg.block_n}_s{cfg.stages}{flags}" + ("_off64" if a.off64 else "")
+                    + ("_qk8" if a.qk8 else ""))
             out[name] = kernel_stats(k)
             if a.dump:
                 cs.dump_asm(k, f"{a.dump}_{name}")

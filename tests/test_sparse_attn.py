@@ -252,3 +252,40 @@ def test_gather_kernel_codegen_sm90():
         assert not s["wgmma_serialized"] and s["ctas_per_sm"] == 2, st
     assert kv["loop"]["instructions"] <= base["loop"]["instructions"], st
     assert kv["spill_bytes"] <= base["spill_bytes"], st
+
+
+# ---- the per-head INT8 K of the sm_90 gather kernel's 8-bit QK ---------------------------------------------------
+@pytest.mark.parametrize("S,D", [(333, 64), (1000, 128)])
+def test_quantize_k_int8_head_matches_reference(S, D):
+    """The two-pass Triton quantiser against the reference: the same scale (the channel mean summed in another
+    order: fp32 rounding only) and codes equal but for ties moved by that rounding (at most one code)."""
+    from vc_compile.reference.sparse_attn_q8 import quantize_k_int8_head as ref_q
+    _, k, *_ = make_inputs(2, 3, S, D, torch.bfloat16, 0.5, device=DEV)
+    k[1, 2] = 0.75  # a constant head: scale 1, codes 0
+    codes, scale = tsa.quantize_k_int8_head(k)
+    rc, rs = ref_q(k.cpu())
+    assert codes.dtype == torch.int8 and scale.shape == (2, 3) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale.cpu(), rs, rtol=1e-5, atol=0)
+    diff = (codes.cpu().int() - rc.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+    assert scale[1, 2] == 1.0 and (codes[1, 2] == 0).all()
+    assert codes.abs().max() == 127  # the head's largest |k - mean| gets the full range
+
+
+def test_int8_k_smoothing_is_what_keeps_the_per_head_scale_accurate():
+    """One scale per head is only as good as K's range: with a channel bias (video DiTs' K has one), the codes
+    without smoothing spend their range on the bias. The reference on the smoothed codes against the same
+    scheme on raw K, channel-biased inputs, both against the 16-bit reference."""
+    from vc_compile.reference.sparse_attn_q8 import quantize_k_int8_head, sparse_attention_qk8
+    S, D, C = 1000, 128, 128
+    q, k, v, sigma, idx, _ = make_inputs(1, 2, S, D, torch.bfloat16, 0.3, C=C, structured=True, device="cpu")
+    kw = dict(sm_scale=D ** -0.5, group_size=C, out_dtype=torch.float32)
+    ref = ref_sparse(q, k, v, sigma, idx, **kw)
+    k8, ks = quantize_k_int8_head(k)
+    smooth = rel_l2(sparse_attention_qk8(q, k8, ks, v, sigma, idx, **kw), ref)
+    amax = k.float().abs().amax((2, 3))
+    raw_scale = amax / 127.0
+    raw = torch.round(k.float() / raw_scale[:, :, None, None]).to(torch.int8)
+    unsmoothed = rel_l2(sparse_attention_qk8(q, raw, raw_scale, v, sigma, idx, **kw), ref)
+    assert smooth < 0.5 * unsmoothed, (smooth, unsmoothed)
+    assert smooth < 2e-2

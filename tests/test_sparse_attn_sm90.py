@@ -32,7 +32,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # deeper 64-key ring, and the 64-bit offset path (tensors whose in-head offsets pass 2^31) of both defaults; name: C
 COMPILES = {"c64_BN64_s2": 64, "c128_BN128_s2fo": 128, "c128_BN128_s2": 128, "c128_BN64_s4": 128,
             "c64_BN64_s2_off64": 64, "c128_BN128_s2fo_off64": 128}
-RUNS = ([], ["--C", "128", "--configs", "64/4,128/2"], ["--off64"])
+RUNS = ([], ["--C", "128", "--configs", "64/4,128/2"], ["--off64"], ["--qk8"])
+QK8_COMPILES = {"c64_BN64_s2_qk8": 64, "c128_BN128_s2fo_qk8": 128}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,25 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     assert p["arrives"] == 2 * rings, p  # one arrival per tensor, block and ring (noinc, or after the fence)
 
 
+@pytest.mark.parametrize("variant", sorted(QK8_COMPILES))
+def test_qk8_compiles_to_int8_qk_and_a_smaller_gather(codegen, variant):
+    """The 8-bit QK variant (int8 K codes): QK as IGMMA (k = 32: D / 32 per block) from the Q codes in shared
+    memory, PV unchanged (P from registers), no loop spills, and the producer moving 384 bytes a key (128 of K,
+    256 of V) instead of 512."""
+    st = codegen[variant]
+    C, D = QK8_COMPILES[variant], 128
+    bn = int(variant.split("_BN")[1].split("_")[0])
+    assert st["spill_bytes"] <= 16 and not st["wgmma_serialized"], st
+    c, p = st["consumer"], st["producer"]
+    assert c["found"] and c["local_memory"] == 0 and p["local_memory"] == 0
+    assert c["igmma_smem_a"] == D // 32 and c["hgmma_smem_a"] == 0 and c["hgmma_register_a"] == bn // 16, c
+    assert bn // 2 <= c["mufu_ex2"] <= bn // 2 + 4, c
+    if C == 128:
+        assert c["overlap_order_ok"], c
+    rings = 2 if C == 64 else 1
+    assert p["ldgsts"] == rings * bn * (D + 2 * D) // 16 // 128, p
+
+
 def test_config_validation():
     assert CF.sparse_sm90_default(128) == SparseAttnSm90Config(producer_fence=True, overlap=True)
     assert CF.sparse_sm90_default(64) == SparseAttnSm90Config(64, 2)
@@ -134,6 +154,14 @@ def test_bad_arguments():
         f(q, k, v, sig, idx, sm_scale=0.1, group_size=128, residual=q[:, :, :-1])
     with pytest.raises(ValueError, match="flag"):
         f(q, k, v, sig, idx, sm_scale=0.1, group_size=128, flag=torch.zeros(1, 2, 128, dtype=torch.int64))
+    # 8-bit QK: int8 codes and their per-head scale go together, the scale fp32 [B, H]
+    k8 = torch.zeros(k.shape, dtype=torch.int8)
+    with pytest.raises(ValueError, match="k_scale"):
+        f(q, k8, v, sig, idx, sm_scale=0.1, group_size=128)
+    with pytest.raises(ValueError, match="k_scale"):
+        f(q, k, v, sig, idx, sm_scale=0.1, group_size=128, k_scale=torch.ones(1, 2))
+    with pytest.raises(ValueError, match="k_scale"):
+        f(q, k8, v, sig, idx, sm_scale=0.1, group_size=128, k_scale=torch.ones(2))
 
 
 # ---- on an sm_90 GPU ---------------------------------------------------------------------------------------
@@ -349,3 +377,24 @@ def test_spec_parsing():
             SparseAttnSm90Config.from_spec(bad)
     with pytest.raises(ValueError, match="producer_fence"):
         SparseAttnSm90Config(producer_fence=1)
+
+
+@requires_sm90
+@pytest.mark.parametrize("C", [64, 128])
+@pytest.mark.parametrize("S,D,density", [(4001, 128, 0.15), (4001, 64, 0.3), (333, 128, 0.25)])
+def test_gpu_qk8_matches_its_dequantised_reference(C, S, D, density):
+    """8-bit QK: against the reference run on the dequantised codes (the kernel's own arithmetic up to the fp32
+    sums' order and bf16 P: the bf16 tolerance) and against the unquantised reference (the quantisation's own
+    error, channel-biased K: the smoothing keeps it below 2e-2 on these inputs)."""
+    from vc_compile.reference.sparse_attn_q8 import sparse_attention_qk8
+    from vc_compile.templates.sparse_attn import quantize_k_int8_head
+    q, k, v, sigma, idx, res = make_inputs(1, 4, S, D, torch.bfloat16, density, C=C, device="cuda")
+    k8, ks = quantize_k_int8_head(k)
+    for residual in (None, res):
+        kw = dict(sm_scale=D ** -0.5, group_size=C, residual=residual, out_dtype=torch.float32)
+        out = _gluon(q, k8, v, sigma, idx, k_scale=ks, **kw)
+        assert out.shape == q.shape and torch.isfinite(out).all()
+        emu = sparse_attention_qk8(q, k8, ks, v, sigma, idx, **kw)
+        assert rel_l2(out, emu) < TOL[torch.bfloat16], rel_l2(out, emu)
+        ref = ref_sparse(q, k, v, sigma, idx, **kw)
+        assert rel_l2(out, ref) < 2e-2, rel_l2(out, ref)

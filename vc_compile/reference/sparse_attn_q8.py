@@ -60,3 +60,44 @@ def sparse_attention_q8(q, k, v, sigma, idx, *, sm_scale: float, group_size: int
     qd, kd = dequantized_qk(q, k, sigma, group_size)
     return sparse_attention(qd, kd, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
                             residual=residual, out_dtype=out_dtype or q.dtype, flag=flag)
+
+
+# ---- 8-bit QK of the sm_90 gather kernel (``templates/sparse_attn_sm90.py`` with int8 K codes) ----
+# Q: INT8 codes, one scale per query row, amax / 127, codes = round-to-nearest-even(q x (127 / amax)) (the kernel's
+# reciprocal is not IEEE: a code at an exact tie may differ by one). K: smoothed (token mean per head and channel
+# subtracted, which softmax ignores), INT8 codes with ONE scale per head. Logits = (q_codes . k_codes) x q_scale x
+# k_scale x sm_scale: the 16-bit reference run on the dequantised Q and K (fp32).
+
+def quantize_k_int8_head(k: torch.Tensor):
+    """K [B, H, Sk, D] -> (codes int8, scale [B, H] fp32): mean = the token mean per head and channel, amax = the
+    largest |k - mean|, scale = amax / 127 (1 for a constant head), codes = round((k - mean) x 127 / amax)."""
+    kf = k.float()
+    mean = kf.mean(2, keepdim=True)
+    km = kf - mean
+    amax = km.abs().amax((2, 3))
+    ok = amax > 0
+    scale = torch.where(ok, amax / 127.0, torch.ones_like(amax))
+    inv = torch.where(ok, 127.0 / torch.where(ok, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    codes = torch.round(km * inv[:, :, None, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def quantize_q_int8_rows(q: torch.Tensor):
+    """Q [B, H, S, D] -> (codes as fp32 [B, H, S, D], scale [B, H, S, 1]): one scale per row, amax / 127 (1 for an
+    all-zero row)."""
+    qf = q.float()
+    amax = qf.abs().amax(-1, keepdim=True)
+    ok = amax > 0
+    scale = torch.where(ok, amax / 127.0, torch.ones_like(amax))
+    codes = torch.round(qf * (127.0 / torch.where(ok, amax, torch.ones_like(amax))))
+    return codes, scale
+
+
+def sparse_attention_qk8(q, k_codes, k_scale, v, sigma, idx, *, sm_scale, group_size, residual=None,
+                         out_dtype=None, flag=None):
+    """The sm_90 gather kernel's 8-bit-QK contract: ``q`` 16-bit (quantised per row here, as in the kernel),
+    ``k_codes`` / ``k_scale`` from ``quantize_k_int8_head``; the 16-bit reference on the dequantised Q and K."""
+    qc, qs = quantize_q_int8_rows(q)
+    kd = k_codes.float() * k_scale.float()[:, :, None, None]
+    return sparse_attention(qc * qs, kd, v.float(), sigma, idx, sm_scale=sm_scale, group_size=group_size,
+                            residual=residual, out_dtype=out_dtype or q.dtype, flag=flag)

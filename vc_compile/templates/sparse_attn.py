@@ -89,6 +89,78 @@ def quantize_k_fp8(k: torch.Tensor):
 
 
 @triton.jit
+def _k_stats_kernel(K, PART, S, H, skb, skh, sks, rows_per, D: tl.constexpr, BLOCK: tl.constexpr,
+                    ROWS_C: tl.constexpr):
+    """Per (split, b*h): the channel sums, maxima and minima of rows [split * rows_per, ...) of K ->
+    PART [B*H, n_split, 3, D] fp32."""
+    sp = tl.program_id(0)
+    bh = tl.program_id(1)
+    base = K + (bh // H).to(tl.int64) * skb + (bh % H).to(tl.int64) * skh
+    d = tl.arange(0, D)
+    acc = tl.zeros([D], tl.float32)
+    hi = tl.full([D], float("-inf"), tl.float32)
+    lo = tl.full([D], float("inf"), tl.float32)
+    r0 = sp * rows_per
+    for r in range(0, ROWS_C if ROWS_C >= 0 else rows_per, BLOCK):  # rows_per: a multiple of BLOCK
+        rows = r0 + r + tl.arange(0, BLOCK)
+        m = rows < S
+        x = tl.load(base + rows[:, None].to(tl.int64) * sks + d[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(x, 0)
+        hi = tl.maximum(hi, tl.max(tl.where(m[:, None], x, float("-inf")), 0))
+        lo = tl.minimum(lo, tl.min(tl.where(m[:, None], x, float("inf")), 0))
+    out = PART + (bh * tl.num_programs(0) + sp).to(tl.int64) * 3 * D
+    tl.store(out + d, acc)
+    tl.store(out + D + d, hi)
+    tl.store(out + 2 * D + d, lo)
+
+
+@triton.jit
+def _k_codes_kernel(K, MEAN, INV, K8, S, H, skb, skh, sks, D: tl.constexpr, BLOCK: tl.constexpr):
+    """codes = round-to-nearest-even((k - mean) x inv) as int8 (|.| <= 127 by construction of inv)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    base = K + (bh // H).to(tl.int64) * skb + (bh % H).to(tl.int64) * skh
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    m = rows < S
+    x = tl.load(base + rows[:, None].to(tl.int64) * sks + d[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    y = (x - tl.load(MEAN + bh * D + d)[None, :]) * tl.load(INV + bh)
+    y = tl.minimum(tl.maximum((y + 12582912.0) - 12582912.0, -127.0), 127.0)  # the magic add: nearest even
+    tl.store(K8 + bh.to(tl.int64) * S * D + rows[:, None].to(tl.int64) * D + d[None, :], y.to(tl.int8),
+             mask=m[:, None])
+
+
+def quantize_k_int8_head(k: torch.Tensor):
+    """K [B, H, Sk, D] -> (codes [B, H, Sk, D] int8, scale [B, H] fp32) for the sm_90 gather kernel's 8-bit QK:
+    K smoothed (its token mean per head and channel subtracted: softmax is invariant to it, as in the 8-bit
+    dense path), then ONE scale per head, amax / 127 with amax = max over channels of max(hi - mean, mean - lo)
+    (1 for a constant head), codes = round-to-nearest-even((k - mean) x 127 / amax). One scale per head, not
+    per token: the gathered keys' scores then need no per-column factor in the kernel (the scale folds into the
+    row's exponent factor). Two passes over K (channel sums / extremes per split, then the codes) and a few
+    [B, H, D] torch ops between them. Reference: ``reference/sparse_attn_q8.quantize_k_int8_head``."""
+    B, H, S, D = k.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    BLOCK = 64
+    n_split = max(1, min(triton.cdiv(S, BLOCK), 8192 // max(1, B * H)))
+    rows_per = triton.cdiv(triton.cdiv(S, n_split), BLOCK) * BLOCK
+    n_split = triton.cdiv(S, rows_per)
+    part = torch.empty(B * H, n_split, 3, D, device=k.device, dtype=torch.float32)
+    _k_stats_kernel[(n_split, B * H)](k, part, S, H, k.stride(0), k.stride(1), k.stride(2), rows_per, D=D,
+                                      BLOCK=BLOCK, ROWS_C=loop_bound(rows_per), num_warps=4)
+    mean = part[:, :, 0].sum(1) / S
+    amax = torch.maximum(part[:, :, 1].amax(1) - mean, mean - part[:, :, 2].amin(1)).amax(1)
+    ok = amax > 0
+    scale = torch.where(ok, amax / 127.0, torch.ones_like(amax))
+    inv = torch.where(ok, 127.0 / torch.where(ok, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    codes = torch.empty(B, H, S, D, device=k.device, dtype=torch.int8)
+    _k_codes_kernel[(triton.cdiv(S, BLOCK), B * H)](k, mean.contiguous(), inv.contiguous(), codes, S, H,
+                                                     k.stride(0), k.stride(1), k.stride(2), D=D, BLOCK=BLOCK,
+                                                     num_warps=4)
+    return codes, scale.view(B, H)
+
+
+@triton.jit
 def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT, FLAG,
                         sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                         sib, sih, sig, sin, srb, srh, srs, sob, soh, sos,

@@ -78,11 +78,11 @@ WS_MAXNREG = 168  # 12 warps: 168 x 3 = 504 registers per thread slot (consumers
 
 
 @gluon.constexpr_function
-def _gather_layout(NW):
-    """Rows x columns (K's D or V's Dv): 8 contiguous elements (16 bytes) per thread, 4 threads per 32-element
-    (64-byte) segment, 8 rows per warp; warps stacked along the rows. The same for K and V, so one id vector
-    serves both gathers."""
-    return gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
+def _gather_layout(NW, VEC=8):
+    """Rows x columns (K's D or V's Dv): VEC contiguous elements (16 bytes: 8 16-bit or 16 8-bit ones) per
+    thread, 4 threads per 64-byte segment, 8 rows per warp; warps stacked along the rows. The rows are
+    distributed alike for every VEC, so one id vector serves the K and the V gathers."""
+    return gl.BlockedLayout([1, VEC], [8, 4], [NW, 1], [1, 0])
 
 
 @gluon.jit
@@ -107,12 +107,18 @@ def _produce_block(it, kid, valid, k_base, v_base, sks, svs, k_smem, v_smem, kre
     (``vprev``: there is one in flight) is released once K of this block is issued, K of this block once it
     landed, before this block's V is issued (``_produce_flush`` releases a tile's last V)."""
     NW: gl.constexpr = gl.num_warps()
+    KVEC: gl.constexpr = 128 // k_smem.dtype.primitive_bitwidth
     slot = ring * STAGES + it % STAGES
     ph = ((it // STAGES) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first round passes
-    dk = gl.arange(0, D, layout=gl.SliceLayout(0, _gather_layout(NW)))
+    dk = gl.arange(0, D, layout=gl.SliceLayout(0, _gather_layout(NW, KVEC)))
     dv = gl.arange(0, DV, layout=gl.SliceLayout(0, _gather_layout(NW)))
     mbarrier.wait(kempty.index(slot), ph)
-    _gather_rows(k_base, kid, sks, k_smem.index(slot), dk, valid, MASK)
+    if KVEC == 8:
+        _gather_rows(k_base, kid, sks, k_smem.index(slot), dk, valid, MASK)
+    else:  # 8-bit K rows: the same rows in the 16-element layout (no data movement)
+        krow_l: gl.constexpr = gl.SliceLayout(1, _gather_layout(NW, KVEC))
+        _gather_rows(k_base, gl.convert_layout(kid, krow_l), sks, k_smem.index(slot), dk,
+                     gl.convert_layout(valid, krow_l), MASK)
     if PFENCE:
         async_copy.commit_group()
         async_copy.wait_group(1)  # V of the block before landed (K of this one may still fly)
@@ -214,15 +220,15 @@ def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N
 
 @gluon.jit
 def _consume_block(j, it, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, N_KEEP,
-                   sm_scale_log2, zero_s, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+                   sm_scale_log2, crow, zero_s, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
                    PDT: gl.constexpr, MASK: gl.constexpr, NEXT: gl.constexpr, PFENCE: gl.constexpr,
-                   ONE_WAIT: gl.constexpr):
+                   ONE_WAIT: gl.constexpr, QK8: gl.constexpr):
     """Block j (at ring position ``it``) with S_j given: softmax -> PV_j and S_{j+1} (NEXT) issued together ->
     PV_j retired (V_j freed) -> S_{j+1} retired (K_{j+1} freed). Returns (S_{j+1} or s, m_i, l_i, acc)."""
     o_layout: gl.constexpr = acc.type.layout
     slot = ring * STAGES + it % STAGES
     nslot = ring * STAGES + (it + 1) % STAGES
-    p, alpha, m_new, l_i = _softmax(s, j, m_i, l_i, N_KEEP, sm_scale_log2, BN, PDT, o_layout, MASK)
+    p, alpha, m_new, l_i = _softmax(s, j, m_i, l_i, N_KEEP, sm_scale_log2, crow, BN, PDT, o_layout, MASK, QK8)
     acc = acc * alpha[:, None]
     p16 = _p_operand(p, PDT, o_layout)
     mbarrier.wait(vready.index(slot), (it // STAGES) & 1)
@@ -250,15 +256,26 @@ def _consume_block(j, it, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vrea
 
 
 @gluon.jit
-def _softmax(s, j, m_i, l_i, N_KEEP, sm_scale_log2, BN: gl.constexpr, PDT: gl.constexpr, o_layout: gl.constexpr,
-             MASK: gl.constexpr):
+def _softmax(s, j, m_i, l_i, N_KEEP, sm_scale_log2, crow, BN: gl.constexpr, PDT: gl.constexpr,
+             o_layout: gl.constexpr, MASK: gl.constexpr, QK8: gl.constexpr):
     """Block j's online-softmax step on S_j: (P_j, fp32, in S's layout; alpha_j in the O layout's rows, the new
-    row max, the new row sum). ``_p_operand`` makes P_j PV's register A operand."""
-    if MASK:
-        cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
-        s = gl.where((cols < N_KEEP)[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * sm_scale_log2)
-    p = gl.exp2(s * sm_scale_log2 - m_new[:, None])  # the scale folded into the exponent: one FFMA per score
+    row max, the new row sum). ``_p_operand`` makes P_j PV's register A operand. QK8: S_j is the int32 dot of
+    the codes and ``crow`` the row's factor (Q's row scale x K's head scale x sm_scale log2 e)."""
+    if QK8:
+        # t = 1.5 * 2^23 + qk exactly (|qk| <= 128 x 127^2 < 2^22): the int32 -> float conversion is one IADD,
+        # and the offset folds into the exponent's FFMA: p = exp2(t c - (m + 1.5 * 2^23 c))
+        t = (s + 0x4B400000).to(gl.float32, bitcast=True)
+        if MASK:
+            cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
+            t = gl.where((cols < N_KEEP)[None, :], t, float("-inf"))
+        m_new = gl.maximum(m_i, (gl.max(t, 1) - 12582912.0) * crow)
+        p = gl.exp2(t * crow[:, None] - (m_new + 12582912.0 * crow)[:, None])
+    else:
+        if MASK:
+            cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
+            s = gl.where((cols < N_KEEP)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * sm_scale_log2)
+        p = gl.exp2(s * sm_scale_log2 - m_new[:, None])  # the scale folded into the exponent: one FFMA per score
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_new, l_i
@@ -272,8 +289,8 @@ def _p_operand(p, PDT: gl.constexpr, o_layout: gl.constexpr):
 
 @gluon.jit
 def _overlap_block(j, it, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, N_KEEP,
-                   sm_scale_log2, zero_s, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-                   PDT: gl.constexpr, MASK: gl.constexpr, PFENCE: gl.constexpr):
+                   sm_scale_log2, crow, zero_s, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+                   PDT: gl.constexpr, MASK: gl.constexpr, PFENCE: gl.constexpr, QK8: gl.constexpr):
     """OVERLAP (FlashAttention-3's order in one warp group), block j >= 1 at ring position ``it``, with P_{j-1}
     given (16-bit, PV's register operand) and O rescaled to its max: S_j and PV_{j-1} issued together -> S_j
     retired (K_j freed) -> softmax(S_j) -> PV_{j-1} retired (V_{j-1} freed) -> O rescaled by alpha_j, P_j cast.
@@ -296,30 +313,30 @@ def _overlap_block(j, it, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vr
     pv_tok = warpgroup_mma(p16, v_smem.index(pslot), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=[s_tok])  # S_j done (groups retire in order); PV_{j-1} may still run
     mbarrier.arrive(kempty.index(slot), count=1)
-    p, alpha, m_i, l_i = _softmax(s, j, m_i, l_i, N_KEEP, sm_scale_log2, BN, PDT, o_layout, MASK)
+    p, alpha, m_i, l_i = _softmax(s, j, m_i, l_i, N_KEEP, sm_scale_log2, crow, BN, PDT, o_layout, MASK, QK8)
     acc, p16 = warpgroup_mma_wait(0, deps=[pv_tok, p16])  # P_{j-1}'s registers are PV's operand until here
     mbarrier.arrive(vempty.index(pslot), count=1)
     return _p_operand(p, PDT, o_layout), m_i, l_i, acc * alpha[:, None]
 
 
 @gluon.jit
-def _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
                   sm_scale_log2, gc, bh, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
                   half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                   DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
                   HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr,
-                  OVERLAP: gl.constexpr):
+                  OVERLAP: gl.constexpr, QK8: gl.constexpr):
     """One consumer warp group on tile (gc, bh): 64 query rows (``half`` of a C = 128 group, or all of group
     2 gc + half at C = 64) through every key block of its ring (ring positions it0 ...), then the epilogue."""
     BM: gl.constexpr = 64
     NW: gl.constexpr = gl.num_warps()
     ring: gl.constexpr = half if GPC == 2 else 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                       instr_shape=[16, BN, 16])
+                                                       instr_shape=[16, BN, 32 if QK8 else 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, DV, 16])
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    PDT: gl.constexpr = Q.dtype.element_ty
+    PDT: gl.constexpr = Q.dtype.element_ty  # P's 16-bit type (QK8: Q arrives in 16 bits, quantised here)
     b = (bh // H).to(gl.int64)
     h = (bh % H).to(gl.int64)
     if GPC == 2:
@@ -333,13 +350,23 @@ def _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vrea
     sq = sq.to(gl.int64) if OFF64 else sq.to(gl.int32)
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
     q = gl.load(Q + b * sqb + h * sqh + sq[:, None] * sqs + dq[None, :], mask=(rq < S)[:, None], other=0.0)
+    if QK8:
+        # Q's rows as INT8 codes, one scale a row: amax / 127, codes round-to-nearest-even (the magic-number add)
+        qf = q.to(gl.float32)
+        amax = gl.max(gl.abs(qf), 1)
+        qsc = gl.where(amax > 0.0, amax / 127.0, 1.0)
+        y = qf * (127.0 / gl.where(amax > 0.0, amax, 1.0))[:, None]
+        q = ((y + 12582912.0) - 12582912.0).to(gl.int8)
+        crow = gl.convert_layout(qsc * (gl.load(KS + bh) * sm_scale_log2), gl.SliceLayout(1, s_layout))
+    else:
+        crow = gl.full([BM], 1.0, gl.float32, gl.SliceLayout(1, s_layout))  # unused
     gl.thread_barrier()  # (a persistent CTA) every warp's last QK of the previous tile has retired
     q_smem.store(q)
     fence_async_shared()
     gl.thread_barrier()  # every warp's Q rows are in shared memory before the warp group's first MMA
 
     nb = gl.cdiv(N_KEEP, BN)
-    zero_s = gl.zeros([BM, BN], gl.float32, s_layout)
+    zero_s = gl.zeros([BM, BN], gl.int32 if QK8 else gl.float32, s_layout)
     acc = gl.zeros([BM, DV], gl.float32, o_layout)
     m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
@@ -352,16 +379,16 @@ def _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vrea
     mbarrier.arrive(kempty.index(slot0), count=1)
     if OVERLAP:
         # block 0's softmax masked when there is a tail (exact on a full block too: every column < n_keep)
-        p, alpha, m_i, l_i = _softmax(s, 0, m_i, l_i, N_KEEP, sm_scale_log2, BN, PDT, o_layout, HAS_TAIL)
+        p, alpha, m_i, l_i = _softmax(s, 0, m_i, l_i, N_KEEP, sm_scale_log2, crow, BN, PDT, o_layout, HAS_TAIL, QK8)
         p16 = _p_operand(p, PDT, o_layout)
         for j in range(1, nb - 1):
             p16, m_i, l_i, acc = _overlap_block(j, it0 + j, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready,
-                                                vready, kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES,
-                                                BN, PDT, False, PFENCE)
+                                                vready, kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s, ring,
+                                                STAGES, BN, PDT, False, PFENCE, QK8)
         if nb > 1:
             p16, m_i, l_i, acc = _overlap_block(nb - 1, it0 + nb - 1, p16, m_i, l_i, acc, q_smem, k_smem, v_smem,
-                                                kready, vready, kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring,
-                                                STAGES, BN, PDT, HAS_TAIL, PFENCE)
+                                                kready, vready, kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s,
+                                                ring, STAGES, BN, PDT, HAS_TAIL, PFENCE, QK8)
         lslot = ring * STAGES + (it0 + nb - 1) % STAGES
         mbarrier.wait(vready.index(lslot), ((it0 + nb - 1) // STAGES) & 1)
         if not PFENCE:
@@ -372,11 +399,11 @@ def _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vrea
     else:
         for j in range(0, nb - 1):
             s, m_i, l_i, acc = _consume_block(j, it0 + j, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready,
-                                              kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT,
-                                              False, True, PFENCE, ONE_WAIT)
+                                              kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s, ring, STAGES, BN,
+                                              PDT, False, True, PFENCE, ONE_WAIT, QK8)
         s, m_i, l_i, acc = _consume_block(nb - 1, it0 + nb - 1, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready,
-                                          vready, kempty, vempty, N_KEEP, sm_scale_log2, zero_s, ring, STAGES, BN, PDT,
-                                          HAS_TAIL, False, PFENCE, ONE_WAIT)
+                                          vready, kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s, ring, STAGES, BN,
+                                          PDT, HAS_TAIL, False, PFENCE, ONE_WAIT, QK8)
 
     # epilogue: O = acc / l, + residual, flagged columns NaN, rows scattered to sigma
     ro = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
@@ -396,38 +423,40 @@ def _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vrea
 
 
 @gluon.jit
-def _consumer(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+def _consumer(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
               sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
               half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
               DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
               HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr,
-              OVERLAP: gl.constexpr):
+              OVERLAP: gl.constexpr, QK8: gl.constexpr):
     """One consumer warp group over the CTA's tiles (as ``_producer``)."""
     nb = gl.cdiv(N_KEEP, BN)
     it0 = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        _consume_tile(Q, SIGMA, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+        _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
                       sm_scale_log2, t % n_gc, t // n_gc, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, half, C,
-                      GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP)
+                      GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8)
         it0 += nb
 
 
 @gluon.jit
-def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, RES, OUT, FLAG,
+def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, KS, RES, OUT, FLAG,
                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                              sib, sih, sig, sin, srb, srh, srs, sob, soh, sos,
                              H, S, G, N_KEEP, sm_scale_log2, n_gc, n_tiles,
                              C: gl.constexpr, GPC: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                              BN: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr,
                              HAS_RES: gl.constexpr, HAS_FLAG: gl.constexpr, OFF64: gl.constexpr,
-                             PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                             PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr, OVERLAP: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, QK8: gl.constexpr,
                              num_warps: gl.constexpr):
     """Two consumer warp groups (the default partition and a worker) and a producer warp group; module doc."""
-    dt: gl.constexpr = K.dtype.element_ty
+    dt: gl.constexpr = K.dtype.element_ty  # QK's operands (QK8: int8 codes)
+    vt: gl.constexpr = V.dtype.element_ty
     NR: gl.constexpr = GPC  # rings: one per group of the CTA
     q_smem = gl.allocate_shared_memory(dt, [2, 64, D], gl.NVMMASharedLayout.get_default_for([64, D], dt))
     k_smem = gl.allocate_shared_memory(dt, [NR * STAGES, BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], dt))
-    v_smem = gl.allocate_shared_memory(dt, [NR * STAGES, BN, DV], gl.NVMMASharedLayout.get_default_for([BN, DV], dt))
+    v_smem = gl.allocate_shared_memory(vt, [NR * STAGES, BN, DV], gl.NVMMASharedLayout.get_default_for([BN, DV], vt))
     kready = gl.allocate_shared_memory(gl.int64, [NR * STAGES, 1], mbarrier.MBarrierLayout())
     vready = gl.allocate_shared_memory(gl.int64, [NR * STAGES, 1], mbarrier.MBarrierLayout())
     kempty = gl.allocate_shared_memory(gl.int64, [NR * STAGES, 1], mbarrier.MBarrierLayout())
@@ -439,12 +468,12 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, RES, OUT, FLAG,
         mbarrier.init(kempty.index(i), count=2 // NR)  # C = 128: both consumers read the ring; C = 64: one
         mbarrier.init(vempty.index(i), count=2 // NR)
     gl.warp_specialize([
-        (_consumer, (Q, SIGMA, RES, OUT, FLAG, q_smem.index(0), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
+        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(0), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
                      N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 0, C, GPC, BN,
-                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP)),
-        (_consumer, (Q, SIGMA, RES, OUT, FLAG, q_smem.index(1), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8)),
+        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(1), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
                      N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 1, C, GPC, BN,
-                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP)),
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8)),
         (_producer, (K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles, skb, skh,
                      sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64, PFENCE)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -464,11 +493,13 @@ def needs_64bit_offsets(*extents: int) -> bool:
 
 
 def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None, out_dtype=None, flag=None,
-                          launch: SparseAttnSm90Config = None):
+                          launch: SparseAttnSm90Config = None, k_scale=None):
     """As ``sparse_attn.sparse_attention`` with ``qk_format="bf16"``: O[sigma[g*C+i]] = softmax over the keys
     idx[g] of group g @ V (+ residual; ``flag`` [B, H, Dv] int32: NaN in the flagged columns), [B, H, S, Dv] in
     ``out_dtype`` (default q.dtype), in the original query order. ``launch``: a ``SparseAttnSm90Config`` (None:
-    ``configs.sparse_sm90_default(C)``). sm_90 only; C in {64, 128}, D and Dv in {64, 128}."""
+    ``configs.sparse_sm90_default(C)``). sm_90 only; C in {64, 128}, D and Dv in {64, 128}.
+    8-bit QK: ``k`` int8 codes with one scale per head ``k_scale`` [B, H] fp32 (``quantize_k_int8_head``); q
+    stays 16-bit and is quantised in the kernel (one scale per row, amax / 127)."""
     from vc_compile.templates.configs import sparse_sm90_default
     from vc_compile.templates.launch import FAST_LAUNCH, aligned
     B, H, S, D = q.shape
@@ -483,9 +514,18 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     for name, d in (("head dim", D), ("value head dim", DV)):
         if d not in (64, 128):
             raise ValueError(f"sparse_attention_sm90: {name} must be 64 or 128, got {d}")
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"sparse_attention_sm90: q, k, v must share one 16-bit dtype, got {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}")
+    qk8 = k.dtype == torch.int8
+    if q.dtype not in (torch.bfloat16, torch.float16) or (k.dtype != q.dtype and not qk8) or v.dtype != q.dtype:
+        raise ValueError(f"sparse_attention_sm90: q, k, v must share one 16-bit dtype (k may be int8 codes with "
+                         f"k_scale), got {q.dtype}, {k.dtype}, {v.dtype}")
+    if qk8 != (k_scale is not None):
+        raise ValueError("sparse_attention_sm90: k_scale goes with int8 k codes (quantize_k_int8_head) and only "
+                         f"with them; got k {k.dtype}, k_scale {'None' if k_scale is None else 'given'}")
+    if qk8:
+        if tuple(k_scale.shape) != (B, H) or k_scale.dtype != torch.float32:
+            raise ValueError(f"sparse_attention_sm90: k_scale must be fp32 [B, H] = {(B, H)}, got "
+                             f"{k_scale.dtype} {tuple(k_scale.shape)}")
+        k_scale = k_scale.contiguous()
     q, k, v, sigma, idx = gather_operands("sparse_attention_sm90", q, k, v, sigma, idx, G)
     launch.check_fits(C, D, DV, q.element_size())
     n_keep = idx.shape[3]
@@ -498,7 +538,7 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     n_gc = triton.cdiv(G, GPC)  # CTA tiles per head
     n_tiles = n_gc * B * H
     grid = min(n_tiles, _sm_count(q.device)) if launch.persistent else n_tiles
-    tensors = (q, k, v, sigma, idx, res, out, flag.contiguous() if flag is not None else out)
+    tensors = (q, k, v, sigma, idx, k_scale if qk8 else out, res, out, flag.contiguous() if flag is not None else out)
     ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             idx.stride(0), idx.stride(1), idx.stride(2), idx.stride(3),
@@ -513,6 +553,6 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
         C=C, GPC=GPC, D=D, DV=DV, BN=BN, STAGES=launch.stages, HAS_TAIL=n_keep % BN != 0, HAS_RES=has_res,
         HAS_FLAG=flag is not None, OFF64=off64, PFENCE=launch.producer_fence, ONE_WAIT=launch.one_wait,
         OVERLAP=launch.overlap,
-        CONSUMER_REGS=launch.consumer_regs,
-        PRODUCER_REGS=launch.producer_regs, num_warps=4, maxnreg=WS_MAXNREG)
+        CONSUMER_REGS=launch.consumer_regs, PRODUCER_REGS=launch.producer_regs, QK8=qk8, num_warps=4,
+        maxnreg=WS_MAXNREG)
     return out
