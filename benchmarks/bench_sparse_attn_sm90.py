@@ -5,7 +5,7 @@ eta = (t_FA3 / t) x s (the MC-Sparse paper's measure; SDPA cuDNN stands in where
 (rel. L2 against the fp32 reference on heads 0-1, and of the Gluon output against the Triton kernel's).
 
     python3 -m benchmarks.bench_sparse_attn_sm90 [--sizes 32760,75600] [--densities 0.15,0.25] [--C 128,64]
-        [--configs default,128/2,128/2fo,...] [--no-residual] [--no-csv]
+        [--configs default,128/2,128/2fo,...] [--qk8] [--no-residual] [--no-csv]
     ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \\
         python3 -m benchmarks.bench_sparse_attn_sm90 --ncu --C 128 --densities 0.15 --configs 128/2,128/2fo
 
@@ -35,7 +35,7 @@ from vc_compile.templates import sparse_attn_sm90 as g
 
 BENCH = "bench_sparse_attn_sm90"
 B, H, D = 1, 40, 128
-EXTRAS = ["C", "config", "residual", "eta", "rel_l2_triton"]
+EXTRAS = ["C", "config", "residual", "eta", "rel_l2_triton", "k_quant_ms"]
 
 
 def fa3_fn(q, k, v):
@@ -76,6 +76,8 @@ def main(argv=None):
     p.add_argument("--configs", default="default")
     p.add_argument("--no-residual", dest="residual", action="store_false",
                    help="time without the residual epilogue (a reuse step has it)")
+    p.add_argument("--qk8", action="store_true",
+                   help="also each config with 8-bit QK (int8 K codes, one scale a head; Q quantised in the kernel)")
     p.add_argument("--no-csv", action="store_true")
     p.add_argument("--ncu", action="store_true", help="one profiled launch per kernel (for Nsight Compute)")
     a = p.parse_args(argv)
@@ -85,9 +87,12 @@ def main(argv=None):
         q, k, v, sigma, idx, res = inputs(S, C, dens)
         kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res if a.residual else None)
         calls = [lambda: tsa.sparse_attention(q, k, v, sigma, idx, launch=CF.sparse_default("bf16", D, C), **kw)]
+        k8, ks = tsa.quantize_k_int8_head(k) if a.qk8 else (None, None)
         for spec in a.configs.split(","):
             cfg = config_of(spec, C)
             calls.append(lambda cfg=cfg: g.sparse_attention_sm90(q, k, v, sigma, idx, launch=cfg, **kw))
+            if a.qk8:
+                calls.append(lambda cfg=cfg: g.sparse_attention_sm90(q, k8, v, sigma, idx, launch=cfg, k_scale=ks, **kw))
         for f in calls:
             f()
         torch.cuda.synchronize()
@@ -149,6 +154,16 @@ def main(argv=None):
                         if torch.isnan(out).any():
                             r["note"] = f"{int(torch.isnan(out).sum())} NaN"
                         emit(r)
+                        if a.qk8:
+                            k8, ks = tsa.quantize_k_int8_head(k)
+                            out8 = g.sparse_attention_sm90(q, k8, v, sigma, idx, launch=cfg, k_scale=ks, **kw)
+                            torch.cuda.synchronize()
+                            r8 = timed("gluon_sm90_gather_qk8", name, lambda: g.sparse_attention_sm90(
+                                q, k8, v, sigma, idx, launch=cfg, k_scale=ks, **kw), out8)
+                            r8["rel_l2_triton"] = metrics(out8.float(), tri.float())["rel_l2"]
+                            r8["k_quant_ms"] = bench_ms(lambda: tsa.quantize_k_int8_head(k))
+                            emit(r8)
+                            del k8, ks, out8
                     except Exception as e:  # noqa: BLE001 - report the config and go on
                         traceback.print_exc()
                         print(json.dumps({**row, "error": f"{type(e).__name__}: {str(e)[:200]}"}))
