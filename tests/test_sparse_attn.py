@@ -261,15 +261,19 @@ def test_quantize_k_int8_head_matches_reference(S, D):
     order: fp32 rounding only) and codes equal but for ties moved by that rounding (at most one code)."""
     from vc_compile.reference.sparse_attn_q8 import quantize_k_int8_head as ref_q
     _, k, *_ = make_inputs(2, 3, S, D, torch.bfloat16, 0.5, device=DEV)
-    k[1, 2] = 0.75  # a constant head: scale 1, codes 0
+    k[1, 2] = 0.75  # a constant head: nothing left after smoothing
     codes, scale = tsa.quantize_k_int8_head(k)
     rc, rs = ref_q(k.cpu())
     assert codes.dtype == torch.int8 and scale.shape == (2, 3) and scale.dtype == torch.float32
-    torch.testing.assert_close(scale.cpu(), rs, rtol=1e-5, atol=0)
-    diff = (codes.cpu().int() - rc.int()).abs()
+    live = torch.ones(2, 3, dtype=torch.bool)
+    live[1, 2] = False
+    torch.testing.assert_close(scale.cpu()[live], rs[live], rtol=1e-5, atol=0)
+    diff = (codes.cpu().int() - rc.int()).abs()[live]
     assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
-    assert scale[1, 2] == 1.0 and (codes[1, 2] == 0).all()
-    assert codes.abs().max() == 127  # the head's largest |k - mean| gets the full range
+    # the constant head dequantises to ~0 (the reference: scale 1, codes 0; the kernel's mean, summed in another
+    # order, may miss 0.75 by an ulp, and then the codes span that ulp: harmless, softmax ignores a constant key)
+    assert (codes[1, 2].float() * scale[1, 2]).abs().max() <= 1e-6
+    assert codes[live[..., None, None].expand_as(codes).to(codes.device)].abs().max() == 127
 
 
 def test_int8_k_smoothing_is_what_keeps_the_per_head_scale_accurate():
