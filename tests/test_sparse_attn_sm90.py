@@ -109,6 +109,9 @@ def test_qk8_compiles_to_int8_qk_and_a_smaller_gather(codegen, variant):
 
 def test_config_validation():
     assert CF.sparse_sm90_default(128) == SparseAttnSm90Config(producer_fence=True, overlap=True)
+    with pytest.raises(ValueError, match="overlap"):
+        SparseAttnSm90Config(pingpong=True)
+    assert SparseAttnSm90Config.from_spec("128/2fog").pingpong
     assert CF.sparse_sm90_default(64) == SparseAttnSm90Config(64, 2)
     assert SparseAttnSm90Config.from_json(SparseAttnSm90Config(64, 3).to_json()) == SparseAttnSm90Config(64, 3)
     for bad in (dict(block_n=32), dict(block_n=256), dict(stages=1), dict(stages=5), dict(block_n=True),
@@ -233,15 +236,15 @@ def test_gpu_persistent_grid_is_the_same_arithmetic(C):
 @pytest.mark.parametrize("C", [64, 128])
 def test_gpu_order_switches_are_the_same_arithmetic(C):
     """``producer_fence`` (the proxy fence on the writer's side), ``one_wait`` (one MMA wait per block) and
-    ``overlap`` (PV_{j-1} in flight during softmax(S_j): the same operations on O in the same order) move
-    synchronisation only: the same bits as the default, with a masked tail, on both grids."""
+    ``overlap`` (PV_{j-1} in flight during softmax(S_j): the same operations on O in the same order) and
+    ``pingpong`` (the consumers' turns at the MMA issue point, persistent grid too) move synchronisation only: the same bits as the default, with a masked tail, on both grids."""
     S, D = 64 * 41 + 3, 128
     q, k, v, sigma, idx, res = make_inputs(1, 8, S, D, torch.bfloat16, 0.3, C=C, device="cuda")
     idx = idx[..., :idx.shape[-1] - 3].contiguous()
     kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res, out_dtype=torch.float32)
     bn = 128 if C == 128 else 64
     one = _gluon(q, k, v, sigma, idx, launch=SparseAttnSm90Config(bn, 2), **kw)
-    for flags in ("f", "w", "fo", "pfo"):
+    for flags in ("f", "w", "fo", "pfo", "fog", "pfog"):
         spec = f"{bn}/2{flags}"
         out = _gluon(q, k, v, sigma, idx, launch=SparseAttnSm90Config.from_spec(spec), **kw)
         assert torch.equal(one, out), spec

@@ -397,19 +397,24 @@ class SparseAttnSm90Config(_Json):
     # FlashAttention-3's order inside a consumer: S_j and PV_{j-1} issued together, the softmax of S_j while
     # PV_{j-1} runs (False: softmax(S_j), then PV_j and S_{j+1} together, both waited for)
     overlap: bool = False
+    # FlashAttention-3's ping-pong (with ``overlap``, C = 128): the two consumers take turns at the MMA issue point
+    # (an mbarrier each), so one's MMAs run while the other's softmax does
+    pingpong: bool = False
 
     def __post_init__(self):
         _check_ints(self, block_n={64, 128}, stages={2, 3, 4}, consumer_regs=set(range(128, 257, 8)),
                     producer_regs=set(range(24, 129, 8)))
-        for name in ("persistent", "producer_fence", "one_wait", "overlap"):
+        for name in ("persistent", "producer_fence", "one_wait", "overlap", "pingpong"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseAttnSm90Config.{name}={getattr(self, name)!r}; accepted: True, False")
+        if self.pingpong and not self.overlap:
+            raise ValueError(f"{self}: pingpong takes turns at the overlap order's issue point; set overlap=True")
         if 2 * self.consumer_regs + self.producer_regs > SM90_REGS_PER_THREAD_SLOT:
             raise ValueError(f"{self}: 2 x consumer_regs + producer_regs = "
                              f"{2 * self.consumer_regs + self.producer_regs} > {SM90_REGS_PER_THREAD_SLOT}")
 
     # the letters after "BN/stages" in ``from_spec`` (scripts' --configs)
-    SPEC_FLAGS = {"p": "persistent", "f": "producer_fence", "w": "one_wait", "o": "overlap"}
+    SPEC_FLAGS = {"p": "persistent", "f": "producer_fence", "w": "one_wait", "o": "overlap", "g": "pingpong"}
 
     @classmethod
     def from_spec(cls, spec: str) -> "SparseAttnSm90Config":

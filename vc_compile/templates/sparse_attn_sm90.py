@@ -288,13 +288,30 @@ def _p_operand(p, PDT: gl.constexpr, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _turn_wait(turn, tc, half: gl.constexpr, PP: gl.constexpr):
+    """PP (FlashAttention-3's ping-pong): wait for this consumer's turn at the MMA issue point (its tc-th)."""
+    if PP:
+        mbarrier.wait(turn.index(half), tc & 1)
+
+
+@gluon.jit
+def _turn_pass(turn, tc, half: gl.constexpr, PP: gl.constexpr):
+    """PP: hand the MMA issue point to the other consumer; returns the next turn count."""
+    if PP:
+        mbarrier.arrive(turn.index(1 - half), count=1)
+    return tc + 1
+
+
+@gluon.jit
 def _overlap_block(j, it, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, N_KEEP,
-                   sm_scale_log2, crow, zero_s, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-                   PDT: gl.constexpr, MASK: gl.constexpr, PFENCE: gl.constexpr, QK8: gl.constexpr):
+                   sm_scale_log2, crow, zero_s, turn, tc, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+                   PDT: gl.constexpr, MASK: gl.constexpr, PFENCE: gl.constexpr, QK8: gl.constexpr,
+                   half: gl.constexpr, PP: gl.constexpr):
     """OVERLAP (FlashAttention-3's order in one warp group), block j >= 1 at ring position ``it``, with P_{j-1}
     given (16-bit, PV's register operand) and O rescaled to its max: S_j and PV_{j-1} issued together -> S_j
     retired (K_j freed) -> softmax(S_j) -> PV_{j-1} retired (V_{j-1} freed) -> O rescaled by alpha_j, P_j cast.
-    Returns (P_j, m_i, l_i, acc).
+    PP: the two issues inside this consumer's turn (``_turn_wait`` / ``_turn_pass``). Returns (P_j, m_i, l_i, acc,
+    the turn count).
     NOTE what ptxas makes of it (offline SASS, C = 128): the wait for PV_{j-1} lands after the row max, before the
     exponentials (P_j is loop-carried in the registers PV_{j-1} reads, and ptxas interleaves the casts with the
     exponentials), so PV_{j-1} overlaps S_j's MMA and the row max, not the exponentials. Casting P_{j-1} at the top
@@ -306,26 +323,28 @@ def _overlap_block(j, it, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vr
     mbarrier.wait(kready.index(slot), (it // STAGES) & 1)
     if not PFENCE:
         fence_async_shared()
+    _turn_wait(turn, tc, half, PP)
     s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(vready.index(pslot), ((it - 1) // STAGES) & 1)
     if not PFENCE:
         fence_async_shared()
     pv_tok = warpgroup_mma(p16, v_smem.index(pslot), acc, is_async=True)
+    tc = _turn_pass(turn, tc, half, PP)
     s = warpgroup_mma_wait(1, deps=[s_tok])  # S_j done (groups retire in order); PV_{j-1} may still run
     mbarrier.arrive(kempty.index(slot), count=1)
     p, alpha, m_i, l_i = _softmax(s, j, m_i, l_i, N_KEEP, sm_scale_log2, crow, BN, PDT, o_layout, MASK, QK8)
     acc, p16 = warpgroup_mma_wait(0, deps=[pv_tok, p16])  # P_{j-1}'s registers are PV's operand until here
     mbarrier.arrive(vempty.index(pslot), count=1)
-    return _p_operand(p, PDT, o_layout), m_i, l_i, acc * alpha[:, None]
+    return _p_operand(p, PDT, o_layout), m_i, l_i, acc * alpha[:, None], tc
 
 
 @gluon.jit
-def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
-                  sm_scale_log2, gc, bh, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
+def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, turn, tc,
+                  H, S, N_KEEP, sm_scale_log2, gc, bh, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
                   half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                   DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
                   HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr,
-                  OVERLAP: gl.constexpr, QK8: gl.constexpr):
+                  OVERLAP: gl.constexpr, QK8: gl.constexpr, PP: gl.constexpr):
     """One consumer warp group on tile (gc, bh): 64 query rows (``half`` of a C = 128 group, or all of group
     2 gc + half at C = 64) through every key block of its ring (ring positions it0 ...), then the epilogue."""
     BM: gl.constexpr = 64
@@ -374,7 +393,9 @@ def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, 
     mbarrier.wait(kready.index(slot0), (it0 // STAGES) & 1)
     if not PFENCE:
         fence_async_shared()
+    _turn_wait(turn, tc, half, PP)
     s_tok = warpgroup_mma(q_smem, k_smem.index(slot0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    tc = _turn_pass(turn, tc, half, PP)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     mbarrier.arrive(kempty.index(slot0), count=1)
     if OVERLAP:
@@ -382,18 +403,21 @@ def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, 
         p, alpha, m_i, l_i = _softmax(s, 0, m_i, l_i, N_KEEP, sm_scale_log2, crow, BN, PDT, o_layout, HAS_TAIL, QK8)
         p16 = _p_operand(p, PDT, o_layout)
         for j in range(1, nb - 1):
-            p16, m_i, l_i, acc = _overlap_block(j, it0 + j, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready,
-                                                vready, kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s, ring,
-                                                STAGES, BN, PDT, False, PFENCE, QK8)
+            p16, m_i, l_i, acc, tc = _overlap_block(j, it0 + j, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready,
+                                                    vready, kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s, turn,
+                                                    tc, ring, STAGES, BN, PDT, False, PFENCE, QK8, half, PP)
         if nb > 1:
-            p16, m_i, l_i, acc = _overlap_block(nb - 1, it0 + nb - 1, p16, m_i, l_i, acc, q_smem, k_smem, v_smem,
-                                                kready, vready, kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s,
-                                                ring, STAGES, BN, PDT, HAS_TAIL, PFENCE, QK8)
+            p16, m_i, l_i, acc, tc = _overlap_block(nb - 1, it0 + nb - 1, p16, m_i, l_i, acc, q_smem, k_smem,
+                                                    v_smem, kready, vready, kempty, vempty, N_KEEP, sm_scale_log2,
+                                                    crow, zero_s, turn, tc, ring, STAGES, BN, PDT, HAS_TAIL, PFENCE,
+                                                    QK8, half, PP)
         lslot = ring * STAGES + (it0 + nb - 1) % STAGES
         mbarrier.wait(vready.index(lslot), ((it0 + nb - 1) // STAGES) & 1)
         if not PFENCE:
             fence_async_shared()
+        _turn_wait(turn, tc, half, PP)
         pv_tok = warpgroup_mma(p16, v_smem.index(lslot), acc, is_async=True)
+        tc = _turn_pass(turn, tc, half, PP)
         acc = warpgroup_mma_wait(0, deps=[pv_tok])
         mbarrier.arrive(vempty.index(lslot), count=1)
     else:
@@ -420,22 +444,25 @@ def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, 
         o = gl.where(bad[None, :] != 0, float("nan"), o)
     gl.store(OUT + b * sob + h * soh + so[:, None] * sos + dv[None, :], o.to(OUT.dtype.element_ty),
              mask=mrow[:, None])
+    return tc
 
 
 @gluon.jit
-def _consumer(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+def _consumer(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, turn, H, S, N_KEEP,
               sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
               half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
               DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
               HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr,
-              OVERLAP: gl.constexpr, QK8: gl.constexpr):
+              OVERLAP: gl.constexpr, QK8: gl.constexpr, PP: gl.constexpr):
     """One consumer warp group over the CTA's tiles (as ``_producer``)."""
     nb = gl.cdiv(N_KEEP, BN)
     it0 = 0
+    tc = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+        tc = _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, turn, tc,
+                      H, S, N_KEEP,
                       sm_scale_log2, t % n_gc, t // n_gc, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, half, C,
-                      GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8)
+                      GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8, PP)
         it0 += nb
 
 
@@ -449,7 +476,7 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, KS, RES, OUT, FLAG,
                              HAS_RES: gl.constexpr, HAS_FLAG: gl.constexpr, OFF64: gl.constexpr,
                              PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr, OVERLAP: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, QK8: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             PP: gl.constexpr, num_warps: gl.constexpr):
     """Two consumer warp groups (the default partition and a worker) and a producer warp group; module doc."""
     dt: gl.constexpr = K.dtype.element_ty  # QK's operands (QK8: int8 codes)
     vt: gl.constexpr = V.dtype.element_ty
@@ -467,13 +494,19 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, KS, RES, OUT, FLAG,
         mbarrier.init(vready.index(i), count=1 if PFENCE else 32 * 4)
         mbarrier.init(kempty.index(i), count=2 // NR)  # C = 128: both consumers read the ring; C = 64: one
         mbarrier.init(vempty.index(i), count=2 // NR)
+    # PP: the consumers' turns at the MMA issue point (turn[c]: consumer c's), consumer 0 first
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    if PP:
+        mbarrier.arrive(turn.index(0), count=1)
     gl.warp_specialize([
-        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(0), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
+        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(0), k_smem, v_smem, kready, vready, kempty, vempty, turn, H, S,
                      N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 0, C, GPC, BN,
-                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8)),
-        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(1), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8, PP)),
+        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(1), k_smem, v_smem, kready, vready, kempty, vempty, turn, H, S,
                      N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 1, C, GPC, BN,
-                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8)),
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8, PP)),
         (_producer, (K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles, skb, skh,
                      sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64, PFENCE)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -553,6 +586,7 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
         C=C, GPC=GPC, D=D, DV=DV, BN=BN, STAGES=launch.stages, HAS_TAIL=n_keep % BN != 0, HAS_RES=has_res,
         HAS_FLAG=flag is not None, OFF64=off64, PFENCE=launch.producer_fence, ONE_WAIT=launch.one_wait,
         OVERLAP=launch.overlap,
-        CONSUMER_REGS=launch.consumer_regs, PRODUCER_REGS=launch.producer_regs, QK8=qk8, num_warps=4,
+        CONSUMER_REGS=launch.consumer_regs, PRODUCER_REGS=launch.producer_regs, QK8=qk8,
+        PP=launch.pingpong, num_warps=4,
         maxnreg=WS_MAXNREG)
     return out
