@@ -397,8 +397,11 @@ class SparseAttnSm90Config(_Json):
     # FlashAttention-3's order inside a consumer: S_j and PV_{j-1} issued together, the softmax of S_j while
     # PV_{j-1} runs (False: softmax(S_j), then PV_j and S_{j+1} together, both waited for)
     overlap: bool = False
-    # FlashAttention-3's ping-pong (with ``overlap``, C = 128): the two consumers take turns at the MMA issue point
-    # (an mbarrier each), so one's MMAs run while the other's softmax does
+    # FlashAttention-3's ping-pong (with ``overlap``): the two consumers take turns at the MMA issue point (an
+    # mbarrier each), so one's MMAs run while the other's softmax does.
+    # NOTE off: measured slower for bf16 scores (H100, 40 heads, one run, ms at S = 32760 s = 0.15 / 0.25, 75600
+    # s = 0.15 / 0.25: 128/2fo 6.20 / 9.71 / 31.43 / 51.27, 128/2fog 6.36 / 9.81 / 32.49 / 52.86); level or faster
+    # with the 8-bit QK variant (5.63 / 8.89 / 28.47 / 51.09 against 5.60 / 8.83 / 27.70 / 45.83)
     pingpong: bool = False
 
     def __post_init__(self):
