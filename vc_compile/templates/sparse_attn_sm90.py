@@ -25,6 +25,11 @@ s           base-2 logits s = (q . k) * sm_scale * log2(e); online softmax with 
             retired, by alpha_j).
 P           exp2(s - m_i) as the PV MMA's A operand in registers (16-bit: the QK accumulator's registers already
             hold the A operand's elements; the conversion is a cast, no shared memory).
+QK8         8-bit QK (``k`` int8 codes from ``sparse_attn.quantize_k_int8_head``: K smoothed, one scale per head,
+            ``k_scale``): the consumers quantise their Q rows (one scale a row, amax / 127) into the shared Q tile,
+            QK is an int8 wgmma (k = 32) into int32, t = bits(qk + 0x4B400000) = 1.5 * 2^23 + qk as a float (one
+            IADD), and crow = q_scale x k_scale x sm_scale log2 e folds every scale into the exponent's FFMA:
+            p = exp2(t crow - (m + 1.5 * 2^23 crow)). PV unchanged (16-bit P and V).
 
 Parallelisation
 ---------------
@@ -53,7 +58,9 @@ gathers the next tile's first blocks during this tile's last blocks and epilogue
     wait until one group is outstanding (PV_j done: free V_j; ``one_wait``: both at once) -> wait for S_{j+1}
     (free K_{j+1}), the order ``vsmooth_attn_sm90_steps.register_step`` measured best for the 8-bit kernel.
   Either way the tensor cores also run one consumer's MMAs during the other's softmax. Both orders do the same
-  operations on acc in the same order: the same bits.
+  operations on acc in the same order: the same bits. ``pingpong`` (PP, with ``overlap``): FlashAttention-3's
+  turns at the MMA issue point (mbarriers turn[0] / turn[1], consumer 0 first; a consumer waits for its turn,
+  issues its block's MMAs, hands the turn over): the same bits, measured slower for bf16 (configs.py NOTE).
 * epilogue per consumer: O = acc / l_i (+ residual, gathered through sigma), the flagged columns NaN, the rows
   scattered to sigma.
 
