@@ -6,7 +6,9 @@ producer's loop gathering every row by cp.async onto mbarriers; its launch confi
 launcher's argument checks. On an sm_90 GPU (``requires_sm90``): against the reference (odd S, both group sizes,
 both head dims, residual, flag, int64 ids, a broadcast dense selection, key counts below / at / off a multiple of
 the key block) with the Triton gather kernel's tolerance, against the Triton kernel itself (the same arithmetic up
-to the order of the fp32 sums and the bf16 rounding of P), and NaN / Inf propagating as in the reference.
+to the order of the fp32 sums and the bf16 rounding of P), and NaN / Inf propagating as in the reference. The
+8-bit QK variant (int8 K codes): its offline SASS on CPU, and on the GPU against the reference run on the
+dequantised codes.
 """
 import dataclasses
 import json
