@@ -67,14 +67,18 @@ METHODS = {
     "vsmooth+expcast": {"method": "vsmooth", "expcast": True},
     "mcsparse@0.15": {"method": "mcsparse", "density": 0.15},
     "mcsparse@0.25": {"method": "mcsparse", "density": 0.25},
+    # the sm_90 gather kernel's 8-bit QK (opt-in; not in the default --methods)
+    "mcsparse+int8@0.15": {"method": "mcsparse", "density": 0.15, "sparse_qk": "int8"},
 }
+DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse@0.25"
 PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's V-Smooth warm-up
 # GPU kernels counted as "attention kernels" in the reuse-step breakdown (lower-case substrings): ours
 # (vsmooth_attn*, sparse_attn*) and SDPA's (cuDNN, flash, fmha)
 ATTN_KERNELS = ("attn", "attention", "fmha", "flash", "sdpa", "cudnn")
 # Prior per-step time of a method relative to one cuDNN call (H200 2026-12-01; only to plan the
 # budget: measured times replace them as the run goes)
-PRIOR_RATIO = {"vsmooth": 0.85, "vsmooth+expcast": 0.8, "mcsparse@0.15": 0.45, "mcsparse@0.25": 0.5}
+PRIOR_RATIO = {"vsmooth": 0.85, "vsmooth+expcast": 0.8, "mcsparse@0.15": 0.45, "mcsparse@0.25": 0.5,
+               "mcsparse+int8@0.15": 0.45}
 JIT_PRIOR_S = 15.0  # first call of a method's kernels in this process (measured: 9.4-10 s)
 _SITES = itertools.count(900_000)  # call-site ids of this script's op calls (one per method and shape)
 EXTRAS = ["steps", "speedup_vs_fa4", "first_generation_s", "ms_per_step_median",
@@ -345,7 +349,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="32760,75600", help="sequence lengths (comma-separated)")
     ap.add_argument("--heads", default="40,12", help="head counts (comma-separated); every S x H")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"from {list(METHODS)}")
+    ap.add_argument("--methods", default=DEFAULT_METHODS, help=f"from {list(METHODS)}")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)

@@ -44,11 +44,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's V-Smooth warm-up
 NAMES = {"stock": "stock (Inductor + cuDNN)", "dense": "dense (SDPA through vcattn)", "vsmooth": "V-Smooth",
          "vsmooth+expcast": "V-Smooth + ExpCast", "mcsparse@0.15": "MC-Sparse s = 0.15",
-         "mcsparse@0.25": "MC-Sparse s = 0.25", "sdpa_cudnn": "cuDNN (bf16)", "fa4-bf16": "FA4 (bf16)",
+         "mcsparse@0.25": "MC-Sparse s = 0.25", "mcsparse+int8@0.15": "MC-Sparse s = 0.15, 8-bit QK",
+         "sdpa_cudnn": "cuDNN (bf16)", "fa4-bf16": "FA4 (bf16)",
          "torchao-fp8": "torchao FP8 attention (FA3 FP8)", "sage": "SageAttention (diffusers backend)",
          "fa4": "FA4 (torch flash SDPA)"}
 ORDER = ["stock", "sdpa_cudnn", "fa4-bf16", "fa4", "torchao-fp8", "sage", "dense", "vsmooth", "vsmooth+expcast",
-         "mcsparse@0.15", "mcsparse@0.25"]
+         "mcsparse@0.15", "mcsparse+int8@0.15", "mcsparse@0.25"]
 # the targets: end to end (1.3B, 32760 tokens) and bare attention over a generation (x cuDNN)
 TARGET_E2E = {  # per model: the pipeline benchmark's targets (1.3B: 50 steps; 14B at 720p: 10 steps)
     "wan2.1-t2v-1.3b": {"vsmooth": 1.30, "vsmooth+expcast": 1.40, "mcsparse@0.15": 2.0,

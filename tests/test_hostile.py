@@ -772,7 +772,7 @@ def test_compiled_tiny_dit(method, dtype, seq, zero_q):
     ({"group_fraction": float("inf")}, "group_fraction"),
     ({"experimental": {"kmeans_init_iters": 0}}, "kmeans_init_iters"),
     ({"smooth_v": False}, "experimental"),
-    ({"sparse_qk": "int8"}, "sparse_qk"),
+    ({"sparse_qk": "int4"}, "sparse_qk"),
     ({"group_size": 96}, "group_size"),
 ])
 def test_bad_options_fail_at_compile_time(options, key):
@@ -806,6 +806,20 @@ def test_sparse_qk_fp8_on_the_reference_path():
     q, k, v = (t.bfloat16() for t in gaussian(B=1, S=150))
     outs = run_op(q, k, v, "mcsparse", sparse_qk="fp8")
     assert_method_ok("mcsparse", outs, q, k, v)
+
+
+def test_sparse_qk_int8_on_the_reference_path_and_refused_off_sm90():
+    """``sparse_qk="int8"`` (the sm_90 gather kernel's 8-bit QK): the reference path runs its contract
+    (``reference/sparse_attn_q8.sparse_attention_qk8``, per-head int8 K); a Triton call anywhere but the sm_90
+    kernel is refused with the reason and the fix, never run in another format."""
+    q, k, v = (t.bfloat16() for t in gaussian(B=1, S=150))
+    outs = run_op(q, k, v, "mcsparse", sparse_qk="int8")
+    assert_method_ok("mcsparse", outs, q, k, v)
+    sig = torch.arange(150).view(1, 1, 150).expand(1, q.shape[1], 150).contiguous()
+    idx = torch.arange(64, dtype=torch.int32).view(1, 1, 1, 64).expand(1, q.shape[1], 2, 64).contiguous()
+    with pytest.raises(RuntimeError, match="sparse_qk='int8'.*sm_90.*sparse_qk='bf16'"):
+        dispatch.sparse_attention(dispatch.Impl.TRITON, q, k, v, sig, idx, sm_scale=0.1, group_size=128,
+                                  qk_format="int8")
 
 
 @contextlib.contextmanager

@@ -403,3 +403,17 @@ def test_gpu_qk8_matches_its_dequantised_reference(C, S, D, density):
         assert rel_l2(out, emu) < TOL[torch.bfloat16], rel_l2(out, emu)
         ref = ref_sparse(q, k, v, sigma, idx, **kw)
         assert rel_l2(out, ref) < 2e-2, rel_l2(out, ref)
+
+
+@requires_sm90
+def test_gpu_dispatch_int8_qk_is_the_reference_contract():
+    """``sparse_qk="int8"`` through dispatch (what MC-Sparse calls): K quantised per head, the Gluon kernel's 8-bit
+    QK, against the reference path's int8 contract (the same codes up to the quantisers' mean rounding)."""
+    from vc_compile.templates import dispatch
+    S, D, C = 3001, 128, 128
+    q, k, v, sigma, idx, res = make_inputs(1, 4, S, D, torch.bfloat16, 0.2, C=C, device="cuda")
+    kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res, out_dtype=torch.float32, qk_format="int8")
+    out = dispatch.sparse_attention(dispatch.Impl.TRITON, q, k, v, sigma, idx, **kw)
+    ref = dispatch.sparse_attention(dispatch.Impl.REFERENCE, q, k, v, sigma, idx, **kw)
+    assert rel_l2(out, ref) < TOL[torch.bfloat16], rel_l2(out, ref)
+    assert dispatch.sparse_label(q, v, "int8", C).endswith("+int8_qk")

@@ -106,6 +106,7 @@ class SelectionRefresh(str, enum.Enum):
 class SparseQK(str, enum.Enum):
     BF16 = "bf16"  # the gather kernel's QK in the inputs' 16-bit type
     FP8 = "fp8"  # Q and K in E4M3 (FP8 MMAs: sm_89+)
+    INT8 = "int8"  # K as int8 codes with one scale a head, Q quantised per row in the sm_90 gather kernel
 
 
 class Residual(str, enum.Enum):
@@ -141,7 +142,8 @@ OPTION_DOCS: Dict[str, str] = {
     "warmup_steps": "Warm-up steps at the start (dense SDPA; MC-Sparse: see warmup_attention). None = 0 for vsmooth, 20% of the steps for mcsparse.",
     "anchor_steps": "MC-Sparse: steps that re-select (tuple of ints). None = (20%, 52%) of the steps.",
     "anchor_interval": "MC-Sparse: re-select every N steps after the warm-up (instead of anchor_steps).",
-    "sparse_qk": "MC-Sparse: QK precision of the gather kernel: 'bf16' | 'fp8'.",
+    "sparse_qk": ("MC-Sparse: QK precision of the gather kernel: 'bf16' | 'fp8' | 'int8' (sm_90: 1.09-1.13x the "
+                  "bf16 kernel, ~2x its error; docs/sparse_notes.md)."),
     "warmup_attention": "MC-Sparse warm-up steps: 'expcast' (8-bit V-Smooth with ExpCast's softmax, the fastest "
                         "dense 8-bit path; default), 'vsmooth' (8-bit V-Smooth, as the option expcast says) or "
                         "'sdpa' (stock SDPA, the paper's).",

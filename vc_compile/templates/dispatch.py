@@ -445,9 +445,25 @@ def sparse_kernel(q, v, qk_format: str, group_size: int, launch=None) -> str:
     return "sparse_attn_sm90" if takes and _on_sm90(q.device) else "sparse_attn"
 
 
+def sparse_int8_ineligible(q, v, group_size: int, launch=None) -> Optional[str]:
+    """Why a TRITON ``sparse_attention`` call with ``qk_format="int8"`` cannot run (only the sm_90 Gluon gather
+    kernel has 8-bit QK), or None."""
+    if launch is not None and not isinstance(launch, C.SparseAttnSm90Config):
+        return f"the launch {type(launch).__name__} is the Triton gather kernel's"
+    if not _on_sm90(q.device):
+        return "this is not an sm_90 GPU"
+    if int(group_size) not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
+        return f"group_size {group_size} / dtype {q.dtype} (needs 64 or 128, bf16 or fp16)"
+    if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
+        return f"head dims {q.shape[-1]} / {v.shape[-1]} (need 64 or 128)"
+    return None
+
+
 def sparse_label(q, v, qk_format: str, group_size: int) -> str:
     """The kernel path ``report()`` records for a TRITON ``sparse_attention`` call (no launch config): the row
     label of the kernel ``sparse_kernel`` picks."""
+    if qk_format == "int8":
+        return KERNELS["sparse_attn_sm90"].label + "+int8_qk"
     return KERNELS[sparse_kernel(q, v, qk_format, group_size)].label
 
 
@@ -460,11 +476,24 @@ def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_
     (without ``flag``: one epilogue select), the Gluon kernel's is its default per group size."""
     if impl == Impl.REFERENCE:
         _no_launch(launch)
+        q8 = importlib.import_module("vc_compile.reference.sparse_attn_q8")
+        if qk_format == "int8":  # the sm_90 kernel's contract: per-head int8 K, per-row int8 Q
+            k8, ks = q8.quantize_k_int8_head(k)
+            return q8.sparse_attention_qk8(q, k8, ks, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
+                                           residual=residual, out_dtype=out_dtype, flag=flag)
         # FP8 QK has an oracle of its own (the FP8 rounding of q and k before the scores)
-        fn = (importlib.import_module("vc_compile.reference.sparse_attn_q8").sparse_attention_q8
-              if qk_format == "fp8" else reference_fn("sparse_attn", "sparse_attention"))
+        fn = q8.sparse_attention_q8 if qk_format == "fp8" else reference_fn("sparse_attn", "sparse_attention")
         return fn(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual,
                   out_dtype=out_dtype, flag=flag)
+    if qk_format == "int8":
+        why = sparse_int8_ineligible(q, v, group_size, launch)
+        if why:
+            raise RuntimeError(f"vcattn: sparse_qk='int8' runs only on the sm_90 gather kernel, and {why}; use "
+                               "sparse_qk='bf16' (the default) or 'fp8'.")
+        k8, ks = kernel_module("sparse_attn").quantize_k_int8_head(k)
+        return kernel_fn("sparse_attn_sm90", "sparse_attention_sm90")(
+            q, k8, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual, out_dtype=out_dtype,
+            flag=flag, launch=launch, k_scale=ks)
     if sparse_kernel(q, v, qk_format, group_size, launch) == "sparse_attn_sm90":
         return kernel_fn("sparse_attn_sm90", "sparse_attention_sm90")(
             q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual, out_dtype=out_dtype,
