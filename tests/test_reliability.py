@@ -261,6 +261,20 @@ def test_report_says_not_timed_and_not_counted_instead_of_zeros():
     assert "attention time 1.25 ms" in str(Report(sites=[rw, fb], graphs_without_sdpa=[]))
 
 
+def test_report_says_the_int8_qk_path_is_measured_as_a_kernel_only():
+    """``sparse_qk='int8'`` runs the gather kernel's 8-bit QK, timed as a kernel but not yet end to end:
+    report() says so for the sites that ran it, and only for them."""
+    from vc_compile.runtime.report import Report, SiteRecord
+    kw = dict(graph="g", node="n", module="m", shape="1x2x64x64", dtype="bf16", method="mcsparse", rewritten=True)
+    a = SiteRecord(site=1, calls=2, **kw)
+    a.kernel_path["gluon_sm90_gather+int8_qk"] += 2
+    b = SiteRecord(site=2, calls=2, **kw)
+    b.kernel_path["gluon_sm90_gather"] += 2
+    text = str(Report(sites=[a, b], graphs_without_sdpa=[]))
+    assert "sparse_qk='int8' at sites 1:" in text and "not yet timed or checked end to end" in text
+    assert "sparse_qk='int8'" not in str(Report(sites=[b], graphs_without_sdpa=[]))
+
+
 @torch.no_grad()
 def test_report_after_reset_report_names_sites_called_again(fresh_vcattn):
     """Before: after ``vc_compile.reset(report=True)`` a site of a still-compiled graph that was called again

@@ -26,6 +26,11 @@ _STATIC_FIELDS = ("graph", "node", "module", "shape", "dtype", "method", "rewrit
                   "rope", "rope_fusion")
 
 
+# report()'s line for sites whose MC-Sparse steps ran the gather kernel's opt-in 8-bit QK (sparse_qk='int8')
+INT8_QK_LINE = ("sparse_qk='int8' at sites {sites}: the gather kernel's 8-bit QK, measured as a kernel only (1.09-1.13x "
+                "the bf16 one at ~2x its error, plus 0.5-1.1 ms a call quantising K; docs/sparse_notes.md); MC-Sparse "
+                "through it is not yet timed or checked end to end on a GPU")
+
 # report()'s line for sites that ran on a GPU the speed gate has no measurements for
 UNGATED_LINE = ("speed gate: no measurements for the {gpu} (sites {sites}): every call our kernels can run runs "
                 "them, also at sizes where stock SDPA may be faster (on the H200: up to 12 heads x 8K tokens); "
@@ -341,6 +346,9 @@ class Report:
                          f"sites: {', '.join(no_program)}")
         if self.graphs_without_sdpa:
             lines.append(f"graphs with no SDPA captured: {', '.join(self.graphs_without_sdpa)}")
+        int8_qk = [str(s.site) for s in self.sites if any(p.endswith("+int8_qk") for p in s.kernel_path)]
+        if int8_qk:
+            lines.append(INT8_QK_LINE.format(sites=", ".join(int8_qk)))
         ungated: Dict[str, List[str]] = {}
         for s in self.sites:
             if s.ungated_gpu:
