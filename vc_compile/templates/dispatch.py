@@ -440,9 +440,19 @@ def sparse_kernel(q, v, qk_format: str, group_size: int, launch=None) -> str:
     128, "sparse_attn" (Triton) otherwise; a launch config picks its kernel."""
     if launch is not None:
         return "sparse_attn_sm90" if isinstance(launch, C.SparseAttnSm90Config) else "sparse_attn"
-    takes = (qk_format == "bf16" and int(group_size) in (64, 128) and q.dtype in (torch.bfloat16, torch.float16)
-             and q.shape[-1] in (64, 128) and v.shape[-1] in (64, 128))
-    return "sparse_attn_sm90" if takes and _on_sm90(q.device) else "sparse_attn"
+    takes = qk_format == "bf16" and sm90_gather_ineligible(q, v, group_size) is None
+    return "sparse_attn_sm90" if takes else "sparse_attn"
+
+
+def sm90_gather_ineligible(q, v, group_size: int) -> Optional[str]:
+    """Why the Gluon sm_90 gather kernel cannot take a call (device, group size, dtype, head dims), or None."""
+    if int(group_size) not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
+        return f"group_size {group_size} / dtype {q.dtype} (needs 64 or 128, bf16 or fp16)"
+    if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
+        return f"head dims {q.shape[-1]} / {v.shape[-1]} (need 64 or 128)"
+    if not _on_sm90(q.device):
+        return "this is not an sm_90 GPU"
+    return None
 
 
 def sparse_int8_ineligible(q, v, group_size: int, launch=None) -> Optional[str]:
@@ -450,13 +460,7 @@ def sparse_int8_ineligible(q, v, group_size: int, launch=None) -> Optional[str]:
     kernel has 8-bit QK), or None."""
     if launch is not None and not isinstance(launch, C.SparseAttnSm90Config):
         return f"the launch {type(launch).__name__} is the Triton gather kernel's"
-    if not _on_sm90(q.device):
-        return "this is not an sm_90 GPU"
-    if int(group_size) not in (64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
-        return f"group_size {group_size} / dtype {q.dtype} (needs 64 or 128, bf16 or fp16)"
-    if q.shape[-1] not in (64, 128) or v.shape[-1] not in (64, 128):
-        return f"head dims {q.shape[-1]} / {v.shape[-1]} (need 64 or 128)"
-    return None
+    return sm90_gather_ineligible(q, v, group_size)
 
 
 def sparse_label(q, v, qk_format: str, group_size: int) -> str:
