@@ -75,6 +75,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
+from vc_compile.templates.gluon_compat import barrier, cp_async_load
 from vc_compile.formats import LOG2E
 from vc_compile.templates.configs import SparseAttnSm90Config
 from vc_compile.templates.sparse_attn import epilogue_operands, gather_operands
@@ -98,9 +99,9 @@ def _gather_rows(base, kid, row_stride, smem, d, valid, MASK: gl.constexpr):
     MASK: rows where ``valid`` is false are zero-filled."""
     ptrs = base + kid[:, None] * row_stride + d[None, :]
     if MASK:
-        async_copy.async_copy_global_to_shared(smem, ptrs, mask=valid[:, None])
+        cp_async_load(smem, ptrs, mask=valid[:, None])
     else:
-        async_copy.async_copy_global_to_shared(smem, ptrs)
+        cp_async_load(smem, ptrs)
 
 
 @gluon.jit
@@ -386,10 +387,10 @@ def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, 
         crow = gl.convert_layout(qsc * (gl.load(KS + bh) * sm_scale_log2), gl.SliceLayout(1, s_layout))
     else:
         crow = gl.full([BM], 1.0, gl.float32, gl.SliceLayout(1, s_layout))  # unused
-    gl.thread_barrier()  # (a persistent CTA) every warp's last QK of the previous tile has retired
+    barrier()  # (a persistent CTA) every warp's last QK of the previous tile has retired
     q_smem.store(q)
     fence_async_shared()
-    gl.thread_barrier()  # every warp's Q rows are in shared memory before the warp group's first MMA
+    barrier()  # every warp's Q rows are in shared memory before the warp group's first MMA
 
     nb = gl.cdiv(N_KEEP, BN)
     zero_s = gl.zeros([BM, BN], gl.int32 if QK8 else gl.float32, s_layout)

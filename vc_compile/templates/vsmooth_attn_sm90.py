@@ -52,8 +52,9 @@ import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from vc_compile.templates.gluon_compat import tma_load
 from vc_compile.templates.configs import POperand, VSmoothSm90Config
 from vc_compile.templates.vsmooth_attn_sm90_softmax import key_order_sm90
 from vc_compile.templates.vsmooth_attn_sm90_steps import Head, KVRing, MeanWindow, attend_rows
@@ -125,7 +126,7 @@ def _ws_producer(ring: KVRing, Sk, nb, D: gl.constexpr, BV: gl.constexpr, MEAN: 
         ph = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as phase 1 complete: the first round passes
         mbarrier.wait(ring.kempty.index(slot), ph)
         mbarrier.expect(ring.kbar.index(slot), ring.desc_k.block_type.nbytes)
-        tma.async_copy_global_to_shared(ring.desc_k, [head.kv_row + j * ring.BN, 0], ring.kbar.index(slot),
+        tma_load(ring.desc_k, [head.kv_row + j * ring.BN, 0], ring.kbar.index(slot),
                                         ring.k_smem.index(slot))
         mbarrier.wait(ring.vempty.index(slot), ph)
         ring.load_v(head, slot, j, True, MEAN)

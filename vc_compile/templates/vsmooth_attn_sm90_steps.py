@@ -23,6 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
+from vc_compile.templates.gluon_compat import barrier, tma_load
 from vc_compile.templates.vsmooth_attn_sm90_softmax import (Tile, fold_pv, k_scales, mean_slot, pack_codes,
                                                             row_sum_mma, rs_layout, softmax_block)
 
@@ -82,7 +83,7 @@ class KVRing:
     def load_k(self, head: Head, slot, blk, pred):
         """TMA of K block ``blk`` into stage ``slot``."""
         mbarrier.expect(self.kbar.index(slot), self.desc_k.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(self.desc_k, [head.kv_row + blk * self.BN, 0], self.kbar.index(slot),
+        tma_load(self.desc_k, [head.kv_row + blk * self.BN, 0], self.kbar.index(slot),
                                         self.k_smem.index(slot), pred=pred)
 
     @gluon.jit
@@ -91,11 +92,11 @@ class KVRing:
         if MEAN:
             mbarrier.expect(self.vbar.index(slot), self.desc_v.block_type.nbytes + self.desc_m.block_type.nbytes,
                             pred=pred)
-            tma.async_copy_global_to_shared(self.desc_m, [head.m_row + blk, 0], self.vbar.index(slot),
+            tma_load(self.desc_m, [head.m_row + blk, 0], self.vbar.index(slot),
                                             self.m_smem.index(slot), pred=pred)
         else:
             mbarrier.expect(self.vbar.index(slot), self.desc_v.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(self.desc_v, [head.vt_row, blk * self.BN], self.vbar.index(slot),
+        tma_load(self.desc_v, [head.vt_row, blk * self.BN], self.vbar.index(slot),
                                         self.v_smem.index(slot), pred=pred)
 
     @gluon.jit
@@ -126,7 +127,7 @@ class KVRing:
             self.load_v(head, slot, nv, nv < nb, MEAN)
         elif MEAN:  # mu'_j was read from the stage by every warp: all reads done before the producer refills it
             fence_async_shared()
-            gl.thread_barrier()
+            barrier()
             mbarrier.arrive(self.vempty.index(slot), count=1)
         else:
             # only the PV MMA read the stage, and its wait has returned: nothing of this warp group still reads
@@ -159,7 +160,7 @@ class MeanWindow:
         fill: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
         self.ones_smem.store(gl.full(self.ones_smem.shape, 0x38, gl.uint8, fill).to(gl.float8e4nv, bitcast=True))
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
 
     @gluon.jit
     def load_group(self, g_row, w, ng, D: gl.constexpr):
@@ -168,7 +169,7 @@ class MeanWindow:
         pred = w < ng
         mbarrier.expect(self.mgbar.index(buf), 2 * self.desc_g.block_type.nbytes, pred=pred)
         for h in gl.static_range(2):
-            tma.async_copy_global_to_shared(self.desc_g, [(g_row + w * 2 + h) * D, 0], self.mgbar.index(buf),
+            tma_load(self.desc_g, [(g_row + w * 2 + h) * D, 0], self.mgbar.index(buf),
                                             self.mg_smem.index(2 * buf + h), pred=pred)
 
     @gluon.jit
@@ -225,7 +226,7 @@ def pipelined_step(j, nb, Sk, acc, l_i, m_i, alpha, r, ks0, ks1, q_smem, p_smem,
     # the softmax results go through the wait so that the compiler cannot sink the softmax below it
     # (it did: the whole softmax ran after the PV wait, serialising the step again)
     pv, alpha_n, r_n, m_i = warpgroup_mma_wait(0, deps=[pv_tok, alpha_n, r_n, m_i])
-    gl.thread_barrier()  # every warp's rows of P~_j are in shared memory before PV_j is issued
+    barrier()  # every warp's rows of P~_j are in shared memory before PV_j is issued
     acc = fold_pv(acc, alpha, r, pv, ring.load_mu(vslot, o_layout, MEAN), o_layout, MEAN)
     nv = j - 1 + STAGES  # V stage vslot is free (PV_{j-1} done): refill it
     ring.load_v(head, vslot, nv, nv < nb, MEAN)
@@ -561,7 +562,7 @@ def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS,
     g_row = bh * ng * 2
 
     mbarrier.expect(qbar, desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [bh * S + start_m, 0], qbar, q_smem)
+    tma_load(desc_q, [bh * S + start_m, 0], qbar, q_smem)
     if WS == 0:
         for i in gl.static_range(STAGES):
             ring.load_k(head, i, i, i < nb)
@@ -618,7 +619,7 @@ def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS,
         l_i = r
         p_smem.index(0).store(p8)
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         ring.load_k(head, 0, STAGES, STAGES < nb)
         for j in range(1, n_full):
             acc, l_i, m_i, alpha, r, ks0, ks1 = pipelined_step(
