@@ -135,14 +135,18 @@ def _mass_kernel(desc_q, desc_k, KS, CA, CB, PERM, MASS, bh0, Sk, Skp, Sp, G, nk
             cols = tl.load(PERM + bh.to(tl.int64) * Sk + keys, mask=kmask, other=0)
         else:
             cols = keys.to(tl.int64)
-        _group_mass(k, q0, ks, a0, b0, m_base, cols, kmask & (g0 < G), SHIFT, FRAC, OUT_BF16, INTERPRET)
+        if INTERPRET:  # NOTE Triton 3.9's interpreter refuses a block mask and-ed with a scalar one
+            gk = tl.zeros([BK], tl.int32) + g0
+        else:
+            gk = g0
+        _group_mass(k, q0, ks, a0, b0, m_base, cols, kmask & (gk < G), SHIFT, FRAC, OUT_BF16, INTERPRET)
         if NG >= 2:
-            _group_mass(k, q1, ks, a1, b1, m_base + Skp, cols, kmask & (g0 + 1 < G), SHIFT, FRAC, OUT_BF16,
+            _group_mass(k, q1, ks, a1, b1, m_base + Skp, cols, kmask & (gk + 1 < G), SHIFT, FRAC, OUT_BF16,
                         INTERPRET)
         if NG >= 4:
-            _group_mass(k, q2, ks, a2, b2, m_base + 2 * Skp, cols, kmask & (g0 + 2 < G), SHIFT, FRAC, OUT_BF16,
+            _group_mass(k, q2, ks, a2, b2, m_base + 2 * Skp, cols, kmask & (gk + 2 < G), SHIFT, FRAC, OUT_BF16,
                         INTERPRET)
-            _group_mass(k, q3, ks, a3, b3, m_base + 3 * Skp, cols, kmask & (g0 + 3 < G), SHIFT, FRAC, OUT_BF16,
+            _group_mass(k, q3, ks, a3, b3, m_base + 3 * Skp, cols, kmask & (gk + 3 < G), SHIFT, FRAC, OUT_BF16,
                         INTERPRET)
 
 

@@ -73,6 +73,8 @@ def _assign_kernel(X, CHI, CLO, C2, LABELS, S, H, K, sxb, sxh, sxs, sxd, n_kc, N
             dot = tl.dot(x, tl.trans(clo), dot)
         c2 = tl.load(C2 + c_base + cols, mask=cmask, other=float("inf"))
         dist = c2[None, :] - 2.0 * dot
+        if INTERPRET:  # NOTE Triton 3.8+'s interpreter argmin (numpy's nanargmin) raises on an all-NaN row; a NaN
+            dist = tl.where(dist == dist, dist, float("inf"))  # distance never updates the row's best anyway
         dmin = tl.min(dist, 1)
         imin = tl.argmin(dist, 1).to(tl.int32) + kc * BKC
         upd = dmin < best_d  # strict: an earlier chunk wins ties (lowest index)

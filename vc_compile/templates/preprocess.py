@@ -221,7 +221,10 @@ def _stats_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_spli
         for i in tl.range(0, N_SUB_C if N_SUB_C >= 0 else n_sub):
             smp = sp * per_split + i // (BK // BS)
             rows = smp * blk_stride * BK + (i % (BK // BS)) * BS + tl.arange(0, BS)
-            ok = (rows < S) & (smp < n_samp)
+            if INTERPRET:  # NOTE Triton 3.9's interpreter refuses a block mask and-ed with a scalar one
+                ok = (rows < S) & (tl.zeros([BS], tl.int32) + smp < n_samp)
+            else:
+                ok = (rows < S) & (smp < n_samp)
             x = tl.load(base + rows[:, None].to(tl.int64) * sxs + d[None, :] * sxd, mask=ok[:, None], other=0.0)
             if ROPE != 0:
                 x = rope_rows(x, base + rows[:, None].to(tl.int64) * sxs, rows, ok, sxd, COS, SIN,
@@ -735,7 +738,7 @@ def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v
             n_sub, loop_bound(n_sub), D=D, BS=BS, BK=BLOCK_K,
             num_warps=launch.stats_warps if do_v and D == 128 else 4, **kw,
             **({'maxnreg': launch.stats_regs} if launch.stats_regs and do_v and D == 128 and not interp else {}),
-            rec=rec, **(colsum_rope_kwargs(rope, D) if do_qk else {}))
+            rec=rec, **(colsum_rope_kwargs(rope, D) if do_qk else ({"INTERPRET": True} if interp else {})))
     # ---- pass 2
     qk = vq = None
     args = []

@@ -175,4 +175,8 @@ def pair_words_ok(*ts) -> bool:
 
 
 def colsum_rope_kwargs(rope, D: int) -> dict:
-    return dict(rope_kwargs(rope, D), INTERPRET=interpreting()) if rope is not None else {}
+    """The K column-sum pass's RoPE arguments, and ``INTERPRET`` where the interpreter runs it (a GPU launch
+    without RoPE passes none: its default)."""
+    if rope is not None:
+        return dict(rope_kwargs(rope, D), INTERPRET=interpreting())
+    return {"INTERPRET": True} if interpreting() else {}
