@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.vcattn.*: also for graphs loaded from Inductor's cache)
+from . import toolchain
 from .config import Compiler, Kernels, Prebuild, VCConfig, VCConfigError, apply_env, options_dict
 from .log import get_logger
 from .passes.cp_detect import detect_context_parallel
@@ -90,14 +91,7 @@ def start_prebuild(gm: torch.fx.GraphModule, cfg: VCConfig) -> int:
         # the calls that will run our Triton kernels on a CUDA device
         gpu = [r for r in reqs if _auto_builds(r["q"]["device"].startswith("cuda"), VCConfig.from_json(r["config"]))
                and not _gated(r)]
-        covered = []
-        if gpu:  # kernels shipped built (sm_90): loaded, and a call layout they were recorded for needs no helper
-            from .runtime import shipped
-
-            covered, _ = shipped.load(gpu)
-        if cfg.prebuild == Prebuild.SHIPPED:
-            return 0
-        todo = [r for r in (gpu if cfg.prebuild == Prebuild.AUTO else reqs) if r not in covered]  # 'on': CPU too
+        todo = gpu if cfg.prebuild == Prebuild.AUTO else reqs  # 'on': the CPU reference path too
         return _runtime.current().prebuilds.start(todo) if todo else 0
     except Exception as e:  # noqa: BLE001 - an optimisation of the first call's time, never a compile error
         log.warning("vcattn: kernel builds ahead of the first call did not start (%s: %s); the kernels are "
@@ -108,7 +102,7 @@ def start_prebuild(gm: torch.fx.GraphModule, cfg: VCConfig) -> int:
 def warm_prebuild(cfg: VCConfig) -> int:
     """Start the kernel-build helpers ahead of the first compile (``vc_compile.enable``), where option
     ``prebuild`` will use them: their imports then run while Dynamo traces. Returns how many started."""
-    if cfg.prebuild in (Prebuild.OFF, Prebuild.SHIPPED):
+    if cfg.prebuild == Prebuild.OFF:
         return 0
     from .config import Method
 
@@ -164,6 +158,7 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
     findings = detect_rope(gm, graph_name=name)  # RoPE producer forms, graph unchanged
     fuse_rope(gm, findings, cfg, graph_name=name)  # RoPE + permute into the preprocessing kernel (step 2)
     if stats["rewritten"]:
+        toolchain.check()  # an untested Triton: one warning per process, here rather than only in report()
         start_prebuild(gm, cfg)  # our kernels build in helper processes while Inductor compiles the graph
     if stats["sites"]:
         # torch._dynamo.reset() or a deleted model frees the graph: its metadata goes with it, once no

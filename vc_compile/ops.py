@@ -436,7 +436,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         if reason is None and M.USES_KERNELS:
             impl, path = dispatch.choose(method.value, cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
             if impl == dispatch.Impl.TRITON:
-                reason = M.ineligible(q, k, v)
+                reason = dispatch.method_build_failure(method.value) or M.ineligible(q, k, v)
                 if reason is None and q.is_cuda:
                     reason = gate_reason(cfg, q.device, q.shape, k.shape[2])
                     if reason is None:
@@ -493,24 +493,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
                 q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
             out, new_meta = F.scaled_dot_product_attention(q, k, v, scale=sm).contiguous(), meta
         else:
-            out, new_meta, replayed = None, meta, False
-            if (rope_args is None and impl == dispatch.Impl.TRITON and meta is not None
-                    and M.replayable(phase, cfg)):
-                fn = functools.partial(_replayed_run, M, phase, meta, cfg, sm, impl)
-                if GRAPHS.wanted(cfg.cuda_graphs.value, q, k):
-                    out = GRAPHS.run(key, meta, fn, q, k, v, sources)
-                    replayed = out is not None
-                    if not replayed and rec.cuda_graph_failure is None:
-                        rec.cuda_graph_failure = GRAPHS.failures(meta).get(key)
-                if out is None and PROGRAMS.usable(q):  # else a recorded launch sequence (recorded at its 2nd call)
-                    layout = layout if layout is not None else _programs.layout_key(q, k, v)
-                    n_replays = PROGRAMS.replays
-                    out = PROGRAMS.run(key, meta, fn, q, k, v, sources, layout=layout)
-                    programmed = PROGRAMS.replays != n_replays
-                    if out is None and rec.program_failure is None:
-                        rec.program_failure = PROGRAMS.failures(meta).get(key)
-            if out is None:
-                out, new_meta = M.run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl, **kw)
+            try:
+                out, new_meta, replayed, programmed, layout = _kernels(M, phase, meta, cfg, sm, impl, rec, key,
+                                                                       layout, q, k, v, sources, kw)
+            except Exception as e:
+                why = dispatch.method_failed(cfg.resolved_method.value, e) if impl == dispatch.Impl.TRITON else None
+                if why is None:
+                    raise
+                # this toolchain cannot build the method's kernels: stock SDPA, now and for the process's later calls
+                rec.runtime_fallbacks[why] += 1
+                if rope_args is not None:
+                    q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
+                return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
     rec.config_sources.update(sources)
     if new_meta is not None and new_meta is not meta:
         state.put(key, new_meta)
@@ -528,6 +522,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     if phase != Phase.DENSE and impl == dispatch.Impl.REFERENCE and out.device.type == "cpu":
         _note_nonfinite(rec, out)
     return out
+
+
+def _kernels(M, phase, meta, cfg, sm, impl, rec, key, layout, q, k, v, sources, kw):
+    """A kernel phase of one call: (out, new metadata, replayed as a CUDA graph, replayed as a recorded program,
+    the input layout where a program needed it).
+    A replayable step with metadata runs as a CUDA graph where the option wants one, else as a recorded launch
+    sequence (recorded at its second call), else through the method's ``run``."""
+    out, new_meta, replayed, programmed = None, meta, False, False
+    if kw.get("rope") is None and impl == dispatch.Impl.TRITON and meta is not None and M.replayable(phase, cfg):
+        fn = functools.partial(_replayed_run, M, phase, meta, cfg, sm, impl)
+        if GRAPHS.wanted(cfg.cuda_graphs.value, q, k):
+            out = GRAPHS.run(key, meta, fn, q, k, v, sources)
+            replayed = out is not None
+            if not replayed and rec.cuda_graph_failure is None:
+                rec.cuda_graph_failure = GRAPHS.failures(meta).get(key)
+        if out is None and PROGRAMS.usable(q):  # else a recorded launch sequence (recorded at its 2nd call)
+            layout = layout if layout is not None else _programs.layout_key(q, k, v)
+            n_replays = PROGRAMS.replays
+            out = PROGRAMS.run(key, meta, fn, q, k, v, sources, layout=layout)
+            programmed = PROGRAMS.replays != n_replays
+            if out is None and rec.program_failure is None:
+                rec.program_failure = PROGRAMS.failures(meta).get(key)
+    if out is None:
+        out, new_meta = M.run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl, **kw)
+    return out, new_meta, replayed, programmed, layout
 
 
 def _replayed_run(M, phase, meta, cfg, sm, impl, q, k, v):

@@ -161,7 +161,7 @@ class SiteRegistry:
         for s in sites:
             s.resolve_timing()
         return Report(sites=sites, graphs_without_sdpa=list(self.empty_graphs),
-                      prebuild=_prebuild_line(), launches=_launch_line())
+                      prebuild=_prebuild_line(), launches=_launch_line(), builds=_build_line())
 
     def clear(self) -> None:
         with self.lock:
@@ -270,6 +270,7 @@ class Report:
     graphs_without_sdpa: List[str]
     prebuild: Optional[str] = None  # what the kernel-build helpers did (runtime/prebuild.py), None: none ran
     launches: Optional[str] = None  # how our kernels were launched (templates/launch.py), None: none was
+    builds: Optional[str] = None  # kernels that did not build on this toolchain and what ran instead, None: none
 
     @property
     def rewritten(self) -> List[SiteRecord]:
@@ -301,7 +302,7 @@ class Report:
                 d[key] = dict(d[key])
             out.append(d)
         return {"sites": out, "graphs_without_sdpa": list(self.graphs_without_sdpa), "prebuild": self.prebuild,
-                "launches": self.launches}
+                "launches": self.launches, "builds": self.builds}
 
     def __str__(self) -> str:
         cols = ["site", "module", "shape", "method", "calls", "phases", "kernel", "config", "fallback", "ms",
@@ -363,6 +364,8 @@ class Report:
             lines.append(self.prebuild)
         if self.launches:
             lines.append(self.launches)
+        if self.builds:
+            lines.append(self.builds)
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -385,11 +388,23 @@ def reset_counts() -> None:
 
 
 def _prebuild_line() -> Optional[str]:
-    """What the shipped kernels and the kernel-build helpers did (``runtime/shipped.py``, ``runtime/prebuild.py``)."""
-    from . import shipped
+    """What the kernel-build helpers did (``runtime/prebuild.py``)."""
+    return current().prebuilds.summary()
 
-    lines = [x for x in (shipped.summary(), current().prebuilds.summary()) if x]
-    return "; ".join(lines) or None
+
+def _build_line() -> Optional[str]:
+    """The kernels that did not build on the installed Triton and what ran instead (``templates/dispatch.py``),
+    and an untested toolchain; None where every kernel built (or none was tried: nothing here imports triton)."""
+    import sys
+
+    from .. import toolchain
+
+    mod = sys.modules.get("vc_compile.templates.dispatch")
+    failed = mod.build_failures() if mod is not None else {}
+    parts = [f"{name} ({why}) -> {to}" for name, (why, to) in failed.items()]
+    line = f"kernels that did not build on Triton {toolchain.triton_version()}: {'; '.join(parts)}" if parts else None
+    untested = toolchain.untested_reason() if mod is not None else None
+    return "; ".join(x for x in (line, untested) if x) or None
 
 
 def _launch_line() -> Optional[str]:

@@ -244,6 +244,121 @@ def _warn_once(msg: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
+# ---- kernels that do not build on this toolchain ------------------------------------------------------------
+class KernelBuildError(RuntimeError):
+    """No kernel path could be built for a call on this toolchain (the op then runs stock SDPA and reports why)."""
+
+
+# kernel row -> why it failed to build in this process: a fact of the installed Triton, so a row that failed is
+# never tried again (``forget_build_failures`` is for tests)
+_BUILD_FAILED: Dict[str, str] = {}
+# what replaced each failed row ("the Triton kernel", "stock SDPA"), for ``report()``
+_BUILD_FALLBACK: Dict[str, str] = {}
+
+
+def build_failure(name: str) -> Optional[str]:
+    """Why kernel row ``name`` failed to build in this process, or None."""
+    return _BUILD_FAILED.get(name)
+
+
+def build_failures() -> Dict[str, Tuple[str, str]]:
+    """Every failed row: (why, what ran instead)."""
+    return {n: (why, _BUILD_FALLBACK.get(n, "stock SDPA")) for n, why in _BUILD_FAILED.items()}
+
+
+def forget_build_failures() -> None:
+    _BUILD_FAILED.clear()
+    _BUILD_FALLBACK.clear()
+
+
+# Triton's ``DependenciesFinder`` (``triton/runtime/jit.py``): what walks a kernel's source before it compiles
+_JIT_SOURCE_READERS = frozenset({"record_reference", "visit_Name", "visit_Attribute", "visit_Call", "cache_key",
+                                 "_get_config", "visit_Assign", "visit_FunctionDef"})
+
+
+def is_build_error(e: BaseException) -> bool:
+    """Whether ``e`` is a kernel failing to build (not a kernel failing to run): Triton's compile errors, a kernel
+    that does not fit the GPU, ptxas failing, or any error raised inside Triton's compiler (an MLIR pass, a Gluon
+    API the installed Triton lacks)."""
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources, PTXASError
+        if isinstance(e, (CompilationError, OutOfResources, PTXASError)):
+            return True
+    except ImportError:
+        pass
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        name = code.co_filename.replace(os.sep, "/")
+        if "/triton/compiler/" in name or ("/triton/backends/" in name and name.endswith("/compiler.py")):
+            return True
+        # the JIT reading a kernel's source for its cache key (a name that is no kernel or builtin of this Triton)
+        if name.endswith("/triton/runtime/jit.py") and code.co_name in _JIT_SOURCE_READERS:
+            return True
+        # a kernel module that does not import on this Triton (a Gluon name it lacks)
+        if isinstance(e, (ImportError, AttributeError)) and "importlib._bootstrap" in name:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _why(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    # Triton's CompilationError text is the source excerpt, its last line the cause
+    return f"{type(e).__name__}: {(lines[-1] if lines else '')[:200]}"
+
+
+def built(name: str, fn: Callable, *args, **kw):
+    """``fn(*args, **kw)``, a call of kernel row ``name``; a build failure marks the row failed for the process and
+    raises ``KernelBuildError`` (as does any later call of the row). Other errors propagate unchanged."""
+    why = _BUILD_FAILED.get(name)
+    if why is not None:
+        raise KernelBuildError(f"{name}: {why}")
+    try:
+        return fn(*args, **kw)
+    except KernelBuildError:
+        raise
+    except Exception as e:
+        if not is_build_error(e):
+            raise
+        _BUILD_FAILED[name] = _why(e)
+        raise KernelBuildError(f"{name}: {_BUILD_FAILED[name]}") from e
+
+
+def method_build_failure(method: str) -> Optional[str]:
+    """The report reason of a method whose kernels did not build in this process (its calls run stock SDPA), or
+    None."""
+    return _BUILD_FAILED.get(f"method:{method}")
+
+
+def method_failed(method: str, e: BaseException) -> Optional[str]:
+    """Where ``e`` (raised by a call of ``method``'s kernels) is a build failure: mark the method failed for the
+    process, warn once (the Triton version and the fix) and return the report reason; else None."""
+    if not isinstance(e, KernelBuildError) and not is_build_error(e):
+        return None
+    key = f"method:{method}"
+    if key not in _BUILD_FAILED:
+        _BUILD_FAILED[key] = f"kernel build failed: {_why(e) if not isinstance(e, KernelBuildError) else str(e)}"
+        _fell_back(key, "stock SDPA", f"{method} kernels")
+    return _BUILD_FAILED[key]
+
+
+def _fell_back(name: str, to: str, label: str) -> None:
+    """Record what replaced a failed row, and warn (the Triton version, what runs instead, the fix) once per
+    process and tier: the first Gluon kernel that fails (others are listed by ``report()``), and the first method
+    whose kernels fail."""
+    from vc_compile import toolchain
+    tier = "method" if name.startswith("method:") else "gluon"
+    warned = any(n.startswith("method:") == (tier == "method") for n in _BUILD_FALLBACK)
+    _BUILD_FALLBACK[name] = to
+    if warned:
+        return
+    warnings.warn(f"vcattn: the {label} did not build on Triton {toolchain.triton_version()} "
+                  f"({_BUILD_FAILED.get(name)}); {to} runs instead, slower. {toolchain.fix()}.", RuntimeWarning,
+                  stacklevel=4)
+
+
 # ---- eligibility (the kernels' limits; the reference runs any shape) ----------------------------------------
 def vsmooth_ineligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
     """Why the 8-bit kernels cannot run these inputs (the op then runs stock SDPA and records it), or None."""
@@ -352,8 +467,9 @@ def kmeans_perm(impl: Impl, x, n_clusters: int, n_iters: int, init=None):
 
 
 def uses_sm90(device: torch.device, qk_format: str) -> bool:
-    """Whether ``vsmooth_attention`` (TRITON, no launch config) runs the Gluon sm_90 kernel for these inputs."""
-    return qk_format == "int8" and _on_sm90(device)
+    """Whether ``vsmooth_attention`` (TRITON, no launch config) runs the Gluon sm_90 kernel for these inputs (not
+    where it failed to build: then the Triton kernel)."""
+    return qk_format == "int8" and _on_sm90(device) and "vsmooth_attn_sm90" not in _BUILD_FAILED
 
 
 def _on_sm90(device: torch.device) -> bool:
@@ -396,21 +512,27 @@ def vsmooth_attention(impl: Impl, qk, vq, *, expcast: bool = False, out_dtype=to
     kernel_module("vsmooth_attn").check_inputs(qk, vq)  # a clear error before any table is read
     fmt = "fp8" if qk.q8.dtype == torch.float8_e4m3fn else "int8"
     kernel = vsmooth_kernel(qk.q8.device, fmt, launch)
-    B, H, S, D = qk.q8.shape
     if kernel == "vsmooth_attn_sm90":
-        run = kernel_fn(kernel, "vsmooth_attention_sm90")
-        if launch is None:
-            launch = _resolve(kernel, lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype,
-                                                    return_lse=return_lse, launch=c),
-                              dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device, D=D, expcast=expcast,
-                              S=S)
-    else:
-        run = kernel_fn(kernel, "vsmooth_attention")
-        if launch is None:
-            launch = _resolve(kernel, lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype,
-                                                    return_lse=return_lse, launch=c),
-                              dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device, D=D, expcast=expcast,
-                              qk_fp8=fmt == "fp8")
+        try:
+            return built(kernel, _vsmooth_run, kernel, qk, vq, expcast, out_dtype, return_lse, launch)
+        except KernelBuildError:
+            if launch is not None:  # a launch config that names the Gluon kernel: no other kernel takes it
+                raise
+            _fell_back(kernel, "the Triton kernel", "Gluon sm_90 V-Smooth kernel")
+            kernel = "vsmooth_attn"
+    return built(kernel, _vsmooth_run, kernel, qk, vq, expcast, out_dtype, return_lse, launch)
+
+
+def _vsmooth_run(kernel, qk, vq, expcast, out_dtype, return_lse, launch):
+    """One call of V-Smooth attention kernel ``kernel`` (its launch tuned where none is given)."""
+    B, H, S, D = qk.q8.shape
+    sm90 = kernel == "vsmooth_attn_sm90"
+    run = kernel_fn(kernel, "vsmooth_attention_sm90" if sm90 else "vsmooth_attention")
+    if launch is None:
+        shape = dict(S=S) if sm90 else dict(qk_fp8=qk.q8.dtype == torch.float8_e4m3fn)
+        launch = _resolve(kernel, lambda c: run(qk, vq, expcast=expcast, out_dtype=out_dtype,
+                                                return_lse=return_lse, launch=c),
+                          dtype=out_dtype, head_dim=D, seq_len=S, device=qk.q8.device, D=D, expcast=expcast, **shape)
     return run(qk, vq, expcast=expcast, out_dtype=out_dtype, return_lse=return_lse, launch=launch)
 
 
@@ -452,6 +574,8 @@ def sm90_gather_ineligible(q, v, group_size: int) -> Optional[str]:
         return f"head dims {q.shape[-1]} / {v.shape[-1]} (need 64 or 128)"
     if not _on_sm90(q.device):
         return "this is not an sm_90 GPU"
+    if "sparse_attn_sm90" in _BUILD_FAILED:
+        return f"it did not build on this Triton ({_BUILD_FAILED['sparse_attn_sm90']})"
     return None
 
 
@@ -492,16 +616,28 @@ def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_
     if qk_format == "int8":
         why = sparse_int8_ineligible(q, v, group_size, launch)
         if why:
-            raise RuntimeError(f"vcattn: sparse_qk='int8' runs only on the sm_90 gather kernel, and {why}; use "
-                               "sparse_qk='bf16' (the default) or 'fp8'.")
-        k8, ks = kernel_module("sparse_attn").quantize_k_int8_head(k)
-        return kernel_fn("sparse_attn_sm90", "sparse_attention_sm90")(
+            err = KernelBuildError if "sparse_attn_sm90" in _BUILD_FAILED else RuntimeError
+            raise err(f"vcattn: sparse_qk='int8' runs only on the sm_90 gather kernel, and {why}; use "
+                      "sparse_qk='bf16' (the default) or 'fp8'.")
+        k8, ks = built("sparse_attn", kernel_module("sparse_attn").quantize_k_int8_head, k)
+        return built("sparse_attn_sm90", lambda: kernel_fn("sparse_attn_sm90", "sparse_attention_sm90")(
             q, k8, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual, out_dtype=out_dtype,
-            flag=flag, launch=launch, k_scale=ks)
+            flag=flag, launch=launch, k_scale=ks))
     if sparse_kernel(q, v, qk_format, group_size, launch) == "sparse_attn_sm90":
-        return kernel_fn("sparse_attn_sm90", "sparse_attention_sm90")(
-            q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual, out_dtype=out_dtype,
-            flag=flag, launch=launch)
+        try:
+            return built("sparse_attn_sm90", lambda: kernel_fn("sparse_attn_sm90", "sparse_attention_sm90")(
+                q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual, out_dtype=out_dtype,
+                flag=flag, launch=launch))
+        except KernelBuildError:
+            if launch is not None:
+                raise
+            _fell_back("sparse_attn_sm90", "the Triton gather kernel", "Gluon sm_90 gather kernel")
+    return built("sparse_attn", _sparse_triton, q, k, v, sigma, idx, sm_scale, group_size, residual, out_dtype,
+                 qk_format, launch, k_fp8, flag)
+
+
+def _sparse_triton(q, k, v, sigma, idx, sm_scale, group_size, residual, out_dtype, qk_format, launch, k_fp8, flag):
+    """One call of the Triton gather kernel (its launch tuned where none is given)."""
     kmod = kernel_module("sparse_attn")
     if launch is None:
         fmt = "fp8" if qk_format == "fp8" else "bf16"
