@@ -85,6 +85,7 @@ def run(self, *a, grid, warmup, **kw):
     if k._run is None:
         k._run = Launcher(k)
     return orig(self, *a, grid=grid, warmup=False, **kw)
+run.__wrapped__ = orig  # Triton's launch path, as templates/launch.py reads it
 JITFunction.run = run
 from vc_compile.templates import dispatch
 dispatch._on_sm90 = lambda device: True  # CPU tensors stand for an sm_90 GPU's
@@ -160,6 +161,21 @@ print("RESULT", sorted(res.items()))
 """
 
 
+def _c_entry_of_36() -> bool:
+    """Whether the installed Triton's CUDA launcher is 3.6's (a compiled entry per kernel, which the harness
+    fakes); 3.7+ have one generic entry and the programs call the launcher object instead."""
+    import inspect
+
+    from triton.backends.nvidia.driver import CudaLauncher
+    return "kernel_metadata" not in inspect.signature(CudaLauncher.__call__).parameters
+
+
+offline_36 = pytest.mark.skipif(not _c_entry_of_36(), reason=(
+    "the offline harness fakes Triton 3.6's per-kernel launcher entry; on 3.7+ a program calls the launcher "
+    "object, checked on the GPU by test_gpu_recorded_reuse_steps_give_the_normal_paths_bits"))
+
+
+@offline_36
 def test_a_replayed_program_hands_the_launchers_what_the_normal_path_does(tmp_path):
     line, why = result_line(_CODE, tmp_path)
     # per method: 1 program recorded, 2 replays (the third and fourth calls), launches per replay (V-Smooth: the
@@ -190,6 +206,7 @@ print("RESULT", PROGRAMS.recorded, PROGRAMS.replays, any(key[0] == 4242 for key 
 """
 
 
+@offline_36
 def test_the_op_replays_through_programs_and_lanes_offline(tmp_path):
     line, why = result_line(_OP_CODE, tmp_path)
     # 2 recordings (one per grouping's metadata), 7 + 7 replays (steps 3-9, 13-19), a lane, 20 calls counted

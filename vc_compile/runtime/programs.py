@@ -61,14 +61,14 @@ class _Ptr(int):
         return int(self)
 
 
-class _Desc:
-    """A host TMA descriptor as Triton's launcher reads it (base, shape, strides, padding)."""
-
-    __slots__ = ("base", "shape", "strides", "padding", "block_shape", "layout")
-
-    def __init__(self, base, shape, strides, padding, block_shape=None, layout=None):
-        self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
-        self.block_shape, self.layout = block_shape, layout
+def _desc(base: int, fields: tuple):
+    """A host TMA descriptor as the recorded launch had it (``fields``: its class and every attribute but the base,
+    whatever the installed Triton's descriptor holds), on the device address ``base``."""
+    cls, attrs = fields
+    d = object.__new__(cls)
+    d.__dict__.update(attrs)
+    d.base = _Ptr(base)
+    return d
 
 
 class Recording:
@@ -147,6 +147,8 @@ def _raw_launcher(launcher):
     or None where it is not that shape (the program then calls the launcher object, as the normal path does).
     The entry takes the descriptors expanded (``make_tensordesc_arg``), which a program does once per base address
     instead of once per launch."""
+    if hasattr(launcher, "arg_annotations"):
+        return None  # Triton 3.7+: one generic C entry with another argument order; the launcher object is called
     if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
         return None  # scratch is allocated per launch by the launcher object
     if getattr(launcher, "launch_cooperative_grid", None) is None or getattr(launcher, "launch_pdl", None) is None:
@@ -209,7 +211,7 @@ class Program:
                         L.maps[(pos, base)] = ex
                     args[pos:pos + n] = ex
                 else:  # the launcher object expands it
-                    args[pos] = _Desc(_Ptr(base), *fields)
+                    args[pos] = _desc(base, fields)
             g0, g1, g2, function, fixed = L.head
             L.call(g0, g1, g2, stream, function, *fixed, *args)
         del ws  # freed after the launches were queued on this stream (stream-ordered reuse, as in the normal path)
@@ -219,7 +221,7 @@ class Program:
 def _expand(base: int, fields: tuple, meta) -> list:
     from triton.backends.nvidia.driver import make_tensordesc_arg
 
-    return make_tensordesc_arg(_Desc(_Ptr(base), *fields), meta)
+    return make_tensordesc_arg(_desc(base, fields), meta)
 
 
 def build(rec: Recording, out, q, k, v) -> Tuple[Optional[Program], Optional[str]]:
@@ -283,7 +285,9 @@ def build(rec: Recording, out, q, k, v) -> Tuple[Optional[Program], Optional[str
                         tmpl.append(None)
                 elif hasattr(a, "block_shape") and isinstance(getattr(a, "base", None), torch.Tensor):
                     where = place(a.base)
-                    fields = (tuple(a.shape), tuple(a.strides), a.padding, tuple(a.block_shape), a.layout)
+                    if not hasattr(a, "__dict__"):
+                        raise _Unplaceable("a descriptor argument the program cannot copy")
+                    fields = (type(a), {n: x for n, x in vars(a).items() if n != "base"})
                     if raw is not None and i in raw[1]:
                         n = len(_expand(a.base.data_ptr(), fields, raw[1][i]))
                         if where is None:  # a constant base: expanded once

@@ -18,9 +18,11 @@ specialisation, no cache-key hashing. The launcher itself is Triton's, so tensor
 and the stream are handled as in a normal launch.
 
 When it does not. Under the CPU interpreter, with a launch hook installed (``triton.knobs.runtime``, e.g. a
-profiler's), with a pre-run hook on ``fn``, or on a Triton other than 3.6 (the launcher's calling convention
-is 3.6's), every call takes the normal path. ``FAST_LAUNCH.enabled = False`` turns the fast path off for the
-process (tests compare both paths).
+profiler's), with a pre-run hook on ``fn``, or on a Triton whose JIT does not launch the way this module replays
+(``convention_error``: the binder in ``device_caches``, the compiled kernel's ``run`` with the grid, stream,
+function, packed metadata, launch metadata and hooks before the bound arguments; read from the installed
+Triton's own ``JITFunction.run``, not from its version: 3.6 to 3.9 launch this way), every call takes the normal
+path. ``FAST_LAUNCH.enabled = False`` turns the fast path off for the process (tests compare both paths).
 
 NOTE (H200 host, torch 2.11, triton 3.6, ``scripts/host_breakdown.py``, ExpCast reuse call at H12 S32760):
 ``JITFunction.run`` took 0.47 ms for the call's three launches, 0.16 of it Triton's launcher; the rest (binder,
@@ -29,6 +31,8 @@ Offline (this module's test harness, a fake sm_90 driver) a V-Smooth call's Pyth
 """
 from __future__ import annotations
 
+import inspect
+import re
 import threading
 from typing import Any, Dict, Optional, Tuple
 
@@ -38,7 +42,32 @@ from triton.runtime import driver
 
 from vc_compile.templates.interpret import interpreting
 
-_TRITON_36 = triton.__version__.startswith("3.6.")
+# How Triton's ``JITFunction.run`` launches a compiled kernel, the calling convention a remembered launch repeats:
+# the per-device caches with the binder last, and the launcher's arguments in this order (whitespace aside).
+_CONVENTION = (
+    r"kernel_cache,kernel_key_cache,target,backend,binder=self\.device_caches\[device\]",
+    r"bound_args,specialization,options=binder\(\*args,\*\*kwargs\)",
+    r"kernel\.run\(grid_0,grid_1,grid_2,stream,kernel\.function,kernel\.packed_metadata,launch_metadata,"
+    r"knobs\.runtime\.launch_enter_hook,knobs\.runtime\.launch_exit_hook,\*bound_args\.values\(\)\)",
+)
+
+
+def _convention_error() -> Optional[str]:
+    """None where the installed Triton's JIT launches as ``_CONVENTION`` says, else what differs."""
+    from triton.runtime.jit import JITFunction
+    try:
+        # (a wrapper that names the function it wraps, e.g. the offline compile harness's, is looked through)
+        src = re.sub(r"\s+", "", inspect.getsource(inspect.unwrap(JITFunction.run)))
+    except (OSError, TypeError) as e:
+        return f"the source of Triton's JITFunction.run is unreadable ({e})"
+    for pat in _CONVENTION:
+        if not re.search(pat, src):
+            return (f"Triton {triton.__version__}'s JITFunction.run does not launch as the remembered launches "
+                    "replay (a new calling convention)")
+    return None
+
+
+_CONVENTION_ERROR = _convention_error()
 
 
 class FastLaunch:
@@ -56,7 +85,8 @@ class FastLaunch:
         return self._usable_fn(fn) and no_launch_hooks()
 
     def _usable_fn(self, fn) -> bool:
-        return self.enabled and _TRITON_36 and not interpreting() and not getattr(fn, "pre_run_hooks", None)
+        return (self.enabled and _CONVENTION_ERROR is None and not interpreting()
+                and not getattr(fn, "pre_run_hooks", None))
 
     def __call__(self, fn, grid: tuple, key, *args, **kwargs):
         """``fn[grid](*args, **kwargs)``, remembered under ``key`` (see the module docstring)."""
@@ -128,8 +158,8 @@ class FastLaunch:
         """Why no launch can skip the binder in this process, or None."""
         if not self.enabled:
             return "turned off"
-        if not _TRITON_36:
-            return f"needs Triton 3.6 (its launcher's calling convention), this is {triton.__version__}"
+        if _CONVENTION_ERROR is not None:
+            return _CONVENTION_ERROR
         if interpreting():
             return "the CPU interpreter runs the kernels"
         return None
