@@ -10,16 +10,18 @@ Per variant (``stock`` first: ``torch.compile`` with Inductor and SDPA on cuDNN;
 (``compile_repeated_blocks``) and running one ``--steps``-step generation (CFG 5):
 * ``fresh``: empty Inductor and Triton cache directories (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``
   pointed at a new temporary directory): every graph compiled and every kernel built;
-* ``second``: a second process on the caches the first one left, what a user's next run sees.
+* ``second``: a second process on the caches the first one left, what a user's next run sees;
+* ``warmup``: empty caches, then ``python -m vc_compile warmup --plan small`` for the method (its own time:
+  ``warmup_s``, outside ``first_call_s``), then the process: what a machine's first run sees after the warm-up
+  command (stock has no warm-up: its ``fresh`` row is the reference).
 ``first_call_s`` is the wall time of the first generation (torch.compile is lazy: Dynamo, Inductor, our pass,
 the kernel builds and the steps all happen in it); ``extra_s`` its difference to stock's in the same mode;
 ``steady_s`` a second generation in the same process (the steps alone), so ``first_call_s - steady_s`` is the
-start-up cost. Model construction and imports are outside every figure. A label ending in ``/prebuild`` runs
-the method with option ``prebuild='auto'`` (the shipped sm_90 kernels loaded, runtime/shipped.py, and kernel-build
-helpers for the calls they do not cover, runtime/prebuild.py), ``/noprebuild`` with 'off' (every kernel built at
-its launch; fresh only: a second process is unaffected), a plain label with the default ('shipped') (column
-``prebuild``: what ``report()`` said of the shipped kernels and the helpers, ``prebuild_wait_s``: what the first
-calls waited for helpers).
+start-up cost. Model construction and imports are outside every figure. A label ending in ``/noprebuild`` runs
+the method with option ``prebuild='off'`` (every kernel built at its launch; fresh only: a second process is
+unaffected), a plain label with the default ('auto': kernel-build helpers while Inductor compiles,
+runtime/prebuild.py) (column ``prebuild``: what ``report()`` said of the helpers, ``prebuild_wait_s``: what the
+first calls waited for them).
 Rows:
 ``benchmarks/results/bench_cold_start.csv``.
 """
@@ -89,9 +91,11 @@ def child(a) -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
-# label suffixes: the method with option prebuild='off' (each kernel built at its first launch) or 'auto' (shipped
-# kernels, helpers for the rest while Inductor compiles); plain labels run the default ('shipped')
-PREBUILD_SUFFIX = {"/noprebuild": "off", "/prebuild": "auto"}
+# label suffixes: the method with option prebuild='off' (each kernel built at its first launch); plain labels run
+# the default ('auto': helpers while Inductor compiles)
+PREBUILD_SUFFIX = {"/noprebuild": "off"}
+# bench_pipeline's method labels -> the warm-up command's (the same options)
+WARMUP_METHODS = {"vsmooth": "vsmooth", "vsmooth+expcast": "vsmooth+expcast", "mcsparse@0.15": "mcsparse"}
 
 
 def _split(label: str):
@@ -102,9 +106,27 @@ def _split(label: str):
     return label, None
 
 
+def _env(cache_dir) -> dict:
+    return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
+                TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+
+
+def run_warmup(label, cache_dir, a) -> float:
+    """``python -m vc_compile warmup`` for the method of ``label`` into these caches: its wall time."""
+    method = WARMUP_METHODS.get(_split(label)[0])
+    if method is None:
+        raise RuntimeError(f"no warm-up for {label!r} (the warm-up command builds {sorted(WARMUP_METHODS)})")
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "vc_compile", "warmup", "--plan", "small", "--methods", method],
+                       env=_env(cache_dir), capture_output=True, text=True, timeout=a.timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"warm-up for {label} failed: {(p.stderr or p.stdout)[-500:]}")
+    log("   " + p.stdout.strip().splitlines()[-1])
+    return time.perf_counter() - t0
+
+
 def run_child(label, mode, cache_dir, a) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
-               TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+    env = _env(cache_dir)
     cmd = [sys.executable, "-m", "benchmarks.bench_cold_start", "--child", label, "--steps", str(a.steps)]
     if a.smoke:
         cmd.append("--smoke")
@@ -125,28 +147,35 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=DEFAULT_METHODS)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds per process")
-    ap.add_argument("--modes", default="fresh,second", help="which processes per variant: fresh, second or both")
+    ap.add_argument("--modes", default="fresh,second",
+                    help="which processes per variant, comma-separated: fresh, second (after fresh), warmup")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny model, eager compiler; nothing appended")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(a)), flush=True)
         return 0
-    if a.modes not in ("fresh", "fresh,second"):
-        ap.error("--modes: 'fresh' or 'fresh,second' (a second process runs on the caches a fresh one left)")
+    modes = [m for m in a.modes.split(",") if m]
+    if not set(modes) <= {"fresh", "second", "warmup"} or ("second" in modes and "fresh" not in modes):
+        ap.error("--modes: of fresh, second, warmup (a second process runs on the caches a fresh one left)")
     labels = ["stock"] + [m for m in a.methods.split(",") if m]
     res, rows = {}, []
     for label in labels:
         with tempfile.TemporaryDirectory(prefix="vc_cold_") as d:
             # without helpers a second process is what it always was (the caches are warm): fresh only
-            modes = [m for m in a.modes.split(",") if m in ("fresh", "second")]
-            for mode in (("fresh",) if _split(label)[1] == "off" else modes):
+            for mode in (("fresh",) if _split(label)[1] == "off" else [m for m in modes if m != "warmup"]):
                 r = run_child(label, mode, d, a)
                 res[(label, mode)] = r
                 log(f"  {label:18s} {mode:6s}: first call {r['first_call_s']:6.1f} s, steady {r['steady_s']:5.1f} s, "
                     f"process {r['process_s']:5.1f} s")
+        if "warmup" in modes and label != "stock" and _split(label)[1] is None:
+            with tempfile.TemporaryDirectory(prefix="vc_cold_") as d:
+                w = run_warmup(label, d, a)
+                r = dict(run_child(label, "warmup", d, a), warmup_s=round(w, 1))
+                res[(label, "warmup")] = r
+                log(f"  {label:18s} warmup: first call {r['first_call_s']:6.1f} s after a {w:.1f} s warm-up")
     for (label, mode), r in res.items():
-        stock = res[("stock", mode)]
+        stock = res[("stock", "fresh" if mode == "warmup" else mode)]
         rows.append({"variant": label, "B": 1, "H": 12, "S": r["tokens"], "D": 128, "ms": round(1e3 * r["first_call_s"], 1),
                      "mode": mode, "steps": a.steps, "first_call_s": round(r["first_call_s"], 2),
                      "extra_s": round(r["first_call_s"] - stock["first_call_s"], 2),
@@ -156,15 +185,15 @@ def main(argv=None) -> int:
                                               - (stock["first_call_s"] - stock["steady_s"]), 2),
                      "process_s": round(r["process_s"], 1), "model": r["model"], "layers": r["layers"],
                      "sites": r["sites"], "prebuild": r.get("prebuild", ""),
-                     "prebuild_wait_s": r.get("prebuild_wait_s", ""),
+                     "prebuild_wait_s": r.get("prebuild_wait_s", ""), "warmup_s": r.get("warmup_s", ""),
                      "note": "regional compile; random weights; fresh = empty Inductor/Triton caches, second = "
-                             "a second process on them"})
+                             "a second process on them, warmup = empty caches after `python -m vc_compile warmup`"})
     cols = ["variant", "mode", "first_call_s", "extra_s", "steady_s", "startup_s", "startup_extra_s", "process_s"]
     print_table(rows, cols)
     if not a.smoke:
         path = append_rows(BENCH, rows, extras=["mode", "steps", "first_call_s", "extra_s", "steady_s", "startup_s",
                                                 "startup_extra_s", "process_s", "model", "layers", "sites", "note",
-                                                "prebuild", "prebuild_wait_s"])
+                                                "prebuild", "prebuild_wait_s", "warmup_s"])
         log(f"rows appended to {path}")
     return 0
 

@@ -162,12 +162,10 @@ def test_wheel_is_small_licensed_and_without_demo_weights(tmp_path):
                         "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (whl,) = (tmp_path / "dist").glob("vc_compile-*.whl")
-    # ~0.2 MB of code and tables plus the shipped sm_90 kernels (runtime/shipped.py: 1.24 MiB of xz cubins)
-    assert whl.stat().st_size <= 2_500_000, whl.stat().st_size
+    # ~0.3 MB of code and tables; no binaries (built kernels live in Triton's cache, never in the package)
+    assert whl.stat().st_size <= 1_000_000, whl.stat().st_size
     names = zipfile.ZipFile(whl).namelist()
-    assert "vc_compile/kernels/sm90/manifest.json" in names
-    assert len([n for n in names if n.endswith(".cubin.xz")]) == len(json.load(open(ROOT / "vc_compile" / "kernels"
-                                                                                   / "sm90" / "manifest.json"))["kernels"])
+    assert not [n for n in names if n.endswith((".cubin", ".cubin.xz", ".so"))]
     assert not [n for n in names if n.endswith(".safetensors") or "/weights/" in n]
     assert {"vc_compile/tune/shipped_sm90.json", "vc_compile/passes/README.md", "vc_compile/pipeline.py"} <= set(names)
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "scripts/"))]

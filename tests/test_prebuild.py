@@ -105,12 +105,11 @@ def test_requests_one_per_distinct_call_with_its_layout():
     assert tuple(r["q"]["shape"]) == (1, 2, 1100, 64) and r["q"]["dtype"] == "bfloat16"
     assert tuple(r["q"]["stride"]) == (1100 * 3 * 128, 64, 3 * 128, 1)  # the permuted view, not a copy
     assert VCConfig.from_json(r["config"]).method.value == "vsmooth"
-    # 'auto' starts nothing on the CPU (no Triton kernels to build), 'shipped' (the default) and 'off' nothing
-    # anywhere
-    assert VCConfig().prebuild.value == "shipped"
-    for mode in ("auto", "shipped", "off"):
+    # 'auto' (the default) starts nothing on the CPU (no Triton kernels to build), 'off' nothing anywhere
+    assert VCConfig().prebuild.value == "auto"
+    for mode in ("auto", "off"):
         assert start_prebuild(seen[0], VCConfig.from_options({"method": "vsmooth", "prebuild": mode})) == 0
-    assert warm_prebuild(VCConfig.from_options({"method": "vsmooth", "prebuild": "shipped"})) == 0
+    assert warm_prebuild(VCConfig.from_options({"method": "vsmooth", "prebuild": "off"})) == 0
 
 
 def test_symbolic_shapes_are_left_out():

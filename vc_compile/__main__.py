@@ -1,6 +1,7 @@
 """``python -m vc_compile <command>`` (also installed as ``vc-compile``).
 
     tune    pre-tune the attention kernel of a method for a shape (see ``vc_compile/tune_cli.py``)
+    warmup  build the kernels of the usual layouts into Triton's on-disk cache (``vc_compile/runtime/warmup.py``)
 
 ``--version`` and ``--help`` import neither torch nor triton. (The demo is ``python -m vc_compile.demo``.)
 """
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = {"tune": "pre-tune the attention kernels of a method for a shape and print the chosen configs"}
+COMMANDS = {"tune": "pre-tune the attention kernels of a method for a shape and print the chosen configs",
+            "warmup": "build the kernels of the usual attention layouts into Triton's on-disk cache (GPU, once)"}
 
 
 def usage() -> str:
@@ -33,9 +35,33 @@ def main(argv=None) -> int:
             print(f"vc_compile: unknown command {argv[0]!r}\n", file=sys.stderr)
         print(usage(), file=sys.stderr)
         return 2
+    if argv[0] == "warmup":
+        return warmup(argv[1:])
     from vc_compile.tune_cli import main as tune_main
 
     return tune_main(argv[1:])
+
+
+def warmup(argv) -> int:
+    import argparse
+
+    from vc_compile.runtime.warmup import METHODS, PLANS, warmup as run
+
+    p = argparse.ArgumentParser(prog="python -m vc_compile warmup",
+                                description="Build the kernels of the supported pipelines' attention layouts into "
+                                            "Triton's on-disk cache (once per machine and toolchain, on the GPU).")
+    p.add_argument("--plan", default="default", choices=sorted(PLANS),
+                   help="which layouts: default = Wan 2.1 1.3B 480p, 14B 720p and 480p; small = 1.3B 480p")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {sorted(METHODS)}")
+    a = p.parse_args(argv)
+    try:
+        res = run(a.plan, [m for m in a.methods.split(",") if m], progress=lambda line: print(line, flush=True))
+    except (RuntimeError, ValueError) as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    print(f"vc_compile warmup: {res['built']} kernels built in {res['jobs']} jobs, {res['cached']} found built, "
+          f"{res['s']} s -> {res['cache']}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -89,12 +89,11 @@ class SpeedGate(str, enum.Enum):
 
 
 class Prebuild(str, enum.Enum):
-    """Where the kernels of the compiled calls come from before their first launch: the package's shipped
-    binaries (runtime/shipped.py) and helper processes building them while Inductor compiles
-    (runtime/prebuild.py)."""
+    """Whether a fresh process builds its compiled calls' kernels ahead of their first launch, in helper processes
+    running while Inductor compiles (runtime/prebuild.py). Built kernels stay in Triton's on-disk cache for every
+    later process; ``python -m vc_compile warmup`` builds the usual layouts' ahead of any process."""
     OFF = "off"  # each kernel is built at its first launch, in the calling process
-    SHIPPED = "shipped"  # shipped binaries (sm_90) loaded; the rest built at their launch (the default)
-    AUTO = "auto"  # shipped binaries, and helpers for the calls whose layout none was recorded for (CUDA)
+    AUTO = "auto"  # helpers build the kernels of the calls that run our kernels on a CUDA device (the default)
     ON = "on"  # also helpers on the CPU reference path (tests)
 
 
@@ -167,14 +166,13 @@ OPTION_DOCS: Dict[str, str] = {
                      "have a std above this (checked once per site, block and shape) stays stock SDPA, reported: "
                      "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit); "
                      "with expcast, logits of base-2 magnitude beyond ~2000 then give NaN rows (outside its codes' range).",
-    "prebuild": "'shipped' | 'auto' | 'on' | 'off': where a fresh process's kernels come from before their first "
-                "launch. 'shipped' (default): the package's sm_90 binaries of the recorded call layouts are "
-                "loaded instead of built (H200, Wan 2.1 1.3B, fresh caches: start-up over stock +2.6 s for "
-                "V-Smooth + ExpCast and +2.5 s for MC-Sparse, against +14.5 / +29.7 s building them); 'auto' "
-                "also builds the kernels of other layouts in helper processes while Inductor compiles (a phase's "
-                "first call waits for them; each helper holds its call's inputs on the GPU meanwhile); 'on' also "
-                "on the CPU reference path; 'off' builds every kernel at its first launch (docs/performance.md, "
-                "Cold start).",
+    "prebuild": "'auto' | 'on' | 'off': whether a fresh process builds its kernels ahead of their first launch. "
+                "'auto' (default): helper processes build the kernels of the compiled calls in parallel while "
+                "Inductor compiles (a phase's first call waits for them; each helper holds its call's inputs on "
+                "the GPU meanwhile); 'on' also on the CPU reference path; 'off' builds every kernel at its first "
+                "launch. Built kernels stay in Triton's on-disk cache: only a machine's first process (or "
+                "one after an upgrade) builds, and `python -m vc_compile warmup` builds the usual layouts ahead "
+                "(docs/performance.md, Cold start).",
     "num_steps": "Steps per generation when nothing tells us (no vc_compile.sampling, no diffusers loop).",
     "rope_fusion": "Fold the model's recognised RoPE + permute into the 8-bit preprocessing kernel (vsmooth). "
                    "Opt-in: on the H200 it saves 0.3-0.6 ms of preprocessing but only 0.2% of the op.",
@@ -318,7 +316,7 @@ class VCConfig:
     # +2.5 s (a599286); building each kernel at its launch +14.5 / +29.7 s, helpers building them in parallel
     # +9.3 / +8.5 s (same run, e6524a7; a helper's imports take ~9.5 s under Inductor's load and its longest build
     # ~6 s). Helpers stay opt-in ('auto'): each holds its call's inputs on the GPU while the model compiles.
-    prebuild: Prebuild = Prebuild.SHIPPED
+    prebuild: Prebuild = Prebuild.AUTO
     num_steps: int = 50
     # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
     # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first

@@ -23,20 +23,16 @@ them there. Nothing of the parent's computation changes: the same kernels, looke
   what happened.
 * ``Prebuilds.warm`` (called by ``vc_compile.enable``): helpers started before anything is traced, their
   interpreter and imports done by the time the rewrite hands them jobs; those left without one end then.
-* Option ``prebuild`` ('shipped' | 'auto' | 'on' | 'off'): 'auto' starts helpers where the calls run on a CUDA
-  device with the Triton kernels, for the calls whose layout the shipped kernels were not recorded for
-  (``runtime/shipped.py``); 'on' also on the CPU reference path (tests); 'shipped' (the default) and 'off' start
-  none. A helper never starts helpers itself. A helper first finds every kernel its job launches (``discover``:
-  the job run with launches turned away), builds them all at once (``build_parallel``), then runs the job.
+* Option ``prebuild`` ('auto' | 'on' | 'off'): 'auto' (the default) starts helpers where the calls run on a CUDA
+  device with the Triton kernels; 'on' also on the CPU reference path (tests); 'off' starts none. A helper never
+  starts helpers itself. A helper first finds every kernel its job launches (``discover``: the job run with
+  launches turned away), builds them all at once (``build_parallel``), then runs the job, and leaves a marker in
+  Triton's cache (``_marker_key``: the layouts, the kernel options, the phases): a later process whose request
+  has a marker starts no helper, its kernels are on disk. ``python -m vc_compile warmup`` runs the same jobs
+  ahead, for the usual layouts (``runtime/warmup.py``).
 
-NOTE helpers only under ``prebuild='auto'`` / 'on' (the default, 'shipped', loads the package's built kernels
-instead: ``runtime/shipped.py``). H200, Wan 2.1 1.3B, regional compile, fresh caches, 5-step first generation
-(bench_cold_start, start-up over stock, same run, e6524a7): V-Smooth + ExpCast 14.5 s building at the launches,
-9.3 s with a helper (started 9.5 s after its spawn: imports under Inductor's load; its 6 kernels built in
-parallel in 6.8 s; the first call waited 8.0 s); MC-Sparse 29.7 s against 8.5 s (17 kernels in 6.4 s). Before
-the parallel build (62ca3f0, e6b0279) one helper built its kernels one by one: 12.9-14.4 s and 17.6-23.3 s,
-no better than without helpers. What bounds a helper now: its imports and the longest single build (the
-warp-specialised Gluon kernel, ~6 s); the shipped kernels remove both (+2.6 / +2.5 s, a599286).
+What bounds a helper: its imports (~5-9 s under Inductor's load) and the longest single build (the
+warp-specialised Gluon kernel, ~6 s); the measurements are in docs/design/cold-start.md.
 """
 from __future__ import annotations
 
@@ -409,9 +405,37 @@ def _marker_path(job: dict) -> Optional[str]:
         tv = triton.__version__
     except ImportError:
         tv = "none"
-    key = json.dumps({k: v for k, v in job.items() if k not in ("site", "marker")}, sort_keys=True)
-    h = hashlib.sha256("|".join([key, _source_digest(), torch.__version__, tv, name]).encode()).hexdigest()
-    return os.path.join(cache, "vcattn_prebuild", h[:32] + ".json")
+    h = hashlib.sha256("|".join([_marker_key(job), _source_digest(), torch.__version__, tv, name]).encode())
+    return os.path.join(cache, "vcattn_prebuild", h.hexdigest()[:32] + ".json")
+
+
+# options that change which steps run a phase or what a call does around its kernels, never which kernels (and
+# specialisations) a phase launches: left out of a marker's key, so that ``python -m vc_compile warmup``'s
+# markers vouch for a pipeline's calls of the same layout and kernel options
+_SCHEDULE_ONLY = ("num_steps", "warmup_steps", "anchor_steps", "anchor_interval", "group_interval",
+                  "group_fraction", "profile", "warn_fallbacks", "prebuild", "speed_gate", "min_seq_len", "head_dims",
+                  "mode", "residual_budget_gb", "max_logit_std", "rope_fusion")
+
+
+def _marker_key(job: dict) -> str:
+    """What a marker vouches for: the layouts of the tensors a phase's kernels read (not the block identity, a
+    weight the op only compares, nor the scale, a float argument Triton never specialises on), the RoPE form,
+    the options that choose kernels, and the phases built (not the step indices)."""
+    cfg = json.loads(job["config"]) if isinstance(job["config"], str) else dict(job["config"])
+    for name in _SCHEDULE_ONLY:
+        cfg.pop(name, None)
+    key = {name: job.get(name) for name in ("q", "k", "v", "cos", "sin", "rope")}
+    key.update(config=cfg, phases=job.get("phases") or sorted({p.value for p in _schedule(job)}))
+    return json.dumps(key, sort_keys=True)
+
+
+def write_marker(marker: str, said: dict) -> None:
+    """Leave the marker of a built job (atomically: a reader never sees half of it)."""
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    tmp = f"{marker}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(said, f)
+    os.replace(tmp, marker)
 
 
 def _launch():
@@ -682,11 +706,7 @@ def main() -> int:
     said = run_job(job)
     marker = job.get("marker")
     if marker:  # what ran here is what the parent will run (a fallback included): nothing left to build
-        os.makedirs(os.path.dirname(marker), exist_ok=True)
-        tmp = f"{marker}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(said, f)
-        os.replace(tmp, marker)
+        write_marker(marker, said)
     sys.stdout.write(json.dumps(said) + "\n")  # the parent reads the last JSON line (the protocol, not a message)
     sys.stdout.flush()
     return 0
