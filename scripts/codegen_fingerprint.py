@@ -47,11 +47,18 @@ def fingerprint(k) -> dict:
         ins = [t.replace(name, "<kernel>") for t in ins]
     loop = csp.loop_mix(sass).get("instructions", 0)
     loops = _loops(ins)
+    st = cs.stats(k)
     out = {"sha": hashlib.sha256("\n".join(ins).encode()).hexdigest()[:16], "n": len(ins), "loop": loop,
+           "registers": st["registers"], "spill_bytes": st["spill_bytes"],
            "loops_sha": hashlib.sha256("\n--\n".join(sorted(set(loops))).encode()).hexdigest()[:16],
            "serialized": serialized, "shared": k.metadata.shared}
-    if "sm90" in name:  # the Gluon kernel's key-loop windows (scripts/codegen_vsmooth.py)
-        import codegen_vsmooth as cv
+    if "sparse_attn_sm90" in name:  # the gather kernel's two partitions' key loops
+        from scripts import codegen_sparse_sm90 as cg
+        ks = cg.kernel_stats(k)
+        out["consumer_loop"] = ks["consumer"].get("instructions", 0)
+        out["producer_loop"] = ks["producer"].get("instructions", 0)
+    elif "sm90" in name:  # the Gluon kernel's key-loop windows (scripts/codegen_vsmooth.py)
+        from scripts import codegen_vsmooth as cv
         rp, ow = cv.register_p_loop(sass), cv.overlap_window(sass)
         out["preg_loop"] = rp.get("instructions", 0) if rp.get("found") else 0
         out["smem_window"] = ow.get("instructions", 0) if ow.get("found") else 0
@@ -257,7 +264,44 @@ def aux_cases():
     return out
 
 
-FAMILIES = {"gluon": gluon_cases, "triton": triton_cases, "sparse": sparse_cases, "pre": pre_cases, "aux": aux_cases}
+def sm90_sparse_cases():
+    """The Gluon gather kernel: its default per group size, the 8-bit QK variant, the 64-bit offset path."""
+    from scripts import codegen_sparse_sm90 as cg
+    from vc_compile.templates import configs as C
+    out = []
+    for Cg, qk8 in ((64, False), (128, False), (128, True)):
+        out.append((f"sm90_sparse_c{Cg}{'_qk8' if qk8 else ''}",
+                    lambda Cg=Cg, qk8=qk8: cg.compile_one(S_MAIN, Cg, C.sparse_sm90_default(Cg), qk8=qk8)))
+    return out
+
+
+def anchor_cases():
+    """The anchor step's kernels: the 8-bit group-key mass (its defaults per group size, both exponent modes) and
+    the radix top-K, the finiteness flags with and without the sampled-row probe, the gather kernel's K quantisers."""
+    from scripts import codegen_anchor as ca
+    from vc_compile.templates import configs as C
+    out = [(f"mass_c{Cg}_{exp.value}", lambda Cg=Cg, exp=exp: ca.compile_mass(S_MAIN, Cg, C.anchor_mass_default(Cg, exp)))
+           for Cg in (64, 128) for exp in (C.ExpMode.SHIFT, C.ExpMode.EXACT)]
+    out += [(f"topk_{str(dt)[6:]}", lambda dt=dt: ca.compile_topk(S_MAIN, 128, C.TOPK_DEFAULT, dt))
+            for dt in (torch.bfloat16, torch.float32)]
+
+    def flags(probe):
+        from vc_compile.templates import finite_flags as tff
+        k = torch.empty(1, 40, S_MAIN, 128, dtype=torch.bfloat16)
+        p = (k, torch.empty(1, 40, 16, dtype=torch.int32), 0.1) if probe else None
+        f, parts = tff.finite_flags(k, k, p, launch=C.FiniteFlagsConfig())
+        if parts is not None:
+            tff.probe_error(k, p[1], parts)
+    out += [(f"flags_probe{int(p)}", lambda p=p: flags(p)) for p in (False, True)]
+
+    def kquant():
+        from vc_compile.templates import sparse_attn as tsa
+        tsa.quantize_k_int8_head(torch.empty(1, 40, S_MAIN, 128, dtype=torch.bfloat16))
+    out.append(("quant_k_int8_head", kquant))
+    return out
+
+
+FAMILIES = {"gluon": gluon_cases, "sm90_sparse": sm90_sparse_cases, "anchor": anchor_cases, "triton": triton_cases, "sparse": sparse_cases, "pre": pre_cases, "aux": aux_cases}
 
 
 def compare(a_path, b_path) -> int:

@@ -23,10 +23,8 @@ from collections import Counter
 from scripts import codegen_stats as cs  # (pops TRITON_INTERPRET, imports torch and triton)
 
 import torch  # noqa: E402  (after codegen_stats)
-import triton  # noqa: E402
 
 SMEM_PER_SM, SMEM_PER_CTA_RESERVED, REGS_PER_SM = 228 * 1024, 1024, 65536
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
 # SASS opcode classes of the loop mix
 CLASSES = [("hgmma", ("HGMMA",)), ("warpgroup_sync", ("WARPGROUP", "WARPSYNC")), ("ldgsts", ("LDGSTS", "LDGDEPBAR")),
            ("depbar_bar", ("DEPBAR", "BAR", "SYNCS")), ("mufu", ("MUFU",)), ("fmul", ("FMUL",)), ("ffma", ("FFMA",)),
@@ -45,9 +43,9 @@ def sass_of(ptx: str):
         src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        r = subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", src, "-o", cubin], capture_output=True,
+        r = subprocess.run([cs.PTXAS, "-arch=sm_90a", src, "-o", cubin], capture_output=True,
                            text=True, check=True)
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+        sass = subprocess.run([cs.CUOBJDUMP, "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
         return sass, "are serialized" in r.stdout + r.stderr  # C7514 / C7515 notes
 

@@ -3,6 +3,10 @@
 #     bash scripts/gpu_sweep.sh STAGE [STAGE ...]
 # Stages (each under its own time limit, logged to $OUT/<stage>.log; a failing stage does not stop the next):
 #   fa4part DIR   copy the FA4 parts and wheels carried in DIR (ignored, e.g. .fa4a) to /tmp/fa4 on the machine
+#   tritonpart DIR  copy the parts of a carried Triton (an xz tarball of its package, split: DIR/t*.part*) to
+#                 /tmp/tritonparts; tritoninstall joins and extracts them into /tmp/triton_site, which every later
+#                 stage of this invocation and of later calls with ALT_TRITON=1 imports before the image's Triton
+#   toolchain     the toolchain tests (a real Gluon build failure, the fallback) and the kernel GPU tests
 #   install       pip install the carried wheels (.whl/*.whl, /tmp/fa4 joined) into /tmp/site (--no-deps)
 #   tests         the GPU tests (pytest -n 8 over the kernel test files)
 #   kernels       scripts/ab_redesign.py on the tree in .old (if carried), this one, .old again; then the
@@ -22,6 +26,7 @@ OUT=${OUT:-/tmp/vc_out}
 mkdir -p "$OUT/results" /tmp/fa4 /tmp/site
 touch /tmp/gpu_sweep.start
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+[ "${ALT_TRITON:-0}" = 1 ] && export PYTHONPATH=/tmp/triton_site:$PYTHONPATH
 export PYTHONUNBUFFERED=1
 export VC_COMMIT=${VC_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 PY=${PYTHON:-python3}
@@ -87,6 +92,15 @@ GPU_TESTS="tests/test_anchor.py tests/test_anchor_mass.py tests/test_topk.py tes
 while [ $# -gt 0 ]; do
   case $1 in
     fa4part) cp "$2"/cu13xz.part* "$2"/*.whl "$2"/*.tar /tmp/fa4/ 2>/dev/null; ls -la /tmp/fa4; shift ;;
+    tritonpart) mkdir -p /tmp/tritonparts && cp "$2"/*.part* /tmp/tritonparts/ && ls -la /tmp/tritonparts; shift ;;
+    tritoninstall)
+      rm -rf /tmp/triton_site && mkdir -p /tmp/triton_site
+      cat /tmp/tritonparts/*.part* | xz -dc | tar xf - -C /tmp/triton_site
+      export PYTHONPATH=/tmp/triton_site:$PYTHONPATH
+      $PY -c "import triton, torch; print('triton', triton.__version__, triton.__file__, 'torch', torch.__version__)" ;;
+    toolchain) run_stage toolchain "${TOOLCHAIN_S:-300}" $PY -m pytest -n 8 -v -p no:cacheprovider -rfE --timeout 200 \
+                 tests/test_toolchain.py tests/test_vsmooth_attn_sm90.py tests/test_sparse_attn_sm90.py \
+                 tests/test_launch.py tests/test_programs.py ${TOOLCHAIN_K:+-k "$TOOLCHAIN_K"} ;;
     install) run_stage install 240 install_wheels ;;
     tests) run_stage tests "${TESTS_S:-240}" $PY -m pytest -n 8 -v -p no:cacheprovider -rfE --timeout 150 \
              ${TESTS_K:+-k "$TESTS_K"} ${TESTS_FILES:-$GPU_TESTS} ;;

@@ -18,6 +18,14 @@ import pytest  # noqa: E402
 import vc_compile.ops  # noqa: E402,F401  (``import vc_compile`` is lazy: tests call torch.ops.vcattn.* directly)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# Tests that pin the machine code a kernel compiles to (registers, spills, the key loop's instructions, read from the
+# offline sm_90 build) describe Triton 3.6's compile (ptxas 12.8), the release every GPU measurement was taken on.
+# Other supported releases compile the same source differently (Triton 3.9 assembles sm_90 with ptxas 13.4); there
+# these tests run and report, as expected failures: what differs, and what it costs on the GPU, is in
+# docs/design/toolchain.md (scripts/triton_versions.py measures it).
+_TRITON = __import__("triton").__version__
+pinned_codegen = pytest.mark.xfail(not _TRITON.startswith("3.6."), strict=False,
+                                   reason=f"pins Triton 3.6's sm_90 code; Triton {_TRITON} compiles it differently")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
     import triton_interp  # noqa: E402

@@ -39,7 +39,7 @@ from vc_compile.runtime import report as _report
 sys.path.insert(0, str(Path(__file__).parent))
 import tiny_dit  # noqa: E402
 import tiny_diffusers  # noqa: E402
-from conftest import INTERPRET, KERNEL_DEVICE, requires_cuda  # noqa: E402
+from conftest import INTERPRET, KERNEL_DEVICE, pinned_codegen, requires_cuda  # noqa: E402
 from test_preprocess import assert_codes, random_perm  # noqa: E402
 from test_rope_detect import (Probe, _cat_not_rotate_half, _pairs_wrong_sign, _plain_mul,  # noqa: E402
                               _stack_unrelated)
@@ -557,6 +557,7 @@ def test_kernel_packed_pairs_equal_unpacked(monkeypatch, dtype, fmt, pair, toks)
                                b.view(torch.uint8) if b.dtype == tpl.FP8 else b.nan_to_num(7.0))
 
 
+@pinned_codegen
 def test_rope_prologue_codegen_sm90():
     """The RoPE prologue compiled for sm_90 (offline, scripts/codegen_stats.py) looks like the no-RoPE
     kernel: 16-byte vector loads (no scalar 2-byte partner loads or 4-byte table gathers: those made the

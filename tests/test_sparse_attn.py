@@ -3,7 +3,7 @@ reference/sparse_attn_q8.py. CPU: Triton interpreter, small shapes; GPU: larger 
 import pytest
 import torch
 
-from conftest import KERNEL_DEVICE, requires_cuda
+from conftest import KERNEL_DEVICE, requires_cuda, pinned_codegen
 from vc_compile.formats import FP8_DTYPE, n_keep
 from vc_compile.reference.dense import dense_attention_lse
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse
@@ -227,6 +227,7 @@ def test_cuda_every_tuning_candidate(Cg, fmt):
             assert rel_l2(out, ref) < TOL[torch.bfloat16], cfg
 
 
+@pinned_codegen
 def test_gather_kernel_codegen_sm90():
     """The gather kernel compiled for sm_90 offline (scripts/codegen_sparse.py, C = 128, shipped config):
     K/V rows through cp.async, async wgmma not serialised by ptxas, 2 CTAs/SM; kv_off (the C = 128 default)

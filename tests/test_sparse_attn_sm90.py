@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 
+from conftest import pinned_codegen
 from test_sparse_attn import TOL, make_inputs, rel_l2
 from test_vsmooth_attn_sm90 import requires_sm90
 from vc_compile.formats import n_keep
@@ -51,6 +52,7 @@ def codegen():
     return out
 
 
+@pinned_codegen
 @pytest.mark.parametrize("variant", sorted(COMPILES))
 def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     st = codegen[variant]
@@ -90,6 +92,7 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     assert p["arrives"] == 2 * rings, p  # one arrival per tensor, block and ring (noinc, or after the fence)
 
 
+@pinned_codegen
 @pytest.mark.parametrize("variant", sorted(QK8_COMPILES))
 def test_qk8_compiles_to_int8_qk_and_a_smaller_gather(codegen, variant):
     """The 8-bit QK variant (int8 K codes): QK as IGMMA (k = 32: D / 32 per block) from the Q codes in shared

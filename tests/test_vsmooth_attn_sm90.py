@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from conftest import requires_cuda
+from conftest import requires_cuda, pinned_codegen
 from test_vsmooth_attn import REF_TOL, attn, make_qkv, quantise, rel, truth_of
 from vc_compile.formats import sm90_key_order, sm90_mean_groups
 from vc_compile.reference import preprocess as ref_pre
@@ -58,6 +58,7 @@ VARIANTS = ["d128_exp2", "d128_expcast", "d128_naive", "d64_exp2", "d64_expcast"
             "d128_expcast_overlap"]
 
 
+@pinned_codegen
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     st = codegen[variant]

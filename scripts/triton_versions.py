@@ -1,0 +1,85 @@
+"""Every kernel built offline for sm_90 on several Triton releases, compared with the first (the baseline).
+
+    python3 -m scripts.triton_versions PYTHON [PYTHON ...] [--out DIR] [--only gluon,sm90_sparse,...]
+
+Each PYTHON is an interpreter whose environment holds one Triton release (a venv with
+``--system-site-packages`` over this checkout's environment and ``pip install triton==X``). Per interpreter,
+``scripts/codegen_fingerprint.py`` compiles every kernel configuration a default or a tuner candidate launches
+(the fake-driver warm-up compile, no GPU) and records per kernel: its SASS length, its key loops' lengths
+(the longest backward branch; the Gluon kernels' register-P~ loop and MMA window, the gather kernel's
+consumer and producer loops), registers and spill bytes. The table lists, per release against the baseline,
+the kernels that did not build, those that spill more, and those whose key loop moved by more than
+``--tolerance`` (default 2%). Exit status 1 where a kernel did not build on some release.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+LOOPS = ("loop", "preg_loop", "smem_window", "consumer_loop", "producer_loop")
+
+
+def fingerprints(python: str, out: str, only: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([python, "-m", "scripts.codegen_fingerprint", "--out", out, "--only", only], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def version(python: str) -> str:
+    r = subprocess.run([python, "-c", "import triton; print(triton.__version__)"], capture_output=True, text=True)
+    return r.stdout.strip().splitlines()[-1] if r.returncode == 0 else "?"
+
+
+def compare(base: dict, other: dict, tol: float) -> dict:
+    missing = sorted(k for k in base if k not in other)
+    spills, moved = [], []
+    for k, x in sorted(base.items()):
+        y = other.get(k)
+        if y is None:
+            continue
+        if y["spill_bytes"] > max(x["spill_bytes"], 0):
+            spills.append((k, x["kernel"], x["spill_bytes"], y["spill_bytes"]))
+        for name in LOOPS:
+            if x.get(name) and y.get(name) is not None and abs(y[name] / x[name] - 1) > tol:
+                moved.append((k, x["kernel"], name, x[name], y[name]))
+    return {"missing": missing, "spills": spills, "moved": moved, "built": len(other), "of": len(base)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("pythons", nargs="+")
+    ap.add_argument("--out", default="/tmp/triton_versions")
+    ap.add_argument("--only", default="gluon,sm90_sparse,anchor,triton,sparse,pre,aux")
+    ap.add_argument("--tolerance", type=float, default=0.02)
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    runs = []
+    for py in a.pythons:
+        v = version(py)
+        print(f"triton {v} ({py}): compiling ...", flush=True)
+        runs.append((v, fingerprints(py, os.path.join(a.out, f"fingerprint_{v}.json"), a.only)))
+    (bv, base), bad = runs[0], 0
+    for v, fp in runs[1:]:
+        c = compare(base, fp, a.tolerance)
+        bad += bool(c["missing"])
+        print(f"\n## Triton {v} against {bv}: {c['built']} of {c['of']} kernels built, {len(c['spills'])} spill "
+              f"more, {len(c['moved'])} key loops moved by more than {a.tolerance:.0%}")
+        for k in c["missing"]:
+            print(f"  not built: {k}")
+        for k, kern, b0, b1 in c["spills"]:
+            print(f"  spills:    {k} ({kern}) {b0} -> {b1} bytes")
+        for k, kern, name, n0, n1 in c["moved"]:
+            print(f"  loop:      {k} ({kern}) {name} {n0} -> {n1} ({n1 / n0 - 1:+.1%})")
+    with open(os.path.join(a.out, "summary.json"), "w") as f:
+        json.dump({v: compare(base, fp, a.tolerance) for v, fp in runs[1:]}, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
