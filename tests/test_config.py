@@ -24,6 +24,20 @@ def test_unknown_key_lists_accepted():
         VCConfig.from_options({"densty": 0.2})
 
 
+def test_a_typo_gets_the_closest_name():
+    """A misspelt option, experimental knob or choice names the closest accepted one first (not only the list of
+    33); a name close to nothing gets no guess."""
+    with pytest.raises(VCConfigError, match=r"did you mean 'densty' -> 'density'\?"):
+        VCConfig.from_options({"densty": 0.2})
+    with pytest.raises(VCConfigError, match=r"did you mean 'kernel' -> 'kernels'\?"):
+        VCConfig.from_options({"experimental": {"kernel": "triton"}})
+    with pytest.raises(VCConfigError, match=r"did you mean 'vsmoth' -> 'vsmooth'\?"):
+        VCConfig.from_options({"method": "vsmoth"})
+    with pytest.raises(VCConfigError) as e:
+        VCConfig.from_options({"zzzzzz": 1})
+    assert "did you mean" not in str(e.value)
+
+
 @pytest.mark.parametrize("key,value,accepted", [
     ("method", "sparse", "auto"),
     ("density", 0.0, r"\(0, 1\]"),

@@ -199,6 +199,15 @@ EXPERIMENTAL_DOCS: Dict[str, str] = {
 }
 
 
+def _did_you_mean(unknown, names) -> str:
+    """ ``" (did you mean 'density'?)"`` for the unknown names close to an accepted one, else ""."""
+    import difflib
+
+    hints = [f"{u!r} -> {m[0]!r}" for u in unknown
+             for m in [difflib.get_close_matches(str(u), sorted(names), n=1, cutoff=0.6)] if m]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
 def _tuple_of_ints(v) -> Tuple[int, ...]:
     # exact ints only: int(1.5) == 1, int("3") == 3 and int(True) == 1 would silently change a schedule
     # (operator.index accepts ints and numpy integers, refuses floats and strings)
@@ -231,7 +240,8 @@ class Experimental:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(options) - set(names))
         if unknown:
-            raise VCConfigError(f"unknown vcattn experimental option(s) {unknown}; accepted: {sorted(names)}")
+            raise VCConfigError(f"unknown vcattn experimental option(s) {unknown}{_did_you_mean(unknown, names)}; "
+                                f"accepted: {sorted(names)}")
         kw = {f.name: _coerce(f.name, options[f.name], f.default, f"experimental['{f.name}']", cls)
               for f in dataclasses.fields(cls) if f.name in options}
         return cls(**kw)
@@ -352,8 +362,8 @@ class VCConfig:
                 f"{{{', '.join(repr(m) + ': ...' for m in moved)}}} (accepted there: {sorted(EXPERIMENTAL_DOCS)})")
         unknown = sorted(set(opts) - names)
         if unknown:
-            raise VCConfigError(
-                f"unknown vcattn option(s) {unknown}; accepted options: {sorted(names)}")
+            raise VCConfigError(f"unknown vcattn option(s) {unknown}{_did_you_mean(unknown, names)}; accepted "
+                                f"options: {sorted(names)}")
         kw = {}
         for f in dataclasses.fields(cls):
             if f.name == "experimental" and f.name in opts:
@@ -504,7 +514,9 @@ def _coerce(key: str, value: Any, default: Any, label: Optional[str] = None, cls
         try:
             return tp(value.value if isinstance(value, enum.Enum) else value)
         except (ValueError, TypeError):  # TypeError: an unhashable value such as a list
-            fail([m.value for m in tp])
+            values = [m.value for m in tp]
+            hint = _did_you_mean([value], values) if isinstance(value, str) else ""
+            fail(f"{values}{hint}")
     if tp is bool:
         if not isinstance(value, bool):
             fail("True or False")
