@@ -28,12 +28,14 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 
 def _tool(name: str) -> str:
-    """The path of the CUDA tool Triton itself runs for sm_90 (Triton 3.9 assembles sm_90 with its CUDA 13
-    ``ptxas-blackwell``, whose PTX version the bundled CUDA 12 ``ptxas`` rejects)."""
+    """The path of the CUDA tool our sm_90 kernels are built with: the package's choice of ptxas
+    (``templates/compat.sm90_ptxas``: Triton 3.9's bundled CUDA 12 one), else Triton's own for sm_90."""
     from triton import knobs
     if name == "ptxas":
         from triton.backends.nvidia.compiler import get_ptxas
-        return get_ptxas(90).path
+
+        from vc_compile.templates.compat import sm90_ptxas
+        return sm90_ptxas() or get_ptxas(90).path
     return getattr(knobs.nvidia, name).path
 
 

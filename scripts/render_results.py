@@ -8,7 +8,8 @@
 ``--write`` replaces the text between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in
 README.md and docs/performance.md (``--docs FILE ...`` to choose) with block NAME (``blocks()``):
 ``pipeline``, ``generation``, ``kernels``, ``kernels-summary``, ``kernels-sm90``, ``sparse-sm90``,
-``schedule``, ``vsmooth-schedule``, ``op-overhead``, ``cold-start``, ``key-padding``, ``e2e``. A block whose CSV has no rows says
+``schedule``, ``vsmooth-schedule``, ``op-overhead``, ``cold-start``, ``key-padding``, ``e2e``, ``toolchain``
+(the other blocks show the reference Triton release's rows only, ``REFERENCE_TRITON``). A block whose CSV has no rows says
 "no rows yet" (it never keeps or invents numbers); a broken marker is an error naming the file and block.
 
 Tables (markdown, printed):
@@ -33,6 +34,7 @@ render each GPU's rows apart, the H200's (the figures of record) first and any o
 from __future__ import annotations
 
 import argparse
+import glob
 import csv
 import math
 import os
@@ -581,15 +583,17 @@ def schedule_tables(rows) -> List[str]:
 
 def sm90_kernel_line(rows) -> str:
     """One table from ``bench_vsmooth_attn_sm90.csv`` for the README: the default launches of the Gluon kernel
-    alone (ExpCast, V-Smooth) at H = 40, D = 128 on the structured inputs, per S from its latest run, against FA3's
-    FP8 kernel, torchao's op and cuDNN of that run, with both kernels' error ("" when no such run)."""
+    alone (ExpCast, V-Smooth) at H = 40, D = 128 on the structured inputs, per S from its latest run with FA3's FP8
+    kernel beside it (else its latest run), against FA3's FP8 kernel, torchao's op and cuDNN of that run, with both kernels' error ("" when no such run)."""
     groups: Dict[int, List[Dict[str, str]]] = {}
     for r in rows:
         if (r.get("H"), r.get("D") or "128", r.get("inputs", "")) == ("40", "128", "structured"):
             groups.setdefault(int(r["S"]), []).append(r)
     body, runs = [], set()
     for S, rs in sorted(groups.items()):
-        run = max((r.get("date", ""), r.get("commit", "")) for r in rs)
+        # the latest run with the FA3 FP8 peer beside ours, else the latest run
+        with_peer = [r for r in rs if r.get("variant") == "fa3-fp8"]
+        run = max((r.get("date", ""), r.get("commit", "")) for r in (with_peer or rs))
         by = {r["variant"]: r for r in rs if (r.get("date", ""), r.get("commit", "")) == run}
         fa3 = by.get("fa3-fp8")
         cells = []
@@ -648,7 +652,8 @@ def cold_start_tables(rows, runs: int = 2) -> List[str]:
         said = lambda r: r.get("prebuild") or ""  # noqa: E731
         body = [[r["variant"] + (" (shipped)" if "shipped sm_90 kernel(s) loaded" in said(r) else "")
                  + (" (helpers)" if "kernels built ahead" in said(r) else ""),
-                 r.get("mode", ""), f(num(r.get("first_call_s")), "{:.1f}"),
+                 r.get("mode", "") + (f" ({num(r.get('warmup_s')):.0f} s)" if num(r.get("warmup_s")) else ""),
+                 f(num(r.get("first_call_s")), "{:.1f}"),
                  f(num(r.get("extra_s")), "{:+.1f}"), f(num(r.get("steady_s")), "{:.1f}"),
                  f(num(r.get("startup_s")), "{:.1f}"), f(num(r.get("startup_extra_s")), "{:+.1f}"),
                  f(num(r.get("prebuild_wait_s")), "{:.1f}") if r.get("variant") != "stock" else "-"]
@@ -656,12 +661,12 @@ def cold_start_tables(rows, runs: int = 2) -> List[str]:
         r0 = latest[0]
         out.append(f"**bench_cold_start** ({r0.get('model', '')}, {r0.get('S', '')} tokens, regional compile, "
                    f"{r0.get('steps', '')}-step first generation, CFG 5; {r0.get('gpu', '')}, "
-                   f"{r0.get('date', '')[:10]}, commit {r0.get('commit', '')}; random weights). fresh = empty Inductor / Triton caches, second = "
-                   "a second process on them; extra = against stock in the same mode; start-up = first generation "
-                   "minus a steady one in the same process; (shipped) = the package's built sm_90 kernels were "
-                   "loaded, (helpers) = kernel-build helpers ran, waited = what the first calls waited for them "
-                   "(option `prebuild`: `/prebuild` 'auto', `/noprebuild` 'off', a plain label the default of "
-                   "that commit: 'off' before the shipped kernels, 'shipped' from a599286 on).\n\n"
+                   f"{r0.get('date', '')[:10]}, commit {r0.get('commit', '')}; random weights). fresh = empty "
+                   "Inductor / Triton caches; second = a second process on them; warmup = empty caches after "
+                   "`python -m vc_compile warmup` (its own time in brackets, not in the figures); extra = against "
+                   "stock in the same mode (warmup: against stock fresh); start-up = first generation minus a "
+                   "steady one in the same process; (helpers) = kernel-build helpers ran, waited = what the first "
+                   "calls waited for them; (shipped) = binaries the package shipped until 2026-12-06 were loaded.\n\n"
                    + md_table(["variant", "process", "first generation s", "extra s", "steady s", "start-up s",
                                "start-up extra s", "waited s"], body))
     return out
@@ -755,9 +760,78 @@ def per_gpu(render, rows, *, joiner: str = "\n\n") -> str:
     return "\n\n".join(parts)
 
 
+# The Triton release the published figures are measured on (rows without a triton column predate the column);
+# rows of other releases appear in the ``toolchain`` block only, side by side with this one's
+REFERENCE_TRITON = "3.6."
+
+
+def reference_rows(rows):
+    return [r for r in rows if not r.get("triton") or r["triton"].startswith(REFERENCE_TRITON)]
+
+
+def toolchain_tables(sm90, overhead) -> List[str]:
+    """The same GPU on each Triton release: the Gluon V-Smooth kernel rows (``bench_vsmooth_attn_sm90.csv``) and
+    the op's host time per reuse call (``bench_op_overhead.csv``), the latest run of each release on the day the
+    newest release was measured, against the reference release's."""
+    out = []
+    for name, rows, cols, val in (
+            ("bench_vsmooth_attn_sm90", sm90, ("H", "S", "variant"), lambda r: f(num(r.get("ms")), "{:.2f}")),
+            ("bench_op_overhead", overhead, ("H", "S", "variant"),
+             lambda r: f"{f(num(r.get('host_ms')), '{:.3f}')} host / {f(num(r.get('ms')), '{:.2f}')} GPU")):
+        rows = [r for r in rows if r.get("triton") and r.get("variant") and "[" not in r["variant"]
+                and "{" not in r["variant"]]
+        others = [r for r in rows if not r["triton"].startswith(REFERENCE_TRITON)]
+        if not others:
+            continue
+        day, gpu = others[-1]["date"][:10], others[-1].get("gpu", "")
+        rows = [r for r in rows if r["date"][:10] == day and r.get("gpu", "") == gpu]
+        versions = sorted({r["triton"] for r in rows}, key=lambda v: [int(x) for x in v.split(".")[:2]])
+        latest: Dict[tuple, Dict[str, str]] = {}
+        for r in rows:
+            latest[tuple(r.get(c, "") for c in cols) + (r["triton"],)] = r
+        keys = [k for k in dict.fromkeys(tuple(r.get(c, "") for c in cols) for r in rows)
+                if all(k + (v,) in latest for v in versions)]  # measured on every release
+        body = []
+        for k in keys:
+            cells = [latest.get(k + (v,)) for v in versions]
+            ref = cells[0]
+            line = list(k)
+            for c in cells:
+                txt = val(c) if c is not None else "-"
+                if c is not None and ref is not None and c is not ref and num(c.get("ms")) and num(ref.get("ms")):
+                    txt += f" ({num(c['ms']) / num(ref['ms']) - 1:+.1%})"
+                line.append(txt)
+            body.append(line)
+        head = list(cols) + [f"Triton {v} ms" for v in versions]
+        out.append(f"**{name}** ({gpu}, {day}, torch {rows[-1].get('torch', '')}; each release's latest run that "
+                   f"day; in brackets the GPU time against Triton {versions[0]}'s)\n\n" + md_table(head, body))
+    return out or [_none_yet("bench_vsmooth_attn_sm90.csv / bench_op_overhead.csv", "a run on a second Triton")]
+
+
+def triton_versions_table(rows) -> str:
+    """``triton_versions.csv`` (``scripts/triton_versions.py``): per release, the latest run's offline sm_90 build
+    of every kernel against the baseline release."""
+    if not rows:
+        return _none_yet("triton_versions.csv", "`python -m scripts.triton_versions PYTHON ...`")
+    latest = {}
+    for r in rows:
+        latest[r["triton"]] = r
+    body = [[v, f"{r['built']} of {r['kernels']}", r["spill_more"], f"{r['spill_bytes']} ({r['baseline_spill_bytes']})",
+             r["loops_moved"], f"{r['wgmma_serialized']} ({r['baseline_wgmma_serialized']})",
+             r["serialized_kernels"] or "-"]
+            for v, r in sorted(latest.items(), key=lambda kv: [int(x) for x in kv[0].split(".")[:2]])]
+    r0 = list(latest.values())[-1]
+    return (f"Offline sm_90 builds ({r0['date'][:10]}, commit {r0['commit']}; against Triton {r0['baseline']}; loops "
+            f"moved: by more than {float(r0['tolerance']):.0%})\n\n"
+            + md_table(["Triton", "built", "spill more", "spill bytes, all kernels (baseline)", "loops moved",
+                        "wgmma serialised (baseline)", "serialised here, not in the baseline"], body))
+
+
 def blocks(results_dir: str) -> Dict[str, str]:
-    """{marker name: markdown} for every block ``--write`` fills; each GPU's rows apart (``per_gpu``)."""
-    rd = lambda name: read(os.path.join(results_dir, name))  # noqa: E731
+    """{marker name: markdown} for every block ``--write`` fills; each GPU's rows apart (``per_gpu``); the
+    reference Triton release's rows only, but in ``toolchain``."""
+    raw = lambda name: read(os.path.join(results_dir, name))  # noqa: E731
+    rd = lambda name: reference_rows(raw(name))  # noqa: E731
     pipe, gen = rd("bench_pipeline.csv"), rd("bench_generation.csv")
     ker = {b: rd(f"{b}.csv") for b in KERNEL_ROWS}
     e2e = rd("bench_e2e.csv")
@@ -777,6 +851,8 @@ def blocks(results_dir: str) -> Dict[str, str]:
         "vsmooth-schedule": per_gpu(vsmooth_schedule_tables, rd("bench_vsmooth_schedule.csv")),
         "op-overhead": per_gpu(overhead_tables, rd("bench_op_overhead.csv")),
         "cold-start": per_gpu(cold_start_tables, rd("bench_cold_start.csv")),
+        "toolchain": "\n\n".join(toolchain_tables(raw("bench_vsmooth_attn_sm90.csv"), raw("bench_op_overhead.csv"))),
+        "triton-versions": triton_versions_table(raw("triton_versions.csv")),
         "key-padding": per_gpu(key_padding_tables, rd("bench_key_padding.csv")),
         "e2e": per_gpu(e2e_tables, e2e) if any(r.get("bench") == "e2e" for r in e2e) else
         _none_yet("bench_e2e.csv", "`python -m benchmarks.bench_e2e` on a GPU"),
@@ -814,7 +890,8 @@ def main(argv=None) -> str:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--write", action="store_true", help="rewrite the <!-- results:NAME --> blocks of --docs")
     ap.add_argument("--docs", nargs="+", default=[os.path.join(ROOT, "README.md"),
-                                                   os.path.join(ROOT, "docs", "performance.md")])
+                                                   os.path.join(ROOT, "docs", "performance.md"),
+                                                   *sorted(glob.glob(os.path.join(ROOT, "docs", "design", "*.md")))])
     a = ap.parse_args(argv)
     if a.write:
         texts = blocks(a.results_dir)

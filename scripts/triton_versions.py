@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="/tmp/triton_versions")
     ap.add_argument("--only", default="gluon,sm90_sparse,anchor,triton,sparse,pre,aux")
     ap.add_argument("--tolerance", type=float, default=0.02)
+    ap.add_argument("--csv", default=None, help="append one row per release (against the baseline) to this CSV "
+                                                "(benchmarks/results/triton_versions.csv)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     runs = []
@@ -78,7 +80,42 @@ def main(argv=None) -> int:
             print(f"  loop:      {k} ({kern}) {name} {n0} -> {n1} ({n1 / n0 - 1:+.1%})")
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump({v: compare(base, fp, a.tolerance) for v, fp in runs[1:]}, f, indent=1)
+    if a.csv:
+        write_rows(a.csv, runs, a.tolerance)
     return 1 if bad else 0
+
+
+COLUMNS = ["date", "commit", "triton", "baseline", "kernels", "built", "spill_more", "spill_bytes",
+           "baseline_spill_bytes", "loops_moved", "tolerance", "wgmma_serialized", "baseline_wgmma_serialized",
+           "serialized_kernels"]
+
+
+def write_rows(path: str, runs, tol: float) -> None:
+    """One row per release: what built, spilled more, moved its key loop, had its wgmmas serialised by ptxas."""
+    import csv
+    import datetime
+
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    commit = (os.environ.get("VC_COMMIT") or r.stdout.strip() or "unknown")
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    commit += "-dirty" if dirty and not os.environ.get("VC_COMMIT") else ""
+    (bv, base) = runs[0]
+    ser = lambda fp: sorted(k.split("#")[0] for k, x in fp.items() if x.get("serialized"))  # noqa: E731
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS)
+        if new:
+            w.writeheader()
+        for v, fp in runs:
+            c = compare(base, fp, tol)
+            w.writerow({"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "commit": commit, "triton": v,
+                        "baseline": bv, "kernels": c["of"], "built": c["built"], "spill_more": len(c["spills"]),
+                        "spill_bytes": sum(max(0, x["spill_bytes"]) for x in fp.values()),
+                        "baseline_spill_bytes": sum(max(0, x["spill_bytes"]) for x in base.values()),
+                        "loops_moved": len(c["moved"]), "tolerance": tol, "wgmma_serialized": len(ser(fp)),
+                        "baseline_wgmma_serialized": len(ser(base)),
+                        "serialized_kernels": " ".join(sorted(set(ser(fp)) - set(ser(base))))})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The toolchain a user installs (``vc_compile/toolchain.py``, ``templates/gluon_compat.py``, the build-failure
+"""The toolchain a user installs (``vc_compile/toolchain.py``, ``templates/compat.py``, the build-failure
 fallback of ``templates/dispatch.py``): Gluon's renamed APIs resolved by feature detection; a kernel that does
 not build falls back once to the next path (Gluon sm_90 -> Triton -> stock SDPA) with one warning naming the
 Triton version and the fix, and the reason in ``report()``; a build failure is told from a run failure; the
@@ -81,12 +81,47 @@ def test_gluon_names_resolve_to_the_installed_tritons_builtins():
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import tma
 
-    from vc_compile.templates import gluon_compat as gc
+    from vc_compile.templates import compat as gc
     assert gc.barrier is (getattr(gl, "barrier", None) or gl.thread_barrier)
     assert gc.cp_async_load is (getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared)
     assert gc.tma_load is (getattr(tma, "async_load", None) or tma.async_copy_global_to_shared)
     for f in (gc.barrier, gc.cp_async_load, gc.tma_load):
         assert getattr(f, "__triton_builtin__", False), f
+
+
+# ---- the sm_90 assembler ----------------------------------------------------------------------------------
+def test_the_sm90_assembler_is_the_bundled_cuda12_ptxas_where_triton_picks_cuda13():
+    from types import SimpleNamespace as T
+
+    from vc_compile.templates import compat
+    blackwell, legacy = T(path="/t/ptxas-blackwell", version="13.4"), T(path="/t/ptxas", version="12.9")
+    assert compat.choose_ptxas(blackwell, legacy) == "/t/ptxas"  # Triton 3.9
+    assert compat.choose_ptxas(legacy, legacy) is None  # Triton 3.6-3.8: sm_90 with the CUDA 12 ptxas already
+    assert compat.choose_ptxas(blackwell, T(path="/t/ptxas", version="13.0")) is None  # no CUDA 12 one shipped
+    assert compat.choose_ptxas(blackwell, None) is None
+
+
+def test_assembled_kernels_build_inside_the_assembler(monkeypatch):
+    """A kernel module's JIT functions run (launch, build) with Triton's sm_90 ptxas knob pointed at the chosen
+    one, restored afterwards; the class's run is looked up at call time (harnesses patch it)."""
+    import os
+
+    from triton.runtime.jit import JITFunction
+
+    from vc_compile.templates import compat
+
+    def k(X):
+        pass
+    fn, seen = JITFunction(k), []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **kw: seen.append(
+        (self is fn, os.environ.get("TRITON_PTXAS_BLACKWELL_PATH"))))
+    monkeypatch.setattr(compat, "sm90_ptxas", lambda: "/opt/cuda12/ptxas")
+    before = os.environ.get("TRITON_PTXAS_BLACKWELL_PATH")
+    compat.assembled({"k": fn, "other": 3})
+    fn.run(grid=(1,), warmup=True)
+    fn[(1,)](None)
+    assert seen == [(True, "/opt/cuda12/ptxas")] * 2
+    assert os.environ.get("TRITON_PTXAS_BLACKWELL_PATH") == before
 
 
 # ---- build failures ---------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vc_compile.formats import BLOCK_K, SHIFT_BETA, SHIFT_FRAC_BITS, QKQuant
+from vc_compile.templates.compat import assembled
 from vc_compile.templates.configs import (TOPK_DEFAULT, AnchorMassConfig, ExpMode, TopKConfig,
                                          anchor_mass_default)
 from vc_compile.templates.interpret import interpreting, loop_bound
@@ -269,3 +270,6 @@ def anchor_select_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, g
         out[bh0:bh1] = select_topk(mass, keep, launch=topk_launch)
         del mass
     return out.view(B, H, prep.G, keep)
+
+
+assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from vc_compile.formats import LOG2E
+from vc_compile.templates.compat import assembled
 from vc_compile.templates.configs import FiniteFlagsConfig
 from vc_compile.templates.interpret import dot_upcast, loop_bound
 
@@ -213,3 +214,6 @@ def probe_error(out: torch.Tensor, rows: torch.Tensor, partials: Partials) -> to
                                   out.stride(0), out.stride(1), out.stride(2),
                                   DV=DV, R=R, NS_I=loop_bound(ns), num_warps=4)
     return err.sum(0)
+
+
+assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from vc_compile.formats import KMeansResult
+from vc_compile.templates.compat import assembled
 from vc_compile.templates.configs import pow2_head_dim_error
 from vc_compile.templates.interpret import interpreting, loop_bound
 from vc_compile.torch_ops import init_centroids
@@ -187,3 +188,6 @@ def kmeans_perm(x: torch.Tensor, n_clusters: int, n_iters: int,
             SPLIT=split, num_warps=4)
     perm = torch.sort(labels, dim=-1, stable=True).indices
     return KMeansResult(perm.view(B, H, S), c.view(B, H, K, D), labels.long().view(B, H, S))
+
+
+assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)

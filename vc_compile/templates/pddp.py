@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vc_compile.templates.compat import assembled
 from vc_compile.torch_ops import start_vector
 
 from .configs import pow2_head_dim_error
@@ -306,3 +307,6 @@ def pddp_perm(q: torch.Tensor, group_size: int, n_iters: int = 8, *, marks: Opti
             sigma = out
             _mark(marks, f"L{li} small ({lv.n_small} segs)")
     return sigma.view(B, H, S)
+
+
+assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)

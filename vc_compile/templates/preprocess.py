@@ -68,6 +68,7 @@ import triton.language as tl
 
 from vc_compile.formats import (BLOCK_K, BLOCK_Q, BLOCK_V, LOG2E, V_LAYOUTS, QKQuant, VQuant, hadamard_matrix,
                                 k_mean_stride)
+from vc_compile.templates.compat import assembled
 from vc_compile.templates.configs import PREPROCESS_DEFAULT, PreprocessConfig, vsmooth_head_dim_error
 from vc_compile.templates.interpret import interpreting, loop_bound
 from vc_compile.templates.soft_round import round_e4m3
@@ -827,3 +828,6 @@ def preprocess_v(v, perm=None, *, smooth: bool = True, v_layout: str = "natural"
     ``smooth=False``: zero means (plain per-channel FP8 V, our "naive 8-bit"), ``zero_mean`` set: the attention
     skips the mean term."""
     return preprocess(None, None, v, perm, smooth=smooth, v_layout=v_layout, launch=launch)[1]
+
+
+assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)

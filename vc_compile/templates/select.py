@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from vc_compile.formats import LOG2E
+from vc_compile.templates.compat import assembled
 from .configs import pow2_head_dim_error
 from .interpret import dot_upcast, loop_bound
 
@@ -121,3 +122,6 @@ def dense_with_lse(q, k, v, sm_scale: float):
         r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, scale=float(sm_scale))
     out, lse = r[0], r[1]
     return out, lse.float().reshape(B, H, S) * LOG2E
+
+
+assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)

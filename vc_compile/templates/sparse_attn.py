@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from vc_compile.formats import LOG2E
+from vc_compile.templates.compat import assembled
 from vc_compile.templates.configs import SparseAttnConfig, pow2_head_dim_error
 from vc_compile.templates.interpret import dot_upcast, interpreting, loop_bound
 from vc_compile.templates.soft_round import round_e4m3
@@ -336,3 +337,5 @@ def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None
         KV_OFF=kv_off and same_kv_rows, HAS_FLAG=flag is not None, num_warps=warps, num_stages=stages)
     return out
 
+
+assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)

@@ -75,7 +75,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from vc_compile.templates.gluon_compat import barrier, cp_async_load
+from vc_compile.templates.compat import assembled, barrier, cp_async_load
 from vc_compile.formats import LOG2E
 from vc_compile.templates.configs import SparseAttnSm90Config
 from vc_compile.templates.sparse_attn import epilogue_operands, gather_operands
@@ -598,3 +598,6 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
         PP=launch.pingpong, num_warps=4,
         maxnreg=WS_MAXNREG)
     return out
+
+
+assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vc_compile.templates.compat import assembled
 from vc_compile.templates.configs import TOPK_DEFAULT, TopKConfig
 from vc_compile.templates.interpret import loop_bound
 
@@ -138,3 +139,6 @@ def _uniform_rows(x: torch.Tensor) -> bool:
             return False
         expect *= x.shape[i]
     return True
+
+
+assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)

@@ -66,6 +66,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vc_compile.formats import BLOCK_K, BLOCK_V, QKQuant, VQuant, natural_layout
+from vc_compile.templates.compat import assembled
 from vc_compile.templates.configs import RowSum, VSmoothTritonConfig, vsmooth_head_dim_error
 from vc_compile.templates.interpret import interpreting, loop_bound
 from vc_compile.templates.soft_round import round_bf16, round_e4m3
@@ -251,3 +252,6 @@ def vsmooth_attention(qk: QKQuant, vq: VQuant, *, expcast: bool = False, out_dty
         RETURN_LSE=bool(return_lse), INTERPRET=interpreting(),
         num_warps=nw, num_stages=ns)
     return (out, lse) if return_lse else out
+
+
+assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)

@@ -54,7 +54,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from vc_compile.templates.gluon_compat import tma_load
+from vc_compile.templates.compat import assembled, tma_load
 from vc_compile.templates.configs import POperand, VSmoothSm90Config
 from vc_compile.templates.vsmooth_attn_sm90_softmax import key_order_sm90
 from vc_compile.templates.vsmooth_attn_sm90_steps import Head, KVRing, MeanWindow, attend_rows
@@ -293,3 +293,6 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         FAST_LAUNCH(_vsmooth_attn_sm90_kernel, (-(-S // BM), B * H), key, *args, **consts, PREG=int(preg),
                     num_warps=nw)
     return (out, lse) if return_lse else out
+
+
+assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)
