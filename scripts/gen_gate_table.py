@@ -6,7 +6,7 @@
 
 Per GPU, method and (B H, S): the latest row measured on the path the default takes (``cuda_graphs="off"``: no CUDA
 graph replayed in its calls, i.e. no ``+cuda_graph`` in its kernel path, options none or ``cuda_graphs`` only)
-gives one point (work = B H S^2 D, its ``speedup_vs_cudnn``).
+gives one point (work = B H S^2 D, its ``speedup_vs_cudnn``); rows of the reference Triton release only.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import os
 import sys
 
 from vc_compile.tune.gate import PATH
+
+REFERENCE_TRITON = "3.6."  # the release the published rows are measured on (scripts/render_results.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSV = os.path.join(ROOT, "benchmarks", "results", "bench_op_overhead.csv")
@@ -31,6 +33,9 @@ def build(csv_path: str = CSV) -> dict:
             if r["variant"] == "sdpa_cudnn" or not r.get("speedup_vs_cudnn"):
                 continue
             if r["variant"].endswith(" [binder]"):  # bench_op_overhead --ab-launch: not the path that ships
+                continue
+            # the reference Triton's rows (another release's kernels run at other speeds: docs/design/toolchain.md)
+            if r.get("triton") and not r["triton"].startswith(REFERENCE_TRITON):
                 continue
             label, _, opts = r["variant"].partition(" ")
             opts = json.loads(opts) if opts else {}

@@ -323,6 +323,22 @@ def test_an_untested_triton_is_warned_about_once_at_compile_time(monkeypatch, fr
     assert len(msgs) == 1 and "Triton 3.11.0" in msgs[0]
 
 
+def test_a_fast_path_off_is_warned_about_at_compile_time(monkeypatch, fresh_vcattn):
+    """A Triton whose JIT launches another way: the remembered launches switch off, and the compile says so once
+    (not only report())."""
+    from vc_compile.templates import launch
+    monkeypatch.setattr(launch, "_CONVENTION_ERROR", "Triton 9.9's JITFunction.run does not launch as the "
+                                                     "remembered launches replay (a new calling convention)")
+    toolchain.check.cache_clear()
+    model, x, ctx = make(seq=256)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _generate(model, x, ctx, steps=1, method="vsmooth", speed_gate="off")
+    msgs = [str(x.message) for x in w if "remembered kernel launches are off" in str(x.message)]
+    toolchain.check.cache_clear()
+    assert len(msgs) == 1 and "new calling convention" in msgs[0]
+
+
 def test_a_supported_triton_says_a_build_failure_is_a_bug(monkeypatch):
     monkeypatch.setattr(toolchain, "triton_version", lambda: "3.9.0")
     assert toolchain.triton_supported() and "bug" in toolchain.fix()
