@@ -457,8 +457,11 @@ def test_main_job_tiny(tmp_path, monkeypatch):
     for name in ("grid.png", "demo.gif", "results.json"):
         assert (tmp_path / name).stat().st_size > 0
     assert not (tmp_path / "demo.mp4").exists()
-    info = json.loads((tmp_path / "results.json").read_text())
+    def no_constants(name):  # strict JSON: no Infinity / NaN
+        raise AssertionError(f"results.json holds {name}, which is not JSON")
+    info = json.loads((tmp_path / "results.json").read_text(), parse_constant=no_constants)
     assert "imageio-ffmpeg" in info["mp4"] and info["tokens"] == 256
+    assert info["rows"][0]["psnr"] == "inf"  # the dense clip against itself
 
 
 def test_demo_set_option_parsing():

@@ -73,6 +73,18 @@ def test_cli_version_and_help_import_no_torch():
     assert r.returncode == 2 and "unknown command 'bogus'" in r.stderr
 
 
+def test_cli_demo_and_tune_int8_are_commands():
+    """``python -m vc_compile demo`` is the demo (its options); ``tune --sparse-qk int8``, an option the table
+    offers, says that kernel's launch is fixed (nothing to tune) instead of refusing the value."""
+    r = subprocess.run([sys.executable, "-m", "vc_compile", "demo", "--help"], capture_output=True, text=True, env=ENV,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and "--methods" in r.stdout, r.stderr[-500:]
+    r = subprocess.run([sys.executable, "-m", "vc_compile", "tune", "--method", "mcsparse", "--sparse-qk", "int8",
+                        "--heads", "2", "--head-dim", "128", "--seq", "4096"], capture_output=True, text=True,
+                       env=ENV, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and "nothing to tune" in r.stdout, r.stdout + r.stderr[-500:]
+
+
 def test_ops_registered_by_the_backend_not_by_import():
     out = py("import torch, vc_compile\n"
              "print('before', hasattr(torch.ops.vcattn, 'attention'))\n"

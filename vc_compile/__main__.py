@@ -2,22 +2,23 @@
 
     tune    pre-tune the attention kernel of a method for a shape (see ``vc_compile/tune_cli.py``)
     warmup  build the kernels of the usual layouts into Triton's on-disk cache (``vc_compile/runtime/warmup.py``)
+    demo    the demo (``python -m vc_compile.demo``, the same options)
 
-``--version`` and ``--help`` import neither torch nor triton. (The demo is ``python -m vc_compile.demo``.)
+``--version`` and ``--help`` import neither torch nor triton.
 """
 from __future__ import annotations
 
 import sys
 
 COMMANDS = {"tune": "pre-tune the attention kernels of a method for a shape and print the chosen configs",
-            "warmup": "build the kernels of the usual attention layouts into Triton's on-disk cache (GPU, once)"}
+            "warmup": "build the kernels of the usual attention layouts into Triton's on-disk cache (GPU, once)",
+            "demo": "a clip from the shipped video DiT with every method side by side (python -m vc_compile.demo)"}
 
 
 def usage() -> str:
     lines = [f"  {name:6s} {what}" for name, what in COMMANDS.items()]
     return ("usage: python -m vc_compile [--version] <command> [options]\n\ncommands:\n" + "\n".join(lines)
-            + "\n\n'python -m vc_compile <command> --help' for a command's options; the demo is "
-              "'python -m vc_compile.demo'")
+            + "\n\n'python -m vc_compile <command> --help' for a command's options")
 
 
 def main(argv=None) -> int:
@@ -37,6 +38,11 @@ def main(argv=None) -> int:
         return 2
     if argv[0] == "warmup":
         return warmup(argv[1:])
+    if argv[0] == "demo":
+        from vc_compile.demo.__main__ import main as demo_main
+
+        demo_main(argv[1:])
+        return 0
     from vc_compile.tune_cli import main as tune_main
 
     return tune_main(argv[1:])

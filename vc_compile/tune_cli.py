@@ -40,8 +40,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--density", type=float, default=_DEFAULTS.density, help="mcsparse: fraction of keys kept")
     ap.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=_DEFAULTS.group_size,
                     help="mcsparse: queries per group (default: the runtime's)")
-    ap.add_argument("--sparse-qk", choices=("bf16", "fp8"), default=_DEFAULTS.sparse_qk.value,
-                    help="mcsparse: QK precision")
+    ap.add_argument("--sparse-qk", choices=tuple(m.value for m in type(_DEFAULTS.sparse_qk)),
+                    default=_DEFAULTS.sparse_qk.value,
+                    help="mcsparse: QK precision ('int8': the sm_90 gather kernel, whose launch is fixed per group "
+                         "size: nothing to tune)")
     ap.add_argument("--force", action="store_true", help="re-tune even when shipped or cached")
     ap.add_argument("--cache-dir", default=None, help="default: $VCATTN_CACHE_DIR, else ~/.cache/vc_compile/tune")
     return ap
@@ -155,6 +157,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
     check_args(ap, a)
+    if a.method == "mcsparse" and a.sparse_qk == "int8":
+        print("vc_compile tune: sparse_qk='int8' runs the sm_90 gather kernel, whose launch is fixed per group size "
+              "(templates/configs.py, sparse_sm90_default): there is nothing to tune; its kernels build at the first "
+              "call, or ahead with 'python -m vc_compile warmup'.")
+        return 0
     why = no_gpu_reason()
     if why:
         print(f"vc_compile tune: cannot tune here: {why}.", file=sys.stderr)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -266,11 +267,23 @@ def main(argv=None):
             "env": {"device": device_name, "torch": torch.__version__, "python": platform.python_version(),
                     "date": time.strftime("%Y-%m-%d %H:%M:%S")},
             "reports": {r.label: r.report.to_dict() for r in results if hasattr(r.report, "to_dict")}}
-    (out / "results.json").write_text(json.dumps(info, indent=1, default=str))
+    (out / "results.json").write_text(json.dumps(_json_safe(info), indent=1, default=str, allow_nan=False))
     torch.save({r.label: r.clip for r in results}, out / "clips.pt")  # [1, 3, F, H, W] in [-1, 1] each
     written += [out / "results.json", out / "clips.pt"]
     print(f"[vc_demo] wrote {', '.join(str(p) for p in written)}")
     return rows
+
+
+def _json_safe(x):
+    """``x`` with every non-finite float as the string "inf" / "-inf" / "nan" (JSON has no such numbers: the
+    dense row's PSNR against itself is +inf)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if x != x else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
 
 
 if __name__ == "__main__":
