@@ -758,6 +758,21 @@ def test_compiled_tiny_dit(method, dtype, seq, zero_q):
 
 
 # ---- options and environment ----------------------------------------------------------------------------------
+def test_enable_on_a_module_without_attention_says_so():
+    """enable(nn.Linear(...)) compiled silently before: now one warning says nothing there looks like attention;
+    a model with attention (a module named so, or SDPA in its code) gets none."""
+    import warnings
+
+    import tiny_dit
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        vc_compile.enable(torch.nn.Linear(4, 4))
+        vc_compile.enable(tiny_dit.make()[0])
+        vc_compile.enable(torch.nn.TransformerEncoderLayer(8, 2))
+    said = [str(x.message) for x in w if "vc_compile.enable" in str(x.message)]
+    assert len(said) == 1 and "Linear" in said[0] and "no attention" in said[0], said
+
+
 @pytest.mark.parametrize("options,key", [
     ("vsmooth", "options must be a (VCConfig or a )?dict"),
     ({"anchor_steps": [1.5]}, "anchor_steps"),

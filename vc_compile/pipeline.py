@@ -92,6 +92,33 @@ def transformers_of(pipe) -> Dict[str, Any]:
     return found
 
 
+_ATTENTION_WORDS = ("attention", "attn", "sdpa")
+
+
+def _looks_like_attention(model) -> bool:
+    """Whether ``model`` has a submodule named like attention or code that calls attention (a class's ``forward``
+    source mentioning it): a cheap check that enable() is pointed at something vcattn can rewrite."""
+    import inspect
+
+    seen = set()
+    for m in model.modules():
+        cls = type(m)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        if any(w in cls.__name__.lower() for w in _ATTENTION_WORDS):
+            return True
+        if cls.__module__.startswith("torch.nn.modules"):
+            continue  # torch's own layers (Linear, LayerNorm, ...), except nn.MultiheadAttention named above
+        try:
+            src = inspect.getsource(cls.forward).lower()
+        except (OSError, TypeError):
+            return True  # unreadable: assume it may
+        if any(w in src for w in _ATTENTION_WORDS):
+            return True
+    return False
+
+
 def _blocks(model) -> List[Any]:
     """The modules regional compile compiles: instances of the classes named in ``_repeated_blocks``."""
     names = set(getattr(model, "_repeated_blocks", None) or ())
@@ -174,6 +201,12 @@ def enable(pipe, method: Optional[str] = None, *, options: Any = None, regional:
     if not found:
         raise ValueError(f"vc_compile.enable: no transformer found in {type(pipe).__name__} (components: "
                          f"{sorted(getattr(pipe, 'components', {}) or {})}); pass components=[...]")
+    quiet = [n for n, m in found.items() if not _looks_like_attention(m)]
+    if quiet:  # e.g. enable(nn.Linear(...)): compiled as asked, but nothing there for the backend to rewrite
+        warnings.warn(f"vc_compile.enable: {', '.join(f'{n} ({type(found[n]).__name__})' for n in quiet)} has no "
+                      "attention module and no scaled_dot_product_attention in its code, so vcattn will likely "
+                      "rewrite nothing there; give enable() the model (or pipeline) whose attention should run "
+                      "on vcattn.", UserWarning, stacklevel=2)
     plain = json.loads(cfg.to_json())  # what the backend receives: plain JSON values
     kw = dict(compile_kwargs or {})
     compiled, backends, what = [], [], []
