@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# The test command (README quick start, CI): installs what the tests need, then runs them.
+# The test command (README quick start, CI): installs what the tests need into a virtual environment of its own
+# (.venv-test, over the system's packages: an installed torch is reused, and the test-only packages such as
+# torchao never reach the user's environment), then runs the tests.
 # On a CPU-only machine the Triton kernels run under TRITON_INTERPRET=1 on small shapes and GPU-only
-# tests are skipped (marker `requires_cuda`). About 4-15 minutes on 2 CPU cores, by the machine's load
-# (`bash .ci/run` on a clean clone: 5 min 40 s of tests, 1165 passed, 325 skipped, 2026-12-04, installs already
-# present; 14 min 51 s of tests on 2026-12-02 under load; serially about twice that).
+# tests are skipped (marker `requires_cuda`). About 6-15 minutes on 2 CPU cores, by the machine's load
+# (11 min 21 s of tests on 2 cores on 2026-12-06, 1217 passed, 339 skipped, with another job running).
+#     bash scripts/test.sh [pytest args]        # VC_TEST_VENV=DIR: another venv; VC_TEST_VENV=none: this Python
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV=${VC_TEST_VENV:-.venv-test}
+if [ "$VENV" != none ]; then
+  [ -x "$VENV/bin/python" ] || ${PYTHON:-python3} -m venv --system-site-packages "$VENV"
+  export PYTHON="$PWD/$VENV/bin/python"
+fi
 bash scripts/setup.sh  # pip install -e ".[test,demo]" (torch kept)
 # -n auto: one pytest-xdist worker per core on a CPU-only machine, serial on a CUDA one (tests/conftest.py;
 # it also splits torch's threads among the workers and keeps each module-scoped fixture on one worker:

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The CPU test suite on another Triton release (CI: the newest supported one), in a venv layered over the
-# environment scripts/test.sh set up (same torch, same extras; only Triton differs):
+# The CPU test suite on another Triton release (CI: the newest supported one), in a virtual environment of its
+# own (.venv-triton-VERSION, over the system's packages) set up as scripts/test.sh sets up its own, then that
+# Triton installed over it (torch unchanged):
 #     bash scripts/test_triton.sh 3.9.0 [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VER=${1:?usage: scripts/test_triton.sh TRITON_VERSION [pytest args]}
 shift
-PY=${PYTHON:-python3}
-VENV=${VENV_DIR:-.venv-triton-$VER}
-if [ ! -x "$VENV/bin/python" ]; then
-  $PY -m venv --system-site-packages "$VENV"
-fi
-"$VENV/bin/python" -c "import triton, sys; sys.exit(0 if triton.__version__ == '$VER' else 1)" 2>/dev/null ||
-  "$VENV/bin/python" -m pip install -q "triton==$VER"
-echo "[test_triton] $("$VENV/bin/python" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
-exec "$VENV/bin/python" -m pytest -q -ra --durations=10 -n auto --dist loadgroup tests "$@"
+VENV=.venv-triton-$VER
+[ -x "$VENV/bin/python" ] || ${PYTHON:-python3} -m venv --system-site-packages "$VENV"
+export PYTHON="$PWD/$VENV/bin/python"
+bash scripts/setup.sh  # the test extras (torch kept)
+"$PYTHON" -c "import triton, sys; sys.exit(0 if triton.__version__ == '$VER' else 1)" 2>/dev/null ||
+  "$PYTHON" -m pip install -q "triton==$VER"
+echo "[test_triton] $("$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
+exec "$PYTHON" -m pytest -q -ra --durations=10 -n auto --dist loadgroup tests "$@"
