@@ -1113,6 +1113,43 @@ def test_nonfinite_key_contract_reference(name, bad):
     assert _report.site(site).nonfinite_calls == 1
 
 
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("propagate", [False, True])
+def test_mcsparse_reuse_contract_for_a_bad_key_no_group_selected(which, propagate):
+    """The contract as stated (README, 'Non-finite inputs'): an MC-Sparse reuse step reads only the keys its query
+    groups selected at the anchor, so by default a NaN in a key / value no group selected does not reach the
+    output (finite where SDPA's is NaN: the real contract, said where the promise is made); with
+    ``propagate_nonfinite=True`` SDPA's non-finite outputs are non-finite here too. Other heads stay clean."""
+    g = torch.Generator().manual_seed(0)
+    S, D = 160, 64
+    u = torch.randn(D, generator=g)
+    q, k, v = (torch.randn(2, 2, S, D, generator=g) for _ in range(3))
+    q, k = q + u, k + u
+    k[:, :, 7] = 0.0  # its logit (0) far below the others (~|u|^2 / 8): no group selects key 7
+    clean = [t.to(torch.bfloat16) for t in (q, k, v)]
+    bad = list(clean)
+    i = "qkv".index(which)
+    bad[i] = bad[i].clone()
+    bad[i][1, 0, 7, 3] = float("nan")
+    site = new_site("mcsparse")
+    cj = VCConfig.from_options({"method": "mcsparse", "warmup_steps": 1, "anchor_steps": (1,), "density": 0.3,
+                                "min_seq_len": 1, "propagate_nonfinite": propagate, "warmup_attention": "sdpa",
+                                "experimental": {"kernels": "reference"}}).to_json()
+    with vc_compile.sampling(num_steps=3):
+        outs = []
+        for step, x in enumerate([clean, clean, bad]):
+            vc_compile.step(step)
+            outs.append(torch.ops.vcattn.attention(*x, None, site, cj, None))
+    assert dict(_report.site(site).phases) == {"dense": 1, "anchor": 1, "reuse": 1}
+    reuse, stock = outs[2], F.scaled_dot_product_attention(*bad)
+    assert (~torch.isfinite(stock))[1, 0].any()
+    assert torch.isfinite(reuse[0]).all() and torch.isfinite(reuse[1, 1]).all()  # other heads clean
+    if propagate:
+        assert (~torch.isfinite(reuse) | torch.isfinite(stock)).all()
+    else:
+        assert torch.isfinite(reuse).all()
+
+
 def test_sharp_logits_readings_are_bounded_per_site(monkeypatch):
     """Weights at ever new addresses (offloading) would make every call a new (site, block) key: after
     ``_SHARP_READINGS`` readings a site reuses its worst one instead of reading (and syncing) again."""

@@ -563,10 +563,11 @@ def _replayed_run(M, phase, meta, cfg, sm, impl, q, k, v):
 # paths widen it within the head: a NaN or +-Inf key makes the whole (batch, head) NaN (SDPA: the rows whose
 # logit with that key is +Inf or NaN). Counted, with one warning per site, where the check costs no GPU sync:
 # on the CPU reference path (its attention costs far more than one pass over the output).
-NONFINITE_CONTRACT = ("wherever stock SDPA's output is non-finite this one is too, and other heads, batch rows "
-                      "and later steps stay clean; the 8-bit paths widen it within the (batch, head): a NaN or "
-                      "+-Inf in a key makes that whole head NaN, where SDPA has NaN only in the rows whose logit "
-                      "with that key is +Inf or NaN (README, 'Non-finite inputs')")
+NONFINITE_CONTRACT = ("wherever stock SDPA's output is non-finite this one is too (but on MC-Sparse reuse steps "
+                      "without propagate_nonfinite, where a key or value no query group selected is ignored), and "
+                      "other heads, batch rows and later steps stay clean; the 8-bit paths widen it within the "
+                      "(batch, head): a NaN or +-Inf in a key makes that whole head NaN, where SDPA has NaN only in "
+                      "the rows whose logit with that key is +Inf or NaN (README, 'Non-finite inputs')")
 _NONFINITE_WARNED: Set[int] = _CHECKS.nonfinite_warned
 
 
