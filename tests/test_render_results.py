@@ -14,6 +14,32 @@ spec = importlib.util.spec_from_file_location("render_results", os.path.join(ROO
 render = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(render)
 
+@pytest.fixture(autouse=True)
+def _this_triton_is_the_reference(monkeypatch):
+    """The rows these tests write record the installed Triton; the published blocks show the reference release's
+    rows only (``REFERENCE_TRITON``), so here the installed one is the reference."""
+    import triton
+    monkeypatch.setattr(render, "REFERENCE_TRITON", ".".join(triton.__version__.split(".")[:2]) + ".")
+
+
+def test_published_blocks_keep_the_reference_triton_and_toolchain_compares():
+    """Rows of another Triton release stay out of the published tables and appear side by side in ``toolchain``."""
+    base = dict(date="2026-12-06 10:00", commit="abc", gpu="GPU X", torch="2.11", bench="bench_vsmooth_attn_sm90",
+                H="40", S="32760", D="128", inputs="structured")
+    rows = [dict(base, triton="3.6.0", variant="exp2_kernel", ms="26.0"),
+            dict(base, triton="3.9.0", variant="exp2_kernel", ms="28.6"),
+            dict(base, triton="", variant="old_row", ms="1.0")]
+    render_ref = render.REFERENCE_TRITON
+    try:
+        render.REFERENCE_TRITON = "3.6."
+        kept = render.reference_rows(rows)
+        assert [r["triton"] for r in kept] == ["3.6.0", ""]
+        text = "\n".join(render.toolchain_tables(rows, []))
+    finally:
+        render.REFERENCE_TRITON = render_ref
+    assert "| 40 | 32760 | exp2_kernel | 26.00 | 28.60 (+10.0%) |" in text, text
+
+
 PIPE = dict(model="wan2.1-t2v-1.3b", B=1, H=12, S=32760, D=128, layers=30, steps=50, guidance=5.0,
             compile="regional")
 
