@@ -163,7 +163,8 @@ def main(argv=None) -> int:
     for label in labels:
         with tempfile.TemporaryDirectory(prefix="vc_cold_") as d:
             # without helpers a second process is what it always was (the caches are warm): fresh only
-            for mode in (("fresh",) if _split(label)[1] == "off" else [m for m in modes if m != "warmup"]):
+            runs = [m for m in modes if m != "warmup"] or (["fresh"] if label == "stock" else [])  # stock: reference
+            for mode in (("fresh",) if _split(label)[1] == "off" else runs):
                 r = run_child(label, mode, d, a)
                 res[(label, mode)] = r
                 log(f"  {label:18s} {mode:6s}: first call {r['first_call_s']:6.1f} s, steady {r['steady_s']:5.1f} s, "
