@@ -300,3 +300,39 @@ def test_global_attention_backend_is_overridden_per_model(monkeypatch):
     assert all(p._attention_backend == "native" for p in _processors(pipe.transformer))
     vc_compile.disable(pipe)
     assert all(p._attention_backend is None for p in _processors(pipe.transformer))
+
+
+# ---- copies and shared modules ------------------------------------------------------------------------------
+def test_an_enabled_pipeline_pickles_and_copies_as_not_enabled():
+    """pickle.dumps raised (enable swaps the pipeline's class for an unimportable subclass) and a deepcopy said
+    "enabled" while it ran stock (torch drops a module's compiled call on copy). Now both copies are the
+    pipeline's own class, not enabled, and say so; the original stays enabled."""
+    import copy
+    import pickle
+
+    from vc_compile.pipeline import enabled_options
+    pipe, call = wan()
+    cls = type(pipe)
+    vc_compile.enable(pipe, method="vsmooth", **OPTS)
+    for c in (pickle.loads(pickle.dumps(pipe)), copy.deepcopy(pipe)):
+        assert type(c) is cls and enabled_options(c) is None
+        assert not any(compiled(b) for b in c.transformer.blocks)
+        vc_compile.enable(c, method="vsmooth", **OPTS)  # a copy can be enabled on its own
+        assert all(compiled(b) for b in c.transformer.blocks)
+        vc_compile.disable(c)
+    assert enabled_options(pipe) is not None and all(compiled(b) for b in pipe.transformer.blocks)
+
+
+def test_two_pipelines_sharing_a_transformer_keep_it_until_both_are_disabled():
+    """disable(p1) un-compiled the transformer p2 shares, p2 still saying it was enabled. Now the shared modules
+    stay compiled while another enabled pipeline holds them."""
+    from vc_compile.pipeline import enabled_options
+    p1, call = wan()
+    p2 = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=p1.transformer,
+                     scheduler=p1.scheduler)
+    vc_compile.enable(p1, method="vsmooth", **OPTS)
+    vc_compile.enable(p2, method="vsmooth", **OPTS)
+    vc_compile.disable(p1)
+    assert enabled_options(p2) is not None and all(compiled(b) for b in p1.transformer.blocks)
+    vc_compile.disable(p2)
+    assert not any(compiled(b) for b in p1.transformer.blocks)

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import warnings
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .log import get_logger
@@ -48,9 +48,15 @@ from .config import ENV_METHOD, apply_env, method_from_env, options_dict  # noqa
 
 
 # ---- enable / disable ---------------------------------------------------------------------------------
+def _nothing():
+    return None
+
+
 @dataclasses.dataclass
 class _Enabled:
-    """What ``enable`` changed on a pipeline, for ``disable``."""
+    """What ``enable`` changed on a pipeline, for ``disable``. A copy of the pipeline (pickle, ``copy.deepcopy``)
+    gets None in its place: torch drops a module's compiled call when it is copied, so the copy is not enabled
+    (and says so: ``enabled_options`` is None); ``enable`` the copy to compile it."""
 
     options: Dict[str, Any]
     compiled: List[Any]  # modules whose _compiled_call_impl we set
@@ -58,8 +64,17 @@ class _Enabled:
     tracked: bool
     components: List[str]
 
+    def __reduce__(self):
+        return (_nothing, ())
+
+    def __deepcopy__(self, memo):
+        return None
+
 
 _STATE_ATTR = "_vc_compile_enabled"
+# module -> the pipelines (or bare modules) enabled with it: two pipelines sharing a transformer keep it compiled
+# until the last of them is disabled
+_OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _is_module(x) -> bool:
@@ -214,7 +229,13 @@ def enable(pipe, method: Optional[str] = None, *, options: Any = None, regional:
         backends += _fix_attention_backends(model, name, reset_attention_backend)
         blocks = _blocks(model) if regional else []
         for m in blocks or [model]:
+            others = [o for o in _OWNERS.get(m, ()) if o is not pipe]
+            if others and any(enabled_options(o) != plain for o in others):
+                warnings.warn(f"vc_compile.enable: {name} is shared with another enabled pipeline "
+                              f"({type(others[0]).__name__}) that chose other options; both now run these.",
+                              UserWarning, stacklevel=2)
             m.compile(backend="vcattn", options=plain, **kw)
+            _OWNERS.setdefault(m, weakref.WeakSet()).add(pipe)
             compiled.append(m)
         what.append(f"{name} ({len(blocks)} blocks)" if blocks else f"{name} (whole model)")
     tracked = False
@@ -237,7 +258,14 @@ def disable(pipe):
     st = getattr(pipe, _STATE_ATTR, None)
     if st is None:
         return pipe
+    kept = 0
     for m in st.compiled:
+        owners = _OWNERS.get(m)
+        if owners is not None:
+            owners.discard(pipe)
+        if owners and any(getattr(o, _STATE_ATTR, None) is not None for o in owners):
+            kept += 1  # still enabled through another pipeline sharing the module
+            continue
         m._compiled_call_impl = None  # what nn.Module.compile set
     for proc, prev in st.backends:
         proc._attention_backend = prev
@@ -249,7 +277,8 @@ def disable(pipe):
     from .runtime.steps import TRACKER
 
     TRACKER.new_generation()  # drops the metadata of the sites these modules fed
-    log.info("vc_compile.disable: %s restored", ", ".join(st.components))
+    log.info("vc_compile.disable: %s restored%s", ", ".join(st.components),
+             f" ({kept} module(s) kept compiled: still enabled through another pipeline)" if kept else "")
     return pipe
 
 

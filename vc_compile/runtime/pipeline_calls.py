@@ -138,6 +138,17 @@ def _callback_position(cls) -> Optional[int]:
     return None
 
 
+def _rebuild(cls, state):
+    """A copy of a tracked pipeline as an object of its own class (``__reduce_ex__`` of the tracked class)."""
+    obj = cls.__new__(cls)
+    if state is not None:
+        if hasattr(obj, "__setstate__") and type(obj).__setstate__ is not object.__setstate__:
+            obj.__setstate__(state)
+        else:
+            obj.__dict__.update(state)
+    return obj
+
+
 def _tracked_class(cls, pos: int) -> type:
     sub = _SUBCLASSES.get((cls, pos))
     if sub is not None:
@@ -158,8 +169,14 @@ def _tracked_class(cls, pos: int) -> type:
         finally:
             end_call(call)
 
-    ns = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-          "__doc__": cls.__doc__, "_vc_tracked_base": cls}
+    def __reduce_ex__(self, protocol):
+        # a copy (pickle, copy.deepcopy) is of the pipeline's own class: this subclass is not importable, and the
+        # tracking (like torch's compiled module calls, which a copy drops) stays with the object enable() saw
+        state = self.__getstate__() if hasattr(self, "__getstate__") else dict(self.__dict__)
+        return (_rebuild, (cls, state))
+
+    ns = {"__call__": __call__, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__,
+          "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, "_vc_tracked_base": cls}
     sub = types.new_class(cls.__name__, (cls,), {}, lambda d: d.update(ns))
     _SUBCLASSES[(cls, pos)] = sub
     return sub
