@@ -1150,6 +1150,26 @@ def test_mcsparse_reuse_contract_for_a_bad_key_no_group_selected(which, propagat
         assert torch.isfinite(reuse).all()
 
 
+@pytest.mark.parametrize("scale", [1e3, 1e4])
+def test_mcsparse_anchor_is_dense_at_extreme_scales(scale):
+    """MC-Sparse's anchor step returns the dense output. At sm_scale 1e3 / 1e4 it was 5.8e-3 / 8.1e-2 off (bf16
+    SDPA ~1e-4): the reference normalised its probabilities through the fp32 base-2 LSE, which at logits ~1e5 is
+    one ulp (~0.5%) off. Normalised by the row sum (as the GPU's cuDNN / flash kernels do), it is SDPA's error."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    cj = VCConfig.from_options({"method": "mcsparse", "min_seq_len": 1, "warmup_steps": 0, "anchor_steps": (0,),
+                                "density": 0.3, "experimental": {"kernels": "reference"}}).to_json()
+    site = new_site("mcsparse")
+    with vc_compile.sampling(num_steps=2):
+        vc_compile.step(0)
+        out = torch.ops.vcattn.attention(q, k, v, None, site, cj, scale)
+    assert dict(_report.site(site).phases) == {"anchor": 1}
+    truth = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=scale)
+    stock = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    rel = lambda a: float((a.double() - truth).norm() / truth.norm())  # noqa: E731
+    assert rel(out) <= 2 * rel(stock) + 1e-5, (rel(out), rel(stock))
+
+
 def test_sharp_logits_readings_are_bounded_per_site(monkeypatch):
     """Weights at ever new addresses (offloading) would make every call a new (site, block) key: after
     ``_SHARP_READINGS`` readings a site reuses its worst one instead of reading (and syncing) again."""
