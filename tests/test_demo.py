@@ -439,9 +439,10 @@ def test_benchmark_loop_through_vcattn():
 # ------------------------------------------------------------------------------------------ main job
 
 
-def test_main_job_tiny(tmp_path, monkeypatch):
+def test_main_job_tiny(tmp_path, monkeypatch, capsys):
     """python -m vc_compile.demo end to end (shipped weights, 1 x 32 x 32, 2 steps), with the MP4 encoder
-    hidden: grid, GIF and results are still written and the missing encoder is named."""
+    hidden: grid, GIF and results are still written and the missing encoder is named; it says up front what to
+    expect and, after each clip, how long the rest will take at this machine's pace."""
     _vc_backend()
     import json
     import sys
@@ -462,6 +463,8 @@ def test_main_job_tiny(tmp_path, monkeypatch):
     info = json.loads((tmp_path / "results.json").read_text(), parse_constant=no_constants)
     assert "imageio-ffmpeg" in info["mp4"] and info["tokens"] == 256
     assert info["rows"][0]["psnr"] == "inf"  # the dense clip against itself
+    said = capsys.readouterr().out
+    assert "2 clips (dense, vsmooth+expcast); expect" in said and "1 of 2 clips in" in said and "s left" in said
 
 
 def test_demo_set_option_parsing():

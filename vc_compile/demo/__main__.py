@@ -207,8 +207,16 @@ def main(argv=None):
         extra["min_seq_len"] = tokens  # the backend's default leaves short attention to stock SDPA
 
     known, results = dict(METHODS), []
+    print(f"[vc_demo] {len(a.method_list)} clips ({', '.join(a.method_list)}); expect "
+          f"{'3-5 minutes on 2 CPU cores' if a.reduced else 'about 2 minutes on an H100 / H200'} in all; an estimate "
+          "from this machine's own pace follows each clip", flush=True)
     t_all = time.perf_counter()
-    for label in a.method_list:
+    for i, label in enumerate(a.method_list):
+        if i:
+            per = (time.perf_counter() - t_all) / i
+            left = len(a.method_list) - i
+            print(f"[vc_demo] {i} of {len(a.method_list)} clips in {time.perf_counter() - t_all:.0f} s; about "
+                  f"{per * left:.0f} s left for the clips", flush=True)
         print(f"[vc_demo] {label}: compiling and warming up ({a.warmup} steps) ...", flush=True)
         res = run_pipeline(pipe, cond, uncond, label, merge_options(known[label], extra), frames=a.frames,
                            height=a.height, width=a.width, steps=a.steps, seed=a.seed, guidance=a.guidance,
