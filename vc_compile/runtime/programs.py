@@ -31,7 +31,8 @@ reason in ``report()``.
 
 When. Where the method says a call is replayable (``replayable(phase, cfg)``: its launches depend only on q, k, v
 and the metadata, no host reads, no metadata update; the same contract as a CUDA graph), on a CUDA device, with
-the remembered launches usable (``FAST_LAUNCH``: Triton 3.6, no launch hook, not under the interpreter) and no
+the remembered launches usable (``FAST_LAUNCH``: the installed Triton's calling convention, no launch hook, not
+under the interpreter) and no
 RoPE prologue. An entry lives as long as its metadata object (a weak key), as the graphs do.
 """
 from __future__ import annotations

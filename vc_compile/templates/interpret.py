@@ -1,7 +1,8 @@
 """What the kernels do differently under the Triton interpreter (``TRITON_INTERPRET=1``: CPU tests), in one
 place: whether it is on (the one check of the variable), the loop bounds it can iterate and when its dot needs
-fp32 operands. The roundings its casts get wrong are ``soft_round.py`` (jit helpers). NOTE every workaround
-is for Triton 3.6's interpreter; none of it changes a GPU compile. This module does not import triton (the
+fp32 operands. The roundings its casts get wrong are ``soft_round.py`` (jit helpers). NOTE the workarounds are
+for the interpreters of Triton 3.6-3.9 (3.8+ raise on an all-NaN argmin, 3.9 refuses a block mask and-ed with a
+scalar one: the kernels' ``INTERPRET`` branches); none of it changes a GPU compile. This module does not import triton (the
 dispatch asks ``interpreting()`` on installs without it).
 """
 from __future__ import annotations
