@@ -398,7 +398,8 @@ def test_fused_reduces_more_than_32_partials_in_steps():
     with 36 splits a head (one head, S = 4500: 36 V blocks) K's mean and V's scale are the reference's, through
     two steps of which the second is partly masked."""
     B, H, S, D = 1, 1, 4500, 128
-    assert tpl._split_count(-(-S // formats.BLOCK_V), B * H, tpl.PREPROCESS_DEFAULT.stats_per_sm) == 36
+    assert tpl._split_count(-(-S // formats.BLOCK_V), B * H, tpl.PREPROCESS_DEFAULT.stats_per_sm,
+                            tpl.sm_count(torch.device(KERNEL_DEVICE))) == 36
     q, k, v = make_qkv(B, H, S, D, torch.bfloat16)
     perm = random_perm(B, H, S)
     qk, vq = tpl.preprocess(q, k, v, perm, sm_scale=D ** -0.5, v_layout="natural")

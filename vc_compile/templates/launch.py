@@ -31,6 +31,7 @@ Offline (this module's test harness, a fake sm_90 driver) a V-Smooth call's Pyth
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import threading
@@ -193,6 +194,29 @@ def _no_hook(hook) -> bool:
 def aligned(*tensors) -> tuple:
     """The binder's alignment bits of tensors the caller did not allocate (part of a launch key)."""
     return tuple(t.data_ptr() % 16 == 0 for t in tensors if t is not None)
+
+
+# the SM count a grid is sized for where no GPU is at hand (the offline sm_90 compile): an H100 SXM's / H200's
+OFFLINE_SMS = 132
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of ``device`` (read from the device, cached per device), ``OFFLINE_SMS`` off a GPU."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return OFFLINE_SMS
+    index = device.index if device.index is not None else _current_device()
+    return _sms(index)
+
+
+def _current_device() -> int:
+    import torch
+    return torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    import torch
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 _DESCRIPTORS: Dict[tuple, tuple] = {}

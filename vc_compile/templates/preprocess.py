@@ -30,7 +30,7 @@ for Q/K or V alone)
 * ``_stats_kernel`` (pass 1) grid (splits, B*H): partial column sums of K over its share of the sampled
   64-token blocks (the K mean must be known before any block is quantised), and, with V, the block means mu_j
   (stored) and the residual's per-channel amax over its share of V's 128-row blocks (rows gathered through
-  perm; +inf marks a channel with a non-finite value). Splits: ``PreprocessConfig.stats_per_sm`` x 132 / heads.
+  perm; +inf marks a channel with a non-finite value). Splits: ``PreprocessConfig.stats_per_sm`` x SMs / heads.
 * ``_quant_kernel`` (pass 2) grid (ceil(S/128), B*H): one program = V' block pid (quantised to E4M3 with the
   head's per-channel scale, the max of pass 1's partial amaxes, stored transposed and zero-padded to S_pad;
   ``v_layout="sm90"``: the key order of the sm_90 kernel's register P~, plus mu' and its tf32 groups), then 128
@@ -71,6 +71,7 @@ from vc_compile.formats import (BLOCK_K, BLOCK_Q, BLOCK_V, LOG2E, V_LAYOUTS, QKQ
 from vc_compile.templates.compat import assembled
 from vc_compile.templates.configs import PREPROCESS_DEFAULT, PreprocessConfig, vsmooth_head_dim_error
 from vc_compile.templates.interpret import interpreting, loop_bound
+from vc_compile.templates.launch import OFFLINE_SMS, sm_count
 from vc_compile.templates.soft_round import round_e4m3
 from vc_compile.templates.rope import colsum_rope_kwargs, pair_words_ok, rope_kwargs, rope_pairs_packed, rope_rows
 
@@ -273,10 +274,10 @@ def _stats_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_spli
         tl.store(VPART + (bh * n_split + sp).to(tl.int64) * D + d, amax)
 
 
-def _split_count(n_blocks: int, BH: int, per_sm: int) -> int:
-    """Programs per head of a pass that splits ``n_blocks`` blocks over the heads: about ``per_sm`` x 132
-    programs in all (an H200's SMs), at least one block each."""
-    return max(1, min(n_blocks, triton.cdiv(132 * per_sm, BH)))
+def _split_count(n_blocks: int, BH: int, per_sm: int, sms: int) -> int:
+    """Programs per head of a pass that splits ``n_blocks`` blocks over the heads: about ``per_sm`` x ``sms``
+    programs in all (the device's SMs), at least one block each."""
+    return max(1, min(n_blocks, triton.cdiv(sms * per_sm, BH)))
 
 
 def _token_mean(x: torch.Tensor, rope=None) -> torch.Tensor:
@@ -288,13 +289,13 @@ def _token_mean(x: torch.Tensor, rope=None) -> torch.Tensor:
     return (part.view(B * H, n_split, D).sum(dim=1) / count).view(B, H, D)
 
 
-def _k_geometry(S: int, BH: int, n_split: Optional[int] = None):
+def _k_geometry(S: int, BH: int, n_split: Optional[int] = None, sms: int = OFFLINE_SMS):
     """(stride of the sampled blocks, samples, samples per split, splits, sampled tokens) of K's mean."""
     st = k_mean_stride(S)
     n_samp = triton.cdiv(triton.cdiv(S, BLOCK_K), st)
     count = (n_samp - 1) * BLOCK_K + min(BLOCK_K, S - (n_samp - 1) * st * BLOCK_K)
     if n_split is None:
-        n_split = _split_count(n_samp, BH, 2)
+        n_split = _split_count(n_samp, BH, 2, sms)
     per_split = triton.cdiv(n_samp, n_split)
     return st, n_samp, per_split, n_split, count
 
@@ -302,7 +303,7 @@ def _k_geometry(S: int, BH: int, n_split: Optional[int] = None):
 def _k_partials(x, rope=None):
     """Pass 1 over K alone: ([B*H, n_split, D] fp32 partial column sums of the sampled tokens, n_split, count)."""
     B, H, S, D = x.shape
-    st, n_samp, per_split, n_split, count = _k_geometry(S, B * H)
+    st, n_samp, per_split, n_split, count = _k_geometry(S, B * H, sms=sm_count(x.device))
     n_split = triton.cdiv(n_samp, per_split)
     BS = 32
     n_sub = per_split * (BLOCK_K // BS)
@@ -712,7 +713,9 @@ def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v
     pstr = perm.stride() if perm is not None else (0, 0, 0)
     interp = interpreting()
     # ---- pass 1
-    st, n_samp, per_k, nsk, count = _k_geometry(S, BH, _split_count(nbv, BH, launch.stats_per_sm) if do_v else None)
+    sms = sm_count(x.device)
+    st, n_samp, per_k, nsk, count = _k_geometry(S, BH, _split_count(nbv, BH, launch.stats_per_sm, sms) if do_v else None,
+                                                sms)
     if do_v:
         nsv = nsk
         per_v = triton.cdiv(nbv, nsv)

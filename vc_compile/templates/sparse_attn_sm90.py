@@ -78,6 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from vc_compile.templates.compat import assembled, barrier, cp_async_load
 from vc_compile.formats import LOG2E
 from vc_compile.templates.configs import SparseAttnSm90Config
+from vc_compile.templates.launch import sm_count
 from vc_compile.templates.sparse_attn import epilogue_operands, gather_operands
 
 __all__ = ["sparse_attention_sm90"]
@@ -520,13 +521,6 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, KS, RES, OUT, FLAG,
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _sm_count(device) -> int:
-    """SMs of ``device`` (132, the H200's, for an offline compile on a machine without a GPU)."""
-    if getattr(device, "type", "cpu") == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
 def needs_64bit_offsets(*extents: int) -> bool:
     """Whether an in-head element offset may pass 2^31 (the kernel's OFF64: 64-bit row offsets; int32 otherwise,
     which saves integer work per gathered row). A function so that the offline compile can force either path."""
@@ -578,7 +572,7 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     off64 = needs_64bit_offsets(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(k.stride(2), v.stride(2)))
     n_gc = triton.cdiv(G, GPC)  # CTA tiles per head
     n_tiles = n_gc * B * H
-    grid = min(n_tiles, _sm_count(q.device)) if launch.persistent else n_tiles
+    grid = min(n_tiles, sm_count(q.device)) if launch.persistent else n_tiles
     tensors = (q, k, v, sigma, idx, k_scale if qk8 else out, res, out, flag.contiguous() if flag is not None else out)
     ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
