@@ -25,8 +25,10 @@ LOOPS = ("loop", "preg_loop", "smem_window", "consumer_loop", "producer_loop")
 def fingerprints(python: str, out: str, only: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([python, "-m", "scripts.codegen_fingerprint", "--out", out, "--only", only], env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    r = subprocess.run([python, "-m", "scripts.codegen_fingerprint", "--out", out, "--only", only], env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{python}: codegen_fingerprint failed:\n{r.stderr[-3000:]}")
     with open(out) as f:
         return json.load(f)
 
