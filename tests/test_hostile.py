@@ -758,6 +758,21 @@ def test_compiled_tiny_dit(method, dtype, seq, zero_q):
 
 
 # ---- options and environment ----------------------------------------------------------------------------------
+def test_an_aten_level_sdpa_call_is_rewritten(fresh_vcattn):
+    """A model calling torch.ops.aten.scaled_dot_product_attention itself (its overload packet in the graph) was
+    left stock, with a warning that blamed "another kernel" named scaled_dot_product_attention."""
+    from torch._dynamo.utils import counters
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.ops.aten.scaled_dot_product_attention(q, k, v)
+    q, k, v = (torch.randn(1, 2, 128, 64).to(torch.bfloat16) for _ in range(3))
+    out = torch.compile(M(), backend="vcattn", options={"min_seq_len": 1, "experimental": {"kernels": "reference"}})(
+        q, k, v)
+    assert counters["vcattn"]["rewrite"] == 1 and not vc_compile.report().graphs_without_sdpa
+    assert rel_l2(out, F.scaled_dot_product_attention(q, k, v)) < 0.08  # the 8-bit tolerance (module doc)
+
+
 def test_enable_on_a_module_without_attention_says_so():
     """enable(nn.Linear(...)) compiled silently before: now one warning says nothing there looks like attention;
     a model with attention (a module named so, or SDPA in its code) gets none."""

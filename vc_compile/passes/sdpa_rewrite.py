@@ -44,8 +44,9 @@ from . import names as _names
 from .cp_detect import META_KEY as _CP_META_KEY
 from .cp_detect import dtensor_reason
 
+# (a model calling the aten op itself puts its overload packet in the graph, not ``.default``)
 SDPA_TARGETS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
-                torch.ops.aten.scaled_dot_product_attention.default}
+                torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.scaled_dot_product_attention}
 LINEAR_TARGETS = {F.linear, torch._C._nn.linear, torch.ops.aten.linear.default}
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
