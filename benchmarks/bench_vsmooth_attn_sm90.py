@@ -6,7 +6,9 @@ the FP8 baselines of the same run (FA3's FP8 kernel, torchao's FP8 op, where ins
 
 Per shape and mode (``exp2`` = V-Smooth, ``expcast`` = V-Smooth + ExpCast), the kernel alone on the runtime's
 preprocessing (k-means order, V in the sm_90 layout), once with the measured default launch
-(``configs.vsmooth_sm90_default``) and once per entry of ``--configs`` (fields over that default). Columns:
+(``configs.vsmooth_sm90_default``) and once per entry of ``--configs`` (fields over that default; the pseudo-field
+``"bytemask_guard": false`` keeps the byte-mask clamp where its build spills, ``vsmooth_attn_sm90.BytemaskGuard``,
+whose choice the ``note`` column names). Columns:
 median ms, x cuDNN, x FA3 FP8, rel. L2 against an fp32 reference on 512 sampled query rows, the largest
 difference from the default launch's output, and NaN counts. Inputs: ``structured`` (the kernel benchmark's:
 channel-biased K, clustered V with token outliers) and ``rising`` (sharp logits whose row maxima keep rising
@@ -57,6 +59,7 @@ def run(shapes, modes, extra, inputs, n_rows=512, sink=None):
     from vc_compile import torch_ops
     from vc_compile.templates import kmeans as tkm
     from vc_compile.templates.configs import vsmooth_sm90_default
+    from vc_compile.templates.vsmooth_attn_sm90 import BYTEMASK_GUARD as guard
     from vc_compile.templates.vsmooth_attn_sm90 import vsmooth_attention_sm90
 
     rows = []
@@ -94,6 +97,10 @@ def run(shapes, modes, extra, inputs, n_rows=512, sink=None):
                 ref_out = None
                 for spec in [{}] + list(extra):
                     name = f"{mode}_kernel" + ("" if not spec else ":" + ",".join(f"{a}={b}" for a, b in spec.items()))
+                    spec = dict(spec)
+                    # bytemask_guard=false: the byte-mask clamp kept where its build spills (the guard's A/B)
+                    guard.enabled = bool(spec.pop("bytemask_guard", True))
+                    guard.clear()
                     try:  # (a launch the config refuses over this mode's default is logged and skipped)
                         cfg = dataclasses.replace(default, **spec)
                         call = lambda cfg=cfg: vsmooth_attention_sm90(qk, vq, expcast=ec, launch=cfg)  # noqa: E731
@@ -104,8 +111,10 @@ def run(shapes, modes, extra, inputs, n_rows=512, sink=None):
                         continue
                     diff = float("nan") if ref_out is None else (out.float() - ref_out.float()).abs().max().item()
                     ref_out = out if ref_out is None else ref_out
-                    add(name, bench_ms(call, wu, rep), out, max_diff_vs_default=diff,
-                        launch=json.dumps(cfg.to_json(), sort_keys=True))
+                    t = bench_ms(call, wu, rep)
+                    add(name, t, out, max_diff_vs_default=diff, launch=json.dumps(cfg.to_json(), sort_keys=True),
+                        note=guard.summary() or "")
+                guard.enabled = True
                 del qk, vq, ref_out
             cud = next(r["ms"] for r in here if r["variant"] == "sdpa_cudnn")
             for r in here:
@@ -142,7 +151,7 @@ def main(argv=None):
         log(f"shapes {shapes}, modes {modes}, configs {extra}: " + ("smoke run" if a.smoke else "no GPU: nothing timed"))
         print_table([], cols)
         return 0
-    extras = ["inputs", "max_diff_vs_default", "nan", "launch", "speedup_vs_fa3", "speedup_vs_torchao"]
+    extras = ["inputs", "max_diff_vs_default", "nan", "launch", "speedup_vs_fa3", "speedup_vs_torchao", "note"]
     sink = None if a.no_csv else (lambda rows: log("rows appended to " + append_rows(BENCH, rows, extras=extras)))
     rows = run(shapes, modes, extra, [x for x in a.inputs.split(",") if x], sink=sink)
     print_table(rows, cols)

@@ -95,7 +95,7 @@ while [ $# -gt 0 ]; do
     tritonpart) mkdir -p /tmp/tritonparts && cp "$2"/*.part* /tmp/tritonparts/ && ls -la /tmp/tritonparts; shift ;;
     tritoninstall)
       rm -rf /tmp/triton_site && mkdir -p /tmp/triton_site
-      cat /tmp/tritonparts/*.part* | xz -dc | tar xf - -C /tmp/triton_site
+      cat /tmp/tritonparts/*.part* | xz -dc | tar xif - -C /tmp/triton_site  # parts may hold several tarballs
       export PYTHONPATH=/tmp/triton_site:$PYTHONPATH
       $PY -c "import triton, torch; print('triton', triton.__version__, triton.__file__, 'torch', torch.__version__)" ;;
     toolchain) run_stage toolchain "${TOOLCHAIN_S:-300}" $PY -m pytest -n 8 -v -p no:cacheprovider -rfE --timeout 200 \

@@ -556,3 +556,68 @@ def test_gpu_byte_mask_matches_fmnmx_clamp_bit_for_bit(S, scale):
     if scale <= 20:
         t = g.vsmooth_attention_sm90(qk, vq, expcast=True, launch=SMEM)
         assert torch.isfinite(on).all() and rel(on, t) <= 1e-2
+
+
+_GUARD_CODE = r"""
+import torch
+from triton.runtime import driver
+from scripts import codegen_stats as cs
+from scripts import codegen_fingerprint as fp
+driver.set_active(cs._FakeDriver())
+from triton.runtime.jit import JITFunction
+from vc_compile.templates import vsmooth_attn_sm90 as g
+from vc_compile.templates.configs import vsmooth_sm90_default
+from triton import knobs
+knobs.runtime.launch_enter_hook = None  # the binder's path would build launch metadata (a loaded kernel) for a chain
+
+built = []
+orig = JITFunction.run
+def run(self, *a, grid, warmup, **kw):  # build (never launch); the build reads as loaded with SPILL bytes of spills
+    k = orig(self, *a, grid=grid, warmup=True, **kw)
+    if k._run is None:  # first seen: a new build; its launcher records nothing
+        built.append(kw["BYTEMASK"])
+        k._run = lambda *args: None
+        k.n_spills = SPILL // 4
+    return orig(self, *a, grid=grid, warmup=False, **kw)
+run.__wrapped__ = orig
+JITFunction.run = run
+cfg = vsmooth_sm90_default(128, True, 32760)
+assert cfg.byte_mask
+qk, vq = fp._vs_inputs(32760, 128, True)
+for _ in range(3):
+    g.vsmooth_attention_sm90(qk, vq, expcast=True, launch=cfg)
+print("RESULT", built, g.BYTEMASK_GUARD.summary())
+"""
+
+
+@pytest.mark.parametrize("spill", [16, 372])
+def test_byte_mask_guard_takes_the_fmnmx_clamp_where_the_build_spills(tmp_path, spill):
+    """The ExpCast default's byte-mask clamp is kept where its build spills what Triton 3.6's does (16 bytes) and
+    replaced by the FMNMX clamp (the same bits: ``test_gpu_byte_mask_matches_fmnmx_clamp_bit_for_bit``) from the
+    next launch on where it spills what Triton 3.9's does (372 bytes): offline sm_90 builds, the loaded kernel's
+    spill count faked (only a GPU loads a kernel)."""
+    from offline_sm90 import result_line
+    line, why = result_line(f"SPILL = {spill}\n" + _GUARD_CODE, tmp_path)
+    if spill == 16:  # built once (the later calls are remembered launches or cache hits), never swapped
+        assert line.startswith("RESULT [1") and "0" not in line.split("]")[0] and line.endswith("None"), why
+    else:
+        assert line.startswith("RESULT [1, 0"), why
+        assert "spilled up to 372 bytes" in line and "FMNMX clamp runs there" in line, why
+
+
+def test_byte_mask_guard_reads_only_loaded_kernels():
+    from vc_compile.templates.vsmooth_attn_sm90 import BytemaskGuard
+
+    class Loaded:
+        n_spills = 20  # 80 bytes
+
+    g = BytemaskGuard(limit=64)
+    g.check(("a",), object())  # an offline build: nothing to read, nothing decided
+    assert g.spilled == {} and g.summary() is None
+    g.check(("a",), Loaded())
+    assert g.spilled == {("a",): True} and "80 bytes" in g.summary()
+    Loaded.n_spills = 4
+    g.check(("b",), Loaded())
+    assert g.spilled[("b",)] is False and len(g.swapped) == 1
+    g.clear()
+    assert g.summary() is None

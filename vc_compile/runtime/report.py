@@ -404,7 +404,9 @@ def _build_line() -> Optional[str]:
     parts = [f"{name} ({why}) -> {to}" for name, (why, to) in failed.items()]
     line = f"kernels that did not build on Triton {toolchain.triton_version()}: {'; '.join(parts)}" if parts else None
     untested = toolchain.untested_reason() if mod is not None else None
-    return "; ".join(x for x in (line, untested) if x) or None
+    sm90 = sys.modules.get("vc_compile.templates.vsmooth_attn_sm90")
+    clamp = sm90.BYTEMASK_GUARD.summary() if sm90 is not None else None
+    return "; ".join(x for x in (line, untested, clamp) if x) or None
 
 
 def _launch_line() -> Optional[str]:

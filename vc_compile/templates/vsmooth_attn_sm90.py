@@ -284,15 +284,67 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         consts.update(OVL=int(launch.pv_overlap and consts["PVW"] > 1 and expcast))
     # the launch's key (templates/launch.py): the descriptors' block shapes and layouts follow from the shapes, the
     # dtypes and the launch; the scale tensors may come from a caller (their alignment is specialised on)
+    guard = bool(consts["BYTEMASK"]) and BYTEMASK_GUARD.enabled
+    if guard and BYTEMASK_GUARD.spilled.get(_guard_key(consts)):
+        consts["BYTEMASK"] = 0  # this Triton spills the byte-mask clamp: the FMNMX clamp, the same bits
     key = (B, H, S, Sk, D, S_pad, out_dtype, launch, tuple(sorted(consts.items())),
            aligned(args[5], args[6], args[7], lse))
     if ws:
-        FAST_LAUNCH(_vsmooth_attn_sm90_ws_kernel, (-(-S // (2 * BM)), B * H), key, *args, **consts, num_warps=4,
-                    maxnreg=WS_MAXNREG)
+        kernel = FAST_LAUNCH(_vsmooth_attn_sm90_ws_kernel, (-(-S // (2 * BM)), B * H), key, *args, **consts,
+                             num_warps=4, maxnreg=WS_MAXNREG)
     else:
-        FAST_LAUNCH(_vsmooth_attn_sm90_kernel, (-(-S // BM), B * H), key, *args, **consts, PREG=int(preg),
-                    num_warps=nw)
+        kernel = FAST_LAUNCH(_vsmooth_attn_sm90_kernel, (-(-S // BM), B * H), key, *args, **consts, PREG=int(preg),
+                             num_warps=nw)
+    if guard and consts["BYTEMASK"]:
+        BYTEMASK_GUARD.check(_guard_key(consts), kernel)
     return (out, lse) if return_lse else out
+
+
+def _guard_key(consts: dict) -> tuple:
+    return tuple(sorted((k, v) for k, v in consts.items() if k != "BYTEMASK"))
+
+
+class BytemaskGuard:
+    """The byte-mask clamp where the compiler keeps it in registers, the FMNMX clamp where it does not.
+
+    The two clamps give the same bits; the byte mask saves ~30 instructions a key block when its packing stays in
+    registers. Some Triton releases spill it (offline sm_90 build of the ExpCast default at 40 x 32760: Triton
+    3.6 16 bytes of local memory, 3.9 372; docs/design/toolchain.md), so the first build of each configuration is
+    read once it is loaded (``CompiledKernel.n_spills``, known on a GPU only): above ``limit`` bytes, later
+    launches of that configuration use the FMNMX clamp. Decided per process from the compiled kernel, not from
+    a version number; ``report()`` says where it happened."""
+
+    def __init__(self, limit: int = 64):
+        self.enabled = True
+        self.limit = limit
+        self.spilled: dict = {}  # constexprs but BYTEMASK -> bool
+        self.swapped: list = []  # (constexprs, spill bytes) where the FMNMX clamp took over
+
+    def check(self, gkey: tuple, kernel) -> None:
+        if gkey in self.spilled:
+            return
+        words = getattr(kernel, "n_spills", None)  # Triton's loader: local memory in 4-byte words
+        if not isinstance(words, int):
+            return  # not loaded (an offline build): nothing to read
+        spilled = 4 * words > self.limit
+        self.spilled[gkey] = spilled
+        if spilled:
+            self.swapped.append((gkey, 4 * words))
+
+    def summary(self):
+        """A line for ``report()``, or None."""
+        if not self.swapped:
+            return None
+        worst = max(b for _, b in self.swapped)
+        return (f"ExpCast's byte-mask clamp spilled up to {worst} bytes on this Triton in {len(self.swapped)} "
+                "configuration(s): the FMNMX clamp runs there (same output)")
+
+    def clear(self) -> None:
+        self.spilled.clear()
+        self.swapped.clear()
+
+
+BYTEMASK_GUARD = BytemaskGuard()
 
 
 assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)
