@@ -166,6 +166,10 @@ OPTION_DOCS: Dict[str, str] = {
                      "have a std above this (checked once per site, block and shape) stays stock SDPA, reported: "
                      "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit); "
                      "with expcast, logits of base-2 magnitude beyond ~2000 then give NaN rows (outside its codes' range).",
+    "quant_check": "8-bit paths: before a site's first 8-bit call (once per site, block and shape) its quantisation "
+                   "error is read on a sample (runtime/quant_check.py); a site with an outlier K channel runs with the "
+                   "Hadamard rotation, one whose outlier keys or values the 8-bit codes cannot hold stays stock "
+                   "SDPA, reported and warned once. False = no check.",
     "prebuild": "'auto' | 'on' | 'off': whether a fresh process builds its kernels ahead of their first launch. "
                 "'auto' (default): helper processes build the kernels of the compiled calls in parallel while "
                 "Inductor compiles (a phase's first call waits for them; each helper holds its call's inputs on "
@@ -314,6 +318,7 @@ class VCConfig:
     # 100 (bf16 SDPA 2e-3-7e-4; ExpCast and Hadamard the same within 5%). 32 keeps the predicted error under
     # twice the unit-logit one (0.07); a model with QK-norm sits far below it.
     max_logit_std: float = 32.0
+    quant_check: bool = True
     # NOTE 'off' by default since reuse steps replay recorded launch sequences (runtime/programs.py). H200, b9abd36,
     # bench_op_overhead, x cuDNN per reuse call, sequence vs graph ('auto' then): 12 x 2K V-Smooth 0.43 / 0.36,
     # ExpCast 0.43 / 0.42, MC-Sparse 0.58 / 0.35; 12 x 4K 0.66 / 0.63, 0.79 / 0.72, 2.03 / 0.94; 12 x 8K 0.88 / 0.87,

@@ -36,6 +36,7 @@ The data path: op -> ``methods.get(method)`` (the method's schedule and its ``ru
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 import weakref
@@ -357,6 +358,65 @@ def too_sharp(rec, key: tuple, q, k, sm_scale: float, cfg: VCConfig) -> bool:
     return True
 
 
+# Outliers the 8-bit codes cannot hold (option ``quant_check``, runtime/quant_check.py): read once per (site,
+# block, shape) on a sample before its first 8-bit call; the action is remembered, so later calls pay a dict lookup.
+OUTLIER_KEYS = "outlier keys or values for 8-bit"
+ROTATED = "outlier K channel: Hadamard rotation on"
+_QUANT: Dict[tuple, str] = _CHECKS.quant  # (site, ident ptr, q shape, k shape, device) -> "8bit" | "hadamard" | "sdpa"
+_QUANT_WARNED: Set[Tuple[int, str]] = _CHECKS.quant_warned
+_ROTATED_CFG: Dict[int, Tuple[VCConfig, VCConfig]] = {}  # id(cfg) -> (cfg, the same with hadamard=True)
+
+
+def quant_action(rec, key: tuple, q, k, v, cfg: VCConfig, rope_args=None) -> str:
+    """What this (site, block, shape) runs: "8bit", "hadamard" or "sdpa" (reported, warned once per site and kind)."""
+    act = _QUANT.get(key)
+    if act is None:
+        from vc_compile.runtime import quant_check
+
+        if rope_args is not None:  # fused RoPE: the codes are of the rotated q, k
+            q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
+        reading = quant_check.read(q, k, v, cfg.qk_format.value, cfg.hadamard)
+        act = reading.action(cfg.qk_format.value, cfg.hadamard)
+        if act == "hadamard" and _rotated(cfg) is None:
+            act = "sdpa"
+        _QUANT[key] = act
+        rec.quant_reading = (reading, act)
+    if act == "8bit":
+        return act
+    rec.runtime_fallbacks[OUTLIER_KEYS if act == "sdpa" else ROTATED] += 1
+    if (key[0], act) not in _QUANT_WARNED:
+        _QUANT_WARNED.add((key[0], act))
+        import warnings
+
+        r = rec.quant_reading[0]
+        what = f"logit error {r.r_qk:.3f}, value error {r.r_v:.3f} of their spread"
+        if act == "hadamard":
+            msg = (f"an outlier K channel ({what}; clean INT8 ~0.012): this site runs with the Hadamard rotation, "
+                   f"which brings the logit error back to {r.r_qk_hadamard:.3f}")
+        else:
+            msg = (f"outlier keys or values the 8-bit codes cannot hold ({what}; clean ~0.012 / ~0.025): "
+                   "it runs stock SDPA there instead")
+        warnings.warn(f"vcattn: call site {rec.module or key[0]} ({rec.shape}): {msg} (report: '"
+                      f"{OUTLIER_KEYS if act == 'sdpa' else ROTATED}'). options={{'quant_check': False}} turns the "
+                      "check off.", RuntimeWarning, stacklevel=3)
+    return act
+
+
+def _rotated(cfg: VCConfig) -> Optional[VCConfig]:
+    """``cfg`` with ``hadamard=True``, made once per config object (a call pays a dict lookup); None where the
+    config's head dims do not allow the rotation."""
+    hit = _ROTATED_CFG.get(id(cfg))
+    if hit is None or hit[0] is not cfg:
+        if len(_ROTATED_CFG) >= 256:
+            _ROTATED_CFG.clear()
+        try:
+            rotated = dataclasses.replace(cfg, hadamard=True)
+        except ValueError:  # a head dim the rotation does not take (config.py's rule): no rotated config
+            rotated = None
+        hit = _ROTATED_CFG[id(cfg)] = (cfg, rotated)
+    return hit[1]
+
+
 # The wiring of the run-time pieces, in one place: a new generation (steps.py) drops the metadata store and
 # the watched blocks' key sets.
 TRACKER.subscribe(state.clear)
@@ -466,6 +526,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
                 q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
             return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
         phase = plan.sharp_phase
+    if cfg.quant_check and plan.eight_bit and phase == plan.phase:
+        act = quant_action(rec, (site, ident_ptr) + key[3:6], q, k, v, cfg, rope_args)
+        if act == "sdpa":
+            if plan.sharp_phase is None:  # the whole call: stock SDPA
+                if rope_args is not None:
+                    q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
+                return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
+            phase = plan.sharp_phase
+        elif act == "hadamard":
+            cfg = _rotated(cfg)
     if plan.guard is not None:
         rec.note_guard(*plan.guard)
     key = key + plan.slot

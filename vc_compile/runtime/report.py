@@ -64,6 +64,8 @@ class SiteRecord:
     guard_anchors: int = 0
     guard_readings: int = 0
     guard_err_max: float = 0.0
+    # the quantisation check's last reading here (runtime/quant_check.Reading) and what it chose, None = none taken
+    quant_reading: Optional[tuple] = None
     # calls whose output held NaN/Inf (counted on the CPU reference path only: elsewhere it would cost a sync;
     # the contract: ops.NONFINITE_CONTRACT)
     nonfinite_calls: int = 0

@@ -74,6 +74,8 @@ class Checks:
         self.sharp: dict = {}  # (site, ident ptr, q shape, k shape, device) -> sampled logit std
         self.sharp_worst: dict = {}  # site -> (readings taken, the largest)
         self.sharp_warned: set = set()
+        self.quant: dict = {}  # (site, ident ptr, q shape, k shape, device) -> quant_check's action
+        self.quant_warned: set = set()  # (site, action)
         self.nonfinite_warned: set = set()
         self.watched: dict = {}  # (site, ident ptr) -> the weight (weakly) and the metadata keys written
         self.lanes: dict = {}  # (site, config, scale) -> the call's layout-bound decisions (ops._Lane)
@@ -82,7 +84,7 @@ class Checks:
     def forget(self) -> None:
         """What ``vc_compile.reset()`` forgets (the watched blocks stay: their finalizers are registered)."""
         for c in (self.idents, self.unstable, self.ident_warned, self.sharp, self.sharp_worst, self.sharp_warned,
-                  self.nonfinite_warned, self.lanes):
+                  self.quant, self.quant_warned, self.nonfinite_warned, self.lanes):
             c.clear()
 
 
