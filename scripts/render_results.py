@@ -829,6 +829,28 @@ def triton_versions_table(rows) -> str:
                         "wgmma serialised (baseline)", "serialised here, not in the baseline"], body))
 
 
+def quant_check_table(rows) -> str:
+    """``bench_quant_check.csv``: the latest run (its commit), per input kind and head dim, what the quantisation
+    check chose per outlier case and V-Smooth's error without and with it, as multiples of the clean case's."""
+    if not rows:
+        return _none_yet("bench_quant_check.csv", "`python -m benchmarks.bench_quant_check`")
+    last = rows[-1]["commit"]
+    run = [r for r in rows if r["commit"] == last and r["date"][:10] == rows[-1]["date"][:10]]
+    cases = list(dict.fromkeys(r["variant"] for r in run))
+    groups = list(dict.fromkeys((r["inputs"], r["D"]) for r in run))
+    head = ["case"] + [f"{k} D={d}: action, error x clean unchecked -> checked" for k, d in groups]
+    body = []
+    for c in cases:
+        line = [c]
+        for k, d in groups:
+            r = next((x for x in run if x["variant"] == c and (x["inputs"], x["D"]) == (k, d)), None)
+            line.append("-" if r is None else f"{r['action']}, {float(r['x_clean_unchecked']):.1f}x -> "
+                                             f"{float(r['x_clean']):.1f}x")
+        body.append(line)
+    return (f"`bench_quant_check` ({run[-1]['date'][:10]}, commit {last}; CPU reference path, S = {run[-1]['S']}, "
+            "H = 2, bf16; rel. L2 against fp64 SDPA as a multiple of the clean case's):\n\n" + md_table(head, body))
+
+
 def blocks(results_dir: str) -> Dict[str, str]:
     """{marker name: markdown} for every block ``--write`` fills; each GPU's rows apart (``per_gpu``); the
     reference Triton release's rows only, but in ``toolchain``."""
@@ -855,6 +877,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
         "cold-start": per_gpu(cold_start_tables, rd("bench_cold_start.csv")),
         "toolchain": "\n\n".join(toolchain_tables(raw("bench_vsmooth_attn_sm90.csv"), raw("bench_op_overhead.csv"))),
         "triton-versions": triton_versions_table(raw("triton_versions.csv")),
+        "quant-check": quant_check_table(raw("bench_quant_check.csv")),
         "key-padding": per_gpu(key_padding_tables, rd("bench_key_padding.csv")),
         "e2e": per_gpu(e2e_tables, e2e) if any(r.get("bench") == "e2e" for r in e2e) else
         _none_yet("bench_e2e.csv", "`python -m benchmarks.bench_e2e` on a GPU"),
