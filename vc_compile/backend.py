@@ -170,7 +170,28 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
         if cfg.mode not in (None, "default"):
             warnings.warn(f"vcattn: mode={cfg.mode!r} has no effect with compiler='eager' (Inductor is not "
                           "used); drop one of the two.", UserWarning, stacklevel=2)
-        return gm.forward
+        return _warn_later(gm.forward, stats.get("deferred_warning"))
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=inductor_patches(cfg))
+    return _warn_later(compile_fx(gm, example_inputs, config_patches=inductor_patches(cfg)),
+                       stats.get("deferred_warning"))
+
+
+def _warn_later(fn, msg: Optional[str]):
+    """``fn``, or where ``msg`` (a graph with no attention: passes/sdpa_rewrite._warn_no_sdpa) a wrapper that warns
+    ``msg`` at the graph's second call if by then no compiled graph of the process held an SDPA (the model's
+    attention ran eagerly), and nothing if one did (this graph was a piece without attention)."""
+    if msg is None:
+        return fn
+    from .passes.sdpa_rewrite import SDPA_SEEN
+    calls = [0]
+
+    def run(*args):
+        if calls[0] < 2:
+            calls[0] += 1
+            if calls[0] == 2 and not SDPA_SEEN[0]:
+                warnings.warn(msg, UserWarning, stacklevel=2)
+        return fn(*args)
+    if getattr(fn, "_boxed_call", False):  # Inductor's calling convention: one list argument, kept
+        run._boxed_call = True
+    return run

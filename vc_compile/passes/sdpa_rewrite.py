@@ -389,8 +389,10 @@ def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -
             mod.graph.lint()
             mod.recompile()
     cp = getattr(gm, "meta", {}).get(_CP_META_KEY)
+    if stats["sdpa"]:
+        SDPA_SEEN[0] = True
     if stats["sdpa"] == 0 and not getattr(cp, "has_ring", False):  # ring calls got their own warning
-        _warn_no_sdpa(gm, graph_name)
+        stats["deferred_warning"] = _warn_no_sdpa(gm, graph_name)
     elif stats["fallback"] and cfg.warn_fallbacks:
         _notes.warn_fallbacks(stats["records"], stats["short"], cfg, graph_name, root_id)
     return stats
@@ -408,7 +410,11 @@ def _target_name(n: fx.Node) -> str:
     return f"{ns}.{name}" if ns and ns not in ("aten", "prim") else name
 
 
-def _warn_no_sdpa(gm: fx.GraphModule, graph_name: str) -> None:
+# whether any graph this process compiled held a scaled_dot_product_attention (rewritten or not)
+SDPA_SEEN = [False]
+
+
+def _warn_no_sdpa(gm: fx.GraphModule, graph_name: str) -> Optional[str]:
     """Warn when a compiled graph has no SDPA to rewrite although it should have had attention.
 
     Small graph pieces without any attention-like op stay quiet (graph breaks cut models into pieces,
@@ -417,6 +423,11 @@ def _warn_no_sdpa(gm: fx.GraphModule, graph_name: str) -> None:
     the warning text names what to do; the text carries no graph name, so Python's warning filter
     shows each cause once instead of once per graph piece (a model with graph breaks compiles into
     many). Every graph is listed in ``vc_compile.report().graphs_without_sdpa``.
+
+    The ``graph-break`` cause is not warned here but returned: a graph with no attention at all is usually one
+    piece of a model whose attention sits in another compiled graph (Lumina2's and HunyuanVideo 1.5's embedders,
+    split off by a graph break), which the compile of this piece cannot know yet. The backend warns at the
+    graph's second call, when every graph of a forward pass has compiled, only if no graph held an SDPA.
     """
     nodes = [n for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
              if n.op in ("call_function", "call_method", "call_module")]
@@ -444,6 +455,9 @@ def _warn_no_sdpa(gm: fx.GraphModule, graph_name: str) -> None:
                  "(check torch._dynamo.explain(model)(...)); e.g. Mochi's per-sample nonzero() needs "
                  "torch._dynamo.config.capture_dynamic_output_shape_ops = True")
     counters["vcattn"][f"no_sdpa:{kind}"] += 1
-    warnings.warn(f"vcattn: a compiled graph contains no scaled_dot_product_attention, so nothing in it "
-                  f"was rewritten: {cause}. Graphs concerned: vc_compile.report().graphs_without_sdpa.",
-                  UserWarning, stacklevel=3)
+    msg = (f"vcattn: a compiled graph contains no scaled_dot_product_attention, so nothing in it "
+           f"was rewritten: {cause}. Graphs concerned: vc_compile.report().graphs_without_sdpa.")
+    if kind == "graph-break":
+        return msg
+    warnings.warn(msg, UserWarning, stacklevel=3)
+    return None
