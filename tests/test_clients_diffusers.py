@@ -430,3 +430,26 @@ def test_wan_inductor_reduce_overhead_cpu():
     assert relerr(out, ref) < TOL["vsmooth"]
     run(pipe, call, 2)
     assert graphs() == 1
+
+
+# ---- Lumina2: embedders split off by graph breaks, the attention in another graph ---------------------------
+def test_lumina2_graph_pieces_without_attention_do_not_warn():
+    """Lumina2's embedders compile as graph pieces without attention while its attention is rewritten in
+    another graph: no "no attention reached the compiled graphs" warning (that warning is for Mochi, where no
+    graph gets a rewritten attention), the pieces still listed in ``report().graphs_without_sdpa``."""
+    from diffusers import Lumina2Transformer2DModel
+    torch.manual_seed(0)
+    tr = Lumina2Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, hidden_size=128, num_layers=2,
+                                   num_refiner_layers=1, num_attention_heads=2, num_kv_heads=2, multiple_of=16,
+                                   cap_feat_dim=32, axes_dim_rope=(16, 24, 24), axes_lens=(300, 512, 512)).to(BF).eval()
+    args = (torch.randn(1, 4, 16, 16).to(BF), torch.tensor([0.5]), _embeds(1, 8, 32, seed=1),
+            torch.ones(1, 8, dtype=torch.bool))
+    c = torch.compile(tr, backend="vcattn", options=opts("vsmooth", min_seq_len=1))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad(), vc_compile.sampling(num_steps=3):
+        warnings.simplefilter("always")
+        for i in range(3):
+            vc_compile.step(i)
+            c(*args)
+    rep = vc_compile.report()
+    assert rep.rewritten and rep.graphs_without_sdpa
+    assert not [w for w in caught if "no scaled_dot_product_attention" in str(w.message)]

@@ -54,9 +54,15 @@ def _generate(model, x, ctx, steps=3, **options):
     return out
 
 
-def _force_sm90(monkeypatch):
-    """Take the sm_90 decisions on this CPU (the preprocessing writes the Gluon kernel's V layout)."""
-    monkeypatch.setattr(dispatch, "_on_sm90", lambda device: True)
+def _force_sm90(monkeypatch, on: bool = True):
+    """Take the sm_90 decisions (``on``) on this CPU, or not (``on=False``) on an sm_90 GPU: the Gluon kernels
+    are then never tried (the preprocessing writes the other V layout)."""
+    monkeypatch.setattr(dispatch, "_on_sm90", lambda device: on)
+
+
+def _on_device(model, x, ctx):
+    """The tiny model where the kernels run: the GPU where there is one, else the CPU (the interpreter)."""
+    return (model.cuda(), x.cuda(), ctx.cuda()) if torch.cuda.is_available() else (model, x, ctx)
 
 
 def _gluon_fails(monkeypatch, calls):
@@ -172,8 +178,9 @@ def test_a_gluon_build_failure_falls_back_to_the_triton_kernel_once(fresh_vcattn
     """A V-Smooth generation completes on the Triton kernels with exactly one warning (the Triton version, the
     fix), the output of a run that never tried the Gluon kernel, and ``report()`` says what happened."""
     opts = dict(method="vsmooth", speed_gate="off")
-    model, x, ctx = make(seq=256)
-    ref = _generate(model, x, ctx, **opts)  # this CPU's own choice: the Triton kernels
+    model, x, ctx = _on_device(*make(seq=256))
+    _force_sm90(monkeypatch, False)
+    ref = _generate(model, x, ctx, **opts)  # the Triton kernels, the Gluon one never tried
     torch._dynamo.reset()
     vc_compile.reset(report=True)
     _force_sm90(monkeypatch)
@@ -201,6 +208,7 @@ def test_a_gluon_gather_kernel_build_failure_falls_back_to_the_triton_gather_ker
     def run():
         return dispatch.sparse_attention(dispatch.Impl.TRITON, q, k, v, sigma, idx, sm_scale=0.125, group_size=64,
                                          residual=res)
+    _force_sm90(monkeypatch, False)
     ref = run()
     assert dispatch.sparse_kernel(q, v, "bf16", 64) == "sparse_attn"
     _force_sm90(monkeypatch)
@@ -219,7 +227,7 @@ def test_a_gluon_gather_kernel_build_failure_falls_back_to_the_triton_gather_ker
         dispatch._fell_back("vsmooth_attn_sm90", "the Triton kernel", "Gluon sm_90 V-Smooth kernel")
     assert len(_our_warnings(w)) == 1 and "gather kernel" in _our_warnings(w)[0]
     assert len(calls) == 1 and torch.equal(out, ref) and torch.equal(out2, ref)
-    assert dispatch.sparse_kernel(q, v, "bf16", 64) == "sparse_attn"
+    assert dispatch.sparse_kernel(q, v, "bf16", 64) == "sparse_attn"  # (the failed row is not tried again)
     assert set(dispatch.build_failures()) == {"sparse_attn_sm90", "vsmooth_attn_sm90"}
 
 
@@ -227,7 +235,7 @@ def test_when_no_kernel_builds_the_generation_runs_stock_sdpa(fresh_vcattn, monk
     """The Gluon and the Triton attention kernels both fail to build: every call runs stock SDPA (the output of
     the model with stock attention), two warnings (the Gluon kernel, then the method), the reason per site."""
     from vc_compile.templates import vsmooth_attn
-    model, x, ctx = make(seq=256)
+    model, x, ctx = _on_device(*make(seq=256))
     with torch.no_grad():
         stock = model(x, ctx)
     _force_sm90(monkeypatch)
