@@ -130,6 +130,41 @@ def test_assembled_kernels_build_inside_the_assembler(monkeypatch):
     assert os.environ.get("TRITON_PTXAS_BLACKWELL_PATH") == before
 
 
+def test_kernels_ask_for_fp_fusion_where_its_default_is_changing(monkeypatch):
+    """Where Triton announces that unasked kernels lose FP fusion (3.9: off from 3.10 on), every launch of ours
+    asks for it (the arithmetic is written for FMAs); a launch that names the option itself keeps its choice;
+    elsewhere (3.6-3.8: fusion on, nothing announced) no wrapper is installed."""
+    from triton.runtime.jit import JITFunction
+
+    from vc_compile.templates import compat
+
+    def k(X):
+        pass
+    seen = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **kw: seen.append(kw.get("enable_fp_fusion")))
+    monkeypatch.setattr(compat, "sm90_ptxas", lambda: None)
+    monkeypatch.setattr(compat, "fusion_unpinned", lambda: True)
+    fn = JITFunction(k)
+    compat.assembled({"k": fn})
+    fn.run(grid=(1,), warmup=True)
+    fn.run(grid=(1,), warmup=True, enable_fp_fusion=False)
+    assert seen == [True, False]
+    monkeypatch.setattr(compat, "fusion_unpinned", lambda: False)
+    fn2 = JITFunction(k)
+    compat.assembled({"k": fn2})
+    assert "run" not in vars(fn2)
+
+
+def test_fusion_unpinned_reads_the_installed_triton():
+    import triton
+
+    from vc_compile.templates import compat
+    announced = hasattr(triton.knobs.language, "fp_fusion_enabled")
+    assert compat.fusion_unpinned() == announced
+    if triton.__version__.startswith("3.9."):
+        assert announced  # the release that announced the change
+
+
 # ---- build failures ---------------------------------------------------------------------------------------
 def test_build_errors_are_told_from_run_errors():
     from triton.runtime.errors import OutOfResources, PTXASError

@@ -21,6 +21,9 @@ CUDA 13+ one for sm_90 and ships a CUDA 12 one (None elsewhere), and ``assembled
 of every kernel module) makes each kernel of the module build with it: its launches run inside
 ``knobs.nvidia.scope()`` with ``ptxas_blackwell`` pointed at it, so a build (Triton's disk cache key includes the
 ptxas version) uses it and nothing outside our kernels is touched.
+FP fusion. Triton 3.9 warns that kernels launched without ``enable_fp_fusion`` lose FMA contraction from 3.10 on;
+where that default is announced (``fusion_unpinned``), ``assembled`` also asks for fusion at every launch, which is
+what 3.6-3.9 build anyway (same code, no warning).
 NOTE CUDA 13.4's ptxas serialises the wgmmas of the warp-specialised V-Smooth kernel ("insufficient register
 resources", C7512) where CUDA 12 did not; the design record docs/design/toolchain.md has the measurement.
 """
@@ -31,7 +34,8 @@ import functools
 import re
 from typing import Optional
 
-__all__ = ["assembled", "assembler", "barrier", "choose_ptxas", "cp_async_load", "sm90_ptxas", "tma_load"]
+__all__ = ["assembled", "assembler", "barrier", "choose_ptxas", "cp_async_load", "fusion_unpinned", "sm90_ptxas",
+           "tma_load"]
 
 try:  # (a Triton without Gluon: the Gluon kernel modules fail to import, the Triton kernels' import this one)
     from triton.experimental.gluon import language as gl
@@ -84,19 +88,35 @@ def assembler():
         yield
 
 
+def fusion_unpinned() -> bool:
+    """Whether the installed Triton's default for FP fusion (FMA contraction) is about to change: 3.9 warns that
+    kernels which do not ask for it get it disabled from 3.10 on (``knobs.language.fp_fusion_enabled``)."""
+    try:
+        from triton import knobs
+        return hasattr(knobs.language, "fp_fusion_enabled")
+    except Exception:  # noqa: BLE001 - an older knobs layout: fusion on by default, nothing to pin
+        return False
+
+
 def assembled(namespace: dict) -> None:
-    """Make every kernel (JIT function) defined in a module's ``namespace`` build with ``assembler()``: its
-    ``run`` (what a launch and a warm-up call; a remembered launch never builds) is wrapped on the instance."""
-    if sm90_ptxas() is None:
+    """Make every kernel (JIT function) defined in a module's ``namespace`` build with ``assembler()`` and, where
+    the installed Triton's FP-fusion default is about to change (``fusion_unpinned``), with FP fusion asked for:
+    its ``run`` (what a launch and a warm-up call; a remembered launch never builds) is wrapped on the instance.
+    NOTE the kernels' arithmetic is written for contracted multiply-adds (ExpCast's code is one FFMA, the exp2
+    path folds its scales into the exponent's FFMA): built without fusion they would round differently."""
+    fusion = fusion_unpinned()
+    if sm90_ptxas() is None and not fusion:
         return
     from triton.runtime.jit import JITFunction
     for fn in list(namespace.values()):
         if isinstance(fn, JITFunction) and "run" not in vars(fn):
-            fn.run = _wrap(fn)
+            fn.run = _wrap(fn, fusion)
 
 
-def _wrap(fn):
+def _wrap(fn, fusion: bool = False):
     def run_assembled(*args, **kwargs):  # the class's run at call time (a harness may patch it later)
+        if fusion:
+            kwargs.setdefault("enable_fp_fusion", True)
         with assembler():
             return type(fn).run(fn, *args, **kwargs)
     return run_assembled
