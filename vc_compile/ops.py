@@ -294,6 +294,7 @@ def forget_checks() -> None:
     PROGRAMS.clear()
     _LANES.clear()
     _NONFINITE_WARNED.clear()
+    _KNOWN_WARNED.clear()
 
 
 # Sharp attention (option ``max_logit_std``): the 8-bit paths' error grows with the spread of the logits (INT8
@@ -402,6 +403,27 @@ def quant_action(rec, key: tuple, q, k, v, cfg: VCConfig, rope_args=None) -> str
     return act
 
 
+KNOWN_FAILURE = "a kernel failure known on this Triton"
+_KNOWN_WARNED: Set[int] = set()
+
+
+def _known_failure(rec, site: int, method: str, expcast: bool, head_dim: int) -> Optional[str]:
+    """``KNOWN_FAILURE`` where toolchain.KNOWN_FAILURES lists this method's kernels on the installed Triton (stock
+    SDPA runs; one warning per site with what failed and the fix), else None."""
+    from . import toolchain
+    why = toolchain.known_failure(method, expcast, head_dim)
+    if why is None:
+        return None
+    if site not in _KNOWN_WARNED:
+        _KNOWN_WARNED.add(site)
+        import warnings
+
+        warnings.warn(f"vcattn: call site {rec.module or site} ({rec.shape}) runs stock SDPA: {why}. Triton 3.6 (torch 2.11), "
+                      "where that test passes, or options={'expcast': True} run our kernels there.", RuntimeWarning,
+                      stacklevel=4)
+    return KNOWN_FAILURE
+
+
 def _rotated(cfg: VCConfig) -> Optional[VCConfig]:
     """``cfg`` with ``hadamard=True``, made once per config object (a call pays a dict lookup); None where the
     config's head dims do not allow the rotation."""
@@ -497,6 +519,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
             impl, path = dispatch.choose(method.value, cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
             if impl == dispatch.Impl.TRITON:
                 reason = dispatch.method_build_failure(method.value) or M.ineligible(q, k, v)
+                if reason is None and q.is_cuda:
+                    reason = _known_failure(rec, site, method.value, cfg.expcast, q.shape[-1])
                 if reason is None and q.is_cuda:
                     reason = gate_reason(cfg, q.device, q.shape, k.shape[2])
                     if reason is None:
