@@ -1,7 +1,8 @@
 """Key-padding masks (ops.key_prefix, ops._key_padded; passes/sdpa_rewrite.key_padding_mask): a boolean mask that
 keeps the same first L keys in every batch row (HunyuanVideo's joint attention over video + padded text tokens)
 runs the method on those keys, bit for bit the method's call on the sliced inputs, the query rows past them on
-stock SDPA; every other mask runs stock SDPA with it, the reason counted; the pass rewrites only masks of the
+stock SDPA; one that keeps the same keys for every query, not a prefix (QwenImage), runs it on those keys gathered;
+every other mask runs stock SDPA with it, the reason counted and warned once; the pass rewrites only masks of the
 key-padding form and hands the mask to the op."""
 import pytest
 import torch
@@ -95,12 +96,6 @@ def test_a_mask_that_keeps_every_key_is_the_unmasked_call():
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
-def _holes(B, Sk):
-    m = prefix_mask(B, Sk, 250)
-    m[..., 10] = False
-    return m
-
-
 def _rows_differ(B, Sk):
     """Per query: the first query keeps 250 keys, a later one among the first 250 keeps 200."""
     m = prefix_mask(B, Sk, 250).expand(B, 1, Sk, Sk).clone()
@@ -115,7 +110,6 @@ def _ragged(B, Sk):
 
 
 @pytest.mark.parametrize("make,why", [
-    (_holes, "mask keeps keys other than a prefix"),
     (_ragged, "kept keys differ across the batch"),
     (lambda B, Sk: torch.zeros(B, 1, 1, Sk, dtype=torch.bool), "mask drops every key"),
     (lambda B, Sk: torch.where(prefix_mask(B, Sk, 250), 0.0, float("-inf")).bfloat16(), "mask not boolean"),
@@ -132,6 +126,40 @@ def test_any_other_mask_runs_stock_sdpa_with_it(make, why):
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
     (reason, n), = _report.site(990_007).runtime_fallbacks.items()
     assert reason.startswith("key_padded: ") and why in reason and n == 1
+
+
+@pytest.mark.parametrize("B,batch_mask", [(1, True), (2, True), (2, False)])
+def test_a_key_padding_mask_with_holes_runs_the_method_on_the_kept_keys_gathered(B, batch_mask):
+    """QwenImage's mask: text then image tokens, the padding at the end of the text, so the kept keys are not a
+    prefix. The same keys kept for every query: the call is the method's on those keys gathered (in order), bit for
+    bit, at every phase of a schedule, SDPA-with-mask to the method's accuracy, with no fallback counted."""
+    q, k, v = qkv(B)
+    mask = prefix_mask(B, 300, 300, batch_mask)
+    mask[..., 9:12] = False  # 3 padding tokens of a 12-token prompt, before 288 image tokens
+    keep = torch.tensor([i for i in range(300) if not 9 <= i < 12])
+    c = cfg("vsmooth")
+    masked = steps(lambda i: torch.ops.vcattn.attention(q, k, v, None, 990_021, c, None, key_mask=mask))
+    gathered = steps(lambda i: torch.ops.vcattn.attention(q, k[:, :, keep], v[:, :, keep], None, 990_022, c, None))
+    assert all(torch.equal(a, b) for a, b in zip(masked, gathered))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    assert relerr(masked[-1], ref) < 0.08  # the 8-bit method's tolerance (tests/test_hostile.py)
+    rec = _report.site(990_021)
+    assert rec.key_padding == "297 of 300 keys, gathered" and not rec.runtime_fallbacks
+    assert dict(rec.phases) == {"group": 1, "reuse": 2}
+
+
+def test_a_mask_the_methods_cannot_take_warns_once():
+    """A rewritten site whose mask sends its calls to stock SDPA says so once per reason (SkyReels-V2's block-causal
+    mask), not only in report()."""
+    q, k, v = qkv()
+    blk = torch.arange(300) // 100
+    mask = (blk[None, :] <= blk[:, None])[None, None]
+    with pytest.warns(RuntimeWarning, match="attention mask sends its calls to stock SDPA: the kept prefix"):
+        torch.ops.vcattn.attention(q, k, v, None, 990_023, cfg("vsmooth"), None, key_mask=mask)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.ops.vcattn.attention(q, k, v, None, 990_024, cfg("vsmooth"), None, key_mask=mask)
 
 
 def test_key_prefix_reads_the_mask_as_sdpa_broadcasts_it():

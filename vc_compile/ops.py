@@ -20,8 +20,10 @@
     rewrite pass passes it on) the op reads the mask (``key_prefix``: two small device-to-host copies a call):
     where every batch row keeps exactly the first L keys, for every query or for the first L queries, the method
     runs on the first L keys (with q, k, v of one length, on the first L queries too; the other query rows go
-    through stock SDPA, on the kept keys or with their own mask rows: rows are independent); any other mask runs
-    stock SDPA with it, the reason counted (``key_padded``).
+    through stock SDPA, on the kept keys or with their own mask rows: rows are independent); a mask that keeps the
+    same L keys for every query but not as a prefix (QwenImage: the prompt's padding before the image tokens) runs
+    the method on those keys gathered in order (attention does not see the keys' order); any other mask runs stock
+    SDPA with it, the reason counted (``key_padded``) and warned once per reason.
 
     Tagged ``cudagraph_unsafe``: under ``mode="reduce-overhead"``/``"max-autotune"`` Inductor partitions
     the CUDA graph around it, so its Python runs on every call and phases never freeze.
@@ -295,6 +297,7 @@ def forget_checks() -> None:
     _LANES.clear()
     _NONFINITE_WARNED.clear()
     _KNOWN_WARNED.clear()
+    _MASK_WARNED.clear()
 
 
 # Sharp attention (option ``max_logit_std``): the 8-bit paths' error grows with the spread of the logits (INT8
@@ -701,8 +704,40 @@ def key_prefix(mask: torch.Tensor, B: int, Sq: int, Sk: int) -> Tuple[Optional[i
     L = int(lo)
     top = m[:, :min(L, shape[2])]  # every query row of a key-padding mask; the first L of a per-query one
     if not bool(top[..., :L].all() & ~top[..., L:].any()):
-        return None, "mask keeps keys other than a prefix"
+        return None, _NOT_A_PREFIX
     return L, None
+
+
+_NOT_A_PREFIX = "mask keeps keys other than a prefix"
+
+
+def _kept_keys(mask: torch.Tensor, B: int, Sk: int) -> Optional[torch.Tensor]:
+    """[B or 1, L] indices of the keys a key-padding ``mask`` ([B, 1, 1, Sk] as SDPA broadcasts it, the same L kept
+    keys in every batch row: ``key_prefix`` checked the counts) keeps, in order; None for a per-query mask. Attention
+    over the kept keys gathered is the masked attention exactly (the softmax does not see the keys' order)."""
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    if shape[2] != 1:
+        return None
+    m = mask.reshape(shape[0], Sk)
+    L = int(m[0].sum())
+    return m.nonzero()[:, 1].reshape(shape[0], L)
+
+
+_MASK_WARNED: Set[str] = set()  # reasons warned (once per process: every site of a model shares its mask)
+
+
+def _warn_masked(rec, site: int, why: str) -> None:
+    """A rewritten site whose attention mask sends its calls to stock SDPA says so once per reason, not only in
+    ``report()``."""
+    if why in _MASK_WARNED:
+        return
+    _MASK_WARNED.add(why)
+    import warnings
+
+    warnings.warn(f"vcattn: call site {rec.module or site} ({rec.shape}) was rewritten, but its attention mask "
+                  f"sends its calls to stock SDPA: {why}; the methods take a mask that keeps a prefix of the keys "
+                  "(e.g. padding at the end of the sequence). Every site with such a mask does the same (report(): "
+                  "'key_padded: ...').", RuntimeWarning, stacklevel=3)
 
 
 def _key_padded(q, k, v, ident, site, config, scale, cos, sin, rope, key_mask):
@@ -713,9 +748,18 @@ def _key_padded(q, k, v, ident, site, config, scale, cos, sin, rope, key_mask):
     Sq, Sk = q.shape[2], k.shape[2]
     L, why = key_prefix(key_mask, q.shape[0], Sq, Sk)
     rec = _report.site(site)
+    if why == _NOT_A_PREFIX:
+        kept = _kept_keys(key_mask, q.shape[0], Sk)
+        if kept is not None:  # a key-padding mask with its padding inside (QwenImage): the kept keys gathered
+            idx = kept.view(kept.shape[0], 1, -1, 1)
+            kk = torch.gather(k, 2, idx.expand(k.shape[0], k.shape[1], -1, k.shape[3]))
+            vk = torch.gather(v, 2, idx.expand(v.shape[0], v.shape[1], -1, v.shape[3]))
+            rec.key_padding = f"{kk.shape[2]} of {Sk} keys, gathered"
+            return attention(q, kk, vk, ident, site, config, scale)
     if why is not None:
         rec.calls += 1
         rec.runtime_fallbacks[f"key_padded: {why}"] += 1
+        _warn_masked(rec, site, why)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale).contiguous()
     per_query = key_mask.dim() >= 2 and key_mask.shape[-2] == Sq and Sq > 1
     # the rows through the method: with q, k, v of one length the first L (the kept prefix as self-attention), else
@@ -726,6 +770,7 @@ def _key_padded(q, k, v, ident, site, config, scale, cos, sin, rope, key_mask):
         # rest keep more; the method would serve the smaller part of the call and the mask's read cost the rest
         rec.calls += 1
         rec.runtime_fallbacks["key_padded: the kept prefix covers under half of the query rows"] += 1
+        _warn_masked(rec, site, "the kept prefix covers under half of the query rows (e.g. a block-causal mask)")
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale).contiguous()
     rec.key_padding = f"{L} of {Sk} keys"
     kept_k, kept_v = k[:, :, :L], v[:, :, :L]
