@@ -163,9 +163,6 @@ while [ $# -gt 0 ]; do
         ncu --profile-from-start off --clock-control none --section SpeedOfLight --section InstructionStats \
           --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --page raw --csv \
           $PY -m scripts.ncu_sm90_kernel --which $w --H 40 --S 32760 --launch "$NCU_LAUNCH" > "$OUT/ncu_$w.csv"; done' ;;
-    ship)  # the shipped sm_90 kernels recorded and built here (vc_compile/kernels/sm90), copied to $OUT/kernels
-      run_stage ship "${SHIP_S:-200}" bash -c '$PY -m scripts.ship_kernels record ${SHIP_ARGS:-} &&
-        mkdir -p "$OUT/kernels" && cp -r vc_compile/kernels/sm90 "$OUT/kernels/"' ;;
     overhead)  # host time, launches and GPU time of reuse calls beside stock SDPA (the speed gate's rows)
       run_stage overhead "${OVERHEAD_S:-300}" $PY -m benchmarks.bench_op_overhead ${OVERHEAD_ARGS:-} ;;
     preprocess)
