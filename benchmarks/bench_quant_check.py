@@ -1,4 +1,4 @@
-"""The quantisation check (option ``quant_check``, ``vc_compile/runtime/quant_check.py``) on outlier inputs:
+"""The quantisation check (option ``quant_check``, ``vc_compile/reference/quant_check.py``) on outlier inputs:
 what it reads, what it chooses, and V-Smooth's error with and without it.
 
     python -m benchmarks.bench_quant_check [--S 2125] [--dims 64,128] [--kinds structured,gaussian] [--no-csv]
@@ -65,7 +65,7 @@ def one_step(q, k, v, **over):
 
 
 def run(S, dims, kinds):
-    from vc_compile.runtime import quant_check as qc
+    from vc_compile.reference import quant_check as qc
     rows = []
     for kind in kinds:
         for D in dims:

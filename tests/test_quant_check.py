@@ -1,4 +1,4 @@
-"""The quantisation check (``vc_compile/runtime/quant_check.py``, option ``quant_check``).
+"""The quantisation check (``vc_compile/reference/quant_check.py``, option ``quant_check``).
 
 Readings against their clean values (the constants the limit is expressed in), the action on each outlier
 kind, and through the op (CPU reference kernels, the kernels' arithmetic) that the action keeps V-Smooth's
@@ -15,7 +15,7 @@ import torch
 import vc_compile
 from benchmarks.common import structured_inputs
 from test_hostile import new_site, run_op
-from vc_compile.runtime import quant_check as qc
+from vc_compile.reference import quant_check as qc
 from vc_compile.runtime import report as _report
 
 

@@ -179,17 +179,17 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
 
 def _warn_later(fn, msg: Optional[str]):
     """``fn``, or where ``msg`` (a graph with no attention: passes/sdpa_rewrite._warn_no_sdpa) a wrapper that warns
-    ``msg`` at the graph's second call if by then no live compiled graph has a rewritten attention (the model's
-    attention ran eagerly), and nothing if one has (this graph was a piece without attention)."""
+    ``msg`` at the graph's second call if no rewritten attention ran since its first (a forward pass in between: the
+    model's attention ran eagerly), and nothing if one did (this graph was a piece without attention)."""
     if msg is None:
         return fn
-    from .passes.sdpa_rewrite import REWRITTEN_GRAPHS
-    calls = [0]
+    from .runtime.report import op_calls
+    seen = []  # the op's call count at this graph's first call
 
     def run(*args):
-        if calls[0] < 2:
-            calls[0] += 1
-            if calls[0] == 2 and not len(REWRITTEN_GRAPHS):
+        if len(seen) < 2:
+            seen.append(op_calls())
+            if len(seen) == 2 and seen[1] == seen[0]:  # a whole forward pass ran no rewritten attention
                 warnings.warn(msg, UserWarning, stacklevel=2)
         return fn(*args)
     if getattr(fn, "_boxed_call", False):  # Inductor's calling convention: one list argument, kept

@@ -167,7 +167,7 @@ OPTION_DOCS: Dict[str, str] = {
                      "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit); "
                      "with expcast, logits of base-2 magnitude beyond ~2000 then give NaN rows (outside its codes' range).",
     "quant_check": "8-bit paths: before a site's first 8-bit call (once per site, block and shape) its quantisation "
-                   "error is read on a sample (runtime/quant_check.py); a site with an outlier K channel runs with the "
+                   "error is read on a sample (reference/quant_check.py); a site with an outlier K channel runs with the "
                    "Hadamard rotation, one whose outlier keys or values the 8-bit codes cannot hold stays stock "
                    "SDPA, reported and warned once. False = no check.",
     "prebuild": "'auto' | 'on' | 'off': whether a fresh process builds its kernels ahead of their first launch. "

@@ -362,7 +362,7 @@ def too_sharp(rec, key: tuple, q, k, sm_scale: float, cfg: VCConfig) -> bool:
     return True
 
 
-# Outliers the 8-bit codes cannot hold (option ``quant_check``, runtime/quant_check.py): read once per (site,
+# Outliers the 8-bit codes cannot hold (option ``quant_check``, reference/quant_check.py): read once per (site,
 # block, shape) on a sample before its first 8-bit call; the action is remembered, so later calls pay a dict lookup.
 OUTLIER_KEYS = "outlier keys or values for 8-bit"
 ROTATED = "outlier K channel: Hadamard rotation on"
@@ -375,11 +375,9 @@ def quant_action(rec, key: tuple, q, k, v, cfg: VCConfig, rope_args=None) -> str
     """What this (site, block, shape) runs: "8bit", "hadamard" or "sdpa" (reported, warned once per site and kind)."""
     act = _QUANT.get(key)
     if act is None:
-        from vc_compile.runtime import quant_check
-
         if rope_args is not None:  # fused RoPE: the codes are of the rotated q, k
             q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
-        reading = quant_check.read(q, k, v, cfg.qk_format.value, cfg.hadamard)
+        reading = dispatch.quant_reading(q, k, v, cfg.qk_format.value, cfg.hadamard)
         act = reading.action(cfg.qk_format.value, cfg.hadamard)
         if act == "hadamard" and _rotated(cfg) is None:
             act = "sdpa"

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import operator
 import warnings
-import weakref
 from typing import Optional
 
 import torch
@@ -390,8 +389,6 @@ def rewrite_sdpa(gm: fx.GraphModule, cfg: VCConfig, graph_name: str = "graph") -
             mod.graph.lint()
             mod.recompile()
     cp = getattr(gm, "meta", {}).get(_CP_META_KEY)
-    if stats["rewritten"]:
-        REWRITTEN_GRAPHS.add(gm)
     if stats["sdpa"] == 0 and not getattr(cp, "has_ring", False):  # ring calls got their own warning
         stats["deferred_warning"] = _warn_no_sdpa(gm, graph_name)
     elif stats["fallback"] and cfg.warn_fallbacks:
@@ -411,11 +408,6 @@ def _target_name(n: fx.Node) -> str:
     return f"{ns}.{name}" if ns and ns not in ("aten", "prim") else name
 
 
-# the live compiled graphs in which an attention was rewritten; a graph freed (a deleted model,
-# torch._dynamo.reset()) leaves the set
-REWRITTEN_GRAPHS: "weakref.WeakSet[fx.GraphModule]" = weakref.WeakSet()
-
-
 def _warn_no_sdpa(gm: fx.GraphModule, graph_name: str) -> Optional[str]:
     """Warn when a compiled graph has no SDPA to rewrite although it should have had attention.
 
@@ -429,8 +421,8 @@ def _warn_no_sdpa(gm: fx.GraphModule, graph_name: str) -> Optional[str]:
     The ``graph-break`` cause is not warned here but returned: a graph with no attention at all is usually one
     piece of a model whose attention sits in another compiled graph (Lumina2's and HunyuanVideo 1.5's embedders,
     split off by a graph break), which the compile of this piece cannot know yet. The backend warns at the
-    graph's second call, when every graph of a forward pass has compiled, only if no live graph has a rewritten
-    attention (Mochi: its joint attention runs eagerly, only a masked cross-attention reaches a graph).
+    graph's second call, only if no rewritten attention ran since its first (Mochi: its joint attention runs
+    eagerly, only a masked cross-attention reaches a graph).
     """
     nodes = [n for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
              if n.op in ("call_function", "call_method", "call_module")]

@@ -64,7 +64,7 @@ class SiteRecord:
     guard_anchors: int = 0
     guard_readings: int = 0
     guard_err_max: float = 0.0
-    # the quantisation check's last reading here (runtime/quant_check.Reading) and what it chose, None = none taken
+    # the quantisation check's last reading here (reference/quant_check.Reading) and what it chose, None = none taken
     quant_reading: Optional[tuple] = None
     # calls whose output held NaN/Inf (counted on the CPU reference path only: elsewhere it would cost a sync;
     # the contract: ops.NONFINITE_CONTRACT)
@@ -189,6 +189,13 @@ def register_site(key: Optional[tuple] = None, **kw) -> SiteRecord:
     recompiled graph: see ``passes/sdpa_rewrite._site_keys``) the record already registered under it,
     so a recompile for another grad mode finds the site id, and with it the metadata, it had."""
     return current().sites.register_site(key, **kw)
+
+
+def op_calls() -> int:
+    """Calls of the op so far, over every site (each call counts once, whatever path it took)."""
+    sites = current().sites
+    with sites.lock:
+        return sum(s.calls for s in sites.sites.values())
 
 
 def site(site_id: int) -> SiteRecord:

@@ -424,6 +424,13 @@ def _config_of(kernel: str, items: tuple):
 
 
 # ---- V-Smooth ----------------------------------------------------------------------------------------------
+def quant_reading(q, k, v, qk_format: str, hadamard: bool):
+    """What the 8-bit codes would lose at a call site (``reference/quant_check.read``, on any device): the reference
+    arithmetic is the model of the kernels' quantisation there, on a small sample, whichever path then runs."""
+    from vc_compile.reference import quant_check
+    return quant_check.read(q, k, v, qk_format, hadamard)
+
+
 def preprocess_qk(impl: Impl, q, k, perm=None, *, sm_scale: float, hadamard: bool = False, qk_format: str = "int8",
                   rope=None, launch: Optional[C.PreprocessConfig] = None):
     """QKQuant of q, k (reference/preprocess.py's contract); ``rope``: q, k un-rotated (prologue fusion)."""
