@@ -307,12 +307,11 @@ def _guard_key(consts: dict) -> tuple:
 class BytemaskGuard:
     """The byte-mask clamp where the compiler keeps it in registers, the FMNMX clamp where it does not.
 
-    The two clamps give the same bits; the byte mask saves ~30 instructions a key block when its packing stays in
-    registers. Some Triton releases spill it (offline sm_90 build of the ExpCast default at 40 x 32760: Triton
-    3.6 16 bytes of local memory, 3.9 372; docs/design/toolchain.md), so the first build of each configuration is
-    read once it is loaded (``CompiledKernel.n_spills``, known on a GPU only): above ``limit`` bytes, later
-    launches of that configuration use the FMNMX clamp. Decided per process from the compiled kernel, not from
-    a version number; ``report()`` says where it happened."""
+    The two clamps give the same bits; the byte mask saves instructions in the key loop when its packing stays in
+    registers. Some Triton releases spill it (the measurement: docs/design/toolchain.md), so the first build of
+    each configuration is read once it is loaded (``CompiledKernel.n_spills``, known on a GPU only): above
+    ``limit`` bytes, later launches of that configuration use the FMNMX clamp. Decided per process from the
+    compiled kernel, not from a version number; ``report()`` says where it happened."""
 
     def __init__(self, limit: int = 64):
         self.enabled = True
