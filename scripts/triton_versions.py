@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 
+S_MAIN = 32760  # the sequence length the kernels are built for (scripts/codegen_fingerprint.S_MAIN)
 LOOPS = ("loop", "preg_loop", "smem_window", "consumer_loop", "producer_loop")
 
 
@@ -102,40 +103,37 @@ def main(argv=None) -> int:
     return 1 if bad else 0
 
 
-COLUMNS = ["date", "commit", "triton", "baseline", "kernels", "built", "spill_more", "spill_guarded",
-           "spill_more_kernels", "spill_bytes",
-           "baseline_spill_bytes", "loops_moved", "tolerance", "wgmma_serialized", "baseline_wgmma_serialized",
-           "serialized_kernels"]
+# the columns after the agreed ones (benchmarks/common.COLUMNS): one row per release, ``triton`` the release built
+EXTRAS = ["baseline", "kernels", "built", "spill_more", "spill_guarded", "spill_more_kernels", "spill_bytes",
+          "baseline_spill_bytes", "loops_moved", "tolerance", "wgmma_serialized", "baseline_wgmma_serialized",
+          "serialized_kernels"]
+
+
+def rows(runs, tol: float, env: dict) -> list:
+    """One row per release: what built, spilled more, moved its key loop, had its wgmmas serialised by ptxas.
+    ``env``: the agreed columns' run facts (``benchmarks.common.env_info``); ``gpu`` names the offline target."""
+    (bv, base) = runs[0]
+    ser = lambda fp: sorted(k.split("#")[0] for k, x in fp.items() if x.get("serialized"))  # noqa: E731
+    out = []
+    for v, fp in runs:
+        c = compare(base, fp, tol)
+        out.append({**env, "gpu": "none (offline sm_90 build)", "triton": v, "bench": "triton_versions",
+                    "variant": f"Triton {v} against {bv}", "S": S_MAIN, "baseline": bv, "kernels": c["of"],
+                    "built": c["built"], "spill_more": len(c["spills"]), "spill_guarded": len(c["guarded"]),
+                    "spill_more_kernels": " ".join(sorted(k.split("#")[0] for k, *_ in c["spills"])),
+                    "spill_bytes": sum(max(0, x["spill_bytes"]) for x in fp.values()),
+                    "baseline_spill_bytes": sum(max(0, x["spill_bytes"]) for x in base.values()),
+                    "loops_moved": len(c["moved"]), "tolerance": tol, "wgmma_serialized": len(ser(fp)),
+                    "baseline_wgmma_serialized": len(ser(base)),
+                    "serialized_kernels": " ".join(sorted(set(ser(fp)) - set(ser(base))))})
+    return out
 
 
 def write_rows(path: str, runs, tol: float) -> None:
-    """One row per release: what built, spilled more, moved its key loop, had its wgmmas serialised by ptxas."""
-    import csv
-    import datetime
-
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    commit = (os.environ.get("VC_COMMIT") or r.stdout.strip() or "unknown")
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True).stdout.strip()
-    commit += "-dirty" if dirty and not os.environ.get("VC_COMMIT") else ""
-    (bv, base) = runs[0]
-    ser = lambda fp: sorted(k.split("#")[0] for k, x in fp.items() if x.get("serialized"))  # noqa: E731
-    new = not os.path.exists(path)
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS)
-        if new:
-            w.writeheader()
-        for v, fp in runs:
-            c = compare(base, fp, tol)
-            w.writerow({"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "commit": commit, "triton": v,
-                        "baseline": bv, "kernels": c["of"], "built": c["built"], "spill_more": len(c["spills"]),
-                        "spill_guarded": len(c["guarded"]),
-                        "spill_more_kernels": " ".join(sorted(k.split("#")[0] for k, *_ in c["spills"])),
-                        "spill_bytes": sum(max(0, x["spill_bytes"]) for x in fp.values()),
-                        "baseline_spill_bytes": sum(max(0, x["spill_bytes"]) for x in base.values()),
-                        "loops_moved": len(c["moved"]), "tolerance": tol, "wgmma_serialized": len(ser(fp)),
-                        "baseline_wgmma_serialized": len(ser(base)),
-                        "serialized_kernels": " ".join(sorted(set(ser(fp)) - set(ser(base))))})
+    """Append ``rows`` to ``path`` with the agreed leading columns (``benchmarks.common.append_csv``)."""
+    from benchmarks.common import COLUMNS, append_csv, env_info
+    env = {k: v for k, v in env_info().items() if k in COLUMNS}
+    append_csv(path, rows(runs, tol, env), columns=COLUMNS + EXTRAS)
 
 
 if __name__ == "__main__":

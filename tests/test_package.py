@@ -349,6 +349,19 @@ def test_nvml_absent_is_silent(monkeypatch):
 
 
 # ---- benchmark rows, repository hygiene ------------------------------------------------------------------
+def test_every_committed_results_csv_starts_with_the_agreed_columns():
+    """Every file in benchmarks/results carries the run facts (date, commit, GPU, torch, Triton, bench, ...)
+    first, whatever wrote it (a benchmark or a script)."""
+    import glob
+    import os
+
+    from benchmarks import common
+    files = sorted(glob.glob(os.path.join(common.RESULTS_DIR, "*.csv")))
+    assert files
+    bad = [f for f in files if next(csv.reader(open(f)))[:len(common.COLUMNS)] != common.COLUMNS]
+    assert bad == []
+
+
 def test_results_csv_gains_gpu_columns(tmp_path):
     from benchmarks import common
 
