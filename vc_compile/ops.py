@@ -296,8 +296,6 @@ def forget_checks() -> None:
     PROGRAMS.clear()
     _LANES.clear()
     _NONFINITE_WARNED.clear()
-    _KNOWN_WARNED.clear()
-    _MASK_WARNED.clear()
 
 
 # Sharp attention (option ``max_logit_std``): the 8-bit paths' error grows with the spread of the logits (INT8
@@ -405,7 +403,7 @@ def quant_action(rec, key: tuple, q, k, v, cfg: VCConfig, rope_args=None) -> str
 
 
 KNOWN_FAILURE = "a kernel failure known on this Triton"
-_KNOWN_WARNED: Set[int] = set()
+_KNOWN_WARNED: Set[int] = _CHECKS.known_warned
 
 
 def _known_failure(rec, site: int, method: str, expcast: bool, head_dim: int) -> Optional[str]:
@@ -721,7 +719,7 @@ def _kept_keys(mask: torch.Tensor, B: int, Sk: int) -> Optional[torch.Tensor]:
     return m.nonzero()[:, 1].reshape(shape[0], L)
 
 
-_MASK_WARNED: Set[str] = set()  # reasons warned (once per process: every site of a model shares its mask)
+_MASK_WARNED: Set[str] = _CHECKS.mask_warned  # reasons warned (every site of a model shares its mask)
 
 
 def _warn_masked(rec, site: int, why: str) -> None:

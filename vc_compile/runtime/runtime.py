@@ -76,6 +76,8 @@ class Checks:
         self.sharp_warned: set = set()
         self.quant: dict = {}  # (site, ident ptr, q shape, k shape, device) -> quant_check's action
         self.quant_warned: set = set()  # (site, action)
+        self.known_warned: set = set()  # sites warned of a kernel failure known on the installed Triton
+        self.mask_warned: set = set()  # mask reasons warned (every site of a model shares its mask)
         self.nonfinite_warned: set = set()
         self.watched: dict = {}  # (site, ident ptr) -> the weight (weakly) and the metadata keys written
         self.lanes: dict = {}  # (site, config, scale) -> the call's layout-bound decisions (ops._Lane)
@@ -84,7 +86,7 @@ class Checks:
     def forget(self) -> None:
         """What ``vc_compile.reset()`` forgets (the watched blocks stay: their finalizers are registered)."""
         for c in (self.idents, self.unstable, self.ident_warned, self.sharp, self.sharp_worst, self.sharp_warned,
-                  self.quant, self.quant_warned, self.nonfinite_warned, self.lanes):
+                  self.quant, self.quant_warned, self.known_warned, self.mask_warned, self.nonfinite_warned, self.lanes):
             c.clear()
 
 
