@@ -223,3 +223,17 @@ def test_every_choice_is_an_enum_and_every_field_has_a_rule():
         blob: bytes = b""
     with pytest.raises(TypeError, match="no coercion rule"):
         cfgmod._coerce("blob", b"x", b"", cls=Odd)
+
+
+def test_a_bad_option_through_torch_compile_is_a_usage_error():
+    """Through ``torch.compile(..., backend='vcattn', options=...)`` the options are read inside Dynamo's compile,
+    which wrapped our error in ``BackendCompilerFailed`` with PyTorch's bug-report text. It now arrives as the
+    ``VCConfigError`` itself (a ``ValueError``), naming the closest option and saying it is a usage error."""
+    import vc_compile  # noqa: F401  (registers the backend)
+
+    torch._dynamo.reset()
+    f = torch.compile(torch.nn.Linear(4, 4), backend="vcattn", options={"methd": "vsmooth"})
+    with pytest.raises(VCConfigError, match=r"did you mean 'methd' -> 'method'\?.*not a PyTorch bug") as e:
+        f(torch.randn(2, 4))
+    assert isinstance(e.value, ValueError)
+    torch._dynamo.reset()

@@ -8,7 +8,9 @@ Registered only through the ``torch_dynamo_backends`` entry point (pyproject.tom
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
+import sys
 import warnings
 import weakref
 from typing import Optional
@@ -143,8 +145,11 @@ def _gated(req: dict) -> bool:
 def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None, **_):
     # options: a dict or a VCConfig; $VCATTN_METHOD (vc_compile/pipeline.py) may switch the method or, with
     # "off", compile this graph with Inductor and no rewrite (stock torch.compile: the A/B baseline)
-    opts, off = apply_env(options_dict(options), "backend='vcattn'")
-    cfg = VCConfig.from_options(opts, mode)
+    try:
+        opts, off = apply_env(options_dict(options), "backend='vcattn'")
+        cfg = VCConfig.from_options(opts, mode)
+    except VCConfigError as e:
+        raise _usage_error(e) from None
     if off:
         log.info("backend='vcattn': VCATTN_METHOD=off: graph compiled without the attention rewrite")
         if cfg.experimental.compiler == Compiler.EAGER:
@@ -175,6 +180,36 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
 
     return _warn_later(compile_fx(gm, example_inputs, config_patches=inductor_patches(cfg)),
                        stats.get("deferred_warning"))
+
+
+def _usage_error(e: VCConfigError) -> VCConfigError:
+    """A bad option reaches the user from inside Dynamo's compile, which would wrap it in
+    ``BackendCompilerFailed`` and ask for a PyTorch bug report. Raised as a Dynamo ``ShortenTraceback`` (passed
+    through unwrapped; where this torch has one) it stays a ``VCConfigError`` (a ``ValueError``) and says that it
+    is a usage error of the ``torch.compile`` call."""
+    msg = (f"{e} -- a usage error in the options of torch.compile(..., backend='vcattn'), not a PyTorch bug; "
+           "VCConfig.from_options(options) checks them before any compile.")
+    try:
+        from torch._dynamo.exc import ShortenTraceback as base
+    except ImportError:
+        base = None
+    if base is None:
+        return VCConfigError(msg)
+    try:
+        return _shortened(base)(msg, sys._getframe(1))  # the traceback starts at the backend call
+    except TypeError:  # another constructor on a future torch: the plain error still names the problem
+        return VCConfigError(msg)
+
+
+@functools.lru_cache(maxsize=None)
+def _shortened(base: type) -> type:
+    class VCOptionsError(VCConfigError, base):  # type: ignore[misc, valid-type]
+        def __init__(self, msg: str, frame=None):
+            base.__init__(self, msg, first_useful_frame=frame)
+
+    VCOptionsError.__module__ = "vc_compile.config"
+    VCOptionsError.__name__ = VCOptionsError.__qualname__ = "VCConfigError"
+    return VCOptionsError
 
 
 def _warn_later(fn, msg: Optional[str]):
