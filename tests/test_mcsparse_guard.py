@@ -86,12 +86,13 @@ def walk(steps, drift, S=256, H=2, D=64, seed=0):
         yield [a.bfloat16() for a in x]
 
 
-def run(traj, threshold, steps=14):
+def run(traj, threshold, steps=14, **options):
+    """The guard's runs: without the reuse check unless ``options`` turn it on (guard off: the unguarded method)."""
     site = _report.register_site(graph="guard", node="n", module="m", shape="?", dtype="?", method="mcsparse",
                                  rewritten=True).site
     cj = VCConfig.from_options({"method": "mcsparse", "warmup_steps": 0, "anchor_steps": (0,), "density": 0.25,
                                 "group_size": 64, "min_seq_len": 1, "experimental": {"kernels": "reference"},
-                                "guard_threshold": threshold}).to_json()
+                                "guard_threshold": threshold, "reuse_check": False, **options}).to_json()
     outs, errs, anchors = [], [], []
     with vc_compile.sampling(num_steps=steps):
         for t, (q, k, v) in enumerate(traj):
@@ -185,3 +186,122 @@ def test_reuse_steps_do_not_sync_cuda():
     torch.cuda.synchronize()
     rec = _report.site(site)
     assert rec.phases["reuse"] == steps - 1 and rec.guard_readings >= steps - 3 and rec.guard_anchors == 0
+
+
+# ---- the reuse check (option reuse_check, on by default) ------------------------------------------------
+def test_worse_than_previous_rule():
+    assert G.worse_than_previous(0.10, 0.07)  # the finding's case: 9.7e-2 against the previous output's 7.0e-2
+    assert not G.worse_than_previous(0.04, 0.01)  # under the floor: within the 8-bit paths' own error
+    assert not G.worse_than_previous(0.10, 0.12)  # better than the previous output
+    assert not G.worse_than_previous(float("nan"), 0.01) and not G.worse_than_previous(0.2, float("inf"))
+
+
+def noisy(steps, noise, S=1024, H=2, D=64, seed=0, sharp=1.0):
+    """Diffuse (Gaussian q, k, v) or, with ``sharp``, peaked attention, plus fresh noise of ``noise`` * t at step t."""
+    g = torch.Generator().manual_seed(seed)
+    base = [torch.randn(1, H, S, D, generator=g) for _ in range(3)]
+    base[0], base[1] = base[0] * sharp, base[1] * sharp
+    for t in range(steps):
+        yield [(b + noise * t * torch.randn(b.shape, generator=g)).bfloat16() for b in base]
+
+
+def test_reuse_check_sends_a_site_worse_than_its_previous_output_to_stock_sdpa():
+    """Diffuse, noisy inputs: the first reuse step is further from exact attention (0.16) than the anchor's output
+    would be (0.085). From the next call on the site runs stock SDPA (its output bit for bit) until its next anchor,
+    with one warning and the reason counted; without the check the reuse steps stay 3-10x further from the truth."""
+    from vc_compile.methods.mcsparse import REUSE_WORSE
+
+    steps = 6
+    traj = list(noisy(steps, 0.05))
+    _, errs0, _, rec0 = run(traj, 0.0, steps)  # the check off
+    assert errs0[1] > 0.1 and not rec0.runtime_fallbacks
+    with pytest.warns(RuntimeWarning, match=r"first reuse step after the anchor is further from exact attention "
+                                            r"\(rel. L2 0\.1\d\d .*\(0\.0[6-9]\d\).*reuse_check"):
+        outs, errs, anchors, rec = run(traj, 0.0, steps, reuse_check=True)
+    assert anchors == [0] and rec.phases["reuse"] == 1 and rec.phases["dense"] == steps - 2
+    assert rec.runtime_fallbacks[REUSE_WORSE] == steps - 2
+    assert errs[1] == errs0[1]  # the checked step itself is the unchecked method's
+    for t in range(2, steps):
+        q, k, v = traj[t]
+        assert torch.equal(outs[t], F.scaled_dot_product_attention(q, k, v))
+        assert errs[t] < errs0[t] / 3
+    assert REUSE_WORSE in str(_report.report())
+
+
+def test_reuse_check_keeps_a_site_that_beats_its_previous_output():
+    """Peaked attention (q, k x 8) with the same noise, and a slow random walk: reuse steps far better than the
+    previous output; the check only watches (outputs equal to the check off, no warning, no fallback)."""
+    import warnings
+
+    steps = 6
+    for traj in (list(noisy(steps, 0.05, sharp=8.0)), list(walk(steps, 0.002))):
+        outs0, _, _, _ = run(traj, 0.0, steps)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            outs, errs, anchors, rec = run(traj, 0.0, steps, reuse_check=True)
+        assert anchors == [0] and rec.phases["reuse"] == steps - 1 and not rec.runtime_fallbacks
+        for a, b in zip(outs, outs0):
+            assert torch.equal(a, b)
+
+
+def test_reuse_check_runs_again_at_the_next_anchor():
+    """anchor_steps (0, 3) on the diffuse noisy inputs: step 1 is checked and fails, step 2 runs stock SDPA, step 3
+    anchors again, step 4 is checked again (and fails again: step 5 stock)."""
+    from vc_compile.methods.mcsparse import REUSE_WORSE
+
+    steps = 6
+    with pytest.warns(RuntimeWarning, match="reuse_check"):
+        _, _, anchors, rec = run(list(noisy(steps, 0.05)), 0.0, steps, reuse_check=True, anchor_steps=(0, 3))
+    assert anchors == [0, 3] and rec.phases["reuse"] == 2 and rec.runtime_fallbacks[REUSE_WORSE] == 2
+
+
+def test_the_guard_replaces_the_reuse_check():
+    """With guard_threshold > 0 the guard reads every reuse step and re-anchors; the check does not also run."""
+    steps = 6
+    _, _, _, rec = run(list(noisy(steps, 0.05)), 10.0, steps, reuse_check=True)
+    assert rec.phases["reuse"] == steps - 1 and not rec.runtime_fallbacks and rec.guard_readings >= steps - 2
+
+
+def test_reuse_check_option():
+    assert VCConfig.from_options({}).reuse_check is True
+    with pytest.raises(VCConfigError, match="reuse_check"):
+        VCConfig.from_options({"reuse_check": 1})
+
+
+@requires_cuda
+def test_reuse_check_on_cuda_no_sync_and_the_reference_decision():
+    """The check's reuse step (the first after each anchor) and the steps after it make no host sync (sync debug
+    mode "error" on every reuse step but the first, whose kernels are tuned); on the diffuse noisy inputs the
+    Triton path decides as the reference does: stock SDPA from the call after the reading finished."""
+    from vc_compile.methods.mcsparse import REUSE_WORSE
+
+    S, steps = 4096, 8
+    opts = {"method": "mcsparse", "warmup_steps": 0, "anchor_steps": (0, 4), "min_seq_len": 1}
+    cj = VCConfig.from_options(opts).to_json()
+    site = _report.register_site(graph="check", node="n", module="m", shape="?", dtype="?", method="mcsparse",
+                                 rewritten=True).site
+    traj = [[x.cuda() for x in t] for t in walk(steps, 0.002, S=S, H=4, D=128)]
+    with vc_compile.sampling(num_steps=steps):
+        for t in range(steps):
+            vc_compile.step(t)
+            if t in (2, 5):  # reuse steps after the first (t = 5: the check after the anchor at 4)
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                torch.ops.vcattn.attention(*traj[t], None, site, cj, None)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    rec = _report.site(site)
+    assert rec.phases["anchor"] == 2 and rec.phases["reuse"] == steps - 2 and not rec.runtime_fallbacks
+
+    site = _report.register_site(graph="check", node="n2", module="m2", shape="?", dtype="?", method="mcsparse",
+                                 rewritten=True).site
+    cj = VCConfig.from_options({**opts, "anchor_steps": (0,), "density": 0.25, "group_size": 64}).to_json()
+    with pytest.warns(RuntimeWarning, match="reuse_check"), vc_compile.sampling(num_steps=5):
+        for t, (q, k, v) in enumerate(noisy(5, 0.05)):
+            vc_compile.step(t)
+            out = torch.ops.vcattn.attention(q.cuda(), k.cuda(), v.cuda(), None, site, cj, None)
+            torch.cuda.synchronize()  # the reading is ready at the next call
+    rec = _report.site(site)
+    assert rec.phases["reuse"] == 1 and rec.runtime_fallbacks[REUSE_WORSE] == 3
+    assert torch.equal(out, F.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda()))

@@ -152,6 +152,9 @@ OPTION_DOCS: Dict[str, str] = {
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
     "guard_threshold": "MC-Sparse: re-anchor a layer when its reuse error, measured on sampled rows, exceeds "
                        "this (relative L2; 0 = guard off). docs/mcsparse_guard.md.",
+    "reuse_check": "MC-Sparse: measure the first reuse step after each anchor on sampled rows; a site where it is "
+                   "further from exact attention than the previous step's output (and > 5%) runs stock SDPA until "
+                   "its next anchor, with a warning. docs/design/reuse-check.md.",
     "propagate_nonfinite": "MC-Sparse reuse steps: NaN/Inf in keys/values no query group selected turn the output "
                            "NaN as in SDPA (one pass over K/V; +19% of a reuse step measured at S = 32760).",
     "cuda_graphs": "'off' | 'auto' | 'on': replay a reuse step's kernel launches as one CUDA graph per call site "
@@ -309,6 +312,10 @@ class VCConfig:
     # a default-on guard could nearly double MC-Sparse's attention cost on fast inputs. The demo model's
     # rows on the H200 (PSNR at equal cost) decide whether 0.08 becomes the default.
     guard_threshold: float = 0.0
+    # NOTE on by default: it measures one reuse step per anchor (a pass over K and V on sampled rows), and a
+    # site whose first reuse step is worse than the previous step's output runs stock SDPA until its next anchor
+    # (methods/mcsparse_guard.py, docs/design/reuse-check.md).
+    reuse_check: bool = True
     # NOTE off by default: on the H200 (bench_finite_flags, S = 32760, H40, s = 0.15, commit 64658bb) the flags
     # pass is 0.47 ms but the reuse step went 7.63 -> 9.07 ms (+19%, target <= 2%); without it a NaN/Inf in a key
     # or value no group selected does not reach the output (kept off until it is cheap).

@@ -561,12 +561,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
             cfg = _rotated(cfg)
     if plan.guard is not None:
         rec.note_guard(*plan.guard)
+    if plan.fallback is not None:
+        _method_fallback(rec, site, *plan.fallback)
     key = key + plan.slot
     kw = {} if rope_args is None else {"rope": rope_args}
     if _PREBUILDS.pending and phase != Phase.DENSE:  # helpers build this phase's kernels: further along than us
         _PREBUILDS.wait(phase.value)
     if (lane is not None and meta is not None and phase != Phase.DENSE and not cfg.profile
-            and M.replayable(phase, cfg) and PROGRAMS.usable(q)):
+            and plan.replay and M.replayable(phase, cfg) and PROGRAMS.usable(q)):
         hit = PROGRAMS.replay(key, meta, q, k, v, layout)
         if hit is not None:  # the reuse step's recorded launches: the rest is the report's counts
             out, sources = hit
@@ -588,7 +590,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         else:
             try:
                 out, new_meta, replayed, programmed, layout = _kernels(M, phase, meta, cfg, sm, impl, rec, key,
-                                                                       layout, q, k, v, sources, kw)
+                                                                       layout, q, k, v, sources, kw, plan.replay)
             except Exception as e:
                 why = dispatch.method_failed(cfg.resolved_method.value, e) if impl == dispatch.Impl.TRITON else None
                 if why is None:
@@ -617,13 +619,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
     return out
 
 
-def _kernels(M, phase, meta, cfg, sm, impl, rec, key, layout, q, k, v, sources, kw):
+_METHOD_WARNED: Set[Tuple[int, str]] = _CHECKS.method_warned
+
+
+def _method_fallback(rec, site: int, reason: str, message: str) -> None:
+    """A call the method itself sent to stock SDPA for accuracy: counted under ``reason``, warned once per site."""
+    rec.runtime_fallbacks[reason] += 1
+    if (site, reason) not in _METHOD_WARNED:
+        _METHOD_WARNED.add((site, reason))
+        import warnings
+
+        warnings.warn(f"vcattn: call site {rec.module or site} ({rec.shape}): {message} (report: '{reason}').",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _kernels(M, phase, meta, cfg, sm, impl, rec, key, layout, q, k, v, sources, kw, replay=True):
     """A kernel phase of one call: (out, new metadata, replayed as a CUDA graph, replayed as a recorded program,
     the input layout where a program needed it).
     A replayable step with metadata runs as a CUDA graph where the option wants one, else as a recorded launch
     sequence (recorded at its second call), else through the method's ``run``."""
     out, new_meta, replayed, programmed = None, meta, False, False
-    if kw.get("rope") is None and impl == dispatch.Impl.TRITON and meta is not None and M.replayable(phase, cfg):
+    if (replay and kw.get("rope") is None and impl == dispatch.Impl.TRITON and meta is not None
+            and M.replayable(phase, cfg)):
         fn = functools.partial(_replayed_run, M, phase, meta, cfg, sm, impl)
         if GRAPHS.wanted(cfg.cuda_graphs.value, q, k):
             out = GRAPHS.run(key, meta, fn, q, k, v, sources)

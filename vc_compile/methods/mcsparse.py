@@ -75,7 +75,7 @@ from ..runtime import report as _report
 from ..runtime import state
 from ..templates import dispatch
 from . import mcsparse_guard
-from .mcsparse_guard import GuardState
+from .mcsparse_guard import GuardState, ReuseCheck
 from .output import finish_output, kernel_out_dtype
 from . import vsmooth
 from .phase import Phase, warmup_steps
@@ -109,6 +109,7 @@ class SparseMeta:
     res_scale: Optional[torch.Tensor]
     density: float
     guard: Optional[GuardState] = None  # the quality guard's rows and readings (guard_threshold > 0)
+    check: Optional[ReuseCheck] = None  # the reuse check of this anchor (option reuse_check)
     epoch: int = 0  # which anchor step of the schedule made it (``anchor_epoch``)
 
     def residual_tensor(self, dtype) -> Optional[torch.Tensor]:
@@ -196,10 +197,25 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
         err, reanchor = mcsparse_guard.guard_check(meta, cfg)
         if reanchor:
             return Plan(Phase.ANCHOR, AnchorAt(max(epoch, 0), meta), guard=(err, reanchor))
-        return Plan(phase, meta, guard=(err, reanchor))
+        check = meta.check
+        if check is not None and check.poll():
+            return Plan(Phase.DENSE, meta, fallback=(REUSE_WORSE, _check_message(check)))
+        return Plan(phase, meta, guard=(err, reanchor), replay=check is None or not check.pending)
     if phase == Phase.ANCHOR:
         return Plan(phase, AnchorAt(max(epoch, 0), meta))
     return Plan(phase, meta)
+
+
+REUSE_WORSE = "mcsparse: reuse step worse than the previous output"
+
+
+def _check_message(check: ReuseCheck) -> str:
+    e_reuse, e_prev = check.errors
+    return (f"its first reuse step after the anchor is further from exact attention (rel. L2 {e_reuse:.3f} on "
+            f"sampled rows) than the anchor's own output would be ({e_prev:.3f}): its inputs move too much, or are "
+            "too diffuse and noisy, for a reused selection and residual at this density. It runs stock SDPA until "
+            "its next anchor step, where the check runs again. Raise 'density', anchor more often "
+            "('anchor_interval'), or use method='vsmooth'; options={'reuse_check': False} keeps the sparse steps")
 
 
 def replayable(phase: Phase, cfg) -> bool:
@@ -415,6 +431,8 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
     elif not bool(torch.isfinite(o_dense).all()):
         return out, _kept(meta, epoch)
     meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk, epoch=epoch)
+    if cfg.reuse_check and cfg.guard_threshold == 0:  # with the guard on, the guard measures every reuse step
+        meta.check = ReuseCheck.new(q, out)
     return out, meta
 
 
@@ -429,12 +447,21 @@ def _reuse(impl, q, k, v, meta: SparseMeta, idx, cfg, sm_scale, sparse):
         if meta.guard is None:  # the first reuse step since the anchor that made ``meta``
             meta.guard = GuardState.new(q)
         guard = meta.guard
+    check = meta.check if meta.check is not None and meta.check.pending else None  # (None with the guard on)
+    rows = guard.rows if guard is not None else check.rows if check is not None else None
     flag = part = None
-    if guard is not None or cfg.propagate_nonfinite:  # off by default: +19% of a reuse step (config NOTE)
-        probe = (q, guard.rows, sm_scale) if guard is not None else None
+    if rows is not None or cfg.propagate_nonfinite:  # off by default: +19% of a reuse step (config NOTE)
+        probe = (q, rows, sm_scale) if rows is not None else None
         flag, part = dispatch.finite_flags(impl, k, v, probe=probe)
+    if guard is None and not cfg.propagate_nonfinite:
+        flag = None  # the check's pass: its flags are not applied (one contract on every reuse step)
     out = sparse(meta.sigma, idx, residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype),
                  flag=flag)
     if guard is not None:
         guard.record(dispatch.probe_error(impl, out, guard.rows, part))
+    if check is not None:  # once per anchor: this step against the anchor's output, on the same sampled rows
+        B, H, R = check.rows.shape
+        own = torch.arange(R, device=q.device, dtype=torch.int32).expand(B, H, R)
+        check.reading = mcsparse_guard.Readback(torch.cat([dispatch.probe_error(impl, out, check.rows, part),
+                                                           dispatch.probe_error(impl, check.anchor_rows, own, part)]))
     return finish_output(out, q.dtype)

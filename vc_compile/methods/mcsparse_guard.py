@@ -34,7 +34,7 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Deque, List, Optional
+from typing import Deque, List, Optional, Tuple
 
 import torch
 
@@ -104,8 +104,13 @@ class Readback:
         return self.event is None or self.event.query()
 
     def value(self) -> float:
-        num, den = (float(x) for x in self.host.tolist())
+        num, den = (float(x) for x in self.host.tolist()[:2])
         return rel_error(num, den)
+
+    def values(self) -> List[float]:
+        """Every (num, den) pair of the reading as relative errors (a [2 n] reading)."""
+        x = [float(v) for v in self.host.tolist()]
+        return [rel_error(x[i], x[i + 1]) for i in range(0, len(x), 2)]
 
 
 @dataclass
@@ -167,3 +172,49 @@ def _warn_unreachable(threshold: float, density: float) -> None:
         f"(relative error on sampled rows): re-anchoring cannot meet it at density={density:g}, the guard "
         f"re-anchors at most every {MIN_GAP} steps. Raise 'density' or 'guard_threshold', or use "
         "method='vsmooth'; report() shows each site's largest reading (err<=...).", RuntimeWarning, stacklevel=4)
+
+
+# ---- the reuse check (option ``reuse_check``, on by default) ------------------------------------------------
+# NOTE the first reuse step after an anchor is the one most in the method's favour (one step of drift since the
+# selection and residual were made); the check compares it with what the previous step's output -- the anchor's,
+# dense -- would give now, on the guard's sampled rows. Worse than that output and above CHECK_FLOOR, the reused
+# selection and residual do harm rather than approximate: the inputs move too much (or are too diffuse and noisy)
+# for this density. The floor keeps the check out of the 8-bit paths' own error class (V-Smooth 0.04-0.08 rel. L2
+# on random inputs, ops.SHARP_ERR): a step that accurate is never refused. Measurements: docs/design/reuse-check.md.
+CHECK_FLOOR = 0.05
+
+
+@dataclass
+class ReuseCheck:
+    """One anchor's check: the sampled rows, the anchor's output on them, the first reuse step's reading."""
+
+    rows: torch.Tensor  # [B, H, R] int32 (the guard's rows: ``sample_rows``)
+    anchor_rows: torch.Tensor  # [B, H, R, Dv] the anchor step's output on those rows (its dtype)
+    reading: Optional[Readback] = None  # (reuse num, den, anchor-output num, den); None until the step ran
+    errors: Optional[Tuple[float, float]] = None  # (reuse step's error, the anchor output's error) once read
+    failed: bool = False  # the reuse step was worse: this (site, block, branch) runs stock SDPA until its next anchor
+
+    @classmethod
+    def new(cls, q: torch.Tensor, out: torch.Tensor, rows: int = ROWS) -> "ReuseCheck":
+        B, H, S, _ = q.shape
+        r = _device_rows(B, H, S, rows, q.device)
+        got = torch.gather(out, 2, r.long().unsqueeze(-1).expand(B, H, rows, out.shape[-1]))
+        return cls(rows=r, anchor_rows=got.contiguous())
+
+    @property
+    def pending(self) -> bool:
+        """The first reuse step has not run yet: the next reuse call measures (not replayable)."""
+        return self.reading is None
+
+    def poll(self) -> bool:
+        """Whether the reuse step is known to be worse (reads the reading back once it has finished; no wait)."""
+        if self.errors is None and self.reading is not None and self.reading.ready():
+            e_reuse, e_anchor = self.reading.values()
+            self.errors = (e_reuse, e_anchor)
+            self.failed = worse_than_previous(e_reuse, e_anchor)
+        return self.failed
+
+
+def worse_than_previous(e_reuse: float, e_prev: float, floor: float = CHECK_FLOOR) -> bool:
+    """The check's rule: a finite reading above ``floor`` and above the previous output's error (NaN: never)."""
+    return math.isfinite(e_reuse) and math.isfinite(e_prev) and e_reuse > max(floor, e_prev)

@@ -43,6 +43,8 @@ class Plan:
     eight_bit: bool = False  # the step runs the 8-bit V-Smooth attention: ``max_logit_std`` applies
     sharp_phase: Optional[Phase] = None  # too sharp: this phase instead (None: the whole call runs stock SDPA)
     guard: Optional[Tuple[Optional[float], bool]] = None  # a quality-guard reading (error, re-anchored) to record
+    replay: bool = True  # False: this call measures something (no recorded launches or CUDA graph replays it)
+    fallback: Optional[Tuple[str, str]] = None  # a DENSE phase the method chose for accuracy: (reason, warning)
 
 
 @runtime_checkable

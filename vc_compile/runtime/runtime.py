@@ -79,6 +79,7 @@ class Checks:
         self.known_warned: set = set()  # sites warned of a kernel failure known on the installed Triton
         self.mask_warned: set = set()  # mask reasons warned (every site of a model shares its mask)
         self.nonfinite_warned: set = set()
+        self.method_warned: set = set()  # (site, reason) of calls a method sent to stock SDPA for accuracy
         self.watched: dict = {}  # (site, ident ptr) -> the weight (weakly) and the metadata keys written
         self.lanes: dict = {}  # (site, config, scale) -> the call's layout-bound decisions (ops._Lane)
         self.freed: collections.deque = collections.deque()
@@ -86,7 +87,8 @@ class Checks:
     def forget(self) -> None:
         """What ``vc_compile.reset()`` forgets (the watched blocks stay: their finalizers are registered)."""
         for c in (self.idents, self.unstable, self.ident_warned, self.sharp, self.sharp_worst, self.sharp_warned,
-                  self.quant, self.quant_warned, self.known_warned, self.mask_warned, self.nonfinite_warned, self.lanes):
+                  self.quant, self.quant_warned, self.known_warned, self.mask_warned, self.nonfinite_warned,
+                  self.method_warned, self.lanes):
             c.clear()
 
 
