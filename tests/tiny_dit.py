@@ -71,6 +71,6 @@ def make(dtype=torch.bfloat16, seq=256, **kw):
         for b in m.blocks:
             b.q.weight.mul_(4.0)
             b.k.weight.mul_(4.0)
-    x = torch.randn(2, seq, 128, dtype=dtype)
+    x = torch.randn(2, seq, kw.get("dim", 128), dtype=dtype)
     ctx = torch.randn(2, 7, 32, dtype=dtype)
     return m, x, ctx
