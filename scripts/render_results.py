@@ -851,6 +851,23 @@ def quant_check_table(rows) -> str:
             "H = 2, bf16; rel. L2 against fp64 SDPA as a multiple of the clean case's):\n\n" + md_table(head, body))
 
 
+def reuse_check_table(rows) -> str:
+    """``bench_reuse_check.csv``: the latest run, per trajectory and density, the first reuse step's error beside the
+    previous output's, what the check did, and the mean error over the steps after the anchor without and with it."""
+    if not rows:
+        return _none_yet("bench_reuse_check.csv", "`python -m benchmarks.bench_reuse_check`")
+    last = rows[-1]["commit"]
+    run = [r for r in rows if r["commit"] == last and r["date"][:10] == rows[-1]["date"][:10]]
+    f3 = lambda x: f"{float(x):.3f}"  # noqa: E731
+    body = [[r["variant"], r["density"], f3(r["first_reuse"]), f3(r["first_prev"]), r["action"],
+             f3(r["rel_l2_unchecked"]), f3(r["rel_l2"]), f3(r["rel_l2_prev"])] for r in run]
+    r0 = run[-1]
+    return (f"`bench_reuse_check` ({r0['date'][:10]}, commit {last}; CPU reference path, S = {r0['S']}, H = 2, "
+            f"D = {r0['D']}, bf16, {r0['steps']} steps, one anchor at step 0; rel. L2 against fp64 SDPA):\n\n"
+            + md_table(["trajectory", "density", "first reuse step", "previous output", "the check",
+                        "mean error, unchecked", "mean error, checked", "naive cache (previous output)"], body))
+
+
 def blocks(results_dir: str) -> Dict[str, str]:
     """{marker name: markdown} for every block ``--write`` fills; each GPU's rows apart (``per_gpu``); the
     reference Triton release's rows only, but in ``toolchain``."""
@@ -878,6 +895,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
         "toolchain": "\n\n".join(toolchain_tables(raw("bench_vsmooth_attn_sm90.csv"), raw("bench_op_overhead.csv"))),
         "triton-versions": triton_versions_table(raw("triton_versions.csv")),
         "quant-check": quant_check_table(raw("bench_quant_check.csv")),
+        "reuse-check": reuse_check_table(raw("bench_reuse_check.csv")),
         "key-padding": per_gpu(key_padding_tables, rd("bench_key_padding.csv")),
         "e2e": per_gpu(e2e_tables, e2e) if any(r.get("bench") == "e2e" for r in e2e) else
         _none_yet("bench_e2e.csv", "`python -m benchmarks.bench_e2e` on a GPU"),
