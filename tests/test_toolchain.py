@@ -65,8 +65,8 @@ def _on_device(model, x, ctx):
     return (model.cuda(), x.cuda(), ctx.cuda()) if torch.cuda.is_available() else (model, x, ctx)
 
 
-# On a GPU the tiny model has head dim 128, the Gluon kernel's default path (and outside the head-dim-64 case a
-# Triton release may gate to stock SDPA: toolchain.KNOWN_FAILURES); the interpreter keeps 64 (half the time).
+# On a GPU the tiny model has head dim 128, the Gluon kernel's default path; at head dim 64 the Triton kernel these
+# tests fall back to is gated to stock SDPA on Triton 3.9 (toolchain.KNOWN_FAILURES). The interpreter keeps 64.
 _HEADS = dict(dim=256) if torch.cuda.is_available() else {}
 
 
@@ -394,27 +394,29 @@ def test_a_supported_triton_says_a_build_failure_is_a_bug(monkeypatch):
 
 
 def test_a_known_kernel_failure_sends_its_calls_to_stock_sdpa(monkeypatch):
-    """toolchain.KNOWN_FAILURES: on the listed Triton, the listed method / ExpCast / head dim reads a reason (the
-    op then runs stock SDPA on the GPU, warned once per site); other head dims, ExpCast and releases do not."""
+    """toolchain.KNOWN_FAILURES: on the listed Triton, the listed kernel / ExpCast / head dim reads a reason (the
+    op then runs stock SDPA on the GPU, warned once per site); other kernels (the Gluon one), head dims, ExpCast
+    and releases do not."""
     from vc_compile import ops
     from vc_compile.runtime import report as _report
 
     monkeypatch.setattr(toolchain, "triton_version", lambda: "3.9.0")
     toolchain.known_failure.cache_clear()
     try:
-        assert "head dim 64" in toolchain.known_failure("vsmooth", False, 64)
-        assert toolchain.known_failure("vsmooth", True, 64) is None
-        assert toolchain.known_failure("vsmooth", False, 128) is None
-        assert toolchain.known_failure("mcsparse", False, 64) is None
+        assert "head dim 64" in toolchain.known_failure("vsmooth_attn", False, 64)
+        assert toolchain.known_failure("vsmooth_attn", True, 64) is None
+        assert toolchain.known_failure("vsmooth_attn", False, 128) is None
+        assert toolchain.known_failure("vsmooth_attn_sm90", False, 64) is None
+        assert toolchain.known_failure("sparse_attn", False, 64) is None
         rec = _report.register_site(graph="g", node="n", module="blocks.0.attn", shape="1x2x300x64", dtype="bf16",
                                     method="vsmooth", rewritten=True)
         with pytest.warns(RuntimeWarning, match="runs stock SDPA: on Triton 3.9"):
-            assert ops._known_failure(rec, rec.site, "vsmooth", False, 64) == ops.KNOWN_FAILURE
+            assert ops._known_failure(rec, rec.site, "vsmooth_attn", False, 64) == ops.KNOWN_FAILURE
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once per site
-            assert ops._known_failure(rec, rec.site, "vsmooth", False, 64) == ops.KNOWN_FAILURE
+            assert ops._known_failure(rec, rec.site, "vsmooth_attn", False, 64) == ops.KNOWN_FAILURE
         monkeypatch.setattr(toolchain, "triton_version", lambda: "3.6.0")
         toolchain.known_failure.cache_clear()
-        assert toolchain.known_failure("vsmooth", False, 64) is None
+        assert toolchain.known_failure("vsmooth_attn", False, 64) is None
     finally:
         toolchain.known_failure.cache_clear()

@@ -406,11 +406,11 @@ KNOWN_FAILURE = "a kernel failure known on this Triton"
 _KNOWN_WARNED: Set[int] = _CHECKS.known_warned
 
 
-def _known_failure(rec, site: int, method: str, expcast: bool, head_dim: int) -> Optional[str]:
-    """``KNOWN_FAILURE`` where toolchain.KNOWN_FAILURES lists this method's kernels on the installed Triton (stock
-    SDPA runs; one warning per site with what failed and the fix), else None."""
+def _known_failure(rec, site: int, kernel: Optional[str], expcast: bool, head_dim: int) -> Optional[str]:
+    """``KNOWN_FAILURE`` where toolchain.KNOWN_FAILURES lists the attention kernel this call would run on the
+    installed Triton (stock SDPA runs; one warning per site with what failed and the fix), else None."""
     from . import toolchain
-    why = toolchain.known_failure(method, expcast, head_dim)
+    why = None if kernel is None else toolchain.known_failure(kernel, expcast, head_dim)
     if why is None:
         return None
     if site not in _KNOWN_WARNED:
@@ -519,7 +519,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
             if impl == dispatch.Impl.TRITON:
                 reason = dispatch.method_build_failure(method.value) or M.ineligible(q, k, v)
                 if reason is None and q.is_cuda:
-                    reason = _known_failure(rec, site, method.value, cfg.expcast, q.shape[-1])
+                    kernel = (dispatch.vsmooth_kernel(q.device, cfg.qk_format.value)
+                              if method == Method.VSMOOTH else None)
+                    reason = _known_failure(rec, site, kernel, cfg.expcast, q.shape[-1])
                 if reason is None and q.is_cuda:
                     reason = gate_reason(cfg, q.device, q.shape, k.shape[2])
                     if reason is None:

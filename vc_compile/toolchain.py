@@ -62,25 +62,24 @@ def untested_reason() -> Optional[str]:
     return None
 
 
-# Kernel paths whose GPU test fails on a supported Triton, the cause not found yet: (Triton (major, minor), method,
-# ExpCast, head dim) -> what failed. The op leaves their calls on a GPU to stock SDPA (ops.py), warned once and
-# reported, until the failure is understood; the CPU reference path is not affected.
+# Kernels whose GPU test fails on a supported Triton, the cause not found yet: (Triton (major, minor), kernel,
+# ExpCast, head dim) -> what failed. The op leaves the calls that would run them on a GPU to stock SDPA (ops.py),
+# warned once and reported, until the failure is understood; the CPU reference path is not affected.
 KNOWN_FAILURES = {
-    ((3, 9), "vsmooth", False, 64): (
-        "on Triton 3.9 the V-Smooth kernels without ExpCast at head dim 64 failed their GPU test against the "
-        "reference and each other (H100, sequences with a key tail: 100 and 4173 tokens) for a cause not yet "
-        "found"),
+    ((3, 9), "vsmooth_attn", False, 64): (
+        "on Triton 3.9 the Triton V-Smooth kernel (the path off sm_90 and with FP8 Q/K) without ExpCast at head dim "
+        "64 returns Inf on an H100 for sequences with a key tail (100 and 4173 tokens), where the Gluon sm_90 "
+        "kernel and the reference agree; the cause is not found yet"),
 }
 
 
 @functools.lru_cache(maxsize=64)
-def known_failure(method: str, expcast: bool, head_dim: int) -> Optional[str]:
-    """Why the installed Triton cannot be trusted with this method's kernels at this head dim (KNOWN_FAILURES),
-    or None."""
+def known_failure(kernel: str, expcast: bool, head_dim: int) -> Optional[str]:
+    """Why the installed Triton cannot be trusted with this kernel at this head dim (KNOWN_FAILURES), or None."""
     version = triton_version()
     if version is None:
         return None
-    return KNOWN_FAILURES.get((_parse(version), method, bool(expcast), int(head_dim)))
+    return KNOWN_FAILURES.get((_parse(version), kernel, bool(expcast), int(head_dim)))
 
 
 def fast_path_off() -> Optional[str]:
