@@ -67,7 +67,7 @@ BENCH = "bench_generation"
 # as stock SDPA (bench_reuse_check measures the check; bench_pipeline runs it as users get it).
 _NO_CHECK = {"reuse_check": False}
 METHODS = {
-    "vsmooth": {"method": "vsmooth"},
+    "vsmooth": {"method": "vsmooth", "expcast": False},
     "vsmooth+expcast": {"method": "vsmooth", "expcast": True},
     "mcsparse@0.15": {"method": "mcsparse", "density": 0.15, **_NO_CHECK},
     "mcsparse@0.25": {"method": "mcsparse", "density": 0.25, **_NO_CHECK},

@@ -129,7 +129,7 @@ def open_loop(a):
 
     cpu = a.device == "cpu"
     n = a.steps
-    ec = {**({"expcast": True} if a.expcast else {}), **a.extra_opts}
+    ec = {"expcast": bool(a.expcast), **a.extra_opts}
     kern = {"experimental": {"kernels": "reference"}} if cpu else {}
     if a.anchor_list:
         w = a.warmup_list[0]
@@ -207,7 +207,7 @@ def main(argv=None):
         + (" (reference kernels: fidelity only)" if cpu else ""))
     t0 = time.perf_counter()
     runs = [("dense", {"method": "dense"}, None)]  # the reference first; V-Smooth (the 8-bit floor) last
-    ec = {**({"expcast": True} if a.expcast else {}), **a.extra_opts}
+    ec = {"expcast": bool(a.expcast), **a.extra_opts}
     tag = ("+expcast" if a.expcast else "") + "".join(f"+{k}={v}" for k, v in sorted(a.extra_opts.items()))
     if a.group_fractions:  # V-Smooth's grouping schedule: dense, then V-Smooth per group_fraction
         fracs = [float(x) for x in a.group_fractions.split(",") if x.strip()]

@@ -47,7 +47,7 @@ from vc_compile.ops import GRAPHS
 
 BENCH = "bench_op_overhead"
 METHODS = {
-    "vsmooth": {"method": "vsmooth"},
+    "vsmooth": {"method": "vsmooth", "expcast": False},
     "vsmooth+expcast": {"method": "vsmooth", "expcast": True},
     "mcsparse@0.15": {"method": "mcsparse", "density": 0.15},
 }

@@ -94,7 +94,7 @@ SIZES = {  # name -> model, transformer config, pixels, flow shift, text tokens
                                          "ffn_dim": 64, "num_layers": 2, "rope_max_seq_len": 32},
                   height=128, width=128, frames=9, shift=3.0, text=8),
 }
-METHODS = {"vsmooth": {"method": "vsmooth"}, "vsmooth+expcast": {"method": "vsmooth", "expcast": True},
+METHODS = {"vsmooth": {"method": "vsmooth", "expcast": False}, "vsmooth+expcast": {"method": "vsmooth", "expcast": True},
            "mcsparse@0.15": {"method": "mcsparse", "density": 0.15},
            "mcsparse@0.25": {"method": "mcsparse", "density": 0.25},
            "dense": {"method": "dense"}}  # dense: stock SDPA through the op (its overhead); not in the default

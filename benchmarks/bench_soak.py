@@ -26,7 +26,7 @@ from vc_compile.runtime import state
 from vc_compile.runtime.steps import TRACKER
 
 METHOD_OPTS = {
-    "vsmooth": {"method": "vsmooth"},
+    "vsmooth": {"method": "vsmooth", "expcast": False},
     "expcast": {"method": "vsmooth", "expcast": True},
     "mcsparse": {"method": "mcsparse", "density": 0.2},
 }

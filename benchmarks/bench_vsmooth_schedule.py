@@ -168,7 +168,7 @@ def main(argv=None):
     impl = dispatch.Impl.REFERENCE if cpu else dispatch.Impl.TRITON
     n = a.steps
     cfgs = {sc: VCConfig.from_options({"method": "vsmooth", "group_fraction": sc[0], "group_interval": sc[1],
-                                       **({"expcast": True} if a.expcast else {})}) for sc in a.schedule_list}
+                                       "expcast": bool(a.expcast)}) for sc in a.schedule_list}
     gsteps = {sc: group_steps(c, n) for sc, c in cfgs.items()}
     chains = {}  # (schedule, layer, branch) -> the schedule's grouping (VSmoothMeta)
     per_step = {(sc, t): [] for sc in a.schedule_list for t in range(n)}

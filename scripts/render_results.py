@@ -868,6 +868,61 @@ def reuse_check_table(rows) -> str:
                         "mean error, unchecked", "mean error, checked", "naive cache (previous output)"], body))
 
 
+DEFAULT_CANDIDATES = ("stock", "torchao-fp8", "vsmooth", "vsmooth+expcast")
+
+
+def _latest_run(rows, need, key=lambda r: (r["commit"], r.get("model", ""))):
+    """The rows of the latest run (same ``key``: commit and model) holding every variant of ``need``."""
+    runs: Dict[tuple, List[Dict[str, str]]] = {}
+    for r in rows:
+        runs.setdefault(key(r), []).append(r)
+    ok = [rs for rs in runs.values() if set(need) <= {r["variant"] for r in rs}]
+    return max(ok, key=lambda rs: max(r["date"] for r in rs)) if ok else []
+
+
+def default_method_tables(pipe, gen) -> List[str]:
+    """The default method's race: per GPU, the latest ``bench_pipeline`` run of the 1.3B model with stock, torchao's
+    FP8 attention and the dense 8-bit candidates (speed and attention error on inputs captured from the run), and the
+    latest ``bench_generation`` run with torchao (the error on drifting structured inputs)."""
+    out = []
+    one = [r for r in pipe if r.get("model") == "wan2.1-t2v-1.3b" and r["variant"] in DEFAULT_CANDIDATES]
+    run = _latest_run(one, ("stock", "torchao-fp8", "vsmooth+expcast"),
+                      key=lambda r: (r["commit"], r.get("model", ""), r.get("first_steps", "")))  # one invocation
+    if run:
+        by = {r["variant"]: r for r in run}
+        ao = by["torchao-fp8"]
+        body = []
+        for v in DEFAULT_CANDIDATES:
+            r = by.get(v)
+            if r is None:
+                continue
+            sp, spa = num(r["speedup_vs_stock"]), num(ao["speedup_vs_stock"])
+            e, ea = num(r.get("attn_rel_l2")), num(ao.get("attn_rel_l2"))
+            body.append([v, f(num(r["ms"]) / 1000, "{:.1f}"), f(sp, "{:.3f}x"),
+                         f(sp / spa if sp and spa else None, "{:.3f}x"), f(e, "{:.2e}"),
+                         f(e / ea if e is not None and ea else None, "{:.3f}x"), f(num(r.get("rel_l2")), "{:.2e}")])
+        r0 = run[0]
+        out.append(f"`bench_pipeline`, {r0['gpu']} ({r0['date'][:10]}, commit {r0['commit']}, torch {r0['torch']}, "
+                   f"Triton {r0['triton']}; Wan 2.1 1.3B, 480p x 81 ({r0['S']} tokens), {r0['steps']} steps, CFG "
+                   f"{r0['guidance']}, {r0['compile']} compile, random weights, one process):\n\n"
+                   + md_table(["variant", "s / generation", "vs stock", "vs torchao", "attention error, captured "
+                               "inputs", "x torchao's", "clip rel. L2 vs stock"], body))
+    for S in sorted({int(r["S"]) for r in gen}):
+        g = [r for r in gen if int(r["S"]) == S and r["variant"] in ("torchao-fp8", "vsmooth", "vsmooth+expcast")]
+        run = _latest_run(g, ("torchao-fp8", "vsmooth", "vsmooth+expcast"), key=lambda r: r["commit"])
+        if not run:
+            continue
+        by = {r["variant"]: r for r in run}
+        ea = num(by["torchao-fp8"]["rel_l2"])
+        body = [[v, f(num(by[v]["rel_l2"]), "{:.2e}"), f(num(by[v]["rel_l2"]) / ea if ea else None, "{:.2f}x")]
+                for v in ("torchao-fp8", "vsmooth", "vsmooth+expcast") if v in by]
+        r0 = run[0]
+        out.append(f"`bench_generation`, {r0['gpu']} ({r0['date'][:10]}, commit {r0['commit']}; H = {r0['H']}, "
+                   f"S = {S}, drifting structured inputs, the last step's output against fp32):\n\n"
+                   + md_table(["variant", "rel. L2", "x torchao's"], body))
+    return out or [_none_yet("bench_pipeline.csv", "`python -m benchmarks.bench_pipeline` on a GPU")]
+
+
 def blocks(results_dir: str) -> Dict[str, str]:
     """{marker name: markdown} for every block ``--write`` fills; each GPU's rows apart (``per_gpu``); the
     reference Triton release's rows only, but in ``toolchain``."""
@@ -896,6 +951,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
         "triton-versions": triton_versions_table(raw("triton_versions.csv")),
         "quant-check": quant_check_table(raw("bench_quant_check.csv")),
         "reuse-check": reuse_check_table(raw("bench_reuse_check.csv")),
+        "default-method": per_gpu(lambda d: default_method_tables(d["pipe"], d["gen"]), {"pipe": pipe, "gen": gen}),
         "key-padding": per_gpu(key_padding_tables, rd("bench_key_padding.csv")),
         "e2e": per_gpu(e2e_tables, e2e) if any(r.get("bench") == "e2e" for r in e2e) else
         _none_yet("bench_e2e.csv", "`python -m benchmarks.bench_e2e` on a GPU"),

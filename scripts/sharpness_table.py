@@ -19,7 +19,7 @@ from vc_compile import ops
 from vc_compile.config import VCConfig
 from vc_compile.runtime import report as _report
 
-METHODS = {"vsmooth": {"method": "vsmooth"}, "expcast": {"method": "vsmooth", "expcast": True},
+METHODS = {"vsmooth": {"method": "vsmooth", "expcast": False}, "expcast": {"method": "vsmooth", "expcast": True},
            "hadamard": {"method": "vsmooth", "hadamard": True}}
 
 

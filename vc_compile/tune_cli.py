@@ -33,8 +33,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    ap.add_argument("--expcast", action="store_true", default=_DEFAULTS.expcast,
-                    help="vsmooth: the ExpCast-FP8 kernel")
+    ap.add_argument("--expcast", action=argparse.BooleanOptionalAction, default=_DEFAULTS.expcast,
+                    help="vsmooth: the ExpCast-FP8 kernel (the default; --no-expcast: exp2 and a cast)")
     ap.add_argument("--qk-format", choices=("int8", "fp8"), default=_DEFAULTS.qk_format.value,
                     help="vsmooth: Q/K format")
     ap.add_argument("--density", type=float, default=_DEFAULTS.density, help="mcsparse: fraction of keys kept")

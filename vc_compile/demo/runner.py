@@ -32,7 +32,7 @@ from .sampler import sample
 
 METHODS = (
     ("dense", {"method": "dense"}),
-    ("vsmooth", {"method": "vsmooth"}),
+    ("vsmooth", {"method": "vsmooth", "expcast": False}),
     ("vsmooth+expcast", {"method": "vsmooth", "expcast": True}),
     ("mcsparse@0.15", {"method": "mcsparse", "density": 0.15}),
     ("mcsparse@0.25", {"method": "mcsparse", "density": 0.25}),

@@ -28,7 +28,7 @@ PLANS: Dict[str, List[Tuple[int, int, int, int]]] = {
     "small": [(1, 12, 32760, 128)],
     "wide": [(1, 12, 32760, 128), (1, 40, 75600, 128), (1, 40, 32760, 128), (1, 48, 17776, 64)],
 }
-METHODS = {"vsmooth": {"method": "vsmooth"}, "vsmooth+expcast": {"method": "vsmooth", "expcast": True},
+METHODS = {"vsmooth": {"method": "vsmooth", "expcast": False}, "vsmooth+expcast": {"method": "vsmooth", "expcast": True},
            "mcsparse": {"method": "mcsparse", "density": 0.15}}
 
 
