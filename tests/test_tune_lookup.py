@@ -376,6 +376,9 @@ def test_gpu_tuned_at_least_as_fast_as_shipped(method, tmp_path):
         rows = tcli.run(args)
     finally:
         lookup.configure(cache_dir="", force=False, progress=False)
+    if method == "mcsparse" and torch.cuda.get_device_capability() == (9, 0):
+        assert rows == []  # the sm_90 gather kernel runs there: one launch a group size, nothing to tune (said)
+        return
     chosen, default = rows
     assert chosen["source"] == "tuned" and list(tmp_path.rglob("*.json"))
     assert chosen["ms"] <= 1.03 * default["ms"], rows

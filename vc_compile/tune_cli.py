@@ -121,7 +121,12 @@ def run(a: argparse.Namespace) -> List[dict]:
                                               launch=config)
     else:
         Cg = a.group_size
-        kernel = "sparse_attn"
+        kernel = dispatch.sparse_kernel(q, v, a.sparse_qk, Cg)
+        if kernel != "sparse_attn":  # what the reuse step runs here: the Gluon gather kernel, one launch a group size
+            print(f"vc_compile tune: on this GPU MC-Sparse's reuse step runs the sm_90 gather kernel ({kernel}), whose "
+                  "launch is fixed per group size (templates/configs.py, sparse_sm90_default): there is nothing to "
+                  "tune; its kernels build at the first call, or ahead with 'python -m vc_compile warmup'.")
+            return []
         cls = dispatch.KERNELS[kernel].config
         cands = dispatch.sparse_candidates(a.sparse_qk, D, Cg)
         keep, G = n_keep(S, a.density), -(-S // Cg)
@@ -167,6 +172,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"vc_compile tune: cannot tune here: {why}.", file=sys.stderr)
         return 1
     rows = run(a)
+    if not rows:
+        return 0
     from vc_compile.table import format_table
     from vc_compile.tune.cache import cache_dir
 
