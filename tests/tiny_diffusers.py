@@ -3,6 +3,7 @@
 Each builder returns ``(model, args, kwargs)`` for one forward; shapes are chosen so self-attention has
 192-200 tokens and the cross-attention's text is 8 tokens.
 """
+import pytest
 import torch
 
 BF = torch.bfloat16
@@ -10,6 +11,7 @@ BF = torch.bfloat16
 
 def wan(fp32_rope: bool = False):
     """``fp32_rope``: keep the rope tables in fp32, as ``from_pretrained(torch_dtype=bf16)`` leaves them."""
+    pytest.importorskip("diffusers")  # a test dependency: skipped where it is not installed
     from diffusers import WanTransformer3DModel
     torch.manual_seed(0)
     m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4,
@@ -22,6 +24,7 @@ def wan(fp32_rope: bool = False):
 
 def cogvideox_transformer():
     """The CogVideoX transformer alone (the pipeline tests wrap it in a CogVideoXPipeline)."""
+    pytest.importorskip("diffusers")  # a test dependency: skipped where it is not installed
     from diffusers import CogVideoXTransformer3DModel
     torch.manual_seed(0)
     return CogVideoXTransformer3DModel(
@@ -31,6 +34,7 @@ def cogvideox_transformer():
 
 
 def cogvideox():
+    pytest.importorskip("diffusers")  # a test dependency: skipped where it is not installed
     from diffusers.models.embeddings import get_3d_rotary_pos_embed
     m = cogvideox_transformer()
     cos, sin = get_3d_rotary_pos_embed(embed_dim=64, crops_coords=((0, 0), (8, 8)), grid_size=(8, 8),
@@ -40,6 +44,7 @@ def cogvideox():
 
 
 def ltx():
+    pytest.importorskip("diffusers")  # a test dependency: skipped where it is not installed
     from diffusers import LTXVideoTransformer3DModel
     torch.manual_seed(0)
     m = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1,
@@ -51,6 +56,7 @@ def ltx():
 
 
 def cosmos():
+    pytest.importorskip("diffusers")  # a test dependency: skipped where it is not installed
     from diffusers import CosmosTransformer3DModel
     torch.manual_seed(0)
     m = CosmosTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=64,
@@ -62,6 +68,7 @@ def cosmos():
 
 def hunyuan(padded_text: bool = False):
     """``padded_text``: the last 3 of the 8 text tokens are padding (mask 0)."""
+    pytest.importorskip("diffusers")  # a test dependency: skipped where it is not installed
     from diffusers import HunyuanVideoTransformer3DModel
     torch.manual_seed(0)
     m = HunyuanVideoTransformer3DModel(
