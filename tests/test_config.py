@@ -166,9 +166,9 @@ def test_readme_options_table_lists_every_option():
     import dataclasses
     import os
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")).read()
     for f in dataclasses.fields(VCConfig):
-        assert f"| `{f.name}` |" in readme, f"README options table lacks {f.name}"
+        assert f"| `{f.name}` |" in readme, f"docs/usage.md options table lacks {f.name}"
 
 
 def _default_repr(f):
@@ -181,18 +181,18 @@ def _default_repr(f):
 
 
 def test_readme_options_rows_match_option_docs():
-    """Each README row is exactly ``| `name` | `default` | OPTION_DOCS[name] |`` (the table is generated
+    """Each README row is exactly ``| `name` | `default` | OPTION_DOCS[name] |`` in docs/usage.md (the table is generated
     from OPTION_DOCS; a stale row fails here), and likewise the experimental knobs' table."""
     import os
 
     from vc_compile.config import EXPERIMENTAL_DOCS, OPTION_DOCS, Experimental
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "docs", "usage.md")).read()
     for cls, docs in ((VCConfig, OPTION_DOCS), (Experimental, EXPERIMENTAL_DOCS)):
         assert set(docs) == {f.name for f in dataclasses.fields(cls)}
         for f in dataclasses.fields(cls):
             row = f"| `{f.name}` | `{_default_repr(f)}` | {docs[f.name]} |"
-            assert row in readme, f"README options row for {f.name} differs from its docs table: want {row}"
+            assert row in readme, f"docs/usage.md options row for {f.name} differs from its docs table: want {row}"
 
 
 def test_every_choice_is_an_enum_and_every_field_has_a_rule():

@@ -1112,7 +1112,7 @@ def test_logit_std_estimate_and_predicted_error():
 @pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
 @pytest.mark.parametrize("name", EIGHT_BIT)
 def test_nonfinite_key_contract_reference(name, bad):
-    """The documented contract (README, 'Non-finite inputs'; ``ops.NONFINITE_CONTRACT``): one NaN/+-Inf in a
+    """The documented contract (docs/usage.md, 'Non-finite inputs'; ``ops.NONFINITE_CONTRACT``): one NaN/+-Inf in a
     key makes its whole (batch, head) NaN on the 8-bit paths -- a superset of SDPA's non-finite outputs (the
     rows whose logit with that key is +Inf or NaN: about half the rows here) -- and nothing else. Before: the
     same outputs, but nothing said so; now the site counts ``nonfinite_calls`` and warns once, stating it."""
@@ -1131,7 +1131,7 @@ def test_nonfinite_key_contract_reference(name, bad):
 @pytest.mark.parametrize("which", ["k", "v"])
 @pytest.mark.parametrize("propagate", [False, True])
 def test_mcsparse_reuse_contract_for_a_bad_key_no_group_selected(which, propagate):
-    """The contract as stated (README, 'Non-finite inputs'): an MC-Sparse reuse step reads only the keys its query
+    """The contract as stated (docs/usage.md, 'Non-finite inputs'): an MC-Sparse reuse step reads only the keys its query
     groups selected at the anchor, so by default a NaN in a key / value no group selected does not reach the
     output (finite where SDPA's is NaN: the real contract, said where the promise is made); with
     ``propagate_nonfinite=True`` SDPA's non-finite outputs are non-finite here too. Other heads stay clean."""

@@ -414,3 +414,14 @@ def test_method_from_env(monkeypatch):
     monkeypatch.setenv("VCATTN_METHOD", "sparse")
     with pytest.raises(VCConfigError, match="accepted: off, auto"):
         method_from_env()
+
+
+def test_the_readme_cpu_example_runs_as_written():
+    """The README's small CPU example, run as a user would paste it (a fresh process): its one call site is
+    rewritten and its report printed."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- cpu-example:begin -->", 1)[1].split("<!-- cpu-example:end -->", 1)[0]
+    code = block.split("```python", 1)[1].split("```", 1)[0]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 of 1 call sites rewritten" in r.stdout and "vsmooth" in r.stdout, r.stdout

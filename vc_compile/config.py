@@ -1,6 +1,6 @@
 """``VCConfig``: the validated, frozen form of ``torch.compile(..., backend="vcattn", options={...})``.
 
-Every option has one home here: its type, default, accepted values and what it does (the README's
+Every option has one home here: its type, default, accepted values and what it does (docs/usage.md's
 options table is generated from ``OPTION_DOCS``). An unknown key or a bad value raises
 ``VCConfigError`` naming the key and what is accepted, at compile time.
 
@@ -123,7 +123,7 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 GROUP_SIZES = (64, 128)  # MC-Sparse query groups = the gather kernel's query tiles (configs.SPARSE_DEFAULT)
 
 OPTION_DOCS: Dict[str, str] = {
-    "method": "'auto' | 'vsmooth' | 'mcsparse' | 'dense'. auto = vsmooth (8-bit; its error in numbers: README, Methods).",
+    "method": "'auto' | 'vsmooth' | 'mcsparse' | 'dense'. auto = vsmooth (8-bit; its error in numbers: docs/usage.md, Methods).",
     "expcast": "V-Smooth: write the softmax as E4M3 codes directly (ExpCast-FP8; the default): ~8% faster end to end "
                "than exp2 and a cast (False), 1.1-1.3x its rel. L2 (docs/design/default-method.md).",
     "hadamard": "Rotate Q and K by an orthonormal Hadamard matrix before quantising them.",
@@ -560,7 +560,7 @@ def _coerce(key: str, value: Any, default: Any, label: Optional[str] = None, cls
 
 
 # ---- the environment switch (``$VCATTN_METHOD``): read by every compile of backend="vcattn" and every
-# vc_compile.enable (the README's "switch"; vc_compile/pipeline.py's module doc)
+# vc_compile.enable (docs/usage.md; vc_compile/pipeline.py's module doc)
 def _log():
     from .log import get_logger
     return get_logger("vc_compile.config")

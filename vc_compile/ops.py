@@ -670,7 +670,7 @@ def _replayed_run(M, phase, meta, cfg, sm, impl, q, k, v):
     return out
 
 
-# Non-finite inputs (the contract, README "Non-finite inputs"): wherever stock SDPA's output is non-finite ours
+# Non-finite inputs (the contract, docs/usage.md "Non-finite inputs"): wherever stock SDPA's output is non-finite ours
 # is too, in the same (batch, head), and nothing leaks into other heads, batch rows or later steps; the 8-bit
 # paths widen it within the head: a NaN or +-Inf key makes the whole (batch, head) NaN (SDPA: the rows whose
 # logit with that key is +Inf or NaN). Counted, with one warning per site, where the check costs no GPU sync:
@@ -679,7 +679,7 @@ NONFINITE_CONTRACT = ("wherever stock SDPA's output is non-finite this one is to
                       "without propagate_nonfinite, where a key or value no query group selected is ignored), and "
                       "other heads, batch rows and later steps stay clean; the 8-bit paths widen it within the "
                       "(batch, head): a NaN or +-Inf in a key makes that whole head NaN, where SDPA has NaN only in "
-                      "the rows whose logit with that key is +Inf or NaN (README, 'Non-finite inputs')")
+                      "the rows whose logit with that key is +Inf or NaN (docs/usage.md, 'Non-finite inputs')")
 _NONFINITE_WARNED: Set[int] = _CHECKS.nonfinite_warned
 
 

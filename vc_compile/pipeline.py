@@ -182,7 +182,7 @@ def enable(pipe, method: Optional[str] = None, *, options: Any = None, regional:
            compile_kwargs: Optional[Mapping[str, Any]] = None, **option_kwargs):
     """Compile every transformer of ``pipe`` with ``backend="vcattn"`` and return ``pipe``.
 
-    ``method`` and ``option_kwargs`` are the backend's options (the README's table), on top of
+    ``method`` and ``option_kwargs`` are the backend's options (the table in docs/usage.md), on top of
     ``options`` (a dict or a ``VCConfig``); they are validated here, before anything changes.
     ``regional``: compile the repeated blocks (default) or the whole model. ``components``: attribute names
     to compile instead of every transformer. ``compile_kwargs``: more ``torch.compile`` arguments
