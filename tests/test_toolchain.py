@@ -402,7 +402,9 @@ def test_a_known_kernel_failure_sends_its_calls_to_stock_sdpa(monkeypatch):
 
     monkeypatch.setattr(toolchain, "triton_version", lambda: "3.9.0")
     toolchain.known_failure.cache_clear()
+    toolchain.has_known_failures.cache_clear()
     try:
+        assert toolchain.has_known_failures()
         assert "head dim 64" in toolchain.known_failure("vsmooth_attn", False, 64)
         assert toolchain.known_failure("vsmooth_attn", True, 64) is None
         assert toolchain.known_failure("vsmooth_attn", False, 128) is None
@@ -417,6 +419,9 @@ def test_a_known_kernel_failure_sends_its_calls_to_stock_sdpa(monkeypatch):
             assert ops._known_failure(rec, rec.site, "vsmooth_attn", False, 64) == ops.KNOWN_FAILURE
         monkeypatch.setattr(toolchain, "triton_version", lambda: "3.6.0")
         toolchain.known_failure.cache_clear()
+        toolchain.has_known_failures.cache_clear()
         assert toolchain.known_failure("vsmooth_attn", False, 64) is None
+        assert not toolchain.has_known_failures()  # the op asks nothing more on 3.6
     finally:
         toolchain.known_failure.cache_clear()
+        toolchain.has_known_failures.cache_clear()

@@ -47,7 +47,7 @@ from typing import Dict, Optional, Set, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import formats, methods, torch_ops
+from . import formats, methods, toolchain, torch_ops
 from .config import Method, SpeedGate, VCConfig
 from .methods import Phase
 from .runtime import programs as _programs
@@ -406,11 +406,10 @@ KNOWN_FAILURE = "a kernel failure known on this Triton"
 _KNOWN_WARNED: Set[int] = _CHECKS.known_warned
 
 
-def _known_failure(rec, site: int, kernel: Optional[str], expcast: bool, head_dim: int) -> Optional[str]:
+def _known_failure(rec, site: int, kernel: str, expcast: bool, head_dim: int) -> Optional[str]:
     """``KNOWN_FAILURE`` where toolchain.KNOWN_FAILURES lists the attention kernel this call would run on the
     installed Triton (stock SDPA runs; one warning per site with what failed and the fix), else None."""
-    from . import toolchain
-    why = None if kernel is None else toolchain.known_failure(kernel, expcast, head_dim)
+    why = toolchain.known_failure(kernel, expcast, head_dim)
     if why is None:
         return None
     if site not in _KNOWN_WARNED:
@@ -518,9 +517,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
             impl, path = dispatch.choose(method.value, cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
             if impl == dispatch.Impl.TRITON:
                 reason = dispatch.method_build_failure(method.value) or M.ineligible(q, k, v)
-                if reason is None and q.is_cuda:
-                    kernel = (dispatch.vsmooth_kernel(q.device, cfg.qk_format.value)
-                              if method == Method.VSMOOTH else None)
+                if reason is None and q.is_cuda and method == Method.VSMOOTH and toolchain.has_known_failures():
+                    kernel = dispatch.vsmooth_kernel(q.device, cfg.qk_format.value)
                     reason = _known_failure(rec, site, kernel, cfg.expcast, q.shape[-1])
                 if reason is None and q.is_cuda:
                     reason = gate_reason(cfg, q.device, q.shape, k.shape[2])

@@ -73,6 +73,13 @@ KNOWN_FAILURES = {
 }
 
 
+@functools.lru_cache(maxsize=1)
+def has_known_failures() -> bool:
+    """Whether KNOWN_FAILURES lists anything for the installed Triton (the op asks nothing more where not)."""
+    version = triton_version()
+    return version is not None and any(key[0] == _parse(version) for key in KNOWN_FAILURES)
+
+
 @functools.lru_cache(maxsize=64)
 def known_failure(kernel: str, expcast: bool, head_dim: int) -> Optional[str]:
     """Why the installed Triton cannot be trusted with this kernel at this head dim (KNOWN_FAILURES), or None."""

@@ -104,8 +104,7 @@ class Readback:
         return self.event is None or self.event.query()
 
     def value(self) -> float:
-        num, den = (float(x) for x in self.host.tolist()[:2])
-        return rel_error(num, den)
+        return self.values()[0]
 
     def values(self) -> List[float]:
         """Every (num, den) pair of the reading as relative errors (a [2 n] reading)."""
