@@ -11,10 +11,10 @@
 
 Three anchor steps on the same inputs (bf16, a channel bias on K, outlier V tokens; density 0.15, C = 128):
 * ``old``: ``methods/mcsparse.run(..., cheap_anchor=False)``: PDDP, cuDNN + LSE, bf16-MMA pass 2 (fp32 masses,
-  templates/select.py), torch.topk + sort, gather kernel + R, caching R (finiteness check, bf16).
+  kernels/select.py), torch.topk + sort, gather kernel + R, caching R (finiteness check, bf16).
 * ``new_bf16``: the default (``cheap_anchor=None``, anchor_dense='bf16'): PDDP, INT8 Q/K codes, cuDNN + LSE
-  (shifted by the K mean), pass 2 on the INT8 codes (templates/anchor_mass.py, bf16 masses), radix top-K
-  (templates/topk.py), gather kernel forming the bf16 R in its epilogue, caching.
+  (shifted by the K mean), pass 2 on the INT8 codes (kernels/anchor_mass.py, bf16 masses), radix top-K
+  (kernels/topk.py), gather kernel forming the bf16 R in its epilogue, caching.
 * ``new_q8``: option anchor_dense='q8': the 8-bit V-Smooth pass gives O_dense and the LSE instead of cuDNN.
 Rows (``variant`` = ``<path>_<part>``; ``speedup_vs_cudnn`` = cuDNN ms / ms: 0.5 = twice a dense step, 4 = a
 quarter of one): one per kernel part (timed alone, medians of
@@ -44,9 +44,9 @@ from vc_compile.methods import mcsparse as M  # noqa: E402
 from vc_compile.methods.phase import Phase  # noqa: E402
 from vc_compile.reference import select as RS  # noqa: E402
 from vc_compile.reference.dense import dense_attention_lse  # noqa: E402
-from vc_compile.templates import anchor_mass as TA  # noqa: E402
-from vc_compile.templates import configs as KC  # noqa: E402
-from vc_compile.templates import dispatch  # noqa: E402
+from vc_compile.kernels import anchor_mass as TA  # noqa: E402
+from vc_compile.kernels import configs as KC  # noqa: E402
+from vc_compile.kernels import dispatch  # noqa: E402
 from vc_compile.torch_ops import lse_correction  # noqa: E402
 
 B, D, C, DENSITY = 1, 128, 128, 0.15

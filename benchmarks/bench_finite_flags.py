@@ -1,4 +1,4 @@
-"""What NaN/Inf propagation and the MC-Sparse guard cost on a reuse step (templates/finite_flags.py).
+"""What NaN/Inf propagation and the MC-Sparse guard cost on a reuse step (kernels/finite_flags.py).
 
     python -m benchmarks.bench_finite_flags                    # H200: S in {32760, 75600}, H = 40, D = 128
     python -m benchmarks.bench_finite_flags --sizes 32760 --csv $OUT/bench_finite_flags.csv
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from benchmarks.common import append_rows, attn_flops, bench_ms, print_table, sdpa_fn  # noqa: E402
 from vc_compile.formats import n_keep  # noqa: E402
 from vc_compile.methods.mcsparse_guard import GuardState  # noqa: E402
-from vc_compile.templates import dispatch  # noqa: E402
+from vc_compile.kernels import dispatch  # noqa: E402
 
 EXTRAS = ["overhead_pct", "gbps", "group_size", "note"]
 

@@ -23,7 +23,7 @@ to back, as a sampling loop runs them (one set of inputs, no synchronisation in 
 ``sdpa_cudnn`` is stock SDPA (cuDNN) on the same inputs, timed the same way in the same run;
 ``speedup_vs_cudnn`` = its ms / ours. ``--options`` (JSON) is merged into every method's options and named in
 the variant (e.g. the A/B of ``cuda_graphs``). ``--ab-launch`` runs each method a second time right after, with
-every launch through Triton's binder and no recorded preprocessing (``templates/launch.py`` off; variant
+every launch through Triton's binder and no recorded preprocessing (``kernels/launch.py`` off; variant
 suffix `` [binder]``): the host-time A/B on one host, whose own speed moves between runs (stock's host time
 per call: 0.035-0.111 ms in three runs of one day on the H200). ``scripts/host_breakdown.py`` splits the host time by layer.
 Our path is measured with ``speed_gate="off"`` and ``group_interval=0`` (V-Smooth groups at step 0 only, so
@@ -214,7 +214,7 @@ def bench_shape(H, S, args, device):
             sdpa_host, sdpa_ms = burst(sd, args.reuse, runner.cuda)
     rows.append(dict(base, variant="sdpa_cudnn", ms=sdpa_ms, host_ms=sdpa_host,
                      launches=count_launches(sd, runner.cuda), speedup_vs_cudnn=1.0))
-    from vc_compile.templates.launch import FAST_LAUNCH
+    from vc_compile.kernels.launch import FAST_LAUNCH
     for label in args.methods:
         # our path, measured (the gate's source); V-Smooth groups at step 0 only (MC-Sparse's warm-up too): the timed
         # calls are reuse calls. NOTE with the default schedule (every 10th step) the 13 steps from the settling
@@ -245,7 +245,7 @@ def main(argv=None):
     ap.add_argument("--options", default="{}", help="JSON options merged into every method's, e.g. "
                     "'{\"cuda_graphs\": \"off\"}' (named in the variant)")
     ap.add_argument("--ab-launch", action="store_true",
-                    help="each method also with every launch through Triton's binder (templates/launch.py off; "
+                    help="each method also with every launch through Triton's binder (kernels/launch.py off; "
                     "variant suffix ' [binder]'), right after it on the same host")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, reference kernels, no rows")

@@ -174,8 +174,8 @@ def chain_inputs(S: int, H: int, D: int):
 
 def bench_chain(run: Run, S: int):
     from vc_compile.reference.preprocess import k_mean_mask
-    from vc_compile.templates import preprocess as tpre
-    from vc_compile.templates.configs import PREPROCESS_DEFAULT, PreprocessConfig
+    from vc_compile.kernels import preprocess as tpre
+    from vc_compile.kernels.configs import PREPROCESS_DEFAULT, PreprocessConfig
 
     a, H, D = run.args, run.args.H, run.args.D
     dev, q, k, v, cos, sin, qb, kb, ra, rope_c, sm = chain_inputs(S, H, D)
@@ -207,7 +207,7 @@ def bench_chain(run: Run, S: int):
     ru = run.guarded("unfused", S, lambda: t("unfused", unfused, gb_rope + gb_pre))
     rf = run.guarded("fused", S, lambda: t("fused", fused, gb_fused))
     ab = []
-    if not a.no_ab:  # design A/B in the same run (launch configs of templates/preprocess.py)
+    if not a.no_ab:  # design A/B in the same run (launch configs of kernels/preprocess.py)
         for name, cfg in (("fused_unpacked", PreprocessConfig(rope_packed=False)),
                           ("fused_rowmajor", PreprocessConfig(rope_head_fast=False))):
             def one(name=name, cfg=cfg):
@@ -251,8 +251,8 @@ def bench_op(run: Run, S: int):
     from vc_compile.config import VCConfig
     from vc_compile.methods import Phase
     from vc_compile.methods import vsmooth as mv
-    from vc_compile.templates import dispatch
-    from vc_compile.templates import kmeans as tkm
+    from vc_compile.kernels import dispatch
+    from vc_compile.kernels import kmeans as tkm
 
     H, D = run.args.H, run.args.D
     dev, q, k, v, cos, sin, qb, kb, ra, rope_c, sm = chain_inputs(S, H, D)

@@ -52,12 +52,12 @@ from vc_compile.methods import mcsparse as M  # noqa: E402
 from vc_compile.reference.dense import dense_attention_lse  # noqa: E402
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse  # noqa: E402
 from vc_compile.reference.sparse_attn_q8 import sparse_attention_q8  # noqa: E402
-from vc_compile.templates import configs as CF  # noqa: E402
-from vc_compile.templates import dispatch  # noqa: E402
-from vc_compile.templates import pddp as tpddp  # noqa: E402
-from vc_compile.templates import select as tsel  # noqa: E402
-from vc_compile.templates import sparse_attn as tsa  # noqa: E402
-from vc_compile.templates.configs import SparseAttnConfig  # noqa: E402
+from vc_compile.kernels import configs as CF  # noqa: E402
+from vc_compile.kernels import dispatch  # noqa: E402
+from vc_compile.kernels import pddp as tpddp  # noqa: E402
+from vc_compile.kernels import select as tsel  # noqa: E402
+from vc_compile.kernels import sparse_attn as tsa  # noqa: E402
+from vc_compile.kernels.configs import SparseAttnConfig  # noqa: E402
 
 B, H, D, C = 1, 40, 128, 64
 DENSITIES = (0.10, 0.15, 0.25)

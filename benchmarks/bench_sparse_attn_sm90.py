@@ -1,5 +1,5 @@
-"""The Gluon sm_90 gather kernel (templates/sparse_attn_sm90.py) against the Triton gather kernel
-(templates/sparse_attn.py, its shipped launch config) and the dense bf16 kernels of the same run (FlashAttention-3
+"""The Gluon sm_90 gather kernel (kernels/sparse_attn_sm90.py) against the Triton gather kernel
+(kernels/sparse_attn.py, its shipped launch config) and the dense bf16 kernels of the same run (FlashAttention-3
 bf16 where ``fa3_fwd_interface`` imports, SDPA cuDNN): kernel time (median), the efficiency
 eta = (t_FA3 / t) x s (the MC-Sparse paper's measure; SDPA cuDNN stands in where FA3 is missing), and agreement
 (rel. L2 against the fp32 reference on heads 0-1, and of the Gluon output against the Triton kernel's).
@@ -29,9 +29,9 @@ import torch
 from benchmarks.common import append_rows, attn_flops, bench_ms, metrics, print_table, sdpa_fn
 from vc_compile.formats import n_keep
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse
-from vc_compile.templates import configs as CF
-from vc_compile.templates import sparse_attn as tsa
-from vc_compile.templates import sparse_attn_sm90 as g
+from vc_compile.kernels import configs as CF
+from vc_compile.kernels import sparse_attn as tsa
+from vc_compile.kernels import sparse_attn_sm90 as g
 
 BENCH = "bench_sparse_attn_sm90"
 B, H, D = 1, 40, 128

@@ -53,12 +53,12 @@ from vc_compile.formats import LOG2E  # noqa: E402
 from vc_compile.reference import kmeans as ref_km  # noqa: E402
 from vc_compile.reference import preprocess as ref_pre  # noqa: E402
 from vc_compile.reference import vsmooth_attn as ref_attn  # noqa: E402
-from vc_compile.templates import configs as C  # noqa: E402
-from vc_compile.templates import dispatch  # noqa: E402
-from vc_compile.templates import kmeans as tkm  # noqa: E402
-from vc_compile.templates import preprocess as tpre  # noqa: E402
-from vc_compile.templates import vsmooth_attn as tattn  # noqa: E402
-from vc_compile.templates.configs import MeanTerm, RowSum, VSmoothTritonConfig  # noqa: E402
+from vc_compile.kernels import configs as C  # noqa: E402
+from vc_compile.kernels import dispatch  # noqa: E402
+from vc_compile.kernels import kmeans as tkm  # noqa: E402
+from vc_compile.kernels import preprocess as tpre  # noqa: E402
+from vc_compile.kernels import vsmooth_attn as tattn  # noqa: E402
+from vc_compile.kernels.configs import MeanTerm, RowSum, VSmoothTritonConfig  # noqa: E402
 
 BENCH = "bench_vsmooth_attn"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -57,10 +57,10 @@ def parse_shapes(text):
 def run(shapes, modes, extra, inputs, n_rows=512, sink=None):
     from benchmarks.bench_vsmooth_attn import make_inputs, runtime_pre
     from vc_compile import torch_ops
-    from vc_compile.templates import kmeans as tkm
-    from vc_compile.templates.configs import vsmooth_sm90_default
-    from vc_compile.templates.vsmooth_attn_sm90 import BYTEMASK_GUARD as guard
-    from vc_compile.templates.vsmooth_attn_sm90 import vsmooth_attention_sm90
+    from vc_compile.kernels import kmeans as tkm
+    from vc_compile.kernels.configs import vsmooth_sm90_default
+    from vc_compile.kernels.vsmooth_attn_sm90 import BYTEMASK_GUARD as guard
+    from vc_compile.kernels.vsmooth_attn_sm90 import vsmooth_attention_sm90
 
     rows = []
     for H, S, D in shapes:

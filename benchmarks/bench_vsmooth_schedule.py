@@ -162,7 +162,7 @@ def main(argv=None):
     a = parse_args(argv)
     from vc_compile.config import VCConfig
     from vc_compile.methods import vsmooth
-    from vc_compile.templates import dispatch
+    from vc_compile.kernels import dispatch
 
     cpu = a.device == "cpu"
     impl = dispatch.Impl.REFERENCE if cpu else dispatch.Impl.TRITON

@@ -21,13 +21,13 @@ import torch
 
 
 def _op(q, k, v, perm, expcast, pre_launch=None):
-    from vc_compile.templates import dispatch
+    from vc_compile.kernels import dispatch
     T = dispatch.Impl.TRITON
     sm = q.shape[-1] ** -0.5
     if hasattr(dispatch, "preprocess"):
         launch = None
         if pre_launch:
-            from vc_compile.templates.configs import PreprocessConfig
+            from vc_compile.kernels.configs import PreprocessConfig
             launch = PreprocessConfig.from_json(json.loads(pre_launch))
 
         def run():

@@ -33,9 +33,9 @@ def _bench(fn, ms_budget=400.0):
 
 def _api():
     """(vsmooth(qk, vq, expcast), vsmooth_fp8_triton(qk, vq, expcast), sparse(q, k, v, sigma, idx, C, res, fmt))."""
-    from vc_compile.templates import sparse_attn as tsa
+    from vc_compile.kernels import sparse_attn as tsa
     try:  # after the redesign
-        from vc_compile.templates import dispatch
+        from vc_compile.kernels import dispatch
         T = dispatch.Impl.TRITON
 
         def vs(qk, vq, ec):
@@ -45,7 +45,7 @@ def _api():
             return dispatch.sparse_attention(T, q, k, v, sigma, idx, sm_scale=q.shape[-1] ** -0.5, group_size=C,
                                              residual=res, qk_format=fmt)
     except ImportError:  # 4f44cc9
-        from vc_compile.templates import vsmooth_attn as tva
+        from vc_compile.kernels import vsmooth_attn as tva
 
         def vs(qk, vq, ec):
             return tva.vsmooth_attention(qk, vq, expcast=ec)
@@ -61,9 +61,9 @@ def run(quick: bool) -> dict:
         from vc_compile.formats import n_keep
     except ImportError:  # before formats.py (a3d8650 and earlier)
         from vc_compile.reference.select import n_keep
-    from vc_compile.templates import kmeans as tkm
-    from vc_compile.templates import pddp as tpddp
-    from vc_compile.templates import preprocess as tpre
+    from vc_compile.kernels import kmeans as tkm
+    from vc_compile.kernels import pddp as tpddp
+    from vc_compile.kernels import preprocess as tpre
     vs, sp = _api()
     dev = "cuda"
     out = {}

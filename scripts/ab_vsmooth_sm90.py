@@ -1,4 +1,4 @@
-"""H200 A/B of launch configurations of the Gluon sm_90 V-Smooth kernel (templates/vsmooth_attn_sm90.py) on the
+"""H200 A/B of launch configurations of the Gluon sm_90 V-Smooth kernel (kernels/vsmooth_attn_sm90.py) on the
 benchmark's structured inputs: NaN rows, agreement with the shipped configuration and the reference, fidelity
 vs fp32, time (median, with SDPA cuDNN of the same run).
 
@@ -25,11 +25,11 @@ import torch
 from benchmarks.bench_vsmooth_attn import make_inputs, truth_rows
 from benchmarks.common import bench_ms, metrics, sdpa_backend
 from vc_compile.reference import vsmooth_attn as ref
-from vc_compile.templates import configs as C
-from vc_compile.templates import kmeans as tkm
-from vc_compile.templates import preprocess as tpre
-from vc_compile.templates import vsmooth_attn as tattn
-from vc_compile.templates import vsmooth_attn_sm90 as g
+from vc_compile.kernels import configs as C
+from vc_compile.kernels import kmeans as tkm
+from vc_compile.kernels import preprocess as tpre
+from vc_compile.kernels import vsmooth_attn as tattn
+from vc_compile.kernels import vsmooth_attn_sm90 as g
 
 _REG = dict(p_operand="registers")
 _MS = dict(rowsum="mma", mean="tf32_window")

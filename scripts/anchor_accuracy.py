@@ -37,7 +37,7 @@ from vc_compile.reference import kmeans as RK  # noqa: E402
 from vc_compile.reference import select as RS  # noqa: E402
 from vc_compile.reference.dense import dense_attention_lse  # noqa: E402
 from vc_compile.reference.sparse_attn import sparse_attention  # noqa: E402
-from vc_compile.templates import dispatch  # noqa: E402
+from vc_compile.kernels import dispatch  # noqa: E402
 
 C = 128
 DENSITY = 0.15

@@ -47,7 +47,7 @@ def stats(k, warps, marker):
 
 def compile_mass(S, C, cfg, perm=True):
     from vc_compile.formats import QKQuant
-    from vc_compile.templates import anchor_mass as TA
+    from vc_compile.kernels import anchor_mass as TA
     B, H, D = 1, 40, 128
     q8 = torch.zeros(B, H, S, D, dtype=torch.int8)
     qk = QKQuant(q8, torch.zeros(B, H, S), q8, torch.zeros(B, H, -(-S // 64)), torch.zeros(B, H, D), 0.1)
@@ -65,7 +65,7 @@ def compile_mass(S, C, cfg, perm=True):
 
 
 def compile_topk(S, C, cfg, dtype):
-    from vc_compile.templates import topk as TK
+    from vc_compile.kernels import topk as TK
     m = torch.zeros(1, 4, -(-S // C), -(-S // 64) * 64, dtype=dtype)[..., :S]  # rows padded as mass_heads does
     cs.COMPILED.clear()
     try:
@@ -84,7 +84,7 @@ def main(argv=None):
     p.add_argument("--only", default="", help="'mass' or 'topk': compile only those kernels")
     a = p.parse_args(argv)
     cs._install()
-    from vc_compile.templates import configs as KC
+    from vc_compile.kernels import configs as KC
     out = {}
     for exp in ("exact", "shift") if a.only != "topk" else ():
         for ng in sorted({max(1, 256 // a.C), max(1, 128 // a.C)}):

@@ -94,18 +94,18 @@ def _vs_inputs(S, D, mean, fp8=False):
 
 def gluon_cases():
     try:  # the redesign
-        from vc_compile.templates import configs as C
+        from vc_compile.kernels import configs as C
         table = {(D, e): (C.VSMOOTH_SM90_SHORT[(D, e)], C.VSMOOTH_SM90_LONG[(D, e)][1])
                  for D in (64, 128) for e in (False, True)}
 
         def launch(qk, vq, D, e, which, lse, out_dtype, over=None):
             import dataclasses
 
-            from vc_compile.templates import vsmooth_attn_sm90 as g
+            from vc_compile.kernels import vsmooth_attn_sm90 as g
             g.vsmooth_attention_sm90(qk, vq, expcast=e, launch=dataclasses.replace(table[(D, e)][which], **(over or {})),
                                      return_lse=lse, out_dtype=out_dtype)
     except ImportError:  # 4f44cc9
-        from vc_compile.templates import vsmooth_attn_sm90 as g
+        from vc_compile.kernels import vsmooth_attn_sm90 as g
         table = {k: (g.DEFAULT_CONFIG[k], g.LONG_CONFIG[k][1]) for k in g.DEFAULT_CONFIG}
 
         def launch(qk, vq, D, e, which, lse, out_dtype, over=None):
@@ -144,9 +144,9 @@ def gluon_cases():
 
 
 def triton_cases():
-    from vc_compile.templates import vsmooth_attn as tva
+    from vc_compile.kernels import vsmooth_attn as tva
     try:
-        from vc_compile.templates import configs as C
+        from vc_compile.kernels import configs as C
         cands = {k: list(v) for k, v in C.VSMOOTH_TRITON_CANDIDATES.items()}
 
         def launch(qk, vq, e, cfg):
@@ -179,9 +179,9 @@ def triton_cases():
 
 
 def sparse_cases():
-    from vc_compile.templates import sparse_attn as tsa
+    from vc_compile.kernels import sparse_attn as tsa
     try:
-        from vc_compile.templates import configs as C
+        from vc_compile.kernels import configs as C
         swept = [(c.block_n, c.num_warps, c.num_stages) for c in C.SPARSE_SWEPT]
 
         def default(fmt, D, Cg):
@@ -219,7 +219,7 @@ def sparse_cases():
 
 def pre_cases():
     from vc_compile import formats
-    from vc_compile.templates import preprocess as tpre
+    from vc_compile.kernels import preprocess as tpre
     H, D, S = 40, 128, S_MAIN
     out = []
     for form, full in (("interleaved", False), ("interleaved", True), ("rotate-half", True), (None, False)):
@@ -250,24 +250,24 @@ def aux_cases():
     out = []
 
     def km():
-        from vc_compile.templates import kmeans as tkm
+        from vc_compile.kernels import kmeans as tkm
         tkm.kmeans_perm(torch.empty(1, 8, 4096, 128, dtype=torch.bfloat16), 32, 1)
     out.append(("kmeans", km))
 
     def mass():
-        from vc_compile.templates import select as tsel
+        from vc_compile.kernels import select as tsel
         q = torch.empty(1, 8, 4096, 128, dtype=torch.bfloat16)
         tsel.group_key_mass(q, q, torch.zeros(1, 8, 4096, dtype=torch.int64), torch.zeros(1, 8, 4096),
                             sm_scale=0.1, group_size=128)
     out.append(("group_mass", mass))
 
     def kq():
-        from vc_compile.templates import sparse_attn as tsa
+        from vc_compile.kernels import sparse_attn as tsa
         tsa.quantize_k_fp8(torch.empty(1, 8, 4096, 128, dtype=torch.bfloat16))
     out.append(("quant_k_fp8", kq))
 
     def pd():
-        from vc_compile.templates import pddp as tp
+        from vc_compile.kernels import pddp as tp
         tp.pddp_perm(torch.randn(1, 2, 4096, 128, dtype=torch.bfloat16), 128)
     out.append(("pddp", pd))
     return out
@@ -276,7 +276,7 @@ def aux_cases():
 def sm90_sparse_cases():
     """The Gluon gather kernel: its default per group size, the 8-bit QK variant, the 64-bit offset path."""
     from scripts import codegen_sparse_sm90 as cg
-    from vc_compile.templates import configs as C
+    from vc_compile.kernels import configs as C
     out = []
     for Cg, qk8 in ((64, False), (128, False), (128, True)):
         out.append((f"sm90_sparse_c{Cg}{'_qk8' if qk8 else ''}",
@@ -288,14 +288,14 @@ def anchor_cases():
     """The anchor step's kernels: the 8-bit group-key mass (its defaults per group size, both exponent modes) and
     the radix top-K, the finiteness flags with and without the sampled-row probe, the gather kernel's K quantisers."""
     from scripts import codegen_anchor as ca
-    from vc_compile.templates import configs as C
+    from vc_compile.kernels import configs as C
     out = [(f"mass_c{Cg}_{exp.value}", lambda Cg=Cg, exp=exp: ca.compile_mass(S_MAIN, Cg, C.anchor_mass_default(Cg, exp)))
            for Cg in (64, 128) for exp in (C.ExpMode.SHIFT, C.ExpMode.EXACT)]
     out += [(f"topk_{str(dt)[6:]}", lambda dt=dt: ca.compile_topk(S_MAIN, 128, C.TOPK_DEFAULT, dt))
             for dt in (torch.bfloat16, torch.float32)]
 
     def flags(probe):
-        from vc_compile.templates import finite_flags as tff
+        from vc_compile.kernels import finite_flags as tff
         k = torch.empty(1, 40, S_MAIN, 128, dtype=torch.bfloat16)
         p = (k, torch.empty(1, 40, 16, dtype=torch.int32), 0.1) if probe else None
         f, parts = tff.finite_flags(k, k, p, launch=C.FiniteFlagsConfig())
@@ -304,7 +304,7 @@ def anchor_cases():
     out += [(f"flags_probe{int(p)}", lambda p=p: flags(p)) for p in (False, True)]
 
     def kquant():
-        from vc_compile.templates import sparse_attn as tsa
+        from vc_compile.kernels import sparse_attn as tsa
         tsa.quantize_k_int8_head(torch.empty(1, 40, S_MAIN, 128, dtype=torch.bfloat16))
     out.append(("quant_k_int8_head", kquant))
     return out

@@ -94,7 +94,7 @@ def kernel_stats(k, warps: int) -> dict:
 
 def compile_one(S, C, cfg):
     from vc_compile.formats import n_keep
-    from vc_compile.templates import sparse_attn as tsa
+    from vc_compile.kernels import sparse_attn as tsa
     B, H, D = 1, 40, 128
     G, keep = -(-S // C), n_keep(S, 0.15)
     q = torch.empty(B, H, S, D, dtype=torch.bfloat16)
@@ -121,7 +121,7 @@ def main(argv=None):
     cs._install()
     import dataclasses
 
-    from vc_compile.templates import configs as CF
+    from vc_compile.kernels import configs as CF
     kv_off = None if a.kv_off == "auto" else a.kv_off == "1"
     out = {}
     for C in map(int, a.C.split(",")):

@@ -1,4 +1,4 @@
-"""Compile the Gluon sm_90 gather kernel (``templates/sparse_attn_sm90.py``) for sm_90 WITHOUT a GPU and print,
+"""Compile the Gluon sm_90 gather kernel (``kernels/sparse_attn_sm90.py``) for sm_90 WITHOUT a GPU and print,
 per (C, launch config): registers and spills (ptxas -v), shared memory per CTA and CTAs per H200 SM, whether
 ptxas serialised the wgmmas (C7514 / C7515), and per warp-specialised partition the SASS of its key loop: the
 consumers' loop (the backward branch around an HGMMA: its instruction mix, HGMMAs with a register A operand,
@@ -32,7 +32,7 @@ def _op(t: str) -> str:
 
 def compile_one(S, C, cfg, density=0.15, D=128, flag=True, residual=True, qk8=False):
     from vc_compile.formats import n_keep
-    from vc_compile.templates import sparse_attn_sm90 as g
+    from vc_compile.kernels import sparse_attn_sm90 as g
     B, H = 1, 40
     G, keep = -(-S // C), n_keep(S, density)
     q = torch.empty(B, H, S, D, dtype=torch.bfloat16)
@@ -166,9 +166,9 @@ def main(argv=None):
     p.add_argument("--dump", default=None, help="write PREFIX_c<C>_<cfg>.ttgir/.ptx/.sass")
     a = p.parse_args(argv)
     cs._install()
-    from vc_compile.templates import configs as CF
+    from vc_compile.kernels import configs as CF
     if a.off64:
-        from vc_compile.templates import sparse_attn_sm90 as g
+        from vc_compile.kernels import sparse_attn_sm90 as g
         g.needs_64bit_offsets = lambda *extents: True
     out = {}
     for C in map(int, a.C.split(",")):

@@ -1,7 +1,7 @@
 """Compile the Q/K preprocessing kernels for sm_90 on a machine WITHOUT a GPU and print what the code
 does per kernel: registers and spills (ptxas -v), layout conversions (TTGIR), global loads/stores by width
 (PTX). Used to find why the RoPE prologue was 10x slower than the no-RoPE path (scalar loads, 243
-registers; see the NOTE in vc_compile/templates/preprocess.py) and by tests/test_rope_fuse.py to keep it so.
+registers; see the NOTE in vc_compile/kernels/preprocess.py) and by tests/test_rope_fuse.py to keep it so.
 
     python3 -m scripts.codegen_stats [--S 32760] [--form interleaved|rotate-half] [--full] [--json]
         [--dump PREFIX]
@@ -29,12 +29,12 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 def _tool(name: str) -> str:
     """The path of the CUDA tool our sm_90 kernels are built with: the package's choice of ptxas
-    (``templates/compat.sm90_ptxas``: Triton 3.9's bundled CUDA 12 one), else Triton's own for sm_90."""
+    (``kernels/compat.sm90_ptxas``: Triton 3.9's bundled CUDA 12 one), else Triton's own for sm_90."""
     from triton import knobs
     if name == "ptxas":
         from triton.backends.nvidia.compiler import get_ptxas
 
-        from vc_compile.templates.compat import sm90_ptxas
+        from vc_compile.kernels.compat import sm90_ptxas
         return sm90_ptxas() or get_ptxas(90).path
     return getattr(knobs.nvidia, name).path
 
@@ -67,7 +67,7 @@ def _install():
         k = orig(self, *a, grid=grid, warmup=True, **kw)
         COMPILED.append((self.fn.__name__, k))
         return k
-    run.__wrapped__ = orig  # Triton's own launch path, as templates/launch.py reads it
+    run.__wrapped__ = orig  # Triton's own launch path, as kernels/launch.py reads it
     JITFunction.run = run
 
 
@@ -109,7 +109,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     _install()
     from vc_compile import formats
-    from vc_compile.templates import preprocess as tpre
+    from vc_compile.kernels import preprocess as tpre
     H, D, S = 40, 128, a.S
     q = torch.empty(1, S, H, D, dtype=torch.bfloat16)
     k = torch.empty(1, S, H, D, dtype=torch.bfloat16)

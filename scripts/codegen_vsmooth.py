@@ -1,4 +1,4 @@
-"""Compile the Gluon sm_90 V-Smooth kernel (``templates/vsmooth_attn_sm90.py``) for sm_90 WITHOUT a GPU and
+"""Compile the Gluon sm_90 V-Smooth kernel (``kernels/vsmooth_attn_sm90.py``) for sm_90 WITHOUT a GPU and
 print per variant: registers and spills (ptxas -v), shared memory and CTAs per H200 SM, and how the key
 loop overlaps the MMAs with the softmax. Shared-memory P~ (the default): the SASS between the loop's
 ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (S_j ready, PV_{j-1} still running) and its ``0x0`` wait (PV_{j-1} done)
@@ -25,7 +25,7 @@ from scripts import codegen_stats as cs
 
 import torch  # noqa: E402  (after codegen_stats)
 
-from vc_compile.templates.configs import (MeanTerm, POperand, RowSum, VSmoothSm90Config,  # noqa: E402
+from vc_compile.kernels.configs import (MeanTerm, POperand, RowSum, VSmoothSm90Config,  # noqa: E402
                                           vsmooth_sm90_default)
 
 _REG = dict(p_operand=POperand.REGISTERS)
@@ -49,7 +49,7 @@ VARIANTS = {  # name: (head dim, expcast, mean, launch config: None = the kernel
 
 def compile_one(S, D, expcast, mean, config=None):
     from vc_compile.formats import QKQuant, VQuant
-    from vc_compile.templates import vsmooth_attn_sm90 as g
+    from vc_compile.kernels import vsmooth_attn_sm90 as g
     B, H, S_pad = 1, 40, -(-S // 128) * 128
     q8 = torch.empty(B, H, S, D, dtype=torch.int8)
     vm = torch.empty(B, H, S_pad // 128, D)

@@ -20,7 +20,7 @@ Methods (``--methods``; all plain-PyTorch emulations, any device; bf16 output li
 sage2 (SageAttention2 sm_90, Q smoothing on), sage2_noq (the released sm_90 INT8 path: no Q smoothing), naive8
 (exp2 + cast, per-channel FP8 V, identity order), vsmooth (exp2 + cast, k-means order, block means),
 expcast (mode 3 as shipped), and the variants under study (``METHODS`` below). ``--kernel`` (CUDA): also the
-shipped kernels (vc_compile.templates) on the same rows, to confirm the emulation on the H200.
+shipped kernels (vc_compile.kernels) on the same rows, to confirm the emulation on the H200.
 ``--csv`` appends one row per (family, S, method) to benchmarks/results/fidelity_decompose.csv;
 ``--summarize CSV [--commit C]`` prints the tables of docs/fidelity_notes.md from such a file.
 """
@@ -119,8 +119,8 @@ METHODS = {
 
 def kernel_rows(case, method):
     """The shipped kernels (CUDA) on the case, for --kernel: output rows [B, H, n, D] fp32 or None."""
-    from vc_compile.templates import preprocess as tpre
-    from vc_compile.templates import vsmooth_attn as tattn
+    from vc_compile.kernels import preprocess as tpre
+    from vc_compile.kernels import vsmooth_attn as tattn
 
     if method not in ("naive8", "vsmooth", "expcast"):
         return None

@@ -5,7 +5,7 @@
 Per call, host (CPU) microseconds, the median of 5 rounds of ``--n`` back-to-back calls (the GPU work of each is
 a few microseconds, so the launch queue never blocks the host):
 * ``triton_jit``: an empty Triton kernel (one pointer, two ints) through ``kernel[grid](...)``, the JIT binder;
-* ``triton_run``: the same compiled kernel through ``CompiledKernel.run`` (the path ``templates/launch.py``'s
+* ``triton_run``: the same compiled kernel through ``CompiledKernel.run`` (the path ``kernels/launch.py``'s
   ``FAST_LAUNCH`` takes after a call site's first launch);
 * ``torch_empty``: ``torch.empty`` of 1 MiB on the GPU (the caching allocator's hit path);
 * ``custom_op``: a ``torch.library.custom_op`` that returns ``torch.empty_like`` of its input, called through

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from benchmarks.bench_vsmooth_attn import make_inputs
-from vc_compile.templates import dispatch
+from vc_compile.kernels import dispatch
 
 
 def main(argv=None):

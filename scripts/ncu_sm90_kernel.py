@@ -32,8 +32,8 @@ def main():
         if fn is None:
             raise SystemExit("fa3-fwd is not installed")
     else:
-        from vc_compile.templates.configs import vsmooth_sm90_default
-        from vc_compile.templates.vsmooth_attn_sm90 import vsmooth_attention_sm90
+        from vc_compile.kernels.configs import vsmooth_sm90_default
+        from vc_compile.kernels.vsmooth_attn_sm90 import vsmooth_attention_sm90
         ec = a.mode == "expcast"
         g = torch.Generator(device="cuda").manual_seed(3)
         perm = torch.stack([torch.randperm(a.S, device="cuda", generator=g) for _ in range(a.H)]).view(1, a.H, a.S)

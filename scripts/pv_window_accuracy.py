@@ -15,8 +15,8 @@ import dataclasses
 
 import torch
 
-from vc_compile.templates import vsmooth_attn_sm90 as g
-from vc_compile.templates.configs import VSmoothSm90Config
+from vc_compile.kernels import vsmooth_attn_sm90 as g
+from vc_compile.kernels.configs import VSmoothSm90Config
 
 
 def main(argv=None):

@@ -41,7 +41,7 @@ def version(python: str) -> str:
 
 
 # a build of the ExpCast kernel's byte-mask clamp that spills more than this is replaced at run time by its FMNMX
-# build (vc_compile/templates/vsmooth_attn_sm90.py, BytemaskGuard's default limit); its case is the kernel's name
+# build (vc_compile/kernels/vsmooth_attn_sm90.py, BytemaskGuard's default limit); its case is the kernel's name
 # with codegen_fingerprint.FMNMX before the '#'
 GUARD_LIMIT = 64
 FMNMX = "_fmnmx"

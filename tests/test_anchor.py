@@ -9,7 +9,7 @@ from vc_compile.formats import n_keep
 from vc_compile.methods.anchor import AnchorConfig, anchor_step
 from vc_compile.reference import kmeans as RK
 from vc_compile.reference.dense import dense_attention_lse
-from vc_compile.templates.dispatch import Impl
+from vc_compile.kernels.dispatch import Impl
 
 DEV = KERNEL_DEVICE
 
@@ -107,7 +107,7 @@ def test_mcsparse_cheap_anchor_argument():
     from vc_compile.config import VCConfig
     from vc_compile.methods import mcsparse as M
     from vc_compile.methods.phase import Phase
-    from vc_compile.templates import dispatch
+    from vc_compile.kernels import dispatch
 
     S, D = 300, 64
     q, k, v, _, _ = inputs(S, D)
@@ -135,10 +135,10 @@ def test_mcsparse_cheap_anchor_argument():
 
 
 def test_dispatch_launch_rules():
-    """The anchor kernels' launch configs (templates/configs.py): validated, JSON round trip, the default per group
+    """The anchor kernels' launch configs (kernels/configs.py): validated, JSON round trip, the default per group
     size; dispatch refuses a launch config for the reference and a launch whose exp contradicts the call's."""
-    from vc_compile.templates import configs as KC
-    from vc_compile.templates import dispatch
+    from vc_compile.kernels import configs as KC
+    from vc_compile.kernels import dispatch
 
     assert KC.anchor_mass_default(64).groups_per_program == 4 and KC.anchor_mass_default(128).groups_per_program == 1
     for c in (KC.AnchorMassConfig(groups_per_program=1, exp="exact"), KC.TopKConfig(block=256, digit=4)):

@@ -1,4 +1,4 @@
-"""Pass 2 on the 8-bit codes (templates/anchor_mass.py) against reference/anchor_mass.py, and the
+"""Pass 2 on the 8-bit codes (kernels/anchor_mass.py) against reference/anchor_mass.py, and the
 reference itself against fp64 truth (the "shift" exp, its centring BETA, selection overlap)."""
 import math
 
@@ -11,8 +11,8 @@ from vc_compile.formats import n_keep
 from vc_compile.reference import anchor_mass as RA
 from vc_compile.reference import preprocess as P
 from vc_compile.reference.topk import select_topk as ref_topk
-from vc_compile.templates import anchor_mass as TA
-from vc_compile.templates import configs as KC
+from vc_compile.kernels import anchor_mass as TA
+from vc_compile.kernels import configs as KC
 
 DEV = KERNEL_DEVICE
 

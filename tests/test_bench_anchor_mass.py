@@ -3,7 +3,7 @@ invalid spec stops the benchmark with a message that names the option and the ex
 import pytest
 
 from benchmarks.bench_anchor_mass import parse_mass_configs, parse_topk_configs
-from vc_compile.templates import configs as KC
+from vc_compile.kernels import configs as KC
 
 
 def test_launch_specs_parse():

@@ -130,7 +130,7 @@ def test_group_size_default_has_one_source():
     with open(f"{SHIPPED_DIR}/shipped_sm90.json") as f:
         assert any(f"-c{C}-" in key for key in json.load(f)["sparse_attn"])
     # the head dims rewritten by default are the ones the 8-bit kernels take
-    from vc_compile.templates.configs import VSMOOTH_HEAD_DIMS
+    from vc_compile.kernels.configs import VSMOOTH_HEAD_DIMS
     assert VCConfig().head_dims == VSMOOTH_HEAD_DIMS
 
 

@@ -1,4 +1,4 @@
-"""templates/dispatch.py's kernel table (``KERNELS``): every kernel module is a row, and what follows from the
+"""kernels/dispatch.py's kernel table (``KERNELS``): every kernel module is a row, and what follows from the
 rows (import check, tuning sources, tuning classes, the report's labels) stays consistent with them."""
 import ast
 import importlib
@@ -8,8 +8,8 @@ import pathlib
 import pytest
 import torch
 
-from vc_compile.templates import configs as C
-from vc_compile.templates import dispatch
+from vc_compile.kernels import configs as C
+from vc_compile.kernels import dispatch
 
 TEMPLATES = pathlib.Path(dispatch.__file__).parent
 # helper modules of the kernels (jit helpers, the Gluon kernel's parts, configs, dispatch itself): no rows
@@ -55,7 +55,7 @@ def test_triton_error_imports_every_row_and_names_the_failure(monkeypatch):
 
     def fake(name, *a, **kw):
         seen.append(name)
-        if name == "vc_compile.templates.topk":
+        if name == "vc_compile.kernels.topk":
             raise ImportError("no module named 'triton'")
         return real(name, *a, **kw)
     monkeypatch.setattr(importlib, "import_module", fake)
@@ -64,11 +64,11 @@ def test_triton_error_imports_every_row_and_names_the_failure(monkeypatch):
     finally:
         dispatch.triton_error.cache_clear()
     assert err == "ImportError: no module named 'triton'"
-    rows = [f"vc_compile.templates.{r.module}" for r in dispatch.KERNELS.values() if r.core]
-    assert seen == rows[:rows.index("vc_compile.templates.topk") + 1]  # in table order, up to the failure
+    rows = [f"vc_compile.kernels.{r.module}" for r in dispatch.KERNELS.values() if r.core]
+    assert seen == rows[:rows.index("vc_compile.kernels.topk") + 1]  # in table order, up to the failure
     # the Gluon kernels are not part of the check: a Triton without Gluon keeps the Triton kernels
     assert {r.name for r in dispatch.KERNELS.values() if not r.core} == {"vsmooth_attn_sm90", "sparse_attn_sm90"}
-    assert "vc_compile.templates.vsmooth_attn_sm90" not in seen
+    assert "vc_compile.kernels.vsmooth_attn_sm90" not in seen
 
 
 def test_untuned_kernels_have_no_tuning():

@@ -1,4 +1,4 @@
-"""Non-finite flags and the guard's probe rows (templates/finite_flags.py vs reference/finite_flags.py), and
+"""Non-finite flags and the guard's probe rows (kernels/finite_flags.py vs reference/finite_flags.py), and
 the regression test that NaN/Inf on every MC-Sparse phase propagates as SDPA does.
 
 SDPA's pattern (fp32 math, checked in ``test_sdpa_pattern``): a NaN key -> its whole head; a +-Inf key ->
@@ -16,13 +16,13 @@ import vc_compile
 from vc_compile.config import VCConfig
 from vc_compile.reference import finite_flags as ref
 from vc_compile.runtime import report as _report
-from vc_compile.templates import dispatch
+from vc_compile.kernels import dispatch
 
 BAD = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
 def _tpl():
-    from vc_compile.templates import finite_flags as tpl
+    from vc_compile.kernels import finite_flags as tpl
 
     return tpl
 
@@ -100,7 +100,7 @@ def test_probe_rows_and_error_match_reference(S, D, dtype):
 def test_flags_launch_configs():
     """Other launch configs (block_n, strip sizing: one program per 32-key strip vs the whole head) give the same
     flags and probe partials combining to the same rows; a bad config is refused by name."""
-    from vc_compile.templates.configs import FiniteFlagsConfig
+    from vc_compile.kernels.configs import FiniteFlagsConfig
 
     g = torch.Generator().manual_seed(2)
     B, H, S, D, R = 1, 2, 130, 64, 16

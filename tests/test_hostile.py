@@ -26,7 +26,7 @@ Fixed limit (regression tests): INT8 Q scales per 128 tokens let a query 100x th
 flatten their logits (0.25-0.43); Q scales are now per token.
 
 Kernel variants (``kernels="triton"``, TRITON_INTERPRET=1 on CPU) run a subset of the cases and skip with
-the reason while a ``vc_compile/templates`` module is missing or fails to import.
+the reason while a ``vc_compile/kernels`` module is missing or fails to import.
 """
 import contextlib
 import importlib.util
@@ -45,7 +45,7 @@ from vc_compile import methods
 from vc_compile.config import VCConfig, VCConfigError
 from vc_compile.runtime import report as _report
 from vc_compile.runtime import state
-from vc_compile.templates import dispatch
+from vc_compile.kernels import dispatch
 
 U = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 TOL_8BIT = 0.08
@@ -131,7 +131,7 @@ def assert_method_ok(name, outs, q, k, v, scale=None, kernels="reference"):
         assert e <= t, f"{name} ({kernels}) step {i}: per-head relative error {e:.4f} > tolerance {t:.4f}"
 
 
-def templates_skip(name):
+def kernels_skip(name):
     """pytest.skip with the reason when the Triton kernels of this method cannot be loaded."""
     method = METHODS[name]["method"]
     if method == "dense":
@@ -145,7 +145,7 @@ def kernels_param(name, kernels):
     """The device of this variant: KERNEL_DEVICE (cuda, or cpu under TRITON_INTERPRET=1) for the Triton
     kernels, after skipping when they cannot be loaded; cpu for the reference."""
     if kernels == "triton":
-        templates_skip(name)
+        kernels_skip(name)
         return KERNEL_DEVICE
     return "cpu"
 
@@ -473,7 +473,7 @@ NONFINITE_KERNEL_CASES = [(n, w, ("nan" if (i + j) % 2 == 0 else "-inf" if w == 
 
 @pytest.mark.parametrize("name,which,bad", NONFINITE_KERNEL_CASES)
 def test_nonfinite_element_kernels(name, which, bad):
-    """Regression (8-bit kernels, was an xfail): templates/preprocess.py dropped NaN (tl.max / atomic_max
+    """Regression (8-bit kernels, was an xfail): kernels/preprocess.py dropped NaN (tl.max / atomic_max
     ignore it), so a NaN in q/k/v gave a finite wrong result where SDPA gives NaN. Now a non-finite
     input makes its scale NaN: q row -> that row, K -> the head, V channel -> that column (SDPA's
     pattern; +-Inf K: the whole head, where SDPA has NaN on the rows whose logit is +Inf)."""
@@ -896,11 +896,11 @@ def test_without_triton_falls_back_with_a_warning(monkeypatch):
     the import error; kernels='triton' is a clear error."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setitem(sys.modules, "triton", None)
-    pkg = sys.modules["vc_compile.templates"]
+    pkg = sys.modules["vc_compile.kernels"]
     for name in list(sys.modules):
-        if name.startswith("vc_compile.templates."):
+        if name.startswith("vc_compile.kernels."):
             monkeypatch.delitem(sys.modules, name)
-            # also the package's attribute: `from vc_compile.templates import kmeans` returns it without an
+            # also the package's attribute: `from vc_compile.kernels import kmeans` returns it without an
             # import once an earlier test imported the kernels (test order must not matter)
             monkeypatch.delattr(pkg, name.rsplit(".", 1)[1], raising=False)
     with fresh_resolve_caches():

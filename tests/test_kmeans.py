@@ -1,4 +1,4 @@
-"""Triton k-means (``templates/kmeans.py``) against the reference (``reference/kmeans.py``).
+"""Triton k-means (``kernels/kmeans.py``) against the reference (``reference/kmeans.py``).
 
 Labels: the kernel's distances use ``x . (c_hi + c_lo)`` (two 16-bit MMAs, ~2^-17 relative) instead of
 the reference's fp32 matmul, so a label may differ only where two centroids are within that rounding of
@@ -12,7 +12,7 @@ import torch
 from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile import torch_ops
 from vc_compile.reference import kmeans as ref
-from vc_compile.templates import kmeans as tpl
+from vc_compile.kernels import kmeans as tpl
 
 
 def clustered(B, H, S, D, K, dtype, device=KERNEL_DEVICE, seed=0, noise=0.7):

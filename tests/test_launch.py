@@ -1,4 +1,4 @@
-"""The remembered launch (templates/launch.py): a later launch hands the compiled kernel's launcher exactly the
+"""The remembered launch (kernels/launch.py): a later launch hands the compiled kernel's launcher exactly the
 arguments Triton's binder would have handed it, for the real kernels; it steps aside where it cannot be sure."""
 from conftest import requires_cuda
 from offline_sm90 import result_line
@@ -12,9 +12,9 @@ from triton.runtime import driver
 from scripts import codegen_stats as cs
 driver.set_active(cs._FakeDriver())
 from triton.runtime.jit import JITFunction
-from vc_compile.templates import preprocess as tpre, vsmooth_attn_sm90 as tv, sparse_attn_sm90 as tsp
-from vc_compile.templates.configs import vsmooth_sm90_default
-from vc_compile.templates.launch import FAST_LAUNCH
+from vc_compile.kernels import preprocess as tpre, vsmooth_attn_sm90 as tv, sparse_attn_sm90 as tsp
+from vc_compile.kernels.configs import vsmooth_sm90_default
+from vc_compile.kernels.launch import FAST_LAUNCH
 from triton import knobs
 knobs.runtime.launch_enter_hook = None  # the binder's path would build launch metadata (a loaded kernel) for a chain
 
@@ -25,7 +25,7 @@ def run(self, *a, grid, warmup, **kw):  # build (never launch), then record what
     if k._run is None:
         k._run = lambda *args: seen.append(args)
     return orig(self, *a, grid=grid, warmup=False, **kw)
-run.__wrapped__ = orig  # Triton's launch path, as templates/launch.py reads it
+run.__wrapped__ = orig  # Triton's launch path, as kernels/launch.py reads it
 JITFunction.run = run
 
 INPUTS = set()  # ids of the tensors a call is given: handed over as themselves; the call's own allocations differ
@@ -90,7 +90,7 @@ def test_the_remembered_launch_steps_aside_where_it_cannot_be_sure(monkeypatch):
     """Under the interpreter, with a launch hook, or with a pre-run hook, every launch takes the binder."""
     import triton
 
-    from vc_compile.templates import launch as L
+    from vc_compile.kernels import launch as L
 
     fl = L.FastLaunch()
 
@@ -122,9 +122,9 @@ def test_gpu_remembered_launches_give_the_same_bits():
     the same bits, and the later calls did skip the binder."""
     import torch
 
-    from vc_compile.templates import dispatch
-    from vc_compile.templates import sparse_attn_sm90 as tsp
-    from vc_compile.templates.launch import FAST_LAUNCH
+    from vc_compile.kernels import dispatch
+    from vc_compile.kernels import sparse_attn_sm90 as tsp
+    from vc_compile.kernels.launch import FAST_LAUNCH
 
     T = dispatch.Impl.TRITON
     B, H, S, D = 1, 3, 4173, 128
@@ -158,7 +158,7 @@ def test_report_says_how_kernels_were_launched(monkeypatch):
     """``report()`` counts remembered launches and launches through the binder, and says why none is remembered
     where the path is off (here: the CPU interpreter, or a Triton other than 3.6)."""
     import vc_compile
-    from vc_compile.templates import launch as L
+    from vc_compile.kernels import launch as L
 
     fl = L.FastLaunch()
     monkeypatch.setattr(L, "FAST_LAUNCH", fl)
@@ -182,7 +182,7 @@ def test_a_launch_that_is_not_a_jit_functions_is_never_remembered(monkeypatch):
     compiled kernel, goes through its own path every time: nothing is remembered, nothing fails."""
     import types
 
-    from vc_compile.templates import launch as L
+    from vc_compile.kernels import launch as L
 
     fl = L.FastLaunch()
     monkeypatch.setattr(L, "interpreting", lambda: False)

@@ -2,9 +2,9 @@
 
 * ``vc_compile/formats.py`` (tile and numeric constants, quantised-tensor records, layouts) and
   ``vc_compile/torch_ops.py`` (plain-torch steps run on every device) import neither layer below.
-* Kernels (``templates/``) never import ``reference/`` and references never import ``templates/``: the oracle
+* Kernels (``kernels/``) never import ``reference/`` and references never import ``kernels/``: the oracle
   does not share code with what it checks, only the formats both implement.
-* No production module imports ``reference/`` except ``templates/dispatch.py``, whose REFERENCE branches are
+* No production module imports ``reference/`` except ``kernels/dispatch.py``, whose REFERENCE branches are
   the CPU path.
 * Every name of formats.py is defined there and nowhere else in the package (one BLOCK_V).
 """
@@ -16,7 +16,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "vc_compile"
 SHARED = ("formats.py", "torch_ops.py")
 # chooses the implementation per call: its REFERENCE branches are the CPU path and run the oracle
-DISPATCH = PKG / "templates" / "dispatch.py"
+DISPATCH = PKG / "kernels" / "dispatch.py"
 
 
 def module_name(path: Path) -> str:
@@ -59,12 +59,12 @@ def test_the_scanner_sees_relative_and_lazy_imports(tmp_path):
     f = tmp_path / "probe.py"
     f.write_text("from . import configs\n"
                  "def f():\n    from ..reference import quant\n    import vc_compile.reference.select as s\n")
-    mods = [m for _, m in imported_modules(f, "vc_compile.templates.probe")]
-    assert {"vc_compile.templates.configs", "vc_compile.reference.quant", "vc_compile.reference.select"} <= set(mods)
+    mods = [m for _, m in imported_modules(f, "vc_compile.kernels.probe")]
+    assert {"vc_compile.kernels.configs", "vc_compile.reference.quant", "vc_compile.reference.select"} <= set(mods)
 
 
 def test_kernels_do_not_import_references():
-    kernels = [p for p in sorted((PKG / "templates").glob("*.py")) if p != DISPATCH]
+    kernels = [p for p in sorted((PKG / "kernels").glob("*.py")) if p != DISPATCH]
     assert len(kernels) > 10
     assert offenders(kernels, "vc_compile.reference") == []
 
@@ -72,13 +72,13 @@ def test_kernels_do_not_import_references():
 def test_references_do_not_import_kernels():
     refs = sorted((PKG / "reference").glob("*.py"))
     assert len(refs) > 10
-    assert offenders(refs, "vc_compile.templates") == []
+    assert offenders(refs, "vc_compile.kernels") == []
 
 
 @pytest.mark.parametrize("name", SHARED)
 def test_shared_formats_import_no_layer(name):
     path = PKG / name
-    bad = offenders([path], "vc_compile.reference") + offenders([path], "vc_compile.templates")
+    bad = offenders([path], "vc_compile.reference") + offenders([path], "vc_compile.kernels")
     bad += offenders([path], "triton")  # importable without Triton: the references run on any machine
     if name == "formats.py":
         bad += offenders([path], "vc_compile.torch_ops")

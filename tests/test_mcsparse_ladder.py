@@ -19,7 +19,7 @@ from vc_compile.methods import Phase
 from vc_compile.methods import mcsparse as M
 from vc_compile.reference import select as R
 from vc_compile.reference.dense import dense_attention_lse
-from vc_compile.templates import dispatch
+from vc_compile.kernels import dispatch
 
 DEV = KERNEL_DEVICE
 BLK = formats.KV_TILE

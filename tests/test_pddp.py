@@ -1,10 +1,10 @@
-"""Fast PDDP grouping (templates/pddp.py) against reference/pddp.py."""
+"""Fast PDDP grouping (kernels/pddp.py) against reference/pddp.py."""
 import pytest
 import torch
 
 from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile.reference.pddp import pddp_perm as ref_pddp
-from vc_compile.templates.pddp import pddp_perm
+from vc_compile.kernels.pddp import pddp_perm
 
 DEV = KERNEL_DEVICE
 

@@ -315,7 +315,7 @@ import torch
 from triton import knobs
 cs._install()
 from vc_compile.runtime import prebuild
-from vc_compile.templates import preprocess as tpre
+from vc_compile.kernels import preprocess as tpre
 q = torch.empty(1, 1000, 2, 64, dtype=torch.bfloat16).permute(0, 2, 1, 3)
 perm = torch.empty(1, 2, 1000, dtype=torch.int64)
 call = lambda: tpre.preprocess(q, q, q, perm, sm_scale=0.1, hadamard=True, qk_format="int8", v_layout="sm90")

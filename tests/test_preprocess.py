@@ -1,4 +1,4 @@
-"""Triton preprocessing (``templates/preprocess.py``) against the reference (``reference/preprocess.py``).
+"""Triton preprocessing (``kernels/preprocess.py``) against the reference (``reference/preprocess.py``).
 
 Inputs are permuted views of [B, S, H, D] tensors (the model's layout), structured (channel-biased K,
 clustered V with token outliers), with S not a multiple of the 128/64-token blocks.
@@ -18,8 +18,8 @@ import torch
 from conftest import KERNEL_DEVICE, requires_cuda, pinned_codegen
 from vc_compile import formats
 from vc_compile.reference import preprocess as ref
-from vc_compile.templates import preprocess as tpl
-from vc_compile.templates.configs import PreprocessConfig
+from vc_compile.kernels import preprocess as tpl
+from vc_compile.kernels.configs import PreprocessConfig
 
 FP8 = torch.float8_e4m3fn
 # Code-for-code only against the CPU reference: on CUDA, torch divides by a Python scalar as a multiply
@@ -221,7 +221,7 @@ def test_default_launch_compiles_for_sm90():
 from scripts import codegen_stats as cs
 import torch
 cs._install()
-from vc_compile.templates import preprocess as tpre
+from vc_compile.kernels import preprocess as tpre
 for D in (64, 128):
     q = torch.empty(1, 1000, 2, D, dtype=torch.bfloat16).permute(0, 2, 1, 3)
     perm = torch.empty(1, 2, 1000, dtype=torch.int64)
@@ -261,13 +261,13 @@ def test_pass2_spills_no_more_with_many_splits():
 from scripts import codegen_stats as cs
 import torch
 cs._install()
-from vc_compile.templates import preprocess as tpre
+from vc_compile.kernels import preprocess as tpre
 q = torch.empty(1, 8192, 12, 128, dtype=torch.bfloat16).permute(0, 2, 1, 3)
 tpre.preprocess(q, q, q, torch.empty(1, 12, 8192, dtype=torch.int64), sm_scale=0.1, v_layout="sm90")
 for n, k in cs.COMPILED:
     st = cs.stats(k)
     print("STATS", n, st["registers"], st["spill_bytes"])
-from vc_compile.templates.configs import PreprocessConfig
+from vc_compile.kernels.configs import PreprocessConfig
 cs.COMPILED.clear()
 q = torch.empty(1, 32760, 40, 128, dtype=torch.bfloat16).permute(0, 2, 1, 3)
 tpre.preprocess(q, q, q, torch.empty(1, 40, 32760, dtype=torch.int64), sm_scale=0.1, v_layout="sm90",
@@ -526,7 +526,7 @@ def test_a_replayed_call_equals_a_computed_one(case, monkeypatch):
 def test_no_replay_with_the_remembered_launches_off(monkeypatch):
     """``FAST_LAUNCH.enabled = False`` (the host-time A/B of bench_op_overhead --ab-launch) also turns the recorded
     preprocessing off: every call is computed."""
-    from vc_compile.templates.launch import FAST_LAUNCH
+    from vc_compile.kernels.launch import FAST_LAUNCH
 
     B, H, S, D = 1, 2, 200, 64
     q, k, v = make_qkv(B, H, S, D, torch.bfloat16)

@@ -85,9 +85,9 @@ def run(self, *a, grid, warmup, **kw):
     if k._run is None:
         k._run = Launcher(k)
     return orig(self, *a, grid=grid, warmup=False, **kw)
-run.__wrapped__ = orig  # Triton's launch path, as templates/launch.py reads it
+run.__wrapped__ = orig  # Triton's launch path, as kernels/launch.py reads it
 JITFunction.run = run
-from vc_compile.templates import dispatch
+from vc_compile.kernels import dispatch
 dispatch._on_sm90 = lambda device: True  # CPU tensors stand for an sm_90 GPU's
 from vc_compile import VCConfig
 from vc_compile.methods import Phase, vsmooth as VS
@@ -223,7 +223,7 @@ def test_gpu_recorded_reuse_steps_give_the_normal_paths_bits(opts):
     ones through the site's lane (its decisions kept, ops._Lane)."""
     import vc_compile
     from vc_compile.ops import PROGRAMS
-    from vc_compile.templates.launch import FAST_LAUNCH
+    from vc_compile.kernels.launch import FAST_LAUNCH
 
     B, H, S, D = 1, 4, 3000, 128
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -1,4 +1,4 @@
-"""Prologue fusion (passes/rope_fuse.py, the RoPE prologue of templates/preprocess.py,
+"""Prologue fusion (passes/rope_fuse.py, the RoPE prologue of kernels/preprocess.py,
 formats.py / torch_ops.apply_rope).
 
 Models compile through ``backend="vcattn"`` with method vsmooth (compiler "eager", head dim 64) twice:
@@ -352,7 +352,7 @@ CASES = [  # form, layout, pair table, D, dtype, S, token range, hadamard
 
 @pytest.mark.parametrize("form,layout,pair,D,dtype,S,toks,hadamard", CASES)
 def test_kernel_prologue_matches_reference(form, layout, pair, D, dtype, S, toks, hadamard):
-    from vc_compile.templates import preprocess as tpl
+    from vc_compile.kernels import preprocess as tpl
     B, H = 1, 2
     g = torch.Generator().manual_seed(0)
     shape = {"BSHD": (B, S, H, D), "BHSD": (B, H, S, D), "BSC": (B, S, H * D)}[layout]
@@ -477,7 +477,7 @@ def test_uuid_covers_sources_and_options(monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("form,pair", [("interleaved", True), ("interleaved", False), ("rotate-half", False)])
 def test_gpu_prologue_matches_reference(form, pair):
-    from vc_compile.templates import preprocess as tpl
+    from vc_compile.kernels import preprocess as tpl
     B, H, S, D = 1, 4, 4173, 128
     q = torch.randn(B, S, H, D, device="cuda").bfloat16()
     k = (torch.randn(B, S, H, D, device="cuda") + 3.0).bfloat16()
@@ -524,8 +524,8 @@ def test_kernel_packed_pairs_equal_unpacked(monkeypatch, dtype, fmt, pair, toks)
     tables as [R, D/2] or pair words) gives the same codes and scales as the [R, D] path, non-finite
     inputs included. FP8 codes never take it: on the H200 its FP8 codes were wrong in whole channels
     (regression: these FP8 cases failed there with the packed path)."""
-    from vc_compile.templates import preprocess as tpl
-    from vc_compile.templates.configs import PreprocessConfig
+    from vc_compile.kernels import preprocess as tpl
+    from vc_compile.kernels.configs import PreprocessConfig
     B, H, S, D = 1, 2, 90, 64
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, S, H, D, generator=g).to(dtype)

@@ -1,4 +1,4 @@
-"""Anchor-step selection (templates/select.py) against reference/select.py and brute force."""
+"""Anchor-step selection (kernels/select.py) against reference/select.py and brute force."""
 import pytest
 import torch
 
@@ -8,8 +8,8 @@ from vc_compile.formats import LOG2E, n_keep
 from vc_compile.methods import mcsparse as M
 from vc_compile.reference import select as R
 from vc_compile.reference.dense import dense_attention_lse
-from vc_compile.templates import dispatch
-from vc_compile.templates.select import dense_with_lse, group_key_mass
+from vc_compile.kernels import dispatch
+from vc_compile.kernels.select import dense_with_lse, group_key_mass
 from vc_compile.torch_ops import select_topk
 
 DEV = KERNEL_DEVICE

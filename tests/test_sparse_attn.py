@@ -1,4 +1,4 @@
-"""Token-gather sparse attention kernel (templates/sparse_attn.py) against reference/sparse_attn.py and
+"""Token-gather sparse attention kernel (kernels/sparse_attn.py) against reference/sparse_attn.py and
 reference/sparse_attn_q8.py. CPU: Triton interpreter, small shapes; GPU: larger S (requires_cuda)."""
 import pytest
 import torch
@@ -8,11 +8,11 @@ from vc_compile.formats import FP8_DTYPE, n_keep
 from vc_compile.reference.dense import dense_attention_lse
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse
 from vc_compile.reference.sparse_attn_q8 import quantize_k_tokens, sparse_attention_q8
-from vc_compile.templates import configs as C
-from vc_compile.templates import dispatch
-from vc_compile.templates import sparse_attn as tsa
-from vc_compile.templates.configs import SparseAttnConfig
-from vc_compile.templates.sparse_attn import quantize_k_fp8
+from vc_compile.kernels import configs as C
+from vc_compile.kernels import dispatch
+from vc_compile.kernels import sparse_attn as tsa
+from vc_compile.kernels.configs import SparseAttnConfig
+from vc_compile.kernels.sparse_attn import quantize_k_fp8
 
 DEV = KERNEL_DEVICE
 

@@ -1,4 +1,4 @@
-"""The Gluon sm_90 gather kernel (``templates/sparse_attn_sm90.py``; not used by any default).
+"""The Gluon sm_90 gather kernel (``kernels/sparse_attn_sm90.py``; not used by any default).
 
 On CPU: it compiles for sm_90 offline (``scripts/codegen_sparse_sm90.py``) without spills, with the wgmmas not
 serialised by ptxas, PV taking P from registers and QK from shared memory in the consumers' key loop, and the
@@ -25,8 +25,8 @@ from test_sparse_attn import TOL, make_inputs, rel_l2
 from test_vsmooth_attn_sm90 import requires_sm90
 from vc_compile.formats import n_keep
 from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse
-from vc_compile.templates import configs as CF
-from vc_compile.templates.configs import SparseAttnSm90Config
+from vc_compile.kernels import configs as CF
+from vc_compile.kernels.configs import SparseAttnSm90Config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -143,7 +143,7 @@ def _args(S=200, D=128, DV=128, C=128, dtype=torch.bfloat16, keep=50):
 
 
 def test_bad_arguments():
-    from vc_compile.templates.sparse_attn_sm90 import sparse_attention_sm90 as f
+    from vc_compile.kernels.sparse_attn_sm90 import sparse_attention_sm90 as f
     q, k, v, sig, idx = _args()
     for kw in (dict(group_size=32), dict(group_size=256), dict(launch=CF.SparseAttnConfig())):
         with pytest.raises((ValueError, TypeError)):
@@ -174,12 +174,12 @@ def test_bad_arguments():
 
 # ---- on an sm_90 GPU ---------------------------------------------------------------------------------------
 def _gluon(*a, **kw):
-    from vc_compile.templates.sparse_attn_sm90 import sparse_attention_sm90
+    from vc_compile.kernels.sparse_attn_sm90 import sparse_attention_sm90
     return sparse_attention_sm90(*a, **kw)
 
 
 def _triton(q, k, v, sigma, idx, *, group_size, **kw):
-    from vc_compile.templates import sparse_attn as tsa
+    from vc_compile.kernels import sparse_attn as tsa
     return tsa.sparse_attention(q, k, v, sigma, idx, group_size=group_size,
                                 launch=CF.sparse_default("bf16", q.shape[-1], group_size), **kw)
 
@@ -345,7 +345,7 @@ def test_dispatch_rule(monkeypatch):
     dims 64 / 128, C = 64 / 128), the Triton kernel elsewhere; a launch config picks its kernel; the report's
     label is the same decision. Inputs are stand-ins (device, dtype, shape), so this runs on CPU."""
     import types
-    from vc_compile.templates import dispatch
+    from vc_compile.kernels import dispatch
 
     def x(D=128, dtype=torch.bfloat16, dev="cuda"):
         return types.SimpleNamespace(device=torch.device(dev, 0) if dev == "cuda" else torch.device(dev),
@@ -395,7 +395,7 @@ def test_gpu_qk8_matches_its_dequantised_reference(C, S, D, density):
     sums' order and bf16 P: the bf16 tolerance) and against the unquantised reference (the quantisation's own
     error, channel-biased K: the smoothing keeps it below 2e-2 on these inputs)."""
     from vc_compile.reference.sparse_attn_q8 import sparse_attention_qk8
-    from vc_compile.templates.sparse_attn import quantize_k_int8_head
+    from vc_compile.kernels.sparse_attn import quantize_k_int8_head
     q, k, v, sigma, idx, res = make_inputs(1, 4, S, D, torch.bfloat16, density, C=C, device="cuda")
     k8, ks = quantize_k_int8_head(k)
     for residual in (None, res):
@@ -412,7 +412,7 @@ def test_gpu_qk8_matches_its_dequantised_reference(C, S, D, density):
 def test_gpu_dispatch_int8_qk_is_the_reference_contract():
     """``sparse_qk="int8"`` through dispatch (what MC-Sparse calls): K quantised per head, the Gluon kernel's 8-bit
     QK, against the reference path's int8 contract (the same codes up to the quantisers' mean rounding)."""
-    from vc_compile.templates import dispatch
+    from vc_compile.kernels import dispatch
     S, D, C = 3001, 128, 128
     q, k, v, sigma, idx, res = make_inputs(1, 4, S, D, torch.bfloat16, 0.2, C=C, device="cuda")
     kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res, out_dtype=torch.float32, qk_format="int8")

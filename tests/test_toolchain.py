@@ -1,5 +1,5 @@
-"""The toolchain a user installs (``vc_compile/toolchain.py``, ``templates/compat.py``, the build-failure
-fallback of ``templates/dispatch.py``): Gluon's renamed APIs resolved by feature detection; a kernel that does
+"""The toolchain a user installs (``vc_compile/toolchain.py``, ``kernels/compat.py``, the build-failure
+fallback of ``kernels/dispatch.py``): Gluon's renamed APIs resolved by feature detection; a kernel that does
 not build falls back once to the next path (Gluon sm_90 -> Triton -> stock SDPA) with one warning naming the
 Triton version and the fix, and the reason in ``report()``; a build failure is told from a run failure; the
 remembered launches' calling convention read from the installed Triton; an untested Triton warned about at
@@ -19,7 +19,7 @@ import vc_compile
 from conftest import requires_cuda
 from tiny_dit import make
 from vc_compile import toolchain
-from vc_compile.templates import dispatch
+from vc_compile.kernels import dispatch
 
 BROKEN = "AttributeError(\"module 'triton.experimental.gluon.language' has no attribute 'thread_barrier'\")"
 
@@ -71,7 +71,7 @@ _HEADS = dict(dim=256) if torch.cuda.is_available() else {}
 
 
 def _gluon_fails(monkeypatch, calls):
-    from vc_compile.templates import sparse_attn_sm90, vsmooth_attn_sm90
+    from vc_compile.kernels import sparse_attn_sm90, vsmooth_attn_sm90
 
     def fail(*a, **k):
         calls.append(1)
@@ -92,7 +92,7 @@ def test_gluon_names_resolve_to_the_installed_tritons_builtins():
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import tma
 
-    from vc_compile.templates import compat as gc
+    from vc_compile.kernels import compat as gc
     assert gc.barrier is (getattr(gl, "barrier", None) or gl.thread_barrier)
     assert gc.cp_async_load is (getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared)
     assert gc.tma_load is (getattr(tma, "async_load", None) or tma.async_copy_global_to_shared)
@@ -104,7 +104,7 @@ def test_gluon_names_resolve_to_the_installed_tritons_builtins():
 def test_the_sm90_assembler_is_the_bundled_cuda12_ptxas_where_triton_picks_cuda13():
     from types import SimpleNamespace as T
 
-    from vc_compile.templates import compat
+    from vc_compile.kernels import compat
     blackwell, legacy = T(path="/t/ptxas-blackwell", version="13.4"), T(path="/t/ptxas", version="12.9")
     assert compat.choose_ptxas(blackwell, legacy) == "/t/ptxas"  # Triton 3.9
     assert compat.choose_ptxas(legacy, legacy) is None  # Triton 3.6-3.8: sm_90 with the CUDA 12 ptxas already
@@ -119,7 +119,7 @@ def test_assembled_kernels_build_inside_the_assembler(monkeypatch):
 
     from triton.runtime.jit import JITFunction
 
-    from vc_compile.templates import compat
+    from vc_compile.kernels import compat
 
     def k(X):
         pass
@@ -141,7 +141,7 @@ def test_kernels_ask_for_fp_fusion_where_its_default_is_changing(monkeypatch):
     elsewhere (3.6-3.8: fusion on, nothing announced) no wrapper is installed."""
     from triton.runtime.jit import JITFunction
 
-    from vc_compile.templates import compat
+    from vc_compile.kernels import compat
 
     def k(X):
         pass
@@ -163,7 +163,7 @@ def test_kernels_ask_for_fp_fusion_where_its_default_is_changing(monkeypatch):
 def test_fusion_unpinned_reads_the_installed_triton():
     import triton
 
-    from vc_compile.templates import compat
+    from vc_compile.kernels import compat
     announced = hasattr(triton.knobs.language, "fp_fusion_enabled")
     assert compat.fusion_unpinned() == announced
     if triton.__version__.startswith("3.9."):
@@ -274,7 +274,7 @@ def test_a_gluon_gather_kernel_build_failure_falls_back_to_the_triton_gather_ker
 def test_when_no_kernel_builds_the_generation_runs_stock_sdpa(fresh_vcattn, monkeypatch):
     """The Gluon and the Triton attention kernels both fail to build: every call runs stock SDPA (the output of
     the model with stock attention), two warnings (the Gluon kernel, then the method), the reason per site."""
-    from vc_compile.templates import vsmooth_attn
+    from vc_compile.kernels import vsmooth_attn
     model, x, ctx = _on_device(*make(seq=256, **_HEADS))
     with torch.no_grad():
         stock = model(x, ctx)
@@ -299,8 +299,8 @@ import json, sys, warnings, torch
 sys.path.insert(0, "tests")
 import vc_compile
 from tiny_dit import make
-from vc_compile.templates import dispatch
-from vc_compile.templates import vsmooth_attn_sm90 as entry, vsmooth_attn_sm90_steps as steps
+from vc_compile.kernels import dispatch
+from vc_compile.kernels import vsmooth_attn_sm90 as entry, vsmooth_attn_sm90_steps as steps
 from test_toolchain import _generate, _our_warnings, _rel
 model, x, ctx = make(seq=1024, dim=256)
 model, x, ctx = model.cuda(), x.cuda(), ctx.cuda()
@@ -345,7 +345,7 @@ def test_gpu_a_real_gluon_build_failure_falls_back():
 def test_the_launch_convention_is_read_from_the_installed_triton(monkeypatch):
     from triton.runtime.jit import JITFunction
 
-    from vc_compile.templates import launch
+    from vc_compile.kernels import launch
     assert launch._convention_error() is None  # 3.6-3.9 launch as the remembered launches replay
 
     def run(self, *args, grid, warmup, **kwargs):  # a JIT that launches another way
@@ -374,7 +374,7 @@ def test_an_untested_triton_is_warned_about_once_at_compile_time(monkeypatch, fr
 def test_a_fast_path_off_is_warned_about_at_compile_time(monkeypatch, fresh_vcattn):
     """A Triton whose JIT launches another way: the remembered launches switch off, and the compile says so once
     (not only report())."""
-    from vc_compile.templates import launch
+    from vc_compile.kernels import launch
     monkeypatch.setattr(launch, "_CONVENTION_ERROR", "Triton 9.9's JITFunction.run does not launch as the "
                                                      "remembered launches replay (a new calling convention)")
     toolchain.check.cache_clear()

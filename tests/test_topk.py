@@ -1,11 +1,11 @@
-"""Radix top-K (templates/topk.py) against reference/topk.py: exact equality, ties lowest index first."""
+"""Radix top-K (kernels/topk.py) against reference/topk.py: exact equality, ties lowest index first."""
 import pytest
 import torch
 
 from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile.reference.topk import select_topk as ref_topk
-from vc_compile.templates.configs import TopKConfig
-from vc_compile.templates.topk import select_topk
+from vc_compile.kernels.configs import TopKConfig
+from vc_compile.kernels.topk import select_topk
 
 DEV = KERNEL_DEVICE
 CONFIGS = [TopKConfig(block=256, digit=4), TopKConfig(block=1024, digit=8, num_warps=4)]

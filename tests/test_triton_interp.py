@@ -1,6 +1,6 @@
 """tests/triton_interp.py (the interpreter's vectorised ``tl.reduce``) gives the stock interpreter's bits.
 
-A small kernel reduces a block with the kernels' own NaN-propagating max (templates/preprocess.py
+A small kernel reduces a block with the kernels' own NaN-propagating max (kernels/preprocess.py
 ``_nanmax``) and with an order-sensitive fp32 sum (a left fold in another order would change low bits),
 over each axis and over all of it, once through the vectorised reduce and once through the stock
 per-element loop. tests/test_preprocess.py checks the kernels' codes exactly against the reference on CPU
@@ -21,7 +21,7 @@ if INTERPRET:
     import triton.language as tl
     from triton.runtime import interpreter as interp
 
-    from vc_compile.templates.preprocess import _nanmax
+    from vc_compile.kernels.preprocess import _nanmax
 
     @triton.jit
     def _add(a, b):

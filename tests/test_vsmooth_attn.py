@@ -1,4 +1,4 @@
-"""Triton 8-bit attention (``templates/vsmooth_attn.py``) against the reference and an fp32 truth.
+"""Triton 8-bit attention (``kernels/vsmooth_attn.py``) against the reference and an fp32 truth.
 
 The kernel is fed the *reference's* QKQuant / VQuant, so only the attention arithmetic is compared.
 
@@ -22,10 +22,10 @@ from conftest import KERNEL_DEVICE, requires_cuda
 from vc_compile.reference import kmeans as ref_km
 from vc_compile.reference import preprocess as ref_pre
 from vc_compile.reference import vsmooth_attn as ref
-from vc_compile.templates import configs as C
-from vc_compile.templates import dispatch
-from vc_compile.templates import vsmooth_attn as tpl
-from vc_compile.templates.configs import MeanTerm, RowSum
+from vc_compile.kernels import configs as C
+from vc_compile.kernels import dispatch
+from vc_compile.kernels import vsmooth_attn as tpl
+from vc_compile.kernels.configs import MeanTerm, RowSum
 
 
 def launch(D, expcast, **over):
@@ -34,7 +34,7 @@ def launch(D, expcast, **over):
 
 
 def attn(qk, vq, expcast=False, **kw):
-    """The Triton kernel (templates/vsmooth_attn.py) at its measured default configuration."""
+    """The Triton kernel (kernels/vsmooth_attn.py) at its measured default configuration."""
     return tpl.vsmooth_attention(qk, vq, expcast=expcast, launch=launch(qk.q8.shape[-1], expcast), **kw)
 
 

@@ -1,8 +1,8 @@
-"""The Gluon sm_90 V-Smooth kernel (``templates/vsmooth_attn_sm90.py``).
+"""The Gluon sm_90 V-Smooth kernel (``kernels/vsmooth_attn_sm90.py``).
 
 On CPU: it compiles for sm_90 (offline, ``scripts/codegen_vsmooth.py``) without spills, two or more CTAs per
 SM, and with the softmax inside the window where PV_{j-1} runs on the tensor cores (the point of the kernel);
-its launch configurations' validation; the dispatch rule (``templates/dispatch.py``). On an sm_90 GPU: against the reference and an fp32
+its launch configurations' validation; the dispatch rule (``kernels/dispatch.py``). On an sm_90 GPU: against the reference and an fp32
 truth with the Triton kernel's tolerances (tests/test_vsmooth_attn.py explains them), and against the Triton
 kernel itself: the same arithmetic up to the order of fp32 additions (two-level PV accumulation in both, the
 row sum of P~ in fp16 as the Triton kernel's ROWSUM = 2, or exact by an MMA in the MS configurations, the default
@@ -24,9 +24,9 @@ from test_vsmooth_attn import REF_TOL, attn, make_qkv, quantise, rel, truth_of
 from vc_compile.formats import sm90_key_order, sm90_mean_groups
 from vc_compile.reference import preprocess as ref_pre
 from vc_compile.reference import vsmooth_attn as ref
-from vc_compile.templates import configs as C
-from vc_compile.templates import dispatch
-from vc_compile.templates.configs import MeanTerm, POperand, RowSum, VSmoothSm90Config
+from vc_compile.kernels import configs as C
+from vc_compile.kernels import dispatch
+from vc_compile.kernels.configs import MeanTerm, POperand, RowSum, VSmoothSm90Config
 
 T = dispatch.Impl.TRITON
 SMEM = VSmoothSm90Config()  # shared-memory P~: the reference configuration of the register-P~ comparisons
@@ -155,7 +155,7 @@ def test_ms_hi_lo_split_is_needed_for_large_means():
 
 
 def test_register_p_key_order_is_a_permutation_of_each_block():
-    from vc_compile.templates import vsmooth_attn_sm90 as g
+    from vc_compile.kernels import vsmooth_attn_sm90 as g
     order = g.key_order_sm90(128)
     assert sorted(order) == list(range(128)) and order != list(range(128))
     # within a 32-key k-step of the MMA, the 4 lanes of a quad keep their own 8 keys (no data crosses threads)
@@ -239,7 +239,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="pv_overlap=1.*accepted: True, False"):
         dataclasses.replace(MS_WS, pv_window=8, pv_overlap=1)
     with pytest.raises(TypeError, match="VSmoothSm90Config"):
-        from vc_compile.templates import vsmooth_attn_sm90 as g
+        from vc_compile.kernels import vsmooth_attn_sm90 as g
         g.vsmooth_attention_sm90(None, None, launch=(64, 4, 2, 1, 1, 1, 1))
 
 
@@ -342,7 +342,7 @@ def test_gpu_register_p_configs_match_shared_memory_p(D, S, config, expcast):
     the mean term added per 8 blocks (S = 2048: 16 blocks, both windows full; 4173: four full windows and a
     1-block one). ``pv_window``: PV summed by the FP8 MMA over 2 / 8 blocks before each fp32 fold (S = 4173: a
     window cut short by the last block)."""
-    from vc_compile.templates import vsmooth_attn_sm90 as g
+    from vc_compile.kernels import vsmooth_attn_sm90 as g
     q, k, v = make_qkv(1, 3, S, D, torch.bfloat16, device="cuda")
     for smooth in (True, False):
         qk, vq = quantise(q, k, v, "int8", smooth)
@@ -365,7 +365,7 @@ def test_gpu_folded_expcast_matches_two_roundings_and_reference(D, S, config):
     mille of them round the other way (CPU emulation: 0.5%, against 0.003% for the two roundings), each by one
     code. Bound: the reference tolerance. (Before the two-roundings full-block variant was deleted this compared
     the two modes inside the Gluon kernel; the Triton kernel's arithmetic is that variant's.)"""
-    from vc_compile.templates import vsmooth_attn_sm90 as g
+    from vc_compile.kernels import vsmooth_attn_sm90 as g
     q, k, v = make_qkv(1, 3, S, D, torch.bfloat16, device="cuda")
     truth = truth_of(q, k, v)
     for smooth in (True, False):
@@ -386,7 +386,7 @@ def test_gpu_pv_window_keeps_the_two_level_accuracy(expcast):
     fold: on a long head its error against fp32 stays the two-level kernel's (H200, 40 x 32760: 6.206e-3 vs
     6.203e-3), where summing every block in the MMA (FA3's way) measured 1.5-1.7x. Structured inputs (outliers in
     V), 20000 keys: <= 1.02x the one-block window's error."""
-    from vc_compile.templates import vsmooth_attn_sm90 as g
+    from vc_compile.kernels import vsmooth_attn_sm90 as g
     q, k, v = make_qkv(1, 2, 20000, 128, torch.bfloat16, device="cuda")
     truth = truth_of(q, k, v)
     qk, vq = quantise(q, k, v, "int8", True)
@@ -403,7 +403,7 @@ def test_gpu_pv_overlap_matches_the_window_kernel(D, S):
     """``pv_overlap`` (FA3's intra-warpgroup order, the fp32 accumulator in shared memory) computes what the
     window kernel computes, in another order of its fp32 additions (the mean term joins the window before its
     promotion): one key block (S = 100), two with and without a key tail (200, 256), many; O and the LSE."""
-    from vc_compile.templates import vsmooth_attn_sm90 as g
+    from vc_compile.kernels import vsmooth_attn_sm90 as g
     q, k, v = make_qkv(1, 3, S, D, torch.bfloat16, device="cuda")
     truth = truth_of(q, k, v)
     qk, vq = quantise(q, k, v, "int8", True)
@@ -425,7 +425,7 @@ def test_gpu_pv_overlap_nan_rows_and_where_it_is_ignored():
     """A NaN query row stays NaN and the others finite under the overlap. Where the kernel does not build it
     the option is ignored, the window kernel's output bit for bit: the exp2 path (V-Smooth), and unsmoothed V
     (naive 8-bit: one-block windows)."""
-    from vc_compile.templates import vsmooth_attn_sm90 as g
+    from vc_compile.kernels import vsmooth_attn_sm90 as g
     q, k, v = make_qkv(1, 2, 1000, 128, torch.bfloat16, device="cuda")
     w8 = dataclasses.replace(MS_WS, pv_window=8)
     ovl = dataclasses.replace(w8, pv_overlap=True)
@@ -452,7 +452,7 @@ def test_gpu_ms_mean_term_keeps_fp32_accuracy_on_large_means(D, expcast, window)
     shared-memory-P~ kernel (mean term in fp32 FFMAs), fp32 outputs, error relative to the attention-dependent part
     O - mean(V): <= 2e-3 (the codes and scales are the same; what differs is the fp32 summation order and the fp16
     vs exact row sum, ~1e-3)."""
-    from vc_compile.templates import vsmooth_attn_sm90 as g
+    from vc_compile.kernels import vsmooth_attn_sm90 as g
     q, k, v = make_qkv(1, 2, 2500, D, torch.bfloat16, device="cuda")
     bias = 64 * (1 + torch.rand(D, device="cuda"))
     v = (v.float() + bias).to(torch.bfloat16)
@@ -483,7 +483,7 @@ def _prmt(a: int, b: int, sel: int) -> int:
 def _run_codes_masked_ptx(words):
     """Execute ``CODES_MASKED_PTX`` as written (its prmt / not / and lines) on four 32-bit words."""
     import re
-    from vc_compile.templates.vsmooth_attn_sm90_softmax import CODES_MASKED_PTX
+    from vc_compile.kernels.vsmooth_attn_sm90_softmax import CODES_MASKED_PTX
     text = CODES_MASKED_PTX.value if hasattr(CODES_MASKED_PTX, "value") else CODES_MASKED_PTX
     reg = {f"${i + 1}": w for i, w in enumerate(words)}
     ops = 0
@@ -544,7 +544,7 @@ def test_gpu_byte_mask_matches_fmnmx_clamp_bit_for_bit(S, scale):
     and every ExpCast kernel, shared-memory P~ included, returns NaN rows (H200, 2026-12-02): the same NaN
     rows with and without the byte mask, which is what this test checks; the op keeps such sites on stock
     SDPA through ``max_logit_std``."""
-    from vc_compile.templates import vsmooth_attn_sm90 as g
+    from vc_compile.kernels import vsmooth_attn_sm90 as g
     q, k, v = make_qkv(1, 3, S, 128, torch.bfloat16, device="cuda")
     q, k = (q.float() * scale).bfloat16(), (k.float() * scale).bfloat16()
     qk, vq = quantise(q, k, v, "int8", True)
@@ -565,8 +565,8 @@ from scripts import codegen_stats as cs
 from scripts import codegen_fingerprint as fp
 driver.set_active(cs._FakeDriver())
 from triton.runtime.jit import JITFunction
-from vc_compile.templates import vsmooth_attn_sm90 as g
-from vc_compile.templates.configs import vsmooth_sm90_default
+from vc_compile.kernels import vsmooth_attn_sm90 as g
+from vc_compile.kernels.configs import vsmooth_sm90_default
 from triton import knobs
 knobs.runtime.launch_enter_hook = None  # the binder's path would build launch metadata (a loaded kernel) for a chain
 
@@ -606,7 +606,7 @@ def test_byte_mask_guard_takes_the_fmnmx_clamp_where_the_build_spills(tmp_path, 
 
 
 def test_byte_mask_guard_reads_only_loaded_kernels():
-    from vc_compile.templates.vsmooth_attn_sm90 import BytemaskGuard
+    from vc_compile.kernels.vsmooth_attn_sm90 import BytemaskGuard
 
     class Loaded:
         n_spills = 20  # 80 bytes

@@ -2,7 +2,7 @@
 function, vectorised.
 
 The interpreter runs ``tl.max`` / ``tl.sum`` through numpy, but a reduction with its own combine function
-(``templates/preprocess.py``'s NaN-propagating ``tl.reduce(x, axis, _nanmax)``: ``tl.max`` drops NaN)
+(``kernels/preprocess.py``'s NaN-propagating ``tl.reduce(x, axis, _nanmax)``: ``tl.max`` drops NaN)
 falls back to ``ReduceOps.generic_reduce``, which calls the combine function once per ELEMENT, on scalar
 tensors. That loop was most of the CPU suite's time: one ``preprocess_qk`` of a [1, 2, 130, 64] input took
 ~90 s (cProfile: 40 reductions, 176 s of 225 s in one tests/test_hostile.py kernel case).

@@ -121,7 +121,7 @@ def warm_prebuild(cfg: VCConfig) -> int:
 
 def _auto_builds(cuda: bool, cfg: VCConfig) -> bool:
     """``prebuild='auto'``: helpers only where the calls run our Triton kernels on a CUDA device."""
-    from .templates.interpret import interpreting
+    from .kernels.interpret import interpreting
 
     return cuda and not interpreting() and cfg.experimental.kernels != Kernels.REFERENCE
 

@@ -1,4 +1,4 @@
-"""The formats shared by the kernels (``templates/``) and their references (``reference/``): tile and numeric
+"""The formats shared by the kernels (``kernels/``) and their references (``reference/``): tile and numeric
 constants, the quantised-tensor records with their layouts, and the RoPE conventions of the op.
 
 Both layers import this module and neither imports the other, so the oracle does not depend on the code it

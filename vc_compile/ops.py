@@ -32,7 +32,7 @@
 ``vcattn::sparse_attention(q, k, v, sigma, idx, residual, group_size, scale)``: stateless ops exposing
 the kernels themselves (benchmarks, users who manage metadata); their defaults are ``VCConfig``'s.
 
-The data path: op -> ``methods.get(method)`` (the method's schedule and its ``run``) -> ``templates/dispatch.py``
+The data path: op -> ``methods.get(method)`` (the method's schedule and its ``run``) -> ``kernels/dispatch.py``
 (reference / Triton / Gluon, launch configs) -> the kernel.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ from .runtime import report as _report
 from .runtime import runtime as _runtime
 from .runtime import state
 from .runtime.steps import TRACKER
-from .templates import dispatch
+from .kernels import dispatch
 from .tune import gate as _gate
 from .tune import lookup as _tune
 

@@ -4,7 +4,7 @@
 the oldest and the newest, the offline sm_90 build of every kernel on each: ``scripts/triton_versions.py``).
 torch pins its Triton (2.11 -> 3.6, 2.13 -> 3.7, 2.14 -> 3.8, 2.15 -> 3.9), so the range also names the torch
 releases that bring a supported Triton. Outside it nothing is refused: the kernels are tried, a kernel that does
-not build falls back to the next path (``templates/dispatch.py``: the Gluon sm_90 kernel -> the Triton kernel ->
+not build falls back to the next path (``kernels/dispatch.py``: the Gluon sm_90 kernel -> the Triton kernel ->
 stock SDPA) with one warning, and ``check()`` warns once at compile time that the toolchain is untested.
 """
 from __future__ import annotations
@@ -91,11 +91,11 @@ def known_failure(kernel: str, expcast: bool, head_dim: int) -> Optional[str]:
 
 def fast_path_off() -> Optional[str]:
     """Why the remembered kernel launches (and the recorded reuse steps built on them) cannot run on the installed
-    Triton, or None: its JIT launches in a way they do not replay (``templates/launch.py``)."""
+    Triton, or None: its JIT launches in a way they do not replay (``kernels/launch.py``)."""
     if triton_version() is None:
         return None
     try:
-        from .templates import launch
+        from .kernels import launch
     except Exception as e:  # noqa: BLE001 - the kernels do not import: dispatch says so at the first call
         return f"{type(e).__name__}: {e}"
     return launch._CONVENTION_ERROR

@@ -7,7 +7,7 @@ one implementation, so the methods, ``ops.py`` and the kernels call it here and 
 * MC-Sparse selection outside the exact pass-2 kernel: the top-K of the group masses (``select_topk``), and
   the ablation variants of the paper's Table 5 (config ``selection`` / ``selection_unit`` / ``query_grouping``,
   docs/sparse_notes.md). All produce the same ``idx`` format, so the same gather kernel runs them; only the
-  exact group masses have a kernel (``templates/select.group_key_mass``).
+  exact group masses have a kernel (``kernels/select.group_key_mass``).
   identity    ``query_grouping="none"``: sigma = arange(S), i.e. contiguous query tiles of C.
   scores      ``selection="mean_pool"``: ``score[g, j] = (mean_{i in g} q_i) . k_j * sm_scale`` per key, or
               ``. mean_{j in block} k_j`` per key block (``mean_pool_scores``): the score of the mean query,

@@ -5,7 +5,7 @@
 
 Runs the kernel the runtime runs for that shape and the runtime's options (``VCConfig``'s defaults unless
 given: group size, density, QK formats; on an sm_90 GPU with INT8 Q/K that is the Gluon kernel) once on random
-inputs, through ``templates/dispatch.py``, i.e. the same lookup as a real run (shipped -> cache -> tune): a
+inputs, through ``kernels/dispatch.py``, i.e. the same lookup as a real run (shipped -> cache -> tune): a
 shipped or cached shape is not re-tuned unless ``--force``.
 While tuning, a progress bar per kernel; then a table of the chosen configuration, where it came from,
 its time and the default configuration's time (both ``triton.testing.do_bench`` medians). The other
@@ -19,7 +19,7 @@ import sys
 from typing import List, Optional
 
 from vc_compile.config import GROUP_SIZES, VCConfig
-from vc_compile.templates import configs as C
+from vc_compile.kernels import configs as C
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 _DEFAULTS = VCConfig()  # the runtime's defaults: the CLI tunes what a default run looks up
@@ -62,7 +62,7 @@ def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 def no_gpu_reason() -> Optional[str]:
     import torch
 
-    from vc_compile.templates.interpret import interpreting
+    from vc_compile.kernels.interpret import interpreting
 
     if interpreting():
         return "TRITON_INTERPRET=1 is set: kernels run on the CPU interpreter and are never tuned"
@@ -98,7 +98,7 @@ def run(a: argparse.Namespace) -> List[dict]:
 
     from vc_compile.methods import kernel_out_dtype
     from vc_compile.formats import n_keep
-    from vc_compile.templates import dispatch
+    from vc_compile.kernels import dispatch
     from vc_compile.tune import lookup
 
     T = dispatch.Impl.TRITON
@@ -124,7 +124,7 @@ def run(a: argparse.Namespace) -> List[dict]:
         kernel = dispatch.sparse_kernel(q, v, a.sparse_qk, Cg)
         if kernel != "sparse_attn":  # what the reuse step runs here: the Gluon gather kernel, one launch a group size
             print(f"vc_compile tune: on this GPU MC-Sparse's reuse step runs the sm_90 gather kernel ({kernel}), whose "
-                  "launch is fixed per group size (templates/configs.py, sparse_sm90_default): there is nothing to "
+                  "launch is fixed per group size (kernels/configs.py, sparse_sm90_default): there is nothing to "
                   "tune; its kernels build at the first call, or ahead with 'python -m vc_compile warmup'.")
             return []
         cls = dispatch.KERNELS[kernel].config
@@ -164,7 +164,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     check_args(ap, a)
     if a.method == "mcsparse" and a.sparse_qk == "int8":
         print("vc_compile tune: sparse_qk='int8' runs the sm_90 gather kernel, whose launch is fixed per group size "
-              "(templates/configs.py, sparse_sm90_default): there is nothing to tune; its kernels build at the first "
+              "(kernels/configs.py, sparse_sm90_default): there is nothing to tune; its kernels build at the first "
               "call, or ahead with 'python -m vc_compile warmup'.")
         return 0
     why = no_gpu_reason()

@@ -1,5 +1,5 @@
 """One module per attention method (``METHODS``). Each owns its phase schedule, its metadata slots, its guard
-and its eligibility, and runs its kernels through ``templates/dispatch.py`` (the reference or the kernels: the
+and its eligibility, and runs its kernels through ``kernels/dispatch.py`` (the reference or the kernels: the
 ``impl`` that dispatch chose for the call), never a kernel module by name. What a method module provides is
 ``protocol.AttentionMethod`` (``methods/protocol.py``); the op asks it for a ``Plan`` of each call and knows no
 method by name. Adding a method: its module here, its row in ``METHODS`` and its ``config.Method`` value (with

@@ -3,7 +3,7 @@
     sigma = PDDP(q)                                                    (Fast PDDP query groups)
     qk, vq = preprocess(q, k, v; pi)                                   (INT8 Q/K, FP8 V; pi = V-Smooth key order)
     O8, lse_s = vsmooth_attention(qk, vq, return_lse=True)             (pass 1: the 8-bit dense pass)
-    idx = top-K(pass-2 masses from qk, lse_s, sigma; pi)               (templates/anchor_mass.py + topk.py)
+    idx = top-K(pass-2 masses from qk, lse_s, sigma; pi)               (kernels/anchor_mass.py + topk.py)
     O_sparse = sparse_attention(q, k, v, sigma, idx)                   (the reuse steps' gather kernel, fp32 out)
     R = O_dense - O_sparse ;  returns O_dense                           (O_dense = O8, or a bf16 dense pass)
 
@@ -17,9 +17,9 @@ error unchanged (within 0.2%) everywhere; O_dense = O8 raises it by +0.1%, +1.4%
 layers 4, 0, 2 and by +31% on the drifting structured input, against the issue's "within 10% of today's".
 Hence "bf16" by default, "q8" an explicit speed option.
 
-Entry point ``anchor_step(impl, q, k, v, ...)``: every kernel through ``templates/dispatch.py`` (``impl``: the
+Entry point ``anchor_step(impl, q, k, v, ...)``: every kernel through ``kernels/dispatch.py`` (``impl``: the
 Triton/Gluon kernels, or the plain-PyTorch references: the CPU path and the oracle of the tests); launch configs
-of pass 2 and the top-K are ``templates/configs.py``'s ``AnchorMassConfig`` / ``TopKConfig``. MC-Sparse runs it
+of pass 2 and the top-K are ``kernels/configs.py``'s ``AnchorMassConfig`` / ``TopKConfig``. MC-Sparse runs it
 at its anchor steps where it applies (``methods/mcsparse.py``, ``cheap_anchor``).
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 
 from ..config import AnchorDense
-from ..templates import configs as KC
-from ..templates import dispatch
+from ..kernels import configs as KC
+from ..kernels import dispatch
 from ..torch_ops import lse_correction
 
 
@@ -43,7 +43,7 @@ DenseOut = AnchorDense  # the option's Enum (config.AnchorDense: "bf16" | "q8")
 @dataclass(frozen=True)
 class AnchorConfig:
     """Options of the anchor step. ``dense_out``: see the module doc. ``exp``: pass 2's exponential ("exact" |
-    "shift", ``templates.anchor_mass.ExpMode``; the reference emulates both). ``mass_dtype``: "bf16" | "fp32"
+    "shift", ``kernels.anchor_mass.ExpMode``; the reference emulates both). ``mass_dtype``: "bf16" | "fp32"
     storage of the masses between pass 2 and the top-K. ``mass`` / ``topk``: launch configs (None = the
     defaults for the group size, with ``exp``); ``max_mass_bytes``: masses held at once (heads are processed in
     chunks)."""

@@ -73,7 +73,7 @@ from ..config import (QueryGrouping, Residual, Selection, SelectionRefresh, Sele
 from ..formats import FP8_DTYPE, FP8_MAX, KV_TILE, n_keep
 from ..runtime import report as _report
 from ..runtime import state
-from ..templates import dispatch
+from ..kernels import dispatch
 from . import mcsparse_guard
 from .mcsparse_guard import GuardState, ReuseCheck
 from .output import finish_output, kernel_out_dtype

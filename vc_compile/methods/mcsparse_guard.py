@@ -5,7 +5,7 @@ future work). Decision note with the measurements: docs/mcsparse_guard.md.
 What is measured
 ----------------
 At the anchor the guard fixes R query rows per head (``sample_rows``). On every reuse step the
-non-finite-flags pass (``templates/finite_flags.py``), which reads every key and value anyway, also
+non-finite-flags pass (``kernels/finite_flags.py``), which reads every key and value anyway, also
 computes the exact attention output of those rows over all keys; ``probe_error`` compares it with the
 rows the reuse step returned (sparse + residual) and gives (sum ||o - o_exact||^2, sum ||o_exact||^2)
 over the sampled rows of every head: ``rel_error`` = the step's relative L2 error, estimated. It is the
@@ -24,7 +24,7 @@ made inside the op at run time: no recompiles. A non-finite reading (NaN/Inf inp
 an anchor on non-finite inputs caches nothing (methods/mcsparse.py).
 
 Everything here is device-agnostic (tests/test_mcsparse_guard.py). The integration: ``methods/mcsparse.py``'s
-reuse step runs the probe (through ``templates/dispatch.py``: ``finite_flags`` + ``probe_error``) and
+reuse step runs the probe (through ``kernels/dispatch.py``: ``finite_flags`` + ``probe_error``) and
 ``GuardState.record``s it; ``ops.attention`` asks ``guard_check`` when the schedule says REUSE.
 """
 from __future__ import annotations

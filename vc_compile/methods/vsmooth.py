@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ..torch_ops import default_clusters, init_centroids
-from ..templates import dispatch
+from ..kernels import dispatch
 from .output import finish_output, kernel_out_dtype
 from .phase import Phase, warmup_steps
 from .protocol import Plan
@@ -89,7 +89,7 @@ def ineligible(q, k, v) -> Optional[str]:
 
 def path_label(path: str, phase, cfg, q, v) -> str:
     """The kernel path recorded in ``report()``: ``"triton/gluon_sm90"`` where the attention runs the Gluon
-    sm_90 kernel (templates/vsmooth_attn_sm90.py; INT8 Q/K on an sm_90 GPU), else ``path``."""
+    sm_90 kernel (kernels/vsmooth_attn_sm90.py; INT8 Q/K on an sm_90 GPU), else ``path``."""
     if path == "triton":
         return dispatch.vsmooth_label(q.device, cfg.qk_format.value)
     return path

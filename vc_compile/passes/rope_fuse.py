@@ -6,7 +6,7 @@ become the *un-rotated* tensors in the model's own layout (the projection/normal
 [B, S, H, D] before the permute, or [B, S, C] before the head split), and the op gets the model's
 ``cos``/``sin`` nodes plus a spec ``rope`` (JSON: pair convention ``interleaved`` / ``rotate-half``,
 layout ``BSHD`` / ``BHSD`` / ``BSC``, heads, rotated token range; see formats.py). V-Smooth's
-preprocessing kernel then applies the RoPE while it loads q and k (templates/preprocess.py), so q and k
+preprocessing kernel then applies the RoPE while it loads q and k (kernels/preprocess.py), so q and k
 are read once from the projection output and the rotated copies are never written.
 
 Fused forms (SPEC 3.5): ``interleaved-setitem`` (Wan, SkyReels), ``interleaved-stack`` on the whole

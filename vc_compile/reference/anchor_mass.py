@@ -1,7 +1,7 @@
 """Reference MC-Sparse pass 2 on the 8-bit preprocessed Q/K ("cheap anchors"): group key masses
 from the INT8 codes, scales and LSE that the 8-bit V-Smooth attention consumed and returned in pass 1.
 
-Oracle of ``vc_compile/templates/anchor_mass.py``.
+Oracle of ``vc_compile/kernels/anchor_mass.py``.
 
 Notation
 --------

@@ -1,6 +1,6 @@
 """Reference non-finite flags of K and V, and the guard's probe rows (MC-Sparse reuse steps, SPEC 3.4).
 
-Oracle of ``vc_compile/templates/finite_flags.py``.
+Oracle of ``vc_compile/kernels/finite_flags.py``.
 
 Why: a reuse step reads only the keys its query groups selected at the anchor, so a NaN/Inf in any other
 key or value would vanish, where SDPA turns it into non-finite outputs. The flags say where SDPA's output

@@ -1,6 +1,6 @@
 """Reference k-means grouping of V rows (SPEC 3.2 step 1): labels -> stable argsort -> permutation.
 
-Oracle of ``vc_compile/templates/kmeans.py``.
+Oracle of ``vc_compile/kernels/kmeans.py``.
 
 Notation
 --------

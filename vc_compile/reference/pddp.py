@@ -1,7 +1,7 @@
 """Reference Fast PDDP query grouping (SPEC 3.4 step 1): recursive principal-direction median splits
 into groups of exactly C queries.
 
-Oracle of ``vc_compile/templates/pddp.py``.
+Oracle of ``vc_compile/kernels/pddp.py``.
 
 Notation
 --------

@@ -1,6 +1,6 @@
 """Reference preprocessing (SPEC 3.1): K smoothing, Hadamard, per-block Q/K quantisation, V-Smooth.
 
-This is the oracle of ``vc_compile/templates/preprocess.py``; both return the same named tuples.
+This is the oracle of ``vc_compile/kernels/preprocess.py``; both return the same named tuples.
 
 Notation (the fields of QKQuant / VQuant, the tile constants and the "sm90" layout: ``vc_compile/formats.py``)
 --------

@@ -1,6 +1,6 @@
 """Reference MC-Sparse exact selection (SPEC 3.4 step 2): group masses from exact probabilities, top-K.
 
-Oracle of ``vc_compile/templates/select.py``.
+Oracle of ``vc_compile/kernels/select.py``.
 
 Notation
 --------

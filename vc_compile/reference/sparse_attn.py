@@ -1,6 +1,6 @@
 """Reference token-gather sparse attention (SPEC 3.4 steps 3-4, 6).
 
-Oracle of ``vc_compile/templates/sparse_attn.py``.
+Oracle of ``vc_compile/kernels/sparse_attn.py``.
 
 Notation
 --------

@@ -1,6 +1,6 @@
 """Reference token-gather sparse attention with 8-bit QK (``qk_format="fp8"``).
 
-Oracle of ``vc_compile/templates/sparse_attn.py`` with ``qk_format="fp8"``. ``reference/sparse_attn.py``
+Oracle of ``vc_compile/kernels/sparse_attn.py`` with ``qk_format="fp8"``. ``reference/sparse_attn.py``
 is the 16-bit contract and stays frozen; this module only quantises Q and K and calls it.
 
 Notation
@@ -62,7 +62,7 @@ def sparse_attention_q8(q, k, v, sigma, idx, *, sm_scale: float, group_size: int
                             residual=residual, out_dtype=out_dtype or q.dtype, flag=flag)
 
 
-# ---- 8-bit QK of the sm_90 gather kernel (``templates/sparse_attn_sm90.py`` with int8 K codes) ----
+# ---- 8-bit QK of the sm_90 gather kernel (``kernels/sparse_attn_sm90.py`` with int8 K codes) ----
 # Q: INT8 codes, one scale per query row, amax / 127, codes = round-to-nearest-even(q x (127 / amax)) (the kernel's
 # reciprocal is not IEEE: a code at an exact tie may differ by one). K: smoothed (token mean per head and channel
 # subtracted, which softmax ignores), INT8 codes with ONE scale per head. Logits = (q_codes . k_codes) x q_scale x

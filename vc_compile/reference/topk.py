@@ -1,6 +1,6 @@
 """Reference top-K key selection per row of the group masses (MC-Sparse anchor step, SPEC 3.4 step 2).
 
-Oracle of ``vc_compile/templates/topk.py``.
+Oracle of ``vc_compile/kernels/topk.py``.
 
 Notation
 --------

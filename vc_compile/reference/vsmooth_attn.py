@@ -1,6 +1,6 @@
 """Reference 8-bit attention with V-Smooth mean compensation and optional ExpCast-FP8 (SPEC 3.2-3.3).
 
-Oracle of ``vc_compile/templates/vsmooth_attn.py``.
+Oracle of ``vc_compile/kernels/vsmooth_attn.py``.
 
 Notation (see ``reference/preprocess.py`` for the inputs)
 --------

@@ -1,4 +1,4 @@
-"""The sm_90 kernel's numerics, emulated in plain PyTorch (oracle of ``templates/vsmooth_attn_sm90.py``'s rounding).
+"""The sm_90 kernel's numerics, emulated in plain PyTorch (oracle of ``kernels/vsmooth_attn_sm90.py``'s rounding).
 
 ``reference/vsmooth_attn.py`` is the contract's oracle (final row max, one rounding of P~). This module follows
 the production kernel operation by operation, so that fidelity questions (why ExpCast's error grows

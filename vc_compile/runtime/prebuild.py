@@ -689,7 +689,7 @@ def main() -> int:
     import torch  # noqa: F401
 
     from .. import ops  # noqa: F401
-    from ..templates import dispatch
+    from ..kernels import dispatch
 
     dispatch.triton_error()  # imports the kernel modules (triton, gluon)
     try:

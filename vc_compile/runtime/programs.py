@@ -20,7 +20,7 @@ each call allocates one workspace and the output (the caching allocator's usual 
 end as before) and hands each kernel's launcher the recorded arguments with integer addresses filled in.
 
 How. Per entry: the first call runs normally (kernels compiled, launches remembered by
-``templates/launch.py``); the second runs normally under a recorder that notes
+``kernels/launch.py``); the second runs normally under a recorder that notes
 * every launch made through ``FAST_LAUNCH`` (its compiled kernel, grid and bound arguments),
 * every torch operation (a ``TorchDispatchMode``): allocations (``empty``/``empty_strided``) are noted, views
   are allowed, anything else (a computation whose result a program could not recompute) refuses the recording,
@@ -419,10 +419,10 @@ _LAUNCH = None
 
 
 def _launch():
-    """templates/launch.py, imported once on first use (this module imports no Triton at import time)."""
+    """kernels/launch.py, imported once on first use (this module imports no Triton at import time)."""
     global _LAUNCH
     if _LAUNCH is None:
-        from vc_compile.templates import launch
+        from vc_compile.kernels import launch
 
         _LAUNCH = launch
     return _LAUNCH

@@ -278,7 +278,7 @@ class Report:
     sites: List[SiteRecord]
     graphs_without_sdpa: List[str]
     prebuild: Optional[str] = None  # what the kernel-build helpers did (runtime/prebuild.py), None: none ran
-    launches: Optional[str] = None  # how our kernels were launched (templates/launch.py), None: none was
+    launches: Optional[str] = None  # how our kernels were launched (kernels/launch.py), None: none was
     builds: Optional[str] = None  # kernels that did not build on this toolchain and what ran instead, None: none
 
     @property
@@ -402,29 +402,29 @@ def _prebuild_line() -> Optional[str]:
 
 
 def _build_line() -> Optional[str]:
-    """The kernels that did not build on the installed Triton and what ran instead (``templates/dispatch.py``),
+    """The kernels that did not build on the installed Triton and what ran instead (``kernels/dispatch.py``),
     and an untested toolchain; None where every kernel built (or none was tried: nothing here imports triton)."""
     import sys
 
     from .. import toolchain
 
-    mod = sys.modules.get("vc_compile.templates.dispatch")
+    mod = sys.modules.get("vc_compile.kernels.dispatch")
     failed = mod.build_failures() if mod is not None else {}
     parts = [f"{name} ({why}) -> {to}" for name, (why, to) in failed.items()]
     line = f"kernels that did not build on Triton {toolchain.triton_version()}: {'; '.join(parts)}" if parts else None
     untested = toolchain.untested_reason() if mod is not None else None
-    sm90 = sys.modules.get("vc_compile.templates.vsmooth_attn_sm90")
+    sm90 = sys.modules.get("vc_compile.kernels.vsmooth_attn_sm90")
     clamp = sm90.BYTEMASK_GUARD.summary() if sm90 is not None else None
     return "; ".join(x for x in (line, untested, clamp) if x) or None
 
 
 def _launch_line() -> Optional[str]:
-    """How the kernels were launched: remembered (Triton's binder skipped, ``templates/launch.py``) or through the
+    """How the kernels were launched: remembered (Triton's binder skipped, ``kernels/launch.py``) or through the
     binder, and why the remembered path is off where it is. None before any launch (the module not imported:
     nothing here imports triton)."""
     import sys
 
-    mod = sys.modules.get("vc_compile.templates.launch")
+    mod = sys.modules.get("vc_compile.kernels.launch")
     if mod is None:
         return None
     line = mod.FAST_LAUNCH.summary()

@@ -1,12 +1,12 @@
 """Per-architecture autotuning of the attention kernels' launch configurations: a service below
-``templates/dispatch.py`` that stores configurations as JSON dicts and imports no kernel.
+``kernels/dispatch.py`` that stores configurations as JSON dicts and imports no kernel.
 
 ``dispatch`` asks ``lookup.resolve`` once per launch of a tuned kernel (the Triton and Gluon V-Smooth kernels,
 the sparse gather kernel); the answer, memoised per (kernel, dtype, head dim, sequence length, variant,
 device) in the process, comes from, in this order:
 
 ``shipped``  ``shipped_<family>.json`` (sm90: the configurations measured on the H200, generated from
-             ``templates/configs.py`` by ``python3 -m scripts.gen_shipped_table``): an H100/H200 tunes nothing;
+             ``kernels/configs.py`` by ``python3 -m scripts.gen_shipped_table``): an H100/H200 tunes nothing;
 ``cache``    a JSON file per (GPU, compute capability, CUDA, Triton) and (kernel, source hash) under
              ``cache_dir()`` (``$VCATTN_CACHE_DIR``, else ``~/.cache/vc_compile/tune``), written by an
              earlier run on this machine;

@@ -1,4 +1,4 @@
-"""The one lookup ``templates/dispatch.py`` makes for a kernel's launch configuration (``resolve``).
+"""The one lookup ``kernels/dispatch.py`` makes for a kernel's launch configuration (``resolve``).
 
 Configurations are plain JSON dicts here (``configs.py``'s ``to_json``): this package imports no kernel.
 Order: shipped table of the GPU family -> local cache -> tune on first use (``triton.testing.do_bench``

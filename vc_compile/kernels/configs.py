@@ -116,7 +116,7 @@ class _Json:
         return cls(**d)
 
 
-# ---- the Triton V-Smooth kernel (templates/vsmooth_attn.py) ---------------------------------------------
+# ---- the Triton V-Smooth kernel (kernels/vsmooth_attn.py) ---------------------------------------------
 @dataclass(frozen=True)
 class VSmoothTritonConfig(_Json):
     """(BM, BN, warps, stages) of ``_vsmooth_attn_kernel`` and how it forms the row sums and the mean term."""
@@ -174,7 +174,7 @@ def vsmooth_triton_variant(expcast: bool, qk_fp8: bool) -> str:
     return f"{'expcast' if expcast else 'exp2'}-{'fp8' if qk_fp8 else 'int8'}"
 
 
-# ---- the Gluon sm_90 V-Smooth kernel (templates/vsmooth_attn_sm90.py) -----------------------------------
+# ---- the Gluon sm_90 V-Smooth kernel (kernels/vsmooth_attn_sm90.py) -----------------------------------
 @dataclass(frozen=True)
 class VSmoothSm90Config(_Json):
     """The Gluon kernel's launch: BM query rows per program (per consumer warp group when warp-specialised),
@@ -320,7 +320,7 @@ def vsmooth_sm90_variant(expcast: bool, regime: str) -> str:
     return f"{'expcast' if expcast else 'exp2'}-int8-{regime}"
 
 
-# ---- the MC-Sparse gather kernel (templates/sparse_attn.py) ---------------------------------------------
+# ---- the MC-Sparse gather kernel (kernels/sparse_attn.py) ---------------------------------------------
 @dataclass(frozen=True)
 class SparseAttnConfig(_Json):
     """(BLOCK_N keys per inner step, warps, stages) of ``_sparse_attn_kernel``; ``kv_off``: the V gather
@@ -364,7 +364,7 @@ SPARSE_SWEPT = tuple(SparseAttnConfig(*c) for c in ((64, 4, 3), (64, 4, 4), (64,
                                                      (64, 8, 3), (64, 8, 4), (128, 8, 3)))
 
 
-# ---- the Gluon sm_90 gather kernel (templates/sparse_attn_sm90.py; dispatch.sparse_kernel says where it runs) --
+# ---- the Gluon sm_90 gather kernel (kernels/sparse_attn_sm90.py; dispatch.sparse_kernel says where it runs) --
 SM90_SMEM_BYTES = 227 * 1024  # the most dynamic shared memory one sm_90 CTA may use
 SM90_REGS_PER_THREAD_SLOT = 504  # 65536 registers over 128 threads, in setmaxnreg's steps of 8 (3 x 168)
 
@@ -481,10 +481,10 @@ def sparse_variant(qk_format: str, C: int, n_keep: int, Sk: int) -> str:
     return f"{qk_format}-c{C}-p{int(round(20 * n_keep / Sk)) * 5}"
 
 
-# ---- the V-Smooth preprocessing (templates/preprocess.py) -----------------------------------------------
+# ---- the V-Smooth preprocessing (kernels/preprocess.py) -----------------------------------------------
 @dataclass(frozen=True)
 class PreprocessConfig(_Json):
-    """Launch of the two preprocessing passes (templates/preprocess.py). ``stats_per_sm``: pass 1's programs per SM
+    """Launch of the two preprocessing passes (kernels/preprocess.py). ``stats_per_sm``: pass 1's programs per SM
     when it reads V (splits per head = that x 132 / heads; pass 2 reduces that many partials per head),
     ``stats_warps`` its warps per program (with V, D = 128), ``stats_regs`` its register cap there (0: the
     compiler's choice). ``quant_warps``: pass 2's warps per program at D = 128 (half at D = 64), ``quant_regs`` its
@@ -529,7 +529,7 @@ class PreprocessConfig(_Json):
 
 
 # NOTE (H200, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D], Wan pair tables; bench_preprocess.py):
-# the measurements behind both RoPE switches are in templates/preprocess.py's module doc (RoPE prologue).
+# the measurements behind both RoPE switches are in kernels/preprocess.py's module doc (RoPE prologue).
 # Pass 1 with V (one sweep per block, scripts/ab_op_kernels.py, ExpCast reuse step, same run): (warps,
 # programs per SM) = (8, 4) 0.552 / 1.376 ms, (4, 4) 0.413 / 0.721, (8, 8) 0.489 / 1.192, (4, 8) 0.335 / 0.585.
 # Pass 2's registers (H200, 2026-12-03, scripts/ab_op_kernels.py, ExpCast reuse step, same run, ms at S = 32760 H40 /
@@ -541,7 +541,7 @@ class PreprocessConfig(_Json):
 PREPROCESS_DEFAULT = PreprocessConfig()
 
 
-# ---- MC-Sparse cheap anchor: pass 2 on INT8 codes and the radix top-K (templates/anchor_mass.py, topk.py) ----
+# ---- MC-Sparse cheap anchor: pass 2 on INT8 codes and the radix top-K (kernels/anchor_mass.py, topk.py) ----
 class ExpMode(str, enum.Enum):
     """Pass 2's exponential (reference/anchor_mass.py): EXACT = exp2 (MUFU.EX2); SHIFT = Schraudolph's
     exponent-field construction on the FMA/INT pipes, centred by BETA (|rel err| <= 4%, unbiased in sums)."""
@@ -602,7 +602,7 @@ class TopKConfig(_Json):
 
 
 TOPK_DEFAULT = TopKConfig()
-# ---- the MC-Sparse reuse step's non-finite flags + guard probe (templates/finite_flags.py) --------------
+# ---- the MC-Sparse reuse step's non-finite flags + guard probe (kernels/finite_flags.py) --------------
 @dataclass(frozen=True)
 class FiniteFlagsConfig(_Json):
     """``_flags_kernel``: ``block_n`` keys per inner step, ``num_warps``; each program scans a strip of

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vc_compile.templates.compat import assembled
-from vc_compile.templates.configs import TOPK_DEFAULT, TopKConfig
-from vc_compile.templates.interpret import loop_bound
+from vc_compile.kernels.compat import assembled
+from vc_compile.kernels.configs import TOPK_DEFAULT, TopKConfig
+from vc_compile.kernels.interpret import loop_bound
 
 
 @triton.jit

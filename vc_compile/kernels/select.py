@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from vc_compile.formats import LOG2E
-from vc_compile.templates.compat import assembled
+from vc_compile.kernels.compat import assembled
 from .configs import pow2_head_dim_error
 from .interpret import dot_upcast, loop_bound
 

@@ -41,7 +41,7 @@ import triton
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
 
-from vc_compile.templates.interpret import interpreting
+from vc_compile.kernels.interpret import interpreting
 
 # How Triton's ``JITFunction.run`` launches a compiled kernel, the calling convention a remembered launch repeats:
 # the per-device caches with the binder last, and the launcher's arguments in this order (whitespace aside).

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vc_compile.templates.compat import assembled
+from vc_compile.kernels.compat import assembled
 from vc_compile.torch_ops import start_vector
 
 from .configs import pow2_head_dim_error

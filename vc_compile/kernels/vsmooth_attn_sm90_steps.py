@@ -23,8 +23,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
-from vc_compile.templates.compat import barrier, tma_load
-from vc_compile.templates.vsmooth_attn_sm90_softmax import (Tile, fold_pv, k_scales, mean_slot, pack_codes,
+from vc_compile.kernels.compat import barrier, tma_load
+from vc_compile.kernels.vsmooth_attn_sm90_softmax import (Tile, fold_pv, k_scales, mean_slot, pack_codes,
                                                             row_sum_mma, rs_layout, softmax_block)
 
 # NOTE ``from __future__ import annotations`` must not be used here: the aggregates check their fields' types.

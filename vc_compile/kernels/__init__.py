@@ -1,4 +1,4 @@
-"""The kernels ("templates"), one module per kernel, each mirroring ``vc_compile/reference/<name>.py``, and the
+"""The kernels ("kernels"), one module per kernel, each mirroring ``vc_compile/reference/<name>.py``, and the
 two modules around them.
 
 ``dispatch``   the one place that chooses reference / Triton / Gluon per call and device, checks the kernels'

@@ -41,7 +41,7 @@ for Q/K or V alone)
   accumulation), times 1/sqrt(D); for K the rotated mean ``kbar @ Hd`` is subtracted (H(k - kbar) =
   Hk - H kbar), which matches the reference up to fp32 rounding (rare one-code differences).
 * RoPE prologue (``rope=`` a ``formats.RopeArgs``): both passes rotate the Q/K rows they load
-  (``templates/rope.py``: the jit helpers, their layouts and the measurements behind them), so q and k are read
+  (``kernels/rope.py``: the jit helpers, their layouts and the measurements behind them), so q and k are read
   un-rotated from the model's tensor and never written rotated. With RoPE the grid of pass 2 is
   (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``) and the Q tile runs as two 64-row halves (register
   pressure).
@@ -68,12 +68,12 @@ import triton.language as tl
 
 from vc_compile.formats import (BLOCK_K, BLOCK_Q, BLOCK_V, LOG2E, V_LAYOUTS, QKQuant, VQuant, hadamard_matrix,
                                 k_mean_stride)
-from vc_compile.templates.compat import assembled
-from vc_compile.templates.configs import PREPROCESS_DEFAULT, PreprocessConfig, vsmooth_head_dim_error
-from vc_compile.templates.interpret import interpreting, loop_bound
-from vc_compile.templates.launch import OFFLINE_SMS, sm_count
-from vc_compile.templates.soft_round import round_e4m3
-from vc_compile.templates.rope import colsum_rope_kwargs, pair_words_ok, rope_kwargs, rope_pairs_packed, rope_rows
+from vc_compile.kernels.compat import assembled
+from vc_compile.kernels.configs import PREPROCESS_DEFAULT, PreprocessConfig, vsmooth_head_dim_error
+from vc_compile.kernels.interpret import interpreting, loop_bound
+from vc_compile.kernels.launch import OFFLINE_SMS, sm_count
+from vc_compile.kernels.soft_round import round_e4m3
+from vc_compile.kernels.rope import colsum_rope_kwargs, pair_words_ok, rope_kwargs, rope_pairs_packed, rope_rows
 
 FP8 = torch.float8_e4m3fn
 PART_ROWS = tl.constexpr(32)  # pass 1's partials pass 2 reduces a step (see _k_mean_cols)
@@ -574,7 +574,7 @@ def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hada
     (``_Recorder``); a later call with the key replays that (``_Plan``): the same launches on its own tensors,
     without the geometry, checks and argument building. Without RoPE only (its tables are tensors of their own).
     NOTE (H200 host): the preprocessing's host code took 0.1-0.2 ms of a 0.46-0.53 ms reuse call at H12 S32760."""
-    from vc_compile.templates.launch import FAST_LAUNCH
+    from vc_compile.kernels.launch import FAST_LAUNCH
     inputs = (q, k, v, perm)
     key = None
     if rope is None and FAST_LAUNCH.enabled:  # off with the remembered launches (their A/B turns both off)
@@ -688,7 +688,7 @@ _PLANS: dict = {}
 def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v_layout, launch, rec,
                 mu_prime=False):
     """``preprocess``'s work (``rec``: a ``_Recorder`` noting it, or None)."""
-    from vc_compile.templates.launch import aligned
+    from vc_compile.kernels.launch import aligned
     empty = rec.empty if rec is not None else torch.empty
     do_qk, do_v = q is not None, v is not None
     if not (do_qk or do_v):
@@ -732,7 +732,7 @@ def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v
                   PER_V_C=loop_bound(per_v), BV=BLOCK_V, DO_K=do_qk, DO_V=True, HAS_PERM=perm is not None,
                   SMOOTH=smooth)
     kx = k if do_qk else v
-    # the launches' key (templates/launch.py): what their specialisation depends on besides our own allocations
+    # the launches' key (kernels/launch.py): what their specialisation depends on besides our own allocations
     # (16-byte aligned); with RoPE (table tensors of their own) every launch takes the binder
     lkey = None if rope is not None else (
         tuple(x.shape), tuple(t.stride() if t is not None else None for t in (q, k, v, perm)),
@@ -804,9 +804,9 @@ def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v
 
 
 def _launch(fn, grid, key, *args, rec=None, **kw):
-    """``fn[grid](*args, **kw)``; with a key, remembered (templates/launch.py: later launches skip the binder);
+    """``fn[grid](*args, **kw)``; with a key, remembered (kernels/launch.py: later launches skip the binder);
     noted by ``rec``."""
-    from vc_compile.templates.launch import FAST_LAUNCH
+    from vc_compile.kernels.launch import FAST_LAUNCH
     if rec is not None:
         rec.launch(fn, grid, key, args, kw)
     if key is None:

@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 
 from vc_compile.formats import KMeansResult
-from vc_compile.templates.compat import assembled
-from vc_compile.templates.configs import pow2_head_dim_error
-from vc_compile.templates.interpret import interpreting, loop_bound
+from vc_compile.kernels.compat import assembled
+from vc_compile.kernels.configs import pow2_head_dim_error
+from vc_compile.kernels.interpret import interpreting, loop_bound
 from vc_compile.torch_ops import init_centroids
 
 

@@ -75,11 +75,11 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from vc_compile.templates.compat import assembled, barrier, cp_async_load
+from vc_compile.kernels.compat import assembled, barrier, cp_async_load
 from vc_compile.formats import LOG2E
-from vc_compile.templates.configs import SparseAttnSm90Config
-from vc_compile.templates.launch import sm_count
-from vc_compile.templates.sparse_attn import epilogue_operands, gather_operands
+from vc_compile.kernels.configs import SparseAttnSm90Config
+from vc_compile.kernels.launch import sm_count
+from vc_compile.kernels.sparse_attn import epilogue_operands, gather_operands
 
 __all__ = ["sparse_attention_sm90"]
 
@@ -448,7 +448,7 @@ def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, 
     if HAS_RES:
         r = gl.load(RES + b * srb + h * srh + so[:, None] * srs + dv[None, :], mask=mrow[:, None], other=0.0)
         o = o + r.to(gl.float32)
-    if HAS_FLAG:  # NaN/Inf in keys/values this group did not select (templates/finite_flags.py)
+    if HAS_FLAG:  # NaN/Inf in keys/values this group did not select (kernels/finite_flags.py)
         bad = gl.load(FLAG + bh.to(gl.int64) * DV + dv)
         o = gl.where(bad[None, :] != 0, float("nan"), o)
     gl.store(OUT + b * sob + h * soh + so[:, None] * sos + dv[None, :], o.to(OUT.dtype.element_ty),
@@ -535,8 +535,8 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     ``configs.sparse_sm90_default(C)``). sm_90 only; C in {64, 128}, D and Dv in {64, 128}.
     8-bit QK: ``k`` int8 codes with one scale per head ``k_scale`` [B, H] fp32 (``quantize_k_int8_head``); q
     stays 16-bit and is quantised in the kernel (one scale per row, amax / 127)."""
-    from vc_compile.templates.configs import sparse_sm90_default
-    from vc_compile.templates.launch import FAST_LAUNCH, aligned
+    from vc_compile.kernels.configs import sparse_sm90_default
+    from vc_compile.kernels.launch import FAST_LAUNCH, aligned
     B, H, S, D = q.shape
     Sk, DV = k.shape[2], v.shape[3]
     C = int(group_size)
@@ -579,7 +579,7 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
             idx.stride(0), idx.stride(1), idx.stride(2), idx.stride(3),
             res.stride(0), res.stride(1), res.stride(2), out.stride(0), out.stride(1), out.stride(2),
             H, S, G, n_keep)
-    # the launch's key (templates/launch.py): every integer argument, the tensors' dtypes and alignment, the
+    # the launch's key (kernels/launch.py): every integer argument, the tensors' dtypes and alignment, the
     # constexprs (from the launch and the shapes)
     key = (ints, n_gc, n_tiles, tuple(t.dtype for t in tensors), aligned(*tensors), launch, C, D, DV, has_res,
            flag is not None, off64)

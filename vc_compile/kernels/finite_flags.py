@@ -5,7 +5,7 @@ Notation
 --------
 k, v        [B, H, Sk, D], [B, H, Sk, Dv]; bf16, fp16 or fp32, last dim contiguous (other strides free).
 flag        [B, H, Dv] int32: 1 where output column d of head (b, h) must be non-finite (any NaN/Inf in
-            K of the head, or in column d of V), else 0. The gather kernel (``templates/sparse_attn.py``,
+            K of the head, or in column d of V), else 0. The gather kernel (``kernels/sparse_attn.py``,
             argument ``flag``) writes NaN there. Detected from the bits (exponent all ones), not with
             float arithmetic: ``x * 0`` or ``x != x`` tests can be folded away under fast-math flags,
             integer masks cannot.
@@ -36,9 +36,9 @@ import triton
 import triton.language as tl
 
 from vc_compile.formats import LOG2E
-from vc_compile.templates.compat import assembled
-from vc_compile.templates.configs import FiniteFlagsConfig
-from vc_compile.templates.interpret import dot_upcast, loop_bound
+from vc_compile.kernels.compat import assembled
+from vc_compile.kernels.configs import FiniteFlagsConfig
+from vc_compile.kernels.interpret import dot_upcast, loop_bound
 
 # exponent masks by element size: a float is NaN/Inf iff its exponent bits are all ones
 _EXP = {torch.bfloat16: (16, 0x7F80), torch.float16: (16, 0x7C00), torch.float32: (32, 0x7F800000)}

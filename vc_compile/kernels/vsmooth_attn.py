@@ -66,10 +66,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vc_compile.formats import BLOCK_K, BLOCK_V, QKQuant, VQuant, natural_layout
-from vc_compile.templates.compat import assembled
-from vc_compile.templates.configs import RowSum, VSmoothTritonConfig, vsmooth_head_dim_error
-from vc_compile.templates.interpret import interpreting, loop_bound
-from vc_compile.templates.soft_round import round_bf16, round_e4m3
+from vc_compile.kernels.compat import assembled
+from vc_compile.kernels.configs import RowSum, VSmoothTritonConfig, vsmooth_head_dim_error
+from vc_compile.kernels.interpret import interpreting, loop_bound
+from vc_compile.kernels.soft_round import round_bf16, round_e4m3
 
 
 @triton.jit

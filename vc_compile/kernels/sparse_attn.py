@@ -13,7 +13,7 @@ idx         [B, H, G, n_keep] int32: keys kept by group g, sorted ascending (any
 s           base-2 logits ``(q . k) * sm_scale * log2(e)``; online softmax with exp2.
 residual    [B, H, S, Dv] in the original query order (R = O_dense - O_sparse of the anchor step),
             added in the epilogue.
-flag        optional [B, H, Dv] int32 from ``templates/finite_flags.py``: the epilogue writes NaN into the
+flag        optional [B, H, Dv] int32 from ``kernels/finite_flags.py``: the epilogue writes NaN into the
             flagged columns (NaN/Inf in keys or values no group selected: SDPA's non-finite pattern).
 qk_format   "bf16": QK in the inputs' 16-bit type. "fp8": Q and K in E4M3 -- Q with one scale per group
             tile (amax over its C x D values / 448, quantised inside the kernel), K with one scale per
@@ -42,10 +42,10 @@ import triton
 import triton.language as tl
 
 from vc_compile.formats import LOG2E
-from vc_compile.templates.compat import assembled
-from vc_compile.templates.configs import SparseAttnConfig, pow2_head_dim_error
-from vc_compile.templates.interpret import dot_upcast, interpreting, loop_bound
-from vc_compile.templates.soft_round import round_e4m3
+from vc_compile.kernels.compat import assembled
+from vc_compile.kernels.configs import SparseAttnConfig, pow2_head_dim_error
+from vc_compile.kernels.interpret import dot_upcast, interpreting, loop_bound
+from vc_compile.kernels.soft_round import round_e4m3
 
 
 @triton.jit
@@ -249,7 +249,7 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT, FLAG,
         r = tl.load(RES + b * srb + h * srh + rows[:, None] * srs + dv[None, :], mask=mrow[:, None],
                     other=0.0)
         o = o + r.to(tl.float32)
-    if HAS_FLAG:  # NaN/Inf in keys/values this group did not select (templates/finite_flags.py)
+    if HAS_FLAG:  # NaN/Inf in keys/values this group did not select (kernels/finite_flags.py)
         bad = tl.load(FLAG + bh.to(tl.int64) * DV + dv)
         o = tl.where(bad[None, :] != 0, float("nan"), o)
     tl.store(OUT + b * sob + h * soh + rows[:, None] * sos + dv[None, :], o.to(OUT.dtype.element_ty),

@@ -54,10 +54,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from vc_compile.templates.compat import assembled, tma_load
-from vc_compile.templates.configs import POperand, VSmoothSm90Config
-from vc_compile.templates.vsmooth_attn_sm90_softmax import key_order_sm90
-from vc_compile.templates.vsmooth_attn_sm90_steps import Head, KVRing, MeanWindow, attend_rows
+from vc_compile.kernels.compat import assembled, tma_load
+from vc_compile.kernels.configs import POperand, VSmoothSm90Config
+from vc_compile.kernels.vsmooth_attn_sm90_softmax import key_order_sm90
+from vc_compile.kernels.vsmooth_attn_sm90_steps import Head, KVRing, MeanWindow, attend_rows
 
 __all__ = ["key_order_sm90", "vsmooth_attention_sm90"]
 
@@ -224,8 +224,8 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from vc_compile.formats import BLOCK_K, BLOCK_V, natural_layout, to_sm90_layout
-    from vc_compile.templates.launch import FAST_LAUNCH, aligned, tma_descriptor
-    from vc_compile.templates.vsmooth_attn import check_inputs
+    from vc_compile.kernels.launch import FAST_LAUNCH, aligned, tma_descriptor
+    from vc_compile.kernels.vsmooth_attn import check_inputs
 
     if not isinstance(launch, VSmoothSm90Config):
         raise TypeError(f"launch must be a VSmoothSm90Config, got {type(launch).__name__}")
@@ -282,7 +282,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         # built on the windows; ExpCast's only: on the exp2 path ptxas sank the 64 MUFU.EX2 of a block below the
         # PV wait (offline sm_90 SASS), which leaves nothing of the softmax's latency hidden
         consts.update(OVL=int(launch.pv_overlap and consts["PVW"] > 1 and expcast))
-    # the launch's key (templates/launch.py): the descriptors' block shapes and layouts follow from the shapes, the
+    # the launch's key (kernels/launch.py): the descriptors' block shapes and layouts follow from the shapes, the
     # dtypes and the launch; the scale tensors may come from a caller (their alignment is specialised on)
     guard = bool(consts["BYTEMASK"]) and BYTEMASK_GUARD.enabled
     if guard and BYTEMASK_GUARD.spilled.get(_guard_key(consts)):

@@ -2,7 +2,7 @@
 sm_90 kernel; whether the kernels can take the inputs at all; and which launch configuration (the tuning cache,
 ``vc_compile/tune``, asked with the candidates of ``configs.py``).
 
-    method (methods/*.py) --impl--> dispatch.<kernel>(...) --launch config--> templates/<kernel>.py
+    method (methods/*.py) --impl--> dispatch.<kernel>(...) --launch config--> kernels/<kernel>.py
                                                     \\--> reference/<kernel>.py   (impl = REFERENCE)
 
 Rules, in order:
@@ -46,8 +46,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from vc_compile import torch_ops
-from vc_compile.templates import configs as C
-from vc_compile.templates.interpret import interpreting
+from vc_compile.kernels import configs as C
+from vc_compile.kernels.interpret import interpreting
 from vc_compile.tune import lookup as tune
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,7 +55,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 @dataclass(frozen=True)
 class KernelRow:
-    """One kernel of ``templates/``: its module (imported lazily, at the first TRITON call), its launch-config
+    """One kernel of ``kernels/``: its module (imported lazily, at the first TRITON call), its launch-config
     class, whether the tuner picks its launch (then ``sources``, the files whose text keys its tuning-cache
     entries: a change of the kernel re-tunes), and the kernel path ``report()`` records where it runs."""
     name: str
@@ -127,12 +127,12 @@ SOURCES = {r.name: tuple(os.path.join(_HERE, f) for f in r.sources) for r in KER
 
 class Impl(str, enum.Enum):
     REFERENCE = "reference"  # reference/<kernel>.py: plain PyTorch, any device
-    TRITON = "triton"  # templates/<kernel>.py (the Gluon kernel among them where it applies)
+    TRITON = "triton"  # kernels/<kernel>.py (the Gluon kernel among them where it applies)
 
 
 def kernel_module(name: str):
-    """The templates module of kernel ``name`` (a KERNELS row), imported on first use."""
-    return importlib.import_module(f"vc_compile.templates.{KERNELS[name].module}")
+    """The module of kernel ``name`` (a KERNELS row), imported on first use."""
+    return importlib.import_module(f"vc_compile.kernels.{KERNELS[name].module}")
 
 
 def reference_fn(name: str, entry: str) -> Callable:
@@ -185,7 +185,7 @@ def triton_error() -> Optional[str]:
     try:
         for row in KERNELS.values():
             if row.core:
-                importlib.import_module(f"vc_compile.templates.{row.module}")
+                importlib.import_module(f"vc_compile.kernels.{row.module}")
     except Exception as e:  # the kernels are missing or failed to import: say so, never silently
         return f"{type(e).__name__}: {e}"
     return None
@@ -456,7 +456,7 @@ def vsmooth_v_layout(device: torch.device, qk_format: str, D: int, expcast: bool
 def preprocess(impl: Impl, q, k, v, perm=None, *, sm_scale: float, hadamard: bool = False, qk_format: str = "int8",
                smooth: bool = True, expcast: bool = False, rope=None, launch: Optional[C.PreprocessConfig] = None):
     """(QKQuant, VQuant) of q, k, v for ``vsmooth_attention`` (reference/preprocess.py's contract): TRITON runs
-    the two-launch preprocessing (templates/preprocess.py) and writes V in the layout the attention kernel
+    the two-launch preprocessing (kernels/preprocess.py) and writes V in the layout the attention kernel
     reads (``vsmooth_v_layout``); REFERENCE the plain-PyTorch oracle ("natural" layout)."""
     if impl == Impl.REFERENCE:  # the "natural" layout
         return call("preprocess", "preprocess", impl, q, k, v, perm, sm_scale=sm_scale, hadamard=hadamard,
@@ -724,5 +724,5 @@ def anchor_select_q8(impl: Impl, qk, lse_s, sigma, *, group_size: int, keep: int
 
 def topk(impl: Impl, mass, keep: int, launch: Optional[C.TopKConfig] = None):
     """idx [..., keep] int32: the ``keep`` largest masses per row, ties lowest index first, ascending
-    (reference/topk.py; TRITON: the radix select of templates/topk.py)."""
+    (reference/topk.py; TRITON: the radix select of kernels/topk.py)."""
     return call("topk", "select_topk", impl, mass, keep, launch=launch)

@@ -1,4 +1,4 @@
-"""The RoPE prologue of the Q/K preprocessing kernels (``templates/preprocess.py``): the jit helpers that
+"""The RoPE prologue of the Q/K preprocessing kernels (``kernels/preprocess.py``): the jit helpers that
 rotate the rows those kernels load, and the launch arguments of a ``formats.RopeArgs``.
 
 Contract: ``vc_compile/torch_ops.py`` (``apply_rope``: ``x*cos + rot(x)*sin`` in fp32, rounded once to
@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vc_compile.templates.interpret import interpreting
-from vc_compile.templates.soft_round import round_bf16
+from vc_compile.kernels.interpret import interpreting
+from vc_compile.kernels.soft_round import round_bf16
 
 
 @triton.jit

@@ -44,11 +44,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from vc_compile.formats import BLOCK_K, SHIFT_BETA, SHIFT_FRAC_BITS, QKQuant
-from vc_compile.templates.compat import assembled
-from vc_compile.templates.configs import (TOPK_DEFAULT, AnchorMassConfig, ExpMode, TopKConfig,
+from vc_compile.kernels.compat import assembled
+from vc_compile.kernels.configs import (TOPK_DEFAULT, AnchorMassConfig, ExpMode, TopKConfig,
                                          anchor_mass_default)
-from vc_compile.templates.interpret import interpreting, loop_bound
-from vc_compile.templates.soft_round import round_bf16
+from vc_compile.kernels.interpret import interpreting, loop_bound
+from vc_compile.kernels.soft_round import round_bf16
 
 MAGIC_F = 12582912.0  # 1.5 * 2^23
 PREP_ROWS = 128
@@ -255,7 +255,7 @@ def anchor_select_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, g
     """Pass 2 + top-K: idx [B, H, G, keep] int32 ascending. The queries are gathered through sigma once; the
     masses of as many heads as fit in ``max_mass_bytes`` are computed and reduced to their top-K before the next
     chunk (bf16 masses: 0.42 GB per head-chunk of 25 heads at S = 32760, C = 128)."""
-    from vc_compile.templates.topk import select_topk
+    from vc_compile.kernels.topk import select_topk
 
     launch = launch or anchor_mass_default(group_size)
     B, H, S, _ = qk.q8.shape
