@@ -20,7 +20,7 @@ the kernel builds and the steps all happen in it); ``extra_s`` its difference to
 start-up cost. Model construction and imports are outside every figure. A label ending in ``/noprebuild`` runs
 the method with option ``prebuild='off'`` (every kernel built at its launch; fresh only: a second process is
 unaffected), a plain label with the default ('auto': kernel-build helpers while Inductor compiles,
-runtime/prebuild.py) (column ``prebuild``: what ``report()`` said of the helpers, ``prebuild_wait_s``: what the
+prebuild/helpers.py) (column ``prebuild``: what ``report()`` said of the helpers, ``prebuild_wait_s``: what the
 first calls waited for them).
 Rows:
 ``benchmarks/results/bench_cold_start.csv``.

@@ -17,7 +17,7 @@ to back, as a sampling loop runs them (one set of inputs, no synchronisation in 
 * ``launches``: GPU activities (kernels, memsets, copies) the profiler sees for one steady-state reuse call
   (their names in the log).
 * ``replays``: how many of the timed calls replayed a CUDA graph, and how many of those replayed it on the
-  caller's q, k, v in place (``direct``: nothing copied; runtime/graphs.py).
+  caller's q, k, v in place (``direct``: nothing copied; kernels/graphs.py).
 * ``kernel_path``: what ``report()`` recorded (``+cuda_graph``: replayed).
 
 ``sdpa_cudnn`` is stock SDPA (cuDNN) on the same inputs, timed the same way in the same run;

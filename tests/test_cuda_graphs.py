@@ -1,4 +1,4 @@
-"""Reuse steps replayed as CUDA graphs (``cuda_graphs``, runtime/graphs.py): same bits as launching from Python,
+"""Reuse steps replayed as CUDA graphs (``cuda_graphs``, kernels/graphs.py): same bits as launching from Python,
 outputs never overwritten by a later replay, a graph per metadata object, refused where it cannot be right.
 
 CPU: the option, the methods' replayable rules, and that nothing is captured off a GPU. GPU: the op itself."""
@@ -12,11 +12,11 @@ from test_vsmooth_attn import make_qkv
 from vc_compile.config import CudaGraphs, VCConfig
 from vc_compile.methods import Phase, mcsparse, vsmooth
 from vc_compile.ops import GRAPHS
-from vc_compile.runtime.graphs import AUTO_MAX_WORK, LaunchGraphs
+from vc_compile.kernels.graphs import AUTO_MAX_WORK, LaunchGraphs
 
 
 def test_option_is_an_enum_with_a_clear_error():
-    assert VCConfig().cuda_graphs == CudaGraphs.OFF  # the recorded launch sequences (runtime/programs.py)
+    assert VCConfig().cuda_graphs == CudaGraphs.OFF  # the recorded launch sequences (kernels/programs.py)
     assert VCConfig.from_options({"cuda_graphs": "off"}).cuda_graphs == CudaGraphs.OFF
     with pytest.raises(ValueError, match="cuda_graphs"):
         VCConfig.from_options({"cuda_graphs": "sometimes"})

@@ -120,3 +120,88 @@ def test_format_names_are_defined_once():
     dup = [f"{p.relative_to(PKG.parent)}: {n}" for p in package_files() if p != PKG / "formats.py"
            for n in sorted(set(defined_names(p)) & owned) if not n.startswith("_")]
     assert dup == []
+
+
+def import_graph():
+    """{module: modules of the package it imports}, at module level or inside functions. ``from X import y`` is an
+    edge to X.y where that is a module, else to X (a name X defines); importing X.y is not counted as importing
+    X's ``__init__`` (Python runs it, but a package's ``__init__`` here imports nothing of its own parents)."""
+    names = {module_name(p): p for p in package_files()}
+
+    def resolve(mod):
+        while mod and mod not in names:
+            mod = mod.rpartition(".")[0]
+        return mod or None
+
+    graph = {}
+    for mod, path in names.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        out = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names]
+            else:
+                continue
+            out |= {r for r in map(resolve, targets) if r and r != mod}
+        graph[mod] = out
+    return graph
+
+
+def find_cycle(graph):
+    """One cycle of ``graph`` as a list of nodes (first == last), or None."""
+    state, stack = {}, []
+
+    def visit(v):
+        state[v] = 1
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        stack.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return None
+
+
+def room(mod: str) -> str:
+    """The folder (``vc_compile.runtime``) or top-level module (``vc_compile.ops``) a module lives in."""
+    return ".".join(mod.split(".")[:2])
+
+
+def test_the_cycle_finder_finds_a_cycle_and_accepts_a_dag():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_package_imports_form_no_cycle():
+    """No module reaches itself through imports (lazy ones included): every layer can be read, tested and
+    replaced from the bottom up. The run-time state sits at the bottom (``runtime/runtime.py`` imports nothing of
+    the package but the step tracker); the parts built elsewhere register their factories with it."""
+    graph = import_graph()
+    assert len(graph) > 80 and "vc_compile.runtime.report" in graph["vc_compile.ops"]
+    assert find_cycle(graph) is None
+
+
+def test_the_folders_import_each_other_one_way():
+    """Between folders (and top-level modules) imports go one way only: no arrow back up."""
+    rooms = {}
+    for mod, deps in import_graph().items():
+        rooms.setdefault(room(mod), set()).update(room(d) for d in deps if room(d) != room(mod))
+    assert "vc_compile.runtime" in rooms["vc_compile.kernels"]
+    assert find_cycle(rooms) is None

@@ -1,4 +1,4 @@
-"""Kernel builds ahead of the first call (runtime/prebuild.py): which steps a helper runs, which calls it gets,
+"""Kernel builds ahead of the first call (prebuild/helpers.py): which steps a helper runs, which calls it gets,
 that it runs and leaves its marker, that a failing helper changes nothing but the time, and that the results
 are those of a process without helpers."""
 import os
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import vc_compile
 from conftest import requires_cuda
 from vc_compile.config import VCConfig
-from vc_compile.runtime import prebuild
+from vc_compile.prebuild import helpers as prebuild
 from vc_compile.runtime.runtime import current
 
 
@@ -314,7 +314,7 @@ from scripts import codegen_stats as cs
 import torch
 from triton import knobs
 cs._install()
-from vc_compile.runtime import prebuild
+from vc_compile.prebuild import helpers as prebuild
 from vc_compile.kernels import preprocess as tpre
 q = torch.empty(1, 1000, 2, 64, dtype=torch.bfloat16).permute(0, 2, 1, 3)
 perm = torch.empty(1, 2, 1000, dtype=torch.int64)

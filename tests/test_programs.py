@@ -1,4 +1,4 @@
-"""Recorded reuse steps (runtime/programs.py): a replayed program hands each kernel's launcher what the normal path
+"""Recorded reuse steps (kernels/programs.py): a replayed program hands each kernel's launcher what the normal path
 hands it, on the call's own tensors; a call it cannot reproduce is never recorded, and says why."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from conftest import requires_cuda
 from offline_sm90 import result_line
-from vc_compile.runtime import programs as P
+from vc_compile.kernels import programs as P
 
 
 def test_a_torch_operation_in_the_call_refuses_the_recording():
@@ -91,7 +91,7 @@ from vc_compile.kernels import dispatch
 dispatch._on_sm90 = lambda device: True  # CPU tensors stand for an sm_90 GPU's
 from vc_compile import VCConfig
 from vc_compile.methods import Phase, vsmooth as VS
-from vc_compile.runtime.programs import LaunchPrograms
+from vc_compile.kernels.programs import LaunchPrograms
 T = dispatch.Impl.TRITON
 B, H, S, D = 1, 2, 1000, 128
 q, k, v = (torch.randn(B, S, H, D, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
@@ -189,7 +189,7 @@ def test_a_replayed_program_hands_the_launchers_what_the_normal_path_does(tmp_pa
 # normally, the second is recorded, the rest replay, from the third on through the site's lane; the report counts
 # every call once.
 _OP_CODE = _CODE.split("def vs_fn")[0] + r"""
-from vc_compile.runtime import programs as P
+from vc_compile.kernels import programs as P
 P.LaunchPrograms.usable = staticmethod(lambda q: True)
 dispatch.choose = lambda method, kernels, fp8, device: (T, "triton")  # the kernels, not the CPU reference
 import vc_compile

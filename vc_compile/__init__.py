@@ -69,8 +69,6 @@ _register_without_entry_point()
 def reset(report: bool = False) -> None:
     """Drop all cached metadata and step state (a fresh generation); ``report=True`` also forgets the
     call-site records and counts. The process's ``Runtime.reset`` (``vc_compile/runtime/runtime.py``)."""
-    from . import ops
     from .runtime.runtime import current
 
     current().reset(report=report)
-    ops.forget_checks()  # the same containers again, and whatever else the op keeps outside the Runtime

@@ -1,7 +1,7 @@
 """``python -m vc_compile <command>`` (also installed as ``vc-compile``).
 
     tune    pre-tune the attention kernel of a method for a shape (see ``vc_compile/tune_cli.py``)
-    warmup  build the kernels of the usual layouts into Triton's on-disk cache (``vc_compile/runtime/warmup.py``)
+    warmup  build the kernels of the usual layouts into Triton's on-disk cache (``vc_compile/prebuild/warmup.py``)
     demo    the demo (``python -m vc_compile.demo``, the same options)
 
 ``--version`` and ``--help`` import neither torch nor triton.
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
 def warmup(argv) -> int:
     import argparse
 
-    from vc_compile.runtime.warmup import METHODS, PLANS, warmup as run
+    from vc_compile.prebuild.warmup import METHODS, PLANS, warmup as run
 
     p = argparse.ArgumentParser(prog="python -m vc_compile warmup",
                                 description="Build the kernels of the supported pipelines' attention layouts into "

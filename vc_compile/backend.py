@@ -35,6 +35,19 @@ _GRAPH_IDS = itertools.count(1)
 _LIVE: collections.Counter = _runtime.current().live_graphs  # site id -> live compiled graphs that call it
 
 
+
+def _fast_path_off():
+    """Why the remembered kernel launches (and the recorded reuse steps built on them) cannot run on the installed
+    Triton, or None: its JIT launches in a way they do not replay (``kernels/launch.py``)."""
+    if toolchain.triton_version() is None:
+        return None
+    try:
+        from .kernels import launch
+    except Exception as e:  # noqa: BLE001 - the kernels do not import: dispatch says so at the first call
+        return f"{type(e).__name__}: {e}"
+    return launch._CONVENTION_ERROR
+
+
 def _graph_freed(sites) -> None:
     from .runtime import state
 
@@ -82,12 +95,12 @@ def inductor_patches(cfg: VCConfig) -> dict:
 
 
 def start_prebuild(gm: torch.fx.GraphModule, cfg: VCConfig) -> int:
-    """Hand the graph's rewritten calls to kernel-build helpers (``runtime/prebuild.py``, option ``prebuild``);
+    """Hand the graph's rewritten calls to kernel-build helpers (``prebuild/helpers.py``, option ``prebuild``);
     returns how many helpers started. Never fails the compile: a problem here only costs the first call's time."""
     if cfg.prebuild == Prebuild.OFF:
         return 0
     try:
-        from .runtime import prebuild
+        from .prebuild import helpers as prebuild
 
         reqs = prebuild.requests_for_graph(gm)
         # the calls that will run our Triton kernels on a CUDA device
@@ -163,7 +176,7 @@ def vcattn(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = No
     findings = detect_rope(gm, graph_name=name)  # RoPE producer forms, graph unchanged
     fuse_rope(gm, findings, cfg, graph_name=name)  # RoPE + permute into the preprocessing kernel (step 2)
     if stats["rewritten"]:
-        toolchain.check()  # an untested Triton: one warning per process, here rather than only in report()
+        toolchain.check(_fast_path_off())  # an untested Triton: one warning per process, not only in report()
         start_prebuild(gm, cfg)  # our kernels build in helper processes while Inductor compiles the graph
     if stats["sites"]:
         # torch._dynamo.reset() or a deleted model frees the graph: its metadata goes with it, once no

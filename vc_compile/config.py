@@ -76,10 +76,10 @@ class WarmupAttention(str, enum.Enum):
 
 
 class CudaGraphs(str, enum.Enum):
-    """Where a reuse step's kernel launches are replayed as a CUDA graph (runtime/graphs.py)."""
+    """Where a reuse step's kernel launches are replayed as a CUDA graph (kernels/graphs.py)."""
     AUTO = "auto"  # where the launches, not the kernels, bound the call (small shapes)
     ON = "on"  # every replayable call on a CUDA device
-    OFF = "off"  # never: the recorded launch sequence (runtime/programs.py), launched from Python
+    OFF = "off"  # never: the recorded launch sequence (kernels/programs.py), launched from Python
 
 
 class SpeedGate(str, enum.Enum):
@@ -90,7 +90,7 @@ class SpeedGate(str, enum.Enum):
 
 class Prebuild(str, enum.Enum):
     """Whether a fresh process builds its compiled calls' kernels ahead of their first launch, in helper processes
-    running while Inductor compiles (runtime/prebuild.py). Built kernels stay in Triton's on-disk cache for every
+    running while Inductor compiles (prebuild/helpers.py). Built kernels stay in Triton's on-disk cache for every
     later process; ``python -m vc_compile warmup`` builds the usual layouts' ahead of any process."""
     OFF = "off"  # each kernel is built at its first launch, in the calling process
     AUTO = "auto"  # helpers build the kernels of the calls that run our kernels on a CUDA device (the default)
@@ -328,7 +328,7 @@ class VCConfig:
     # twice the unit-logit one (0.07); a model with QK-norm sits far below it.
     max_logit_std: float = 32.0
     quant_check: bool = True
-    # NOTE 'off' by default since reuse steps replay recorded launch sequences (runtime/programs.py). H200, b9abd36,
+    # NOTE 'off' by default since reuse steps replay recorded launch sequences (kernels/programs.py). H200, b9abd36,
     # bench_op_overhead, x cuDNN per reuse call, sequence vs graph ('auto' then): 12 x 2K V-Smooth 0.43 / 0.36,
     # ExpCast 0.43 / 0.42, MC-Sparse 0.58 / 0.35; 12 x 4K 0.66 / 0.63, 0.79 / 0.72, 2.03 / 0.94; 12 x 8K 0.88 / 0.87,
     # 1.00 / 0.99, 3.75 / 2.90; and a graph keeps ~2.5x q per call site and CFG branch (e.g. 3.7 GB at 12 x 8K over

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from . import formats, methods, toolchain, torch_ops
 from .config import Method, SpeedGate, VCConfig
 from .methods import Phase
-from .runtime import programs as _programs
+from .kernels import graphs as _graphs  # noqa: F401  (provides the runtime's graphs part)
+from .kernels import programs as _programs
 from .runtime import report as _report
 from .runtime import runtime as _runtime
 from .runtime import state
@@ -128,10 +129,10 @@ def _shape_ineligible(qs, ks, vs, qd, kd, vd, min_seq_len: int, head_dims) -> Op
 # run inside a garbage collection triggered while this thread holds the state lock); the queue is
 # drained at once when the lock is free, else at the next op call.
 # What the op remembers per site lives in the process's Runtime (runtime/runtime.py: Checks); bound here once.
-_CHECKS = _runtime.current().checks
-GRAPHS = _runtime.current().graphs  # the reuse steps replayed as CUDA graphs (runtime/graphs.py)
-PROGRAMS = _runtime.current().programs  # the reuse steps replayed as recorded launches (runtime/programs.py)
-_PREBUILDS = _runtime.current().prebuilds  # kernel-build helpers started at compile time (runtime/prebuild.py)
+_RUNTIME = _runtime.current()
+_CHECKS = _RUNTIME.checks
+GRAPHS = _runtime.current().graphs  # the reuse steps replayed as CUDA graphs (kernels/graphs.py)
+PROGRAMS = _runtime.current().programs  # the reuse steps replayed as recorded launches (kernels/programs.py)
 _WATCHED: Dict[Tuple[int, int], "_Watch"] = _CHECKS.watched  # (site, ident_ptr) -> the weight, metadata keys written
 _FREED: collections.deque = _CHECKS.freed
 
@@ -281,21 +282,6 @@ def identity_problem(rec, site: int, ident: Optional[torch.Tensor]) -> Optional[
 def forget_identities(_gen: Optional[int] = None) -> None:
     """A new generation: addresses seen so far name nothing any more (``_UNSTABLE`` stays until reset())."""
     _IDENTS.clear()
-
-
-def forget_checks() -> None:
-    """``vc_compile.reset()``: forget what was seen (identities, including the sites refused for an unstable one;
-    sharpness readings)."""
-    _IDENTS.clear()
-    _UNSTABLE.clear()
-    _IDENT_WARNED.clear()
-    _SHARP.clear()
-    _SHARP_WORST.clear()
-    _SHARP_WARNED.clear()
-    GRAPHS.clear()
-    PROGRAMS.clear()
-    _LANES.clear()
-    _NONFINITE_WARNED.clear()
 
 
 # Sharp attention (option ``max_logit_std``): the 8-bit paths' error grows with the spread of the logits (INT8
@@ -470,7 +456,7 @@ _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor? ident, int site, st
 class _Lane:
     """A call site's decisions that follow from its config and its inputs' layout alone (kernel path, eligibility,
     speed gate, softmax scale, report label), noted at a call whose reuse step replayed a recorded launch sequence
-    (runtime/programs.py): a later call of the same (site, config, scale) with the same layout skips deciding them
+    (kernels/programs.py): a later call of the same (site, config, scale) with the same layout skips deciding them
     again, and where its reuse step has a program ready, replays it without the call's other scaffolding.
     NOTE (H200 host, ExpCast reuse call at H12 S32760, scripts/host_breakdown.py): those decisions and the
     scaffolding around a replay (timer, tuning-lookup recorder, graph check, report label) took ~60-100 us of the
@@ -565,8 +551,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         _method_fallback(rec, site, *plan.fallback)
     key = key + plan.slot
     kw = {} if rope_args is None else {"rope": rope_args}
-    if _PREBUILDS.pending and phase != Phase.DENSE:  # helpers build this phase's kernels: further along than us
-        _PREBUILDS.wait(phase.value)
+    prebuilds = _RUNTIME.part("prebuilds")  # None: no helper was ever started (prebuild/helpers.py)
+    if prebuilds is not None and prebuilds.pending and phase != Phase.DENSE:  # helpers build this phase's kernels
+        prebuilds.wait(phase.value)
     if (lane is not None and meta is not None and phase != Phase.DENSE and not cfg.profile
             and plan.replay and M.replayable(phase, cfg) and PROGRAMS.usable(q)):
         hit = PROGRAMS.replay(key, meta, q, k, v, layout)
@@ -660,7 +647,7 @@ def _kernels(M, phase, meta, cfg, sm, impl, rec, key, layout, q, k, v, sources, 
 
 
 def _replayed_run(M, phase, meta, cfg, sm, impl, q, k, v):
-    """A replayable step's output (what ``runtime/graphs.py`` captures): the method must hand back the metadata
+    """A replayable step's output (what ``kernels/graphs.py`` captures): the method must hand back the metadata
     it was given, or the capture is refused."""
     out, new_meta = M.run(q, k, v, phase=phase, meta=meta, cfg=cfg, sm_scale=sm, impl=impl)
     if new_meta is not meta:

@@ -89,25 +89,14 @@ def known_failure(kernel: str, expcast: bool, head_dim: int) -> Optional[str]:
     return KNOWN_FAILURES.get((_parse(version), kernel, bool(expcast), int(head_dim)))
 
 
-def fast_path_off() -> Optional[str]:
-    """Why the remembered kernel launches (and the recorded reuse steps built on them) cannot run on the installed
-    Triton, or None: its JIT launches in a way they do not replay (``kernels/launch.py``)."""
-    if triton_version() is None:
-        return None
-    try:
-        from .kernels import launch
-    except Exception as e:  # noqa: BLE001 - the kernels do not import: dispatch says so at the first call
-        return f"{type(e).__name__}: {e}"
-    return launch._CONVENTION_ERROR
-
-
 @functools.lru_cache(maxsize=None)
-def check() -> Optional[str]:
+def check(fast_path_off: Optional[str] = None) -> Optional[str]:
     """Warn once per process, at compile time, where the toolchain is untested (see ``untested_reason``) or where
-    the fast host path is off on it (``fast_path_off``); returns what was said."""
-    said = [x for x in (untested_reason(), fast_path_off()) if x]
+    the fast host path is off on it (``fast_path_off``: why, from ``kernels/launch.py``'s ``fast_path_off()``, which
+    the caller reads: this module imports nothing of the package); returns what was said."""
+    said = [x for x in (untested_reason(), fast_path_off) if x]
     if said:
         extra = (" The remembered kernel launches are off: each reuse call goes through Triton's launch path "
-                 "(more host time per call)." if fast_path_off() else "")
+                 "(more host time per call)." if fast_path_off else "")
         warnings.warn(f"vcattn: {'; '.join(said)}.{extra} {fix()}.", RuntimeWarning, stacklevel=3)
     return "; ".join(said) or None

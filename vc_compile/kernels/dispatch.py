@@ -39,6 +39,7 @@ import enum
 import functools
 import importlib
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -48,6 +49,7 @@ import torch
 from vc_compile import torch_ops
 from vc_compile.kernels import configs as C
 from vc_compile.kernels.interpret import interpreting
+from vc_compile.runtime import report as _report
 from vc_compile.tune import lookup as tune
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -269,6 +271,23 @@ def build_failures() -> Dict[str, Tuple[str, str]]:
 def forget_build_failures() -> None:
     _BUILD_FAILED.clear()
     _BUILD_FALLBACK.clear()
+
+
+def _build_line() -> Optional[str]:
+    """The kernels that did not build on the installed Triton and what ran instead (``kernels/dispatch.py``),
+    and an untested toolchain; None where every kernel built (or none was tried: nothing here imports triton)."""
+    from vc_compile import toolchain
+
+    failed = build_failures()
+    parts = [f"{name} ({why}) -> {to}" for name, (why, to) in failed.items()]
+    line = f"kernels that did not build on Triton {toolchain.triton_version()}: {'; '.join(parts)}" if parts else None
+    untested = toolchain.untested_reason()
+    sm90 = sys.modules.get("vc_compile.kernels.vsmooth_attn_sm90")
+    clamp = sm90.BYTEMASK_GUARD.summary() if sm90 is not None else None
+    return "; ".join(x for x in (line, untested, clamp) if x) or None
+
+
+_report.line_source("builds", _build_line)
 
 
 # Triton's ``DependenciesFinder`` (``triton/runtime/jit.py``): what walks a kernel's source before it compiles

@@ -92,7 +92,7 @@ class FastLaunch:
     def __call__(self, fn, grid: tuple, key, *args, **kwargs):
         """``fn[grid](*args, **kwargs)``, remembered under ``key`` (see the module docstring)."""
         rec = getattr(RECORDING, "rec", None)
-        if rec is not None:  # runtime/programs.py records this call (its hook makes ``usable`` False meanwhile)
+        if rec is not None:  # kernels/programs.py records this call (its hook makes ``usable`` False meanwhile)
             return self._recorded(rec, fn, grid, key, args, kwargs)
         if not self.usable(fn):
             self.slow += 1
@@ -109,7 +109,7 @@ class FastLaunch:
         return kernel
 
     def _recorded(self, rec, fn, grid, key, args, kwargs):
-        """A launch inside a recorded call (runtime/programs.py): launched as a remembered launch and noted as
+        """A launch inside a recorded call (kernels/programs.py): launched as a remembered launch and noted as
         (compiled kernel, grid, bound arguments); one the recording cannot note (not remembered yet, or one the
         remembered path does not take) is launched through the binder and refuses the recording."""
         device = driver.active.get_current_device()
@@ -175,7 +175,7 @@ class FastLaunch:
 
 
 FAST_LAUNCH = FastLaunch()
-# this thread's recording of a call (runtime/programs.py sets ``RECORDING.rec``), or none
+# this thread's recording of a call (kernels/programs.py sets ``RECORDING.rec``), or none
 RECORDING = threading.local()
 
 

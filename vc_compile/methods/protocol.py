@@ -21,7 +21,7 @@ A method module is an ``AttentionMethod``:
                      (the dispatch decisions depend on their device, head dims and dtype);
 ``replayable(phase, cfg) -> bool``  whether ``run`` of this phase launches the same kernels on the same buffers
                      whatever q, k, v hold, reads nothing back to the host and returns the metadata it was given:
-                     the op may then replay it as a CUDA graph (``cuda_graphs``, runtime/graphs.py).
+                     the op may then replay it as a CUDA graph (``cuda_graphs``, kernels/graphs.py).
 """
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ def path_label(path: str, phase, cfg, q, v) -> str:
 
 def replayable(phase: Phase, cfg) -> bool:
     """A reuse step (the grouping cached): its launches depend only on q, k, v and the grouping, so the op may
-    replay them as a CUDA graph (runtime/graphs.py)."""
+    replay them as a CUDA graph (kernels/graphs.py)."""
     return phase == Phase.REUSE
 
 

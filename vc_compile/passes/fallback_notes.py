@@ -24,14 +24,13 @@ from torch._dynamo.utils import counters
 from ..config import Kernels, Method, VCConfig
 from .cp_detect import DTENSOR_REASON
 
+HEAD_DIM_DYNAMIC = "head_dim marked dynamic"  # the rewrite's reason for a head dim Dynamo made symbolic
 _SHORT = ("sequence too short", "cross-attention too short")
 _NOTED = set()  # methods whose reference path was noted in this process
 _WARNED = set()  # (compiled model, reason) pairs already warned about
 
 
 def _fix(reason: str, example, cfg: VCConfig) -> str:
-    from .sdpa_rewrite import HEAD_DIM_DYNAMIC
-
     if reason == "requires grad":
         return ("q, k or v require grad (the model runs with autograd on; vcattn rewrites inference only): "
                 "call the model under torch.no_grad() or torch.inference_mode() (diffusers pipelines do)")

@@ -40,6 +40,7 @@ from .. import ops  # (registers torch.ops.vcattn.*)
 from ..config import VCConfig
 from ..runtime import report as _report
 from . import fallback_notes as _notes
+from .fallback_notes import HEAD_DIM_DYNAMIC
 from . import names as _names
 from .cp_detect import META_KEY as _CP_META_KEY
 from .cp_detect import dtensor_reason
@@ -72,7 +73,6 @@ def _static(n) -> Optional[int]:
     return n if isinstance(n, int) else None
 
 
-HEAD_DIM_DYNAMIC = "head_dim marked dynamic"
 
 
 def _marked_dynamic(dims, gm: Optional[fx.GraphModule]) -> bool:

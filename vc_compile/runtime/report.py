@@ -14,11 +14,29 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .runtime import current
+from .runtime import current, provide
+
+# Where report()'s summary lines come from: each is registered by the module that knows the answer (the
+# kernel-build helpers, the kernel launcher, the kernel table), at its import; a module never imported
+# leaves its line None (nothing of it ran).
+LINE_SOURCES: Dict[str, Callable[[], Optional[str]]] = {}
+LINES = ("prebuild", "launches", "builds")
+
+
+def line_source(name: str, fn: Callable[[], Optional[str]]) -> None:
+    """Register the function that writes report()'s ``name`` line (one of ``LINES``)."""
+    if name not in LINES:
+        raise ValueError(f"vc_compile report: {name!r} is not a report line ({LINES})")
+    LINE_SOURCES[name] = fn
+
+
+def _line(name: str) -> Optional[str]:
+    fn = LINE_SOURCES.get(name)
+    return fn() if fn is not None else None
 
 # What the rewrite pass said about each site (module path, shape, ...), kept when ``clear()`` forgets the
 # records: a compiled graph still calls its sites afterwards and their new records must name them.
@@ -73,10 +91,10 @@ class SiteRecord:
     rope: Optional[str] = None  # RoPE producer form of q/k (passes/rope_detect.py), None = not analysed
     rope_fusion: Optional[str] = None  # "fused" / "unfused: <reason>" (passes/rope_fuse.py), None = no RoPE
     # why this site's reuse steps are not replayed as CUDA graphs although the option allows it (a failed
-    # capture; runtime/graphs.py), None = no failure
+    # capture; kernels/graphs.py), None = no failure
     cuda_graph_failure: Optional[str] = None
     # why this site's reuse steps run the op's whole Python path instead of a recorded launch sequence
-    # (runtime/programs.py: a recording refused), None = no refusal
+    # (kernels/programs.py: a recording refused), None = no refusal
     program_failure: Optional[str] = None
     # the GPU this site's calls ran our kernels on with the speed gate on but no measurements for that GPU in
     # its table (tune/gate.py: nothing is gated there), "" = none
@@ -163,7 +181,7 @@ class SiteRegistry:
         for s in sites:
             s.resolve_timing()
         return Report(sites=sites, graphs_without_sdpa=list(self.empty_graphs),
-                      prebuild=_prebuild_line(), launches=_launch_line(), builds=_build_line())
+                      prebuild=_line("prebuild"), launches=_line("launches"), builds=_line("builds"))
 
     def clear(self) -> None:
         with self.lock:
@@ -234,6 +252,9 @@ def note_empty_graph(name: str) -> None:
     current().sites.note_empty_graph(name)
 
 
+provide("sites", lambda rt: SiteRegistry())
+
+
 class Timer:
     """Times one op call into a site record: CUDA events (resolved lazily, no sync) or a wall clock."""
 
@@ -277,7 +298,7 @@ def config_column(sources: collections.Counter) -> str:
 class Report:
     sites: List[SiteRecord]
     graphs_without_sdpa: List[str]
-    prebuild: Optional[str] = None  # what the kernel-build helpers did (runtime/prebuild.py), None: none ran
+    prebuild: Optional[str] = None  # what the kernel-build helpers did (prebuild/helpers.py), None: none ran
     launches: Optional[str] = None  # how our kernels were launched (kernels/launch.py), None: none was
     builds: Optional[str] = None  # kernels that did not build on this toolchain and what ran instead, None: none
 
@@ -394,43 +415,3 @@ def clear() -> None:
 def reset_counts() -> None:
     """Zero the run-time counts of every site but keep the sites (used between demo runs)."""
     current().sites.reset_counts()
-
-
-def _prebuild_line() -> Optional[str]:
-    """What the kernel-build helpers did (``runtime/prebuild.py``)."""
-    return current().prebuilds.summary()
-
-
-def _build_line() -> Optional[str]:
-    """The kernels that did not build on the installed Triton and what ran instead (``kernels/dispatch.py``),
-    and an untested toolchain; None where every kernel built (or none was tried: nothing here imports triton)."""
-    import sys
-
-    from .. import toolchain
-
-    mod = sys.modules.get("vc_compile.kernels.dispatch")
-    failed = mod.build_failures() if mod is not None else {}
-    parts = [f"{name} ({why}) -> {to}" for name, (why, to) in failed.items()]
-    line = f"kernels that did not build on Triton {toolchain.triton_version()}: {'; '.join(parts)}" if parts else None
-    untested = toolchain.untested_reason() if mod is not None else None
-    sm90 = sys.modules.get("vc_compile.kernels.vsmooth_attn_sm90")
-    clamp = sm90.BYTEMASK_GUARD.summary() if sm90 is not None else None
-    return "; ".join(x for x in (line, untested, clamp) if x) or None
-
-
-def _launch_line() -> Optional[str]:
-    """How the kernels were launched: remembered (Triton's binder skipped, ``kernels/launch.py``) or through the
-    binder, and why the remembered path is off where it is. None before any launch (the module not imported:
-    nothing here imports triton)."""
-    import sys
-
-    mod = sys.modules.get("vc_compile.kernels.launch")
-    if mod is None:
-        return None
-    line = mod.FAST_LAUNCH.summary()
-    progs = current().programs
-    if progs.replays:
-        line = (line or "kernel launches: none through Python") + (
-            f"; {progs.launches} more from {progs.replays} replays of recorded reuse steps "
-            f"({progs.recorded} recorded)")
-    return line

@@ -12,22 +12,25 @@ What ``vcattn::attention`` remembers between calls, and what ``vc_compile.reset(
 * ``tuning``: the tuning policy and the memo of launch configurations (``tune/lookup.py``).
 * ``checks``: what the op has seen per site (block identities, sharpness readings, one-time warnings, the
   blocks whose weights it watches; ``ops.py`` binds these containers at import).
-* ``graphs``: the reuse steps captured as CUDA graphs (``runtime/graphs.py``; a new generation of any loop
+* ``graphs``: the reuse steps captured as CUDA graphs (``kernels/graphs.py``; a new generation of any loop
   clears them, with the metadata they were captured for).
-* ``programs``: the reuse steps recorded as launch sequences (``runtime/programs.py``; cleared with the graphs).
+* ``programs``: the reuse steps recorded as launch sequences (``kernels/programs.py``; cleared with the graphs).
 * ``live_graphs``: how many live compiled graphs call each site (``backend.py``: a freed graph's metadata
   goes with it).
 * ``prebuilds``: the helper processes that build the kernels of the compiled calls ahead of their first launch
-  (``runtime/prebuild.py``; the op's first call waits for them).
+  (``prebuild/helpers.py``; the op's first call waits for them).
 * ``subscribers``: functions run whenever a generation of any loop starts (``ops.py`` subscribes the store's
   ``clear`` and its own per-generation memory). A generation of a loop always starts in a context where that
   loop is the active one, so ``state.clear`` clears that loop's store.
 
-The module functions that existed before (``state.get/put``, ``report.site``, ``lookup.configure`` ...)
-stay as thin delegators to ``current()`` / ``active_loop()``, so the rest of the tree is unchanged.
+The module functions of the parts (``state.get/put``, ``report.site``, ``lookup.configure`` ...) are thin
+delegators to ``current()`` / ``active_loop()``.
 
-This module imports only the standard library at import time (the components' modules import it for
-``current()``); ``Runtime()`` imports the component classes when it is built.
+This module sits at the bottom of the package: it imports nothing of it but the step tracker. A part that lives
+elsewhere (``PARTS``) is built on first use by the factory its module registers at import (``provide``), so the
+parts' modules import this one and never the other way round; a part whose module was never imported does not
+exist, and ``part(name)`` says so with None (no kernel-build helper can be running if the module that starts them
+was never imported).
 """
 from __future__ import annotations
 
@@ -36,7 +39,27 @@ import contextvars
 import itertools
 import threading
 import weakref
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+from .tracker import Tracker
+
+# Every part of a Runtime built by another module, and that module: it registers the part's factory at import.
+PARTS: Dict[str, str] = {
+    "sites": "vc_compile.runtime.report",  # the call-site registry
+    "store": "vc_compile.runtime.state",  # a loop's metadata store (one per loop, not per runtime)
+    "tuning": "vc_compile.tune.lookup",  # the tuning policy and its memo
+    "graphs": "vc_compile.kernels.graphs",  # reuse steps captured as CUDA graphs
+    "programs": "vc_compile.kernels.programs",  # reuse steps recorded as launch sequences
+    "prebuilds": "vc_compile.prebuild.helpers",  # kernel-build helper processes
+}
+_FACTORIES: Dict[str, Callable[["Runtime"], Any]] = {}
+
+
+def provide(name: str, factory: Callable[["Runtime"], Any]) -> None:
+    """Register the factory of part ``name`` (called once by the module ``PARTS[name]`` names, at import)."""
+    if name not in PARTS:
+        raise ValueError(f"vc_compile runtime: {name!r} is not a runtime part (PARTS: {sorted(PARTS)})")
+    _FACTORIES[name] = factory
 
 _CREATE = threading.Lock()
 _DEFAULT: Optional["Runtime"] = None
@@ -48,18 +71,38 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vc_compile_active_loop
 class Loop:
     """One sampling loop's step tracker and metadata store. ``parent``: the loop active where this one was
     opened (None for a runtime's default loop); ``closed``: its ``sampling()`` block has ended (a context
-    still pointing at it falls back to its nearest open parent)."""
+    still pointing at it falls back to its nearest open parent). The store is built on first use (its module,
+    ``runtime/state.py``, imports this one); ``built_store`` is None until then."""
 
-    __slots__ = ("tracker", "store", "parent", "closed", "__weakref__")
+    __slots__ = ("tracker", "built_store", "_runtime", "parent", "closed", "__weakref__")
 
-    def __init__(self, tracker, store, parent: Optional["Loop"] = None):
-        self.tracker, self.store, self.parent, self.closed = tracker, store, parent, False
+    def __init__(self, tracker, runtime: "Runtime", parent: Optional["Loop"] = None):
+        self.tracker, self._runtime, self.parent, self.closed = tracker, runtime, parent, False
+        self.built_store = None
+
+    @property
+    def store(self):
+        s = self.built_store
+        if s is None:
+            with _CREATE:
+                if self.built_store is None:
+                    self.built_store = _build(self._runtime, "store")
+                s = self.built_store
+        return s
 
     def activate(self) -> None:
         """Make this loop the active one in the current context (``vc_compile.sampling() as loop``:
         ``loop.step(i)`` does it, so interleaved generators each find their own loop again)."""
         if not self.closed:
             _ACTIVE.set(self)
+
+
+def _build(rt: "Runtime", name: str):
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise RuntimeError(f"vc_compile runtime: the part {name!r} comes from {PARTS[name]}, which is not "
+                           f"imported; import it before using the part")
+    return factory(rt)
 
 
 class Checks:
@@ -96,34 +139,33 @@ class Runtime:
     """The run-time state of one process (see the module docstring); ``current()`` is the one in use."""
 
     def __init__(self):
-        from ..tune.lookup import TunePolicy
-        from .graphs import LaunchGraphs
-        from .prebuild import Prebuilds
-        from .programs import LaunchPrograms
-        from .report import SiteRegistry
-        from .state import MetadataStore
-        from .tracker import Tracker
-
-        self._store_cls, self._tracker_cls = MetadataStore, Tracker
+        self._lock = threading.RLock()  # re-entrant: a finalizer run by a GC inside it may call loops()
         self.subscribers: List[Any] = []  # fn(generation), run when a generation of any loop starts
         self.generations = itertools.count(1)  # generation numbers, unique across this runtime's loops
         self.store_lock = threading.Lock()  # one lock for every loop's store (``state.busy()``)
-        self.sites = SiteRegistry()
-        self.tuning = TunePolicy()
         self.checks = Checks()
-        self.graphs = LaunchGraphs()  # reuse steps captured as CUDA graphs (runtime/graphs.py)
-        self.programs = LaunchPrograms()  # reuse steps recorded as launch sequences (runtime/programs.py)
         self.live_graphs: collections.Counter = collections.Counter()  # site id -> live compiled graphs
-        self.prebuilds = Prebuilds()  # kernel-build helper processes started at compile time (runtime/prebuild.py)
-        self.default = Loop(self._tracker(), self._store())
-        self._lock = threading.RLock()  # re-entrant: a finalizer run by a GC inside it may call loops()
+        self.default = Loop(self._tracker(), self)
         self._open: "weakref.WeakSet[Loop]" = weakref.WeakSet()  # the sampling() loops open now
 
-    def _tracker(self):
-        return self._tracker_cls(subscribers=self.subscribers, generations=self.generations)
+    def __getattr__(self, name: str):
+        """A part of ``PARTS`` (sites, tuning, graphs, programs, prebuilds), built on first use."""
+        if name not in PARTS or name == "store":
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        with self._lock:
+            part = self.__dict__.get(name)
+            if part is None:
+                part = self.__dict__[name] = _build(self, name)
+        return part
 
-    def _store(self):
-        return self._store_cls(self.store_lock, self.sites)
+    def part(self, name: str):
+        """Part ``name`` if it was built, else None (nothing of it exists yet)."""
+        if name not in PARTS:
+            raise ValueError(f"vc_compile runtime: {name!r} is not a runtime part")
+        return self.__dict__.get(name)
+
+    def _tracker(self):
+        return Tracker(subscribers=self.subscribers, generations=self.generations)
 
     # ---- the default loop's parts, by their old names -------------------------------------------
     @property
@@ -152,7 +194,7 @@ class Runtime:
                 t.pending_generation = False
                 t.last_source = None
                 t._new_generation_locked()
-        loop = Loop(self._tracker(), self._store(), parent)
+        loop = Loop(self._tracker(), self, parent)
         t = loop.tracker
         t.explicit_active, t.explicit_steps, t.explicit_step = True, num_steps, None
         with self._lock:
@@ -181,9 +223,10 @@ class Runtime:
             with t.lock:
                 t.last_source = None
                 t.pending_generation = True  # whatever runs next is another generation
-            parent.store.adopt(loop.store)
-        else:
-            loop.store.clear()
+            if loop.built_store is not None:
+                parent.store.adopt(loop.built_store)
+        elif loop.built_store is not None:
+            loop.built_store.clear()
 
     # ---- vc_compile.reset() -------------------------------------------------------------------------
     def reset(self, report: bool = False) -> None:
@@ -193,19 +236,24 @@ class Runtime:
         else only the counts are zeroed."""
         for loop in self.loops():
             loop.tracker.reset()
-            loop.store.clear()
+            if loop.built_store is not None:
+                loop.built_store.clear()
         self.checks.forget()
-        self.graphs.clear()
-        self.programs.clear()
+        for name in ("graphs", "programs"):
+            if self.part(name) is not None:
+                self.part(name).clear()
+        sites, prebuilds = self.part("sites"), self.part("prebuilds")
         if report:
-            self.sites.clear()
-            self.prebuilds.forget()
-        else:
-            self.sites.reset_counts()
+            if sites is not None:
+                sites.clear()
+            if prebuilds is not None:
+                prebuilds.forget()
+        elif sites is not None:
+            sites.reset_counts()
 
     def bytes_held(self) -> int:
         """Bytes of metadata held by every loop (the MC-Sparse residual budget is per process)."""
-        return sum(loop.store.bytes_held() for loop in self.loops())
+        return sum(loop.built_store.bytes_held() for loop in self.loops() if loop.built_store is not None)
 
 
 def _open_parent(loop: Loop) -> Loop:

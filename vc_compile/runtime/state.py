@@ -28,7 +28,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .runtime import active_loop, current
+from . import report as _report  # noqa: F401  (provides the sites part a store accounts its bytes to)
+from .runtime import active_loop, current, provide
 
 
 def nbytes(meta: Any) -> int:
@@ -133,6 +134,9 @@ class MetadataStore:
         self._unaccount(replaced)
 
 
+provide("store", lambda rt: MetadataStore(rt.store_lock, rt.sites))
+
+
 # ---- the store of the loop active here (what the op reads and writes) ---------------------------------
 def get(key: tuple) -> Optional[Any]:
     return active_loop().store.get(key)
@@ -175,4 +179,5 @@ def drop_sites(sites) -> None:
     """Forget the metadata of some sites, in every loop (their graph was freed, or the op refused them)."""
     sites = set(sites)
     for loop in current().loops():
-        loop.store.drop_sites(sites)
+        if loop.built_store is not None:
+            loop.built_store.drop_sites(sites)

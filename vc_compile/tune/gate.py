@@ -3,7 +3,7 @@
 ``shipped_gate.json`` (written by ``python3 -m scripts.gen_gate_table`` from ``benchmarks/results/
 bench_op_overhead.csv``) holds, per GPU name and method, the measured speed-up over SDPA cuDNN of a reuse call
 at several call sizes (work = B H S Sk D), each measured on the path the default takes (no CUDA graph: the
-recorded launch sequence, runtime/programs.py), back to back, as a sampling loop runs them. For a call of another size the speed-up is
+recorded launch sequence, kernels/programs.py), back to back, as a sampling loop runs them. For a call of another size the speed-up is
 interpolated linearly in (log work, log speed-up) between the two nearest measured sizes, and held at the end
 points beyond them. Below 1.0 the op runs stock SDPA and ``report()`` says why (``stock is faster at this
 shape``); ``speed_gate="off"`` forces our path.

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..runtime.runtime import current
+from ..runtime.runtime import current, provide
 from . import cache
 from .cache import Config
 
@@ -74,6 +74,9 @@ class TunePolicy:
     def clear_memo(self) -> None:
         with self.lock:
             self.memo.clear()
+
+
+provide("tuning", lambda rt: TunePolicy())
 
 
 def configure(*, cache_dir: Optional[str] = None, shipped: Optional[bool] = None,

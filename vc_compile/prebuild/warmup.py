@@ -5,7 +5,7 @@ A process builds each kernel of its methods' phases before it can launch it; Tri
 (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``), keyed by the kernel's source, its specialisation and the
 toolchain, so only the first process on a machine (or after an upgrade of torch, Triton or this package) pays
 for the builds. Inside a first process the backend's helpers build them in parallel while Inductor compiles
-(``runtime/prebuild.py``, option ``prebuild='auto'``). This command pays that once ahead, on the GPU, for the
+(``prebuild/helpers.py``, option ``prebuild='auto'``). This command pays that once ahead, on the GPU, for the
 layouts of the supported pipelines at their usual sizes: each (method, layout) request runs its phases' chains as
 a helper does (``prebuild.run_job``: every kernel found, built in parallel, then the steps run on random inputs),
 and leaves the helpers' marker, so that a pipeline's first compile of a call of the same layout and kernel
@@ -48,10 +48,10 @@ def warmup(plan: str = "default", methods: Optional[List[str]] = None,
     line per job (default: the vc_compile logger)."""
     import torch
 
-    import vc_compile
+    from ..runtime.runtime import current
 
     from ..log import get_logger
-    from . import prebuild
+    from . import helpers as prebuild
 
     progress = progress or get_logger().info
     if not torch.cuda.is_available():
@@ -79,7 +79,7 @@ def warmup(plan: str = "default", methods: Optional[List[str]] = None,
                 continue
             t0 = time.time()
             said = prebuild.run_job(job)
-            vc_compile.reset(report=True)
+            current().reset(report=True)
             if marker:
                 prebuild.write_marker(marker, said)
             out["jobs"] += 1

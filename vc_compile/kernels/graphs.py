@@ -31,7 +31,7 @@ reason is in ``report()``).
 
 When. The method says whether a call is replayable (``replayable(phase, cfg)``: its launches depend only on
 q, k, v and the metadata, with no host reads and no metadata update); the option ``cuda_graphs`` says
-where: ``off`` (the default: the recorded launch sequence of runtime/programs.py instead, measured as fast or
+where: ``off`` (the default: the recorded launch sequence of kernels/programs.py instead, measured as fast or
 faster at every size, with no memory kept; config.py NOTE); ``on`` (every replayable call on a CUDA device);
 ``auto`` (where the call's attention work B H S Sk D is at most ``AUTO_MAX_WORK``, i.e. where the launches, not
 the kernels, bound the call). Never while another capture is running (the op inside a user's graph), never on a side stream, and a
@@ -48,6 +48,8 @@ import weakref
 from typing import Callable, Dict, Optional
 
 import torch
+
+from ..runtime.runtime import provide
 
 # NOTE AUTO_MAX_WORK = B H S Sk D <= 1.1e11 (12 heads x 8192^2 x 128 = 1.03e11 is in, 12 x 16384^2 x 128 is out).
 # H200, bench_op_overhead, reuse calls back to back, graphs off -> on (host ms / GPU ms per call):
@@ -85,7 +87,7 @@ def _where(q, k, v) -> tuple:
 class PerMeta:
     """Entries that live as long as a metadata object: id(metadata) -> (a weak reference to it, {key: entry}).
     By id: metadata dataclasses compare by value (unhashable); the weak reference's callback drops the entries
-    when the metadata dies, before its id can be reused. (The graphs here and runtime/programs.py's launch
+    when the metadata dies, before its id can be reused. (The graphs here and kernels/programs.py's launch
     sequences.)"""
 
     def __init__(self):
@@ -276,3 +278,6 @@ class LaunchGraphs:
             entry.direct_captures += 1
         self.captures += 1
         return True
+
+
+provide("graphs", lambda rt: LaunchGraphs())

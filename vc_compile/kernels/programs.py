@@ -14,7 +14,7 @@ Why. A reuse step is a fixed sequence of launches (V-Smooth: the two preprocessi
 kernel; MC-Sparse: the gather kernel) on q, k, v, the metadata and fresh intermediates. Through the op's normal
 path each call rebuilds that sequence in Python: ~13 allocations, the kernels' geometry and checks, argument
 lists of 20-40 values, five TMA descriptors, and one ``cuPointerGetAttribute`` per tensor argument inside
-Triton's launcher. A CUDA graph (``runtime/graphs.py``) removes all of it but pins its intermediates per call
+Triton's launcher. A CUDA graph (``kernels/graphs.py``) removes all of it but pins its intermediates per call
 site (~2.5x q), which is why it is off above small shapes. A program removes most of it and pins nothing:
 each call allocates one workspace and the output (the caching allocator's usual blocks, freed at the call's
 end as before) and hands each kernel's launcher the recorded arguments with integer addresses filled in.
@@ -38,11 +38,15 @@ RoPE prologue. An entry lives as long as its metadata object (a weak key), as th
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..runtime import report as _report
+from ..runtime.runtime import current, provide
 
 _ALIGN = 256  # workspace offsets (the caching allocator's blocks are 512-byte aligned; TMA needs 16)
 
@@ -426,3 +430,25 @@ def _launch():
 
         _LAUNCH = launch
     return _LAUNCH
+
+
+provide("programs", lambda rt: LaunchPrograms())
+
+
+def _launch_line() -> Optional[str]:
+    """How the kernels were launched: remembered (Triton's binder skipped, ``kernels/launch.py``) or through the
+    binder, and why the remembered path is off where it is. None before any launch (the module not imported:
+    nothing here imports triton)."""
+    mod = sys.modules.get("vc_compile.kernels.launch")
+    if mod is None:
+        return None
+    line = mod.FAST_LAUNCH.summary()
+    progs = current().programs
+    if progs.replays:
+        line = (line or "kernel launches: none through Python") + (
+            f"; {progs.launches} more from {progs.replays} replays of recorded reuse steps "
+            f"({progs.recorded} recorded)")
+    return line
+
+
+_report.line_source("launches", _launch_line)

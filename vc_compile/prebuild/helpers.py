@@ -29,7 +29,7 @@ them there. Nothing of the parent's computation changes: the same kernels, looke
   launches turned away), builds them all at once (``build_parallel``), then runs the job, and leaves a marker in
   Triton's cache (``_marker_key``: the layouts, the kernel options, the phases): a later process whose request
   has a marker starts no helper, its kernels are on disk. ``python -m vc_compile warmup`` runs the same jobs
-  ahead, for the usual layouts (``runtime/warmup.py``).
+  ahead, for the usual layouts (``prebuild/warmup.py``).
 
 What bounds a helper: its imports (~5-9 s under Inductor's load) and the longest single build (the
 warp-specialised Gluon kernel, ~6 s); the measurements are in docs/design/cold-start.md.
@@ -49,6 +49,10 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+from ..runtime import report as _report
+from ..runtime.runtime import current, provide
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # vc_compile/
 ENV_CHILD = "VCATTN_PREBUILD_CHILD"  # set in a helper: it never starts helpers itself
 WAIT_S = 180.0  # the op's first call waits at most this long for the helpers, then kills them and goes on
 IDLE_S = 900.0  # a helper started ahead (``Prebuilds.warm``) exits after this long without a job
@@ -352,6 +356,18 @@ class Prebuilds:
         return line
 
 
+provide("prebuilds", lambda rt: Prebuilds())
+
+
+def _prebuild_line() -> Optional[str]:
+    """What the kernel-build helpers did (report()'s line)."""
+    prebuilds = current().part("prebuilds")
+    return prebuilds.summary() if prebuilds is not None else None
+
+
+_report.line_source("prebuild", _prebuild_line)
+
+
 def _tail(err: str, rc) -> str:
     lines = [x for x in (err or "").strip().splitlines() if x.strip()]
     return f"exit {rc}: {lines[-1][:300] if lines else 'no output'}"
@@ -373,10 +389,8 @@ def _source_digest() -> str:
     """Hash of the package's Python sources (kernels, dispatch, methods): a marker of an older tree never
     vouches for this one's kernels."""
     if not _DIGEST:
-        import vc_compile
-
         h = hashlib.sha256()
-        root = os.path.dirname(os.path.abspath(vc_compile.__file__))
+        root = _PACKAGE_ROOT
         for d, dirs, files in sorted(os.walk(root)):
             dirs.sort()
             for f in sorted(files):
@@ -441,11 +455,9 @@ def write_marker(marker: str, said: dict) -> None:
 def _launch():
     """A helper process that imports what a job needs and then waits for its job on stdin (one JSON line; end
     of input: it exits), or None if it cannot start."""
-    import vc_compile
-
     env = dict(os.environ)
     env[ENV_CHILD] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(vc_compile.__file__)))
+    root = os.path.dirname(_PACKAGE_ROOT)
     env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     cache = _triton_cache_dir()
     if cache:
@@ -454,7 +466,7 @@ def _launch():
     # that fills one (warnings, a compiler's messages) would stall there, its builds with it
     try:
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        p = subprocess.Popen([sys.executable, "-m", "vc_compile.runtime.prebuild"], stdin=subprocess.PIPE,
+        p = subprocess.Popen([sys.executable, "-m", "vc_compile.prebuild.helpers"], stdin=subprocess.PIPE,
                              stdout=out, stderr=err, env=env, text=True)
         p.vc_out, p.vc_err, p.vc_t0 = out, err, time.time()
     except OSError:
@@ -521,10 +533,10 @@ def _steps_of(job: dict, t: dict, cfg) -> List[float]:
     """The job's calls, each at its step of a sampling loop of the config's length; seconds per step."""
     import torch
 
-    import vc_compile
+    from ..runtime.steps import sampling
 
     step_s = []
-    with torch.no_grad(), vc_compile.sampling(num_steps=_steps(cfg)) as loop:
+    with torch.no_grad(), sampling(num_steps=_steps(cfg)) as loop:
         for i in job["steps"]:
             ts = time.perf_counter()
             loop.step(i)
@@ -544,9 +556,7 @@ def discover(job: dict, t: dict, cfg) -> Tuple[list, Optional[str]]:
     returned: what was found until then is still built ahead, the rest at its launch)."""
     import torch
 
-    import vc_compile
     from ..tune import lookup
-    from .runtime import current
 
     was = current().tuning.as_dict()["directory"]
     err = None
@@ -562,7 +572,7 @@ def discover(job: dict, t: dict, cfg) -> Tuple[list, Optional[str]]:
             lookup.configure(cache_dir=was or "")
             if t["q"].is_cuda:
                 torch.cuda.synchronize(t["q"].device)
-            vc_compile.reset(report=True)
+            current().reset(report=True)
     return found, err
 
 
@@ -654,7 +664,6 @@ def run_job(job: dict) -> dict:
 
     from .. import ops  # noqa: F401  (registers torch.ops.vcattn.attention)
     from ..config import VCConfig
-    from . import report as _report
 
     # seconds from the helper's start to the job's start (interpreter, imports; a helper started ahead had them
     # done before its job came: then from the job's hand-over)
