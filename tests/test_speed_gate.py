@@ -21,15 +21,23 @@ def test_h200_gates_small_vsmooth_calls_and_not_large_or_sparse_ones():
     gpu = "NVIDIA H200"
     small, large = 12 * 8192 ** 2 * 128.0, 12 * 32760 ** 2 * 128.0
     gate.slower_than_stock.cache_clear()
-    r = gate.slower_than_stock(gpu, "vsmooth", False, 0.15, small)
+    r = gate.slower_than_stock(gpu, "vsmooth", small)
     measured = gate.estimate(gate.table()[gpu]["vsmooth"], small)  # the shipped rows' figure (0.85x at writing)
     assert measured < 1.0
     assert r is not None and r.startswith("stock is faster at this shape") and f"x{measured:.2f}" in r
-    assert gate.slower_than_stock(gpu, "vsmooth", True, 0.15, small) is not None  # ExpCast 0.98x there
-    assert gate.slower_than_stock(gpu, "vsmooth", False, 0.15, large) is None
-    assert gate.slower_than_stock(gpu, "mcsparse", False, 0.25, small) is None  # 3.0x: nearest density 0.15
-    assert gate.slower_than_stock("Some Other GPU", "vsmooth", False, 0.15, small) is None  # unmeasured: no gate
-    assert gate.slower_than_stock(gpu, "dense", False, 0.15, small) is None
+    assert gate.slower_than_stock(gpu, "vsmooth+expcast", small) is not None  # ExpCast 0.98x there
+    assert gate.slower_than_stock(gpu, "vsmooth", large) is None
+    assert gate.slower_than_stock(gpu, "mcsparse@0.25", small) is None  # 3.0x: nearest density 0.15
+    assert gate.slower_than_stock("Some Other GPU", "vsmooth", small) is None  # unmeasured: no gate
+    assert gate.slower_than_stock(gpu, "dense", small) is None
+
+
+def test_a_label_finds_its_row_or_the_nearest_number_of_its_name():
+    labels = {"vsmooth": 0, "vsmooth+expcast": 0, "mcsparse@0.15": 0, "mcsparse@0.3": 0}
+    assert gate.table_label("vsmooth+expcast", labels) == "vsmooth+expcast"
+    assert gate.table_label("mcsparse@0.2", labels) == "mcsparse@0.15"
+    assert gate.table_label("mcsparse@0.28", labels) == "mcsparse@0.3"
+    assert gate.table_label("toy@0.2", labels) is None and gate.table_label("dense", labels) is None
 
 
 @pytest.mark.speed_gate

@@ -51,7 +51,10 @@ def main(argv=None) -> int:
 def warmup(argv) -> int:
     import argparse
 
-    from vc_compile.prebuild.warmup import METHODS, PLANS, warmup as run
+    from vc_compile.methods import warmup_variants
+    from vc_compile.prebuild.warmup import PLANS, warmup as run
+
+    METHODS = warmup_variants()
 
     p = argparse.ArgumentParser(prog="python -m vc_compile warmup",
                                 description="Build the kernels of the supported pipelines' attention layouts into "

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.vcattn.*: also for graphs loaded from Inductor's cache)
-from . import toolchain
+from . import methods, toolchain
 from .config import Compiler, Kernels, Prebuild, VCConfig, VCConfigError, apply_env, options_dict
 from .log import get_logger
 from .passes.cp_detect import detect_context_parallel
@@ -119,14 +119,15 @@ def warm_prebuild(cfg: VCConfig) -> int:
     ``prebuild`` will use them: their imports then run while Dynamo traces. Returns how many started."""
     if cfg.prebuild == Prebuild.OFF:
         return 0
-    from .config import Method
-
     if cfg.prebuild == Prebuild.AUTO and not _auto_builds(torch.cuda.is_available(), cfg):
         return 0
-    if cfg.resolved_method == Method.DENSE:
+    helpers = methods.get(cfg.resolved_method).SPEC.helpers
+    if helpers == 0:
         return 0
     try:
-        return _runtime.current().prebuilds.warm(2 if cfg.resolved_method == Method.MCSPARSE else 1)
+        from .prebuild import helpers as _helpers  # noqa: F401  (provides the runtime's prebuilds part)
+
+        return _runtime.current().prebuilds.warm(helpers)
     except Exception as e:  # noqa: BLE001 - an optimisation of the first call's time, never an error of enable
         log.warning("vcattn: kernel-build helpers did not start (%s: %s)", type(e).__name__, e)
         return 0

@@ -567,7 +567,7 @@ def _log():
 
 
 ENV_METHOD = "VCATTN_METHOD"
-_ENV_VALUES = ("off", "auto", "dense", "vsmooth", "mcsparse")
+_ENV_VALUES = ("off", *(m.value for m in Method))  # off, auto and every method
 
 
 def method_from_env() -> Optional[str]:

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from . import formats, methods, toolchain, torch_ops
-from .config import Method, SpeedGate, VCConfig
+from .config import SpeedGate, VCConfig
 from .methods import Phase
 from .kernels import graphs as _graphs  # noqa: F401  (provides the runtime's graphs part)
 from .kernels import programs as _programs
@@ -82,7 +82,7 @@ def gate_reason(cfg: VCConfig, device: torch.device, q_shape, keys: int) -> Opti
     if cfg.speed_gate != SpeedGate.AUTO:
         return None
     B, H, S, D = q_shape
-    return _gate.slower_than_stock(_gpu_name(device), cfg.resolved_method.value, cfg.expcast, cfg.density,
+    return _gate.slower_than_stock(_gpu_name(device), methods.get(cfg.resolved_method).SPEC.label(cfg),
                                    float(B * H * S * keys * D))
 
 
@@ -503,9 +503,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
             impl, path = dispatch.choose(method.value, cfg.experimental.kernels, M.needs_fp8(cfg), q.device)
             if impl == dispatch.Impl.TRITON:
                 reason = dispatch.method_build_failure(method.value) or M.ineligible(q, k, v)
-                if reason is None and q.is_cuda and method == Method.VSMOOTH and toolchain.has_known_failures():
-                    kernel = dispatch.vsmooth_kernel(q.device, cfg.qk_format.value)
-                    reason = _known_failure(rec, site, kernel, cfg.expcast, q.shape[-1])
+                if reason is None and q.is_cuda and toolchain.has_known_failures():
+                    kernel = M.main_kernel(q, v, cfg)
+                    reason = _known_failure(rec, site, kernel, cfg.expcast, q.shape[-1]) if kernel else None
                 if reason is None and q.is_cuda:
                     reason = gate_reason(cfg, q.device, q.shape, k.shape[2])
                     if reason is None:
@@ -793,44 +793,4 @@ _LIB.impl("attention", attention, "CompositeExplicitAutograd")
 def _(q, k, v, ident, site, config, scale=None, cos=None, sin=None, rope="", key_mask=None):
     if rope:
         q = formats.to_bhsd(q, formats.parse_spec(rope))
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
-
-
-@torch.library.custom_op("vcattn::vsmooth_attention", mutates_args=())
-def vsmooth_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: Optional[torch.Tensor],
-                      expcast: bool = _DEFAULTS.expcast, hadamard: bool = _DEFAULTS.hadamard,
-                      qk_format: str = _DEFAULTS.qk_format.value, smooth_v: bool = _DEFAULTS.experimental.smooth_v,
-                      scale: Optional[float] = None) -> torch.Tensor:
-    """Stateless V-Smooth attention with a given key/value permutation (None = identity)."""
-    cfg = VCConfig(method=Method.VSMOOTH, expcast=expcast, hadamard=hadamard, qk_format=qk_format,
-                   experimental={"smooth_v": smooth_v})
-    impl, _ = dispatch.choose("vsmooth", cfg.experimental.kernels, methods.vsmooth.needs_fp8(cfg), q.device)
-    sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    # K and V share the permutation whatever smooth_v says (P' V' = P V needs both in one order)
-    qk, vq = dispatch.preprocess(impl, q, k, v, perm, sm_scale=sm, hadamard=hadamard, qk_format=qk_format,
-                                 smooth=smooth_v, expcast=expcast)
-    out = dispatch.vsmooth_attention(impl, qk, vq, expcast=expcast, out_dtype=methods.kernel_out_dtype(q.dtype))
-    return methods.finish_output(out, q.dtype)  # fp16: saturate instead of rounding up to inf
-
-
-@vsmooth_attention.register_fake
-def _(q, k, v, perm, expcast=False, hadamard=False, qk_format="int8", smooth_v=True, scale=None):
-    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
-
-
-@torch.library.custom_op("vcattn::sparse_attention", mutates_args=())
-def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
-                     idx: torch.Tensor, residual: Optional[torch.Tensor], group_size: int = _DEFAULTS.group_size,
-                     scale: Optional[float] = None) -> torch.Tensor:
-    """Stateless token-gather sparse attention with given query groups and key selection (16-bit QK)."""
-    cfg = VCConfig(method=Method.MCSPARSE, group_size=group_size)
-    impl, _ = dispatch.choose("mcsparse", cfg.experimental.kernels, methods.mcsparse.needs_fp8(cfg), q.device)
-    sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out = dispatch.sparse_attention(impl, q, k, v, sigma, idx, sm_scale=sm, group_size=group_size,
-                                    residual=residual, out_dtype=methods.kernel_out_dtype(q.dtype))
-    return methods.finish_output(out, q.dtype)  # fp16: saturate instead of rounding up to inf
-
-
-@sparse_attention.register_fake
-def _(q, k, v, sigma, idx, residual, group_size=_DEFAULTS.group_size, scale=None):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])

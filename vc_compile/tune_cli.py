@@ -18,8 +18,8 @@ import argparse
 import sys
 from typing import List, Optional
 
+from vc_compile import methods
 from vc_compile.config import GROUP_SIZES, VCConfig
-from vc_compile.kernels import configs as C
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 _DEFAULTS = VCConfig()  # the runtime's defaults: the CLI tunes what a default run looks up
@@ -27,7 +27,7 @@ _DEFAULTS = VCConfig()  # the runtime's defaults: the CLI tunes what a default r
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m vc_compile tune", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--method", required=True, choices=("vsmooth", "mcsparse"))
+    ap.add_argument("--method", required=True, choices=tuple(methods.tunable()))
     ap.add_argument("--heads", type=int, required=True)
     ap.add_argument("--head-dim", type=int, required=True)
     ap.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
 def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if min(a.heads, a.seq, a.batch) < 1:
         ap.error("--heads, --seq and --batch must be >= 1")
-    err = (C.vsmooth_head_dim_error(a.head_dim) if a.method == "vsmooth" else C.pow2_head_dim_error(a.head_dim))
+    err = methods.tunable()[a.method].SPEC.head_dim_error(a.head_dim)
     if err:
         ap.error(f"--head-dim {a.head_dim}: {err}")
     if not 0.0 < a.density <= 1.0:
@@ -96,50 +96,24 @@ def run(a: argparse.Namespace) -> List[dict]:
     import torch
     import triton.testing
 
-    from vc_compile.methods import kernel_out_dtype
-    from vc_compile.formats import n_keep
     from vc_compile.kernels import dispatch
     from vc_compile.tune import lookup
 
-    T = dispatch.Impl.TRITON
+    build = methods.tunable()[a.method].SPEC.tune(a)
+    if isinstance(build, str):
+        print(f"vc_compile tune: {build}")
+        return []
     dev = torch.device("cuda")
     dtype = getattr(torch, DTYPES[a.dtype])
     B, H, S, D = a.batch, a.heads, a.seq, a.head_dim
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=dtype, generator=g) for _ in range(3))
-    sm = D ** -0.5
-    if a.method == "vsmooth":
-        kernel = dispatch.vsmooth_kernel(dev, a.qk_format)
-        cls = dispatch.KERNELS[kernel].config
-        cands = dispatch.vsmooth_candidates(kernel, D, a.expcast, S)
-        qk = dispatch.preprocess_qk(T, q, k, None, sm_scale=sm, qk_format=a.qk_format)
-        vq = dispatch.preprocess_v(T, v, None)
-        del q, k, v
-
-        def call(config=None):
-            return dispatch.vsmooth_attention(T, qk, vq, expcast=a.expcast, out_dtype=kernel_out_dtype(dtype),
-                                              launch=config)
-    else:
-        Cg = a.group_size
-        kernel = dispatch.sparse_kernel(q, v, a.sparse_qk, Cg)
-        if kernel != "sparse_attn":  # what the reuse step runs here: the Gluon gather kernel, one launch a group size
-            print(f"vc_compile tune: on this GPU MC-Sparse's reuse step runs the sm_90 gather kernel ({kernel}), whose "
-                  "launch is fixed per group size (kernels/configs.py, sparse_sm90_default): there is nothing to "
-                  "tune; its kernels build at the first call, or ahead with 'python -m vc_compile warmup'.")
-            return []
-        cls = dispatch.KERNELS[kernel].config
-        cands = dispatch.sparse_candidates(a.sparse_qk, D, Cg)
-        keep, G = n_keep(S, a.density), -(-S // Cg)
-        sigma = torch.arange(S, device=dev).expand(B, H, S)
-        j = torch.arange(keep, device=dev)
-        lo, hi = (j * S) // keep, ((j + 1) * S) // keep  # one key per stride, at a random place in it
-        idx = (lo + (torch.rand(B, H, G, keep, device=dev, generator=g) * (hi - lo)).long()).to(torch.int32)
-        res = torch.randn(B, H, S, D, device=dev, dtype=dtype, generator=g) * 0.01
-
-        def call(config=None):
-            return dispatch.sparse_attention(T, q, k, v, sigma, idx, sm_scale=sm, group_size=Cg, residual=res,
-                                             out_dtype=kernel_out_dtype(dtype), qk_format=a.sparse_qk,
-                                             launch=config)
+    built = build(q, k, v)
+    if isinstance(built, str):  # what this GPU runs has a fixed launch
+        print(f"vc_compile tune: {built}")
+        return []
+    kernel, cands, call = built
+    cls = dispatch.KERNELS[kernel].config
     bar = Bar(len(cands), f"tuning {kernel}")
     lookup.configure(cache_dir=a.cache_dir or "", force=a.force, progress=bar)
     try:
@@ -162,10 +136,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
     check_args(ap, a)
-    if a.method == "mcsparse" and a.sparse_qk == "int8":
-        print("vc_compile tune: sparse_qk='int8' runs the sm_90 gather kernel, whose launch is fixed per group size "
-              "(kernels/configs.py, sparse_sm90_default): there is nothing to tune; its kernels build at the first "
-              "call, or ahead with 'python -m vc_compile warmup'.")
+    said = methods.tunable()[a.method].SPEC.tune(a)
+    if isinstance(said, str):  # nothing to tune with these options, on any GPU
+        print(f"vc_compile tune: {said}")
         return 0
     why = no_gpu_reason()
     if why:

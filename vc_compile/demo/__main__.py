@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from vc_compile.config import merge_options
+from vc_compile.methods import BASELINE_LABEL
 from vc_compile.demo.speed import WAN13B
 
 # Clip size on every device: the one the model was trained at (the weights' metadata: 16 x 32 x 32 px).
@@ -53,7 +54,9 @@ CPU_DEFAULTS = dict(steps=10, compiler="eager", warmup=1)
 
 def parse_args(argv=None):
     from .model import DEFAULT_PROMPT
-    from .runner import METHODS
+    from .runner import known_methods
+
+    METHODS = known_methods()
 
     ap = argparse.ArgumentParser(prog="python -m vc_compile.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="vc_demo_out")
@@ -110,8 +113,8 @@ def parse_args(argv=None):
     bad = [m for m in a.method_list if m not in known]
     if bad:
         ap.error(f"unknown method(s) {bad}; choose from {list(known)}")
-    if "dense" not in a.method_list:
-        a.method_list.insert(0, "dense")  # the reference every other method is compared with
+    if BASELINE_LABEL not in a.method_list:  # stock SDPA through the op: what every other method is compared with
+        a.method_list.insert(0, BASELINE_LABEL)
     return a
 
 
@@ -144,7 +147,7 @@ def grid_text(a, rows, cfg, tokens, device_name):
     notes = []
     for r in rows:
         timing = f"e2e {fmt_ms(r['e2e_ms'])}" + (f", attn {fmt_ms(r['attn_ms'])}" if r["attn_ms"] else "")
-        if r["method"] == "dense":
+        if r["method"] == BASELINE_LABEL:
             notes.append(["reference: bf16 SDPA", timing])
         else:
             notes.append([f"PSNR {r['psnr']:.2f} dB  SSIM {r['ssim']:.4f}", f"{timing} ({r['speedup']:.2f}x)"])
@@ -173,7 +176,9 @@ def main(argv=None):
     from .metrics import compare
     from .model import DemoWeightsMissing, encode, load_demo, parse_prompt
     from .pipe import build_pipeline
-    from .runner import METHODS, run_pipeline, vc_api
+    from .runner import known_methods, run_pipeline, vc_api
+
+    METHODS = known_methods()
 
     vc_api()  # fail early, with a clear message, when the backend is missing
     device, dtype = torch.device(a.device), torch.bfloat16

@@ -28,36 +28,20 @@ import time
 
 import torch
 
+from .. import methods as _methods
 from .sampler import sample
 
-METHODS = (
-    ("dense", {"method": "dense"}),
-    ("vsmooth", {"method": "vsmooth", "expcast": False}),
-    ("vsmooth+expcast", {"method": "vsmooth", "expcast": True}),
-    ("mcsparse@0.15", {"method": "mcsparse", "density": 0.15}),
-    ("mcsparse@0.25", {"method": "mcsparse", "density": 0.25}),
-)
+LADDER = tuple(_methods.ladder())  # the methods' ablation ladders (MC-Sparse's: the paper's Table 5)
 
-# The ablation ladder of the MC-Sparse paper's Table 5 (docs/sparse_notes.md, "Ablation ladder"): each rung
-# adds one component to the previous one; L5 is the full method (the default options). L1b is not in the
-# paper: mean-pooled blocks selected at the anchors and reused, so L1 -> L1b isolates reuse and
-# L1b -> L2 the selection rule alone. Every rung has the same schedule (dense warm-up, dense anchor steps).
-_BSA = {"selection_unit": "block", "query_grouping": "none"}  # the ablation knobs are experimental options
-LADDER = (
-    ("L1:bsa-meanpool", {"residual": "none",
-                         "experimental": {**_BSA, "selection": "mean_pool", "selection_refresh": "every_step"}}),
-    ("L1b:bsa-meanpool-reused", {"residual": "none", "experimental": {**_BSA, "selection": "mean_pool"}}),
-    ("L2:bsa-exact-reused", {"residual": "none", "experimental": dict(_BSA)}),
-    ("L3:token", {"residual": "none", "experimental": {"query_grouping": "none"}}),
-    ("L4:+pddp", {"residual": "none"}),
-    ("L5:+residual", {}),
-)
+
+def known_methods():
+    """(label, options) the demo runs: the baseline first, then every method's variants (their specs)."""
+    return tuple(_methods.variants())
 
 
 def ladder_methods(densities=(0.15, 0.25)):
     """[(label, options)] for every rung at every density, density-major: ``L3:token@0.15``."""
-    return [(f"{name}@{d:g}", {"method": "mcsparse", "density": float(d), **opts})
-            for d in densities for name, opts in LADDER]
+    return [(f"{name}@{d:g}", {**opts, "density": float(d)}) for d in densities for name, opts in LADDER]
 
 
 @dataclasses.dataclass

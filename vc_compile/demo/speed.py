@@ -20,6 +20,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from vc_compile.methods import BASELINE
+
 WAN13B = dict(heads=12, tokens=32760, head_dim=128)  # Wan 2.1 T2V 1.3B at 480p x 81 frames
 
 
@@ -86,7 +88,7 @@ def time_methods(methods, *, heads: int, tokens: int, head_dim: int, steps: int,
         base = schedule(mod)
         rows.append(SpeedRow("stock SDPA", base / steps, base, 1.0, "sdpa"))
         for label, opts in methods:
-            if opts.get("method") == "dense":
+            if opts.get("method") == BASELINE.value:
                 continue  # stock SDPA through the op: the row above
             torch._dynamo.reset()
             vc_compile.reset(report=True)

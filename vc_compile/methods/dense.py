@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Optional
 
 from .phase import Phase
-from .protocol import Plan
+from .protocol import MethodSpec, Plan
 
+# the baseline every table and the demo compare with: no kernels, nothing to warm up or tune
+SPEC = MethodSpec(label=lambda cfg: "dense", variants=(("dense", {"method": "dense"}),))
 USES_KERNELS = False
 FUSES_ROPE = False
 NEEDS_IDENTITY = False
@@ -38,3 +40,7 @@ def path_label(path: str, phase: Phase, cfg, q, v) -> str:
 
 def replayable(phase: Phase, cfg) -> bool:
     return False
+
+
+def main_kernel(q, v, cfg) -> Optional[str]:
+    return None

@@ -61,6 +61,7 @@ attention); ``report()`` names them in the kernel path (``path_label``).
 from __future__ import annotations
 
 import bisect
+import math
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -68,18 +69,19 @@ from typing import Optional, Tuple
 import torch
 
 from .. import torch_ops
-from ..config import (QueryGrouping, Residual, Selection, SelectionRefresh, SelectionUnit, SparseQK,
-                      WarmupAttention)
+from ..config import (Method, QueryGrouping, Residual, Selection, SelectionRefresh, SelectionUnit, SparseQK,
+                      VCConfig, WarmupAttention)
 from ..formats import FP8_DTYPE, FP8_MAX, KV_TILE, n_keep
 from ..runtime import report as _report
 from ..runtime import state
+from ..kernels import configs as C
 from ..kernels import dispatch
 from . import mcsparse_guard
 from .mcsparse_guard import GuardState, ReuseCheck
 from .output import finish_output, kernel_out_dtype
 from . import vsmooth
 from .phase import Phase, warmup_steps
-from .protocol import Plan
+from .protocol import MethodSpec, Plan
 
 # NOTE the paper's schedule: 10 dense warm-up steps of 50 (20%), anchors at steps 10 and 26 (20%, 52%).
 # Measured (H200, 2026-12-01): those 10 steps as bf16 SDPA at 38 ms each (S = 32760, H40) against 7.7 ms reuse steps:
@@ -465,3 +467,93 @@ def _reuse(impl, q, k, v, meta: SparseMeta, idx, cfg, sm_scale, sparse):
         check.reading = mcsparse_guard.Readback(torch.cat([dispatch.probe_error(impl, out, check.rows, part),
                                                            dispatch.probe_error(impl, check.anchor_rows, own, part)]))
     return finish_output(out, q.dtype)
+
+
+def main_kernel(q, v, cfg) -> Optional[str]:
+    return dispatch.sparse_kernel(q, v, cfg.sparse_qk.value, cfg.group_size)
+
+
+_FIXED = ("on this GPU MC-Sparse's reuse step runs the sm_90 gather kernel ({kernel}), whose launch is fixed per group "
+          "size (kernels/configs.py, sparse_sm90_default): there is nothing to tune; its kernels build at the first "
+          "call, or ahead with 'python -m vc_compile warmup'.")
+
+
+def _tune(a):
+    """``vc_compile tune --method mcsparse``: the gather kernel of a reuse step at ``--density``, on random inputs
+    with one selected key per stride; a str where its launch is fixed (nothing to tune)."""
+    if a.sparse_qk == SparseQK.INT8.value:
+        return ("sparse_qk='int8' runs the sm_90 gather kernel, whose launch is fixed per group size "
+                "(kernels/configs.py, sparse_sm90_default): there is nothing to tune; its kernels build at the first "
+                "call, or ahead with 'python -m vc_compile warmup'.")
+
+    def build(q, k, v):
+        B, H, S, D = q.shape
+        Cg, dev = a.group_size, q.device
+        kernel = dispatch.sparse_kernel(q, v, a.sparse_qk, Cg)
+        if kernel != "sparse_attn":
+            return _FIXED.format(kernel=kernel)
+        cands = dispatch.sparse_candidates(a.sparse_qk, D, Cg)
+        keep, G = n_keep(S, a.density), -(-S // Cg)
+        g = torch.Generator(device=dev).manual_seed(1)
+        sigma = torch.arange(S, device=dev).expand(B, H, S)
+        j = torch.arange(keep, device=dev)
+        lo, hi = (j * S) // keep, ((j + 1) * S) // keep  # one key per stride, at a random place in it
+        idx = (lo + (torch.rand(B, H, G, keep, device=dev, generator=g) * (hi - lo)).long()).to(torch.int32)
+        res = torch.randn(B, H, S, D, device=dev, dtype=q.dtype, generator=g) * 0.01
+        out_dtype, sm = kernel_out_dtype(q.dtype), D ** -0.5
+
+        def call(config=None):
+            return dispatch.sparse_attention(dispatch.Impl.TRITON, q, k, v, sigma, idx, sm_scale=sm, group_size=Cg,
+                                             residual=res, out_dtype=out_dtype, qk_format=a.sparse_qk, launch=config)
+        return kernel, cands, call
+    return build
+
+
+# The ablation ladder of the MC-Sparse paper's Table 5 (demo ``--ladder``): each rung adds one component to the
+# previous one; L5 is the full method (the default options). L1b is not in the paper: mean-pooled blocks selected
+# at the anchors and reused, so L1 -> L1b isolates reuse and L1b -> L2 the selection rule alone. Every rung has the
+# same schedule (dense warm-up, dense anchor steps).
+_BSA = {"selection_unit": "block", "query_grouping": "none"}  # the ablation knobs are experimental options
+_LADDER = (
+    ("L1:bsa-meanpool", {"residual": "none",
+                         "experimental": {**_BSA, "selection": "mean_pool", "selection_refresh": "every_step"}}),
+    ("L1b:bsa-meanpool-reused", {"residual": "none", "experimental": {**_BSA, "selection": "mean_pool"}}),
+    ("L2:bsa-exact-reused", {"residual": "none", "experimental": dict(_BSA)}),
+    ("L3:token", {"residual": "none", "experimental": {"query_grouping": "none"}}),
+    ("L4:+pddp", {"residual": "none"}),
+    ("L5:+residual", {}),
+)
+
+# ---- the stateless op (a kernel call with given metadata, no cache; registered on import) ----
+_DEFAULTS = VCConfig()  # the op schema's defaults: the runtime's
+
+
+@torch.library.custom_op("vcattn::sparse_attention", mutates_args=())
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor,
+                     idx: torch.Tensor, residual: Optional[torch.Tensor], group_size: int = _DEFAULTS.group_size,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """Stateless token-gather sparse attention with given query groups and key selection (16-bit QK)."""
+    cfg = VCConfig(method=Method.MCSPARSE, group_size=group_size)
+    impl, _ = dispatch.choose("mcsparse", cfg.experimental.kernels, needs_fp8(cfg), q.device)
+    sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = dispatch.sparse_attention(impl, q, k, v, sigma, idx, sm_scale=sm, group_size=group_size,
+                                    residual=residual, out_dtype=kernel_out_dtype(q.dtype))
+    return finish_output(out, q.dtype)  # fp16: saturate instead of rounding up to inf
+
+
+@sparse_attention.register_fake
+def _(q, k, v, sigma, idx, residual, group_size=_DEFAULTS.group_size, scale=None):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
+
+
+# what the consumers outside the op read (methods/protocol.py); the densities of the demo's and benchmarks' rows
+SPEC = MethodSpec(
+    label=lambda cfg: f"mcsparse@{cfg.density:g}",
+    variants=(("mcsparse@0.15", {"method": "mcsparse", "density": 0.15}),
+              ("mcsparse@0.25", {"method": "mcsparse", "density": 0.25})),
+    warmup=("mcsparse@0.15",),  # the density changes no kernel
+    ladder=tuple((name, {"method": "mcsparse", **opts}) for name, opts in _LADDER),
+    helpers=2,  # its warm-up, anchor and reuse kernels build in two chains
+    tune=_tune,
+    head_dim_error=C.pow2_head_dim_error,
+)

@@ -22,11 +22,18 @@ A method module is an ``AttentionMethod``:
 ``replayable(phase, cfg) -> bool``  whether ``run`` of this phase launches the same kernels on the same buffers
                      whatever q, k, v hold, reads nothing back to the host and returns the metadata it was given:
                      the op may then replay it as a CUDA graph (``cuda_graphs``, kernels/graphs.py).
+``main_kernel(q, v, cfg) -> str | None``  the kernel-table row (``kernels/dispatch.py``) its reuse steps run for
+                     these inputs on their device (the toolchain's known failures are keyed by it), None: no kernel;
+``SPEC``             its ``MethodSpec``: what every consumer outside the op reads (the demo, the warm-up, the
+                     kernel-build helpers, the speed gate, the tuning CLI, the RoPE fusion).
+
+Adding a method is three files: its module (this protocol and ``SPEC``), its row in ``methods.METHODS`` and its
+``config.Method`` value (with its options in ``config.py``); no consumer names a method.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, Callable, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 from .phase import Phase
 
@@ -47,8 +54,43 @@ class Plan:
     fallback: Optional[Tuple[str, str]] = None  # a DENSE phase the method chose for accuracy: (reason, warning)
 
 
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method's row for the consumers outside the op.
+
+    ``label(cfg)``: the variant a config runs, as every table names it (``report()``, the speed gate's
+    measurements, the benchmarks' rows): the method's name, ``+`` a switch, ``@`` a number (the speed gate takes
+    the nearest number of the same name where the exact label was not measured).
+    ``variants``: (label, options) the demo and the benchmarks run, in order; ``warmup``: the labels among them
+    whose kernels ``python -m vc_compile warmup`` builds by default (variants that launch the same kernels need
+    one); ``ladder``: (label, options) of the method's ablation ladder (demo ``--ladder``), if any.
+    ``helpers``: kernel-build helper processes ``enable()`` starts ahead (0: the method builds no kernels).
+    ``tune``: ``vc_compile tune --method <name>``: ``tune(args, q, k, v) -> (kernel, candidates, call)`` or a
+    str saying why there is nothing to tune; None: the method has no tunable kernel (the CLI does not offer it).
+    ``head_dim_error(D)``: why its kernels cannot take head dim D, or None.
+    """
+    label: Callable[[Any], str]
+    variants: Tuple[Tuple[str, Mapping[str, Any]], ...] = ()
+    warmup: Tuple[str, ...] = ()
+    ladder: Tuple[Tuple[str, Mapping[str, Any]], ...] = ()
+    helpers: int = 0
+    tune: Optional[Callable[..., Any]] = None
+    head_dim_error: Callable[[int], Optional[str]] = lambda D: None
+
+    def __post_init__(self):
+        labels = [lab for lab, _ in self.variants]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"MethodSpec: duplicate variant labels {labels}")
+        missing = [lab for lab in self.warmup if lab not in labels]
+        if missing:
+            raise ValueError(f"MethodSpec: warm-up labels {missing} are not variants ({labels})")
+        if self.helpers < 0:
+            raise ValueError(f"MethodSpec: helpers={self.helpers} must be >= 0")
+
+
 @runtime_checkable
 class AttentionMethod(Protocol):
+    SPEC: MethodSpec
     USES_KERNELS: bool
     FUSES_ROPE: bool
     NEEDS_IDENTITY: bool
@@ -64,3 +106,5 @@ class AttentionMethod(Protocol):
     def path_label(self, path: str, phase: Phase, cfg, q, v) -> str: ...
 
     def replayable(self, phase: Phase, cfg) -> bool: ...
+
+    def main_kernel(self, q, v, cfg) -> Optional[str]: ...

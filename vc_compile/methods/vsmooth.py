@@ -25,11 +25,13 @@ from typing import Optional
 
 import torch
 
+from ..config import Method, VCConfig
 from ..torch_ops import default_clusters, init_centroids
+from ..kernels import configs as C
 from ..kernels import dispatch
 from .output import finish_output, kernel_out_dtype
 from .phase import Phase, warmup_steps
-from .protocol import Plan
+from .protocol import MethodSpec, Plan
 
 # NOTE no dense warm-up by default: the 8-bit attention keeps full fidelity from the first step
 WARMUP_FRACTION = 0.0
@@ -83,6 +85,26 @@ def needs_fp8(cfg) -> bool:
     return True  # FP8 PV, whatever the options
 
 
+def main_kernel(q, v, cfg) -> Optional[str]:
+    return dispatch.vsmooth_kernel(q.device, cfg.qk_format.value)
+
+
+def _tune(a):
+    """``vc_compile tune --method vsmooth``: the attention kernel a reuse step runs, on preprocessed random inputs."""
+    def build(q, k, v):
+        T = dispatch.Impl.TRITON
+        kernel = dispatch.vsmooth_kernel(q.device, a.qk_format)
+        cands = dispatch.vsmooth_candidates(kernel, q.shape[-1], a.expcast, q.shape[2])
+        qk = dispatch.preprocess_qk(T, q, k, None, sm_scale=q.shape[-1] ** -0.5, qk_format=a.qk_format)
+        vq = dispatch.preprocess_v(T, v, None)
+        out_dtype = kernel_out_dtype(q.dtype)
+
+        def call(config=None):
+            return dispatch.vsmooth_attention(T, qk, vq, expcast=a.expcast, out_dtype=out_dtype, launch=config)
+        return kernel, cands, call
+    return build
+
+
 def ineligible(q, k, v) -> Optional[str]:
     return dispatch.vsmooth_ineligible(q, k, v)
 
@@ -123,3 +145,41 @@ def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl, rop
                                  qk_format=cfg.qk_format.value, smooth=smooth, expcast=expcast, rope=rope)
     out = dispatch.vsmooth_attention(impl, qk, vq, expcast=expcast, out_dtype=kernel_out_dtype(q.dtype))
     return finish_output(out, q.dtype), meta
+
+
+# ---- the stateless op (a kernel call with given metadata, no cache; registered on import) ----
+_DEFAULTS = VCConfig()  # the op schema's defaults: the runtime's
+
+
+@torch.library.custom_op("vcattn::vsmooth_attention", mutates_args=())
+def vsmooth_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, perm: Optional[torch.Tensor],
+                      expcast: bool = _DEFAULTS.expcast, hadamard: bool = _DEFAULTS.hadamard,
+                      qk_format: str = _DEFAULTS.qk_format.value, smooth_v: bool = _DEFAULTS.experimental.smooth_v,
+                      scale: Optional[float] = None) -> torch.Tensor:
+    """Stateless V-Smooth attention with a given key/value permutation (None = identity)."""
+    cfg = VCConfig(method=Method.VSMOOTH, expcast=expcast, hadamard=hadamard, qk_format=qk_format,
+                   experimental={"smooth_v": smooth_v})
+    impl, _ = dispatch.choose("vsmooth", cfg.experimental.kernels, needs_fp8(cfg), q.device)
+    sm = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    # K and V share the permutation whatever smooth_v says (P' V' = P V needs both in one order)
+    qk, vq = dispatch.preprocess(impl, q, k, v, perm, sm_scale=sm, hadamard=hadamard, qk_format=qk_format,
+                                 smooth=smooth_v, expcast=expcast)
+    out = dispatch.vsmooth_attention(impl, qk, vq, expcast=expcast, out_dtype=kernel_out_dtype(q.dtype))
+    return finish_output(out, q.dtype)  # fp16: saturate instead of rounding up to inf
+
+
+@vsmooth_attention.register_fake
+def _(q, k, v, perm, expcast=False, hadamard=False, qk_format="int8", smooth_v=True, scale=None):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
+
+
+# what the consumers outside the op read (methods/protocol.py)
+SPEC = MethodSpec(
+    label=lambda cfg: "vsmooth+expcast" if cfg.expcast else "vsmooth",
+    variants=(("vsmooth", {"method": "vsmooth", "expcast": False}),
+              ("vsmooth+expcast", {"method": "vsmooth", "expcast": True})),
+    warmup=("vsmooth", "vsmooth+expcast"),
+    helpers=1,
+    tune=_tune,
+    head_dim_error=C.vsmooth_head_dim_error,
+)

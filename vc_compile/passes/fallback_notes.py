@@ -21,7 +21,8 @@ from typing import List, Optional, Set
 
 from torch._dynamo.utils import counters
 
-from ..config import Kernels, Method, VCConfig
+from .. import methods
+from ..config import Kernels, VCConfig
 from .cp_detect import DTENSOR_REASON
 
 HEAD_DIM_DYNAMIC = "head_dim marked dynamic"  # the rewrite's reason for a head dim Dynamo made symbolic
@@ -92,7 +93,7 @@ def note_reference_path(cfg: VCConfig, q) -> None:
     lives off CUDA and ``experimental["kernels"]`` is "auto" (a GPU without FP8 is noted by ``methods.resolve``)."""
     method = cfg.resolved_method
     dev = getattr(q, "device", None)
-    if (cfg.experimental.kernels != Kernels.AUTO or method == Method.DENSE or dev is None
+    if (cfg.experimental.kernels != Kernels.AUTO or not methods.get(method).USES_KERNELS or dev is None
             or dev.type in ("cuda", "meta")):
         return
     if method.value in _NOTED:

@@ -60,8 +60,8 @@ import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from .. import formats
-from ..config import Method, VCConfig
+from .. import formats, methods
+from ..config import VCConfig
 from ..runtime import report as _report
 from . import fx_nodes as _fx
 from . import rope_detect as _det
@@ -304,7 +304,7 @@ def fuse_rope(gm: fx.GraphModule, findings: List[RopeFinding], cfg: VCConfig, gr
             reason = "unrecognised form"
         elif not cfg.rope_fusion:
             reason = "disabled"
-        elif cfg.resolved_method != Method.VSMOOTH:
+        elif not methods.get(cfg.resolved_method).FUSES_ROPE:
             reason = f"method {cfg.resolved_method.value}"
         else:
             try:

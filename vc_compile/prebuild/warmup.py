@@ -20,6 +20,8 @@ import os
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+from .. import methods as _methods
+
 # the supported pipelines' self-attention, B = 1, q / k / v as the [B, S, H, D] projections viewed as
 # [B, H, S, D]: Wan 2.1 1.3B 480p x 81 frames (12 heads x 32760 tokens), Wan 2.1 14B 720p and 480p (40 x 75600,
 # 40 x 32760); "wide" adds CogVideoX-5B 720 x 480 x 49 frames (48 heads of 64 over 17776 tokens)
@@ -28,8 +30,7 @@ PLANS: Dict[str, List[Tuple[int, int, int, int]]] = {
     "small": [(1, 12, 32760, 128)],
     "wide": [(1, 12, 32760, 128), (1, 40, 75600, 128), (1, 40, 32760, 128), (1, 48, 17776, 64)],
 }
-METHODS = {"vsmooth": {"method": "vsmooth", "expcast": False}, "vsmooth+expcast": {"method": "vsmooth", "expcast": True},
-           "mcsparse": {"method": "mcsparse", "density": 0.15}}
+
 
 
 def request(opts: dict, B: int, H: int, S: int, D: int, dtype: str = "bfloat16", device: str = "cuda:0") -> dict:
@@ -58,7 +59,10 @@ def warmup(plan: str = "default", methods: Optional[List[str]] = None,
         raise RuntimeError("vc_compile warmup builds and runs the kernels on the GPU: run it on a CUDA machine "
                            "(the CPU path has no kernels to build)")
     dev = f"cuda:{torch.cuda.current_device()}"
-    methods = list(methods or METHODS)
+    # a method's name stands for its warm-up variants ("mcsparse": "mcsparse@0.15")
+    METHODS = _methods.warmup_variants()  # {label: options}: each method's variants that build distinct kernels
+    methods = [lab for m in (methods or METHODS)
+               for lab in ([m] if m in METHODS else [x for x in METHODS if x.split("@")[0].split("+")[0] == m] or [m])]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or plan not in PLANS:
         raise ValueError(f"vc_compile warmup: unknown method(s) {unknown} or plan {plan!r}; methods: "

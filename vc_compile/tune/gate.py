@@ -35,15 +35,16 @@ def table(path: str = PATH) -> Dict[str, Dict[str, List[Tuple[float, float]]]]:
             for gpu, ms in raw.get("gpus", {}).items()}
 
 
-def method_label(method: str, expcast: bool, density: float, labels) -> Optional[str]:
-    """The table's label for a call: ``vsmooth`` / ``vsmooth+expcast`` / ``mcsparse@<nearest density>``."""
-    if method == "vsmooth":
-        lab = "vsmooth+expcast" if expcast else "vsmooth"
-        return lab if lab in labels else None
-    if method == "mcsparse":
-        dens = [(abs(float(lab.split("@")[1]) - density), lab) for lab in labels if lab.startswith("mcsparse@")]
-        return min(dens)[1] if dens else None
-    return None
+def table_label(label: str, labels) -> Optional[str]:
+    """The table's label for a call of variant ``label`` (``methods.MethodSpec.label``): itself where measured,
+    else the measured label of the same name (before ``@``) whose number after ``@`` is nearest; None."""
+    if label in labels:
+        return label
+    name, at, num = label.partition("@")
+    if not at:
+        return None
+    near = [(abs(float(lab.partition("@")[2]) - float(num)), lab) for lab in labels if lab.startswith(name + "@")]
+    return min(near)[1] if near else None
 
 
 def estimate(points: List[Tuple[float, float]], work: float) -> float:
@@ -68,12 +69,12 @@ def measured(gpu: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def slower_than_stock(gpu: str, method: str, expcast: bool, density: float, work: float) -> Optional[str]:
+def slower_than_stock(gpu: str, label: str, work: float) -> Optional[str]:
     """The report's reason when the measured table says stock SDPA is faster for this call, else None."""
     per_gpu = table().get(gpu)
     if not per_gpu:
         return None
-    lab = method_label(method, expcast, density, per_gpu)
+    lab = table_label(label, per_gpu)
     if lab is None:
         return None
     x = estimate(per_gpu[lab], work)
