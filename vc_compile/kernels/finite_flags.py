@@ -1,5 +1,5 @@
 """Non-finite flags of K and V, and the MC-Sparse guard's probe rows: one streaming pass over K and V on
-each reuse step (SPEC 3.4; contract: ``vc_compile/reference/finite_flags.py``).
+each reuse step (docs/methods.md, MC-Sparse step 4; contract: ``vc_compile/reference/finite_flags.py``).
 
 Notation
 --------

@@ -1,4 +1,4 @@
-"""Fast PDDP query grouping on the GPU (SPEC 3.4 step 1): recursive principal-direction median splits
+"""Fast PDDP query grouping on the GPU (docs/methods.md, MC-Sparse step 1): recursive principal-direction median splits
 into groups of exactly C queries, all (b, h) and all segments of a tree level at once.
 
 Contract: ``vc_compile/reference/pddp.py`` (same split rule, start vector, iteration count).

@@ -1,4 +1,4 @@
-"""Preprocessing kernels of the 8-bit attention (SPEC 3.1, 3.2 steps 2-3): Q/K smoothing, rotation and
+"""Preprocessing kernels of the 8-bit attention (docs/methods.md, Preprocessing; V-Smooth steps 2-3): Q/K smoothing, rotation and
 INT8/FP8 quantisation, and V-Smooth (gather, block means, FP8 residual written K-major).
 
 Contract: ``vc_compile/reference/preprocess.py`` (same named tuples, same conventions).

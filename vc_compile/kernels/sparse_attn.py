@@ -1,4 +1,4 @@
-"""Token-gather sparse attention: the MC-Sparse reuse-step kernel (SPEC 3.4 steps 3, 4, 6).
+"""Token-gather sparse attention: the MC-Sparse reuse-step kernel (docs/methods.md, MC-Sparse steps 3, 4, 6).
 
 Contract: ``vc_compile/reference/sparse_attn.py`` (16-bit QK) and ``reference/sparse_attn_q8.py``
 (``qk_format="fp8"``).

@@ -1,4 +1,4 @@
-"""MC-Sparse anchor step on the 8-bit pass ("cheap anchors"; SPEC 3.4 steps 1-3).
+"""MC-Sparse anchor step on the 8-bit pass ("cheap anchors"; docs/methods.md, MC-Sparse steps 1-3).
 
     sigma = PDDP(q)                                                    (Fast PDDP query groups)
     qk, vq = preprocess(q, k, v; pi)                                   (INT8 Q/K, FP8 V; pi = V-Smooth key order)

@@ -1,4 +1,4 @@
-"""``method="mcsparse"``: token-sparse attention with metadata cached at anchor steps (SPEC 3.4).
+"""``method="mcsparse"``: token-sparse attention with metadata cached at anchor steps (docs/methods.md, MC-Sparse).
 
 ANCHOR: Fast PDDP query groups (sigma), pass 1 dense attention with its LSE, pass 2 exact group masses,
 top-K keys per group, the sparse output with that selection and the residual ``R = O_dense - O_sparse``;

@@ -1,4 +1,4 @@
-"""Sampler-step tracking (SPEC 4): which denoising step of how many is this attention call in?
+"""Sampler-step tracking (docs/methods.md, "Steps and phases"): which denoising step of how many is this attention call in?
 
 Everything here runs inside the opaque ``vcattn::attention`` op, at run time: Dynamo never sees it, so step
 and branch changes never recompile. What a step *does* (its phase) is each method's schedule
