@@ -200,8 +200,8 @@ def fp8_capable(device: torch.device) -> bool:
     return _capability(device) >= (8, 9)
 
 
-# NOTE cached: torch.cuda.get_device_capability costs ~10-30 us of host time per op call (H200 host,
-# scripts/host_breakdown.py: dispatch.choose 29-59 us per reuse call before)
+# NOTE cached: torch.cuda.get_device_capability is slow for a per-call question whose answer never changes;
+# docs/design/host-overhead.md
 @functools.lru_cache(maxsize=None)
 def _capability(device) -> tuple:
     """(major, minor) of a CUDA device (a torch.device or an index; cuda without an index: the current one)."""
@@ -409,8 +409,8 @@ def _resolve(kernel: str, launch_fn: Callable, *, dtype, head_dim: int, seq_len:
     return _config_of(kernel, tuple(sorted(d.items())))
 
 
-# NOTE memoised: on the H200 ``_resolve`` cost 0.10-0.21 ms of host time per call (the candidates built and
-# converted to JSON, the answer converted back: ~10 dataclass round trips), more than the lookup itself
+# NOTE memoised: ``_resolve`` built the candidates, converted them to JSON and the answer back (~10 dataclass
+# round trips) on every call, more host time than the lookup itself; docs/design/host-overhead.md
 @functools.lru_cache(maxsize=1024)
 def _candidates_json(kernel: str, items: tuple) -> Tuple[tuple, str]:
     """(the candidates as JSON dicts, the tuning key's variant) of a tuned kernel for these shape keywords."""

@@ -573,7 +573,7 @@ def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hada
     and every other argument) as its allocations and its two launches with the tensors' places marked
     (``_Recorder``); a later call with the key replays that (``_Plan``): the same launches on its own tensors,
     without the geometry, checks and argument building. Without RoPE only (its tables are tensors of their own).
-    NOTE (H200 host): the preprocessing's host code took 0.1-0.2 ms of a 0.46-0.53 ms reuse call at H12 S32760."""
+    NOTE recorded because the preprocessing's host code was a third of a small reuse call; docs/design/host-overhead.md."""
     from vc_compile.kernels.launch import FAST_LAUNCH
     inputs = (q, k, v, perm)
     key = None

@@ -211,8 +211,8 @@ def _smem_layout_t(block: tuple, dtype):
 
 
 def _smem_layout(block, dtype):
-    """The TMA tiles' shared-memory layout. NOTE memoised: ``get_default_for`` cost 14-20 us a call on the H200's
-    host (5 per launch)."""
+    """The TMA tiles' shared-memory layout. NOTE memoised: ``get_default_for`` is slow and runs 5 times per launch;
+    docs/design/host-overhead.md."""
     return _smem_layout_t(tuple(block), dtype)
 
 
