@@ -275,29 +275,20 @@ class VCConfig:
     hadamard: bool = False
     qk_format: QKFormat = QKFormat.INT8
     kmeans_clusters: int = 0
-    # NOTE 3 kept: fewer iterations are not safe on every path. The trained demo model (CPU reference, 4096 tokens,
-    # 50 steps, bench_mcsparse_schedule, PSNR against the dense clip of the same seed), 3 vs 1 Lloyd iterations per
-    # warm-started grouping step: V-Smooth 38.14 vs 40.68 dB (seed 0), 39.59 vs 44.98 (seed 1); MC-Sparse s = 0.15
-    # 26.22 vs 26.25, 26.42 vs 27.14; but V-Smooth + ExpCast 37.24 vs 29.41 dB and MC-Sparse with the ExpCast
-    # warm-up 26.29 vs 25.10 (seed 0). A grouping call costs ~1.35 ms over a reuse call at H12 S32760 (H200
-    # pipeline rows, 3 iterations): 1.5-2% of a generation is at stake.
+    # NOTE 3 kept: one iteration helps the exp2 paths but costs V-Smooth + ExpCast (the default) its fidelity, for
+    # 1.5-2% of a generation; docs/design/kmeans-iterations.md
     kmeans_iters: int = 3
-    # NOTE (bench_vsmooth_schedule, demo model, 50 steps, attention rel. L2 vs fp64 over every call of the dense
-    # trajectory, 2026-12-04): re-grouping every step 6.73e-3; the first 25% of the steps (13 group steps, the
-    # previous default) 7.06e-3 (+5.0%); every 10th step (5) 6.81e-3 (+1.2%); every 25th (2) 6.97e-3 (+3.6%);
-    # step 0 only 7.38e-3 (+9.7%). Staleness costs little early and most late, so the schedule is spread out.
+    # NOTE every 10th step, none packed at the start: a stale grouping costs little early in the trajectory and most
+    # late, so spread-out grouping steps come closest to re-grouping every step; docs/design/vsmooth-grouping-schedule.md
     group_fraction: float = 0.0
     group_interval: int = 10
     density: float = 0.15
-    # NOTE 128 by default (H200, 2026-11-29, 3fc643d): the gather kernel's reuse step at s = 0.15 is 4.28x
-    # cuDNN with C = 64 and 5.00x / 5.15x with C = 128 (S = 32760 / 75600, bench_sparse_attn --ab); the
-    # demo model's clip (16K tokens, 50 steps) loses 0.41 dB at s = 0.15 (33.38 -> 32.97 dB, SSIM 0.951 ->
-    # 0.945) and 0.31 dB at s = 0.25 (36.09 -> 35.78) with the coarser groups. 64 stays an option.
+    # NOTE 128 by default: the larger query tile makes reuse steps faster for a small loss of fidelity from the
+    # coarser groups; 64 stays an option. docs/design/sparse-group-size.md
     group_size: int = 128
     warmup_steps: Optional[int] = None
-    # NOTE ExpCast by default (2026-12-04): its attention error on the demo model's trajectory is 1.066x
-    # V-Smooth's (bench_vsmooth_schedule, 7.26e-3 vs 6.81e-3), far below the sparse steps' own, and its op is
-    # 13.5% faster at H12 S32760 (bench_op_overhead, 7.30 vs 8.44 ms on the H200)
+    # NOTE ExpCast by default: the fastest dense 8-bit path, and its extra error over V-Smooth's is far below the
+    # sparse steps' own; docs/design/mcsparse-schedule.md
     warmup_attention: WarmupAttention = WarmupAttention.EXPCAST
     anchor_steps: Optional[Tuple[int, ...]] = None
     anchor_interval: Optional[int] = None
@@ -305,49 +296,35 @@ class VCConfig:
     residual: Residual = Residual.BF16
     anchor_dense: AnchorDense = AnchorDense.BF16
     residual_budget_gb: float = 64.0
-    # NOTE off by default (opt in). CPU reference path, bench_mcsparse_guard --synthetic (e79ee72; S = 1024,
-    # H = 2, D = 64, s = 0.15, 30 steps; docs/mcsparse_guard.md): on a 4-step motion burst the guard at 0.08
-    # gives mean / max error 0.049 / 0.20 at 0.44 dense steps per call, where a fixed anchor every 10 steps
-    # gives 0.10 / 0.33 at the same cost (every 3: 0.025 / 0.21 at 1.00); but on continuous 2%/step drift
-    # its first reading is already over 0.05 and 0.08, so it becomes a fixed every-4 schedule (cost 0.84,
-    # mean error 0.064 random / 0.050 structured: on the fixed schedules' frontier, not beyond it), i.e.
-    # a default-on guard could nearly double MC-Sparse's attention cost on fast inputs. The demo model's
-    # rows on the H200 (PSNR at equal cost) decide whether 0.08 becomes the default.
+    # NOTE off by default (opt in): the guard beats fixed schedules on bursts of motion, but on steady fast drift it
+    # turns into a fixed every-4-steps schedule and could nearly double MC-Sparse's attention cost; whether a
+    # threshold becomes the default waits for the demo model's PSNR at equal cost. docs/mcsparse_guard.md
     guard_threshold: float = 0.0
     # NOTE on by default: it measures one reuse step per anchor (a pass over K and V on sampled rows), and a
     # site whose first reuse step is worse than the previous step's output runs stock SDPA until its next anchor
     # (methods/mcsparse_guard.py, docs/design/reuse-check.md).
     reuse_check: bool = True
-    # NOTE off by default: on the H200 (bench_finite_flags, S = 32760, H40, s = 0.15, commit 64658bb) the flags
-    # pass is 0.47 ms but the reuse step went 7.63 -> 9.07 ms (+19%, target <= 2%); without it a NaN/Inf in a key
-    # or value no group selected does not reach the output (kept off until it is cheap).
+    # NOTE off by default: the flags pass costs far more of a reuse step than its 2% target; without it a NaN/Inf in
+    # a key or value no group selected does not reach the output (kept off until it is cheap).
+    # docs/design/finite-flags.md
     propagate_nonfinite: bool = False
-    # NOTE CPU reference, random q, k, v (S = 1024, D = 64/128, bf16), rel. L2 vs fp64 SDPA (docs/fidelity_notes.md):
-    # V-Smooth 0.037 at logit std 1, 0.045 at 10, 0.054-0.060 at 20, 0.071 at 35, 0.078-0.082 at 50, 0.10-0.11 at
-    # 100 (bf16 SDPA 2e-3-7e-4; ExpCast and Hadamard the same within 5%). 32 keeps the predicted error under
-    # twice the unit-logit one (0.07); a model with QK-norm sits far below it.
+    # NOTE the 8-bit error grows with the logit spread; 32 keeps the predicted error under twice the one at unit
+    # logits, and a model with QK-norm sits far below it. docs/fidelity_notes.md, "Sharp attention"
     max_logit_std: float = 32.0
     quant_check: bool = True
-    # NOTE 'off' by default since reuse steps replay recorded launch sequences (kernels/programs.py). H200, b9abd36,
-    # bench_op_overhead, x cuDNN per reuse call, sequence vs graph ('auto' then): 12 x 2K V-Smooth 0.43 / 0.36,
-    # ExpCast 0.43 / 0.42, MC-Sparse 0.58 / 0.35; 12 x 4K 0.66 / 0.63, 0.79 / 0.72, 2.03 / 0.94; 12 x 8K 0.88 / 0.87,
-    # 1.00 / 0.99, 3.75 / 2.90; and a graph keeps ~2.5x q per call site and CFG branch (e.g. 3.7 GB at 12 x 8K over
-    # 30 blocks x 2 branches)
+    # NOTE 'off' by default since reuse steps replay recorded launch sequences (kernels/programs.py): about as fast
+    # as a graph, and a graph pins ~2.5x q of intermediates per call site and CFG branch.
+    # docs/design/reuse-replay.md
     cuda_graphs: CudaGraphs = CudaGraphs.OFF
     speed_gate: SpeedGate = SpeedGate.AUTO
-    # NOTE 'shipped' by default. H200, Wan 2.1 1.3B, regional compile, fresh caches, 5-step first generation
-    # (bench_cold_start, start-up over stock's): with the shipped kernels V-Smooth + ExpCast +2.6 s and MC-Sparse
-    # +2.5 s (a599286); building each kernel at its launch +14.5 / +29.7 s, helpers building them in parallel
-    # +9.3 / +8.5 s (same run, e6524a7; a helper's imports take ~9.5 s under Inductor's load and its longest build
-    # ~6 s). Helpers stay opt-in ('auto'): each holds its call's inputs on the GPU while the model compiles.
+    # NOTE 'auto': helpers build a fresh process's kernels in parallel while Inductor compiles, instead of one at
+    # each first launch; built kernels stay in Triton's on-disk cache, so later processes build nothing.
+    # docs/design/cold-start.md
     prebuild: Prebuild = Prebuild.AUTO
     num_steps: int = 50
-    # NOTE off by default (opt in). H200, H = 40, D = 128 (bench_preprocess, cb026aa): the repacked fused
-    # prologue takes 0.83/2.01 ms at S = 32760/75600 vs 1.15/2.62 ms for Inductor's RoPE + ours (the first
-    # fused kernel, 53d2575, took 7.38/16.88 ms), but the whole op on a reuse step at 75600 gains 0.2%
-    # (206.5 vs 206.9 ms). End to end on the demo model (16K, 50 steps, edf04a8) V-Smooth's clip is
-    # unchanged (55.56 vs 55.44 dB against dense) while V-Smooth + ExpCast's moved 50.36 -> 46.33 dB. No
-    # speed to show for a graph rewrite and a fidelity change: on by default once the op gains >= 5%.
+    # NOTE off by default (opt in): the fused prologue saves a fraction of the preprocessing, not of the op, and
+    # moves ExpCast's clip; no speed to show for a graph rewrite and a fidelity change. On by default once the op
+    # gains >= 5%. docs/design/rope-fusion.md
     rope_fusion: bool = False
     min_seq_len: int = 1024
     head_dims: Tuple[int, ...] = (64, 128)

@@ -7,7 +7,7 @@ torch, importable without Triton.
 
 QKQuant / VQuant (``preprocess_qk`` / ``preprocess_v``; inputs [B, H, S, D])
 --------
-BLOCK_Q         tokens per Q scale (1: one scale per query token, SPEC 3.1 step 4 "finer is allowed");
+BLOCK_Q         tokens per Q scale (1: one scale per query token, docs/methods.md, Preprocessing step 4);
                 BLOCK_K tokens per K scale (64);  BLOCK_V rows per V mean (128).
 q8, k8          [B, H, S, D] int8 (or float8_e4m3fn when qk_format == "fp8"); k8 in *permuted* order.
 q_scale         [B, H, S] fp32, one per query token, with ``sm_scale * log2(e)`` folded in, so
@@ -50,7 +50,7 @@ LOG2E = 1.4426950408889634
 INT8_MAX = 127.0
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
-# P~ is the probability scaled so that the row maximum is 2^8 = 256 (SPEC 3.3): every probability
+# P~ is the probability scaled so that the row maximum is 2^8 = 256 (docs/methods.md, ExpCast-FP8): every probability
 # >= 2^-14 of the row max then lands in the normal E4M3 range.
 P_SCALE_LOG2 = 8.0
 # ExpCast: c(u) = clip(round(8 u + 8*8 + 56 + beta), 0, 120) with beta = -0.35, i.e. 8u + 119.65.

@@ -102,8 +102,8 @@ def runtime_ineligible(q, k, v, cfg: VCConfig) -> Optional[str]:
     return _shape_ineligible(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, cfg.min_seq_len, cfg.head_dims)
 
 
-# NOTE memoised (the checks are a function of shapes, dtypes and two options): 14-21 us of host time per call
-# on the H200's host before (scripts/host_breakdown.py)
+# NOTE memoised: the checks are a function of shapes, dtypes and two options, and they ran on every call;
+# docs/design/host-overhead.md
 @functools.lru_cache(maxsize=4096)
 def _shape_ineligible(qs, ks, vs, qd, kd, vd, min_seq_len: int, head_dims) -> Optional[str]:
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
@@ -444,9 +444,9 @@ def _rope_inputs(q, k, cos, sin, rope: str):
 
 
 # NOTE vcattn::attention is defined through torch.library.Library, not ``custom_op``: every call of a custom_op
-# runs its Python autograd wrapper, a redispatch, Dynamo's ``disable`` wrapper and an aliasing check, ~110 us
-# per call against ~21 us for a Library-registered Python kernel (a trivial op, CPU, torch 2.13; tests:
-# opcheck in tests/test_ops.py). The op is inference-only (the rewrite refuses inputs that need grad), returns
+# runs its Python autograd wrapper, a redispatch, Dynamo's ``disable`` wrapper and an aliasing check, several
+# times the host time of a Library-registered Python kernel (docs/design/host-overhead.md; tests: opcheck in
+# tests/test_ops.py). The op is inference-only (the rewrite refuses inputs that need grad), returns
 # a fresh tensor (never an input or a view of one) and mutates nothing, as the schema says.
 _LIB = torch.library.Library("vcattn", "FRAGMENT")
 _LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor? ident, int site, str config, float? scale=None, "
@@ -458,9 +458,8 @@ class _Lane:
     speed gate, softmax scale, report label), noted at a call whose reuse step replayed a recorded launch sequence
     (kernels/programs.py): a later call of the same (site, config, scale) with the same layout skips deciding them
     again, and where its reuse step has a program ready, replays it without the call's other scaffolding.
-    NOTE (H200 host, ExpCast reuse call at H12 S32760, scripts/host_breakdown.py): those decisions and the
-    scaffolding around a replay (timer, tuning-lookup recorder, graph check, report label) took ~60-100 us of the
-    op's 0.27 ms."""
+    NOTE those decisions and the scaffolding around a replay (timer, tuning-lookup recorder, graph check, report
+    label) were a third of a small reuse call's host time; docs/design/host-overhead.md."""
 
     __slots__ = ("layout", "cfg", "M", "impl", "path", "sm", "label", "shapes")
 

@@ -11,7 +11,7 @@ one implementation, so the methods, ``ops.py`` and the kernels call it here and 
   identity    ``query_grouping="none"``: sigma = arange(S), i.e. contiguous query tiles of C.
   scores      ``selection="mean_pool"``: ``score[g, j] = (mean_{i in g} q_i) . k_j * sm_scale`` per key, or
               ``. mean_{j in block} k_j`` per key block (``mean_pool_scores``): the score of the mean query,
-              which is not the mean of the queries' probabilities (the selection error of SPEC 3.4).
+              which is not the mean of the queries' probabilities (the selection error of docs/methods.md, MC-Sparse).
               ``selection="exact"`` with blocks: the exact group masses summed over each key block
               (``block_mass``).
   blocks      key block b = keys [b*KV_TILE, (b+1)*KV_TILE) (the last one partial when Sk is not a multiple).

@@ -1,5 +1,5 @@
 """MC-Sparse pass 2 on the 8-bit preprocessed Q/K: exact group key masses from pass 1's INT8 codes, scales
-and LSE ("cheap anchors"; SPEC 3.4 step 2).
+and LSE ("cheap anchors"; docs/methods.md, MC-Sparse step 2).
 
 Contract: ``vc_compile/reference/anchor_mass.py`` (notation, the "exact" / "shift" exp, key order).
 

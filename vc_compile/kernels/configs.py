@@ -11,19 +11,21 @@ Kernel modes (one name per meaning; the two V-Smooth kernels use different subse
 ============  ===============================================  ==================================================
 mode          Triton kernel (``vsmooth_attn.py``)               Gluon sm_90 kernel (``vsmooth_attn_sm90.py``)
 ============  ===============================================  ==================================================
-RowSum.FP32   decode P~ to fp32, sum in fp32 (old ROWSUM 0)     --
+RowSum.FP32   decode P~ to fp32, sum in fp32                    --
 RowSum.MMA    P~ @ ones[BN, 16] per block, row max of the 16    P~ @ ones[BN, 8] issued beside PV_j: exact fp32
-              columns (old ROWSUM 1)                            sums, l_i a [BM, 8] tile (old MS = 1)
-RowSum.FP16   decode to fp16, sum in fp16 (2^-11; ROWSUM 2)     the same, on the ALUs (old MS = 0)
-MeanTerm.FFMA acc += r_ij mu'_j per block (old MEAN 1)          the same (mu' staged by TMA with V)
+              columns                                           sums, l_i a [BM, 8] tile
+RowSum.FP16   decode to fp16, sum in fp16 (2^-11)               the same, on the ALUs
+MeanTerm.FFMA acc += r_ij mu'_j per block                       the same (mu' staged by TMA with V)
 MeanTerm.     [r_hi r_hi r_lo] x [mu_hi; mu_lo; mu_hi], a bf16  --
- BF16_MMA     MMA into the block's fresh accumulator (MEAN 2)
+ BF16_MMA     MMA into the block's fresh accumulator
 MeanTerm.     --                                                R_w mu'_w every 8 key blocks by three tf32 MMAs
- TF32_WINDOW                                                    (hi / lo split; needs RowSum.MMA, old MS = 1)
+ TF32_WINDOW                                                    (hi / lo split; needs RowSum.MMA)
 ExpCast       one rounding mode: the reference's (s, then the   full blocks: the code formed and rounded by ONE
-              code; old EXPCAST 2)                              FFMA (old EXPCAST 3); the key-tail block as the
-                                                                Triton kernel
+              code)                                             FFMA; the key-tail block as the Triton kernel
 ============  ===============================================  ==================================================
+
+The integer names these modes had in earlier notes and benchmark rows (ROWSUM, MEAN, MS, EXPCAST):
+docs/design/vsmooth-triton-config.md.
 
 A V-Smooth input without block means (``VQuant.zero_mean``: ``smooth_v=False``, "naive 8-bit") runs either
 kernel without a mean term, whatever ``mean`` says.
@@ -135,13 +137,10 @@ class VSmoothTritonConfig(_Json):
             raise ValueError("VSmoothTritonConfig.mean: tf32_window is the Gluon kernel's; accepted: ffma, bf16_mma")
 
 
-# Per (head dim, ExpCast). NOTE: chosen on the H200, see docs/kernels_notes.md.
-# NOTE (H200, S = 32760, H = 40, A/B of 22 variants, docs/kernels_notes.md v2): fastest variants that
-# pass the accuracy/NaN check. D = 128: exp2 ROWSUM=1 589 TFLOP/s (ROWSUM=2 583, fp32 p 599), ExpCast
-# ROWSUM=2 572; MEAN=2 costs 27% at D = 128 (427) but wins at D = 64 with BM = 128 (407-409 vs 353).
-# NOTE exp2 + MEAN=1 gave NaN rows (~40%) with ROWSUM 0/3 at (64,128,4,3) and with ROWSUM=2 at
-# (128,128,4,3) (a code-generation problem we did not pin down; ExpCast and MEAN=2 never did):
+# Per (head dim, ExpCast). NOTE: the fastest variants of an A/B that pass the accuracy / NaN check; exp2 with the
+# FFMA mean term is NaN-prone in some specialisations (a code-generation problem not pinned down), so
 # test_gpu_no_nan_any_specialisation checks every specialisation of these defaults.
+# docs/design/vsmooth-triton-config.md
 _T64 = dict(block_m=64, block_n=128, num_warps=4, num_stages=3)
 _T128 = dict(block_m=128, block_n=128, num_warps=4, num_stages=3)
 VSMOOTH_TRITON_DEFAULT: Dict[Tuple[int, bool], VSmoothTritonConfig] = {
@@ -151,8 +150,8 @@ VSMOOTH_TRITON_DEFAULT: Dict[Tuple[int, bool], VSmoothTritonConfig] = {
     (64, True): VSmoothTritonConfig(**_T128, rowsum=RowSum.FP16, mean=MeanTerm.BF16_MMA),
 }
 # What the autotuner may pick per (head dim, ExpCast), FIRST = the measured default above (what runs when
-# nothing is tuned). Only variants compiled on the H200 in the v2 A/B and marked correct there
-# (docs/kernels_notes.md); exp2 + FFMA mean is the default only: the other exp2 + FFMA compiles are the
+# nothing is tuned). Only variants compiled in the A/B and marked correct there
+# (docs/design/vsmooth-triton-config.md); exp2 + FFMA mean is the default only: the other exp2 + FFMA compiles are the
 # NaN-prone family, so no tuner may pick one.
 VSMOOTH_TRITON_CANDIDATES: Dict[Tuple[int, bool], Tuple[VSmoothTritonConfig, ...]] = {
     (128, False): (VSMOOTH_TRITON_DEFAULT[(128, False)],
@@ -190,30 +189,22 @@ class VSmoothSm90Config(_Json):
     warp_specialize: bool = False
     rowsum: RowSum = RowSum.FP16
     mean: MeanTerm = MeanTerm.FFMA
-    # NOTE (H200, 2026-12-02, ExpCast kernel alone, structured inputs, one run, bench_vsmooth_attn_sm90.csv):
-    # byte_mask off / on 25.10, 25.10 / 23.84, 24.45 ms at S = 32760 H40 (FA3 FP8 23.22, torchao 24.78), 7.67 /
-    # 7.31 at H12 (FA3 7.06), 131.9, 135.7 / 132.0, 133.4 at 75600 (SM clock 1815 MHz there against 1935: the
-    # A/B is within its noise); output bit for bit the same. SASS: the key loop 617 -> 587 instructions, FMNMX
-    # 140 -> 76 (a probe without any clamp, wrong codes: 23.00 / 124.2 ms, the ceiling of this change).
+    # NOTE on: the clamp in the byte packing takes instructions off the key loop, the softmax's critical path, and
+    # gives the same bits as an FMNMX per score; docs/design/expcast-byte-mask.md
     byte_mask: bool = True
     # key blocks whose PV the FP8 MMA accumulates in its own accumulator before one fp32 fold (1: a fresh
-    # accumulator per block, the two-level accumulation; ``steps.window_step``). NOTE (H200, 2026-12-03,
-    # bench_vsmooth_attn_sm90.csv, kernel alone, S = 32760 / 75600 H40, one run, FA3 FP8 23.07 / 123.8 ms):
-    # ExpCast 23.92 / 131.7 ms at G = 1, 24.03 / 127.0 (G = 2), 23.50 / 125.2 (4), 23.45 / 123.6 (8), rel. L2
-    # 6.203e-3 -> 6.206e-3 and 4.266e-3 -> 4.267e-3; V-Smooth (exp2) 26.8 / 143.9 -> 27.5-27.7 / 145.5-146.5,
-    # slower at every G. Never folding (all keys in the MMA's ~13-bit running sum, FA3's way) ran 23.28 / 123.4
-    # at 1.5x / 1.7x the error (9.15e-3 / 7.46e-3). D = 64, S = 32760: G = 8 17.45 vs 16.84 ms (kept at 1). Only
-    # on smoothed V: without the block means the kernel runs G = 1 (vsmooth_attn_sm90.py, kernels_notes).
+    # accumulator per block, the two-level accumulation; ``steps.window_step``). NOTE 8 for ExpCast at D = 128: the
+    # fold of every block is its cost, and on smoothed V a window of 8 keeps the two-level accumulation's error;
+    # exp2 and D = 64 were slower at every G. Only on smoothed V: without the block means the kernel runs G = 1
+    # (vsmooth_attn_sm90.py). docs/design/pv-window.md
     pv_window: int = 1
     # FA3's intra-warpgroup overlap on top of PV windows (``steps.overlap_loop``): S_{j+1} and PV_j issued
     # together, the softmax of S_{j+1} run while PV_j is on the tensor cores, both retired within the step; the
     # window's fp32 accumulator lives in shared memory (32 KB per consumer), which leaves the overlap its
     # registers (in registers it needed ~250 of 240: ``overlap_pv`` in kernels_notes' removed variants).
     # ExpCast only (on the exp2 path ptxas sank the exponentials below the PV wait: offline sm_90 SASS); elsewhere
-    # the option is ignored. NOTE experimental, selected by no default or tuner candidate: slower on the H200
-    # (2026-12-03, bench_vsmooth_attn_sm90.csv, kernel alone, same run, D = 128): 28.24 vs 23.45 ms at 40 x 32760
-    # (FA3 FP8 23.26), 151.14 vs 125.78 at 40 x 75600 (FA3 125.85), 8.69 vs 7.16 at 12 x 32760: 17-21% behind the
-    # window kernel it would replace, at the same error (6.196e-3 vs 6.196e-3).
+    # the option is ignored. NOTE experimental, selected by no default or tuner candidate: it measured slower than
+    # the window kernel it would replace, at the same error; docs/design/pv-window.md, Alternatives.
     pv_overlap: bool = False
 
     def __post_init__(self):
@@ -253,38 +244,12 @@ _REG_P = VSmoothSm90Config(p_operand=POperand.REGISTERS)
 _MS_WS = VSmoothSm90Config(p_operand=POperand.REGISTERS, warp_specialize=True, rowsum=RowSum.MMA,
                            mean=MeanTerm.TF32_WINDOW)
 _MS_WS_W8 = dataclasses.replace(_MS_WS, pv_window=8)  # ExpCast, D = 128: see the NOTE on ``pv_window``
-# NOTE (H200, S = 32760, D = 128, naive 8-bit / V-Smooth, ms): (BM, warps, stages) (64, 4, 2) 30.85 / 37.78,
-# (64, 4, 3) 44.73 / 59.02 (122 KB of shared memory: one CTA per SM), (128, 8, 2) 35.54 / 44.60 (one CTA of two
-# warp groups, no ping-pong between them); cuDNN 38.85. Both head dims run two CTAs (8 warps) per SM at
-# (64, 4, 2); D = 64 fits three (168 registers).
-# NOTE (H200, 2026-11-30, S = 32760, D = 128, ExpCast kernel, ms, three runs): shared-memory P~ 34.79 / 35.85 /
-# 35.56, register P~ 31.78 / - / 32.66, + warp specialisation 31.43 / - / 31.55. (Register P~ on the exp2 path
-# gave NaN rows with the mean term on until e4m3x4, 2026-12-01: kernels_notes v6.)
-# NOTE (H200, 5f2bd7e vs ae07fe5, ExpCast kernel x cuDNN): warp-specialised register P~ 1.22 / 1.26 at
-# S = 32760 / 75600 (shared-memory P~ 1.09 / 1.09) but 1.01 at S = 8190 (shared memory 1.08: one CTA of 12
-# warps per SM leaves 19 waves with a ragged tail).
-# NOTE (H200, 2026-12-01, 940b993 + e4m3x4, kernel alone, ms; cuDNN 38.01 / 205.1 / 2.429 / 25.93 at S = 32760 /
-# 75600 / 8190 (D = 128) / 32760 (D = 64)); "WS" warp specialisation, "reg" register P~ (both MMAs issued
-# after the softmax):
-#   ExpCast: WS reg 29.15 / 154.8 / 2.070 / 22.68; reg 31.04 / 167.3 / 2.076 / 21.58; shared-memory P~
-#     34.73 / 181.3 / 2.215 / 26.28.
-#   exp2 (V-Smooth): shared-memory P~ 32.24 / 177.2 / 2.103 / 23.55; WS reg 32.52 / 170.6 / 2.327 / 25.26;
-#     reg 32.34 / 170.6 / 2.161 / 22.98.
-#   naive 8-bit (exp2, no mean term): shared memory 29.54 / 157.5; WS reg 28.84 / 152.8.
-# NOTE (same day, D = 128, ms at S = 2048 / 4096 / 16380 / 24570; cuDNN 0.142 / 0.561 / 9.636 / 21.78): ExpCast
-#   WS reg 0.197 / 0.603 / 7.529 / 16.91, reg 0.190 / 0.588 / 8.092 / 18.26, shared-memory P~
-#   0.175 / 0.570 / 8.789 / 20.14 -> warp-specialised register P~ from 6144 rows (between 4096 and 8190, where it
-#   leads: 2.070 vs 2.215); V-Smooth shared-memory P~ 0.161 / 0.581 / 8.262 / 18.73 -> register P~ only from
-#   49152 rows (it is level at 32760 and 4% ahead at 75600; not measured between). Below ~4096 rows both 8-bit
-#   kernels are slower than cuDNN (0.81-0.97x): a short head has too few key blocks to fill the pipeline.
-# NOTE (H200, 2026-12-01, MS = row sums and the mean term on the tensor cores, kernel alone, ms, x cuDNN of the run):
-#   S = 32760, D = 128: ExpCast WS reg 29.42 -> MS WS 25.66 (1.31x -> 1.50x), MS without WS 27.08;
-#     V-Smooth shared-memory P~ 32.88 / WS reg 33.34 -> MS WS 27.33 (1.41x), MS without WS 30.55;
-#     naive WS reg 29.06 -> MS 27.71. S = 75600: ExpCast 161.5 -> 136.4, V-Smooth 170.5 -> 146.5.
-#   S = 8190: ExpCast 2.141 -> 1.787 (shared-memory P~ 2.174), V-Smooth shared memory 2.085 -> MS WS 1.945;
-#   S = 4096 (cuDNN 0.565): ExpCast MS WS 0.529 (shared memory 0.566), V-Smooth MS WS 0.590 (shared memory 0.571).
-#   D = 64, S = 32760 (cuDNN 26.38): ExpCast reg 21.58 -> MS WS 18.70; V-Smooth 22.98 -> MS WS 21.88.
-#   Loop (sm_90 SASS, ExpCast D = 128): 716 -> ~556 instructions per key block outside the 1-in-8 flush.
+# NOTE (BM, warps, stages) = (64, 4, 2) for every structure: two CTAs (8 warps) per SM; a third stage or BM = 128
+# leaves one CTA per SM. Register P~ and warp specialisation feed the PV MMA from the softmax's registers and
+# overlap the producer's loads with the consumers' math, which pays only when a head has enough key blocks to fill
+# the pipeline: hence the short / long split below, with the threshold where the measured curves cross. "MS" (row
+# sums and the mean term on the tensor cores) takes ~20% of the instructions out of the key loop.
+# docs/design/sm90-vsmooth-structure.md
 # Per (head dim, ExpCast): the configuration below LONG's threshold ...
 VSMOOTH_SM90_SHORT: Dict[Tuple[int, bool], VSmoothSm90Config] = {
     (128, False): _SHARED_P, (128, True): _SHARED_P, (64, False): _REG_P, (64, True): _REG_P}
@@ -337,16 +302,9 @@ class SparseAttnConfig(_Json):
             raise ValueError(f"SparseAttnConfig.kv_off={self.kv_off!r}; accepted: None, True, False")
 
 
-# NOTE configs (BLOCK_N, num_warps, num_stages) per (qk_format, D, C). H200, S = 32760, s = 0.15, C = 64
-# (first run, docs/sparse_notes.md): bf16 BN64/w4/s4 8.99 ms, s3 9.06, BN32/w4/s4 9.35, s2 11.5,
-# BN128/w4 12.5, 8 warps 12.9-15.7; fp8 BN64/w4/s3 9.68, s4 9.79, BN128 10.2, 8 warps 17.7-20.0.
-# C = 128 (second run): bf16 BN64/w4/s3 and s4 7.60 ms, BN128/w8 8.87, BN64/w8 9.16, BN128/w4 13.7;
-# fp8 BN128/w4/s3 8.13, BN64/w4 8.65, 8 warps 9.9-10.1.
-# NOTE kv_off (scripts/codegen_sparse.py, S = 32760, bf16, residual on; docs/sparse_notes.md): C = 128 BN64/w4:
-# key loop 720 SASS instructions (41 of them spill loads/stores) -> 671, 13 spill instructions. Measured (H200,
-# S = 32760, s = 0.15, bf16, 2026-11-29, bf83f15, `--ab`): at C = 128 (BN64/w4) 7.871 -> 7.482 ms kernel,
-# 7.973 -> 7.585 ms reuse step (4.76x -> 5.00x cuDNN), identical output; at C = 64 (BN64/w4/s4) 8.854 ->
-# 9.015 ms (+1.8%). So kv_off is on for C >= 128 (kv_off=None).
+# NOTE configs (BLOCK_N, num_warps, num_stages) per (qk_format, D, C): the fastest of the sweeps at each C; 8 warps
+# lost everywhere. kv_off (K/V row offsets once per key chunk) removes most of the key loop's register spills at
+# C = 128 and costs a little at C = 64, so it is on for C >= 128 (kv_off=None). docs/design/sparse-launch-config.md
 SPARSE_DEFAULT: Dict[Tuple[str, int, int], SparseAttnConfig] = {
     ("bf16", 64, 64): SparseAttnConfig(128, 4, 3),
     ("bf16", 128, 64): SparseAttnConfig(64, 4, 4),
@@ -357,7 +315,7 @@ SPARSE_DEFAULT: Dict[Tuple[str, int, int], SparseAttnConfig] = {
 }
 # shapes outside the sweeps: (64, 4, 3), measured only at D = 128, C = 64
 SPARSE_FALLBACK = SparseAttnConfig(64, 4, 3)
-# The autotuner's candidates: the configs both H200 sweeps compiled and timed (C = 64 first run, C = 128
+# The autotuner's candidates: the configs both sweeps compiled and timed (C = 64 first run, C = 128
 # benchmarks/bench_sparse_attn.py SWEEP_C128); the default is put first, so an untuned run launches exactly
 # what the table says.
 SPARSE_SWEPT = tuple(SparseAttnConfig(*c) for c in ((64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 4), (128, 4, 3),
@@ -379,9 +337,8 @@ class SparseAttnSm90Config(_Json):
     "Gluon gather kernel"."""
     block_n: int = 128
     stages: int = 2
-    # NOTE (offline sm_90 SASS, scripts/codegen_sparse_sm90.py, C = 128, BN = 128): 240 / 24 spills 72 bytes in
-    # the producer's loop (21 local loads / stores per block: its 64-bit id and row addresses); 232 / 40 spills
-    # nothing, and the consumers' loop is the same 464 instructions
+    # NOTE 232 / 40: the producer needs 40 registers for its 64-bit row addresses (at 24 its loop spills), and the
+    # consumers' loop is the same at 232 as at 240; docs/design/sparse-launch-config.md
     consumer_regs: int = 232
     producer_regs: int = 40
     # one CTA per SM looping over the tiles (the producer gathers the next tile's first blocks while the consumers
@@ -399,9 +356,8 @@ class SparseAttnSm90Config(_Json):
     overlap: bool = False
     # FlashAttention-3's ping-pong (with ``overlap``): the two consumers take turns at the MMA issue point (an
     # mbarrier each), so one's MMAs run while the other's softmax does.
-    # NOTE off: measured slower for bf16 scores (H100, 40 heads, one run, ms at S = 32760 s = 0.15 / 0.25, 75600
-    # s = 0.15 / 0.25: 128/2fo 6.20 / 9.71 / 31.43 / 51.27, 128/2fog 6.36 / 9.81 / 32.49 / 52.86); level or faster
-    # with the 8-bit QK variant (5.63 / 8.89 / 28.47 / 51.09 against 5.60 / 8.83 / 27.70 / 45.83)
+    # NOTE off: measured slower for bf16 scores (the default), level or faster only with the 8-bit QK variant;
+    # docs/design/sparse-launch-config.md
     pingpong: bool = False
 
     def __post_init__(self):
@@ -449,14 +405,10 @@ class SparseAttnSm90Config(_Json):
 
 # Per group size C. C = 128: one ring of 128-key stages (S 64 + O 64 + P 32 registers of a consumer's 232), 2 stages
 # = 128 KB + Q 32 KB, the proxy fence in the producer and FlashAttention-3's order in the consumers.
-# NOTE (H200, 2026-12-03, benchmarks/bench_sparse_attn_sm90.py, B1 H40 D128 bf16, residual epilogue, ms at
-# S = 32760 s = 0.15 / 0.25, S = 75600 s = 0.15 / 0.25, same run): Triton gather 7.71 / 12.89 / 39.84 / 65.89;
-# 128/2 7.30 / 10.46 / 34.18 / 55.77; 128/2fo 6.53 / 10.20 / 32.74 / 53.35 (eta 0.73 / 0.78 / 0.81 / 0.82 against
-# FA3 bf16 31.73 / 175.3); 128/3fo 6.55 / 10.30 / 33.23 / 55.69; 128/2o 6.93 / 11.04 / 36.27 / 62.73; 128/2f 7.03 /
-# 10.95 / 37.92 / 64.23 (the two switches pay together: without the fence on the consumers' path, the overlap's
-# second MMA has something to hide). The repeats of 128/2 in one run moved 0.2-14% (75600, s = 0.15: 34.18 / 38.84).
-# C = 64: two rings (the two consumers' groups select different keys), so 64-key stages: 2 x 2 x 32 KB + 32 KB;
-# 64/2 8.57, 64/2o 8.48, 64/3fo 10.11 against the Triton kernel's 8.95 (S = 32760, s = 0.15, same run).
+# NOTE the fence and the overlap pay together (without the fence on the consumers' path, the overlap's second MMA
+# has something to hide); each alone, or a third stage, measured slower.
+# C = 64: two rings (the two consumers' groups select different keys), so 64-key stages: 2 x 2 x 32 KB + 32 KB.
+# docs/design/sparse-launch-config.md
 SPARSE_SM90_DEFAULT: Dict[int, SparseAttnSm90Config] = {
     128: SparseAttnSm90Config(block_n=128, stages=2, producer_fence=True, overlap=True),
     64: SparseAttnSm90Config(block_n=64, stages=2),
@@ -500,13 +452,9 @@ class PreprocessConfig(_Json):
     stats_warps: int = 4
     quant_warps: int = 8
     quant_regs: int = 80
-    # pass 1's register cap a thread (0: the compiler's choice), applied with V at D = 128. NOTE uncapped, pass 1
-    # holds 185 registers at 4 warps with the index prefetch (2 programs an SM, 12% of the warps active; ncu, H100,
-    # 2026-12-06, 40 x 32760: 0.27 ms at 1.5 TB/s); offline sm_90 caps of 168 / 128 / 96 spill 12 / 68 / 216 bytes
-    # for 3 / 4 / 5 programs an SM. Same run, H100 80GB HBM3, 2026-12-06, scripts/ab_op_kernels.py (ExpCast reuse
-    # step, two interleaved rounds), `_stats_kernel` ms at 40 x 32760 / 12 x 32760 / 12 x 8192: uncapped 0.283 /
-    # 0.096 / 0.032; 128: 0.242 / 0.082 / 0.031 (-14%); 96: 0.304 / 0.101 / 0.031; 168 (the run before): 0.265 /
-    # 0.089. The whole preprocessing at 40 x 32760: 0.978 -> 0.937 ms.
+    # pass 1's register cap a thread (0: the compiler's choice), applied with V at D = 128. NOTE 128: uncapped, pass 1
+    # holds so many registers with the index prefetch that only 2 programs share an SM; 128 gives 4 for a small
+    # spill and was the fastest cap measured. docs/design/preprocess-launch.md
     stats_regs: int = 128
 
     def __post_init__(self):
@@ -528,16 +476,10 @@ class PreprocessConfig(_Json):
                              "64, 80, 96, 128")
 
 
-# NOTE (H200, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D], Wan pair tables; bench_preprocess.py):
-# the measurements behind both RoPE switches are in kernels/preprocess.py's module doc (RoPE prologue).
-# Pass 1 with V (one sweep per block, scripts/ab_op_kernels.py, ExpCast reuse step, same run): (warps,
-# programs per SM) = (8, 4) 0.552 / 1.376 ms, (4, 4) 0.413 / 0.721, (8, 8) 0.489 / 1.192, (4, 8) 0.335 / 0.585.
-# Pass 2's registers (H200, 2026-12-03, scripts/ab_op_kernels.py, ExpCast reuse step, same run, ms at S = 32760 H40 /
-# 75600 H40 / 32760 H12 / 14040 H12): uncapped (128, 2 programs of 8 warps per SM) 0.676 / 1.556 / 0.370 / 0.151
-# (0.676 / 1.566 / 0.378 / 0.155 at the run's end), capped at 80 (3 per SM, 88 B spilled outside the tile work)
-# 0.637 / 1.456 / 0.331 / 0.151; 16 warps at 64 registers (2 per SM) 0.865 / 1.986 / 0.396 / 0.159. Pass 1 at 8
-# warps and 64 registers: 0.431 / 1.043 against 0.343 / 0.606. The cap applies where it was measured (D = 128, no
-# Hadamard, no RoPE): the Hadamard rotation's wgmma needs >= 90 registers (ptxas C7602 at 80).
+# NOTE the measurements behind both RoPE switches: docs/design/rope-fusion.md. Pass 1 with V runs 4 warps, 8 programs
+# per SM, the fastest of the sweep; pass 2 is capped at 80 registers (3 programs per SM instead of 2, a small spill
+# outside the tile work), faster than uncapped or 16 warps at 64. The cap applies where it was measured (D = 128, no
+# Hadamard, no RoPE): the Hadamard rotation's wgmma needs >= 90 registers (ptxas C7602 at 80). docs/design/preprocess-launch.md
 PREPROCESS_DEFAULT = PreprocessConfig()
 
 
@@ -567,11 +509,8 @@ class AnchorMassConfig(_Json):
 
 def anchor_mass_default(group_size: int, exp: ExpMode = ExpMode.SHIFT) -> AnchorMassConfig:
     """C = 128: one group per program (NG = 1); C = 64: NG = 4 (256 queries, not timed against the others).
-    NOTE same run, H100 80GB HBM3, 40 x 32760, 3 stages (benchmarks/bench_anchor_mass.py --mass-configs, rows
-    pass2_mass:*): NG = 1 shift 14.79 ms, NG = 2 shift (the previous default, from the SASS mix) 15.97, NG = 1 exact
-    15.74, NG = 2 exact 16.84, NG = 1 shift with 2 stages 16.02; the same masses (rel. L2 0 between the shift
-    launches). NG = 2 streams half the K8 tiles from L2 but holds 210 registers and two CTAs an SM (one warp per
-    scheduler each); NG = 1, 146 registers and three."""
+    NOTE NG = 1 at C = 128: NG = 2 streams half the K8 tiles from L2 but holds so many registers that only two
+    CTAs share an SM, and NG = 1 (three) measured faster, with the same masses; docs/design/anchor-mass-config.md."""
     if int(group_size) not in (64, 128):
         raise ValueError(f"anchor mass: group_size must be 64 or 128 (the sparse kernel's query tile), "
                          f"got {group_size}")
@@ -583,13 +522,9 @@ class TopKConfig(_Json):
     """Launch of the radix top-K. ``block``: elements per chunk (power of two, <= 32768 so the packed scan's
     counts fit 16 bits); ``digit``: bits per radix pass (4: 16-bin histograms, 4 passes for bf16; 8: 256 bins,
     2 passes); ``num_warps``.
-    NOTE sm_90 SASS (scripts/codegen_anchor.py, bf16 rows): a 256-bin ``tl.histogram`` pass costs ~75
-    instructions per element, a 16-bin pass ~32-46, the compaction ~46: digit 8 ~195 per element for bf16,
-    digit 4 ~200 (fp32: ~345 vs ~325); 8 reads the row fewer times.
-    NOTE same run, H100 80GB HBM3, 40 heads, bf16 masses (benchmarks/bench_anchor_mass.py --topk-configs, rows
-    topk:*), ms at S = 32760 / 75600: block 2048, digit 8, 4 warps 3.51 / 17.27; 4096/8/8 (the previous default)
-    3.71 / 18.94; 4096/8/4 3.85 / 20.66; 4096/4/8 3.87 / 20.42; 8192/8/8 4.41 / 23.60; 8192/4/8 4.27 / 22.72;
-    16384/8/16 4.08 / 22.70; 16384/8/8 5.47 / 33.79; 32768/8/16 21.38 / 43.86. Equal indices for every launch."""
+    NOTE digit 8: a 256-bin histogram pass costs about as many instructions per element over its 2 passes as
+    16-bin passes over 4, and reads the row fewer times; block 2048 with 4 warps was the fastest of the sweep.
+    docs/design/anchor-mass-config.md"""
     block: int = 2048
     digit: int = 8
     num_warps: int = 4
@@ -628,6 +563,7 @@ class FiniteFlagsConfig(_Json):
         return int(min(self.max_strip, max(self.block_n, p2)))
 
 
-# NOTE BLOCK_N 64, 4 warps, strips for ~1024 programs (at most 4096 keys): chosen, not yet measured on the H200
-# (benchmarks/bench_finite_flags.py times the pass against one read of K and V). Not tuned: one config.
+# NOTE BLOCK_N 64, 4 warps, strips for ~1024 programs (at most 4096 keys): enough programs to fill a GPU with a
+# streaming read; chosen, not yet measured (benchmarks/bench_finite_flags.py times the pass against one read of K
+# and V). Not tuned: one config. docs/design/finite-flags.md
 FINITE_FLAGS_DEFAULT = FiniteFlagsConfig()

@@ -14,8 +14,9 @@ Rules, in order:
 * ``vsmooth_attention`` with TRITON: the Gluon kernel (``vsmooth_attn_sm90.py``) on an sm_90 GPU for INT8 Q/K
   outside the interpreter, the Triton kernel (``vsmooth_attn.py``) otherwise; a ``launch`` config picks its
   kernel explicitly (``VSmoothSm90Config`` / ``VSmoothTritonConfig``: benchmarks' side-by-side rows).
-  NOTE (H200, S = 32760, B = 1, H = 40, D = 128, same run): Gluon V-Smooth 34.49 vs 38.57 ms Triton, + ExpCast
-  34.69 vs 38.97, naive 8-bit 30.59 vs 34.85 (cuDNN 38.43); docs/kernels_notes.md "v3".
+  NOTE Gluon on sm_90: it issues both MMAs asynchronously and runs the softmax between them, which the Triton
+  kernel cannot express, and measured faster on every mode; docs/kernels_notes.md, "sm_90: a Gluon kernel, not
+  Triton".
 * ``launch=None``: ``tune.lookup.resolve`` (shipped table of the GPU family -> local cache -> tuned on first
   use; the first candidate, never tuned, off CUDA and under the interpreter).
 * Eligibility (``vsmooth_ineligible`` / ``sparse_ineligible``): the reasons the op records when it runs stock
@@ -202,8 +203,8 @@ def fp8_capable(device: torch.device) -> bool:
     return _capability(device) >= (8, 9)
 
 
-# NOTE cached: torch.cuda.get_device_capability costs ~10-30 us of host time per op call (H200 host,
-# scripts/host_breakdown.py: dispatch.choose 29-59 us per reuse call before)
+# NOTE cached: torch.cuda.get_device_capability is slow for a per-call question whose answer never changes;
+# docs/design/host-overhead.md
 @functools.lru_cache(maxsize=None)
 def _capability(device) -> tuple:
     """(major, minor) of a CUDA device (a torch.device or an index; cuda without an index: the current one)."""
@@ -386,9 +387,9 @@ def vsmooth_ineligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Opt
         return "head_dim unsupported by the 8-bit kernels (64 or 128)"
     if q.shape[2] != k.shape[2]:
         return "cross-attention (Sq != Sk) unsupported by the 8-bit kernels"
-    # NOTE H200 (2026-12-04, torch.ops.vcattn.vsmooth_attention on random inputs, S = 1..129, D = 64 / 128): one
-    # key gave a non-finite output (naive 8-bit, D = 128; every mode after a grouping, tests/test_hostile.py) where
-    # SDPA returns v; 2 keys and more were finite. Not root-caused: such a call runs stock SDPA.
+    # NOTE on sm_90 one key gave a non-finite output (naive 8-bit, D = 128; every mode after a grouping;
+    # tests/test_hostile.py) where SDPA returns v; 2 keys and more were finite. Not root-caused: such a call runs
+    # stock SDPA.
     if k.shape[2] < 2:
         return "a single key: the 8-bit kernels need 2 or more"
     return None
@@ -428,8 +429,8 @@ def _resolve(kernel: str, launch_fn: Callable, *, dtype, head_dim: int, seq_len:
     return _config_of(kernel, tuple(sorted(d.items())))
 
 
-# NOTE memoised: on the H200 ``_resolve`` cost 0.10-0.21 ms of host time per call (the candidates built and
-# converted to JSON, the answer converted back: ~10 dataclass round trips), more than the lookup itself
+# NOTE memoised: ``_resolve`` built the candidates, converted them to JSON and the answer back (~10 dataclass
+# round trips) on every call, more host time than the lookup itself; docs/design/host-overhead.md
 @functools.lru_cache(maxsize=1024)
 def _candidates_json(kernel: str, items: tuple) -> Tuple[tuple, str]:
     """(the candidates as JSON dicts, the tuning key's variant) of a tuned kernel for these shape keywords."""

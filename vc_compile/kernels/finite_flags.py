@@ -1,5 +1,5 @@
 """Non-finite flags of K and V, and the MC-Sparse guard's probe rows: one streaming pass over K and V on
-each reuse step (SPEC 3.4; contract: ``vc_compile/reference/finite_flags.py``).
+each reuse step (docs/methods.md, MC-Sparse step 4; contract: ``vc_compile/reference/finite_flags.py``).
 
 Notation
 --------
@@ -18,14 +18,14 @@ R, rows     the guard's probe (``methods/mcsparse_guard.py``): R sampled query r
 Grid and cost
 -------------
 Flags (+ probe): ``(n_strips, B*H)``, strips of one head side by side. Bytes: K and V read once
-(2 x 335 MB at B = 1, H = 40, Sk = 32760, D = 128: ~0.15 ms at ~4.5 TB/s, ~2% of the 7.7 ms reuse step
-on the H200); the flag buffer is written by masked atomics only where a flag is set (never on clean
+(2 x 335 MB at B = 1, H = 40, Sk = 32760, D = 128: at HBM3e bandwidth ~2% of a reuse step at that shape,
+the pass's target; docs/design/finite-flags.md); the flag buffer is written by masked atomics only where a flag is set (never on clean
 inputs). Probe: 4 R Sk D FLOPs per head (R = 16: 10.7 GFLOP at that shape, under the memory time) and
 R (Dv + 2) fp32 partials per program. ``probe_error``: grid ``(B*H,)``, one program per head loops over
 the strips' partials (R x Dv fp32 each) and the R output rows.
 
 Launch configuration: a ``configs.FiniteFlagsConfig`` (BLOCK_N, warps, strip sizing; ``launch=``); the runtime
-runs ``configs.FINITE_FLAGS_DEFAULT`` (``dispatch.finite_flags``; not tuned, not yet measured on the H200).
+runs ``configs.FINITE_FLAGS_DEFAULT`` (``dispatch.finite_flags``; not tuned, not yet measured on a GPU).
 """
 from __future__ import annotations
 

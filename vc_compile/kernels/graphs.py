@@ -2,9 +2,9 @@
 
 What it is for. A reuse step of an 8-bit or sparse method is a fixed sequence of kernel launches (V-Smooth: the
 two preprocessing passes and the attention kernel; MC-Sparse: the gather kernel) on tensors whose addresses
-do not change between steps, except q, k and v. Launching them from Python costs ~0.3-0.7 ms of host time per
-Triton/Gluon launch path (binder, descriptors, launcher), which is longer than the kernels themselves below
-~16K tokens at 12 heads: there the op is host-bound and slower than stock SDPA. Replaying a captured graph
+do not change between steps, except q, k and v. Launching them from Python through the Triton/Gluon launch path
+(binder, descriptors, launcher) costs a fraction of a millisecond of host time per call, longer than the kernels
+themselves below ~16K tokens at 12 heads: there the op is host-bound and slower than stock SDPA. Replaying a captured graph
 costs a few microseconds of host time.
 
 How. Per (site, block, branch, shape, device, metadata slot) and per metadata object (``Entry``):
@@ -23,8 +23,8 @@ Staging tensors are shared by every graph of one (thread, shape, strides, dtype,
 one after another on one stream; an entry replays on the staging of the thread that captured it, so a loop that
 moves to another thread while the first still replays would share it); each graph keeps its intermediates and its
 output in its own memory pool (~2.5x the size of q: the 8-bit codes, scales and the kernel's output). NOTE not
-one pool shared by all graphs: on torch 2.11 the captures after a shared pool's graphs were freed (a new
-generation) failed with an internal allocator assert (``use_count > 0``, CUDACachingAllocator.cpp). The extra
+one pool shared by all graphs: captures after a shared pool's graphs were freed (a new generation) failed with
+an internal allocator assert (``use_count > 0``, CUDACachingAllocator.cpp; docs/design/reuse-replay.md). The extra
 GPU work is one copy of the output per call, plus one of q, k, v on the staged graph (measured in
 benchmarks/bench_op_overhead.py). After a capture fails, no graph is captured again in this process (the
 reason is in ``report()``).
@@ -32,7 +32,7 @@ reason is in ``report()``).
 When. The method says whether a call is replayable (``replayable(phase, cfg)``: its launches depend only on
 q, k, v and the metadata, with no host reads and no metadata update); the option ``cuda_graphs`` says
 where: ``off`` (the default: the recorded launch sequence of kernels/programs.py instead, measured as fast or
-faster at every size, with no memory kept; config.py NOTE); ``on`` (every replayable call on a CUDA device);
+faster at every size, with no memory kept: docs/design/reuse-replay.md); ``on`` (every replayable call on a CUDA device);
 ``auto`` (where the call's attention work B H S Sk D is at most ``AUTO_MAX_WORK``, i.e. where the launches, not
 the kernels, bound the call). Never while another capture is running (the op inside a user's graph), never on a side stream, and a
 capture that fails turns graphs off for that entry for good, with the reason in ``report()``.
@@ -51,14 +51,9 @@ import torch
 
 from ..runtime.runtime import provide
 
-# NOTE AUTO_MAX_WORK = B H S Sk D <= 1.1e11 (12 heads x 8192^2 x 128 = 1.03e11 is in, 12 x 16384^2 x 128 is out).
-# H200, bench_op_overhead, reuse calls back to back, graphs off -> on (host ms / GPU ms per call):
-#   H12 S8192:  V-Smooth 0.72 / 0.77 -> 0.23 / 0.77, ExpCast 0.70 / 0.74 -> 0.30 / 0.70,
-#               MC-Sparse s = 0.15 0.29 / 0.30 -> 0.20 / 0.27 (host-bound: 1.99x -> 2.23x cuDNN);
-#   H12 S16384: V-Smooth 0.71 / 2.37 -> 0.19 / 2.45, MC-Sparse 0.27 / 0.65 -> 0.17 / 0.75 (+16%: the staging
-#               copies, with nothing to hide);
-#   H2 S32760:  V-Smooth 0.71 / 1.52 -> 0.36 / 1.50 (GPU-bound either way).
-# So below the bound the graph frees the host (and wins where the call is host-bound); above it the copies cost.
+# NOTE AUTO_MAX_WORK = B H S Sk D <= 1.1e11 (12 heads x 8192^2 x 128 = 1.03e11 is in, 12 x 16384^2 x 128 is out):
+# below the bound the graph frees the host and wins where the call is host-bound; above it the staging copies
+# cost more than they save. docs/design/reuse-replay.md
 AUTO_MAX_WORK = 1.1e11
 
 
@@ -154,8 +149,8 @@ class LaunchGraphs:
         """Whether the option allows a graph for this call (before the method's own say)."""
         if mode == "off" or not q.is_cuda:
             return False
-        # NOTE raw-stream queries: torch.cuda.current_stream()/default_stream() build Stream objects, 35-57 us
-        # of host time per call on the H200's host (scripts/host_breakdown.py) against a few us for these
+        # NOTE raw-stream queries: torch.cuda.current_stream()/default_stream() build Stream objects, an order of
+        # magnitude more host time per call than these; docs/design/host-overhead.md
         if torch._C._cuda_getCurrentRawStream(q.device.index if q.device.index is not None
                                               else torch.cuda.current_device()) != 0:
             return False  # a side stream or a capture (never the default stream): staging is per stream
@@ -172,7 +167,7 @@ class LaunchGraphs:
         if mode == "on":
             return True
         # NOTE not above the bound even for a direct graph: each graph keeps its intermediates in its own pool
-        # (~2.5x q), e.g. 1.9 GB per call site at 40 heads x 75600 tokens, x 30 blocks x 2 CFG branches
+        # (~2.5x q), which at long sequences adds up to gigabytes per call site, times blocks and CFG branches
         B, H, S, D = q.shape
         return B * H * S * k.shape[2] * D <= AUTO_MAX_WORK
 

@@ -1,4 +1,4 @@
-"""k-means grouping of V rows on the GPU (SPEC 3.2 step 1): labels -> stable argsort -> permutation.
+"""k-means grouping of V rows on the GPU (docs/methods.md, V-Smooth step 1): labels -> stable argsort -> permutation.
 
 Contract: ``vc_compile/reference/kmeans.py`` (same init, tie rule, empty-cluster rule, result tuple).
 

@@ -24,10 +24,8 @@ function, packed metadata, launch metadata and hooks before the bound arguments;
 Triton's own ``JITFunction.run``, not from its version: 3.6 to 3.9 launch this way), every call takes the normal
 path. ``FAST_LAUNCH.enabled = False`` turns the fast path off for the process (tests compare both paths).
 
-NOTE (H200 host, torch 2.11, triton 3.6, ``scripts/host_breakdown.py``, ExpCast reuse call at H12 S32760):
-``JITFunction.run`` took 0.47 ms for the call's three launches, 0.16 of it Triton's launcher; the rest (binder,
-specialisation, cache key, launch metadata for the default empty hook chain) is what a remembered launch skips.
-Offline (this module's test harness, a fake sm_90 driver) a V-Smooth call's Python went 0.416 -> 0.268 ms.
+NOTE why: most of ``JITFunction.run``'s host time is not Triton's launcher but the binder, specialisation, cache
+key and launch metadata for the default empty hook chain, which is what a remembered launch skips; docs/design/host-overhead.md.
 """
 from __future__ import annotations
 
@@ -226,7 +224,8 @@ def tma_descriptor(cls, tensor, block_shape, layout):
     """``cls.from_tensor(tensor, block_shape, layout)`` (a Gluon ``TensorDescriptor``) with its checks run once per
     (shape, strides, dtype, block, layout): later ones copy the checked fields and only test the base's
     16-byte alignment (the one check that depends on the tensor itself).
-    NOTE (H200 host): five ``from_tensor`` per attention launch cost ~36 us of host time (its dataclass checks)."""
+    NOTE ``from_tensor``'s dataclass checks, five per attention launch, were a visible share of a call's host time;
+    docs/design/host-overhead.md."""
     shape, strides = tuple(tensor.shape), tensor.stride()
     key = (cls, shape, strides, tensor.dtype, tuple(block_shape), layout)
     fields = _DESCRIPTORS.get(key)

@@ -1,4 +1,4 @@
-"""Fast PDDP query grouping on the GPU (SPEC 3.4 step 1): recursive principal-direction median splits
+"""Fast PDDP query grouping on the GPU (docs/methods.md, MC-Sparse step 1): recursive principal-direction median splits
 into groups of exactly C queries, all (b, h) and all segments of a tree level at once.
 
 Contract: ``vc_compile/reference/pddp.py`` (same split rule, start vector, iteration count).
@@ -97,9 +97,9 @@ def _moment_kernel(X, SIGMA, SHIFT, CNT, SUM, MOM, MEAN, VDIR, V0, W_SLOT, W_R0,
         x = _load_rows(X, SIGMA, bh, H, S, pos, pm, sxb, sxh, sxs, d)
         xs = tl.where(pm[:, None], x - shift[None, :], 0.0)
         acc_s += tl.sum(xs, 0)
-        # NOTE x^T x as three bf16 MMAs on a hi/lo split (~2^-17 relative): the tf32x3 form took 1.6 ms
-        # per level at S = 32760 (fp32 operands cannot be fed transposed to wgmma; bf16 ones can), the
-        # proj pass over the same rows 0.15 ms (second H200 run, docs/sparse_notes.md)
+        # NOTE x^T x as three bf16 MMAs on a hi/lo split (~2^-17 relative): fp32 operands cannot be fed
+        # transposed to wgmma, so the tf32x3 form spent its time in layout conversions; bf16 ones can
+        # (docs/sparse_notes.md, "Fast PDDP")
         hi = xs.to(tl.bfloat16)
         lo = (xs - hi.to(tl.float32)).to(tl.bfloat16)
         if UPCAST:  # interpreter: see sparse_attn.dot_upcast

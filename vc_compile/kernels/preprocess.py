@@ -1,4 +1,4 @@
-"""Preprocessing kernels of the 8-bit attention (SPEC 3.1, 3.2 steps 2-3): Q/K smoothing, rotation and
+"""Preprocessing kernels of the 8-bit attention (docs/methods.md, Preprocessing; V-Smooth steps 2-3): Q/K smoothing, rotation and
 INT8/FP8 quantisation, and V-Smooth (gather, block means, FP8 residual written K-major).
 
 Contract: ``vc_compile/reference/preprocess.py`` (same named tuples, same conventions).
@@ -45,10 +45,8 @@ for Q/K or V alone)
   un-rotated from the model's tensor and never written rotated. With RoPE the grid of pass 2 is
   (B*H, ceil(S/128)) (``PreprocessConfig.rope_head_fast``) and the Q tile runs as two 64-row halves (register
   pressure).
-NOTE (H200, S = 32760 / 75600, H = 40): the two passes take 0.34 + 0.64 / 0.61 + 1.46 ms (pass 2 capped at 80
-registers: 3 programs per SM) against 1.67 / 3.84 ms for the 14 launches they replaced; one persistent launch
-reading V from DRAM once measured 1.65-2.11 / 3.75-4.63 ms (docs/kernels_notes.md, "Preprocessing", with the
-variants tried).
+NOTE two passes, because K's mean must be known before any K block is quantised: they replaced 14 launches at a
+fraction of their time, and one persistent launch reading V from DRAM once was slower (docs/design/preprocess-launch.md).
 
 Exactness: the per-row/block divisions are ``div_rn`` (IEEE, like torch), INT8 codes are the low byte
 of ``fma(x, inv, 1.5 * 2^23)`` (round to nearest even of the exact product, = the reference's float64
@@ -239,8 +237,8 @@ def _stats_kernel(X, OUT, S, H, sxb, sxh, sxs, sxd, blk_stride, n_samp, per_spli
         # One sweep per block: column sums, maxima and minima of V' over RS-row slices accumulated in registers,
         # reduced once; the residual's amax is max(vmax - mu, mu - vmin), exactly max_t |fl(v_t - mu)| (rounding
         # is monotone and symmetric), so no second pass over the block's elements.
-        # NOTE (H200, S = 32760, H = 40, ncu): the two-pass form (mean, then |v - mu| over the whole 128 x 128
-        # fp32 tile) ran at 1.0 TB/s, 128 registers, 25% occupancy, stalled on the gathered loads (0.40 ms).
+        # NOTE one sweep, not two: the two-pass form (mean, then |v - mu| over the whole fp32 tile) held too many
+        # registers for occupancy and stalled on the gathered loads; docs/design/preprocess-launch.md
         # NOTE the block's 4 slices gather through indices loaded one block ahead (``_slice_sources``), so the four
         # row gathers of a block issue together instead of each waiting for its own index load first.
         amax = tl.zeros([D], tl.float32)
@@ -320,9 +318,7 @@ def _k_mean_cols(KPART, bh, cols, n_split, NSP: tl.constexpr, D: tl.constexpr, k
     order: every program of the head gets the same bits), divided by the sampled token count.
 
     NOTE read PART_ROWS partials a step, not all NSP at once: the [NSP, D] tile at pass 2's 80-register cap
-    spilled from NSP = 64 on (12 heads: 64-88 splits a head). H100, 2026-12-06, ncu: 2.0 M spill instructions
-    in _quant_kernel at 12 x 8192 (NSP 64) against 3.8 M at 40 x 32760 (NSP 32, 13x the programs); the kernel
-    0.099 ms at NSP 64, 0.055 ms with 22 splits (NSP 32), 0.397 / 0.209 ms at 12 x 32760."""
+    spilled from NSP = 64 on (12 heads: 64-88 splits a head); docs/design/preprocess-launch.md."""
     s = tl.arange(0, PART_ROWS if NSP > PART_ROWS else NSP)
     acc = tl.load(KPART + (bh * n_split + s[:, None]).to(tl.int64) * D + cols[None, :],
                   mask=(s < n_split)[:, None], other=0.0)
@@ -573,7 +569,7 @@ def preprocess(q=None, k=None, v=None, perm=None, *, sm_scale: float = 1.0, hada
     and every other argument) as its allocations and its two launches with the tensors' places marked
     (``_Recorder``); a later call with the key replays that (``_Plan``): the same launches on its own tensors,
     without the geometry, checks and argument building. Without RoPE only (its tables are tensors of their own).
-    NOTE (H200 host): the preprocessing's host code took 0.1-0.2 ms of a 0.46-0.53 ms reuse call at H12 S32760."""
+    NOTE recorded because the preprocessing's host code was a third of a small reuse call; docs/design/host-overhead.md."""
     from vc_compile.kernels.launch import FAST_LAUNCH
     inputs = (q, k, v, perm)
     key = None
@@ -765,7 +761,7 @@ def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v
         q_scale = empty(B, H, S, device=dev, dtype=torch.float32)
         k_scale = empty(B, H, triton.cdiv(S, BLOCK_K), device=dev, dtype=torch.float32)
         k_mean = empty(B, H, D, device=dev, dtype=torch.float32)
-        # NOTE INT8 codes only: on the H200 (triton 3.6, 2026-12-02) the packed path's FP8 codes were wrong in
+        # NOTE INT8 codes only: on sm_90 with Triton 3.6 the packed path's FP8 codes were wrong in
         # whole channels (e.g. channel 2 of every row stored as 0, or as one constant code), where the [R, D]
         # path's were right (tests/test_rope_fuse.py, packed vs unpacked); the CPU interpreter agreed with both
         packed = (launch.rope_packed and rope is not None and rope.form == "interleaved" and not hadamard

@@ -141,7 +141,7 @@ def record(fn: Callable, q, k, v) -> Tuple[torch.Tensor, Recording]:
 
 def layout_key(q, k, v) -> tuple:
     """What a program of these inputs depends on besides the op's state key (module docstring: ``entry``).
-    NOTE written out (no generator): 9.6 -> ~4 us a call offline."""
+    NOTE written out (no generator): it runs on every call, and a generator doubled its cost; docs/design/host-overhead.md."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
             q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, q is k, k is v, q is v,
             torch.cuda.current_device() if q.is_cuda else -1)

@@ -20,21 +20,14 @@ Every load and store must stay a 16-byte vector in ONE register layout, as in th
   vectorised, but sm_90 adds shared-memory layout conversions);
 - rotate-half: the partner ``x[(d + D/2) % D]`` is a second load of the same rows (L1/L2 hits), which
   Triton proves contiguous in D/2 runs (vectorised).
-NOTE measured on an H200 (torch 2.11, triton 3.6, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D],
-Wan pair tables), before this design: Inductor's RoPE alone 0.46 / 1.06 ms, our preprocessing without
-RoPE 0.70 / 1.57 ms, the unfused chain 1.16 / 2.63 ms, the FUSED chain 7.38 / 16.88 ms (185 GB/s, 4.4% of
-a 4.16 TB/s copy; whole op at 75600 on a reuse step 221.5 ms fused vs 206.9 unfused). Cause, from the
-sm_90 code (ptxas -v): the partner load ``x[d ^ 1]`` and the pair-table gather at column ``d // 2`` have
-no provable contiguity, so they compiled to scalar 2- and 4-byte loads (384 per thread per program, vs 20
-16-byte vectors without RoPE), plus 7 layout conversions through shared memory and 243 registers per
-thread (1 CTA of 8 warps per SM, vs 127 registers / 2 CTAs); the K-mean pass likewise (168 vs 48
-registers). Now (same compiler, offline): 48 16-byte vector loads + 17 scalar (K mean, once), 2
-conversions, 128 registers; K-mean pass 96 registers, vector loads only.
+NOTE why the vector layouts: a partner load ``x[d ^ 1]`` or a pair-table gather at column ``d // 2`` has no
+provable contiguity, so it compiles to scalar loads, shared-memory layout conversions and twice the registers,
+which made the first fused prologue several times slower than RoPE and preprocessing apart;
+docs/design/rope-fusion.md.
 
-NOTE tried and reverted (H200, fcce80f): one program rotating 4 heads' rows with one read of the shared
-table rows (the per-head reads make the L2 -> SM traffic ~3x the HBM traffic) was SLOWER: 0.643 ms at
-S = 32760 (16 warps, 103 registers; 8 warps 0.732 ms) against 0.491 ms for this per-head path in the same
-run; the heads' load -> compute -> store phases ran one after another in one CTA per SM.
+NOTE one program per head: rotating several heads' rows per program from one read of the shared table rows was
+tried and was slower (the heads' load, compute and store phases serialised in one CTA per SM);
+docs/design/rope-fusion.md, Alternatives.
 """
 from __future__ import annotations
 

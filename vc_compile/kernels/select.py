@@ -1,4 +1,4 @@
-"""MC-Sparse exact token selection at anchor steps (SPEC 3.4 step 2): pass 1 (dense + LSE), pass 2
+"""MC-Sparse exact token selection at anchor steps (docs/methods.md, MC-Sparse step 2): pass 1 (dense + LSE), pass 2
 (group key mass), top-K.
 
 Contract: ``vc_compile/reference/select.py`` (mass, ``n_keep``) and ``reference/dense.py`` (LSE convention).
@@ -105,7 +105,7 @@ def group_key_mass(q, k, sigma, lse2, *, sm_scale: float, group_size: int) -> to
 def dense_with_lse(q, k, v, sm_scale: float):
     """Pass 1: dense attention and its base-2 LSE ``lse2 [B, H, S] fp32`` (reference/dense.py).
 
-    On CUDA: SDPA's cuDNN kernel (fastest on H200: 584 TFLOP/s, SPEC 6) with the flash kernel as
+    On CUDA: SDPA's cuDNN kernel (the fastest bf16 SDPA backend on sm_90; docs/performance.md) with the flash kernel as
     fallback; both return the natural-log LSE, converted here (x log2 e). NOTE the convention is checked
     on the GPU against reference/dense.py by tests/test_select.py::test_dense_with_lse_cuda. On CPU:
     ``_scaled_dot_product_flash_attention_for_cpu`` (also natural log)."""

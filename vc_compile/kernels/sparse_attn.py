@@ -1,4 +1,4 @@
-"""Token-gather sparse attention: the MC-Sparse reuse-step kernel (SPEC 3.4 steps 3, 4, 6).
+"""Token-gather sparse attention: the MC-Sparse reuse-step kernel (docs/methods.md, MC-Sparse steps 3, 4, 6).
 
 Contract: ``vc_compile/reference/sparse_attn.py`` (16-bit QK) and ``reference/sparse_attn_q8.py``
 (``qk_format="fp8"``).
@@ -18,7 +18,8 @@ flag        optional [B, H, Dv] int32 from ``kernels/finite_flags.py``: the epil
 qk_format   "bf16": QK in the inputs' 16-bit type. "fp8": Q and K in E4M3 -- Q with one scale per group
             tile (amax over its C x D values / 448, quantised inside the kernel), K with one scale per
             token (``quantize_k_fp8``, a separate pass, since K changes every step). PV stays 16-bit:
-            gathered V rows arrive MN-major and FP8 wgmma wants K-major B (~250 TFLOP/s measured).
+            gathered V rows arrive MN-major and FP8 wgmma wants K-major B (an FP8 PV
+            gather measured far slower; docs/sparse_notes.md).
 
 Grid
 ----
@@ -64,7 +65,7 @@ def _quant_rows_fp8_kernel(X, XQ, XS, H, S, sxb, sxh, sxs,
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
     # NOTE IEEE divisions (div_rn): Triton's `/` is div.full.f32 (~2 ulp) on sm_90, which made scales
-    # and codes differ from the reference (tests/test_sparse_attn.py, first H200 run)
+    # and codes differ from the reference (tests/test_sparse_attn.py)
     scale = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
     y = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None] + tl.zeros_like(x)), -448.0), 448.0)
     if SW_ROUND:
@@ -142,8 +143,8 @@ def quantize_k_int8_head(k: torch.Tensor):
     B, H, S, D = k.shape
     if k.stride(-1) != 1:
         k = k.contiguous()
-    # NOTE 0.54 / 1.13 ms at 40 x 32760 / 75600 bf16 (H100; bench_sparse_attn_sm90's k_quant_ms), ~1.5 TB/s over
-    # the two reads and the write: most of what the 8-bit kernel saves at 32760, s = 0.15 (0.5-0.7 ms; sparse_notes)
+    # NOTE this pass costs most of what the 8-bit gather kernel saves at 32K tokens and s = 0.15, which is why
+    # sparse_qk='int8' is opt-in; docs/sparse_notes.md, "The 8-bit QK variant"
     BLOCK = 64
     n_split = max(1, min(triton.cdiv(S, BLOCK), 8192 // max(1, B * H)))
     rows_per = triton.cdiv(triton.cdiv(S, n_split), BLOCK) * BLOCK

@@ -1,4 +1,4 @@
-"""8-bit attention with V-Smooth mean compensation and optional ExpCast-FP8 (SPEC 3.2 step 4, 3.3).
+"""8-bit attention with V-Smooth mean compensation and optional ExpCast-FP8 (docs/methods.md, V-Smooth step 4 and ExpCast-FP8).
 
 Contract: ``vc_compile/reference/vsmooth_attn.py`` (inputs from ``preprocess``'s QKQuant / VQuant).
 

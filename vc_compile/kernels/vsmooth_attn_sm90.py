@@ -27,8 +27,7 @@ Launch configuration (``configs.VSmoothSm90Config``; the measured defaults per h
   leave the ALUs for the tensor cores (``row_sum_mma``, ``MeanWindow.flush``; kernels_notes v7).
 * ``pv_window`` (MS, warp-specialised): PV summed by the FP8 MMA in its own accumulator over G blocks (rescaled
   by alpha before each MMA) and folded into fp32 once per window (``steps.window_step``): the fold of every block
-  gone at the two-level accumulation's error (G = 8: ExpCast 23.92 -> 23.45 / 131.7 -> 123.6 ms at S = 32760 /
-  75600 H40, rel. L2 6.203e-3 -> 6.206e-3; kernels_notes).
+  gone at the two-level accumulation's error (docs/design/pv-window.md).
 * ``pv_overlap`` (ExpCast, on ``pv_window``; experimental, selected by no default): FA3's intra-warpgroup order,
   the softmax of S_{j+1} while PV_j runs, the window's fp32 accumulator in shared memory (``steps.overlap_loop``).
 * ``warp_specialize``: two consumer warp groups and a producer warp (below).
@@ -211,8 +210,8 @@ def _smem_layout_t(block: tuple, dtype):
 
 
 def _smem_layout(block, dtype):
-    """The TMA tiles' shared-memory layout. NOTE memoised: ``get_default_for`` cost 14-20 us a call on the H200's
-    host (5 per launch)."""
+    """The TMA tiles' shared-memory layout. NOTE memoised: ``get_default_for`` is slow and runs 5 times per launch;
+    docs/design/host-overhead.md."""
     return _smem_layout_t(tuple(block), dtype)
 
 
@@ -276,8 +275,7 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
                   BYTEMASK=int(launch.byte_mask and preg))
     if ws:
         # the window only on smoothed V (block means removed): without them the FP8 MMA's running sum of V's mean
-        # outgrows each block's share (H200, ExpCast, H3: rel. L2 vs fp64 at S = 2048 / 20000, G = 1 -> 8:
-        # smoothed 6.78e-3 -> 6.78e-3 / 2.806e-3 -> 2.807e-3; naive 8-bit 7.97e-3 -> 1.59e-2 / 3.55e-3 -> 1.60e-2)
+        # outgrows each block's share and the error doubles at G = 8 (docs/design/pv-window.md)
         consts.update(PVW=launch.pv_window if mean else 1)
         # built on the windows; ExpCast's only: on the exp2 path ptxas sank the 64 MUFU.EX2 of a block below the
         # PV wait (offline sm_90 SASS), which leaves nothing of the softmax's latency hidden

@@ -92,9 +92,8 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
     t = (s_i32 + 0x4B400000).to(gl.float32, bitcast=True)  # 1.5 * 2^23 + qk, exact (|qk| < 2^22)
     if MASK:
         # the key-tail block: s = (t - C) ks, then the row scale, as the Triton kernel and the reference (NOTE:
-        # for ExpCast the exp2-style fold alone measured 35.1 / 35.3 ms against 34.7 / 34.8 ms in the
-        # shared-memory-P~ kernel, H200, S = 32760, D = 128; the full-block ExpCast below also moves the
-        # rounding into the FFMA)
+        # for ExpCast the exp2-style fold alone measured slower than this unfolded form; the full-block ExpCast
+        # below also moves the rounding into the FFMA. docs/kernels_notes.md, "Scales folded into the exponent")
         s = t * gl.where(lo, ks0, ks1) + gl.where(lo, ks0 * -12582912.0, ks1 * -12582912.0)
         # scale the rows BEFORE the -inf mask (qs = 0: 0 * -inf)
         s = gl.where((j * BN + cols < Sk)[None, :], s * qs[:, None], float("-inf"))
@@ -132,9 +131,9 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
         # exp2 on a full block: the base-2 logit (t - C) ks qs, the max subtraction and the P~ scale 2^8 as
         # ONE FFMA inside the exponent, with coefficients per (row, 64-key half) a = ks qs, b = 8 - m - C a;
         # the row max from the exact integer maxima of the two halves, scaled by the same a.
-        # NOTE (H200, S = 32760, D = 128, V-Smooth kernel): 33.56 ms unfolded -> 31.86 ms folded with the
-        # K-scale prefetch (32.74 prefetch alone, 33.89 fold alone: the fold needs the scales early);
-        # naive 31.25 -> 29.80.
+        # NOTE folded only together with the K-scale prefetch: the softmax waited on the K-scale load, and the
+        # fold alone was slower because it needs the scales early; docs/kernels_notes.md, "Scales folded into
+        # the exponent"
         a0, a1, m_new = half_scales_max(t, lo, qs, m_i, ks0, ks1)
         b0 = (8.0 - m_new) - 12582912.0 * a0
         b1 = (8.0 - m_new) - 12582912.0 * a1
@@ -205,7 +204,7 @@ def e4m3x4(x):
     """fp32 -> E4M3 (round to nearest even, saturating), four consecutive register elements per 32-bit word.
     ``.to(gl.float8e4nv)`` emits a 16-bit cvt per pair and ``mov.b32 {lo, hi}``, which ptxas may fuse into
     ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C`` chains; every register-P~ exp2 compile with such a chain (C not
-    RZ) returned wrong or NaN rows on the H200 (those with F2FP + PRMT did not; kernels_notes v6). Here each
+    RZ) returned wrong or NaN rows on sm_90 (those with F2FP + PRMT did not; kernels_notes v6). Here each
     pair is widened to 32 bits and the halves joined by an explicit PRMT."""
     return gl.inline_asm_elementwise(
         "{ .reg .b16 l, h; .reg .b32 l32, h32;\n"

@@ -156,7 +156,7 @@ class MeanWindow:
     def fill_ones(self):
         """All ones into this warp group's row-sum operand, visible to its MMAs (every warp's part written).
         The bytes are written as 0x38 (E4M3 1.0): a converted constant ``gl.full(1.0).to(gl.float8e4nv)`` read back
-        wrong by the MMA on the H200 (row sums off by 0.5-100x; the same tile loaded from memory was exact)."""
+        wrong by the MMA on sm_90 (row sums off by 0.5-100x; the same tile loaded from memory was exact)."""
         fill: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
         self.ones_smem.store(gl.full(self.ones_smem.shape, 0x38, gl.uint8, fill).to(gl.float8e4nv, bitcast=True))
         fence_async_shared()

@@ -1,4 +1,4 @@
-"""MC-Sparse anchor step on the 8-bit pass ("cheap anchors"; SPEC 3.4 steps 1-3).
+"""MC-Sparse anchor step on the 8-bit pass ("cheap anchors"; docs/methods.md, MC-Sparse steps 1-3).
 
     sigma = PDDP(q)                                                    (Fast PDDP query groups)
     qk, vq = preprocess(q, k, v; pi)                                   (INT8 Q/K, FP8 V; pi = V-Smooth key order)
@@ -10,8 +10,7 @@
 ``AnchorConfig.dense_out`` picks O_dense. "bf16" (default): SDPA (cuDNN) gives O_dense and its LSE, and pass 2
 reads the INT8 codes of Q/K quantised for it (lse_s = lse - (q . k_mean) * sm_scale * log2 e, the K-smoothing
 shift; keys in token order, no V pass). "q8": the 8-bit V-Smooth pass gives O8 and lse_s, and O8 is both the
-returned output and the residual's dense term -- one cheaper dense pass (27 vs 38.5 ms at S = 32760 on the
-H200), but R then carries the 8-bit pass's error into every reuse step. NOTE measured on CPU with the
+returned output and the residual's dense term -- one cheaper dense pass, but R then carries the 8-bit pass's error into every reuse step. NOTE measured on CPU with the
 references (scripts/anchor_accuracy.py, docs/anchor_notes.md): pass 2 on the INT8 codes leaves the reuse-step
 error unchanged (within 0.2%) everywhere; O_dense = O8 raises it by +0.1%, +1.4%, +9% on the demo model's
 layers 4, 0, 2 and by +31% on the drifting structured input, against the issue's "within 10% of today's".
@@ -104,8 +103,8 @@ def anchor_step(impl, q, k, v, *, sm_scale: float, group_size: int, keep: int,
     what the reuse steps add it to). ``residual_dtype``: R's dtype, fp32 (O_sparse in fp32, R formed in place) or
     bf16: the gather kernel's epilogue forms it, O_sparse + (-O_dense) rounded once to bf16 and negated, the same
     bits as R formed in fp32 and rounded to bf16 (a - b = -(b + (-a)) exactly), without the S x Dv fp32 buffers.
-    NOTE H100 80GB HBM3, 40 x 32760 (bench_anchor_mass, parts sparse_res + cache): fp32 R 7.37 + 1.64 ms, bf16 R
-    6.64 + 0.90 ms."""
+    NOTE bf16 R from the epilogue is faster than fp32 R and writes half the bytes; docs/anchor_notes.md, "Measured
+    costs behind two anchor choices"."""
     B, H, S, D = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"anchor_step: the 8-bit pass needs self-attention with q, k, v of one shape, got "

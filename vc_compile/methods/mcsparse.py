@@ -1,4 +1,4 @@
-"""``method="mcsparse"``: token-sparse attention with metadata cached at anchor steps (SPEC 3.4).
+"""``method="mcsparse"``: token-sparse attention with metadata cached at anchor steps (docs/methods.md, MC-Sparse).
 
 ANCHOR: Fast PDDP query groups (sigma), pass 1 dense attention with its LSE, pass 2 exact group masses,
 top-K keys per group, the sparse output with that selection and the residual ``R = O_dense - O_sparse``;
@@ -35,8 +35,8 @@ Hostile inputs (tests/test_hostile.py):
   kernel reads only the selected keys, so ``finite_flags`` (one pass over K and V) flags the heads with a
   non-finite key and the value columns with a non-finite element, and the kernel's epilogue writes NaN there
   (a NaN in K: the whole head, as SDPA; a +-Inf in K: the whole head, where fp32 SDPA has NaN on the rows
-  whose logit is +Inf; V element (j, d): column d). Off by default: measured on the H200 (S = 32760, H = 40,
-  s = 0.15) the flags pass is 0.47 ms and the reuse step 7.63 -> 9.07 ms (+19%). Anchor and warm-up steps
+  whose logit is +Inf; V element (j, d): column d). Off by default: the flags pass costs far more of a reuse step
+  than its target (docs/design/finite-flags.md). Anchor and warm-up steps
   return dense outputs: they propagate as is.
 * fp16 outputs saturate at +-65504 instead of rounding up to inf (``methods.finish_output``).
 * ``sparse_qk="fp8"`` on the reference path runs ``reference/sparse_attn_q8.py``.
@@ -83,20 +83,10 @@ from . import vsmooth
 from .phase import Phase, warmup_steps
 from .protocol import MethodSpec, Plan
 
-# NOTE the paper's schedule: 10 dense warm-up steps of 50 (20%), anchors at steps 10 and 26 (20%, 52%).
-# Measured (H200, 2026-12-01): those 10 steps as bf16 SDPA at 38 ms each (S = 32760, H40) against 7.7 ms reuse steps:
-# with the warm-up on V-Smooth (1.34x cuDNN) they cost ~29 ms.
-# Kept at 20% by fidelity: the trained demo model (4096 tokens, 50 steps, s = 0.15, reference path, 2026-12-02,
-# bench_mcsparse_schedule.csv) gives PSNR vs dense 26.8 dB with 10 warm-up steps, 23.6 / 20.6 / 19.1 dB with 6 / 4 / 2:
-# the 12-25% of modelled attention cost a shorter warm-up would save costs 3-8 dB.
-# The warm-up on ExpCast instead (option expcast; 28.2 vs 31.6 ms a grouping step at S = 32760 H40, H200,
-# bench_vsmooth_attn 310da1f) measured 26.29 dB / SSIM 0.905 against 26.84 dB / 0.903 on the same demo run
-# (2026-12-03, cd1047c): within the schedule's spread, not a clear loss; the default stays V-Smooth until a
-# captured-input or second-seed measurement decides it.
-# NOTE anchors at 20% / 52% (the paper's) kept: on the same demo run (2026-12-03, bench_mcsparse_schedule.csv,
-# warm-up 10) a third anchor (10, 22, 34) gave 29.4 dB for +9% modelled attention cost, one every 8 steps 33.1 dB for
-# +27%, every 4 steps 37.1 dB (the dense 8-bit clip's 37.2) for +73%, a single anchor 20.8 dB; warm-up 6 with anchors
-# (6, 18, 30) 26.1 dB for -4%. The knobs are ``anchor_steps`` / ``anchor_interval`` (docs/performance.md).
+# NOTE the paper's schedule: 10 dense warm-up steps of 50 (20%), anchors at steps 10 and 26 (20%, 52%). The
+# warm-up is kept at 20% by fidelity: a shorter one saves a little attention and costs several dB on the demo clip.
+# NOTE anchors at 20% / 52% (the paper's) kept: more anchors buy fidelity at a cost the user can choose
+# (``anchor_steps`` / ``anchor_interval``); the default keeps the paper's speed. Both: docs/design/mcsparse-schedule.md
 WARMUP_FRACTION = 0.2
 ANCHOR_FRACTION = 0.52
 

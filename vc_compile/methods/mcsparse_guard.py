@@ -69,11 +69,10 @@ def rel_error(num: float, den: float) -> float:
     return math.sqrt(num / den) if den > 0 else math.sqrt(num)
 
 
-# NOTE at least 4 steps from one anchor to the next, whatever the readings: on the H200 (S = 32760, H = 40,
-# D = 128, s = 0.15, C = 128) an anchor costs ~2.6 dense cuDNN steps and a reuse step 0.2, so anchoring
-# every P steps costs (2.6 + 0.2 (P - 1)) / P dense steps: 1.4 at P = 2 (the guard alternating
-# anchor / reuse when even one reuse step exceeds the threshold; docs/mcsparse_guard.md), 1.0
-# at P = 3, 0.8 at P = 4. The gap keeps the guard from ever making a layer dearer than dense attention.
+# NOTE at least 4 steps from one anchor to the next, whatever the readings: an anchor costs a few dense steps and
+# a reuse step a fraction of one, so anchoring every P steps costs (anchor + reuse (P - 1)) / P dense steps, above
+# one dense step for P < 4. The gap keeps the guard from ever making a layer dearer than dense attention
+# (measured costs: docs/mcsparse_guard.md).
 MIN_GAP = 4
 
 

@@ -1,4 +1,4 @@
-"""The phases of an attention call (SPEC 4) and what the methods' schedules share.
+"""The phases of an attention call (docs/methods.md, "Steps and phases") and what the methods' schedules share.
 
 Each method owns its schedule (``phase_for`` in ``methods/<method>.py``); ``runtime/steps.py`` only says which
 step of how many a call is in, and the op (``ops.py``) asks the method for the phase of that step.

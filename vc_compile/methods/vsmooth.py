@@ -1,4 +1,4 @@
-"""``method="vsmooth"``: 8-bit attention with value smoothing (SPEC 3.1-3.3).
+"""``method="vsmooth"``: 8-bit attention with value smoothing (docs/methods.md, Preprocessing to ExpCast-FP8).
 
 GROUP steps (``group_phase``: every ``group_interval``-th step, 10 by default, and the first ``group_fraction``
 of the steps): k-means of V rows per (b, h) (warm-started from this site's previous centroids), labels ->

@@ -7,7 +7,7 @@ record, and because step 2 will transform the rewritten op's inputs; on stock SD
 calls (all of HunyuanVideo's, LTX's cross-attention) stay stock today, and their RoPE form is what a
 masked method would need to know. Their records are found by (graph, node name). The pass walks back
 from q and from k through layout nodes (``permute``, ``transpose``, ``unflatten``, ``view``, ``reshape``, ``type_as``,
-``to``, ``float``, ``contiguous``, ``getitem``) and matches the producer against the forms of SPEC 3.5:
+``to``, ``float``, ``contiguous``, ``getitem``) and matches the producer against the forms of docs/methods.md, "RoPE forms":
 
 * ``interleaved-setitem`` (Wan, SkyReels): ``x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)``;
   ``out = empty_like(x)``; ``out[..., 0::2] = x1*cos - x2*sin``; ``out[..., 1::2] = x1*sin + x2*cos``

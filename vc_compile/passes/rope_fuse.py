@@ -9,7 +9,7 @@ layout ``BSHD`` / ``BHSD`` / ``BSC``, heads, rotated token range; see formats.py
 preprocessing kernel then applies the RoPE while it loads q and k (kernels/preprocess.py), so q and k
 are read once from the projection output and the rotated copies are never written.
 
-Fused forms (SPEC 3.5): ``interleaved-setitem`` (Wan, SkyReels), ``interleaved-stack`` on the whole
+Fused forms (docs/methods.md, "RoPE forms"): ``interleaved-setitem`` (Wan, SkyReels), ``interleaved-stack`` on the whole
 token axis (LTX [B, S, C]; tests/tiny_dit.py's pair-stack form), ``rotate-half`` (Cosmos), and
 ``slice-write`` (CogVideoX: the in-place rotation ``q[:, :, txt:] = rope(q[:, :, txt:])`` is removed and
 the op rotates tokens ``txt:`` itself). Not fused, each with a counted reason:

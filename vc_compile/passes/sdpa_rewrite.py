@@ -1,6 +1,6 @@
 """Dynamo-level rewrite: every eligible ``scaled_dot_product_attention`` -> ``vcattn::attention``.
 
-Why here (SPEC 2): in the Dynamo graph SDPA is one target; after AOTAutograd it is already a
+Why here (docs/methods.md, "Where the rewrite happens"): in the Dynamo graph SDPA is one target; after AOTAutograd it is already a
 device-specific kernel (cuDNN / flash / efficient / CPU flash / math). Nested GraphModules
 (``invoke_subgraph``, ``nested_compile_region``) are rewritten too.
 

@@ -1,8 +1,8 @@
 """Kernel builds ahead of the first call: what a fresh process would otherwise wait for at its first generation.
 
 Triton builds a kernel at its first launch, serially, on the launching thread: a fresh process pays every kernel
-of its methods' phases inside the first generation (H200, Wan 2.1 1.3B, regional compile: +6-12 s of start-up for
-V-Smooth + ExpCast, +12-25 s for MC-Sparse over stock torch.compile, ``bench_cold_start.csv``). Our rewrite runs
+of its methods' phases inside the first generation (seconds to tens of seconds of start-up over stock
+torch.compile; docs/design/cold-start.md). Our rewrite runs
 before Inductor compiles the graph, and knows every rewritten call's shapes, strides, dtypes and options then.
 So the backend hands them to helper processes that run those calls on random inputs of the same layout through
 each method's phases, while the parent goes on compiling: the kernels land in Triton's on-disk cache (and the

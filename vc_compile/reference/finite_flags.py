@@ -1,4 +1,4 @@
-"""Reference non-finite flags of K and V, and the guard's probe rows (MC-Sparse reuse steps, SPEC 3.4).
+"""Reference non-finite flags of K and V, and the guard's probe rows (MC-Sparse reuse steps, docs/methods.md, MC-Sparse step 4).
 
 Oracle of ``vc_compile/kernels/finite_flags.py``.
 

@@ -1,4 +1,4 @@
-"""Reference k-means grouping of V rows (SPEC 3.2 step 1): labels -> stable argsort -> permutation.
+"""Reference k-means grouping of V rows (docs/methods.md, V-Smooth step 1): labels -> stable argsort -> permutation.
 
 Oracle of ``vc_compile/kernels/kmeans.py``.
 

@@ -1,4 +1,4 @@
-"""Reference Fast PDDP query grouping (SPEC 3.4 step 1): recursive principal-direction median splits
+"""Reference Fast PDDP query grouping (docs/methods.md, MC-Sparse step 1): recursive principal-direction median splits
 into groups of exactly C queries.
 
 Oracle of ``vc_compile/kernels/pddp.py``.

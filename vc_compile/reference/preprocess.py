@@ -1,4 +1,4 @@
-"""Reference preprocessing (SPEC 3.1): K smoothing, Hadamard, per-block Q/K quantisation, V-Smooth.
+"""Reference preprocessing (docs/methods.md, Preprocessing): K smoothing, Hadamard, per-block Q/K quantisation, V-Smooth.
 
 This is the oracle of ``vc_compile/kernels/preprocess.py``; both return the same named tuples.
 

@@ -1,4 +1,4 @@
-"""Reference MC-Sparse exact selection (SPEC 3.4 step 2): group masses from exact probabilities, top-K.
+"""Reference MC-Sparse exact selection (docs/methods.md, MC-Sparse step 2): group masses from exact probabilities, top-K.
 
 Oracle of ``vc_compile/kernels/select.py``.
 

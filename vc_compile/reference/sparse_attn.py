@@ -1,4 +1,4 @@
-"""Reference token-gather sparse attention (SPEC 3.4 steps 3-4, 6).
+"""Reference token-gather sparse attention (docs/methods.md, MC-Sparse steps 3-4, 6).
 
 Oracle of ``vc_compile/kernels/sparse_attn.py``.
 

@@ -1,4 +1,4 @@
-"""Reference top-K key selection per row of the group masses (MC-Sparse anchor step, SPEC 3.4 step 2).
+"""Reference top-K key selection per row of the group masses (MC-Sparse anchor step, docs/methods.md, MC-Sparse step 2).
 
 Oracle of ``vc_compile/kernels/topk.py``.
 

@@ -1,4 +1,4 @@
-"""Reference 8-bit attention with V-Smooth mean compensation and optional ExpCast-FP8 (SPEC 3.2-3.3).
+"""Reference 8-bit attention with V-Smooth mean compensation and optional ExpCast-FP8 (docs/methods.md, V-Smooth and ExpCast-FP8).
 
 Oracle of ``vc_compile/kernels/vsmooth_attn.py``.
 

@@ -169,11 +169,10 @@ def fp22_window_sums(p: torch.Tensor, v: torch.Tensor, m: torch.Tensor, window: 
     current max. Returns [.., n, D] fp64 at the last block's max.
 
     The accumulator model here is per term: each 32-key slice's products and the running sum are aligned to the
-    largest of them and truncated toward zero to ``bits`` mantissa bits below it, then added. It reproduces what
-    the H200 measured (ExpCast, S = 2048, rel. L2 vs fp64, windows of 1 / 2 / 8 blocks: unsmoothed V 7.97e-3 /
-    8.39e-3 / 1.59e-2 on the GPU, 7.56e-3 / 8.16e-3 / 1.49e-2 here; smoothed V unchanged on both), where
-    truncating only the slice's sum (``sage2.fp22_block_sums``, right for a fresh block accumulator) gave
-    7.14e-3 / 7.15e-3 / 7.25e-3: once the running sum outgrows the products, every product loses its low bits."""
+    largest of them and truncated toward zero to ``bits`` mantissa bits below it, then added. It reproduces the
+    error growth the GPU shows over a window on unsmoothed V, where truncating only the slice's sum
+    (``sage2.fp22_block_sums``, right for a fresh block accumulator) does not: once the running sum outgrows the
+    products, every product loses its low bits (figures: docs/design/pv-window.md)."""
     *lead, n, L = p.shape
     D = v.shape[-1]
     K = sage2.MMA_K

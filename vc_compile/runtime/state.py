@@ -1,4 +1,4 @@
-"""Per-call-site metadata, kept outside the graph and keyed at run time (SPEC 2, 4).
+"""Per-call-site metadata, kept outside the graph and keyed at run time (docs/methods.md, "Where the rewrite happens", "Steps and phases").
 
 Key: ``(site, block identity, branch, shape, device)``.
 * ``site``: the call site id the rewrite pass baked into the graph (one per call site of a compiled model;

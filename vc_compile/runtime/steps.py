@@ -1,4 +1,4 @@
-"""Sampler-step tracking (SPEC 4): which denoising step of how many is this attention call in?
+"""Sampler-step tracking (docs/methods.md, "Steps and phases"): which denoising step of how many is this attention call in?
 
 Everything here runs inside the opaque ``vcattn::attention`` op, at run time: Dynamo never sees it, so step
 and branch changes never recompile. What a step *does* (its phase) is each method's schedule
@@ -19,8 +19,8 @@ Step signal, first that applies wins:
    has a ``scheduler``) whose locals have the loop index ``i`` (every diffusers 0.42 denoising loop is
    ``for i, t in enumerate(...)``): step = ``i``, steps = ``pipe._num_timesteps`` (set before the loop;
    it is ``len(step_matrix)`` in SkyReels diffusion forcing) or ``len(timesteps)``. Python ints read from
-   the frame: no GPU sync. Cost: one walk up the stack per attention call (~10-15 us on our slow 2-core
-   CI machine); the pipeline frame's ``f_locals`` (the dear part, ~50 us for a big ``__call__``) is
+   the frame: no GPU sync. Cost: one walk up the stack per attention call (tens of microseconds at
+   most); the pipeline frame's ``f_locals`` (the dear part, several times that for a big ``__call__``) is
    built once per step only: while the pipeline's ``_current_timestep`` (set to ``t`` by every loop
    before it calls the model) is the object seen last time, the last answer stands. A new generation
    starts when the loop's ``timesteps`` object changes (a new pipeline call: ``set_timesteps`` makes a
