@@ -28,7 +28,7 @@ suffix `` [binder]``): the host-time A/B on one host, whose own speed moves betw
 per call: 0.035-0.111 ms in three runs of one day on the H200). ``scripts/host_breakdown.py`` splits the host time by layer.
 Our path is measured with ``speed_gate="off"`` and ``group_interval=0`` (V-Smooth groups at step 0 only, so
 every timed call is a reuse call; ``--options`` may set it): these rows are what the speed gate's table is generated from
-(``python3 -m scripts.gen_gate_table``; tune/gate.py). Rows are appended to
+(``python3 -m tools.gen_gate_table``; tune/gate.py). Rows are appended to
 ``benchmarks/results/bench_op_overhead.csv``.
 """
 from __future__ import annotations

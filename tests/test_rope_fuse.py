@@ -560,7 +560,7 @@ def test_kernel_packed_pairs_equal_unpacked(monkeypatch, dtype, fmt, pair, toks)
 
 @pinned_codegen
 def test_rope_prologue_codegen_sm90():
-    """The RoPE prologue compiled for sm_90 (offline, scripts/codegen_stats.py) looks like the no-RoPE
+    """The RoPE prologue compiled for sm_90 (offline, tests/codegen_stats.py) looks like the no-RoPE
     kernel: 16-byte vector loads (no scalar 2-byte partner loads or 4-byte table gathers: those made the
     fused chain 10x slower than without RoPE on the H200), no spills, <= 128 registers (2 CTAs/SM)."""
     import json
@@ -568,8 +568,8 @@ def test_rope_prologue_codegen_sm90():
     import subprocess
     root = Path(__file__).parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-m", "scripts.codegen_stats", "--json"], env=env, cwd=root,
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "codegen_stats", "--json"], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600)
     if r.returncode != 0 or not r.stdout.strip():
         pytest.skip(f"offline sm_90 compile unavailable here: {r.stderr.strip()[-300:]}")

@@ -3,7 +3,7 @@
 
 A kernel is a pure function of its inputs and one of these configs (``launch=``); ``dispatch.py`` picks the
 config (the tuning cache, ``vc_compile/tune``, holding them as JSON: ``to_json`` / ``from_json``), and
-``scripts/gen_shipped_table.py`` writes the shipped sm_90 table from the tables here. Nothing in this module
+``tools/gen_shipped_table.py`` writes the shipped sm_90 table from the tables here. Nothing in this module
 imports a kernel or the tuner.
 
 Kernel modes (one name per meaning; the two V-Smooth kernels use different subsets):
@@ -342,7 +342,7 @@ class SparseAttnConfig(_Json):
 # BN128/w4 12.5, 8 warps 12.9-15.7; fp8 BN64/w4/s3 9.68, s4 9.79, BN128 10.2, 8 warps 17.7-20.0.
 # C = 128 (second run): bf16 BN64/w4/s3 and s4 7.60 ms, BN128/w8 8.87, BN64/w8 9.16, BN128/w4 13.7;
 # fp8 BN128/w4/s3 8.13, BN64/w4 8.65, 8 warps 9.9-10.1.
-# NOTE kv_off (scripts/codegen_sparse.py, S = 32760, bf16, residual on; docs/sparse_notes.md): C = 128 BN64/w4:
+# NOTE kv_off (tests/codegen_sparse.py, S = 32760, bf16, residual on; docs/sparse_notes.md): C = 128 BN64/w4:
 # key loop 720 SASS instructions (41 of them spill loads/stores) -> 671, 13 spill instructions. Measured (H200,
 # S = 32760, s = 0.15, bf16, 2026-11-29, bf83f15, `--ab`): at C = 128 (BN64/w4) 7.871 -> 7.482 ms kernel,
 # 7.973 -> 7.585 ms reuse step (4.76x -> 5.00x cuDNN), identical output; at C = 64 (BN64/w4/s4) 8.854 ->
@@ -379,7 +379,7 @@ class SparseAttnSm90Config(_Json):
     "Gluon gather kernel"."""
     block_n: int = 128
     stages: int = 2
-    # NOTE (offline sm_90 SASS, scripts/codegen_sparse_sm90.py, C = 128, BN = 128): 240 / 24 spills 72 bytes in
+    # NOTE (offline sm_90 SASS, tests/codegen_sparse_sm90.py, C = 128, BN = 128): 240 / 24 spills 72 bytes in
     # the producer's loop (21 local loads / stores per block: its 64-bit id and row addresses); 232 / 40 spills
     # nothing, and the consumers' loop is the same 464 instructions
     consumer_regs: int = 232
@@ -583,7 +583,7 @@ class TopKConfig(_Json):
     """Launch of the radix top-K. ``block``: elements per chunk (power of two, <= 32768 so the packed scan's
     counts fit 16 bits); ``digit``: bits per radix pass (4: 16-bin histograms, 4 passes for bf16; 8: 256 bins,
     2 passes); ``num_warps``.
-    NOTE sm_90 SASS (scripts/codegen_anchor.py, bf16 rows): a 256-bin ``tl.histogram`` pass costs ~75
+    NOTE sm_90 SASS (tests/codegen_anchor.py, bf16 rows): a 256-bin ``tl.histogram`` pass costs ~75
     instructions per element, a 16-bin pass ~32-46, the compaction ~46: digit 8 ~195 per element for bf16,
     digit 4 ~200 (fp32: ~345 vs ~325); 8 reads the row fewer times.
     NOTE same run, H100 80GB HBM3, 40 heads, bf16 masses (benchmarks/bench_anchor_mass.py --topk-configs, rows

@@ -1,9 +1,9 @@
 """Docs tables and plots from the benchmark CSVs (the latest row of every variant).
 
-    python -m scripts.render_results                     # markdown tables to stdout, plots to docs/img/
-    python -m scripts.render_results --write             # also rewrite the marked blocks of README.md and docs/
-    python -m scripts.render_results --no-plots          # tables only
-    python -m scripts.render_results --results-dir DIR --img-dir DIR
+    python -m tools.render_results                     # markdown tables to stdout, plots to docs/img/
+    python -m tools.render_results --write             # also rewrite the marked blocks of README.md and docs/
+    python -m tools.render_results --no-plots          # tables only
+    python -m tools.render_results --results-dir DIR --img-dir DIR
 
 ``--write`` replaces the text between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in
 README.md and docs/performance.md (``--docs FILE ...`` to choose) with block NAME (``blocks()``):
@@ -809,10 +809,10 @@ def toolchain_tables(sm90, overhead) -> List[str]:
 
 
 def triton_versions_table(rows) -> str:
-    """``triton_versions.csv`` (``scripts/triton_versions.py``): per release, the latest run's offline sm_90 build
+    """``triton_versions.csv`` (``tools/triton_versions.py``): per release, the latest run's offline sm_90 build
     of every kernel against the baseline release."""
     if not rows:
-        return _none_yet("triton_versions.csv", "`python -m scripts.triton_versions PYTHON ...`")
+        return _none_yet("triton_versions.csv", "`python -m tools.triton_versions PYTHON ...`")
     latest = {}
     for r in rows:
         latest[r["triton"]] = r
