@@ -11,7 +11,7 @@
 #   tests         the GPU tests (pytest -n 8 over the kernel test files)
 #   kernels       the kernel benchmarks with their FA4 / cuDNN / sageattention baselines (SPARSE_BENCH=0: the
 #                 8-bit ones only)
-#   pipeline | generation | anchor | guard | flags | cold   the whole-generation benchmarks
+#   pipeline | generation | guard | cold   the whole-generation benchmarks
 #   keypad        HunyuanVideo's key-padded joint attention beside stock SDPA with the mask (bench_key_padding)
 #   other stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, sparse90 (the Gluon
 #   gather kernel vs the Triton one, cuDNN and FA3 bf16; SPARSE90_ARGS e.g. --configs default,128/2), soak,
@@ -99,9 +99,7 @@ while [ $# -gt 0 ]; do
                 --budget $(( ${PIPELINE_S:-560} - 30 )) ${PIPELINE_ARGS:-} ;;
     generation) run_stage generation "${GENERATION_S:-300}" $PY -m benchmarks.bench_generation \
                   --budget $(( ${GENERATION_S:-300} - 20 )) ${GENERATION_ARGS:-} ;;
-    anchor) run_stage anchor "${ANCHOR_S:-200}" $PY -m benchmarks.bench_anchor_mass ${ANCHOR_ARGS:-} ;;
     guard) run_stage guard "${GUARD_S:-200}" $PY -m benchmarks.bench_mcsparse_guard ${GUARD_ARGS:-} ;;
-    flags) run_stage flags "${FLAGS_S:-120}" $PY -m benchmarks.bench_finite_flags ${FLAGS_ARGS:-} ;;
     cold) run_stage cold "${COLD_S:-400}" $PY -m benchmarks.bench_cold_start ${COLD_ARGS:-} ;;
     keypad) run_stage keypad "${KEYPAD_S:-300}" $PY -m benchmarks.bench_key_padding ${KEYPAD_ARGS:-} ;;
     e2e)
@@ -148,8 +146,6 @@ while [ $# -gt 0 ]; do
         --shapes "${SM90_SHAPES:-40x32760x128,40x75600x128}" --configs "${SM90_CONFIGS:-[]}" ;;
     overhead)  # host time, launches and GPU time of reuse calls beside stock SDPA (the speed gate's rows)
       run_stage overhead "${OVERHEAD_S:-300}" $PY -m benchmarks.bench_op_overhead ${OVERHEAD_ARGS:-} ;;
-    preprocess)
-      run_stage preprocess 80 $PY -m benchmarks.bench_preprocess --budget 70 --csv "$OUT/bench_preprocess.csv" ;;
     tune)
       run_stage tune 140 $PY -m benchmarks.bench_tune --methods vsmooth --budget 130 --csv "$OUT/bench_tune.csv" ;;
     pkg)

@@ -102,7 +102,7 @@ def runtime_ineligible(q, k, v, cfg: VCConfig) -> Optional[str]:
 
 
 # NOTE memoised (the checks are a function of shapes, dtypes and two options): 14-21 us of host time per call
-# on the H200's host before (scripts/host_breakdown.py)
+# on the H200's host before (docs/design/host-path.md)
 @functools.lru_cache(maxsize=4096)
 def _shape_ineligible(qs, ks, vs, qd, kd, vd, min_seq_len: int, head_dims) -> Optional[str]:
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
@@ -472,7 +472,7 @@ class _Lane:
     speed gate, softmax scale, report label), noted at a call whose reuse step replayed a recorded launch sequence
     (runtime/programs.py): a later call of the same (site, config, scale) with the same layout skips deciding them
     again, and where its reuse step has a program ready, replays it without the call's other scaffolding.
-    NOTE (H200 host, ExpCast reuse call at H12 S32760, scripts/host_breakdown.py): those decisions and the
+    NOTE (H200 host, ExpCast reuse call at H12 S32760, docs/design/host-path.md): those decisions and the
     scaffolding around a replay (timer, tuning-lookup recorder, graph check, report label) took ~60-100 us of the
     op's 0.27 ms."""
 

@@ -503,7 +503,7 @@ class PreprocessConfig(_Json):
     # pass 1's register cap a thread (0: the compiler's choice), applied with V at D = 128. NOTE uncapped, pass 1
     # holds 185 registers at 4 warps with the index prefetch (2 programs an SM, 12% of the warps active; ncu, H100,
     # 2026-12-06, 40 x 32760: 0.27 ms at 1.5 TB/s); offline sm_90 caps of 168 / 128 / 96 spill 12 / 68 / 216 bytes
-    # for 3 / 4 / 5 programs an SM. Same run, H100 80GB HBM3, 2026-12-06, scripts/ab_op_kernels.py (ExpCast reuse
+    # for 3 / 4 / 5 programs an SM. Same run, H100 80GB HBM3, 2026-12-06, design/preprocess-launches.md (ExpCast reuse
     # step, two interleaved rounds), `_stats_kernel` ms at 40 x 32760 / 12 x 32760 / 12 x 8192: uncapped 0.283 /
     # 0.096 / 0.032; 128: 0.242 / 0.082 / 0.031 (-14%); 96: 0.304 / 0.101 / 0.031; 168 (the run before): 0.265 /
     # 0.089. The whole preprocessing at 40 x 32760: 0.978 -> 0.937 ms.
@@ -530,9 +530,9 @@ class PreprocessConfig(_Json):
 
 # NOTE (H200, S = 32760 / 75600, H = 40, D = 128, bf16 [B, S, H, D], Wan pair tables; bench_preprocess.py):
 # the measurements behind both RoPE switches are in kernels/preprocess.py's module doc (RoPE prologue).
-# Pass 1 with V (one sweep per block, scripts/ab_op_kernels.py, ExpCast reuse step, same run): (warps,
+# Pass 1 with V (one sweep per block, docs/design/preprocess-launches.md, ExpCast reuse step, same run): (warps,
 # programs per SM) = (8, 4) 0.552 / 1.376 ms, (4, 4) 0.413 / 0.721, (8, 8) 0.489 / 1.192, (4, 8) 0.335 / 0.585.
-# Pass 2's registers (H200, 2026-12-03, scripts/ab_op_kernels.py, ExpCast reuse step, same run, ms at S = 32760 H40 /
+# Pass 2's registers (H200, 2026-12-03, design/preprocess-launches.md, ExpCast reuse step, same run, ms at S = 32760 H40 /
 # 75600 H40 / 32760 H12 / 14040 H12): uncapped (128, 2 programs of 8 warps per SM) 0.676 / 1.556 / 0.370 / 0.151
 # (0.676 / 1.566 / 0.378 / 0.155 at the run's end), capped at 80 (3 per SM, 88 B spilled outside the tile work)
 # 0.637 / 1.456 / 0.331 / 0.151; 16 warps at 64 registers (2 per SM) 0.865 / 1.986 / 0.396 / 0.159. Pass 1 at 8
@@ -567,7 +567,7 @@ class AnchorMassConfig(_Json):
 
 def anchor_mass_default(group_size: int, exp: ExpMode = ExpMode.SHIFT) -> AnchorMassConfig:
     """C = 128: one group per program (NG = 1); C = 64: NG = 4 (256 queries, not timed against the others).
-    NOTE same run, H100 80GB HBM3, 40 x 32760, 3 stages (benchmarks/bench_anchor_mass.py --mass-configs, rows
+    NOTE same run, H100 80GB HBM3, 40 x 32760, 3 stages (docs/design/anchor-selection.md, --mass-configs; rows
     pass2_mass:*): NG = 1 shift 14.79 ms, NG = 2 shift (the previous default, from the SASS mix) 15.97, NG = 1 exact
     15.74, NG = 2 exact 16.84, NG = 1 shift with 2 stages 16.02; the same masses (rel. L2 0 between the shift
     launches). NG = 2 streams half the K8 tiles from L2 but holds 210 registers and two CTAs an SM (one warp per
@@ -586,7 +586,7 @@ class TopKConfig(_Json):
     NOTE sm_90 SASS (tests/codegen_anchor.py, bf16 rows): a 256-bin ``tl.histogram`` pass costs ~75
     instructions per element, a 16-bin pass ~32-46, the compaction ~46: digit 8 ~195 per element for bf16,
     digit 4 ~200 (fp32: ~345 vs ~325); 8 reads the row fewer times.
-    NOTE same run, H100 80GB HBM3, 40 heads, bf16 masses (benchmarks/bench_anchor_mass.py --topk-configs, rows
+    NOTE same run, H100 80GB HBM3, 40 heads, bf16 masses (docs/design/anchor-selection.md, --topk-configs; rows
     topk:*), ms at S = 32760 / 75600: block 2048, digit 8, 4 warps 3.51 / 17.27; 4096/8/8 (the previous default)
     3.71 / 18.94; 4096/8/4 3.85 / 20.66; 4096/4/8 3.87 / 20.42; 8192/8/8 4.41 / 23.60; 8192/4/8 4.27 / 22.72;
     16384/8/16 4.08 / 22.70; 16384/8/8 5.47 / 33.79; 32768/8/16 21.38 / 43.86. Equal indices for every launch."""
@@ -629,5 +629,5 @@ class FiniteFlagsConfig(_Json):
 
 
 # NOTE BLOCK_N 64, 4 warps, strips for ~1024 programs (at most 4096 keys): chosen, not yet measured on the H200
-# (benchmarks/bench_finite_flags.py times the pass against one read of K and V). Not tuned: one config.
+# (bench_finite_flags, docs/design/nonfinite-flags.md, timed the pass against one read of K and V). Not tuned: one config.
 FINITE_FLAGS_DEFAULT = FiniteFlagsConfig()

@@ -201,7 +201,7 @@ def fp8_capable(device: torch.device) -> bool:
 
 
 # NOTE cached: torch.cuda.get_device_capability costs ~10-30 us of host time per op call (H200 host,
-# scripts/host_breakdown.py: dispatch.choose 29-59 us per reuse call before)
+# docs/design/host-path.md: dispatch.choose 29-59 us per reuse call before)
 @functools.lru_cache(maxsize=None)
 def _capability(device) -> tuple:
     """(major, minor) of a CUDA device (a torch.device or an index; cuda without an index: the current one)."""

@@ -24,7 +24,7 @@ function, packed metadata, launch metadata and hooks before the bound arguments;
 Triton's own ``JITFunction.run``, not from its version: 3.6 to 3.9 launch this way), every call takes the normal
 path. ``FAST_LAUNCH.enabled = False`` turns the fast path off for the process (tests compare both paths).
 
-NOTE (H200 host, torch 2.11, triton 3.6, ``scripts/host_breakdown.py``, ExpCast reuse call at H12 S32760):
+NOTE (H200 host, torch 2.11, triton 3.6, docs/design/host-path.md, ExpCast reuse call at H12 S32760):
 ``JITFunction.run`` took 0.47 ms for the call's three launches, 0.16 of it Triton's launcher; the rest (binder,
 specialisation, cache key, launch metadata for the default empty hook chain) is what a remembered launch skips.
 Offline (this module's test harness, a fake sm_90 driver) a V-Smooth call's Python went 0.416 -> 0.268 ms.

@@ -153,7 +153,7 @@ class LaunchGraphs:
         if mode == "off" or not q.is_cuda:
             return False
         # NOTE raw-stream queries: torch.cuda.current_stream()/default_stream() build Stream objects, 35-57 us
-        # of host time per call on the H200's host (scripts/host_breakdown.py) against a few us for these
+        # of host time per call on the H200's host (docs/design/host-path.md) against a few us for these
         if torch._C._cuda_getCurrentRawStream(q.device.index if q.device.index is not None
                                               else torch.cuda.current_device()) != 0:
             return False  # a side stream or a capture (never the default stream): staging is per stream
