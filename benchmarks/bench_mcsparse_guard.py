@@ -32,7 +32,7 @@ its 16 sampled rows per head, for the estimator table.
 Cost: in dense-step units per attention call, from H200 measurements at B = 1, H = 40, S = 32760, D = 128
 (docs/sparse_notes.md, C = 128, s = 0.15): dense (cuDNN) 1.0, reuse step 0.20 (7.68 / 38.4 ms), anchor
 2.6 (~99.5 ms), the flags pass 0.004 on every reuse step (one read of K and V, with or without the guard)
-and the guard's probe on top 0.001 (``COST``; benchmarks/bench_finite_flags.py measures the last two). The
+and the guard's probe on top 0.001 (``COST``; docs/design/finite-flags.md measures the last two). The
 ``cost`` column is the schedule's total over all calls / the all-dense total.
 ``ms``: synthetic rows, the op's own time summed over the trajectory's calls (CUDA events; not the
 inputs, not the fp32 reference), so fixed and adaptive schedules compare directly at this size; demo rows,

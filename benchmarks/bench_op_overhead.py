@@ -25,10 +25,10 @@ to back, as a sampling loop runs them (one set of inputs, no synchronisation in 
 the variant (e.g. the A/B of ``cuda_graphs``). ``--ab-launch`` runs each method a second time right after, with
 every launch through Triton's binder and no recorded preprocessing (``kernels/launch.py`` off; variant
 suffix `` [binder]``): the host-time A/B on one host, whose own speed moves between runs (stock's host time
-per call: 0.035-0.111 ms in three runs of one day on the H200). ``scripts/host_breakdown.py`` splits the host time by layer.
+per call: 0.035-0.111 ms in three runs of one day on the H200). docs/design/host-overhead.md splits the host time by layer.
 Our path is measured with ``speed_gate="off"`` and ``group_interval=0`` (V-Smooth groups at step 0 only, so
 every timed call is a reuse call; ``--options`` may set it): these rows are what the speed gate's table is generated from
-(``python3 -m scripts.gen_gate_table``; tune/gate.py). Rows are appended to
+(``python3 -m tools.gen_gate_table``; tune/gate.py). Rows are appended to
 ``benchmarks/results/bench_op_overhead.csv``.
 """
 from __future__ import annotations

@@ -117,7 +117,7 @@ def sweep(q, k, v, sigma, idx, sm, t_cudnn, S, dens, Cg, configs, log):
 
 # --ab candidates per C, in the order they are timed (the most informative first; see docs/sparse_notes.md
 # "Codegen and A/B"): (name, launch config). s3 and s4 compile to the same two-buffer loop
-# (scripts/codegen_sparse.py), so only the shipped one of the two is timed. "base" = kv_off off (the kernel
+# (tests/codegen_sparse.py), so only the shipped one of the two is timed. "base" = kv_off off (the kernel
 # before the A/B); the shipped default is kv_off for C >= 128. (The lazy-rescale variant, rescale_tau, is
 # gone: docs/kernels_notes.md "Removed variants".)
 AB_KV_OFF = [("base", False), ("kvoff", True)]

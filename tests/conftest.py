@@ -22,7 +22,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 # offline sm_90 build) describe Triton 3.6's compile (ptxas 12.8), the release every GPU measurement was taken on.
 # Other supported releases compile the same source differently (Triton 3.9 assembles sm_90 with ptxas 13.4); there
 # these tests run and report, as expected failures: what differs, and what it costs on the GPU, is in
-# docs/design/toolchain.md (scripts/triton_versions.py measures it).
+# docs/design/toolchain.md (tools/triton_versions.py measures it).
 _TRITON = __import__("triton").__version__
 pinned_codegen = pytest.mark.xfail(not _TRITON.startswith("3.6."), strict=False,
                                    reason=f"pins Triton 3.6's sm_90 code; Triton {_TRITON} compiles it differently")
@@ -68,7 +68,7 @@ def fresh_vcattn():
     vc_compile.reset(report=True)
 
 
-# ---- parallel runs (pytest-xdist; scripts/test.sh runs ``-n auto --dist loadgroup``) --------------------
+# ---- parallel runs (pytest-xdist; tools/test.sh runs ``-n auto --dist loadgroup``) --------------------
 # Each worker gets its share of the cores for torch's intra-op threads (2 workers x 2 threads on a 2-core
 # machine only contend).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

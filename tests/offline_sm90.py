@@ -1,4 +1,4 @@
-"""Runs a script against the offline sm_90 harness (scripts/codegen_stats.py's fake driver: kernels built for
+"""Runs a script against the offline sm_90 harness (tests/codegen_stats.py's fake driver: kernels built for
 sm_90, nothing launched) in a fresh process, outside the interpreter the test session runs under."""
 import os
 import subprocess
@@ -14,7 +14,7 @@ def result_line(code: str, tmp_path) -> tuple:
     """(the script's ``RESULT ...`` line or "", its output tails for an assertion message); skips the test where
     this machine cannot compile for sm_90 offline."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=1200)

@@ -154,24 +154,3 @@ def test_dispatch_launch_rules():
     idx = dispatch.topk(Impl.REFERENCE, mass, 10)
     assert idx.dtype == torch.int32 and torch.equal(idx.sort(-1).values, idx)
     assert torch.equal(idx.long().sort(-1).values, mass.topk(10, dim=-1).indices.sort(-1).values)
-
-
-def test_run_selection_of_the_accuracy_study():
-    """scripts/anchor_accuracy.py's run<R> variant: the aligned whole runs of R keys with the largest summed mass,
-    expanded to ascending keys; keys past the last whole run are never selected; too many runs asked is refused."""
-    from scripts.anchor_accuracy import run_selection
-    Sk, R, keep = 45, 8, 12  # 5 whole runs (keys 40-44 are past them); ceil(12 / 8) = 2 runs kept
-    mass = torch.zeros(1, 1, 3, Sk)
-    mass[0, 0, 0, 8:16] = 1.0  # group 0: runs 1 and 3
-    mass[0, 0, 0, 24:32] = 0.5
-    mass[0, 0, 1, 0] = 5.0  # group 1: run 0 (one heavy key) and run 4; the heavier tail keys are not a run
-    mass[0, 0, 1, 33] = 1.0
-    mass[0, 0, 1, 41:45] = 9.0
-    mass[0, 0, 2] = torch.arange(Sk, dtype=torch.float32)  # group 2: the two last whole runs
-    idx = run_selection(mass, keep, R)
-    assert idx.dtype == torch.int32 and idx.shape == (1, 1, 3, 16)
-    assert idx[0, 0, 0].tolist() == list(range(8, 16)) + list(range(24, 32))
-    assert idx[0, 0, 1].tolist() == list(range(0, 8)) + list(range(32, 40))
-    assert idx[0, 0, 2].tolist() == list(range(24, 40))
-    with pytest.raises(ValueError, match="whole runs"):
-        run_selection(mass, 41, R)

@@ -22,7 +22,7 @@ from vc_compile.reference import kmeans, preprocess
 from vc_compile.reference import vsmooth_attn as ref_attn
 from vc_compile.reference import vsmooth_attn_sm90 as emu
 
-from scripts import fidelity_inputs as FI
+import fidelity_inputs as FI
 
 L = 32.0  # the block reference floor below the running max
 
@@ -52,7 +52,7 @@ def err(qk, vq, rows, truth, **kw):
 # ---- the cause and the fix --------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def far_case(S):
-    """A few keys per query 16 octaves above all the others (scripts/fidelity_inputs.py ``far_field``, groups of
+    """A few keys per query 16 octaves above all the others (tests/fidelity_inputs.py ``far_field``, groups of
     4): the far field's mass grows with S, as in video attention (docs/fidelity_notes.md)."""
     q, k, v = FI.far_field(S, 128, 1, 0, group=4, gap=16.0)
     return prepared(q, k, v, n_rows=96)

@@ -1,7 +1,7 @@
 """V-Smooth against the SageAttention2 emulation (docs/fidelity_notes.md), on the CPU.
 
 The error of each method splits as (P - P_qk) V [QK], (P_qk - P_q) V [P rounding], P_q (V - V_q) [value]
-(scripts/fidelity_decompose.py). V-Smooth's block means cut the value term; the block reference (each 128-key
+(tests/fidelity_decompose.py). V-Smooth's block means cut the value term; the block reference (each 128-key
 block's P~ quantised against its own max; the same kernel change as ExpCast's fix) cuts the P term, because a
 block's max element is then exact and the block maxima carry most of sum p^2 (measured 30% / 64% / 87% on
 gaussian / structured / video rows at S = 32760). Ratios are between methods on the same rows; thresholds sit
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from scripts import fidelity_decompose as FD
-from scripts import fidelity_inputs as FI
+import fidelity_decompose as FD
+import fidelity_inputs as FI
 
 
 def rel(a, b):

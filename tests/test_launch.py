@@ -3,13 +3,13 @@ arguments Triton's binder would have handed it, for the real kernels; it steps a
 from conftest import requires_cuda
 from offline_sm90 import result_line
 
-# Offline sm_90 (scripts/codegen_stats.py's fake driver, no launch): each kernel is compiled once, its launcher is
+# Offline sm_90 (tests/codegen_stats.py's fake driver, no launch): each kernel is compiled once, its launcher is
 # replaced by a recorder, and every call of the preprocessing, the attention kernel and the gather kernel runs
 # twice on the same tensors: through the binder (FAST_LAUNCH off) and through the remembered launch.
 _CODE = r"""
 import torch
 from triton.runtime import driver
-from scripts import codegen_stats as cs
+import codegen_stats as cs
 driver.set_active(cs._FakeDriver())
 from triton.runtime.jit import JITFunction
 from vc_compile.kernels import preprocess as tpre, vsmooth_attn_sm90 as tv, sparse_attn_sm90 as tsp

@@ -180,7 +180,7 @@ def test_wheel_is_small_licensed_and_without_demo_weights(tmp_path):
     assert not [n for n in names if n.endswith((".cubin", ".cubin.xz", ".so"))]
     assert not [n for n in names if n.endswith(".safetensors") or "/weights/" in n]
     assert {"vc_compile/tune/shipped_sm90.json", "vc_compile/passes/README.md", "vc_compile/pipeline.py"} <= set(names)
-    assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "scripts/"))]
+    assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "tools/"))]
     info = f"vc_compile-{vc_compile.__version__}.dist-info"
     z = zipfile.ZipFile(whl)
     assert "Apache License" in z.read(f"{info}/licenses/LICENSE").decode()
@@ -383,20 +383,21 @@ def test_results_csv_gains_gpu_columns(tmp_path):
         common.append_csv(str(bad), [row])
 
 
-def test_benchmarks_and_scripts_run_as_modules_without_sys_path_edits():
+def test_benchmarks_and_tools_run_as_modules_without_sys_path_edits():
     bad = []
-    for p in sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "scripts").glob("*.py")]):
+    for p in sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "tools").glob("*.py")]):
         for n in ast.walk(ast.parse(p.read_text())):
             if isinstance(n, ast.Attribute) and n.attr == "path" and getattr(n.value, "id", None) == "sys":
                 bad.append(f"{p.relative_to(ROOT)}:{n.lineno}")
     assert not bad, bad
-    assert (ROOT / "benchmarks" / "__init__.py").exists() and (ROOT / "scripts" / "__init__.py").exists()
+    assert (ROOT / "benchmarks" / "__init__.py").exists() and (ROOT / "tools" / "__init__.py").exists()
     stale = []
-    for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "scripts").glob("*.sh")]:
+    for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "design").glob("*.md"),
+              *(ROOT / "tools").glob("*.sh")]:
         for i, ln in enumerate(p.read_text().splitlines(), 1):
-            if ("python" in ln or "torchrun" in ln) and (" benchmarks/" in ln or " scripts/" in ln) and ".py" in ln:
+            if ("python" in ln or "torchrun" in ln) and (" benchmarks/" in ln or " tools/" in ln) and ".py" in ln:
                 stale.append(f"{p.relative_to(ROOT)}:{i}")
-    assert not stale, f"run benchmarks/scripts as modules (python -m benchmarks.x): {stale}"
+    assert not stale, f"run benchmarks/tools as modules (python -m benchmarks.x): {stale}"
 
 
 def test_method_from_env(monkeypatch):

@@ -297,7 +297,7 @@ def test_a_fused_rope_call_is_rebuilt_with_its_tables(tmp_path, monkeypatch):
 
 
 def test_builds_found_ahead_are_the_builds_a_launch_needs(tmp_path):
-    """The helper's parallel build, offline for sm_90 (scripts/codegen_stats.py's fake driver): with launches
+    """The helper's parallel build, offline for sm_90 (tests/codegen_stats.py's fake driver): with launches
     turned away, the preprocessing's launches build nothing and name their kernels; ``build_parallel`` builds
     those on two threads into Triton's cache; the same launches afterwards build nothing new (Triton's
     post-compile hook never fires), so every kernel they need was among those found."""
@@ -310,7 +310,7 @@ def test_builds_found_ahead_are_the_builds_a_launch_needs(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     code = """
 import os
-from scripts import codegen_stats as cs
+import codegen_stats as cs
 import torch
 from triton import knobs
 cs._install()

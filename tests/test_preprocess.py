@@ -207,7 +207,7 @@ def test_launch_options_are_validated():
 
 def test_default_launch_compiles_for_sm90():
     """Every pass-2 specialisation the runtime launches with the default config (INT8 / FP8 codes, with and
-    without Hadamard, D = 64 / 128, Q/K with V) compiles for sm_90 offline (scripts/codegen_stats.py's fake
+    without Hadamard, D = 64 / 128, Q/K with V) compiles for sm_90 offline (tests/codegen_stats.py's fake
     driver). Regression: the register cap made ptxas refuse the Hadamard rotation's wgmma (C7602, needs
     >= 90 registers) on the GPU, where the interpreter ignores the cap."""
     import os
@@ -218,7 +218,7 @@ def test_default_launch_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     code = """
-from scripts import codegen_stats as cs
+import codegen_stats as cs
 import torch
 cs._install()
 from vc_compile.kernels import preprocess as tpre
@@ -246,7 +246,7 @@ for D in (64, 128):
 
 @pinned_codegen
 def test_pass2_spills_no_more_with_many_splits():
-    """Offline sm_90 compile (scripts/codegen_stats.py's fake driver) of pass 2 at 12 heads x 8192 tokens, where
+    """Offline sm_90 compile (tests/codegen_stats.py's fake driver) of pass 2 at 12 heads x 8192 tokens, where
     pass 1 splits a head 64 ways: pass 2 reads the partials 32 rows a step, so at its 80-register cap it spills
     what it spills at 40 heads (88-96 bytes), not the 768 bytes the whole [64, D] tile of partials cost. And
     ``PreprocessConfig.stats_regs`` caps pass 1's registers (40 x 32760)."""
@@ -258,7 +258,7 @@ def test_pass2_spills_no_more_with_many_splits():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     code = """
-from scripts import codegen_stats as cs
+import codegen_stats as cs
 import torch
 cs._install()
 from vc_compile.kernels import preprocess as tpre

@@ -39,7 +39,7 @@ def test_the_layout_key_tells_apart_what_a_program_depends_on():
     assert base != P.layout_key(q.half(), q.clone(), q.clone())  # dtype
 
 
-# Offline sm_90 (scripts/codegen_stats.py's fake driver): kernels built, each launcher Triton 3.6's own descriptor
+# Offline sm_90 (tests/codegen_stats.py's fake driver): kernels built, each launcher Triton 3.6's own descriptor
 # expansion in front of a recorder (its C entry), the TMA fill a recorder of its arguments. Each method's reuse step
 # runs through a LaunchPrograms (first call normal, second recorded, third and fourth replayed), then once more
 # normally on the same tensors; the two launch sequences must match argument for argument at the C entry: the same
@@ -48,7 +48,7 @@ def test_the_layout_key_tells_apart_what_a_program_depends_on():
 _CODE = r"""
 import collections, torch
 from triton.runtime import driver
-from scripts import codegen_stats as cs
+import codegen_stats as cs
 driver.set_active(cs._FakeDriver())
 from triton import knobs
 from triton.runtime.jit import JITFunction

@@ -1,4 +1,4 @@
-"""scripts/render_results.py on small CSVs written through benchmarks.common.append_rows: the latest row of
+"""tools/render_results.py on small CSVs written through benchmarks.common.append_rows: the latest row of
 each variant wins, the README headline table and the generation tables render, plots when matplotlib is
 installed; and append_rows widens an existing header instead of dropping new columns."""
 import csv
@@ -10,7 +10,7 @@ import pytest
 from benchmarks import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("render_results", os.path.join(ROOT, "scripts", "render_results.py"))
+spec = importlib.util.spec_from_file_location("render_results", os.path.join(ROOT, "tools", "render_results.py"))
 render = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(render)
 
@@ -160,7 +160,7 @@ def test_write_rejects_broken_markers(tmp_path):
 def test_sm90_ab_block_shows_the_latest_run_per_shape():
     """The launch A/B block: every row of the latest run of each (H, S, inputs), an older run of that shape left
     out, baselines without their long notes."""
-    from scripts.render_results import sm90_ab_tables
+    from tools.render_results import sm90_ab_tables
     base = dict(B="1", D="128", gpu="NVIDIA H200", inputs="structured")
     rows = [dict(base, H="40", S="32760", date="2026-12-02 01:00", commit="aaa", variant="expcast_kernel", ms="25.0",
                  speedup_vs_cudnn="1.5", note="old"),
@@ -182,7 +182,7 @@ def test_sm90_ab_block_shows_the_latest_run_per_shape():
 def test_sparse_sm90_block_shows_the_latest_run_per_shape_with_eta():
     """The gather-kernel block: every row of the latest run of each (H, S, D) with its eta and x cuDNN, an older run
     of that shape left out, the configs named shortly (the default, the Triton kernel's shipped config)."""
-    from scripts.render_results import sparse_sm90_tables
+    from tools.render_results import sparse_sm90_tables
     base = dict(B="1", H="40", S="32760", D="128", gpu="NVIDIA H200", C="128", density="0.15")
     rows = [dict(base, date="2026-12-02 01:00", commit="aaa", variant="gluon_sm90_gather", config="128/2",
                  ms="7.5", eta="0.61", speedup_vs_cudnn="5.0"),
@@ -200,7 +200,7 @@ def test_sparse_sm90_block_shows_the_latest_run_per_shape_with_eta():
 
 def test_schedule_block_keeps_the_latest_row_of_each_schedule():
     """The schedule block: one row per (variant, density, steps, warm-up, anchors), the latest; dense rows left out."""
-    from scripts.render_results import schedule_tables
+    from tools.render_results import schedule_tables
     base = dict(density="0.15", steps="50", warmup_steps="10", device="cpu", variant="mcsparse@0.15")
     rows = [dict(base, variant="dense", density="1", warmup_steps="", psnr_db="inf", date="2026-12-02", commit="a"),
             dict(base, anchors="10 26", psnr_db="26.0", ssim="0.9", attn_cost="98.7", date="2026-12-02", commit="a"),
@@ -219,7 +219,7 @@ def test_schedule_block_keeps_the_latest_row_of_each_schedule():
 def test_sm90_kernel_line_quotes_the_default_launches_of_the_latest_run():
     """README's kernel-alone table: per S the latest run's ExpCast and V-Smooth default rows beside FA3 FP8's,
     launch variants and other shapes left out."""
-    from scripts.render_results import sm90_kernel_line
+    from tools.render_results import sm90_kernel_line
     base = dict(H="40", D="128", inputs="structured", S="32760")
     rows = [dict(base, date="2026-12-01 01:00", commit="old", variant="expcast_kernel", ms="25.0"),
             dict(base, date="2026-12-03 01:00", commit="new", variant="fa3-fp8", ms="23.0", rel_l2="0.09"),

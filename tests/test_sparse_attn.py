@@ -229,7 +229,7 @@ def test_cuda_every_tuning_candidate(Cg, fmt):
 
 @pinned_codegen
 def test_gather_kernel_codegen_sm90():
-    """The gather kernel compiled for sm_90 offline (scripts/codegen_sparse.py, C = 128, shipped config):
+    """The gather kernel compiled for sm_90 offline (tests/codegen_sparse.py, C = 128, shipped config):
     K/V rows through cp.async, async wgmma not serialised by ptxas, 2 CTAs/SM; kv_off (the C = 128 default)
     does not add loop instructions or registers (docs/sparse_notes.md, "Codegen and A/B")."""
     import json
@@ -239,10 +239,10 @@ def test_gather_kernel_codegen_sm90():
     from pathlib import Path
     root = Path(__file__).parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
     st = {}
     for sw in ("0", "1"):
-        r = subprocess.run([sys.executable, "-m", "scripts.codegen_sparse", "--C", "128", "--json",
+        r = subprocess.run([sys.executable, "-m", "codegen_sparse", "--C", "128", "--json",
                             "--kv-off", sw], env=env, cwd=root, capture_output=True, text=True, timeout=600)
         if r.returncode != 0 or not r.stdout.strip():
             pytest.skip(f"offline sm_90 compile unavailable here: {r.stderr.strip()[-300:]}")

@@ -1,6 +1,6 @@
 """The Gluon sm_90 gather kernel (``kernels/sparse_attn_sm90.py``; not used by any default).
 
-On CPU: it compiles for sm_90 offline (``scripts/codegen_sparse_sm90.py``) without spills, with the wgmmas not
+On CPU: it compiles for sm_90 offline (``tests/codegen_sparse_sm90.py``) without spills, with the wgmmas not
 serialised by ptxas, PV taking P from registers and QK from shared memory in the consumers' key loop, and the
 producer's loop gathering every row by cp.async onto mbarriers; its launch configuration's validation and the
 launcher's argument checks. On an sm_90 GPU (``requires_sm90``): against the reference (odd S, both group sizes,
@@ -42,10 +42,10 @@ QK8_COMPILES = {"c64_BN64_s2_qk8": 64, "c128_BN128_s2fo_qk8": 128}
 @pytest.fixture(scope="module")
 def codegen():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     out = {}
     for extra in RUNS:
-        r = subprocess.run([sys.executable, "-m", "scripts.codegen_sparse_sm90", "--json", *extra], env=env, cwd=ROOT,
+        r = subprocess.run([sys.executable, "-m", "codegen_sparse_sm90", "--json", *extra], env=env, cwd=ROOT,
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         out.update(json.loads(r.stdout.strip().splitlines()[-1]))

@@ -11,7 +11,7 @@ from vc_compile.tune import gate
 
 
 def test_shipped_table_is_generated_from_the_benchmark_rows():
-    from scripts import gen_gate_table
+    from tools import gen_gate_table
 
     assert gen_gate_table.main(["--check"]) == 0
 

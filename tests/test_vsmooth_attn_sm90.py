@@ -1,6 +1,6 @@
 """The Gluon sm_90 V-Smooth kernel (``kernels/vsmooth_attn_sm90.py``).
 
-On CPU: it compiles for sm_90 (offline, ``scripts/codegen_vsmooth.py``) without spills, two or more CTAs per
+On CPU: it compiles for sm_90 (offline, ``tests/codegen_vsmooth.py``) without spills, two or more CTAs per
 SM, and with the softmax inside the window where PV_{j-1} runs on the tensor cores (the point of the kernel);
 its launch configurations' validation; the dispatch rule (``kernels/dispatch.py``). On an sm_90 GPU: against the reference and an fp32
 truth with the Triton kernel's tolerances (tests/test_vsmooth_attn.py explains them), and against the Triton
@@ -47,7 +47,8 @@ requires_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU (H100
 @pytest.fixture(scope="module")
 def codegen():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "scripts.codegen_vsmooth", "--json"], env=env, cwd=ROOT,
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "codegen_vsmooth", "--json"], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -561,8 +562,8 @@ def test_gpu_byte_mask_matches_fmnmx_clamp_bit_for_bit(S, scale):
 _GUARD_CODE = r"""
 import torch
 from triton.runtime import driver
-from scripts import codegen_stats as cs
-from scripts import codegen_fingerprint as fp
+import codegen_stats as cs
+import codegen_fingerprint as fp
 driver.set_active(cs._FakeDriver())
 from triton.runtime.jit import JITFunction
 from vc_compile.kernels import vsmooth_attn_sm90 as g

@@ -1,7 +1,7 @@
 """The toolchain this package supports, and what it says when the installed one is outside it.
 
 ``SUPPORTED_TRITON`` is the range of Triton releases every kernel is built and tested on (the CPU suite in CI on
-the oldest and the newest, the offline sm_90 build of every kernel on each: ``scripts/triton_versions.py``).
+the oldest and the newest, the offline sm_90 build of every kernel on each: ``tools/triton_versions.py``).
 torch pins its Triton (2.11 -> 3.6, 2.13 -> 3.7, 2.14 -> 3.8, 2.15 -> 3.9), so the range also names the torch
 releases that bring a supported Triton. Outside it nothing is refused: the kernels are tried, a kernel that does
 not build falls back to the next path (``kernels/dispatch.py``: the Gluon sm_90 kernel -> the Triton kernel ->

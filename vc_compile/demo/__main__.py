@@ -166,7 +166,7 @@ def check_demo_deps() -> None:
     if missing:
         raise SystemExit(f"vc_compile demo: missing {', '.join(missing)}; install the demo extra: "
                          f"pip install 'vc_compile[demo]' (in a checkout: pip install -e '.[demo]', or "
-                         f"bash scripts/setup.sh)")
+                         f"bash tools/setup.sh)")
 
 
 def main(argv=None):

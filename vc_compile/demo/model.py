@@ -188,7 +188,7 @@ def missing_weights_message(path) -> str:
         f"vc_compile demo: no weights file at {path}.\n"
         f"The trained demo weights ({DEFAULT_WEIGHTS.name}, 12 MB) live in the vc_compile git repository "
         f"(vc_compile/demo/weights/), not in the pip package. Either\n"
-        f"  * run the demo from a fresh clone of the repository (bash scripts/demo.sh), or\n"
+        f"  * run the demo from a fresh clone of the repository (bash tools/demo.sh), or\n"
         f"  * pass the file: python -m vc_compile.demo --weights /path/to/clone/vc_compile/demo/weights/"
         f"{DEFAULT_WEIGHTS.name}  (load_demo(weights=...) in Python), or\n"
         f"  * train your own on one GPU (~6 min): python -m vc_compile.demo.train --out train_out, then "

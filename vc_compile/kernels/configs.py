@@ -3,7 +3,7 @@
 
 A kernel is a pure function of its inputs and one of these configs (``launch=``); ``dispatch.py`` picks the
 config (the tuning cache, ``vc_compile/tune``, holding them as JSON: ``to_json`` / ``from_json``), and
-``scripts/gen_shipped_table.py`` writes the shipped sm_90 table from the tables here. Nothing in this module
+``tools/gen_shipped_table.py`` writes the shipped sm_90 table from the tables here. Nothing in this module
 imports a kernel or the tuner.
 
 Kernel modes (one name per meaning; the two V-Smooth kernels use different subsets):
@@ -564,6 +564,6 @@ class FiniteFlagsConfig(_Json):
 
 
 # NOTE BLOCK_N 64, 4 warps, strips for ~1024 programs (at most 4096 keys): enough programs to fill a GPU with a
-# streaming read; chosen, not yet measured (benchmarks/bench_finite_flags.py times the pass against one read of K
+# streaming read; chosen, not yet measured (bench_finite_flags, removed since, timed the pass against one read of K
 # and V). Not tuned: one config. docs/design/finite-flags.md
 FINITE_FLAGS_DEFAULT = FiniteFlagsConfig()

@@ -65,7 +65,7 @@ gathers the next tile's first blocks during this tile's last blocks and epilogue
   scattered to sigma.
 
 sm_90 only (wgmma, setmaxnreg); no interpreter path: CPU tests compile it for sm_90 offline
-(``scripts/codegen_sparse_sm90.py``), GPU tests compare it with the reference and with ``sparse_attn.py``.
+(``tests/codegen_sparse_sm90.py``), GPU tests compare it with the reference and with ``sparse_attn.py``.
 """
 import torch
 import triton

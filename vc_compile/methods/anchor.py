@@ -11,7 +11,7 @@
 reads the INT8 codes of Q/K quantised for it (lse_s = lse - (q . k_mean) * sm_scale * log2 e, the K-smoothing
 shift; keys in token order, no V pass). "q8": the 8-bit V-Smooth pass gives O8 and lse_s, and O8 is both the
 returned output and the residual's dense term -- one cheaper dense pass, but R then carries the 8-bit pass's error into every reuse step. NOTE measured on CPU with the
-references (scripts/anchor_accuracy.py, docs/anchor_notes.md): pass 2 on the INT8 codes leaves the reuse-step
+references (docs/design/anchor-selection.md, docs/anchor_notes.md): pass 2 on the INT8 codes leaves the reuse-step
 error unchanged (within 0.2%) everywhere; O_dense = O8 raises it by +0.1%, +1.4%, +9% on the demo model's
 layers 4, 0, 2 and by +31% on the drifting structured input, against the issue's "within 10% of today's".
 Hence "bf16" by default, "q8" an explicit speed option.

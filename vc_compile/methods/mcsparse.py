@@ -366,7 +366,7 @@ def _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep):
 
 def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, cheap_anchor: Optional[bool] = None):
     """``cheap_anchor`` (anchor steps): None = ``methods/anchor.anchor_step`` where it applies (the
-    default), False = the original passes (cuDNN + LSE, bf16 pass 2, torch top-K; benchmarks/bench_anchor_mass.py
+    default), False = the original passes (cuDNN + LSE, bf16 pass 2, torch top-K; docs/design/anchor-selection.md
     times both), True = anchor_step or a ValueError saying why it does not apply. WARMUP: ``meta`` is a ``WarmupAt``
     holding the warm-up's own ``VSmoothMeta`` slot (the op keeps it apart from the sparse metadata, so a warm-up
     never looks like a cached selection; a bare ``VSmoothMeta`` or None re-groups)."""

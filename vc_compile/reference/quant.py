@@ -8,7 +8,7 @@ Notation
 * ``inv``: ``qmax / amax`` (1 for a zero block), one IEEE division per block; codes are ``x * inv``
   rounded, never ``x / scale``: a division per element (``div_rn``, ~10 instructions with its slow-path
   check) was a third of the Q/K preprocessing kernel's instructions (sm_90 SASS,
-  ``scripts/codegen_stats.py``).
+  ``tests/codegen_stats.py``).
 * Non-finite inputs (NaN, +-Inf): a block holding one gets ``scale = NaN`` and all-zero codes
   (``quantize_blocks``). So the NaN reaches the output through the scale, like SDPA propagates it, and no
   NaN/Inf ever goes through a float -> int8/e4m3 cast. The kernels find such a block from a

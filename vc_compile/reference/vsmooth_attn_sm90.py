@@ -103,7 +103,7 @@ def block_probs(qk: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, Sk: int, *
     (p [.., n, nb*128] fp32 decoded P~ (0 on padded keys), m [.., n, nb] the running max after each block).
     ``offset``: the code of u = 0 (ExpCast; default 119.65) or log2 of P~'s row max (exp2; default 8).
     ``floor_code``: the lowest ExpCast code (the clamp; 0 in the kernel). ``code_fn(u, full)``: a study hook
-    returning P~ for the exact fp32 u = s - m (full: not the masked tail block); scripts/fidelity_decompose.py
+    returning P~ for the exact fp32 u = s - m (full: not the masked tail block); tests/fidelity_decompose.py
     uses it to isolate error sources. ``block_ref`` = L: block j is quantised against its
     own maximum b_j, floored at L below the running max (ref_j = max(b_j, m_j - L)) instead of the running
     max m_j; the accumulator recurrence is unchanged with alpha = 2^(ref_{j-1} - ref_j), which may exceed 1."""

@@ -52,7 +52,7 @@ INT8_QK_LINE = ("sparse_qk='int8' at sites {sites}: the gather kernel's 8-bit QK
 # report()'s line for sites that ran on a GPU the speed gate has no measurements for
 UNGATED_LINE = ("speed gate: no measurements for the {gpu} (sites {sites}): every call our kernels can run runs "
                 "them, also at sizes where stock SDPA may be faster (on the H200: up to 12 heads x 8K tokens); "
-                "measure this GPU (python -m benchmarks.bench_op_overhead, then python -m scripts.gen_gate_table) "
+                "measure this GPU (python -m benchmarks.bench_op_overhead, then python -m tools.gen_gate_table) "
                 "or set speed_gate='off' to run ours everywhere knowingly")
 
 

@@ -6,7 +6,7 @@ the sparse gather kernel); the answer, memoised per (kernel, dtype, head dim, se
 device) in the process, comes from, in this order:
 
 ``shipped``  ``shipped_<family>.json`` (sm90: the configurations measured on the H200, generated from
-             ``kernels/configs.py`` by ``python3 -m scripts.gen_shipped_table``): an H100/H200 tunes nothing;
+             ``kernels/configs.py`` by ``python3 -m tools.gen_shipped_table``): an H100/H200 tunes nothing;
 ``cache``    a JSON file per (GPU, compute capability, CUDA, Triton) and (kernel, source hash) under
              ``cache_dir()`` (``$VCATTN_CACHE_DIR``, else ``~/.cache/vc_compile/tune``), written by an
              earlier run on this machine;

@@ -1,6 +1,6 @@
 """The speed gate: a call our kernels run slower than stock SDPA on this GPU stays stock, by measurement.
 
-``shipped_gate.json`` (written by ``python3 -m scripts.gen_gate_table`` from ``benchmarks/results/
+``shipped_gate.json`` (written by ``python3 -m tools.gen_gate_table`` from ``benchmarks/results/
 bench_op_overhead.csv``) holds, per GPU name and method, the measured speed-up over SDPA cuDNN of a reuse call
 at several call sizes (work = B H S Sk D), each measured on the path the default takes (no CUDA graph: the
 recorded launch sequence, kernels/programs.py), back to back, as a sampling loop runs them. For a call of another size the speed-up is

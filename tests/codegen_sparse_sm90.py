@@ -4,10 +4,10 @@ ptxas serialised the wgmmas (C7514 / C7515), and per warp-specialised partition 
 consumers' loop (the backward branch around an HGMMA: its instruction mix, HGMMAs with a register A operand,
 shared-memory traffic, warpgroup waits) and the producer's loop (cp.async LDGSTS, mbarrier arrivals).
 
-    python3 -m scripts.codegen_sparse_sm90 [--S 32760] [--density 0.15] [--C 64,128] [--configs 128/2,64/3]
+    PYTHONPATH=tests python -m codegen_sparse_sm90 [--S 32760] [--density 0.15] [--C 64,128] [--configs 128/2,64/3]
         [--off64] [--qk8] [--json] [--dump PREFIX]
 
-Same fake-driver warm-up compile as scripts/codegen_stats.py (B = 1, H = 40, D = Dv = 128, bf16, residual and
+Same fake-driver warm-up compile as tests/codegen_stats.py (B = 1, H = 40, D = Dv = 128, bf16, residual and
 flag epilogue on, n_keep from the density). Never run under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import json
 import re
 from collections import Counter
 
-from scripts import codegen_sparse as csp  # (pops TRITON_INTERPRET, imports torch and triton)
-from scripts import codegen_stats as cs
+import codegen_sparse as csp  # (pops TRITON_INTERPRET, imports torch and triton)
+import codegen_stats as cs
 
 import torch  # noqa: E402  (after codegen_stats)
 
@@ -64,7 +64,7 @@ def loops(sass: str) -> list:
 
 
 def mix(body: list) -> dict:
-    """The instruction classes of ``scripts/codegen_sparse.py`` over one loop body, and the other opcodes."""
+    """The instruction classes of ``tests/codegen_sparse.py`` over one loop body, and the other opcodes."""
     ops = Counter(_op(t).split(".")[0] for t in body)
     out = {"instructions": len(body), **{name: 0 for name, _ in csp.CLASSES}, "other": 0}
     other = Counter()

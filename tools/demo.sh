@@ -3,5 +3,5 @@
 # it runs a reduced version through the reference paths and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VC_EXTRAS=${VC_EXTRAS-demo} bash scripts/setup.sh  # pip install -e ".[demo]" (torch kept)
+VC_EXTRAS=${VC_EXTRAS-demo} bash tools/setup.sh  # pip install -e ".[demo]" (torch kept)
 exec ${PYTHON:-python3} -m vc_compile.demo "$@"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmark and test stages, one or a few per invocation, each under its own time limit:
-#     bash scripts/gpu_sweep.sh STAGE [STAGE ...]
+#     bash tools/gpu_sweep.sh STAGE [STAGE ...]
 # Stages (each under its own time limit, logged to $OUT/<stage>.log; a failing stage does not stop the next):
 #   fa4part DIR   copy the FA4 parts and wheels carried in DIR (ignored, e.g. .fa4a) to /tmp/fa4 on the machine
 #   tritonpart DIR  copy the parts of a carried Triton (an xz tarball of its package, split: DIR/t*.part*) to
@@ -9,17 +9,16 @@
 #   toolchain     the toolchain tests (a real Gluon build failure, the fallback) and the kernel GPU tests
 #   install       pip install the carried wheels (.whl/*.whl, /tmp/fa4 joined) into /tmp/site (--no-deps)
 #   tests         the GPU tests (pytest -n 8 over the kernel test files)
-#   kernels       scripts/ab_redesign.py on the tree in .old (if carried), this one, .old again; then the
-#                 kernel benchmarks with their FA4 / cuDNN / sageattention baselines (KERNEL_BENCH=0: A/B only)
-#   pipeline | generation | anchor | guard | flags | cold   the whole-generation benchmarks
+#   kernels       the kernel benchmarks with their FA4 / cuDNN / sageattention baselines (SPARSE_BENCH=0: the
+#                 8-bit ones only)
+#   pipeline | generation | guard | cold   the whole-generation benchmarks
 #   keypad        HunyuanVideo's key-padded joint attention beside stock SDPA with the mask (bench_key_padding)
 #   other stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, sparse90 (the Gluon
 #   gather kernel vs the Triton one, cuDNN and FA3 bf16; SPARSE90_ARGS e.g. --configs default,128/2), soak,
-#   cp (two GPUs), gputests, gpukey, vsmooth (A/B), sm90 (the Gluon kernel vs FA3 FP8), ncu (ExpCast kernel and
-#   FA3 FP8, one launch each: instructions, issue, pipes), preprocess, tune, pkg (NVML, enable(), package tests)
-# Results: benchmarks/results/*.csv (and .old's) are copied to $OUT/results after every stage.
-# Environment: VC_COMMIT names the commit in the rows (where the checkout's .git is absent or stale); OLD_COMMIT
-# the old tree's.
+#   cp (two GPUs), gputests, gpukey, vsmooth (A/B), sm90 (the Gluon kernel vs FA3 FP8), overhead, tune,
+#   pkg (NVML, enable(), package tests)
+# Results: benchmarks/results/*.csv are copied to $OUT/results after every stage.
+# Environment: VC_COMMIT names the commit in the rows (where the checkout's .git is absent or stale).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vc_out}
@@ -68,16 +67,7 @@ install_wheels() {
   $PY -c "from flash_attn.cute import flash_attn_func; print('flash-attn-4 ok')"
 }
 
-kernels() {  # the previous tree (.old) and this one, old -> new -> old again (drift), then FA4 rows
-  if [ -d .old ]; then
-    cp scripts/ab_redesign.py .old/scripts/
-    (cd .old && $PY -m scripts.ab_redesign --out "$OUT/ab_old.json")
-    $PY -m scripts.ab_redesign --out "$OUT/ab_new.json"
-    (cd .old && $PY -m scripts.ab_redesign --out "$OUT/ab_old2.json")
-    $PY -m scripts.ab_redesign --compare "$OUT/ab_old.json" "$OUT/ab_new.json" "$OUT/ab_old2.json" \
-      | tee "$OUT/ab_compare.txt"
-  fi
-  [ "${KERNEL_BENCH:-1}" = 1 ] || return 0
+kernels() {  # the kernel benchmarks and their baselines (FA4 rows where installed)
   $PY -m benchmarks.bench_vsmooth_attn --quick
   [ "${SPARSE_BENCH:-1}" = 1 ] && $PY -m benchmarks.bench_sparse_attn --quick --no-sweep
   return 0
@@ -109,9 +99,7 @@ while [ $# -gt 0 ]; do
                 --budget $(( ${PIPELINE_S:-560} - 30 )) ${PIPELINE_ARGS:-} ;;
     generation) run_stage generation "${GENERATION_S:-300}" $PY -m benchmarks.bench_generation \
                   --budget $(( ${GENERATION_S:-300} - 20 )) ${GENERATION_ARGS:-} ;;
-    anchor) run_stage anchor "${ANCHOR_S:-200}" $PY -m benchmarks.bench_anchor_mass ${ANCHOR_ARGS:-} ;;
     guard) run_stage guard "${GUARD_S:-200}" $PY -m benchmarks.bench_mcsparse_guard ${GUARD_ARGS:-} ;;
-    flags) run_stage flags "${FLAGS_S:-120}" $PY -m benchmarks.bench_finite_flags ${FLAGS_ARGS:-} ;;
     cold) run_stage cold "${COLD_S:-400}" $PY -m benchmarks.bench_cold_start ${COLD_ARGS:-} ;;
     keypad) run_stage keypad "${KEYPAD_S:-300}" $PY -m benchmarks.bench_key_padding ${KEYPAD_ARGS:-} ;;
     e2e)
@@ -156,17 +144,8 @@ while [ $# -gt 0 ]; do
     sm90)  # the Gluon kernel alone beside FA3 FP8 / torchao / cuDNN (its default and SM90_CONFIGS' launches)
       run_stage sm90 "${SM90_S:-300}" $PY -m benchmarks.bench_vsmooth_attn_sm90 \
         --shapes "${SM90_SHAPES:-40x32760x128,40x75600x128}" --configs "${SM90_CONFIGS:-[]}" ;;
-    ncu)  # instructions, issue slots and pipe use of one launch: the ExpCast kernel and FA3's FP8 kernel
-      # NCU_WHICH: which of them (default both); NCU_LAUNCH: launch-field overrides of ours (JSON)
-      export NCU_WHICH=${NCU_WHICH:-ours fa3} NCU_LAUNCH=${NCU_LAUNCH:-"{}"}
-      run_stage ncu "${NCU_S:-240}" bash -c 'for w in $NCU_WHICH; do
-        ncu --profile-from-start off --clock-control none --section SpeedOfLight --section InstructionStats \
-          --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats --page raw --csv \
-          $PY -m scripts.ncu_sm90_kernel --which $w --H 40 --S 32760 --launch "$NCU_LAUNCH" > "$OUT/ncu_$w.csv"; done' ;;
     overhead)  # host time, launches and GPU time of reuse calls beside stock SDPA (the speed gate's rows)
       run_stage overhead "${OVERHEAD_S:-300}" $PY -m benchmarks.bench_op_overhead ${OVERHEAD_ARGS:-} ;;
-    preprocess)
-      run_stage preprocess 80 $PY -m benchmarks.bench_preprocess --budget 70 --csv "$OUT/bench_preprocess.csv" ;;
     tune)
       run_stage tune 140 $PY -m benchmarks.bench_tune --methods vsmooth --budget 130 --csv "$OUT/bench_tune.csv" ;;
     pkg)

@@ -5,7 +5,7 @@
 # On a CPU-only machine the Triton kernels run under TRITON_INTERPRET=1 on small shapes and GPU-only
 # tests are skipped (marker `requires_cuda`). About 6-15 minutes on 2 CPU cores, by the machine's load
 # (11 min 21 s of tests on 2 cores on 2026-12-06, 1217 passed, 339 skipped, with another job running).
-#     bash scripts/test.sh [pytest args]        # VC_TEST_VENV=DIR: another venv; VC_TEST_VENV=none: this Python
+#     bash tools/test.sh [pytest args]        # VC_TEST_VENV=DIR: another venv; VC_TEST_VENV=none: this Python
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VC_TEST_VENV:-.venv-test}
@@ -13,8 +13,8 @@ if [ "$VENV" != none ]; then
   [ -x "$VENV/bin/python" ] || ${PYTHON:-python3} -m venv --system-site-packages "$VENV"
   export PYTHON="$PWD/$VENV/bin/python"
 fi
-bash scripts/setup.sh  # pip install -e ".[test,demo]" (torch kept)
+bash tools/setup.sh  # pip install -e ".[test,demo]" (torch kept)
 # -n auto: one pytest-xdist worker per core on a CPU-only machine, serial on a CUDA one (tests/conftest.py;
 # it also splits torch's threads among the workers and keeps each module-scoped fixture on one worker:
-# --dist loadgroup); `bash scripts/test.sh -n 0` runs serially.
+# --dist loadgroup); `bash tools/test.sh -n 0` runs serially.
 exec ${PYTHON:-python3} -m pytest -q -ra --durations=15 -n auto --dist loadgroup tests "$@"

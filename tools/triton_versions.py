@@ -1,10 +1,10 @@
 """Every kernel built offline for sm_90 on several Triton releases, compared with the first (the baseline).
 
-    python3 -m scripts.triton_versions PYTHON [PYTHON ...] [--out DIR] [--only gluon,sm90_sparse,...]
+    python3 -m tools.triton_versions PYTHON [PYTHON ...] [--out DIR] [--only gluon,sm90_sparse,...]
 
 Each PYTHON is an interpreter whose environment holds one Triton release (a venv with
 ``--system-site-packages`` over this checkout's environment and ``pip install triton==X``). Per interpreter,
-``scripts/codegen_fingerprint.py`` compiles every kernel configuration a default or a tuner candidate launches
+``tests/codegen_fingerprint.py`` compiles every kernel configuration a default or a tuner candidate launches
 (the fake-driver warm-up compile, no GPU) and records per kernel: its SASS length, its key loops' lengths
 (the longest backward branch; the Gluon kernels' register-P~ loop and MMA window, the gather kernel's
 consumer and producer loops), registers and spill bytes. The table lists, per release against the baseline,
@@ -20,14 +20,15 @@ import os
 import subprocess
 import sys
 
-S_MAIN = 32760  # the sequence length the kernels are built for (scripts/codegen_fingerprint.S_MAIN)
+S_MAIN = 32760  # the sequence length the kernels are built for (tests/codegen_fingerprint.S_MAIN)
 LOOPS = ("loop", "preg_loop", "smem_window", "consumer_loop", "producer_loop")
 
 
 def fingerprints(python: str, out: str, only: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([python, "-m", "scripts.codegen_fingerprint", "--out", out, "--only", only], env=env,
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests")])  # the offline sm_90 build lives there
+    r = subprocess.run([python, "-m", "codegen_fingerprint", "--out", out, "--only", only], env=env,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{python}: codegen_fingerprint failed:\n{r.stderr[-3000:]}")

@@ -8,9 +8,9 @@ instructions in the window). Register P~ (``p_operand="registers"``): in the key
 after the softmax and PV takes P~ from registers (``QGMMA ... R, gdesc``), with no P~ stores to shared
 memory.
 
-    python3 -m scripts.codegen_vsmooth [--S 32760] [--json]
+    PYTHONPATH=tests python -m codegen_vsmooth [--S 32760] [--json]
 
-Same fake-driver warm-up compile as scripts/codegen_stats.py (B = 1, H = 40). Never run under
+Same fake-driver warm-up compile as tests/codegen_stats.py (B = 1, H = 40). Never run under
 TRITON_INTERPRET=1.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import json
 import re
 from collections import Counter
 
-from scripts import codegen_sparse as csp  # (pops TRITON_INTERPRET, imports torch and triton)
-from scripts import codegen_stats as cs
+import codegen_sparse as csp  # (pops TRITON_INTERPRET, imports torch and triton)
+import codegen_stats as cs
 
 import torch  # noqa: E402  (after codegen_stats)
 

@@ -1,8 +1,8 @@
 """Compile the anchor-step kernels (``anchor_mass._mass_kernel``, ``topk._topk_kernel``) for sm_90 WITHOUT a GPU
 and print registers, spills, shared memory, CTAs per H200 SM, the loop's wgmma waits and the SASS instruction
-mix of the innermost hot loop (as scripts/codegen_sparse.py; same fake-driver warm-up compile).
+mix of the innermost hot loop (as tests/codegen_sparse.py; same fake-driver warm-up compile).
 
-    python -m scripts.codegen_anchor [--S 32760] [--C 128] [--json]
+    PYTHONPATH=tests python -m codegen_anchor [--S 32760] [--C 128] [--json]
 
 Mass kernel variants: exp in {exact, shift} x groups per program (256 / C and 128 / C) x key permutation on;
 top-K: digit in {4, 8} x mass dtype in {bf16, fp32}. Never run under TRITON_INTERPRET=1.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from scripts import codegen_sparse as cg  # (pops TRITON_INTERPRET, imports torch and triton)
-from scripts import codegen_stats as cs
+import codegen_sparse as cg  # (pops TRITON_INTERPRET, imports torch and triton)
+import codegen_stats as cs
 
 import torch  # noqa: E402  (after codegen_stats)
 

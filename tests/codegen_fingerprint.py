@@ -1,10 +1,10 @@
 """SASS fingerprints of every kernel configuration a default or a tuner candidate can launch, compiled for
-sm_90 WITHOUT a GPU (the fake-driver warm-up compile of scripts/codegen_stats.py): per case and kernel the
+sm_90 WITHOUT a GPU (the fake-driver warm-up compile of tests/codegen_stats.py): per case and kernel the
 SHA-256 of the SASS instruction stream (kernel name stripped), its length and the length of the key loop
 (the longest backward branch). Two runs that print the same fingerprints compiled to the same machine code.
 
-    python3 -m scripts.codegen_fingerprint --out before.json [--only gluon,triton,sparse,pre,aux]
-    python3 -m scripts.codegen_fingerprint --compare before.json after.json
+    PYTHONPATH=tests python -m codegen_fingerprint --out before.json [--only gluon,triton,sparse,pre,aux]
+    PYTHONPATH=tests python -m codegen_fingerprint --compare before.json after.json
 
 Used for the kernel-layer redesign: "speed unchanged" checked as "same SASS" for every default.
 Never run under TRITON_INTERPRET=1.
@@ -18,8 +18,8 @@ import re
 import sys
 import time
 
-from scripts import codegen_sparse as csp  # (pops TRITON_INTERPRET, imports torch and triton)
-from scripts import codegen_stats as cs
+import codegen_sparse as csp  # (pops TRITON_INTERPRET, imports torch and triton)
+import codegen_stats as cs
 
 import torch  # noqa: E402  (after codegen_stats)
 
@@ -54,12 +54,12 @@ def fingerprint(k) -> dict:
            "loops_sha": hashlib.sha256("\n--\n".join(sorted(set(loops))).encode()).hexdigest()[:16],
            "serialized": serialized, "shared": k.metadata.shared}
     if "sparse_attn_sm90" in name:  # the gather kernel's two partitions' key loops
-        from scripts import codegen_sparse_sm90 as cg
+        import codegen_sparse_sm90 as cg
         ks = cg.kernel_stats(k)
         out["consumer_loop"] = ks["consumer"].get("instructions", 0)
         out["producer_loop"] = ks["producer"].get("instructions", 0)
-    elif "sm90" in name:  # the Gluon kernel's key-loop windows (scripts/codegen_vsmooth.py)
-        from scripts import codegen_vsmooth as cv
+    elif "sm90" in name:  # the Gluon kernel's key-loop windows (tests/codegen_vsmooth.py)
+        import codegen_vsmooth as cv
         rp, ow = cv.register_p_loop(sass), cv.overlap_window(sass)
         out["preg_loop"] = rp.get("instructions", 0) if rp.get("found") else 0
         out["smem_window"] = ow.get("instructions", 0) if ow.get("found") else 0
@@ -275,7 +275,7 @@ def aux_cases():
 
 def sm90_sparse_cases():
     """The Gluon gather kernel: its default per group size, the 8-bit QK variant, the 64-bit offset path."""
-    from scripts import codegen_sparse_sm90 as cg
+    import codegen_sparse_sm90 as cg
     from vc_compile.kernels import configs as C
     out = []
     for Cg, qk8 in ((64, False), (128, False), (128, True)):
@@ -287,7 +287,7 @@ def sm90_sparse_cases():
 def anchor_cases():
     """The anchor step's kernels: the 8-bit group-key mass (its defaults per group size, both exponent modes) and
     the radix top-K, the finiteness flags with and without the sampled-row probe, the gather kernel's K quantisers."""
-    from scripts import codegen_anchor as ca
+    import codegen_anchor as ca
     from vc_compile.kernels import configs as C
     out = [(f"mass_c{Cg}_{exp.value}", lambda Cg=Cg, exp=exp: ca.compile_mass(S_MAIN, Cg, C.anchor_mass_default(Cg, exp)))
            for Cg in (64, 128) for exp in (C.ExpMode.SHIFT, C.ExpMode.EXACT)]

@@ -1,4 +1,4 @@
-"""Attention inputs for the fidelity studies (scripts/fidelity_decompose.py, tests/test_fidelity_*.py).
+"""Attention inputs for the fidelity studies (tests/fidelity_decompose.py, tests/test_fidelity_*.py).
 
 Every builder returns (q, k, v) as [B, H, S, D] bf16 tensors (the model's dtype), deterministic per seed.
 

@@ -1,11 +1,9 @@
-"""Where the 8-bit attention error comes from, per method and input family.
+"""Where the 8-bit attention error comes from, per method: the decomposition of docs/fidelity_notes.md, which
+tests/test_fidelity_vsmooth.py measures. (The study's command line over input families, sizes and captured
+q, k, v is the script scripts/fidelity_decompose.py at commit 7684991, removed since.)
 
-    python -m scripts.fidelity_decompose [--families video,structured,value_dominated,gaussian,captured]
-        [--S 8190,32760,75600] [--rows 256] [--heads 2] [--methods ...] [--captured DIR] [--kernel] [--csv]
-
-For every (family, S) the same sampled query rows go through every method; each output is compared with the
-fp32 truth (rel. L2 over the rows, and per row for the spread) and its error split as (SPEC 3.2)
-
+For a case (q, k, v and sampled query rows) each method's output is compared with the fp32 truth and its error
+split as (SPEC 3.2)
     O_q - O = -(P - P_q) V - P_q (V - V_q) + rest,   (P - P_q) = (P - P_qk) + (P_qk - P_q)
 
 * ``qk``: (P - P_qk) V, P_qk = the exact softmax of the method's quantised logits (QK error folded into P);
@@ -16,24 +14,20 @@ fp32 truth (rel. L2 over the rows, and per row for the spread) and its error spl
 Reported: ||term|| / ||O|| per term and each term's share of the summed squares (the benchmark's
 err_share_pv is the ``v`` share of qk + p + v).
 
-Methods (``--methods``; all plain-PyTorch emulations, any device; bf16 output like the kernels):
+Methods (all plain-PyTorch emulations, any device; bf16 output like the kernels):
 sage2 (SageAttention2 sm_90, Q smoothing on), sage2_noq (the released sm_90 INT8 path: no Q smoothing), naive8
 (exp2 + cast, per-channel FP8 V, identity order), vsmooth (exp2 + cast, k-means order, block means),
-expcast (mode 3 as shipped), and the variants under study (``METHODS`` below). ``--kernel`` (CUDA): also the
-shipped kernels (vc_compile.kernels) on the same rows, to confirm the emulation on the H200.
-``--csv`` appends one row per (family, S, method) to benchmarks/results/fidelity_decompose.csv;
-``--summarize CSV [--commit C]`` prints the tables of docs/fidelity_notes.md from such a file.
+expcast (mode 3 as shipped), and the variants under study (``METHODS`` below). ``measure(..., kernel=True)`` (CUDA): also the
+shipped kernels (vc_compile.kernels) on the same rows, to confirm the emulation.
 """
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import time
 
 import torch
 
-from scripts import fidelity_inputs as FI
+import fidelity_inputs as FI
 
 from vc_compile import formats, torch_ops
 from vc_compile.reference import kmeans as ref_km
@@ -164,98 +158,3 @@ def measure(case, methods, kernel=False):
             f"rest {r['rel_rest']:.2e}  share v {r['share_v']:.2f}  ({time.time() - t0:.0f} s)"
             + (f"  kernel {r['kernel_rel_l2']:.3e} (vs emu {r['kernel_vs_emu']:.1e})" if "kernel_rel_l2" in r else ""))
     return res
-
-
-def captured_cases(path, max_cases):
-    """(name, q, k, v) from a vc_compile.demo.capture directory (index.json + qkv_*.pt)."""
-    import json
-
-    meta = json.load(open(os.path.join(path, "index.json")))
-    for f in meta["files"][:max_cases]:
-        d = torch.load(os.path.join(path, f["file"]))
-        yield f"L{f['layer']}s{f['step']}", d["q"], d["k"], d["v"]
-
-
-def summarize(path, commit=None):
-    """Markdown tables from a fidelity_decompose CSV: rel. L2 per (family, S) and method, the ratios the issue
-    asks for, and the error terms (captured cases: medians over the captures)."""
-    import csv
-    import statistics
-
-    rows = [r for r in csv.DictReader(open(path)) if commit is None or r["commit"].startswith(commit)]
-    groups = {}
-    for r in rows:
-        fam = "captured (median)" if r["family"].startswith("captured") else r["family"]
-        groups.setdefault((fam, int(r["S"])), {}).setdefault(r["variant"], []).append(r)
-    methods = list(dict.fromkeys(r["variant"] for r in rows))
-
-    def med(rs, key):
-        return statistics.median(float(x[key]) for x in rs)
-
-    out = ["| family | S | " + " | ".join(methods) + " | vsmooth / sage2 | vsmooth_blk / sage2 | expcast / vsmooth"
-           " | expcast_blk / vsmooth_blk |", "|" + "---|" * (len(methods) + 6)]
-    for (fam, S), d in groups.items():
-        e = {m: med(d[m], "rel_l2") for m in d}
-        ratio = lambda a, b: f"{e[a] / e[b]:.2f}" if a in e and b in e else ""  # noqa: E731
-        out.append(f"| {fam} | {S} | " + " | ".join(f"{e[m]:.2e}" if m in e else "" for m in methods)
-                   + f" | {ratio('vsmooth', 'sage2')} | {ratio('vsmooth_blk', 'sage2')} | {ratio('expcast', 'vsmooth')}"
-                   f" | {ratio('expcast_blk', 'vsmooth_blk')} |")
-    out += ["", "| family | S | method | rel. L2 | QK | P | V | rest | V share |", "|---|---|---|---|---|---|---|---|---|"]
-    for (fam, S), d in groups.items():
-        for m in methods:
-            if m in d:
-                out.append(f"| {fam} | {S} | {m} | {med(d[m], 'rel_l2'):.2e} | {med(d[m], 'rel_qk'):.2e} | "
-                           f"{med(d[m], 'rel_p'):.2e} | {med(d[m], 'rel_v'):.2e} | {med(d[m], 'rel_rest'):.2e} | "
-                           f"{med(d[m], 'share_v'):.2f} |")
-    return "\n".join(out)
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", default="video,structured,value_dominated,gaussian")
-    ap.add_argument("--S", default="8190,32760")
-    ap.add_argument("--rows", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--methods", default="sage2,sage2_noq,naive8,vsmooth,expcast")
-    ap.add_argument("--captured", default=None, help="a vc_compile.demo.capture output directory")
-    ap.add_argument("--max-captured", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--kernel", action="store_true", help="also the shipped kernels (CUDA)")
-    ap.add_argument("--csv", action="store_true")
-    ap.add_argument("--summarize", default=None, help="print markdown tables from this CSV and exit")
-    ap.add_argument("--commit", default=None, help="with --summarize: only rows of this commit")
-    a = ap.parse_args(argv)
-    if a.summarize:
-        print(summarize(a.summarize, a.commit))
-        return []
-    methods = a.methods.split(",")
-    rows_out = []
-    g = torch.Generator().manual_seed(a.seed)
-    cases = []
-    for fam in a.families.split(","):
-        if fam == "captured":
-            if a.captured:
-                cases += [("captured:" + n, q, k, v) for n, q, k, v in captured_cases(a.captured, a.max_captured)]
-            continue
-        for S in (int(x) for x in a.S.split(",")):
-            cases.append((fam, *FI.FAMILIES[fam](S, a.D, a.heads, a.seed)))
-    for name, q, k, v in cases:
-        q, k, v = (x.to(a.device) for x in (q, k, v))
-        B, H, S, D = q.shape
-        rows = torch.randperm(S, generator=g)[:a.rows].sort().values.to(a.device)
-        log(f"== {name} B={B} H={H} S={S} D={D} rows={rows.numel()}")
-        res = measure(Case(q, k, v, rows), methods, a.kernel)
-        for r in res.values():
-            rows_out.append(dict(r, family=name, B=B, H=H, S=S, D=D, density=1.0, ms=float("nan"),
-                                 note=f"{rows.numel()} rows x {H} heads, emulated ({a.device})"))
-    if a.csv:
-        from benchmarks.common import append_rows
-
-        log("csv:", append_rows("fidelity_decompose", rows_out))
-    return rows_out
-
-
-if __name__ == "__main__":
-    main()

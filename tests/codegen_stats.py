@@ -3,7 +3,7 @@ does per kernel: registers and spills (ptxas -v), layout conversions (TTGIR), gl
 (PTX). Used to find why the RoPE prologue was 10x slower than the no-RoPE path (scalar loads, 243
 registers; see the NOTE in vc_compile/kernels/preprocess.py) and by tests/test_rope_fuse.py to keep it so.
 
-    python3 -m scripts.codegen_stats [--S 32760] [--form interleaved|rotate-half] [--full] [--json]
+    PYTHONPATH=tests python -m codegen_stats [--S 32760] [--form interleaved|rotate-half] [--full] [--json]
         [--dump PREFIX]
 
 Triton's JIT is run with a fake driver (target cuda:90) and every launch turned into a warm-up compile;

@@ -1,9 +1,9 @@
 """Docs tables and plots from the benchmark CSVs (the latest row of every variant).
 
-    python -m scripts.render_results                     # markdown tables to stdout, plots to docs/img/
-    python -m scripts.render_results --write             # also rewrite the marked blocks of README.md and docs/
-    python -m scripts.render_results --no-plots          # tables only
-    python -m scripts.render_results --results-dir DIR --img-dir DIR
+    python -m tools.render_results                     # markdown tables to stdout, plots to docs/img/
+    python -m tools.render_results --write             # also rewrite the marked blocks of README.md and docs/
+    python -m tools.render_results --no-plots          # tables only
+    python -m tools.render_results --results-dir DIR --img-dir DIR
 
 ``--write`` replaces the text between ``<!-- results:NAME:begin -->`` and ``<!-- results:NAME:end -->`` in
 README.md and docs/performance.md (``--docs FILE ...`` to choose) with block NAME (``blocks()``):
@@ -541,7 +541,7 @@ def schedule_tables(rows) -> List[str]:
     (variant, density, steps, warm-up, anchors, seed), each against the dense clip of its own run (same seed),
     with the modelled attention cost of the generation in reuse-step units."""
     if not rows:
-        return [_none_yet("bench_mcsparse_schedule.csv", "`python -m benchmarks.bench_mcsparse_schedule`")]
+        return [_none_yet("bench_mcsparse_schedule.csv", "the benchmark that docs/design/mcsparse-schedule.md names")]
     latest_of: Dict[tuple, Dict[str, str]] = {}
     open_loop = [r for r in rows if r.get("variant", "").endswith("+open-loop")]
     for r in rows:
@@ -701,7 +701,7 @@ def vsmooth_schedule_tables(rows) -> List[str]:
     trajectory, the latest row of each (variant, steps, seed): mean / second-half / worst rel. L2 against fp64,
     against re-grouping every step, and the group steps each schedule costs."""
     if not rows:
-        return [_none_yet("bench_vsmooth_schedule.csv", "`python -m benchmarks.bench_vsmooth_schedule`")]
+        return [_none_yet("bench_vsmooth_schedule.csv", "the benchmark that docs/design/vsmooth-grouping-schedule.md names")]
     latest_of: Dict[tuple, Dict[str, str]] = {}
     for r in rows:
         latest_of[(r["variant"], r.get("steps", ""), r.get("seed") or "0")] = r
@@ -809,10 +809,10 @@ def toolchain_tables(sm90, overhead) -> List[str]:
 
 
 def triton_versions_table(rows) -> str:
-    """``triton_versions.csv`` (``scripts/triton_versions.py``): per release, the latest run's offline sm_90 build
+    """``triton_versions.csv`` (``tools/triton_versions.py``): per release, the latest run's offline sm_90 build
     of every kernel against the baseline release."""
     if not rows:
-        return _none_yet("triton_versions.csv", "`python -m scripts.triton_versions PYTHON ...`")
+        return _none_yet("triton_versions.csv", "`python -m tools.triton_versions PYTHON ...`")
     latest = {}
     for r in rows:
         latest[r["triton"]] = r
@@ -833,7 +833,7 @@ def quant_check_table(rows) -> str:
     """``bench_quant_check.csv``: the latest run (its commit), per input kind and head dim, what the quantisation
     check chose per outlier case and V-Smooth's error without and with it, as multiples of the clean case's."""
     if not rows:
-        return _none_yet("bench_quant_check.csv", "`python -m benchmarks.bench_quant_check`")
+        return _none_yet("bench_quant_check.csv", "the benchmark that docs/design/quant-check.md names")
     last = rows[-1]["commit"]
     run = [r for r in rows if r["commit"] == last and r["date"][:10] == rows[-1]["date"][:10]]
     cases = list(dict.fromkeys(r["variant"] for r in run))
@@ -855,7 +855,7 @@ def reuse_check_table(rows) -> str:
     """``bench_reuse_check.csv``: the latest run, per trajectory and density, the first reuse step's error beside the
     previous output's, what the check did, and the mean error over the steps after the anchor without and with it."""
     if not rows:
-        return _none_yet("bench_reuse_check.csv", "`python -m benchmarks.bench_reuse_check`")
+        return _none_yet("bench_reuse_check.csv", "the benchmark that docs/design/reuse-check.md names")
     last = rows[-1]["commit"]
     run = [r for r in rows if r["commit"] == last and r["date"][:10] == rows[-1]["date"][:10]]
     f3 = lambda x: f"{float(x):.3f}"  # noqa: E731

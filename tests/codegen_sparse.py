@@ -4,10 +4,10 @@ that fit on an H200 SM, whether the gathered K/V rows go through cp.async (LDGST
 wgmma waits sit (TTGIR), whether ptxas serialised the wgmmas (C7514 / C7515), and the SASS instruction mix of
 the inner loop (the largest backward branch; both sides of an `if` in it are counted).
 
-    python3 -m scripts.codegen_sparse [--S 32760] [--C 64,128] [--configs 64/4/3,32/4/3]
+    PYTHONPATH=tests python -m codegen_sparse [--S 32760] [--C 64,128] [--configs 64/4/3,32/4/3]
         [--kv-off auto|0|1] [--json] [--dump PREFIX]
 
-Same fake-driver warm-up compile as scripts/codegen_stats.py (shapes of the benchmark: B = 1, H = 40,
+Same fake-driver warm-up compile as tests/codegen_stats.py (shapes of the benchmark: B = 1, H = 40,
 D = 128, bf16, s = 0.15, residual epilogue on). Never run under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from collections import Counter
 
-from scripts import codegen_stats as cs  # (pops TRITON_INTERPRET, imports torch and triton)
+import codegen_stats as cs  # (pops TRITON_INTERPRET, imports torch and triton)
 
 import torch  # noqa: E402  (after codegen_stats)
 

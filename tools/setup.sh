@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs vc_compile with the extras a job needs (default: test,demo), through pyproject.toml's own
 # requirements (so CI exercises them), without replacing a suitable torch:
-#     bash scripts/setup.sh                 # pip install -e ".[test,demo]"
-#     VC_EXTRAS=bench bash scripts/setup.sh # another set of extras ("" = the core only)
+#     bash tools/setup.sh                 # pip install -e ".[test,demo]"
+#     VC_EXTRAS=bench bash tools/setup.sh # another set of extras ("" = the core only)
 # A machine without torch >= 2.11 first gets torch==2.13.0 (on this project's CPU machines pip's
 # configuration resolves it to the local CPU build; a plain `torch` would pull a multi-GB CUDA build),
 # and the installed torch is pinned while the extras resolve, so no extra can swap it.
