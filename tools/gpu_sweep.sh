@@ -11,11 +11,11 @@
 #   tests         the GPU tests (pytest -n 8 over the kernel test files)
 #   kernels       the kernel benchmarks with their FA4 / cuDNN / sageattention baselines (SPARSE_BENCH=0: the
 #                 8-bit ones only)
-#   pipeline | generation | guard | cold   the whole-generation benchmarks
+#   pipeline | generation | cold   the whole-generation benchmarks
 #   keypad        HunyuanVideo's key-padded joint attention beside stock SDPA with the mask (bench_key_padding)
 #   other stages: e2e, e2e75 (bench_e2e at 32K/75K), c128, ladder, sparseab, sparseab75, sparse90 (the Gluon
 #   gather kernel vs the Triton one, cuDNN and FA3 bf16; SPARSE90_ARGS e.g. --configs default,128/2), soak,
-#   cp (two GPUs), gputests, gpukey, vsmooth (A/B), sm90 (the Gluon kernel vs FA3 FP8), overhead, tune,
+#   cp (two GPUs), gputests, gpukey, vsmooth (A/B), sm90 (the Gluon kernel vs FA3 FP8), overhead,
 #   pkg (NVML, enable(), package tests)
 # Results: benchmarks/results/*.csv are copied to $OUT/results after every stage.
 # Environment: VC_COMMIT names the commit in the rows (where the checkout's .git is absent or stale).
@@ -99,7 +99,6 @@ while [ $# -gt 0 ]; do
                 --budget $(( ${PIPELINE_S:-560} - 30 )) ${PIPELINE_ARGS:-} ;;
     generation) run_stage generation "${GENERATION_S:-300}" $PY -m benchmarks.bench_generation \
                   --budget $(( ${GENERATION_S:-300} - 20 )) ${GENERATION_ARGS:-} ;;
-    guard) run_stage guard "${GUARD_S:-200}" $PY -m benchmarks.bench_mcsparse_guard ${GUARD_ARGS:-} ;;
     cold) run_stage cold "${COLD_S:-400}" $PY -m benchmarks.bench_cold_start ${COLD_ARGS:-} ;;
     keypad) run_stage keypad "${KEYPAD_S:-300}" $PY -m benchmarks.bench_key_padding ${KEYPAD_ARGS:-} ;;
     e2e)
@@ -146,8 +145,6 @@ while [ $# -gt 0 ]; do
         --shapes "${SM90_SHAPES:-40x32760x128,40x75600x128}" --configs "${SM90_CONFIGS:-[]}" ;;
     overhead)  # host time, launches and GPU time of reuse calls beside stock SDPA (the speed gate's rows)
       run_stage overhead "${OVERHEAD_S:-300}" $PY -m benchmarks.bench_op_overhead ${OVERHEAD_ARGS:-} ;;
-    tune)
-      run_stage tune 140 $PY -m benchmarks.bench_tune --methods vsmooth --budget 130 --csv "$OUT/bench_tune.csv" ;;
     pkg)
       run_stage pkg 240 bash -c '$PY -c "from vc_compile import nvml; print(nvml.limits(0)); print(nvml.state(0))"
         $PY -c "from vc_compile.tune.cache import current_arch as a, cache_dir as d; print(a().dirname, d())"

@@ -41,7 +41,7 @@ import torch
 # NOTE 16 rows per head: the probe's tl.dot tile is at least 16 rows, and at B = 1, H = 40, S = 32760,
 # D = 128 its QK and PV are 4 R S D = 10.7 GFLOP per call, hidden under the pass's 670 MB read. The
 # estimate pools every head's rows (640 rows at H = 40; 32 on the 2-head demo model: its estimate vs the
-# true error per call comes from bench_mcsparse_guard --demo --trace, docs/mcsparse_guard.md).
+# true error per call comes from docs/design/quality-guard.md).
 ROWS = 16
 _HISTORY = 64  # read-back errors kept per metadata entry (diagnostics)
 
