@@ -4,6 +4,7 @@ tensor scalars and small sizes in messages, the report's placeholders.
 What needs a compiled graph (dynamic shapes, grad-mode site identity, the fallback warning, module paths,
 the reference-path note) is in ``tests/test_reliability_compile.py``.
 """
+import collections
 import json
 import os
 import warnings
@@ -15,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import vc_compile
 from vc_compile.config import VCConfig, VCConfigError
+from vc_compile.runtime import runtime as _runtime
 from vc_compile.runtime import steps as _steps
 from vc_compile.runtime.steps import TRACKER
 from vc_compile.tune import cache as C
@@ -26,7 +28,7 @@ SHAPE = ((1, 2, 256, 64), (1, 2, 256, 64))
 def _fresh(monkeypatch):
     vc_compile.reset(report=True)
     counters.clear()
-    monkeypatch.setattr(_steps, "_WARNED", set(), raising=False)
+    monkeypatch.setattr(_runtime.current(), "said", collections.defaultdict(set))  # one-time notes due again
     yield
     vc_compile.reset(report=True)
 
@@ -155,8 +157,7 @@ def _key():
 @pytest.fixture
 def tuning(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(C, "_REPORTED", set())
-    monkeypatch.setattr(C, "_UNWRITABLE", set(), raising=False)
+    monkeypatch.setattr(_runtime.current(), "said", collections.defaultdict(set))  # one-time notes due again
 
 
 def _bench(cfg):

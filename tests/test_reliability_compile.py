@@ -25,10 +25,11 @@ pytestmark = pytest.mark.usefixtures("fresh_vcattn")
 
 @pytest.fixture(autouse=True)
 def _fresh_notes(monkeypatch):
-    from vc_compile.passes import fallback_notes
+    import collections
 
-    monkeypatch.setattr(fallback_notes, "_NOTED", set())
-    monkeypatch.setattr(fallback_notes, "_WARNED", set())
+    from vc_compile.runtime.runtime import current
+
+    monkeypatch.setattr(current(), "said", collections.defaultdict(set))  # every one-time note due again
 
 
 def f(q, k, v):

@@ -23,12 +23,11 @@ from torch._dynamo.utils import counters
 
 from .. import methods
 from ..config import Kernels, VCConfig
+from ..runtime.runtime import current
 from .cp_detect import DTENSOR_REASON
 
 HEAD_DIM_DYNAMIC = "head_dim marked dynamic"  # the rewrite's reason for a head dim Dynamo made symbolic
 _SHORT = ("sequence too short", "cross-attention too short")
-_NOTED = set()  # methods whose reference path was noted in this process
-_WARNED = set()  # (compiled model, reason) pairs already warned about
 
 
 def _fix(reason: str, example, cfg: VCConfig) -> str:
@@ -74,9 +73,8 @@ def warn_fallbacks(records: List, short: Set[int], cfg: VCConfig, graph_name: st
         return
     reason, count = collections.Counter(r.reason for r in loud).most_common(1)[0]
     if root_id is not None:
-        if (root_id, reason) in _WARNED:
+        if not current().once("fallback", (root_id, reason)):
             return
-        _WARNED.add((root_id, reason))
     example = next(r for r in loud if r.reason == reason)
     where = example.module or example.node
     sites = f"{count} site{'s' if count > 1 else ''}"
@@ -96,9 +94,8 @@ def note_reference_path(cfg: VCConfig, q) -> None:
     if (cfg.experimental.kernels != Kernels.AUTO or not methods.get(method).USES_KERNELS or dev is None
             or dev.type in ("cuda", "meta")):
         return
-    if method.value in _NOTED:
+    if not current().once("reference path", method.value):
         return
-    _NOTED.add(method.value)
     warnings.warn(
         f"vcattn: {method.value} runs the plain-PyTorch reference on {dev.type} (slow: it is there for CPU "
         "tests and the demo; the Triton kernels run on CUDA GPUs). options={'experimental': {'kernels': "

@@ -19,6 +19,7 @@ What ``vcattn::attention`` remembers between calls, and what ``vc_compile.reset(
   goes with it).
 * ``prebuilds``: the helper processes that build the kernels of the compiled calls ahead of their first launch
   (``prebuild/helpers.py``; the op's first call waits for them).
+* ``said``: the one-time warnings and notes given so far (``once(topic, key)``), which ``reset()`` keeps.
 * ``subscribers``: functions run whenever a generation of any loop starts (``ops.py`` subscribes the store's
   ``clear`` and its own per-generation memory). A generation of a loop always starts in a context where that
   loop is the active one, so ``state.clear`` clears that loop's store.
@@ -145,6 +146,8 @@ class Runtime:
         self.store_lock = threading.Lock()  # one lock for every loop's store (``state.busy()``)
         self.checks = Checks()
         self.live_graphs: collections.Counter = collections.Counter()  # site id -> live compiled graphs
+        # one-time notes given in this process, per topic (``once``); reset() keeps them: a warning is said once
+        self.said: Dict[str, set] = collections.defaultdict(set)
         self.default = Loop(self._tracker(), self)
         self._open: "weakref.WeakSet[Loop]" = weakref.WeakSet()  # the sampling() loops open now
 
@@ -157,6 +160,15 @@ class Runtime:
             if part is None:
                 part = self.__dict__[name] = _build(self, name)
         return part
+
+    def once(self, topic: str, key: Any) -> bool:
+        """True the first time ``(topic, key)`` is asked in this process: a one-time warning or note is due."""
+        with self._lock:
+            seen = self.said[topic]
+            if key in seen:
+                return False
+            seen.add(key)
+            return True
 
     def part(self, name: str):
         """Part ``name`` if it was built, else None (nothing of it exists yet)."""

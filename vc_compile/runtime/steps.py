@@ -83,7 +83,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import warnings
-from typing import Optional, Set
+from typing import Optional
 
 from .probe import _bump, _frame_timestep, _probe, _read_timestep  # noqa: F401  (re-exported)
 from .runtime import Loop, active_loop, current
@@ -117,7 +117,6 @@ TRACKER = _ActiveTracker()
 
 
 # ---- public API ----------------------------------------------------------------------------------
-_WARNED: Set[str] = set()  # one-time warnings already given in this process
 
 
 def _as_index(x, minimum: int, error: str) -> int:
@@ -194,8 +193,7 @@ def step(i: int, num_steps: Optional[int] = None) -> None:
     one call site: no sampler makes that many forwards per step) warns at run time."""
     i, num_steps = _step_args(i, num_steps)
     tracker = active_tracker()
-    if not tracker.explicit_active and "step-outside-sampling" not in _WARNED:
-        _WARNED.add("step-outside-sampling")
+    if not tracker.explicit_active and current().once("steps", "step-outside-sampling"):
         n = num_steps if num_steps is not None else tracker.explicit_steps
         n = f"{n} steps per generation" if n else "steps per generation from the num_steps option"
         warnings.warn(

@@ -37,6 +37,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..runtime.runtime import current
+
 Config = Dict[str, object]
 SHIPPED_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -153,12 +155,8 @@ def _private_ok(directory: str) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-_REPORTED = set()
-
-
 def _report_bad(path: str, why: str) -> None:
-    if path not in _REPORTED:
-        _REPORTED.add(path)
+    if current().once("tuning cache file", path):
         warnings.warn(f"vcattn: ignoring tuning cache file {path} ({why}); it will be rewritten.",
                       RuntimeWarning, stacklevel=3)
 
@@ -208,9 +206,6 @@ def load(path: str) -> Dict[str, Config]:
     return {k: v for k, v in data["entries"].items() if isinstance(v, dict) and isinstance(v.get("config"), dict)}
 
 
-_UNWRITABLE = set()
-
-
 def store(path: str, entry: str, record: Dict[str, object]) -> bool:
     """Add one entry, atomically, under a lock (read-modify-write: concurrent writers keep all entries).
 
@@ -222,8 +217,7 @@ def store(path: str, entry: str, record: Dict[str, object]) -> bool:
         return True
     except OSError as e:  # NotADirectoryError, FileExistsError, PermissionError, filelock.Timeout, ...
         directory = os.path.dirname(path)
-        if directory not in _UNWRITABLE:
-            _UNWRITABLE.add(directory)
+        if current().once("tuning cache directory", directory):
             warnings.warn(f"vcattn: cannot write the tuning cache in {directory} ({type(e).__name__}: {e}); "
                           "kernels are tuned without caching (again in every new process). Point "
                           "options={'tune_cache_dir': ...} or $VCATTN_CACHE_DIR at a writable directory.",
