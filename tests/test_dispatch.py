@@ -1,6 +1,7 @@
 """kernels/dispatch.py's kernel table (``KERNELS``): every kernel module is a row, and what follows from the
 rows (import check, tuning sources, tuning classes, the report's labels) stays consistent with them."""
 import ast
+import dataclasses
 import importlib
 import os
 import pathlib
@@ -135,3 +136,22 @@ def test_implementation_names_what_runs():
     assert dispatch.implementation("vsmooth_attn", T, device=cpu, launch=ms_ws) == "triton/gluon_sm90"
     assert dispatch.implementation("sparse_attn_sm90", T) == "triton/gluon_sm90_gather"
     assert dispatch.implementation("topk", T) == "triton"
+
+
+def test_the_specialised_kernels_are_rows_of_the_table(monkeypatch):
+    """The Gluon sm_90 kernels take their Triton row's calls where their row says they apply (``replaces`` /
+    ``applies``); a row that failed to build does not, and a launch config of either row picks that row."""
+    spec = {n: r for n, r in dispatch.KERNELS.items() if r.replaces}
+    assert set(spec) == {"vsmooth_attn_sm90", "sparse_attn_sm90"}
+    assert all(r.replaces in dispatch.KERNELS and r.applies is not None and r.config is not None
+               for r in spec.values())
+    cpu = torch.device("cpu")
+    assert dispatch.row_for("vsmooth_attn", device=cpu, qk_format="int8") == "vsmooth_attn"  # not an sm_90 GPU
+    row = dispatch.KERNELS["vsmooth_attn_sm90"]
+    monkeypatch.setitem(dispatch.KERNELS, "vsmooth_attn_sm90",
+                        dataclasses.replace(row, applies=lambda **call: None))  # as on an sm_90 GPU
+    assert dispatch.vsmooth_kernel(cpu, "int8") == "vsmooth_attn_sm90"
+    monkeypatch.setitem(dispatch._BUILD_FAILED, "vsmooth_attn_sm90", "a build error")
+    assert dispatch.vsmooth_kernel(cpu, "int8") == "vsmooth_attn"  # its base runs instead
+    launch = dispatch.KERNELS["vsmooth_attn_sm90"].config()
+    assert dispatch.row_for("vsmooth_attn", launch, device=cpu, qk_format="int8") == "vsmooth_attn_sm90"

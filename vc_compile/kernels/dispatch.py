@@ -80,6 +80,10 @@ class KernelRow:
     ref_names: Tuple[Tuple[str, str], ...] = ()
     # the launch config an untuned kernel's entries take when the caller gives none (``launched``: which do)
     default_launch: Optional[object] = None
+    # a specialised kernel (the Gluon sm_90 ones): the row whose calls it takes over, and why it cannot take a
+    # call (None: it runs it), a function of the call's keywords (``row_for``); its own launch config picks it too
+    replaces: Optional[str] = None
+    applies: Optional[Callable[..., Optional[str]]] = None
     launched: Tuple[str, ...] = ()
 
     @property
@@ -101,6 +105,7 @@ KERNELS: Dict[str, KernelRow] = {r.name: r for r in (
     KernelRow("vsmooth_attn_sm90", "vsmooth_attn_sm90", C.VSmoothSm90Config,
               ("vsmooth_attn_sm90.py", "vsmooth_attn_sm90_softmax.py", "vsmooth_attn_sm90_steps.py"),
               label="triton/gluon_sm90", core=False,
+              replaces="vsmooth_attn", applies=lambda device, qk_format, **_: _sm90_vsmooth_ineligible(device, qk_format),
               candidates=lambda D, expcast, S, **_: list(C.vsmooth_sm90_candidates(D, expcast, S)),
               variant=lambda D, expcast, S, **_: C.vsmooth_sm90_variant(expcast, C.sm90_regime(D, expcast, S)),
               reference="vsmooth_attn", entries=("vsmooth_attention_sm90",),
@@ -114,7 +119,9 @@ KERNELS: Dict[str, KernelRow] = {r.name: r for r in (
               reference="sparse_attn", entries=("sparse_attention",)),
     # the Gluon gather kernel: bf16 / fp16 on sm_90 (``sparse_kernel``), its launch per group size (untuned)
     KernelRow("sparse_attn_sm90", "sparse_attn_sm90", C.SparseAttnSm90Config, label="triton/gluon_sm90_gather",
-              core=False, reference="sparse_attn", entries=("sparse_attention_sm90",),
+              core=False, reference="sparse_attn", entries=("sparse_attention_sm90",), replaces="sparse_attn",
+              applies=lambda q, v, qk_format, group_size, **_: (
+                  "16-bit scores only" if qk_format != "bf16" else sm90_gather_ineligible(q, v, group_size)),
               ref_names=(("sparse_attention_sm90", "sparse_attn:sparse_attention"),)),
     KernelRow("finite_flags", "finite_flags", C.FiniteFlagsConfig, reference="finite_flags",
               entries=("finite_flags", "probe_error"), default_launch=C.FINITE_FLAGS_DEFAULT,
@@ -493,10 +500,30 @@ def kmeans_perm(impl: Impl, x, n_clusters: int, n_iters: int, init=None):
     return call("kmeans", "kmeans_perm", impl, x, n_clusters, n_iters, init=init)
 
 
+def row_for(base: str, launch=None, **call) -> str:
+    """The row a TRITON call of kernel ``base`` runs: a row that ``replaces`` it where it ``applies`` to the call and
+    built on this Triton (a launch config of its own picks it, whatever the call), else ``base``."""
+    for row in KERNELS.values():
+        if row.replaces != base:
+            continue
+        if launch is not None:
+            if isinstance(launch, row.config):
+                return row.name
+        elif row.name not in _BUILD_FAILED and row.applies(**call) is None:
+            return row.name
+    return base
+
+
+def _sm90_vsmooth_ineligible(device: torch.device, qk_format: str) -> Optional[str]:
+    if qk_format != "int8":
+        return "FP8 Q/K (the Gluon kernel takes INT8)"
+    return None if _on_sm90(device) else "not an sm_90 GPU"
+
+
 def uses_sm90(device: torch.device, qk_format: str) -> bool:
     """Whether ``vsmooth_attention`` (TRITON, no launch config) runs the Gluon sm_90 kernel for these inputs (not
     where it failed to build: then the Triton kernel)."""
-    return qk_format == "int8" and _on_sm90(device) and "vsmooth_attn_sm90" not in _BUILD_FAILED
+    return vsmooth_kernel(device, qk_format) == "vsmooth_attn_sm90"
 
 
 def _on_sm90(device: torch.device) -> bool:
@@ -513,9 +540,7 @@ def _is_sm90(index: int) -> bool:
 def vsmooth_kernel(device: torch.device, qk_format: str, launch=None) -> str:
     """The tuning-table name of the attention kernel a TRITON call runs: "vsmooth_attn_sm90" (Gluon) or
     "vsmooth_attn" (Triton)."""
-    if launch is not None:
-        return "vsmooth_attn_sm90" if isinstance(launch, KERNELS["vsmooth_attn_sm90"].config) else "vsmooth_attn"
-    return "vsmooth_attn_sm90" if uses_sm90(device, qk_format) else "vsmooth_attn"
+    return row_for("vsmooth_attn", launch, device=device, qk_format=qk_format)
 
 
 def vsmooth_label(device: torch.device, qk_format: str) -> str:
@@ -587,10 +612,7 @@ def sparse_kernel(q, v, qk_format: str, group_size: int, launch=None) -> str:
     """The gather kernel a TRITON ``sparse_attention`` call runs: "sparse_attn_sm90" (the warp-specialised Gluon
     kernel) on an sm_90 GPU for bf16 / fp16 scores (``qk_format="bf16"``) with head dims 64 / 128 and C = 64 /
     128, "sparse_attn" (Triton) otherwise; a launch config picks its kernel."""
-    if launch is not None:
-        return "sparse_attn_sm90" if isinstance(launch, C.SparseAttnSm90Config) else "sparse_attn"
-    takes = qk_format == "bf16" and sm90_gather_ineligible(q, v, group_size) is None
-    return "sparse_attn_sm90" if takes else "sparse_attn"
+    return row_for("sparse_attn", launch, q=q, v=v, qk_format=qk_format, group_size=group_size)
 
 
 def sm90_gather_ineligible(q, v, group_size: int) -> Optional[str]:
