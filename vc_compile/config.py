@@ -544,7 +544,7 @@ def _log():
 
 
 ENV_METHOD = "VCATTN_METHOD"
-_ENV_VALUES = ("off", *(m.value for m in Method))  # off, auto and every method
+_ENV_VALUES = ("off", "auto", "dense", *(m.value for m in Method if m not in (Method.AUTO, Method.DENSE)))  # every method
 
 
 def method_from_env() -> Optional[str]:
