@@ -198,21 +198,13 @@ class VSmoothSm90Config(_Json):
     # exp2 and D = 64 were slower at every G. Only on smoothed V: without the block means the kernel runs G = 1
     # (vsmooth_attn_sm90.py). docs/design/pv-window.md
     pv_window: int = 1
-    # FA3's intra-warpgroup overlap on top of PV windows (``steps.overlap_loop``): S_{j+1} and PV_j issued
-    # together, the softmax of S_{j+1} run while PV_j is on the tensor cores, both retired within the step; the
-    # window's fp32 accumulator lives in shared memory (32 KB per consumer), which leaves the overlap its
-    # registers (in registers it needed ~250 of 240: ``overlap_pv`` in kernels_notes' removed variants).
-    # ExpCast only (on the exp2 path ptxas sank the exponentials below the PV wait: offline sm_90 SASS); elsewhere
-    # the option is ignored. NOTE experimental, selected by no default or tuner candidate: it measured slower than
-    # the window kernel it would replace, at the same error; docs/design/pv-window.md, Alternatives.
-    pv_overlap: bool = False
 
     def __post_init__(self):
         _coerce_enum(self, "p_operand", POperand)
         _coerce_enum(self, "rowsum", RowSum)
         _coerce_enum(self, "mean", MeanTerm)
         _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 5)), pv_window={1, 2, 4, 8})
-        for flag in ("warp_specialize", "byte_mask", "pv_overlap"):
+        for flag in ("warp_specialize", "byte_mask"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"VSmoothSm90Config.{flag}={getattr(self, flag)!r}; accepted: True, False")
         regs = self.p_operand == POperand.REGISTERS
@@ -229,9 +221,6 @@ class VSmoothSm90Config(_Json):
         if self.pv_window > 1 and not (self.warp_specialize and self.rowsum == RowSum.MMA):
             raise ValueError(f"{self}: pv_window > 1 is built on the warp-specialised structure with MMA row sums "
                              "(warp_specialize=True, rowsum='mma', mean='tf32_window')")
-        if self.pv_overlap and self.pv_window == 1:
-            raise ValueError(f"{self}: pv_overlap keeps the fp32 accumulator of PV windows in shared memory: "
-                             "needs pv_window > 1")
 
     @property
     def mma_sums(self) -> bool:
