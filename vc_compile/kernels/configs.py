@@ -321,53 +321,38 @@ class SparseAttnSm90Config(_Json):
     """The warp-specialised Gluon gather kernel's launch: ``block_n`` keys per ring stage, ``stages`` K / V
     stages per ring (one ring per CTA at C = 128, one per query group at C = 64), the registers per thread
     that ``setmaxnreg`` gives the two consumer warp groups and the 4-warp producer (two consumers and the
-    producer share the 504-register thread slot of a 12-warp CTA), whether the grid is persistent, and where the
-    synchronisation sits (``producer_fence``, ``one_wait``, ``overlap``). Measurements: docs/sparse_notes.md,
-    "Gluon gather kernel"."""
+    producer share the 504-register thread slot of a 12-warp CTA), and where the synchronisation sits
+    (``producer_fence``, ``overlap``). Measurements: docs/sparse_notes.md, "Gluon gather kernel"."""
     block_n: int = 128
     stages: int = 2
     # NOTE 232 / 40: the producer needs 40 registers for its 64-bit row addresses (at 24 its loop spills), and the
     # consumers' loop is the same at 232 as at 240; docs/design/sparse-launch-config.md
     consumer_regs: int = 232
     producer_regs: int = 40
-    # one CTA per SM looping over the tiles (the producer gathers the next tile's first blocks while the consumers
-    # finish this one) instead of one CTA per tile; the same kernel either way (the grid decides)
-    persistent: bool = False
     # where the proxy fence between the cp.async rows (generic proxy) and the wgmma reads (async proxy) sits:
     # False: in the consumers, after each ready wait (two per block on their critical path); True: in the
     # producer, after its own copies completed (cp.async.wait_group), before one release arrival per stage
     producer_fence: bool = False
-    # the consumers retire PV_j and S_{j+1} with one wait and free both stages behind one warp-group barrier
-    # (False: PV_j first, so V_j's stage is freed while S_{j+1} still runs)
-    one_wait: bool = False
     # FlashAttention-3's order inside a consumer: S_j and PV_{j-1} issued together, the softmax of S_j while
     # PV_{j-1} runs (False: softmax(S_j), then PV_j and S_{j+1} together, both waited for)
     overlap: bool = False
-    # FlashAttention-3's ping-pong (with ``overlap``): the two consumers take turns at the MMA issue point (an
-    # mbarrier each), so one's MMAs run while the other's softmax does.
-    # NOTE off: measured slower for bf16 scores (the default), level or faster only with the 8-bit QK variant;
-    # docs/design/sparse-launch-config.md
-    pingpong: bool = False
 
     def __post_init__(self):
         _check_ints(self, block_n={64, 128}, stages={2, 3, 4}, consumer_regs=set(range(128, 257, 8)),
                     producer_regs=set(range(24, 129, 8)))
-        for name in ("persistent", "producer_fence", "one_wait", "overlap", "pingpong"):
+        for name in ("producer_fence", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseAttnSm90Config.{name}={getattr(self, name)!r}; accepted: True, False")
-        if self.pingpong and not self.overlap:
-            raise ValueError(f"{self}: pingpong takes turns at the overlap order's issue point; set overlap=True")
         if 2 * self.consumer_regs + self.producer_regs > SM90_REGS_PER_THREAD_SLOT:
             raise ValueError(f"{self}: 2 x consumer_regs + producer_regs = "
                              f"{2 * self.consumer_regs + self.producer_regs} > {SM90_REGS_PER_THREAD_SLOT}")
 
     # the letters after "BN/stages" in ``from_spec`` (scripts' --configs)
-    SPEC_FLAGS = {"p": "persistent", "f": "producer_fence", "w": "one_wait", "o": "overlap", "g": "pingpong"}
+    SPEC_FLAGS = {"f": "producer_fence", "o": "overlap"}
 
     @classmethod
     def from_spec(cls, spec: str) -> "SparseAttnSm90Config":
-        """``"BN/stages"`` plus any of the letters p (persistent), f (producer_fence), w (one_wait), o (overlap),
-        e.g. ``"128/2fo"``."""
+        """``"BN/stages"`` plus any of the letters f (producer_fence), o (overlap), e.g. ``"128/2fo"``."""
         head = spec.rstrip("".join(cls.SPEC_FLAGS))
         flags = spec[len(head):]
         try:
