@@ -12,9 +12,8 @@ eta = (t_FA3 / t) x s (the MC-Sparse paper's measure; SDPA cuDNN stands in where
 B = 1, H = 40, D = 128, bf16, random sigma and a random sorted selection per group (as bench_sparse_attn), the
 reuse step's residual epilogue on (``--no-residual``: off). A ``--configs`` entry is ``default`` (the kernel's
 default at that C) or ``BN/stages`` of ``configs.SparseAttnSm90Config`` with letters for its switches
-(``from_spec``: p persistent grid, f producer-side proxy fence, w one MMA wait per block, o FlashAttention-3's
-overlap order); one that does not fit the shared memory at a C is reported and skipped. Every row is printed
-as it is measured, then the table; rows are appended to ``benchmarks/results/bench_sparse_attn_sm90.csv``.
+(``from_spec``: f producer-side proxy fence, o FlashAttention-3's overlap order); one that does not fit the
+shared memory at a C is reported and skipped. Every row is printed as it is measured, then the table; rows are appended to ``benchmarks/results/bench_sparse_attn_sm90.csv``.
 ``--ncu``: no timing; the Triton kernel and each config once, warmed up, between ``torch.cuda.profiler.start()``
 / ``stop()`` (the first size, C and density).
 """

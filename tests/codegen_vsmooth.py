@@ -41,9 +41,6 @@ VARIANTS = {  # name: (head dim, expcast, mean, launch config: None = the kernel
     "d128_expcast_ws": (128, True, True, VSmoothSm90Config(**_REG, warp_specialize=True)),
     "d64_expcast_preg": (64, True, True, VSmoothSm90Config(**_REG)),  # the D = 64 default below 6144 rows
     "d128_exp2_ms_nows": (128, False, True, VSmoothSm90Config(**_REG, **_MS)),  # MS without warp specialisation
-    # FA3's intra-warpgroup overlap on PV windows (experimental: no default selects it)
-    "d128_expcast_overlap": (128, True, True, VSmoothSm90Config(**_REG, **_MS, warp_specialize=True, pv_window=8,
-                                                                 pv_overlap=True)),
 }
 
 
@@ -138,26 +135,6 @@ def register_p_loop(sass: str) -> dict:
             "fp8_unpack": sum(1 for x in loop if op(x).startswith("F2FP.F16.E4M3.UNPACK"))}
 
 
-def overlap_loop_stats(sass: str) -> dict:
-    """``pv_overlap``: in the shortest key loop (the byte-mask one), the share of the softmax's FMNMX between the
-    wait that retires S_{j+1} with PV_j and r_j still running (``DEPBAR.LE gsb0, 0x2``) and the wait that
-    retires them (``0x0``), and the byte extractions (PRMT 0x777N) of an fp8 P~ repacked after the loop's back
-    edge (what carrying P~ as fp8 cost: ~200 instructions a block)."""
-    loops = key_loops(sass)
-    if not loops:
-        return {"found": False}
-    b = min(loops, key=len)
-    op = lambda x: re.sub(r"^@!?U?P\w+\s+", "", x).split()[0]  # noqa: E731
-    lo = next((i for i, x in enumerate(b) if re.search(r"DEPBAR\.LE gsb0, 0x2\b", x)), None)
-    hi = next((i for i, x in enumerate(b) if lo is not None and i > lo and re.search(r"DEPBAR\.LE gsb0, 0x0\b", x)),
-              None)
-    fm = [i for i, x in enumerate(b) if op(x).startswith("FMNMX")]
-    inside = sum(1 for i in fm if lo is not None and hi is not None and lo < i < hi)
-    return {"found": lo is not None and hi is not None, "instructions": len(b),
-            "softmax_while_pv_runs": round(inside / max(len(fm), 1), 3),
-            "byte_repack": sum(1 for x in b if re.search(r"PRMT R\d+, R\d+, 0x777[0-3]", x))}
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--S", type=int, default=32760)
@@ -181,7 +158,6 @@ def main(argv=None):
         out[name]["window"] = register_p_loop(sass) if out[name]["register_p"] else overlap_window(sass)
         out[name].update(loop_stats(sass))
         out[name]["byte_mask"] = bool(expcast and out[name]["register_p"] and cfg.byte_mask)
-        out[name]["overlap"] = overlap_loop_stats(sass) if cfg.pv_overlap else None
     if a.json:
         print(json.dumps(out))
     else:

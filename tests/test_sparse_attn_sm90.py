@@ -10,7 +10,6 @@ to the order of the fp32 sums and the bf16 rounding of P), and NaN / Inf propaga
 8-bit QK variant (int8 K codes): its offline SASS on CPU, and on the GPU against the reference run on the
 dequantised codes.
 """
-import dataclasses
 import json
 import os
 import pathlib
@@ -69,7 +68,7 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     assert st["consumer"]["local_memory"] == 0 and st["producer"]["local_memory"] == 0
     # one 12-warp CTA per SM, within the shared memory the config's estimate allows, the registers split as the
     # config says
-    stages = int(variant.split("_s")[1].split("_")[0].rstrip("pfwo"))
+    stages = int(variant.split("_s")[1].split("_")[0].rstrip("fo"))
     assert st["ctas_per_sm"] == 1
     assert st["smem_bytes"] <= SparseAttnSm90Config(bn, stages).smem_bytes(C, D, D) <= CF.SM90_SMEM_BYTES
     assert {cfg.consumer_regs, cfg.producer_regs} <= set(st["setmaxnreg"]), st["setmaxnreg"]
@@ -114,14 +113,11 @@ def test_qk8_compiles_to_int8_qk_and_a_smaller_gather(codegen, variant):
 
 def test_config_validation():
     assert CF.sparse_sm90_default(128) == SparseAttnSm90Config(producer_fence=True, overlap=True)
-    with pytest.raises(ValueError, match="overlap"):
-        SparseAttnSm90Config(pingpong=True)
-    assert SparseAttnSm90Config.from_spec("128/2fog").pingpong
     assert CF.sparse_sm90_default(64) == SparseAttnSm90Config(64, 2)
     assert SparseAttnSm90Config.from_json(SparseAttnSm90Config(64, 3).to_json()) == SparseAttnSm90Config(64, 3)
     for bad in (dict(block_n=32), dict(block_n=256), dict(stages=1), dict(stages=5), dict(block_n=True),
                 dict(consumer_regs=236), dict(producer_regs=16), dict(consumer_regs=248, producer_regs=24),
-                dict(consumer_regs=240, producer_regs=32), dict(persistent=1)):
+                dict(consumer_regs=240, producer_regs=32), dict(overlap=1)):
         with pytest.raises(ValueError):
             SparseAttnSm90Config(**bad)
     with pytest.raises(ValueError, match="unknown field"):
@@ -221,35 +217,17 @@ def test_gpu_key_counts_and_launch_configs(C):
 
 @requires_sm90
 @pytest.mark.parametrize("C", [64, 128])
-def test_gpu_persistent_grid_is_the_same_arithmetic(C):
-    """A persistent CTA runs its tiles one after another with the ring position running on across them: the same
-    arithmetic per tile as one CTA per tile, so the same bits; more tiles than SMs and an odd group count."""
-    S, D = 64 * 41 + 3, 128
-    q, k, v, sigma, idx, res = make_inputs(1, 8, S, D, torch.bfloat16, 0.3, C=C, device="cuda")
-    idx = idx[..., :idx.shape[-1] - 3].contiguous()
-    for bn, st in ((64, 2), (64, 3), (128, 2)):
-        cfg = SparseAttnSm90Config(bn, st)
-        if cfg.smem_bytes(C, D, D) > CF.SM90_SMEM_BYTES:
-            continue
-        kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res, out_dtype=torch.float32)
-        one = _gluon(q, k, v, sigma, idx, launch=cfg, **kw)
-        per = _gluon(q, k, v, sigma, idx, launch=dataclasses.replace(cfg, persistent=True), **kw)
-        assert torch.equal(one, per), cfg
-
-
-@requires_sm90
-@pytest.mark.parametrize("C", [64, 128])
 def test_gpu_order_switches_are_the_same_arithmetic(C):
-    """``producer_fence`` (the proxy fence on the writer's side), ``one_wait`` (one MMA wait per block) and
-    ``overlap`` (PV_{j-1} in flight during softmax(S_j): the same operations on O in the same order) and
-    ``pingpong`` (the consumers' turns at the MMA issue point, persistent grid too) move synchronisation only: the same bits as the default, with a masked tail, on both grids."""
+    """``producer_fence`` (the proxy fence on the writer's side) and ``overlap`` (PV_{j-1} in flight during
+    softmax(S_j): the same operations on O in the same order) move synchronisation only: the same bits as the
+    default order, with a masked tail."""
     S, D = 64 * 41 + 3, 128
     q, k, v, sigma, idx, res = make_inputs(1, 8, S, D, torch.bfloat16, 0.3, C=C, device="cuda")
     idx = idx[..., :idx.shape[-1] - 3].contiguous()
     kw = dict(sm_scale=D ** -0.5, group_size=C, residual=res, out_dtype=torch.float32)
     bn = 128 if C == 128 else 64
     one = _gluon(q, k, v, sigma, idx, launch=SparseAttnSm90Config(bn, 2), **kw)
-    for flags in ("f", "w", "fo", "pfo", "fog", "pfog"):
+    for flags in ("f", "fo"):
         spec = f"{bn}/2{flags}"
         out = _gluon(q, k, v, sigma, idx, launch=SparseAttnSm90Config.from_spec(spec), **kw)
         assert torch.equal(one, out), spec
@@ -378,9 +356,8 @@ def test_dispatch_rule(monkeypatch):
 
 def test_spec_parsing():
     assert SparseAttnSm90Config.from_spec("128/2") == SparseAttnSm90Config()
-    assert SparseAttnSm90Config.from_spec("64/3pfw") == SparseAttnSm90Config(64, 3, persistent=True,
-                                                                             producer_fence=True, one_wait=True)
-    for bad in ("128", "128/2x", "a/b"):
+    assert SparseAttnSm90Config.from_spec("64/3fo") == SparseAttnSm90Config(64, 3, producer_fence=True, overlap=True)
+    for bad in ("128", "128/2x", "a/b", "128/2fog", "64/3pfw"):  # (p, w, g: removed variants)
         with pytest.raises(ValueError, match="BN/stages"):
             SparseAttnSm90Config.from_spec(bad)
     with pytest.raises(ValueError, match="producer_fence"):

@@ -198,21 +198,13 @@ class VSmoothSm90Config(_Json):
     # exp2 and D = 64 were slower at every G. Only on smoothed V: without the block means the kernel runs G = 1
     # (vsmooth_attn_sm90.py). docs/design/pv-window.md
     pv_window: int = 1
-    # FA3's intra-warpgroup overlap on top of PV windows (``steps.overlap_loop``): S_{j+1} and PV_j issued
-    # together, the softmax of S_{j+1} run while PV_j is on the tensor cores, both retired within the step; the
-    # window's fp32 accumulator lives in shared memory (32 KB per consumer), which leaves the overlap its
-    # registers (in registers it needed ~250 of 240: ``overlap_pv`` in kernels_notes' removed variants).
-    # ExpCast only (on the exp2 path ptxas sank the exponentials below the PV wait: offline sm_90 SASS); elsewhere
-    # the option is ignored. NOTE experimental, selected by no default or tuner candidate: it measured slower than
-    # the window kernel it would replace, at the same error; docs/design/pv-window.md, Alternatives.
-    pv_overlap: bool = False
 
     def __post_init__(self):
         _coerce_enum(self, "p_operand", POperand)
         _coerce_enum(self, "rowsum", RowSum)
         _coerce_enum(self, "mean", MeanTerm)
         _check_ints(self, block_m={64, 128}, num_warps={4, 8}, stages=set(range(1, 5)), pv_window={1, 2, 4, 8})
-        for flag in ("warp_specialize", "byte_mask", "pv_overlap"):
+        for flag in ("warp_specialize", "byte_mask"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"VSmoothSm90Config.{flag}={getattr(self, flag)!r}; accepted: True, False")
         regs = self.p_operand == POperand.REGISTERS
@@ -229,9 +221,6 @@ class VSmoothSm90Config(_Json):
         if self.pv_window > 1 and not (self.warp_specialize and self.rowsum == RowSum.MMA):
             raise ValueError(f"{self}: pv_window > 1 is built on the warp-specialised structure with MMA row sums "
                              "(warp_specialize=True, rowsum='mma', mean='tf32_window')")
-        if self.pv_overlap and self.pv_window == 1:
-            raise ValueError(f"{self}: pv_overlap keeps the fp32 accumulator of PV windows in shared memory: "
-                             "needs pv_window > 1")
 
     @property
     def mma_sums(self) -> bool:
@@ -332,53 +321,38 @@ class SparseAttnSm90Config(_Json):
     """The warp-specialised Gluon gather kernel's launch: ``block_n`` keys per ring stage, ``stages`` K / V
     stages per ring (one ring per CTA at C = 128, one per query group at C = 64), the registers per thread
     that ``setmaxnreg`` gives the two consumer warp groups and the 4-warp producer (two consumers and the
-    producer share the 504-register thread slot of a 12-warp CTA), whether the grid is persistent, and where the
-    synchronisation sits (``producer_fence``, ``one_wait``, ``overlap``). Measurements: docs/sparse_notes.md,
-    "Gluon gather kernel"."""
+    producer share the 504-register thread slot of a 12-warp CTA), and where the synchronisation sits
+    (``producer_fence``, ``overlap``). Measurements: docs/sparse_notes.md, "Gluon gather kernel"."""
     block_n: int = 128
     stages: int = 2
     # NOTE 232 / 40: the producer needs 40 registers for its 64-bit row addresses (at 24 its loop spills), and the
     # consumers' loop is the same at 232 as at 240; docs/design/sparse-launch-config.md
     consumer_regs: int = 232
     producer_regs: int = 40
-    # one CTA per SM looping over the tiles (the producer gathers the next tile's first blocks while the consumers
-    # finish this one) instead of one CTA per tile; the same kernel either way (the grid decides)
-    persistent: bool = False
     # where the proxy fence between the cp.async rows (generic proxy) and the wgmma reads (async proxy) sits:
     # False: in the consumers, after each ready wait (two per block on their critical path); True: in the
     # producer, after its own copies completed (cp.async.wait_group), before one release arrival per stage
     producer_fence: bool = False
-    # the consumers retire PV_j and S_{j+1} with one wait and free both stages behind one warp-group barrier
-    # (False: PV_j first, so V_j's stage is freed while S_{j+1} still runs)
-    one_wait: bool = False
     # FlashAttention-3's order inside a consumer: S_j and PV_{j-1} issued together, the softmax of S_j while
     # PV_{j-1} runs (False: softmax(S_j), then PV_j and S_{j+1} together, both waited for)
     overlap: bool = False
-    # FlashAttention-3's ping-pong (with ``overlap``): the two consumers take turns at the MMA issue point (an
-    # mbarrier each), so one's MMAs run while the other's softmax does.
-    # NOTE off: measured slower for bf16 scores (the default), level or faster only with the 8-bit QK variant;
-    # docs/design/sparse-launch-config.md
-    pingpong: bool = False
 
     def __post_init__(self):
         _check_ints(self, block_n={64, 128}, stages={2, 3, 4}, consumer_regs=set(range(128, 257, 8)),
                     producer_regs=set(range(24, 129, 8)))
-        for name in ("persistent", "producer_fence", "one_wait", "overlap", "pingpong"):
+        for name in ("producer_fence", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SparseAttnSm90Config.{name}={getattr(self, name)!r}; accepted: True, False")
-        if self.pingpong and not self.overlap:
-            raise ValueError(f"{self}: pingpong takes turns at the overlap order's issue point; set overlap=True")
         if 2 * self.consumer_regs + self.producer_regs > SM90_REGS_PER_THREAD_SLOT:
             raise ValueError(f"{self}: 2 x consumer_regs + producer_regs = "
                              f"{2 * self.consumer_regs + self.producer_regs} > {SM90_REGS_PER_THREAD_SLOT}")
 
     # the letters after "BN/stages" in ``from_spec`` (scripts' --configs)
-    SPEC_FLAGS = {"p": "persistent", "f": "producer_fence", "w": "one_wait", "o": "overlap", "g": "pingpong"}
+    SPEC_FLAGS = {"f": "producer_fence", "o": "overlap"}
 
     @classmethod
     def from_spec(cls, spec: str) -> "SparseAttnSm90Config":
-        """``"BN/stages"`` plus any of the letters p (persistent), f (producer_fence), w (one_wait), o (overlap),
-        e.g. ``"128/2fo"``."""
+        """``"BN/stages"`` plus any of the letters f (producer_fence), o (overlap), e.g. ``"128/2fo"``."""
         head = spec.rstrip("".join(cls.SPEC_FLAGS))
         flags = spec[len(head):]
         try:

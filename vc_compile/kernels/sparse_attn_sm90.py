@@ -35,9 +35,10 @@ Parallelisation
 ---------------
 A tile is GPC query groups of one head (GPC = 1 at C = 128, 2 at C = 64): n_gc = ceil(G / GPC) tiles per head,
 tile t = CTA group t % n_gc of head t // n_gc (the tiles of one head run together, so its K / V stay in L2). One
-CTA (12 warps) per SM; grid: one CTA per tile, or (``persistent``) one per SM, each taking tiles t = program_id,
-+ num_programs, ... with the ring position counted on across its tiles (every tile has nb blocks), so the producer
-gathers the next tile's first blocks during this tile's last blocks and epilogue.
+CTA (12 warps) per SM; grid: one CTA per tile. The partitions loop over tiles t = program_id, + num_programs, ...
+with the ring position counted on across them (every tile has nb blocks); with one CTA per tile the loop runs
+once (NOTE kept: it is the code the default was measured with; the grid it served, one CTA per SM, measured
+slower and was removed: docs/design/sparse-launch-config.md).
 * producer (4 warps, ``producer_regs`` registers): per block, the BN key ids (loaded a block ahead), then K rows
   and V rows by cp.async (16 bytes per thread, 4 threads per 64-byte row segment: full 32-byte sectors) into the
   next free stage; masked (zero-filled) rows past n_keep. C = 64: the blocks of both groups, one ring each.
@@ -55,12 +56,10 @@ gathers the next tile's first blocks during this tile's last blocks and epilogue
     16 bits (only now: a non-wgmma write of a wgmma operand while one is in flight makes ptxas serialise every
     wgmma, C7513). Registers: S 64 + acc 64 + P 32, P_{j-1} live until PV_{j-1} retires.
   - otherwise (S_j given): softmax(S_j) -> acc *= alpha -> issue PV_j and S_{j+1} = Q K_{j+1}^T together ->
-    wait until one group is outstanding (PV_j done: free V_j; ``one_wait``: both at once) -> wait for S_{j+1}
+    wait until one group is outstanding (PV_j done: free V_j) -> wait for S_{j+1}
     (free K_{j+1}), the order ``vsmooth_attn_sm90_steps.register_step`` measured best for the 8-bit kernel.
   Either way the tensor cores also run one consumer's MMAs during the other's softmax. Both orders do the same
-  operations on acc in the same order: the same bits. ``pingpong`` (PP, with ``overlap``): FlashAttention-3's
-  turns at the MMA issue point (mbarriers turn[0] / turn[1], consumer 0 first; a consumer waits for its turn,
-  issues its block's MMAs, hands the turn over): the same bits, measured slower for bf16 (configs.py NOTE).
+  operations on acc in the same order: the same bits.
 * epilogue per consumer: O = acc / l_i (+ residual, gathered through sigma), the flagged columns NaN, the rows
   scattered to sigma.
 
@@ -78,7 +77,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from vc_compile.kernels.compat import assembled, barrier, cp_async_load
 from vc_compile.formats import LOG2E
 from vc_compile.kernels.configs import SparseAttnSm90Config
-from vc_compile.kernels.launch import sm_count
 from vc_compile.kernels.sparse_attn import epilogue_operands, gather_operands
 
 __all__ = ["sparse_attention_sm90"]
@@ -213,8 +211,7 @@ def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N
               GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
               HAS_TAIL: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr):
     """The producer warp group: the CTA's tiles t = program_id, + num_programs, ... (tile t = CTA group t % n_gc of
-    head t // n_gc); the ring position runs on across tiles, so a persistent CTA gathers its next tile's first
-    blocks while the consumers finish this one."""
+    head t // n_gc); the ring position runs on across tiles (module doc: one tile per CTA)."""
     nb = gl.cdiv(N_KEEP, BN)
     it0 = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
@@ -231,7 +228,7 @@ def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N
 def _consume_block(j, it, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, N_KEEP,
                    sm_scale_log2, crow, zero_s, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
                    PDT: gl.constexpr, MASK: gl.constexpr, NEXT: gl.constexpr, PFENCE: gl.constexpr,
-                   ONE_WAIT: gl.constexpr, QK8: gl.constexpr):
+                   QK8: gl.constexpr):
     """Block j (at ring position ``it``) with S_j given: softmax -> PV_j and S_{j+1} (NEXT) issued together ->
     PV_j retired (V_j freed) -> S_{j+1} retired (K_{j+1} freed). Returns (S_{j+1} or s, m_i, l_i, acc)."""
     o_layout: gl.constexpr = acc.type.layout
@@ -249,15 +246,10 @@ def _consume_block(j, it, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vrea
         if not PFENCE:
             fence_async_shared()
         s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        if ONE_WAIT:  # both retired, then both stages freed behind one warp-group barrier
-            acc, s = warpgroup_mma_wait(0, deps=[pv_tok, s_tok])
-            mbarrier.arrive(vempty.index(slot), count=1)
-            mbarrier.arrive(kempty.index(nslot), count=1)
-        else:
-            acc = warpgroup_mma_wait(1, deps=[pv_tok])  # PV_j done (groups retire in order); S_{j+1} may still run
-            mbarrier.arrive(vempty.index(slot), count=1)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
-            mbarrier.arrive(kempty.index(nslot), count=1)
+        acc = warpgroup_mma_wait(1, deps=[pv_tok])  # PV_j done (groups retire in order); S_{j+1} may still run
+        mbarrier.arrive(vempty.index(slot), count=1)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(kempty.index(nslot), count=1)
     else:
         acc = warpgroup_mma_wait(0, deps=[pv_tok])
         mbarrier.arrive(vempty.index(slot), count=1)
@@ -297,30 +289,13 @@ def _p_operand(p, PDT: gl.constexpr, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _turn_wait(turn, tc, half: gl.constexpr, PP: gl.constexpr):
-    """PP (FlashAttention-3's ping-pong): wait for this consumer's turn at the MMA issue point (its tc-th)."""
-    if PP:
-        mbarrier.wait(turn.index(half), tc & 1)
-
-
-@gluon.jit
-def _turn_pass(turn, tc, half: gl.constexpr, PP: gl.constexpr):
-    """PP: hand the MMA issue point to the other consumer; returns the next turn count."""
-    if PP:
-        mbarrier.arrive(turn.index(1 - half), count=1)
-    return tc + 1
-
-
-@gluon.jit
 def _overlap_block(j, it, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, N_KEEP,
-                   sm_scale_log2, crow, zero_s, turn, tc, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
-                   PDT: gl.constexpr, MASK: gl.constexpr, PFENCE: gl.constexpr, QK8: gl.constexpr,
-                   half: gl.constexpr, PP: gl.constexpr):
+                   sm_scale_log2, crow, zero_s, ring: gl.constexpr, STAGES: gl.constexpr, BN: gl.constexpr,
+                   PDT: gl.constexpr, MASK: gl.constexpr, PFENCE: gl.constexpr, QK8: gl.constexpr):
     """OVERLAP (FlashAttention-3's order in one warp group), block j >= 1 at ring position ``it``, with P_{j-1}
     given (16-bit, PV's register operand) and O rescaled to its max: S_j and PV_{j-1} issued together -> S_j
     retired (K_j freed) -> softmax(S_j) -> PV_{j-1} retired (V_{j-1} freed) -> O rescaled by alpha_j, P_j cast.
-    PP: the two issues inside this consumer's turn (``_turn_wait`` / ``_turn_pass``). Returns (P_j, m_i, l_i, acc,
-    the turn count).
+    Returns (P_j, m_i, l_i, acc).
     NOTE what ptxas makes of it (offline SASS, C = 128): the wait for PV_{j-1} lands after the row max, before the
     exponentials (P_j is loop-carried in the registers PV_{j-1} reads, and ptxas interleaves the casts with the
     exponentials), so PV_{j-1} overlaps S_j's MMA and the row max, not the exponentials. Casting P_{j-1} at the top
@@ -332,28 +307,26 @@ def _overlap_block(j, it, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vr
     mbarrier.wait(kready.index(slot), (it // STAGES) & 1)
     if not PFENCE:
         fence_async_shared()
-    _turn_wait(turn, tc, half, PP)
     s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(vready.index(pslot), ((it - 1) // STAGES) & 1)
     if not PFENCE:
         fence_async_shared()
     pv_tok = warpgroup_mma(p16, v_smem.index(pslot), acc, is_async=True)
-    tc = _turn_pass(turn, tc, half, PP)
     s = warpgroup_mma_wait(1, deps=[s_tok])  # S_j done (groups retire in order); PV_{j-1} may still run
     mbarrier.arrive(kempty.index(slot), count=1)
     p, alpha, m_i, l_i = _softmax(s, j, m_i, l_i, N_KEEP, sm_scale_log2, crow, BN, PDT, o_layout, MASK, QK8)
     acc, p16 = warpgroup_mma_wait(0, deps=[pv_tok, p16])  # P_{j-1}'s registers are PV's operand until here
     mbarrier.arrive(vempty.index(pslot), count=1)
-    return _p_operand(p, PDT, o_layout), m_i, l_i, acc * alpha[:, None], tc
+    return _p_operand(p, PDT, o_layout), m_i, l_i, acc * alpha[:, None]
 
 
 @gluon.jit
-def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, turn, tc,
+def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty,
                   H, S, N_KEEP, sm_scale_log2, gc, bh, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
                   half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                   DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
-                  HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr,
-                  OVERLAP: gl.constexpr, QK8: gl.constexpr, PP: gl.constexpr):
+                  HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, OVERLAP: gl.constexpr,
+                  QK8: gl.constexpr):
     """One consumer warp group on tile (gc, bh): 64 query rows (``half`` of a C = 128 group, or all of group
     2 gc + half at C = 64) through every key block of its ring (ring positions it0 ...), then the epilogue."""
     BM: gl.constexpr = 64
@@ -388,7 +361,7 @@ def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, 
         crow = gl.convert_layout(qsc * (gl.load(KS + bh) * sm_scale_log2), gl.SliceLayout(1, s_layout))
     else:
         crow = gl.full([BM], 1.0, gl.float32, gl.SliceLayout(1, s_layout))  # unused
-    barrier()  # (a persistent CTA) every warp's last QK of the previous tile has retired
+    barrier()  # (a CTA with several tiles) every warp's last QK of the previous tile has retired
     q_smem.store(q)
     fence_async_shared()
     barrier()  # every warp's Q rows are in shared memory before the warp group's first MMA
@@ -402,9 +375,7 @@ def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, 
     mbarrier.wait(kready.index(slot0), (it0 // STAGES) & 1)
     if not PFENCE:
         fence_async_shared()
-    _turn_wait(turn, tc, half, PP)
     s_tok = warpgroup_mma(q_smem, k_smem.index(slot0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    tc = _turn_pass(turn, tc, half, PP)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     mbarrier.arrive(kempty.index(slot0), count=1)
     if OVERLAP:
@@ -412,31 +383,28 @@ def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, 
         p, alpha, m_i, l_i = _softmax(s, 0, m_i, l_i, N_KEEP, sm_scale_log2, crow, BN, PDT, o_layout, HAS_TAIL, QK8)
         p16 = _p_operand(p, PDT, o_layout)
         for j in range(1, nb - 1):
-            p16, m_i, l_i, acc, tc = _overlap_block(j, it0 + j, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready,
-                                                    vready, kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s, turn,
-                                                    tc, ring, STAGES, BN, PDT, False, PFENCE, QK8, half, PP)
+            p16, m_i, l_i, acc = _overlap_block(j, it0 + j, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready,
+                                                vready, kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s, ring,
+                                                STAGES, BN, PDT, False, PFENCE, QK8)
         if nb > 1:
-            p16, m_i, l_i, acc, tc = _overlap_block(nb - 1, it0 + nb - 1, p16, m_i, l_i, acc, q_smem, k_smem,
-                                                    v_smem, kready, vready, kempty, vempty, N_KEEP, sm_scale_log2,
-                                                    crow, zero_s, turn, tc, ring, STAGES, BN, PDT, HAS_TAIL, PFENCE,
-                                                    QK8, half, PP)
+            p16, m_i, l_i, acc = _overlap_block(nb - 1, it0 + nb - 1, p16, m_i, l_i, acc, q_smem, k_smem, v_smem,
+                                                kready, vready, kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s,
+                                                ring, STAGES, BN, PDT, HAS_TAIL, PFENCE, QK8)
         lslot = ring * STAGES + (it0 + nb - 1) % STAGES
         mbarrier.wait(vready.index(lslot), ((it0 + nb - 1) // STAGES) & 1)
         if not PFENCE:
             fence_async_shared()
-        _turn_wait(turn, tc, half, PP)
         pv_tok = warpgroup_mma(p16, v_smem.index(lslot), acc, is_async=True)
-        tc = _turn_pass(turn, tc, half, PP)
         acc = warpgroup_mma_wait(0, deps=[pv_tok])
         mbarrier.arrive(vempty.index(lslot), count=1)
     else:
         for j in range(0, nb - 1):
             s, m_i, l_i, acc = _consume_block(j, it0 + j, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vready,
                                               kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s, ring, STAGES, BN,
-                                              PDT, False, True, PFENCE, ONE_WAIT, QK8)
+                                              PDT, False, True, PFENCE, QK8)
         s, m_i, l_i, acc = _consume_block(nb - 1, it0 + nb - 1, s, m_i, l_i, acc, q_smem, k_smem, v_smem, kready,
                                           vready, kempty, vempty, N_KEEP, sm_scale_log2, crow, zero_s, ring, STAGES, BN,
-                                          PDT, HAS_TAIL, False, PFENCE, ONE_WAIT, QK8)
+                                          PDT, HAS_TAIL, False, PFENCE, QK8)
 
     # epilogue: O = acc / l, + residual, flagged columns NaN, rows scattered to sigma
     ro = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
@@ -453,25 +421,22 @@ def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, 
         o = gl.where(bad[None, :] != 0, float("nan"), o)
     gl.store(OUT + b * sob + h * soh + so[:, None] * sos + dv[None, :], o.to(OUT.dtype.element_ty),
              mask=mrow[:, None])
-    return tc
 
 
 @gluon.jit
-def _consumer(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, turn, H, S, N_KEEP,
+def _consumer(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
               sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
               half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
               DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
-              HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr,
-              OVERLAP: gl.constexpr, QK8: gl.constexpr, PP: gl.constexpr):
+              HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, OVERLAP: gl.constexpr,
+              QK8: gl.constexpr):
     """One consumer warp group over the CTA's tiles (as ``_producer``)."""
     nb = gl.cdiv(N_KEEP, BN)
     it0 = 0
-    tc = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        tc = _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, turn, tc,
-                      H, S, N_KEEP,
-                      sm_scale_log2, t % n_gc, t // n_gc, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, half, C,
-                      GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8, PP)
+        _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S,
+                      N_KEEP, sm_scale_log2, t % n_gc, t // n_gc, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
+                      half, C, GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, OVERLAP, QK8)
         it0 += nb
 
 
@@ -483,9 +448,8 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, KS, RES, OUT, FLAG,
                              C: gl.constexpr, GPC: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                              BN: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr,
                              HAS_RES: gl.constexpr, HAS_FLAG: gl.constexpr, OFF64: gl.constexpr,
-                             PFENCE: gl.constexpr, ONE_WAIT: gl.constexpr, OVERLAP: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, QK8: gl.constexpr,
-                             PP: gl.constexpr, num_warps: gl.constexpr):
+                             PFENCE: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             PRODUCER_REGS: gl.constexpr, QK8: gl.constexpr, num_warps: gl.constexpr):
     """Two consumer warp groups (the default partition and a worker) and a producer warp group; module doc."""
     dt: gl.constexpr = K.dtype.element_ty  # QK's operands (QK8: int8 codes)
     vt: gl.constexpr = V.dtype.element_ty
@@ -503,19 +467,19 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, KS, RES, OUT, FLAG,
         mbarrier.init(vready.index(i), count=1 if PFENCE else 32 * 4)
         mbarrier.init(kempty.index(i), count=2 // NR)  # C = 128: both consumers read the ring; C = 64: one
         mbarrier.init(vempty.index(i), count=2 // NR)
-    # PP: the consumers' turns at the MMA issue point (turn[c]: consumer c's), consumer 0 first
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    if PP:
-        mbarrier.arrive(turn.index(0), count=1)
+    # NOTE two barriers nothing waits on: the MMA-issue turns of the removed ping-pong variant
+    # (docs/design/sparse-launch-config.md). Without their allocation and init ptxas schedules the default's key
+    # loops differently (offline sm_90 SASS): kept until a GPU A/B shows that costs nothing.
+    _turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(_turn.index(0), count=1)
+    mbarrier.init(_turn.index(1), count=1)
     gl.warp_specialize([
-        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(0), k_smem, v_smem, kready, vready, kempty, vempty, turn, H, S,
+        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(0), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
                      N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 0, C, GPC, BN,
-                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8, PP)),
-        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(1), k_smem, v_smem, kready, vready, kempty, vempty, turn, H, S,
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, OVERLAP, QK8)),
+        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(1), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
                      N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 1, C, GPC, BN,
-                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, ONE_WAIT, OVERLAP, QK8, PP)),
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, OVERLAP, QK8)),
         (_producer, (K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles, skb, skh,
                      sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64, PFENCE)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
@@ -572,7 +536,7 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     off64 = needs_64bit_offsets(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(k.stride(2), v.stride(2)))
     n_gc = triton.cdiv(G, GPC)  # CTA tiles per head
     n_tiles = n_gc * B * H
-    grid = min(n_tiles, sm_count(q.device)) if launch.persistent else n_tiles
+    grid = n_tiles
     tensors = (q, k, v, sigma, idx, k_scale if qk8 else out, res, out, flag.contiguous() if flag is not None else out)
     ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -586,10 +550,8 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     FAST_LAUNCH(
         _sparse_attn_sm90_kernel, (grid,), key, *tensors, *ints, float(sm_scale) * LOG2E, n_gc, n_tiles,
         C=C, GPC=GPC, D=D, DV=DV, BN=BN, STAGES=launch.stages, HAS_TAIL=n_keep % BN != 0, HAS_RES=has_res,
-        HAS_FLAG=flag is not None, OFF64=off64, PFENCE=launch.producer_fence, ONE_WAIT=launch.one_wait,
-        OVERLAP=launch.overlap,
-        CONSUMER_REGS=launch.consumer_regs, PRODUCER_REGS=launch.producer_regs, QK8=qk8,
-        PP=launch.pingpong, num_warps=4,
+        HAS_FLAG=flag is not None, OFF64=off64, PFENCE=launch.producer_fence, OVERLAP=launch.overlap,
+        CONSUMER_REGS=launch.consumer_regs, PRODUCER_REGS=launch.producer_regs, QK8=qk8, num_warps=4,
         maxnreg=WS_MAXNREG)
     return out
 

@@ -28,8 +28,6 @@ Launch configuration (``configs.VSmoothSm90Config``; the measured defaults per h
 * ``pv_window`` (MS, warp-specialised): PV summed by the FP8 MMA in its own accumulator over G blocks (rescaled
   by alpha before each MMA) and folded into fp32 once per window (``steps.window_step``): the fold of every block
   gone at the two-level accumulation's error (docs/design/pv-window.md).
-* ``pv_overlap`` (ExpCast, on ``pv_window``; experimental, selected by no default): FA3's intra-warpgroup order,
-  the softmax of S_{j+1} while PV_j runs, the window's fp32 accumulator in shared memory (``steps.overlap_loop``).
 * ``warp_specialize``: two consumer warp groups and a producer warp (below).
 * ``byte_mask`` (register P~, ExpCast): the code's clamp at 0 is done on the packed bytes
   (``softmax.codes_masked``) in every program whose scales keep all codes >= -2^22 (``steps.bytemask_ok``,
@@ -137,7 +135,7 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
                                  BV: gl.constexpr, STAGES: gl.constexpr, EXPCAST: gl.constexpr,
                                  MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
                                  MS: gl.constexpr, BYTEMASK: gl.constexpr, PVW: gl.constexpr,
-                                 OVL: gl.constexpr, num_warps: gl.constexpr):
+                                 num_warps: gl.constexpr):
     """Warp-specialised (register P~): two consumer warp groups of BM rows each (the default partition and a
     worker) share a K / V ring that a producer warp fills; one CTA (12 warps) per SM."""
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, BM, D], desc_q.layout)
@@ -157,9 +155,6 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
     ones1 = _ones_operand(BN)
     mg0, mgbar0 = _mean_group_buffers(desc_g, D, MS)
     mg1, mgbar1 = _mean_group_buffers(desc_g, D, MS)
-    # OVL: each consumer's fp32 accumulator [BM, D] (32 KB at D = 128; a placeholder otherwise)
-    acc_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D] if OVL else [2, 8, 8],
-                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     for i in gl.static_range(2):
         mbarrier.init(qbar.index(i), count=1)
         mbarrier.init(_turn.index(i), count=1)
@@ -175,11 +170,10 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
     # the q_smem pair stands in for the P~ buffer (register P~ reads none)
     gl.warp_specialize([
         (attend_rows, (desc_q, q_smem.index(0), q_smem, qbar.index(0), ring, win0, QS, KS, VS, OUT, LSE, S, Sk, nb,
-                       start, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK, PVW,
-                       acc_smem.index(0), OVL)),
+                       start, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK, PVW)),
         (attend_rows, (desc_q, q_smem.index(1), q_smem, qbar.index(1), ring, win1, QS, KS, VS, OUT, LSE, S, Sk, nb,
                        start + BM, BM, D, BKS, BV, EXPCAST, MEAN, HAS_TAIL, RETURN_LSE, 1, MS, BYTEMASK,
-                       PVW, acc_smem.index(1), OVL)),
+                       PVW)),
         (_ws_producer, (ring, Sk, nb, D, BV, MEAN and not MS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -277,9 +271,6 @@ def vsmooth_attention_sm90(qk, vq, *, expcast: bool = False, out_dtype=None, ret
         # the window only on smoothed V (block means removed): without them the FP8 MMA's running sum of V's mean
         # outgrows each block's share and the error doubles at G = 8 (docs/design/pv-window.md)
         consts.update(PVW=launch.pv_window if mean else 1)
-        # built on the windows; ExpCast's only: on the exp2 path ptxas sank the 64 MUFU.EX2 of a block below the
-        # PV wait (offline sm_90 SASS), which leaves nothing of the softmax's latency hidden
-        consts.update(OVL=int(launch.pv_overlap and consts["PVW"] > 1 and expcast))
     # the launch's key (kernels/launch.py): the descriptors' block shapes and layouts follow from the shapes, the
     # dtypes and the launch; the scale tensors may come from a caller (their alignment is specialised on)
     guard = bool(consts["BYTEMASK"]) and BYTEMASK_GUARD.enabled

@@ -75,13 +75,11 @@ def k_scales(tile: Tile, blk, Sk):
 
 @gluon.jit
 def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, PREG: gl.constexpr,
-                  ROWSUM: gl.constexpr = True, PACK: gl.constexpr = True):
+                  ROWSUM: gl.constexpr = True):
     """One key block's online-softmax step: (P~ fp8 [BM, BN], alpha [BM], r [BM], m_new [BM]). ``ks0``,
     ``ks1``: the block's two K scales (keys [0, BKS) and [BKS, BN)), loaded a step ahead by the caller. MASK:
     the key-tail block. PREG: P~ comes back as the PV MMA's register A operand (keys relabelled, ``p_operand``).
-    ROWSUM = 0: r is not formed here (the MMA sums P~, ``row_sum_mma``). PACK = 0 (ExpCast, PREG, no ROWSUM):
-    the codes come back unpacked (fp32, in the A operand's layout), for ``pack_codes`` later: a value carried
-    across a loop's back edge as fp8 is unpacked and repacked byte by byte (~200 instructions a block)."""
+    ROWSUM = 0: r is not formed here (the MMA sums P~, ``row_sum_mma``)."""
     BN: gl.constexpr = tile.BN
     BKS: gl.constexpr = tile.BKS
     EXPCAST: gl.constexpr = tile.EXPCAST
@@ -142,11 +140,7 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
     if PREG:  # fp32: a renaming of registers; the fp8 packing below then lands in the A operand's registers
         y = p_operand(y, tile.o_layout)
     if EXPCAST:
-        if PACK:
-            p8 = pack_codes(tile, y, MASK)
-        else:
-            gl.static_assert(PREG and not ROWSUM, "unpacked codes: the register-P~ MMA-row-sum path")
-            p8 = y
+        p8 = pack_codes(tile, y, MASK)
     elif PREG:
         p8 = e4m3x4(gl.exp2(y))  # MUFU + cast, packed without ptxas's F2FP.MERGE_C chain (see e4m3x4)
     else:

@@ -24,8 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.language.core import _aggregate as aggregate
 
 from vc_compile.kernels.compat import barrier, tma_load
-from vc_compile.kernels.vsmooth_attn_sm90_softmax import (Tile, fold_pv, k_scales, mean_slot, pack_codes,
-                                                            row_sum_mma, rs_layout, softmax_block)
+from vc_compile.kernels.vsmooth_attn_sm90_softmax import (Tile, fold_pv, k_scales, mean_slot, row_sum_mma,
+                                                            rs_layout, softmax_block)
 
 # NOTE ``from __future__ import annotations`` must not be used here: the aggregates check their fields' types.
 
@@ -383,132 +383,12 @@ def window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o
 
 
 @gluon.jit
-def promote(acc_smem, accm, ap, o_layout: gl.constexpr):
-    """A window's end: the fp32 accumulator in shared memory (each thread its own elements, in the MMA layout)
-    becomes acc * ap + accm."""
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    acc_smem.store(acc_smem.load(o_layout) * gl.convert_layout(ap, row_o)[:, None] + accm)
-
-
-@gluon.jit
-def block_done(j, accm, rs, alpha, l_i, Rb, ap, acc_smem, win: MeanWindow, g_row, ng, o_layout: gl.constexpr,
-               MEAN: gl.constexpr, G: gl.constexpr, LAST: gl.constexpr):
-    """PV_j and r_j retired (``overlap_loop``): the row sums (l_i, the mean window Rb) take r_j at block j's max
-    (alpha = alpha_j rescales what they held); at a window's end (LAST: whatever it holds) the mean term R_w mu'_w
-    goes into accm by tf32 MMAs and accm into the shared-memory accumulator. Returns (accm, l_i, Rb, ap)."""
-    l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, rs_layout(o_layout)))[:, None] + rs
-    if MEAN:
-        Rb = mean_slot(Rb, rs, alpha, j % 8)
-    if LAST:
-        if MEAN:
-            accm = win.flushed(accm, Rb, j // 8, o_layout)
-        promote(acc_smem, accm, ap, o_layout)
-    elif j % G == G - 1:
-        if MEAN:
-            if j % 8 == 7:  # G divides 8: a mean window ends only where a PV window does
-                accm = win.flushed(accm, Rb, j // 8, o_layout)
-                Rb = gl.zeros([accm.shape[0], 8], gl.float32, rs_layout(o_layout))
-                win.load_group(g_row, j // 8 + 2, ng, accm.shape[1])  # its buffer is free
-        promote(acc_smem, accm, ap, o_layout)
-        ap = gl.full(ap.shape, 1.0, gl.float32, ap.type.layout)
-    return accm, l_i, Rb, ap
-
-
-@gluon.jit
-def overlap_step(j, nb, Sk, accm, ap, l_i, m_i, y, alpha, Rb, ks0, ks1, acc_smem, q_smem, zero_s, tile: Tile,
-                 ring: KVRing, head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MASK: gl.constexpr,
-                 G: gl.constexpr):
-    """FA3's intra-warpgroup order, key block j: enters with block j's ExpCast codes unpacked (``y``, fp32: fp8
-    carried across the loop's back edge is repacked byte by byte), its alpha_j and m_j, and ``accm`` rescaled to
-    m_j; packs P~_j, issues S_{j+1}, then PV_j and r_j; retires S_{j+1} (PV_j still running) and runs its softmax
-    (``ks0``, ``ks1``: block j+1's K scales; MASK: block j+1 holds the key tail) while PV_j is on the tensor cores;
-    retires PV_j, then ``block_done`` and the rescale of accm to m_{j+1}. Every MMA issued here is retired here
-    (one in flight across the loop's back edge makes ptxas serialise them). Returns (accm, ap, l_i, m_{j+1},
-    block j+1's codes, alpha_{j+1}, Rb, block j+2's K scales)."""
-    STAGES: gl.constexpr = ring.STAGES
-    o_layout: gl.constexpr = tile.o_layout
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    slot = j % STAGES
-    nslot = (j + 1) % STAGES
-    p8 = pack_codes(tile, y, False)
-    mbarrier.wait(ring.kbar.index(nslot), ((j + 1) // STAGES) & 1)
-    s_tok = warpgroup_mma(q_smem, ring.k_smem.index(nslot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.wait(ring.vbar.index(slot), (j // STAGES) & 1)
-    pv_tok = warpgroup_mma(p8, ring.v_smem.index(slot).permute((1, 0)), accm, use_acc=j % G != 0, is_async=True)
-    rs_tok = row_sum_mma(p8, win.ones_smem, o_layout)
-    s_n = warpgroup_mma_wait(2, deps=[s_tok])  # S_{j+1} done (groups retire in order); PV_j, r_j still running
-    ring.release_k(head, j + 1, nb, nslot)
-    ks0n, ks1n = k_scales(tile, j + 2, Sk)  # in flight during the softmax
-    y_n, alpha_n, r_unused, m_n = softmax_block(tile, s_n, j + 1, Sk, m_i, ks0, ks1, MASK, True, False, False)
-    # the softmax's results go through the wait, which keeps the softmax above it (while PV_j runs); ptxas keeps
-    # P~_j's registers, PV_j's operand, until PV_j retires
-    accm, rs, y_n, alpha_n, m_n = warpgroup_mma_wait(0, deps=[pv_tok, rs_tok, y_n, alpha_n, m_n])
-    accm = gl.convert_layout(accm, o_layout)
-    ring.release_v(head, j, nb, slot, False)
-    accm, l_i, Rb, ap = block_done(j, accm, rs, alpha, l_i, Rb, ap, acc_smem, win, g_row, ng, o_layout, MEAN, G,
-                                   False)
-    accm = accm * gl.convert_layout(alpha_n, row_o)[:, None]  # to m_{j+1} (a window's first block: unused)
-    ap = ap * alpha_n
-    return accm, ap, l_i, m_n, y_n, alpha_n, Rb, ks0n, ks1n
-
-
-@gluon.jit
-def overlap_loop(nb, Sk, l_i, m_i, s_i, Rb, ks0, ks1, acc_smem, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing,
-                 head: Head, win: MeanWindow, g_row, ng, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr,
-                 G: gl.constexpr):
-    """``overlap_step`` over every key block (``pv_overlap``, ExpCast), S_0 given: block 0's softmax first, then one
-    step per block (the one whose softmax is the key tail's masked), then the last block's PV. The fp32
-    accumulator is ``acc_smem`` (zeroed here); returns (acc, l_i, m_i, Rb), acc in registers."""
-    o_layout: gl.constexpr = tile.o_layout
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    acc_smem.store(zero_o)
-    ring.release_k(head, 0, nb, 0)  # S_0 retired
-    ks0n, ks1n = k_scales(tile, 1, Sk)
-    if HAS_TAIL:
-        if nb == 1:
-            y, alpha, r_unused, m_i = softmax_block(tile, s_i, 0, Sk, m_i, ks0, ks1, True, True, False, False)
-        else:
-            y, alpha, r_unused, m_i = softmax_block(tile, s_i, 0, Sk, m_i, ks0, ks1, False, True, False, False)
-    else:
-        y, alpha, r_unused, m_i = softmax_block(tile, s_i, 0, Sk, m_i, ks0, ks1, False, True, False, False)
-    ap = alpha  # 0 at block 0 (m = -inf): the zeroed accumulator's pending scale
-    accm = zero_o * gl.convert_layout(alpha, row_o)[:, None]
-    ks0, ks1 = ks0n, ks1n
-    for j in range(0, nb - 2):
-        accm, ap, l_i, m_i, y, alpha, Rb, ks0, ks1 = overlap_step(
-            j, nb, Sk, accm, ap, l_i, m_i, y, alpha, Rb, ks0, ks1, acc_smem, q_smem, zero_s, tile, ring, head, win,
-            g_row, ng, MEAN, False, G)
-    if nb > 1:  # the step whose softmax is the last block's (masked when it holds the key tail)
-        accm, ap, l_i, m_i, y, alpha, Rb, ks0, ks1 = overlap_step(
-            nb - 2, nb, Sk, accm, ap, l_i, m_i, y, alpha, Rb, ks0, ks1, acc_smem, q_smem, zero_s, tile, ring, head,
-            win, g_row, ng, MEAN, HAS_TAIL, G)
-    # the last block's PV, r, and whatever the windows hold
-    j = nb - 1
-    slot = j % ring.STAGES
-    p8 = pack_codes(tile, y, HAS_TAIL)
-    mbarrier.wait(ring.vbar.index(slot), (j // ring.STAGES) & 1)
-    pv_tok = warpgroup_mma(p8, ring.v_smem.index(slot).permute((1, 0)), accm, use_acc=j % G != 0, is_async=True)
-    rs_tok = row_sum_mma(p8, win.ones_smem, o_layout)
-    accm, rs = warpgroup_mma_wait(0, deps=[pv_tok, rs_tok])
-    accm = gl.convert_layout(accm, o_layout)
-    ring.release_v(head, j, nb, slot, False)
-    accm, l_i, Rb, ap = block_done(j, accm, rs, alpha, l_i, Rb, ap, acc_smem, win, g_row, ng, o_layout, MEAN, G,
-                                   True)
-    return acc_smem.load(o_layout), l_i, m_i, Rb
-
-
-@gluon.jit
 def key_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile: Tile, ring: KVRing, head: Head,
              win: MeanWindow, g_row, ng, MEAN: gl.constexpr, MS: gl.constexpr, HAS_TAIL: gl.constexpr,
-             PVW: gl.constexpr, acc_smem=None, OVL: gl.constexpr = 0):
-    """Register P~: every key block, with PV windows of PVW blocks (``window_loop``, MS only; OVL: with FA3's
-    overlap, ``overlap_loop``, the fp32 accumulator in ``acc_smem``) or a fold per block (``register_loop``);
-    returns (acc, l_i, m_i, Rb)."""
-    if OVL:
-        gl.static_assert(MS == 1 and PVW > 1, "the overlap is built on PV windows (MS)")
-        acc, l_i, m_i, Rb = overlap_loop(nb, Sk, l_i, m_i, s_i, Rb, ks0, ks1, acc_smem, q_smem, zero_s, zero_o, tile,
-                                         ring, head, win, g_row, ng, MEAN, HAS_TAIL, PVW)
-    elif PVW > 1:
+             PVW: gl.constexpr):
+    """Register P~: every key block, with PV windows of PVW blocks (``window_loop``, MS only) or a fold per block
+    (``register_loop``); returns (acc, l_i, m_i, Rb)."""
+    if PVW > 1:
         gl.static_assert(MS == 1, "PV windows are built on the MS structure")
         acc, l_i, m_i, Rb = window_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile, ring,
                                         head, win, g_row, ng, MEAN, HAS_TAIL, PVW)
@@ -536,13 +416,11 @@ def bytemask_ok(qs, KS_bh, nks):
 def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS, KS, VS, OUT, LSE, S, Sk, nb,
                 start_m, BM: gl.constexpr, D: gl.constexpr, BKS: gl.constexpr, BV: gl.constexpr,
                 EXPCAST: gl.constexpr, MEAN: gl.constexpr, HAS_TAIL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                PREG: gl.constexpr, MS: gl.constexpr, BYTEMASK: gl.constexpr = 0, PVW: gl.constexpr = 1,
-                acc_smem=None, OVL: gl.constexpr = 0):
+                PREG: gl.constexpr, MS: gl.constexpr, BYTEMASK: gl.constexpr = 0, PVW: gl.constexpr = 1):
     """BM query rows from ``start_m`` of head ``program_id(1)`` through all key blocks; O (and the LSE) stored.
     ring.WS = 0: the warps also load K / V; ring.WS = 1 (PREG only): a producer warp does and this is one of two
     consumer warp groups. MS = 1 (PREG only): row sums and the mean term on the tensor cores (``register_step``),
-    ``win`` this group's mu' group buffers. OVL = 1 (PV windows): FA3's overlap (``overlap_loop``), the fp32
-    accumulator in ``acc_smem`` [BM, D]."""
+    ``win`` this group's mu' group buffers."""
     WS: gl.constexpr = ring.WS
     BN: gl.constexpr = ring.BN
     STAGES: gl.constexpr = ring.STAGES
@@ -601,13 +479,13 @@ def attend_rows(desc_q, q_smem, p_smem, qbar, ring: KVRing, win: MeanWindow, QS,
             tile_b = Tile(qs, KS + bh * gl.cdiv(Sk, BKS), s_layout, o_layout, BN, BKS, EXPCAST, 1)
             if bytemask_ok(gl.where(rows < S, qs, 0.0), tile.KS_bh, gl.cdiv(Sk, BKS)):
                 acc, l_i, m_i, Rb = key_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile_b,
-                                             ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, PVW, acc_smem, OVL)
+                                             ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, PVW)
             else:
                 acc, l_i, m_i, Rb = key_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile,
-                                             ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, PVW, acc_smem, OVL)
+                                             ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, PVW)
         else:
             acc, l_i, m_i, Rb = key_loop(nb, Sk, acc, l_i, m_i, s_i, Rb, ks0, ks1, q_smem, zero_s, zero_o, tile,
-                                         ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, PVW, acc_smem, OVL)
+                                         ring, head, win, g_row, ng, MEAN, MS, HAS_TAIL, PVW)
         if MS:  # every column holds the row sum
             l_i = gl.convert_layout(gl.max(l_i, 1), row_s)
     else:
