@@ -544,7 +544,8 @@ def _log():
 
 
 ENV_METHOD = "VCATTN_METHOD"
-_ENV_VALUES = ("off", "auto", "dense", *(m.value for m in Method if m not in (Method.AUTO, Method.DENSE)))  # every method
+# off, auto, the baseline, then every other method
+_ENV_VALUES = ("off", "auto", "dense", *(m.value for m in Method if m not in (Method.AUTO, Method.DENSE)))
 
 
 def method_from_env() -> Optional[str]:
