@@ -484,7 +484,7 @@ def kernel_times(prof) -> Dict[str, float]:
 
 
 def run_clustered_inputs(B, H, S, D, dtype, device="cpu", seed=0):
-    """[B, H, S, D] q, k, v of the kernels' GPU tests (``tests/test_vsmooth_attn.make_qkv``): peaked attention,
+    """[B, H, S, D] q, k, v of the kernels' GPU tests (``tests/kernels/test_vsmooth_attn.make_qkv``): peaked attention,
     channel-biased K, V from 6 centres in token runs plus 0.3 noise, 1% token outliers (15x)."""
     g = torch.Generator().manual_seed(seed)
     q = 1.5 * torch.randn(B, H, S, D, generator=g)

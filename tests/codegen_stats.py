@@ -1,7 +1,7 @@
 """Compile the Q/K preprocessing kernels for sm_90 on a machine WITHOUT a GPU and print what the code
 does per kernel: registers and spills (ptxas -v), layout conversions (TTGIR), global loads/stores by width
 (PTX). Used to find why the RoPE prologue was 10x slower than the no-RoPE path (scalar loads, 243
-registers; see the NOTE in vc_compile/kernels/preprocess.py) and by tests/test_rope_fuse.py to keep it so.
+registers; see the NOTE in vc_compile/kernels/preprocess.py) and by tests/passes/test_rope_fuse.py to keep it so.
 
     PYTHONPATH=tests python -m codegen_stats [--S 32760] [--form interleaved|rotate-half] [--full] [--json]
         [--dump PREFIX]

@@ -1,5 +1,9 @@
 """Shared test set-up.
 
+* The tests mirror the package's layout (tests/kernels/ tests vc_compile/kernels/, ...; top-level modules and
+  package-wide checks in tests/ itself); the helpers (tiny_dit.py, tiny_diffusers.py, codegen_*.py, fidelity_*.py,
+  offline_sm90.py, triton_interp.py) stay here, and this file, loaded first, puts tests/ on ``sys.path`` so
+  ``import tiny_dit`` works from every folder. No ``__init__.py``: every test file's basename is unique.
 * ``requires_cuda``: the one marker for GPU-only tests; they are skipped cleanly on CPU machines.
 * Without a GPU, Triton kernels run under the interpreter (``TRITON_INTERPRET=1``) on small shapes. The
   variable must be set before ``triton`` is imported, so it is set here, in tests only. The interpreter's
@@ -7,8 +11,13 @@
   same bits, ~100x faster).
 """
 import os
+import sys
 
 import torch
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -47,7 +56,7 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _no_speed_gate(request, monkeypatch):
     """The tests run our kernels at small shapes, which on a GPU with shipped speed measurements (the H200) the
-    speed gate leaves to stock SDPA; off unless a test is marked ``speed_gate`` (tests/test_speed_gate.py).
+    speed gate leaves to stock SDPA; off unless a test is marked ``speed_gate`` (tests/tune/test_speed_gate.py).
     On a CPU the gate never applies (it gates the GPU kernels only)."""
     if request.node.get_closest_marker("speed_gate") is None:
         monkeypatch.setattr("vc_compile.tune.gate.slower_than_stock", lambda *a, **k: None)

@@ -1,5 +1,5 @@
 """Where the 8-bit attention error comes from, per method: the decomposition of docs/fidelity_notes.md, which
-tests/test_fidelity_vsmooth.py measures. (The study's command line over input families, sizes and captured
+tests/reference/test_fidelity_vsmooth.py measures. (The study's command line over input families, sizes and captured
 q, k, v is the script scripts/fidelity_decompose.py at commit 7684991, removed since.)
 
 For a case (q, k, v and sampled query rows) each method's output is compared with the fp32 truth and its error

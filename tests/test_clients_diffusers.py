@@ -11,9 +11,7 @@ and the output stays within the method's tolerance of the eager pipeline.
 Cost: ``compiler="eager"`` (Dynamo + rewrite + op, no Inductor) everywhere but one test; the methods
 run their plain-PyTorch reference on CPU.
 """
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +23,6 @@ import vc_compile  # noqa: E402
 from vc_compile.runtime import state  # noqa: E402
 from vc_compile.runtime.steps import TRACKER  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
 import tiny_diffusers  # noqa: E402
 
 from diffusers import (  # noqa: E402

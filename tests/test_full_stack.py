@@ -5,7 +5,7 @@ A tiny random-weight WanPipeline (tests/test_pipeline.py's), its block linears q
 ``vc_compile.enable``: one graph for both blocks, no graph break, no recompile on a second generation, every
 self-attention call rewritten with a block identity, the float8 GEMMs (``aten::_scaled_mm``) running in the same
 compiled blocks, and the output as close to the float8 model's eager output as the method alone is to the bf16
-model's. (Step and block caches: tests/test_block_skipping.py.)
+model's. (Step and block caches: tests/methods/test_block_skipping.py.)
 
 torchao refuses float8 quantisation on a CPU (a hardware check for CUDA >= sm89), though its float8 linear runs
 there (``torch._scaled_mm`` has a CPU kernel): the ``cpu_float8`` fixture lifts that check for these tests only."""

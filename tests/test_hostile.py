@@ -717,7 +717,6 @@ def test_anchor_schedules(sched, expect):
 
 # ---- through torch.compile ----------------------------------------------------------------------------------
 def compiled_tiny(method, dtype=torch.bfloat16, seq=256, zero_q_block=None, **opts):
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
     import tiny_dit
 
     m, x, ctx = tiny_dit.make(dtype=dtype, seq=seq)
@@ -940,7 +939,6 @@ MCS_BLOCKS = {"method": "mcsparse", "min_seq_len": 64, "warmup_steps": 0, "densi
 
 
 def tiny_blocks(layers=3, dequant=False):
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
     import tiny_dit
 
     m, x, ctx = tiny_dit.make(seq=256, layers=layers)

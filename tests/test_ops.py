@@ -82,8 +82,8 @@ def test_warmup_steps_run_stock_sdpa_for_every_method(method):
     and the first step after the warm-up must not."""
     q, k, v = qkv(S=256)
     s = site(method)
-    # MC-Sparse's default warm-up is the V-Smooth path (tests/test_mcsparse_warmup.py); its stock-SDPA warm-up is
-    # warmup_attention="sdpa", checked here with V-Smooth's warmup_steps
+    # MC-Sparse's default warm-up is the V-Smooth path (tests/methods/test_mcsparse_warmup.py); its stock-SDPA
+    # warm-up is warmup_attention="sdpa", checked here with V-Smooth's warmup_steps
     cfg = VCConfig.from_options({"method": method, "min_seq_len": 16, "warmup_steps": 2, "density": 0.5,
                                  "anchor_steps": (2,), "warmup_attention": "sdpa"}).to_json()
     ref = F.scaled_dot_product_attention(q, k, v)

@@ -10,6 +10,7 @@ it fail (a ``CompilationError`` for the missing ``gl.thread_barrier``): the Trit
 interpreter, so the generation's fallback is exercised end to end. On an sm_90 GPU a Gluon build failure is
 real (a kernel helper replaced by a plain Python function, which Gluon refuses to compile).
 """
+import os
 import warnings
 
 import pytest
@@ -242,7 +243,8 @@ def test_a_gluon_build_failure_falls_back_to_the_triton_kernel_once(fresh_vcattn
 def test_a_gluon_gather_kernel_build_failure_falls_back_to_the_triton_gather_kernel(monkeypatch):
     """MC-Sparse's reuse step: the Gluon gather kernel fails to build, the Triton one gives its result; a second
     Gluon kernel failing in the same process adds no warning (``report()`` lists both)."""
-    from test_sparse_attn import make_inputs
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels"))
+    from test_sparse_attn import make_inputs  # tests/kernels/
     q, k, v, sigma, idx, res = make_inputs(1, 2, 256, 64, torch.bfloat16, 0.3, C=64)
 
     def run():

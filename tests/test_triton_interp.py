@@ -3,7 +3,7 @@
 A small kernel reduces a block with the kernels' own NaN-propagating max (kernels/preprocess.py
 ``_nanmax``) and with an order-sensitive fp32 sum (a left fold in another order would change low bits),
 over each axis and over all of it, once through the vectorised reduce and once through the stock
-per-element loop. tests/test_preprocess.py checks the kernels' codes exactly against the reference on CPU
+per-element loop. tests/kernels/test_preprocess.py checks the kernels' codes exactly against the reference on CPU
 with the vectorised reduce in place, NaN/Inf inputs included.
 """
 import contextlib

@@ -10,7 +10,7 @@ and launches what the default tables say. Entries use ``*`` for fields a configu
 (every sequence length, density; sparse shapes outside the sweeps get ``configs.SPARSE_FALLBACK``). The Gluon
 kernel's default changes at a row count (``configs.VSMOOTH_SM90_LONG``) that is no boundary of the cache's
 power-of-two sequence buckets, so its key carries the regime (``configs.sm90_regime``). This script is the one
-place that imports both the kernels' tables and the tuner (``tests/test_tune_lookup.py`` checks the JSON).
+place that imports both the kernels' tables and the tuner (``tests/tune/test_tune_lookup.py`` checks the JSON).
 """
 from __future__ import annotations
 

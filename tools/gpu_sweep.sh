@@ -73,11 +73,12 @@ kernels() {  # the kernel benchmarks and their baselines (FA4 rows where install
   return 0
 }
 
-GPU_TESTS="tests/test_anchor.py tests/test_anchor_mass.py tests/test_topk.py tests/test_finite_flags.py
-  tests/test_mcsparse_guard.py tests/test_mcsparse_warmup.py tests/test_vsmooth_attn_sm90.py tests/test_vsmooth_attn.py tests/test_sparse_attn.py
-  tests/test_preprocess.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py tests/test_tune_lookup.py
-  tests/test_mcsparse_ladder.py tests/test_steps.py tests/test_rope_fuse.py tests/test_ops.py tests/test_key_padding.py
-  tests/test_speed_gate.py"
+GPU_TESTS="tests/methods/test_anchor.py tests/kernels/test_anchor_mass.py tests/kernels/test_topk.py
+  tests/kernels/test_finite_flags.py tests/methods/test_mcsparse_guard.py tests/methods/test_mcsparse_warmup.py
+  tests/kernels/test_vsmooth_attn_sm90.py tests/kernels/test_vsmooth_attn.py tests/kernels/test_sparse_attn.py
+  tests/kernels/test_preprocess.py tests/kernels/test_kmeans.py tests/kernels/test_pddp.py tests/kernels/test_select.py
+  tests/tune/test_tune_lookup.py tests/methods/test_mcsparse_ladder.py tests/runtime/test_steps.py
+  tests/passes/test_rope_fuse.py tests/test_ops.py tests/test_key_padding.py tests/tune/test_speed_gate.py"
 
 while [ $# -gt 0 ]; do
   case $1 in
@@ -89,8 +90,9 @@ while [ $# -gt 0 ]; do
       export PYTHONPATH=/tmp/triton_site:$PYTHONPATH
       $PY -c "import triton, torch; print('triton', triton.__version__, triton.__file__, 'torch', torch.__version__)" ;;
     toolchain) run_stage toolchain "${TOOLCHAIN_S:-300}" $PY -m pytest -n 8 -v -p no:cacheprovider -rfE --timeout 200 \
-                 tests/test_toolchain.py tests/test_vsmooth_attn_sm90.py tests/test_sparse_attn_sm90.py \
-                 tests/test_launch.py tests/test_programs.py ${TOOLCHAIN_K:+-k "$TOOLCHAIN_K"} ;;
+                 tests/test_toolchain.py tests/kernels/test_vsmooth_attn_sm90.py \
+                 tests/kernels/test_sparse_attn_sm90.py tests/kernels/test_launch.py tests/kernels/test_programs.py \
+                 ${TOOLCHAIN_K:+-k "$TOOLCHAIN_K"} ;;
     install) run_stage install 240 install_wheels ;;
     tests) run_stage tests "${TESTS_S:-240}" $PY -m pytest -n 8 -v -p no:cacheprovider -rfE --timeout 150 \
              ${TESTS_K:+-k "$TESTS_K"} ${TESTS_FILES:-$GPU_TESTS} ;;
@@ -130,14 +132,16 @@ while [ $# -gt 0 ]; do
         --csv "$OUT/bench_context_parallel.csv" ;;
     gputests)
       run_stage gputests 210 $PY -m pytest -q -n 8 --timeout 170 -p no:cacheprovider -rfE \
-        tests/test_vsmooth_attn.py tests/test_preprocess.py tests/test_sparse_attn.py tests/test_hostile.py \
-        tests/test_tune_lookup.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py \
-        tests/test_mcsparse_ladder.py tests/test_ops.py tests/test_steps.py $(ls tests/test_rope_fuse.py 2>/dev/null) ;;
+        tests/kernels/test_vsmooth_attn.py tests/kernels/test_preprocess.py tests/kernels/test_sparse_attn.py \
+        tests/test_hostile.py tests/tune/test_tune_lookup.py tests/kernels/test_kmeans.py tests/kernels/test_pddp.py \
+        tests/kernels/test_select.py tests/methods/test_mcsparse_ladder.py tests/test_ops.py tests/runtime/test_steps.py \
+        $(ls tests/passes/test_rope_fuse.py 2>/dev/null) ;;
     gpukey)  # the GPU-only tests and the hostile suite's kernel cases (gputests in full does not fit a call)
       run_stage gpukey 140 $PY -m pytest -q -n 8 --timeout 130 -p no:cacheprovider -rfE \
-        tests/test_tune_lookup.py tests/test_vsmooth_attn.py tests/test_sparse_attn.py tests/test_preprocess.py \
-        tests/test_rope_fuse.py tests/test_kmeans.py tests/test_pddp.py tests/test_select.py \
-        tests/test_mcsparse_ladder.py tests/test_hostile.py -k "gpu or cuda or kernels" ;;
+        tests/tune/test_tune_lookup.py tests/kernels/test_vsmooth_attn.py tests/kernels/test_sparse_attn.py \
+        tests/kernels/test_preprocess.py tests/passes/test_rope_fuse.py tests/kernels/test_kmeans.py \
+        tests/kernels/test_pddp.py tests/kernels/test_select.py tests/methods/test_mcsparse_ladder.py \
+        tests/test_hostile.py -k "gpu or cuda or kernels" ;;
     vsmooth)
       run_stage vsmooth 170 $PY -m benchmarks.bench_vsmooth_attn --quick --ab --ab-plan ws ;;
     sm90)  # the Gluon kernel alone beside FA3 FP8 / torchao / cuDNN (its default and SM90_CONFIGS' launches)
@@ -148,7 +152,7 @@ while [ $# -gt 0 ]; do
     pkg)
       run_stage pkg 240 bash -c '$PY -c "from vc_compile import nvml; print(nvml.limits(0)); print(nvml.state(0))"
         $PY -c "from vc_compile.tune.cache import current_arch as a, cache_dir as d; print(a().dirname, d())"
-        $PY -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/test_pipeline_calls.py \
+        $PY -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/runtime/test_pipeline_calls.py \
           tests/test_package.py' ;;
     pack)  # everything under $OUT in one archive (a run returns a limited number of files)
       (cd "$OUT" && tar czf /tmp/pack.tgz --exclude=pack.tgz . && find . -mindepth 1 -delete && mv /tmp/pack.tgz .)

@@ -77,7 +77,7 @@ def inductor_patches(cfg: VCConfig) -> dict:
     ``vcattn::attention`` would freeze at their first values. The op is tagged ``cudagraph_unsafe`` and
     ``graph_partition=True`` is forced for this compile: Inductor records CUDA graphs of the pieces
     between attention calls and runs the op itself eagerly on every call, so phases keep advancing (the
-    GPU test ``tests/test_steps.py::test_reduce_overhead_phases_advance_gpu`` checks it). Where
+    GPU test ``tests/runtime/test_steps.py::test_reduce_overhead_phases_advance_gpu`` checks it). Where
     partitioning is unavailable the mode is refused up front rather than silently frozen.
     """
     if not cfg.mode or cfg.mode == "default":

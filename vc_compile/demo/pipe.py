@@ -15,7 +15,7 @@ The shipped transformer *is* a diffusers ``WanTransformer3DModel`` whose latent 
 
 What still differs from ``sampler.sample`` is diffusers' arithmetic, not the method: the pipeline forms
 the CFG combination in the transformer's dtype (bf16) and the scheduler casts the latents back to it
-after every step, where the sampler keeps both in fp32. ``tests/test_demo.py`` measures the gap.
+after every step, where the sampler keeps both in fp32. ``tests/demo/test_demo.py`` measures the gap.
 
 Step detection needs nothing from the demo: the vcattn op reads the step index and count from the
 pipeline's denoising loop (``vc_compile/runtime/steps.py``).

@@ -763,7 +763,7 @@ def _preprocess(q, k, v, perm, *, sm_scale, hadamard, qk_format, smooth, rope, v
         k_mean = empty(B, H, D, device=dev, dtype=torch.float32)
         # NOTE INT8 codes only: on sm_90 with Triton 3.6 the packed path's FP8 codes were wrong in
         # whole channels (e.g. channel 2 of every row stored as 0, or as one constant code), where the [R, D]
-        # path's were right (tests/test_rope_fuse.py, packed vs unpacked); the CPU interpreter agreed with both
+        # path's were right (tests/passes/test_rope_fuse.py, packed vs unpacked); the CPU interpreter agreed with both
         packed = (launch.rope_packed and rope is not None and rope.form == "interleaved" and not hadamard
                   and qk_format != "fp8" and q.dtype in (torch.bfloat16, torch.float16) and pair_words_ok(q, k))
         args = [q, k, p, kpart, hpm, q8, k8, q_scale, k_scale, k_mean, S, H, *q.stride(), *k.stride(), *pstr,

@@ -107,7 +107,7 @@ def dense_with_lse(q, k, v, sm_scale: float):
 
     On CUDA: SDPA's cuDNN kernel (the fastest bf16 SDPA backend on sm_90; docs/performance.md) with the flash kernel as
     fallback; both return the natural-log LSE, converted here (x log2 e). NOTE the convention is checked
-    on the GPU against reference/dense.py by tests/test_select.py::test_dense_with_lse_cuda. On CPU:
+    on the GPU against reference/dense.py by tests/kernels/test_select.py::test_dense_with_lse_cuda. On CPU:
     ``_scaled_dot_product_flash_attention_for_cpu`` (also natural log)."""
     B, H, S, _ = q.shape
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # aten kernels need unit last stride

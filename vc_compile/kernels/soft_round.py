@@ -1,6 +1,6 @@
 """Software roundings for the Triton interpreter (``TRITON_INTERPRET=1``): its fp32 -> e4m3 and fp32 -> bf16
 casts round wrong (e4m3: -1.9547 -> -1.0 instead of -2.0 where rounding carries into the exponent;
-tests/test_sparse_attn.py), so under the interpreter the kernels round in fp32 / int32 arithmetic first and the
+tests/kernels/test_sparse_attn.py), so under the interpreter the kernels round in fp32 / int32 arithmetic first and the
 cast then only sees exact values. Only called under an ``INTERPRET``-style constexpr: no GPU compile runs them.
 """
 from __future__ import annotations

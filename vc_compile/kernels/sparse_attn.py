@@ -65,7 +65,7 @@ def _quant_rows_fp8_kernel(X, XQ, XS, H, S, sxb, sxh, sxs,
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
     # NOTE IEEE divisions (div_rn): Triton's `/` is div.full.f32 (~2 ulp) on sm_90, which made scales
-    # and codes differ from the reference (tests/test_sparse_attn.py)
+    # and codes differ from the reference (tests/kernels/test_sparse_attn.py)
     scale = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
     y = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None] + tl.zeros_like(x)), -448.0), 448.0)
     if SW_ROUND:

@@ -170,7 +170,7 @@ def pack_codes(tile: Tile, y, MASK: gl.constexpr):
 
 # $1..$4: four codes y (fp32 bits), $0: their four E4M3 bytes. PRMT selectors: one nibble per result byte (byte
 # 0 first), bits 0-2 the source byte (0-3 the first operand, 4-7 the second), bit 3 = replicate that byte's top
-# bit. tests/test_vsmooth_attn_sm90.py emulates this text instruction by instruction.
+# bit. tests/kernels/test_vsmooth_attn_sm90.py emulates this text instruction by instruction.
 CODES_MASKED_PTX = gl.constexpr(
     "{ .reg .b32 a, b, c, m;\n"
     "prmt.b32 a, $1, $2, 0xEA40;\n"  # [y0.b0, y1.b0, sign(y0.b2), sign(y1.b2)]

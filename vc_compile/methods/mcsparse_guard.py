@@ -23,7 +23,7 @@ The decision therefore lags one step (two if the GPU runs more than a step behin
 made inside the op at run time: no recompiles. A non-finite reading (NaN/Inf inputs) never triggers:
 an anchor on non-finite inputs caches nothing (methods/mcsparse.py).
 
-Everything here is device-agnostic (tests/test_mcsparse_guard.py). The integration: ``methods/mcsparse.py``'s
+Everything here is device-agnostic (tests/methods/test_mcsparse_guard.py). The integration: ``methods/mcsparse.py``'s
 reuse step runs the probe (through ``kernels/dispatch.py``: ``finite_flags`` + ``probe_error``) and
 ``GuardState.record``s it; ``ops.attention`` asks ``guard_check`` when the schedule says REUSE.
 """

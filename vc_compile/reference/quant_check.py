@@ -37,11 +37,11 @@ from vc_compile.reference.quant import quantize_blocks
 
 # r_qk / r_v of clean inputs per format, the units of the limit: INT8 Q / K 1.27e-2 (worst of 8 sampled blocks,
 # random and structured inputs, S = 2048, D = 128), FP8 Q / K and the FP8 V codes as measured by
-# tests/test_quant_check.py::test_clean_readings (the test keeps these values honest)
+# tests/reference/test_quant_check.py::test_clean_readings (the test keeps these values honest)
 CLEAN_QK = {"int8": 1.3e-2, "fp8": 3.8e-2}
 CLEAN_V = 2.7e-2
 # a reading above LIMIT x its clean value acts (ops.py); 2.5: the output error of V-Smooth stays within ~3x its
-# clean error where the logit error does (tests/test_quant_check.py measures both on the cases it guards)
+# clean error where the logit error does (tests/reference/test_quant_check.py measures both on the cases it guards)
 LIMIT = 2.5
 ROWS = 64  # sampled query rows
 BLOCKS = 5  # evenly spaced K blocks (64 keys) and V blocks (128 keys) besides the worst one

@@ -1,6 +1,6 @@
 """The MC-Sparse quality guard (methods/mcsparse_guard.py): its pure pieces, the estimate it reads, and its
 trigger through the op (a fast-drifting trajectory re-anchors, a slow one does not). CPU: the reference
-path (the probe kernel itself: tests/test_finite_flags.py); GPU: no host sync on reuse steps."""
+path (the probe kernel itself: tests/kernels/test_finite_flags.py); GPU: no host sync on reuse steps."""
 import math
 
 import pytest

@@ -7,7 +7,6 @@ generation.
 """
 import gc
 import os
-import sys
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from vc_compile.runtime import state
 from vc_compile.methods import mcsparse as M_mcsparse
 from vc_compile.runtime.steps import TRACKER
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_dit  # noqa: E402
 
 GENERATIONS = int(os.environ.get("VC_SOAK_GENERATIONS", "4"))

@@ -274,10 +274,6 @@ def test_a_fused_rope_call_is_rebuilt_with_its_tables(tmp_path, monkeypatch):
     """A RoPE-fused call (rope_fusion, the tiny Wan: q, k un-rotated in [B, S, H, D], cos / sin tables) reaches
     the helper with its layout spec and tables; the helper runs it and the output equals the one without."""
     pytest.importorskip("diffusers")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
     import tiny_diffusers
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
@@ -304,7 +300,7 @@ def test_builds_found_ahead_are_the_builds_a_launch_needs(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")

@@ -214,7 +214,7 @@ def test_default_launch_compiles_for_sm90():
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     code = """
@@ -254,7 +254,7 @@ def test_pass2_spills_no_more_with_many_splits():
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     code = """

@@ -12,8 +12,6 @@ checks below are on stock SDPA nodes.
 Cosmos: its tiny config runs with ``concat_padding_mask=False`` (the padding-mask resize needs
 torchvision, which is not installed here); the attention and its RoPE are unaffected.
 """
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +24,6 @@ import vc_compile.backend as backend
 from vc_compile.passes import fx_nodes, rope_detect
 from vc_compile.passes.rope_detect import RopeMatch
 
-sys.path.insert(0, str(Path(__file__).parent))
 import tiny_dit  # noqa: E402
 import tiny_diffusers  # noqa: E402
 

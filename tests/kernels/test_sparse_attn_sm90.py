@@ -27,7 +27,7 @@ from vc_compile.reference.sparse_attn import sparse_attention as ref_sparse
 from vc_compile.kernels import configs as CF
 from vc_compile.kernels.configs import SparseAttnSm90Config
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # the compiles checked: both defaults (C = 128: producer fence and overlap order), the other order at C = 128 and a

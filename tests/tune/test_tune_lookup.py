@@ -18,7 +18,7 @@ from vc_compile.kernels import dispatch
 from vc_compile.tune import cache as C
 from vc_compile.tune import lookup
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCH = C.Arch("NVIDIA H200", (9, 0), "13.0", "3.6.0")
 UNKNOWN = C.Arch("Future GPU", (13, 0), "14.0", "3.9.0")
 CANDS = [{"BN": 64}, {"BN": 128}, {"BN": 32}]

@@ -16,7 +16,7 @@ Tolerances (why they are what they are):
   by one bf16 ulp (2^-8 relative). That moves an INT8 code by at most one step where it sits on a
   rounding boundary; measured relative L2 of the block output 2.2e-3 (Wan), so 1e-2 is asserted.
 * Kernel vs reference (interpreter): the kernel's prologue against ``apply_rope`` + the reference
-  preprocessing, with the tolerance of tests/test_preprocess.py (Q codes exact without Hadamard, K codes
+  preprocessing, with the tolerance of tests/kernels/test_preprocess.py (Q codes exact without Hadamard, K codes
   within one step on <= 0.5% of codes since K's mean is summed in another order).
 """
 import sys
@@ -36,7 +36,7 @@ from vc_compile.passes import rope_fuse
 from vc_compile.reference import preprocess as ref_pre
 from vc_compile.runtime import report as _report
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))  # test_preprocess (tests/kernels/)
 import tiny_dit  # noqa: E402
 import tiny_diffusers  # noqa: E402
 from conftest import INTERPRET, KERNEL_DEVICE, pinned_codegen, requires_cuda  # noqa: E402
@@ -544,7 +544,7 @@ def test_rope_prologue_codegen_sm90():
     import json
     import os
     import subprocess
-    root = Path(__file__).parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-m", "codegen_stats", "--json"], env=env, cwd=root,

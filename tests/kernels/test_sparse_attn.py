@@ -237,7 +237,7 @@ def test_gather_kernel_codegen_sm90():
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
     st = {}

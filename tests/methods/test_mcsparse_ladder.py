@@ -4,7 +4,7 @@
 Brute force = the full S x Sk logits / probabilities in fp64 with explicit per-group, per-block loops and
 the block rule written out in Python (rank blocks by score, take the first n_keep keys in that order).
 Selections are compared as sets; a difference is accepted only for an exact near-tie of the scores
-(fp32 scoring vs fp64 brute force), as in tests/test_select.py.
+(fp32 scoring vs fp64 brute force), as in tests/kernels/test_select.py.
 """
 import dataclasses
 
