@@ -216,7 +216,7 @@ def test_default_launch_compiles_for_sm90():
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
     code = """
 import codegen_stats as cs
 import torch
@@ -256,7 +256,7 @@ def test_pass2_spills_no_more_with_many_splits():
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
     code = """
 import codegen_stats as cs
 import torch

@@ -302,7 +302,7 @@ def test_builds_found_ahead_are_the_builds_a_launch_needs(tmp_path):
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     code = """
 import os
