@@ -205,3 +205,25 @@ def test_the_folders_import_each_other_one_way():
         rooms.setdefault(room(mod), set()).update(room(d) for d in deps if room(d) != room(mod))
     assert "vc_compile.runtime" in rooms["vc_compile.kernels"]
     assert find_cycle(rooms) is None
+
+
+def _py_lines(folder: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in folder.rglob("*.py"))
+
+
+def test_the_product_apart_from_its_workshop():
+    """The repository is the package, its tests, the benchmarks behind published tables, the docs and the tools
+    people run; finished experiments leave a design record, not a script. The benchmarks and tools together stay
+    within 30% of the package's lines, and the README is a front door (<= 200 lines)."""
+    import subprocess
+
+    root = PKG.parent
+    r = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip("not a git checkout: the tracked files cannot be listed")
+    top = {f.split("/")[0] for f in r.stdout.split()}
+    assert top <= {"vc_compile", "tests", "benchmarks", "docs", "tools", ".ci", "README.md", "LICENSE",
+                   "pyproject.toml", ".gitignore"}, sorted(top)
+    assert len((root / "README.md").read_text().splitlines()) <= 200
+    workshop, package = _py_lines(root / "benchmarks") + _py_lines(root / "tools"), _py_lines(PKG)
+    assert workshop <= 0.30 * package, (workshop, package)
