@@ -11,7 +11,7 @@ Sizes mirror Wan 2.1's token counts (patch (1, 2, 2) on pixels): ``32k`` = 21 x 
 RoPE extrapolates and the samples are not pretty; the attention is still the trained, non-uniform one,
 which is what the fidelity numbers need.
 
-Per size: each method with its default step schedule (``runner.METHODS``), compiled with
+Per size: each method with its default step schedule (``runner.known_methods()``), compiled with
 ``backend="vcattn"`` (Inductor) and timed after a warm-up; CFG 2 calls per step (B = 1 per call).
 Fidelity of the final clip against the dense bf16 run (same seed, same noise): PSNR, SSIM, relative
 L2, cosine. Noise floor: ``floor:bf16-vs-fp32`` (the dense bf16 clip against an eager fp32 run, TF32
@@ -41,7 +41,7 @@ from benchmarks.common import append_csv, env_info, prefer_cudnn
 from vc_compile.config import merge_options
 from vc_compile.demo.metrics import compare
 from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
-from vc_compile.demo.runner import (METHODS, compile_full, compile_regional, ladder_methods,
+from vc_compile.demo.runner import (known_methods, compile_full, compile_regional, ladder_methods,
                                     run_config)
 from vc_compile.demo.sampler import print_progress, sample
 
@@ -83,7 +83,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="32k only, 20 steps")
     ap.add_argument("--sizes", default=None, help=f"comma-separated, from {list(SIZES)} (default 32k,75k)")
     ap.add_argument("--steps", type=int, default=None, help="default 50 (20 with --quick)")
-    ap.add_argument("--methods", default=",".join(m for m, _ in METHODS))
+    ap.add_argument("--methods", default=",".join(m for m, _ in known_methods()))
     ap.add_argument("--ladder", action="store_true",
                     help="dense + the MC-Sparse ablation ladder at --densities (instead of --methods)")
     ap.add_argument("--densities", default="0.15,0.25", help="densities of the --ladder rungs")
@@ -101,7 +101,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     sizes = (a.sizes or ("32k" if a.quick else "32k,75k")).split(",")
     steps = a.steps or (20 if a.quick else 50)
-    known = dict(METHODS)
+    known = dict(known_methods())
     # MC-Sparse with C = 128 query groups (the gather kernel's faster tile), for the group-size A/B
     known.update({f"mcsparse-c128@{d}": {"method": "mcsparse", "density": d, "group_size": 128}
                   for d in (0.15, 0.25)})

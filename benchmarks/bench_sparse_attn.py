@@ -115,11 +115,11 @@ def sweep(q, k, v, sigma, idx, sm, t_cudnn, S, dens, Cg, configs, log):
     return rows, best
 
 
-# --ab candidates per C, in the order they are timed (the most informative first; see docs/sparse_notes.md
-# "Codegen and A/B"): (name, launch config). s3 and s4 compile to the same two-buffer loop
+# --ab candidates per C, in the order they are timed (the most informative first; see
+# docs/design/sparse-launch-config.md): (name, launch config). s3 and s4 compile to the same two-buffer loop
 # (tests/codegen_sparse.py), so only the shipped one of the two is timed. "base" = kv_off off (the kernel
 # before the A/B); the shipped default is kv_off for C >= 128. (The lazy-rescale variant, rescale_tau, is
-# gone: docs/kernels_notes.md "Removed variants".)
+# gone: docs/design/sparse-launch-config.md.)
 AB_KV_OFF = [("base", False), ("kvoff", True)]
 AB_EXTRA_CONFIGS = {64: [SparseAttnConfig(32, 4, 4)], 128: [SparseAttnConfig(32, 4, 3)]}
 AB_TOL = 1e-2  # bf16 P in PV: the kernel's own error vs fp32 is ~2e-3 (rel_l2 column of sparse_* rows)

@@ -153,7 +153,7 @@ def main(argv=None):
         out[name]["ms"] = int(cfg.mma_sums)
         out[name]["mean"] = mean
         # ptxas's F2FP...PACK_AB_MERGE_C with a live C operand: every register-P~ exp2 compile that had these
-        # returned wrong or NaN rows on the H200 (kernels_notes v6); e4m3x4 packs P~ so that none appear
+        # returned wrong or NaN rows on the H200 (docs/design/e4m3x4-packing.md); e4m3x4 packs P~ so that none appear
         out[name]["f2fp_merge_chained"] = len(re.findall(r"PACK_AB_MERGE_C R\d+, R\d+, R\d+, R\d+", sass))
         out[name]["window"] = register_p_loop(sass) if out[name]["register_p"] else overlap_window(sass)
         out[name].update(loop_stats(sass))

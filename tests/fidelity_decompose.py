@@ -1,4 +1,4 @@
-"""Where the 8-bit attention error comes from, per method: the decomposition of docs/fidelity_notes.md, which
+"""Where the 8-bit attention error comes from, per method: the decomposition of docs/methods.md, which
 tests/reference/test_fidelity_vsmooth.py measures. (The study's command line over input families, sizes and captured
 q, k, v is the script scripts/fidelity_decompose.py at commit 7684991, removed since.)
 

@@ -137,18 +137,19 @@ OPTION_DOCS: Dict[str, str] = {
                       "for the first 25% of the steps (docs/methods.md).",
     "density": "MC-Sparse: fraction of keys each query group keeps (0 < density <= 1).",
     "group_size": "MC-Sparse: queries per group (the sparse kernel's query tile): 64 or 128 (128: 17% faster "
-                  "sparse steps, 0.3-0.4 dB lower PSNR on the demo; docs/sparse_notes.md).",
+                  "sparse steps, 0.3-0.4 dB lower PSNR on the demo; docs/design/sparse-group-size.md).",
     "warmup_steps": "Warm-up steps at the start (dense SDPA; MC-Sparse: see warmup_attention). None = 0 for vsmooth, 20% of the steps for mcsparse.",
     "anchor_steps": "MC-Sparse: steps that re-select (tuple of ints). None = (20%, 52%) of the steps.",
     "anchor_interval": "MC-Sparse: re-select every N steps after the warm-up (instead of anchor_steps).",
     "sparse_qk": ("MC-Sparse: QK precision of the gather kernel: 'bf16' | 'fp8' | 'int8' (sm_90: 1.09-1.13x the "
-                  "bf16 kernel, ~2x its error; docs/sparse_notes.md)."),
+                  "bf16 kernel, ~2x its error; docs/design/sparse-qk8-scale.md)."),
     "warmup_attention": "MC-Sparse warm-up steps: 'expcast' (8-bit V-Smooth with ExpCast's softmax, the fastest "
                         "dense 8-bit path; default), 'vsmooth' (8-bit V-Smooth, as the option expcast says) or "
                         "'sdpa' (stock SDPA, the paper's).",
     "residual": "MC-Sparse residual storage: 'bf16' | 'fp8' (per-token scale, half the memory) | 'none'.",
     "anchor_dense": "MC-Sparse anchor steps: the dense pass giving O_dense and R: 'bf16' (cuDNN, today's "
-                    "accuracy) | 'q8' (the 8-bit V-Smooth pass: faster, R carries its error; docs/anchor_notes.md).",
+                    "accuracy) | 'q8' (the 8-bit V-Smooth pass: faster, R carries its error; "
+                    "docs/design/anchor-selection.md).",
     "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
     "guard_threshold": "MC-Sparse: re-anchor a layer when its reuse error, measured on sampled rows, exceeds "
                        "this (relative L2; 0 = guard off). docs/mcsparse_guard.md.",
@@ -167,7 +168,7 @@ OPTION_DOCS: Dict[str, str] = {
                   "size (e.g. V-Smooth at 12 heads x 8K tokens on the H200), reported; 'off' always runs ours.",
     "max_logit_std": "8-bit paths (V-Smooth, MC-Sparse's V-Smooth warm-up): a site whose sampled attention logits "
                      "have a std above this (checked once per site, block and shape) stays stock SDPA, reported: "
-                     "their INT8 QK error grows with it (docs/fidelity_notes.md). 0 = no check (force 8-bit); "
+                     "their INT8 QK error grows with it (docs/design/sharpness-check.md). 0 = no check (force 8-bit); "
                      "with expcast, logits of base-2 magnitude beyond ~2000 then give NaN rows (outside its codes' range).",
     "quant_check": "8-bit paths: before a site's first 8-bit call (once per site, block and shape) its quantisation "
                    "error is read on a sample (reference/quant_check.py); a site with an outlier K channel runs with the "
@@ -309,7 +310,7 @@ class VCConfig:
     # docs/design/finite-flags.md
     propagate_nonfinite: bool = False
     # NOTE the 8-bit error grows with the logit spread; 32 keeps the predicted error under twice the one at unit
-    # logits, and a model with QK-norm sits far below it. docs/fidelity_notes.md, "Sharp attention"
+    # logits, and a model with QK-norm sits far below it. docs/design/sharpness-check.md
     max_logit_std: float = 32.0
     quant_check: bool = True
     # NOTE 'off' by default since reuse steps replay recorded launch sequences (kernels/programs.py): about as fast

@@ -287,7 +287,7 @@ def forget_identities(_gen: Optional[int] = None) -> None:
 # Sharp attention (option ``max_logit_std``): the 8-bit paths' error grows with the spread of the logits (INT8
 # QK moves each logit by a fraction of its block's range, and a sharp softmax turns that into weight moved
 # between keys). Measured on the CPU reference, random q, k, v, S = 1024, D = 64/128, bf16, rel. L2 against fp64
-# SDPA (docs/fidelity_notes.md; config.py NOTE): (logit std, V-Smooth error). Checked once per (site, block,
+# SDPA (docs/design/sharpness-check.md; config.py NOTE): (logit std, V-Smooth error). Checked once per (site, block,
 # shape) on sampled rows: one small matmul and one host read the first time, nothing on later calls.
 SHARP = "logits too sharp for 8-bit"
 SHARP_ERR = ((1.0, 0.037), (10.0, 0.045), (20.0, 0.057), (35.0, 0.071), (50.0, 0.080), (100.0, 0.108))
@@ -340,8 +340,9 @@ def too_sharp(rec, key: tuple, q, k, sm_scale: float, cfg: VCConfig) -> bool:
         warnings.warn(
             f"vcattn: call site {rec.module or key[0]} ({rec.shape}): its sampled attention logits have std "
             f"{std:.1f} > max_logit_std={cfg.max_logit_std:g}, where the 8-bit path's error is about "
-            f"{predicted_error(std):.2f} rel. L2 (0.04 at unit logits; docs/fidelity_notes.md); it runs stock SDPA "
-            f"there instead (report: '{SHARP}'). options={{'max_logit_std': 0}} forces the 8-bit path.",
+            f"{predicted_error(std):.2f} rel. L2 (0.04 at unit logits; docs/design/sharpness-check.md); "
+            f"it runs stock SDPA there instead (report: '{SHARP}'). "
+            f"options={{'max_logit_std': 0}} forces the 8-bit path.",
             RuntimeWarning, stacklevel=3)
     return True
 

@@ -6,7 +6,7 @@ one implementation, so the methods, ``ops.py`` and the kernels call it here and 
   MC-Sparse quantises its FP8 residual with it).
 * MC-Sparse selection outside the exact pass-2 kernel: the top-K of the group masses (``select_topk``), and
   the ablation variants of the paper's Table 5 (config ``selection`` / ``selection_unit`` / ``query_grouping``,
-  docs/sparse_notes.md). All produce the same ``idx`` format, so the same gather kernel runs them; only the
+  docs/methods.md, MC-Sparse). All produce the same ``idx`` format, so the same gather kernel runs them; only the
   exact group masses have a kernel (``kernels/select.group_key_mass``).
   identity    ``query_grouping="none"``: sigma = arange(S), i.e. contiguous query tiles of C.
   scores      ``selection="mean_pool"``: ``score[g, j] = (mean_{i in g} q_i) . k_j * sm_scale`` per key, or
@@ -56,7 +56,7 @@ def select_topk(mass: torch.Tensor, keep: int) -> torch.Tensor:
     Triton path uses it too).
 
     NOTE cost: torch.topk (radix select over each Sk row; unsorted output) then a sort of the kept
-    indices; measured in benchmarks/bench_sparse_attn.py ("topk" rows, docs/sparse_notes.md). It reads
+    indices; measured in benchmarks/bench_sparse_attn.py ("topk" rows; docs/design/anchor-mass-config.md). It reads
     the whole mass tensor once more (G * Sk * 4 bytes per head)."""
     idx = torch.topk(mass, keep, dim=-1, sorted=False).indices
     return torch.sort(idx, dim=-1).values.to(torch.int32)

@@ -231,7 +231,7 @@ def test_cuda_every_tuning_candidate(Cg, fmt):
 def test_gather_kernel_codegen_sm90():
     """The gather kernel compiled for sm_90 offline (tests/codegen_sparse.py, C = 128, shipped config):
     K/V rows through cp.async, async wgmma not serialised by ptxas, 2 CTAs/SM; kv_off (the C = 128 default)
-    does not add loop instructions or registers (docs/sparse_notes.md, "Codegen and A/B")."""
+    does not add loop instructions or registers (docs/design/sparse-launch-config.md)."""
     import json
     import os
     import subprocess

@@ -68,7 +68,8 @@ def test_compiles_for_sm90_without_spills_and_overlaps(codegen, variant):
     assert st["spill_bytes"] <= (16 if st["byte_mask"] else 0)
     if st["byte_mask"]:  # a byte-mask loop without the 64 FMNMX clamps, and the FMNMX-clamp loop beside it
         assert st["fmnmx_shortest_loop"] <= 80 and st["fmnmx_most"] >= 140
-    # no chained F2FP.MERGE_C: the SASS pattern of every wrong / NaN register-P~ exp2 compile (kernels_notes v6)
+    # no chained F2FP.MERGE_C: the SASS pattern of every wrong / NaN register-P~ exp2 compile
+    # (docs/design/e4m3x4-packing.md)
     assert st["f2fp_merge_chained"] == 0
     w = st["window"]
     assert w["found"], "no key loop found in the SASS"
@@ -325,7 +326,8 @@ def test_gpu_register_p_configs_match_shared_memory_p(D, S, config, expcast):
     row sum differs (measured max abs 2e-3 on outputs ~1 at S = 32760). S = 300 leaves the second consumer warp
     group of the warp-specialised kernel with rows past S. On the exp2 path (V-Smooth and naive 8-bit) these
     compiles returned wrong or NaN rows with the mean term on until P~ was packed by ``e4m3x4``
-    (kernels_notes v6). MS (row sums and the mean term by MMA): row sums exact in fp32 instead of an fp16 sum,
+    (docs/design/e4m3x4-packing.md).
+    MS (row sums and the mean term by MMA): row sums exact in fp32 instead of an fp16 sum,
     the mean term added per 8 blocks (S = 2048: 16 blocks, both windows full; 4173: four full windows and a
     1-block one). ``pv_window``: PV summed by the FP8 MMA over 2 / 8 blocks before each fp32 fold (S = 4173: a
     window cut short by the last block)."""

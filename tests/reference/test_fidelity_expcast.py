@@ -1,4 +1,4 @@
-"""ExpCast's accuracy (docs/fidelity_notes.md): why its error grew with S, and the fix.
+"""ExpCast's accuracy (docs/methods.md): why its error grew with S, and the fix.
 
 The cause, measured on the emulated kernel (vc_compile/reference/vsmooth_attn_sm90.py): a key far below the row
 max gets ExpCast code 0 (u < -14.9 at the shipped offset 119.65) or a subnormal code 1-7 decoded linearly,
@@ -53,7 +53,7 @@ def err(qk, vq, rows, truth, **kw):
 @functools.lru_cache(maxsize=None)
 def far_case(S):
     """A few keys per query 16 octaves above all the others (tests/fidelity_inputs.py ``far_field``, groups of
-    4): the far field's mass grows with S, as in video attention (docs/fidelity_notes.md)."""
+    4): the far field's mass grows with S, as in video attention (docs/methods.md)."""
     q, k, v = FI.far_field(S, 128, 1, 0, group=4, gap=16.0)
     return prepared(q, k, v, n_rows=96)
 
@@ -156,7 +156,7 @@ def test_contract_reference_and_kernel_emulation_agree_with_the_block_reference(
 
 
 def test_reference_defaults_are_the_shipped_numerics():
-    """Until the kernels change (docs/fidelity_notes.md, kernel spec), the reference's defaults stay theirs."""
+    """Until the kernels change (docs/methods.md, kernel spec), the reference's defaults stay theirs."""
     s = torch.randn(2, 3, 300) * 6.0
     for expcast in (False, True):
         p0, _ = ref_attn.quantized_probs(s, expcast)

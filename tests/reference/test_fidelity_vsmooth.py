@@ -1,4 +1,4 @@
-"""V-Smooth against the SageAttention2 emulation (docs/fidelity_notes.md), on the CPU.
+"""V-Smooth against the SageAttention2 emulation (docs/methods.md), on the CPU.
 
 The error of each method splits as (P - P_qk) V [QK], (P_qk - P_q) V [P rounding], P_q (V - V_q) [value]
 (tests/fidelity_decompose.py). V-Smooth's block means cut the value term; the block reference (each 128-key

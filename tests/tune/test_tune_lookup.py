@@ -170,7 +170,7 @@ def test_first_candidate_is_the_measured_default():
     assert set(K.VSMOOTH_TRITON_CANDIDATES) == set(K.VSMOOTH_TRITON_DEFAULT)
     for key, cands in K.VSMOOTH_TRITON_CANDIDATES.items():
         assert cands[0] == K.VSMOOTH_TRITON_DEFAULT[key] and len(set(cands)) == len(cands)
-        # the NaN-prone family (exp2 + FFMA mean, docs/kernels_notes.md) only as the tested default
+        # the NaN-prone family (exp2 + FFMA mean, docs/design/vsmooth-triton-config.md) only as the tested default
         assert all(key[1] or c.mean != K.MeanTerm.FFMA for c in cands[1:])
     for fmt in ("bf16", "fp8"):
         for D in (64, 128):
@@ -367,7 +367,7 @@ def test_gpu_tuned_at_least_as_fast_as_shipped(method, tmp_path):
 
     NOTE 3% tolerance: the tuner keeps the fastest of one do_bench median per candidate, and the shipped
     default is always a candidate, so tuned > default only when two configs are within the run-to-run
-    noise of a median (1-2% on the H200 at these sizes, docs/kernels_notes.md treats +-1% as noise)."""
+    noise of a median (1-2% on the H200 at these sizes, the design records treat +-1% as noise)."""
     from vc_compile import tune_cli as tcli
 
     args = tcli.parser().parse_args(["--method", method, "--heads", "40", "--head-dim", "128", "--seq",

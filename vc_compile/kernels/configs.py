@@ -179,9 +179,10 @@ class VSmoothSm90Config(_Json):
     """The Gluon kernel's launch: BM query rows per program (per consumer warp group when warp-specialised),
     warps, K / V ring depth, where PV reads P~, warp specialisation (two consumer warp groups + a producer
     warp, one CTA per SM), and the row-sum / mean-term modes (``RowSum.MMA`` + ``MeanTerm.TF32_WINDOW``: both
-    on the tensor cores, "MS" in docs/kernels_notes.md v7). ``byte_mask``: register-P~ ExpCast clamps its codes
-    at 0 in the byte packing (``softmax.codes_masked``) instead of by an FMNMX per score, in every program whose
-    scales allow it (``bytemask_ok``; the others run the FMNMX loop); the output is the same bits either way."""
+    on the tensor cores, "MS" in docs/design/sm90-vsmooth-structure.md). ``byte_mask``: register-P~ ExpCast
+    clamps its codes at 0 in the byte packing (``softmax.codes_masked``) instead of by an FMNMX per score, in
+    every program whose scales allow it (``bytemask_ok``; the others run the FMNMX loop); the output is the
+    same bits either way."""
     block_m: int = 64
     num_warps: int = 4
     stages: int = 2
@@ -322,7 +323,7 @@ class SparseAttnSm90Config(_Json):
     stages per ring (one ring per CTA at C = 128, one per query group at C = 64), the registers per thread
     that ``setmaxnreg`` gives the two consumer warp groups and the 4-warp producer (two consumers and the
     producer share the 504-register thread slot of a 12-warp CTA), and where the synchronisation sits
-    (``producer_fence``, ``overlap``). Measurements: docs/sparse_notes.md, "Gluon gather kernel"."""
+    (``producer_fence``, ``overlap``). Measurements: docs/design/sparse-launch-config.md."""
     block_n: int = 128
     stages: int = 2
     # NOTE 232 / 40: the producer needs 40 registers for its 64-bit row addresses (at 24 its loop spills), and the

@@ -15,8 +15,7 @@ Rules, in order:
   outside the interpreter, the Triton kernel (``vsmooth_attn.py``) otherwise; a ``launch`` config picks its
   kernel explicitly (``VSmoothSm90Config`` / ``VSmoothTritonConfig``: benchmarks' side-by-side rows).
   NOTE Gluon on sm_90: it issues both MMAs asynchronously and runs the softmax between them, which the Triton
-  kernel cannot express, and measured faster on every mode; docs/kernels_notes.md, "sm_90: a Gluon kernel, not
-  Triton".
+  kernel cannot express, and measured faster on every mode; docs/design/sm90-gluon-kernel.md.
 * ``launch=None``: ``tune.lookup.resolve`` (shipped table of the GPU family -> local cache -> tuned on first
   use; the first candidate, never tuned, off CUDA and under the interpreter).
 * Eligibility (``vsmooth_ineligible`` / ``sparse_ineligible``): the reasons the op records when it runs stock

@@ -164,7 +164,7 @@ def kmeans_perm(x: torch.Tensor, n_clusters: int, n_iters: int,
     c_lo = (c - c_hi.float()).to(cdt) if split else c_hi
     c2 = (c * c).sum(-1)
     labels = torch.empty(B * H, S, device=dev, dtype=torch.int32)
-    # NOTE tile sizes: see docs/kernels_notes.md (k-means).
+    # NOTE the kernel against flash-kmeans: docs/design/kmeans-kernel.md.
     BS_A, BKC_A = 128, min(128, max(16, triton.next_power_of_2(K)))
     BS_U, BKC_U = 64, min(128, max(16, triton.next_power_of_2(K)))
     n_kc = triton.cdiv(K, BKC_A)

@@ -99,7 +99,7 @@ def _moment_kernel(X, SIGMA, SHIFT, CNT, SUM, MOM, MEAN, VDIR, V0, W_SLOT, W_R0,
         acc_s += tl.sum(xs, 0)
         # NOTE x^T x as three bf16 MMAs on a hi/lo split (~2^-17 relative): fp32 operands cannot be fed
         # transposed to wgmma, so the tf32x3 form spent its time in layout conversions; bf16 ones can
-        # (docs/sparse_notes.md, "Fast PDDP")
+        # (docs/design/pddp-kernel.md)
         hi = xs.to(tl.bfloat16)
         lo = (xs - hi.to(tl.float32)).to(tl.bfloat16)
         if UPCAST:  # interpreter: see sparse_attn.dot_upcast

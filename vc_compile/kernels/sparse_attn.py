@@ -19,7 +19,7 @@ qk_format   "bf16": QK in the inputs' 16-bit type. "fp8": Q and K in E4M3 -- Q w
             tile (amax over its C x D values / 448, quantised inside the kernel), K with one scale per
             token (``quantize_k_fp8``, a separate pass, since K changes every step). PV stays 16-bit:
             gathered V rows arrive MN-major and FP8 wgmma wants K-major B (an FP8 PV
-            gather measured far slower; docs/sparse_notes.md).
+            gather measured far slower; docs/design/sparse-qk8-scale.md).
 
 Grid
 ----
@@ -144,7 +144,7 @@ def quantize_k_int8_head(k: torch.Tensor):
     if k.stride(-1) != 1:
         k = k.contiguous()
     # NOTE this pass costs most of what the 8-bit gather kernel saves at 32K tokens and s = 0.15, which is why
-    # sparse_qk='int8' is opt-in; docs/sparse_notes.md, "The 8-bit QK variant"
+    # sparse_qk='int8' is opt-in; docs/design/sparse-qk8-scale.md
     BLOCK = 64
     n_split = max(1, min(triton.cdiv(S, BLOCK), 8192 // max(1, B * H)))
     rows_per = triton.cdiv(triton.cdiv(S, n_split), BLOCK) * BLOCK

@@ -2,7 +2,7 @@
 (``qk_format="bf16"``; reference ``vc_compile/reference/sparse_attn.py``) with a producer warp group gathering the
 selected K / V rows while two consumer warp groups run the MMAs and the softmax. MC-Sparse's gather kernel on
 sm_90 GPUs (``dispatch.sparse_kernel``: bf16 / fp16 scores, head dims 64 / 128, C = 64 / 128); measured in
-``benchmarks/bench_sparse_attn_sm90.py`` (docs/sparse_notes.md, "Gluon gather kernel").
+``benchmarks/bench_sparse_attn_sm90.py`` (docs/design/sparse-gather-sm90.md).
 
 Why a second kernel: the Triton kernel runs one warp group per program at 255 registers, so two programs share an
 SM, each waits for its own gathered rows (long-scoreboard stalls on the gather) and runs QK -> softmax -> PV in

@@ -21,7 +21,7 @@ m_i         running row max of s (online softmax). P~ = fp8(256 * 2^(s - m_i)) (
             plus the 2^23 magic add rounds to the integer code (the fraction 0.65 must be added before the
             magic: a float cannot hold 2^23 + 119.65), one max clamps at 0, and the byte is the low byte
             of the fp32 bits, reinterpreted as float8e4nv (no cvt). (A one-FMA variant with an integer row
-            offset was 5-7% less accurate on peaked rows: docs/kernels_notes.md, "Removed variants".)
+            offset was 5-7% less accurate on peaked rows: docs/design/expcast-one-ffma.md.)
 r_ij        row sum of the decoded P~ over key block j (what the PV MMA multiplied).
 acc         the PV accumulator in units of v_scale: per block (two-level: a fresh MMA accumulator,
             then acc = acc * alpha + P~ R8_j + r_ij (mu_j / v_scale)); O = acc * v_scale / l.

@@ -24,7 +24,7 @@ Launch configuration (``configs.VSmoothSm90Config``; the measured defaults per h
   both MMAs are issued after the softmax. On the exp2 path P~ is packed by ``e4m3x4`` (ptxas's fused
   F2FP.MERGE_C packing gave wrong / NaN rows with the mean term on).
 * ``rowsum="mma"`` / ``mean="tf32_window"`` ("MS", register P~ only): the row sum and the V-Smooth mean term
-  leave the ALUs for the tensor cores (``row_sum_mma``, ``MeanWindow.flush``; kernels_notes v7).
+  leave the ALUs for the tensor cores (``row_sum_mma``, ``MeanWindow.flush``; docs/design/sm90-vsmooth-structure.md).
 * ``pv_window`` (MS, warp-specialised): PV summed by the FP8 MMA in its own accumulator over G blocks (rescaled
   by alpha before each MMA) and folded into fp32 once per window (``steps.window_step``): the fold of every block
   gone at the two-level accumulation's error (docs/design/pv-window.md).
@@ -147,8 +147,8 @@ def _vsmooth_attn_sm90_ws_kernel(desc_q, desc_k, desc_v, desc_m, desc_g, QS, KS,
     vbar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     vempty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # NOTE two barriers nothing waits on: the MMA-issue turns of the deleted ping-pong variant (kernels_notes,
-    # "Removed variants"). Without their allocation and init ptxas allocates the key loop's registers differently
+    # NOTE two barriers nothing waits on: the MMA-issue turns of the deleted ping-pong variant (docs/design/
+    # sm90-mma-order.md). Without their allocation and init ptxas allocates the key loop's registers differently
     # (same instructions, other order): kept until a GPU A/B shows that costs nothing (the SASS stays as measured).
     _turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ones0 = _ones_operand(BN)  # MS: a row-sum operand and mu' group buffers per consumer

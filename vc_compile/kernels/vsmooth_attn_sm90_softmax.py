@@ -91,7 +91,7 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
     if MASK:
         # the key-tail block: s = (t - C) ks, then the row scale, as the Triton kernel and the reference (NOTE:
         # for ExpCast the exp2-style fold alone measured slower than this unfolded form; the full-block ExpCast
-        # below also moves the rounding into the FFMA. docs/kernels_notes.md, "Scales folded into the exponent")
+        # below also moves the rounding into the FFMA. docs/design/sm90-gluon-kernel.md)
         s = t * gl.where(lo, ks0, ks1) + gl.where(lo, ks0 * -12582912.0, ks1 * -12582912.0)
         # scale the rows BEFORE the -inf mask (qs = 0: 0 * -inf)
         s = gl.where((j * BN + cols < Sk)[None, :], s * qs[:, None], float("-inf"))
@@ -130,8 +130,7 @@ def softmax_block(tile: Tile, s_i32, j, Sk, m_i, ks0, ks1, MASK: gl.constexpr, P
         # ONE FFMA inside the exponent, with coefficients per (row, 64-key half) a = ks qs, b = 8 - m - C a;
         # the row max from the exact integer maxima of the two halves, scaled by the same a.
         # NOTE folded only together with the K-scale prefetch: the softmax waited on the K-scale load, and the
-        # fold alone was slower because it needs the scales early; docs/kernels_notes.md, "Scales folded into
-        # the exponent"
+        # fold alone was slower because it needs the scales early; docs/design/sm90-gluon-kernel.md
         a0, a1, m_new = half_scales_max(t, lo, qs, m_i, ks0, ks1)
         b0 = (8.0 - m_new) - 12582912.0 * a0
         b1 = (8.0 - m_new) - 12582912.0 * a1
@@ -198,7 +197,7 @@ def e4m3x4(x):
     """fp32 -> E4M3 (round to nearest even, saturating), four consecutive register elements per 32-bit word.
     ``.to(gl.float8e4nv)`` emits a 16-bit cvt per pair and ``mov.b32 {lo, hi}``, which ptxas may fuse into
     ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C`` chains; every register-P~ exp2 compile with such a chain (C not
-    RZ) returned wrong or NaN rows on sm_90 (those with F2FP + PRMT did not; kernels_notes v6). Here each
+    RZ) returned wrong or NaN rows on sm_90 (those with F2FP + PRMT did not; docs/design/e4m3x4-packing.md). Here each
     pair is widened to 32 bits and the halves joined by an explicit PRMT."""
     return gl.inline_asm_elementwise(
         "{ .reg .b16 l, h; .reg .b32 l32, h32;\n"

@@ -11,9 +11,9 @@
 reads the INT8 codes of Q/K quantised for it (lse_s = lse - (q . k_mean) * sm_scale * log2 e, the K-smoothing
 shift; keys in token order, no V pass). "q8": the 8-bit V-Smooth pass gives O8 and lse_s, and O8 is both the
 returned output and the residual's dense term -- one cheaper dense pass, but R then carries the 8-bit pass's error into every reuse step. NOTE measured on CPU with the
-references (docs/design/anchor-selection.md, docs/anchor_notes.md): pass 2 on the INT8 codes leaves the reuse-step
-error unchanged (within 0.2%) everywhere; O_dense = O8 raises it by +0.1%, +1.4%, +9% on the demo model's
-layers 4, 0, 2 and by +31% on the drifting structured input, against the issue's "within 10% of today's".
+references (docs/design/anchor-selection.md, docs/design/anchor-mass-config.md): pass 2 on the INT8 codes
+leaves the reuse-step error unchanged (within 0.2%) everywhere; O_dense = O8 raises it by +0.1%, +1.4%, +9% on the
+demo model's layers 4, 0, 2 and by +31% on the drifting structured input, against the issue's "within 10% of today's".
 Hence "bf16" by default, "q8" an explicit speed option.
 
 Entry point ``anchor_step(impl, q, k, v, ...)``: every kernel through ``kernels/dispatch.py`` (``impl``: the
@@ -103,8 +103,8 @@ def anchor_step(impl, q, k, v, *, sm_scale: float, group_size: int, keep: int,
     what the reuse steps add it to). ``residual_dtype``: R's dtype, fp32 (O_sparse in fp32, R formed in place) or
     bf16: the gather kernel's epilogue forms it, O_sparse + (-O_dense) rounded once to bf16 and negated, the same
     bits as R formed in fp32 and rounded to bf16 (a - b = -(b + (-a)) exactly), without the S x Dv fp32 buffers.
-    NOTE bf16 R from the epilogue is faster than fp32 R and writes half the bytes; docs/anchor_notes.md, "Measured
-    costs behind two anchor choices"."""
+    NOTE bf16 R from the epilogue is faster than fp32 R and writes half the bytes; docs/design/
+    anchor-residual-bf16.md."""
     B, H, S, D = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"anchor_step: the 8-bit pass needs self-attention with q, k, v of one shape, got "

@@ -46,7 +46,7 @@ relative error on R sampled query rows per head (exact rows from the finite-flag
 ``mcsparse_guard.guard_check`` at the next call and runs it as an anchor when the reading exceeds the
 threshold (``report()``: ``guard_anchors``).
 
-Ablation switches (``experimental={...}``; the ladder of the paper's Table 5, docs/sparse_notes.md; defaults =
+Ablation switches (``experimental={...}``; the ladder of the paper's Table 5, docs/methods.md; defaults =
 the full method):
 * ``query_grouping="none"``: sigma = arange(S) (contiguous query tiles of C), no PDDP.
 * ``selection="mean_pool"``: scores of each group's mean query against the keys (or key-block means),

@@ -116,7 +116,7 @@ def fp8_round(x: torch.Tensor) -> torch.Tensor:
 
 def expcast_codes(u: torch.Tensor, offset: float = EXPCAST_OFFSET) -> torch.Tensor:
     """ExpCast-FP8 (docs/methods.md, ExpCast-FP8): E4M3 codes of 256 * 2^u for u = s - m <= 0, as uint8. ``offset``: the code of
-    u = 0 (119.65: P~ max 256; the fidelity study tried 126.0: P~ max 448, docs/fidelity_notes.md)."""
+    u = 0 (119.65: P~ max 256; the fidelity study tried 126.0: P~ max 448, docs/methods.md)."""
     c = torch.floor(8.0 * u + offset + 0.5).clamp(0.0, 126.0)
     return c.to(torch.uint8)
 

@@ -41,7 +41,7 @@ def quantized_probs(s: torch.Tensor, expcast: bool, *, block_ref: Optional[float
                     p_log2: float = P_SCALE_LOG2, offset: float = EXPCAST_OFFSET):
     """Base-2 logits [..., n, S] -> (P~ fp32 values, row max m).
 
-    ``block_ref`` = L (docs/fidelity_notes.md): each key block of ``BLOCK_V`` keys is quantised against
+    ``block_ref`` = L (docs/methods.md): each key block of ``BLOCK_V`` keys is quantised against
     its own reference r_j = max(max of the block, m - L) instead of the row max, and returned as
     P~_j 2^(r_j - m) (what the kernel's accumulator holds after its rescaling): a block far below the row max
     keeps FP8's full range instead of underflowing. ``p_log2``: log2 of P~'s value at u = 0 on the exp2 path;

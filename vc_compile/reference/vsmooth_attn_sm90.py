@@ -19,7 +19,7 @@ with S; where V-Smooth's error comes from) can be answered on a CPU:
   r_j mu_j exactly (hi/lo tf32 in the kernel, ~2^-20); O = acc v_scale / l, rounded to ``out_dtype``.
 
 ``EXPCAST_OFFSET`` (quant.py) is the kernel's 119.65 = 8 * 8 + 56 - 0.35 (row max -> code 120 = 256). The
-``offset`` argument lets studies move it (docs/fidelity_notes.md).
+``offset`` argument lets studies move it (docs/methods.md).
 """
 from __future__ import annotations
 

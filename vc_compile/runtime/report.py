@@ -46,7 +46,8 @@ _STATIC_FIELDS = ("graph", "node", "module", "shape", "dtype", "method", "rewrit
 
 # report()'s line for sites whose MC-Sparse steps ran the gather kernel's opt-in 8-bit QK (sparse_qk='int8')
 INT8_QK_LINE = ("sparse_qk='int8' at sites {sites}: the gather kernel's 8-bit QK, measured as a kernel only (1.09-1.13x "
-                "the bf16 one at ~2x its error, plus 0.5-1.1 ms a call quantising K; docs/sparse_notes.md); MC-Sparse "
+                "the bf16 one at ~2x its error, plus 0.5-1.1 ms a call quantising K; "
+                "docs/design/sparse-qk8-scale.md); MC-Sparse "
                 "through it is not yet timed or checked end to end on a GPU")
 
 # report()'s line for sites that ran on a GPU the speed gate has no measurements for

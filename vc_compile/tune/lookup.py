@@ -37,7 +37,7 @@ from .cache import Config
 
 # Two valid variants of one kernel differ only in rounding (row sums in fp16 vs fp32, the bf16 hi/lo
 # mean MMA, summation order): their outputs agree to ~1e-3 relative L2, while each is ~5e-3 from the
-# fp32 truth (docs/kernels_notes.md). A broken compile (the NaN rows seen with some exp2 + MEAN 1
+# fp32 truth (docs/design/vsmooth-triton-config.md). A broken compile (the NaN rows seen with some exp2 + MEAN 1
 # specialisations, garbage from a mis-compiled layout) is far beyond 2e-2: rejected, never cached.
 VALIDATE_REL_L2 = 2e-2
 
