@@ -150,7 +150,8 @@ OPTION_DOCS: Dict[str, str] = {
     "anchor_dense": "MC-Sparse anchor steps: the dense pass giving O_dense and R: 'bf16' (cuDNN, today's "
                     "accuracy) | 'q8' (the 8-bit V-Smooth pass: faster, R carries its error; "
                     "docs/design/anchor-selection.md).",
-    "residual_budget_gb": "MC-Sparse: refuse (clear error) when cached residuals would exceed this.",
+    "residual_budget_gb": "MC-Sparse: an anchor whose residual would bring the metadata held over this keeps none: "
+                          "its block runs stock SDPA until its next anchor (one warning, counted in report()).",
     "guard_threshold": "MC-Sparse: re-anchor a layer when its reuse error, measured on sampled rows, exceeds "
                        "this (relative L2; 0 = guard off). docs/mcsparse_guard.md.",
     "reuse_check": "MC-Sparse: measure the first reuse step after each anchor on sampled rows; a site where it is "

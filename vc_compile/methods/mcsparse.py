@@ -95,14 +95,17 @@ _MASS_BYTES = 1 << 30  # pass-2 group masses are computed for as many heads as f
 
 @dataclass
 class SparseMeta:
-    sigma: torch.Tensor
-    idx: torch.Tensor
+    sigma: Optional[torch.Tensor]
+    idx: Optional[torch.Tensor]
     residual: Optional[torch.Tensor]
     res_scale: Optional[torch.Tensor]
     density: float
     guard: Optional[GuardState] = None  # the quality guard's rows and readings (guard_threshold > 0)
     check: Optional[ReuseCheck] = None  # the reuse check of this anchor (option reuse_check)
     epoch: int = 0  # which anchor step of the schedule made it (``anchor_epoch``)
+    # the anchor could not keep its metadata (the residual budget or the GPU's free memory): why. Nothing is held;
+    # the reuse steps until the next anchor run stock SDPA (``plan``), never an exception mid-generation
+    refused: Optional[str] = None
 
     def residual_tensor(self, dtype) -> Optional[torch.Tensor]:
         if self.residual is None:
@@ -185,6 +188,8 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
         return Plan(Phase.DENSE, meta)
     if phase == Phase.ANCHOR and slot(WARMUP_SLOT) is not None:  # the warm-up is over: its grouping is not needed
         return Plan(phase, AnchorAt(max(epoch, 0), meta), drop=(WARMUP_SLOT,))
+    if phase == Phase.REUSE and meta.refused is not None:
+        return Plan(Phase.DENSE, meta, fallback=(NO_ROOM, meta.refused))
     if phase == Phase.REUSE:
         err, reanchor = mcsparse_guard.guard_check(meta, cfg)
         if reanchor:
@@ -199,6 +204,7 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
 
 
 REUSE_WORSE = "mcsparse: reuse step worse than the previous output"
+NO_ROOM = "mcsparse: no room to keep the anchor's metadata"
 
 
 def _check_message(check: ReuseCheck) -> str:
@@ -315,23 +321,26 @@ def _compact(resid: torch.Tensor, mode: str):
     return (resid / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def _check_memory(resid: torch.Tensor, cfg) -> None:
+def _check_memory(resid: torch.Tensor, cfg) -> Optional[str]:
+    """Why the anchor cannot keep this residual (over ``residual_budget_gb``, or more than the GPU has free), with
+    the fixes; None when it can."""
     per_elem = {"bf16": 2, "fp8": 1, "none": 0}[cfg.residual.value] + (4 / resid.shape[-1] if cfg.residual == Residual.FP8 else 0)
     need = int(resid.numel() * per_elem)
     held = state.bytes_held()
     budget = cfg.residual_budget_gb * 2**30  # a float: inf (no limit) must not go through int()
     hint = ("use options={'residual': 'fp8'} (half the memory) or 'none' (no residual), raise "
             "'residual_budget_gb', or fewer sparse layers/branches")
+    then = ("; the anchor's output is exact, and its block runs stock SDPA until its next anchor step, which "
+            "tries again")
     if held + need > budget:
-        raise RuntimeError(
-            f"vcattn mcsparse: caching this residual ({_report.fmt_bytes(need)}) would bring the metadata "
-            f"held to {_report.fmt_bytes(held + need)}, over residual_budget_gb={cfg.residual_budget_gb}: {hint}.")
+        return (f"caching this residual ({_report.fmt_bytes(need)}) would bring the metadata held to "
+                f"{_report.fmt_bytes(held + need)}, over residual_budget_gb={cfg.residual_budget_gb}{then}: {hint}")
     if resid.is_cuda:
         free, _ = torch.cuda.mem_get_info(resid.device)
         if need > free:
-            raise RuntimeError(
-                f"vcattn mcsparse: the residual needs {_report.fmt_bytes(need)} but the GPU has "
-                f"{_report.fmt_bytes(free)} free: {hint}.")
+            return (f"the residual needs {_report.fmt_bytes(need)} but the GPU has {_report.fmt_bytes(free)} free"
+                    f"{then}: {hint}")
+    return None
 
 
 # ---- the cheap anchor step (methods/anchor.py) ---------------------------------------------------
@@ -418,7 +427,10 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
         # kernel may return a finite row for an Inf query where the sparse one does not.
         if not bool(torch.isfinite(resid).all()):
             return out, _kept(meta, epoch)
-        _check_memory(resid, cfg)
+        why = _check_memory(resid, cfg)
+        if why is not None:  # nothing kept: the reuse steps run stock SDPA until the next anchor (plan)
+            return out, SparseMeta(sigma=None, idx=None, residual=None, res_scale=None, density=keep / Sk,
+                                   epoch=epoch, refused=why)
         residual, res_scale = _compact(resid, cfg.residual.value)
     elif not bool(torch.isfinite(o_dense).all()):
         return out, _kept(meta, epoch)
