@@ -45,6 +45,7 @@ log = get_logger(__name__)
 
 # the switch and options_dict live with the options (config.py); the backend reads them there, not here
 from .config import ENV_METHOD, apply_env, method_from_env, options_dict  # noqa: E402,F401
+from .runtime.runtime import current  # noqa: E402
 
 
 # ---- enable / disable ---------------------------------------------------------------------------------
@@ -74,7 +75,7 @@ class _Enabled:
 _STATE_ATTR = "_vc_compile_enabled"
 # module -> the pipelines (or bare modules) enabled with it: two pipelines sharing a transformer keep it compiled
 # until the last of them is disabled
-_OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_OWNERS: "weakref.WeakKeyDictionary" = current().owners  # (the Runtime's, bound here)
 
 
 def _is_module(x) -> bool:

@@ -50,6 +50,7 @@ from vc_compile import torch_ops
 from vc_compile.kernels import configs as C
 from vc_compile.kernels.interpret import interpreting
 from vc_compile.runtime import report as _report
+from vc_compile.runtime.runtime import current
 from vc_compile.tune import lookup as tune
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -260,9 +261,9 @@ class KernelBuildError(RuntimeError):
 
 # kernel row -> why it failed to build in this process: a fact of the installed Triton, so a row that failed is
 # never tried again (``forget_build_failures`` is for tests)
-_BUILD_FAILED: Dict[str, str] = {}
+_BUILD_FAILED: Dict[str, str] = current().build_failures  # (the Runtime's, bound here)
 # what replaced each failed row ("the Triton kernel", "stock SDPA"), for ``report()``
-_BUILD_FALLBACK: Dict[str, str] = {}
+_BUILD_FALLBACK: Dict[str, str] = current().build_fallbacks
 
 
 def build_failure(name: str) -> Optional[str]:

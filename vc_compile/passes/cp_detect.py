@@ -41,6 +41,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from ..runtime import report as _report
+from ..runtime.runtime import current
 
 # short: they are report() reasons and counter keys (docs/context_parallel.md has the long story)
 RING_REASON = "ring context parallel: LSE-merged KV chunks, vcattn::attention returns no LSE"
@@ -66,7 +67,7 @@ _P2P = ("permute_tensor", "batch_isend_irecv", "isend", "irecv", ".send", ".recv
 _COLLECTIVE = _A2A + _GATHER + _P2P + ("reduce_scatter", "all_reduce", "broadcast", "_c10d_functional")
 
 _LOCK = threading.Lock()
-_FINDINGS: List["Finding"] = []
+_FINDINGS: List["Finding"] = current().cp_findings  # (the Runtime's, bound here)
 
 
 @dataclass

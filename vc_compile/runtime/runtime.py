@@ -20,6 +20,8 @@ What ``vcattn::attention`` remembers between calls, and what ``vc_compile.reset(
 * ``prebuilds``: the helper processes that build the kernels of the compiled calls ahead of their first launch
   (``prebuild/helpers.py``; the op's first call waits for them).
 * ``said``: the one-time warnings and notes given so far (``once(topic, key)``), which ``reset()`` keeps.
+* ``build_failures`` / ``build_fallbacks``: the kernels that did not build on the installed Triton and what ran
+  instead; ``cp_findings``: what the context-parallel detection found; ``owners``: which pipelines enabled a module.
 * ``subscribers``: functions run whenever a generation of any loop starts (``ops.py`` subscribes the store's
   ``clear`` and its own per-generation memory). A generation of a loop always starts in a context where that
   loop is the active one, so ``state.clear`` clears that loop's store.
@@ -148,6 +150,13 @@ class Runtime:
         self.live_graphs: collections.Counter = collections.Counter()  # site id -> live compiled graphs
         # one-time notes given in this process, per topic (``once``); reset() keeps them: a warning is said once
         self.said: Dict[str, set] = collections.defaultdict(set)
+        # kernel rows that failed to build on the installed Triton (why) and what ran instead (kernels/dispatch.py);
+        # facts of the toolchain, kept by reset()
+        self.build_failures: Dict[str, str] = {}
+        self.build_fallbacks: Dict[str, str] = {}
+        self.cp_findings: List[Any] = []  # context-parallel findings of the compiled graphs (passes/cp_detect.py)
+        # module -> the pipelines enabled with it (pipeline.py: a shared transformer stays compiled until the last)
+        self.owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self.default = Loop(self._tracker(), self)
         self._open: "weakref.WeakSet[Loop]" = weakref.WeakSet()  # the sampling() loops open now
 
