@@ -10,7 +10,6 @@ top-K: digit in {4, 8} x mass dtype in {bf16, fp32}. Never run under TRITON_INTE
 from __future__ import annotations
 
 import argparse
-import json
 
 import codegen_sparse as cg  # (pops TRITON_INTERPRET, imports torch and triton)
 import codegen_stats as cs
@@ -102,12 +101,7 @@ def main(argv=None):
             out[name] = stats(k, cfg.num_warps, "POPC" if digit == 8 else "P2R")
             if a.dump:
                 cs.dump_asm(k, f"{a.dump}_{name}")
-    if a.json:
-        print(json.dumps(out))
-    else:
-        for name, st in out.items():
-            loop = st.pop("loop")
-            print(f"{name}: {st}\n    loop: {loop}")
+    cs.print_loops(out, a.json)
     return out
 
 

@@ -13,7 +13,6 @@ D = 128, bf16, s = 0.15, residual epilogue on). Never run under TRITON_INTERPRET
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -135,12 +134,7 @@ def main(argv=None):
             out[name] = kernel_stats(k, cfg.num_warps)
             if a.dump:
                 cs.dump_asm(k, f"{a.dump}_{name}")
-    if a.json:
-        print(json.dumps(out))
-    else:
-        for name, st in out.items():
-            loop = st.pop("loop")
-            print(f"{name}: {st}\n    loop: {loop}")
+    cs.print_loops(out, a.json)
     return out
 
 

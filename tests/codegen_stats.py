@@ -89,6 +89,16 @@ def stats(k) -> dict:
             "stores": dict(Counter(re.findall(r"st\.global[.\w]*", ptx)))}
 
 
+def print_loops(out: dict, as_json: bool) -> None:
+    """Per kernel: its stats and, on a line of its own, its key loop's (JSON: everything as one object)."""
+    if as_json:
+        print(json.dumps(out))
+        return
+    for name, st in out.items():
+        loop = st.pop("loop")
+        print(f"{name}: {st}\n    loop: {loop}")
+
+
 def dump_asm(k, prefix: str) -> None:
     """Write a compiled kernel's TTGIR and PTX to PREFIX.ttgir / PREFIX.ptx."""
     for ext in ("ttgir", "ptx"):

@@ -143,13 +143,15 @@ def test_the_specialised_kernels_are_rows_of_the_table(monkeypatch):
     ``applies``); a row that failed to build does not, and a launch config of either row picks that row."""
     spec = {n: r for n, r in dispatch.KERNELS.items() if r.replaces}
     assert set(spec) == {"vsmooth_attn_sm90", "sparse_attn_sm90"}
+    assert {b: [r.name for r in rows] for b, rows in dispatch._SPECIALISED.items()} == {
+        "vsmooth_attn": ["vsmooth_attn_sm90"], "sparse_attn": ["sparse_attn_sm90"]}  # the table, read once
     assert all(r.replaces in dispatch.KERNELS and r.applies is not None and r.config is not None
                for r in spec.values())
     cpu = torch.device("cpu")
     assert dispatch.row_for("vsmooth_attn", device=cpu, qk_format="int8") == "vsmooth_attn"  # not an sm_90 GPU
     row = dispatch.KERNELS["vsmooth_attn_sm90"]
-    monkeypatch.setitem(dispatch.KERNELS, "vsmooth_attn_sm90",
-                        dataclasses.replace(row, applies=lambda **call: None))  # as on an sm_90 GPU
+    monkeypatch.setitem(dispatch._SPECIALISED, "vsmooth_attn",
+                        (dataclasses.replace(row, applies=lambda **call: None),))  # as on an sm_90 GPU
     assert dispatch.vsmooth_kernel(cpu, "int8") == "vsmooth_attn_sm90"
     monkeypatch.setitem(dispatch._BUILD_FAILED, "vsmooth_attn_sm90", "a build error")
     assert dispatch.vsmooth_kernel(cpu, "int8") == "vsmooth_attn"  # its base runs instead

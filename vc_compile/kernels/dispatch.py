@@ -131,6 +131,10 @@ KERNELS: Dict[str, KernelRow] = {r.name: r for r in (
     KernelRow("topk", "topk", C.TopKConfig, reference="topk", entries=("select_topk",),
               default_launch=C.TOPK_DEFAULT, launched=("select_topk",)),
 )}
+# base row -> the rows that take over its calls where they apply (``row_for``: asked on every call, so read once)
+_SPECIALISED: Dict[str, Tuple[KernelRow, ...]] = {
+    base: tuple(r for r in KERNELS.values() if r.replaces == base) for base in {r.replaces for r in KERNELS.values()}
+    if base is not None}
 # the files whose source keys a tuned kernel's cache entries
 SOURCES = {r.name: tuple(os.path.join(_HERE, f) for f in r.sources) for r in KERNELS.values() if r.tuned}
 
@@ -503,9 +507,7 @@ def kmeans_perm(impl: Impl, x, n_clusters: int, n_iters: int, init=None):
 def row_for(base: str, launch=None, **call) -> str:
     """The row a TRITON call of kernel ``base`` runs: a row that ``replaces`` it where it ``applies`` to the call and
     built on this Triton (a launch config of its own picks it, whatever the call), else ``base``."""
-    for row in KERNELS.values():
-        if row.replaces != base:
-            continue
+    for row in _SPECIALISED.get(base, ()):
         if launch is not None:
             if isinstance(launch, row.config):
                 return row.name

@@ -59,10 +59,10 @@ def warmup(plan: str = "default", methods: Optional[List[str]] = None,
         raise RuntimeError("vc_compile warmup builds and runs the kernels on the GPU: run it on a CUDA machine "
                            "(the CPU path has no kernels to build)")
     dev = f"cuda:{torch.cuda.current_device()}"
-    # a method's name stands for its warm-up variants ("mcsparse": "mcsparse@0.15")
     METHODS = _methods.warmup_variants()  # {label: options}: each method's variants that build distinct kernels
-    methods = [lab for m in (methods or METHODS)
-               for lab in ([m] if m in METHODS else [x for x in METHODS if x.split("@")[0].split("+")[0] == m] or [m])]
+    # a method's name stands for its spec's warm-up variants ("mcsparse": "mcsparse@0.15")
+    by_name = {m.value: mod.SPEC.warmup for m, mod in _methods.METHODS.items()}
+    methods = [lab for m in (methods or METHODS) for lab in ([m] if m in METHODS else by_name.get(m) or [m])]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or plan not in PLANS:
         raise ValueError(f"vc_compile warmup: unknown method(s) {unknown} or plan {plan!r}; methods: "
