@@ -59,11 +59,51 @@ def capture_sdpa(transformer, callback):
 
 
 @torch.no_grad()
+def row_stats(q, k, rows: int, g) -> dict:
+    """Attention statistics of ``rows`` random query rows of q, k [B, H, S, D] (fp32 softmax of q k^T / sqrt(D))."""
+    S, D = q.shape[-2], q.shape[-1]
+    idx = torch.randperm(S, generator=g)[: min(rows, S)].to(q.device)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 scores even under bf16 autocast
+        p = torch.softmax((q[..., idx, :].float() @ k.float().transpose(-1, -2)) / math.sqrt(D), dim=-1)
+    ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1) / math.log(S)
+    top1 = p.topk(max(1, S // 100), dim=-1).values.sum(-1)
+    top15 = p.topk(max(1, int(0.15 * S)), dim=-1).values.sum(-1)           # [B, H, rows]
+    heads = top15.mean(dim=(0, 2))
+    return {"entropy_ratio": ent.mean().item(), "top1pct_mass": top1.mean().item(),
+            "top15pct_mass": heads.mean().item(), "top15pct_mass_heads": heads.tolist()}
+
+
+@torch.no_grad()
+def mass_by_step(transformer, cond, uncond, *, frames, height, width, num_steps, at_steps, seed=0, guidance=3.0,
+                 rows=256, dtype=torch.bfloat16) -> list:
+    """Along one sampling run (eager, conditional branch): :func:`row_stats` of every self-attention layer at
+    the steps ``at_steps``. Returns [{"step", "layer", **row_stats}]."""
+    from .sampler import sample
+
+    out, cur = [], {"step": -1, "forward0": 0}
+    g = torch.Generator().manual_seed(seed)
+
+    def step_fn(i):
+        cur["step"] = i
+        cur["forward0"] = state["forward"] + 1
+
+    def cb(info, q, k, v):
+        if info["kind"] == "self" and cur["step"] in at_steps and info["forward"] == cur["forward0"]:
+            out.append({"step": cur["step"], "layer": info["layer"], **row_stats(q, k, rows, g)})
+
+    with capture_sdpa(transformer, cb) as state:
+        sample(transformer, cond, uncond=uncond, guidance=guidance, frames=frames, height=height, width=width,
+               steps=num_steps, seed=seed, dtype=dtype, step_fn=step_fn)
+    return out
+
+
+@torch.no_grad()
 def attention_stats(transformer, text_states, x, t: float, rows: int = 256, seed: int = 0) -> list:
     """Per self-attention layer: how far from uniform the attention of one forward at noise level t is.
 
-    ``entropy_ratio``: mean row entropy / log(S) (1.0 = uniform); ``top1pct_mass``: mean probability
-    mass of the top 1% of keys (0.01 = uniform). Computed in fp32 on ``rows`` random query rows.
+    ``entropy_ratio``: mean row entropy / log(S) (1.0 = uniform); ``top1pct_mass`` / ``top15pct_mass``: mean
+    probability mass of the top 1% / 15% of keys (0.01 / 0.15 = uniform), ``top15pct_mass_heads`` per head.
+    Computed in fp32 on ``rows`` random query rows.
     """
     stats = []
     g = torch.Generator().manual_seed(seed)
@@ -71,14 +111,8 @@ def attention_stats(transformer, text_states, x, t: float, rows: int = 256, seed
     def cb(info, q, k, v):
         if info["kind"] != "self":
             return
-        S, D = q.shape[-2], q.shape[-1]
-        idx = torch.randperm(S, generator=g)[: min(rows, S)].to(q.device)
-        with torch.autocast(q.device.type, enabled=False):  # fp32 scores even under bf16 autocast
-            s = (q[..., idx, :].float() @ k.float().transpose(-1, -2)) / math.sqrt(D)
-            p = torch.softmax(s, dim=-1)
-        ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1) / math.log(S)
-        top = p.topk(max(1, S // 100), dim=-1).values.sum(-1)
-        stats.append({"layer": info["layer"], "entropy_ratio": ent.mean().item(), "top1pct_mass": top.mean().item()})
+        st = row_stats(q, k, rows, g)
+        stats.append({"layer": info["layer"], **st})
 
     timestep = torch.full((x.shape[0],), t * 1000.0, device=x.device)
     with capture_sdpa(transformer, cb):

@@ -25,10 +25,20 @@ _RGB = torch.tensor([COLOUR_RGB[c] for c in COLOURS])            # [8, 3]
 _DXY = torch.tensor([DIRECTION_XY[d] for d in DIRECTIONS])       # [4, 2]
 
 
-def sample_params(seed: int, batch: int, max_sprites: int = 3) -> dict:
-    """All random choices of a batch (CPU tensors), as fractions of the frame size."""
+def sample_params(seed: int, batch: int, max_sprites: int = 3, camera: bool = False) -> dict:
+    """All random choices of a batch (CPU tensors), as fractions of the frame size.
+
+    ``camera``: also a camera pan per clip (``"camera"``, drawn from a second generator so the other choices
+    of a seed stay the same): 0.2-0.8 px / frame at size 32 in a random direction, still in 30% of the clips.
+    """
     g = torch.Generator().manual_seed(int(seed))
     B, N = batch, max_sprites
+    extra = {}
+    if camera:
+        gc = torch.Generator().manual_seed(int(seed) ^ 0x5EED_CA3E)
+        ang = 2 * math.pi * torch.rand(B, generator=gc)
+        speed = (0.2 + 0.6 * torch.rand(B, generator=gc)) / 32 * (torch.rand(B, generator=gc) >= 0.3)
+        extra["camera"] = torch.stack([torch.cos(ang), torch.sin(ang)], -1) * speed[:, None]
 
     def u(*shape, lo=0.0, hi=1.0):
         return lo + (hi - lo) * torch.rand(*shape, generator=g)
@@ -47,6 +57,7 @@ def sample_params(seed: int, batch: int, max_sprites: int = 3) -> dict:
         "bg": u(B, 3, lo=-0.9, hi=-0.3),
         "bg_wave": u(B, 2, 2, lo=-1.0, hi=1.0),  # two wave vectors, in cycles per 16 px at size 32
         "bg_phase": u(B, 2, hi=6.3), "bg_amp": u(B, 2, lo=0.04, hi=0.12),
+        **extra,
     }
 
 
@@ -101,17 +112,26 @@ def render(p: dict, frames: int, height: int, width: int, device="cpu") -> torch
     ys = torch.arange(height, device=device, dtype=torch.float32) + 0.5
     xs = torch.arange(width, device=device, dtype=torch.float32) + 0.5
 
-    # background: base colour + two static plane waves
+    # background: base colour + two plane waves, static unless the camera pans
     k = p["bg_wave"] * (2 * math.pi / 16.0) * (32.0 / scale)                        # [B, 2, 2]
     phase = (k[..., 0, None, None] * xs[None, None, None, :] + k[..., 1, None, None] * ys[None, None, :, None]
              + p["bg_phase"][..., None, None])                                       # [B, 2, H, W]
-    wave = (p["bg_amp"][..., None, None] * torch.sin(phase)).sum(1)                  # [B, H, W]
-    img = (p["bg"][:, :, None, None, None] + wave[:, None, None]).expand(B, 3, frames, height, width)
+    cam = p.get("camera")
+    if cam is None:
+        wave = (p["bg_amp"][..., None, None] * torch.sin(phase)).sum(1)              # [B, H, W]
+        img = (p["bg"][:, :, None, None, None] + wave[:, None, None]).expand(B, 3, frames, height, width)
+        shift = torch.zeros(B, 1, 2, device=device)
+    else:  # the camera moves by cam * scale px / frame: the scene moves the other way on screen
+        shift = cam[:, None, :] * scale * f[None, :, None]                           # [B, F, 2]
+        drift = k[..., 0, None] * shift[:, None, :, 0] + k[..., 1, None] * shift[:, None, :, 1]  # [B, 2, F]
+        wave = (p["bg_amp"][..., None, None, None]
+                * torch.sin(phase[:, :, None] + drift[..., None, None])).sum(1)     # [B, F, H, W]
+        img = p["bg"][:, :, None, None, None] + wave[:, None]
 
     # sprite geometry, [B, N, F, H, W]
     vel = dxy_table[p["direction"]] * (p["speed"] * scale)[..., None]          # px / frame
-    cx = p["pos"][..., 0, None] * width + vel[..., 0, None] * f                     # [B, N, F]
-    cy = p["pos"][..., 1, None] * height + vel[..., 1, None] * f
+    cx = p["pos"][..., 0, None] * width + vel[..., 0, None] * f - shift[:, None, :, 0]   # [B, N, F]
+    cy = p["pos"][..., 1, None] * height + vel[..., 1, None] * f - shift[:, None, :, 1]
     dx = torch.remainder(xs[None, None, None, None, :] - cx[..., None, None] + width / 2, width) - width / 2
     dy = torch.remainder(ys[None, None, None, :, None] - cy[..., None, None] + height / 2, height) - height / 2
     r = (p["radius"] * scale)[..., None, None, None]
@@ -130,7 +150,7 @@ def render(p: dict, frames: int, height: int, width: int, device="cpu") -> torch
 
 
 def make_batch(seed: int, batch: int, frames: int = 16, height: int = 32, width: int = 32,
-               device="cpu", max_sprites: int = 3):
+               device="cpu", max_sprites: int = 3, camera: bool = False):
     """(video [B, 3, F, H, W] in [-1, 1], tokens [B, max_sprites, 3]) — a pure function of its arguments."""
-    p = params_to(sample_params(seed, batch, max_sprites), device)
+    p = params_to(sample_params(seed, batch, max_sprites, camera), device)
     return render(p, frames, height, width, device), tokens_from_params(p)

@@ -46,6 +46,8 @@ DIRECTION_XY = {"right": (1.0, 0.0), "left": (-1.0, 0.0), "down": (0.0, 1.0), "u
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "vc_demo_wan_2x128_6l.safetensors"
+# The fidelity model: 4 heads x 128, trained last on Wan 2.1 480p's token grid (21 x 30 x 52 = 32760 tokens).
+FIDELITY_WEIGHTS = WEIGHTS_DIR / "vc_fidelity_wan_4x128_3l.safetensors"
 # Modules diffusers keeps in fp32 when a Wan model is loaded in bf16 (WanTransformer3DModel).
 DEFAULT_PROMPT = "red circle right; blue square down; yellow triangle left"
 KEEP_FP32 = ("rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
@@ -68,6 +70,8 @@ class DemoConfig:
     frames: int = 16
     height: int = 32
     width: int = 32
+    # the training clips' camera pans (``data.render``): the background and every sprite drift together
+    camera: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -82,6 +86,20 @@ class DemoConfig:
     def tokens(self, frames: int, height: int, width: int) -> int:
         pt, ph, pw = self.patch_size
         return (frames // pt) * (height // ph) * (width // pw)
+
+
+# The fidelity model (``python -m vc_compile.demo.train --preset fidelity``): the demo's design at a width where
+# attention is most of a step, its last training phase on 21 x 60 x 104 px = 32760 tokens (Wan 2.1 480p).
+FIDELITY_CONFIG = DemoConfig(num_layers=3, num_attention_heads=4, ffn_dim=1024, frames=21, height=60, width=104,
+                             camera=True)
+MODELS = {"demo": DEFAULT_WEIGHTS, "fidelity": FIDELITY_WEIGHTS}
+
+
+def resolve_weights(weights):
+    """A weights path from a path or a model name ("demo": the small CPU demo model, "fidelity")."""
+    if weights is None:
+        return DEFAULT_WEIGHTS
+    return MODELS.get(str(weights), Path(weights))
 
 
 class SpriteTextEncoder(nn.Module):
@@ -144,17 +162,51 @@ def describe_tokens(tokens: torch.Tensor) -> str:
     return "; ".join(parts) or "(unconditional)"
 
 
-def state_dict_for_saving(transformer, text_encoder, dtype=torch.float16) -> dict:
+INT8_SCALE = ".int8_row_scale"  # key suffix of a quantised matrix's per-row scales
+
+
+def quantize_int8(w: torch.Tensor):
+    """(int8 codes, fp32 per-row scales) of a matrix: symmetric, absmax / 127 per output row (dim 0)."""
+    rows = w.detach().float().reshape(w.shape[0], -1)
+    scale = (rows.abs().amax(1) / 127.0).clamp_min(1e-12)
+    return torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8).reshape(w.shape), scale
+
+
+def state_dict_for_saving(transformer, text_encoder, dtype=torch.float16, storage: str = "fp16") -> dict:
+    """The tensors of the weights file. ``storage="int8"``: every matrix of 4096 or more elements as int8 codes
+    with per-row fp32 scales (half the bytes of fp16); vectors, norms and small tensors stay fp16."""
+    if storage not in ("fp16", "int8"):
+        raise ValueError(f"storage must be 'fp16' or 'int8', got {storage!r}")
     sd = {f"transformer.{k}": v for k, v in transformer.state_dict().items()}
     sd.update({f"text_encoder.{k}": v for k, v in text_encoder.state_dict().items()})
-    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in sd.items()}
+    out = {}
+    for k, v in sd.items():
+        if storage == "int8" and v.dim() >= 2 and v.numel() >= 4096 and v.is_floating_point():
+            out[k], out[k + INT8_SCALE] = (t.to("cpu").contiguous() for t in quantize_int8(v))
+        else:
+            out[k] = v.detach().to("cpu", dtype).contiguous()
+    return out
 
 
-def save_weights(path, transformer, text_encoder, cfg: DemoConfig, extra_meta: dict | None = None):
-    """Write both modules (fp16) and the config into one safetensors file."""
-    meta = {"vc_demo_config": cfg.to_json(), "format": "pt"}
+def dequantize(tensors: dict) -> dict:
+    """Float tensors of a weights file: int8 matrices times their per-row scales, the rest as stored."""
+    out = {}
+    for k, v in tensors.items():
+        if k.endswith(INT8_SCALE):
+            continue
+        scale = tensors.get(k + INT8_SCALE)
+        out[k] = v.float() if scale is None else (v.float().reshape(v.shape[0], -1) * scale.float()[:, None]
+                                                  ).reshape(v.shape)
+    return out
+
+
+def save_weights(path, transformer, text_encoder, cfg: DemoConfig, extra_meta: dict | None = None,
+                 storage: str = "fp16"):
+    """Write both modules (fp16, or int8 matrices: :func:`state_dict_for_saving`) and the config into one
+    safetensors file."""
+    meta = {"vc_demo_config": cfg.to_json(), "format": "pt", "storage": storage}
     meta.update({k: str(v) for k, v in (extra_meta or {}).items()})
-    tensors = state_dict_for_saving(transformer, text_encoder)
+    tensors = state_dict_for_saving(transformer, text_encoder, storage=storage)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
@@ -184,15 +236,19 @@ class DemoWeightsMissing(FileNotFoundError):
 
 
 def missing_weights_message(path) -> str:
+    path = Path(path)
+    fidelity = path.name == FIDELITY_WEIGHTS.name
+    what = ("fidelity model's weights (12 MB)" if fidelity else "demo weights (12 MB)")
+    train = ("python -m vc_compile.demo.train --preset fidelity --out train_out  (one GPU, ~8 min)" if fidelity
+             else "python -m vc_compile.demo.train --out train_out  (one GPU, ~6 min)")
     return (
         f"vc_compile demo: no weights file at {path}.\n"
-        f"The trained demo weights ({DEFAULT_WEIGHTS.name}, 12 MB) live in the vc_compile git repository "
-        f"(vc_compile/demo/weights/), not in the pip package. Either\n"
+        f"The trained {what} live in the vc_compile git repository "
+        f"(vc_compile/demo/weights/{path.name}), not in the pip package. Either\n"
         f"  * run the demo from a fresh clone of the repository (bash tools/demo.sh), or\n"
         f"  * pass the file: python -m vc_compile.demo --weights /path/to/clone/vc_compile/demo/weights/"
-        f"{DEFAULT_WEIGHTS.name}  (load_demo(weights=...) in Python), or\n"
-        f"  * train your own on one GPU (~6 min): python -m vc_compile.demo.train --out train_out, then "
-        f"--weights train_out/{DEFAULT_WEIGHTS.name}.\n"
+        f"{path.name}  (load_demo(weights=...) in Python), or\n"
+        f"  * train your own: {train}, then --weights train_out/{path.name}.\n"
         f"--random-weights (allow_random=True) runs untrained weights instead: it shows the mechanics only, "
         f"and its PSNR/SSIM figures are far too kind (near-uniform attention).")
 
@@ -200,16 +256,17 @@ def missing_weights_message(path) -> str:
 def load_demo(weights=None, device="cpu", dtype=torch.bfloat16, allow_random: bool = False, seed: int = 0):
     """Load (transformer, text_encoder, cfg, trained) for inference.
 
-    ``weights``: a safetensors path; default: the file in ``vc_compile/demo/weights/`` (present in a
-    clone of the repository, not in the wheel). A missing file raises :class:`DemoWeightsMissing`
+    ``weights``: a safetensors path or a model name (``"demo"``, ``"fidelity"``: :data:`MODELS`); default: the
+    demo model's file in ``vc_compile/demo/weights/`` (present in a clone of the repository, not in the wheel). A missing file raises :class:`DemoWeightsMissing`
     (what to do is in its message), unless ``allow_random``: then seeded random weights,
     ``trained=False`` and a loud warning. The transformer's parameters are cast to ``dtype`` except Wan's
     fp32 modules; the text encoder stays fp32 (its output is cast by :func:`encode`).
     """
-    path = Path(weights) if weights else DEFAULT_WEIGHTS
-    cfg, trained = DemoConfig(), path.is_file()
+    path = resolve_weights(weights)
+    cfg, trained = (FIDELITY_CONFIG if path == FIDELITY_WEIGHTS else DemoConfig()), path.is_file()
     if trained:
         tensors, meta = _read_weights(path)
+        tensors = dequantize(tensors)
         if "vc_demo_config" in meta:
             cfg = DemoConfig.from_json(meta["vc_demo_config"])
     elif not allow_random:

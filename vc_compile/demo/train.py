@@ -41,25 +41,42 @@ import torch
 import torch.nn.functional as F
 
 from .data import make_batch, render, sample_params, tokens_from_params
-from .model import DEFAULT_WEIGHTS, DemoConfig, SpriteTextEncoder, build_transformer, describe_tokens, save_weights
+from .model import (DEFAULT_WEIGHTS, FIDELITY_CONFIG, FIDELITY_WEIGHTS, DemoConfig, SpriteTextEncoder,
+                    build_transformer, describe_tokens, load_demo, save_weights)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="Train the vc_compile demo video DiT (flow matching).")
-    ap.add_argument("--minutes", type=float, default=6.0, help="time budget of the training loop")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="time budget of the training loop (demo 6; fidelity 4.5 before its last phase)")
     ap.add_argument("--iters", type=int, default=None, help="exact iteration count (overrides --minutes)")
     ap.add_argument("--out", default="vc_demo_train")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=4e-4)
+    ap.add_argument("--lr", type=float, default=None, help="peak LR (demo 4e-4, fidelity 3e-4)")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--p-uncond", type=float, default=0.1, help="prompt dropout for CFG")
-    ap.add_argument("--buckets", default="16x32x32,4x64x64",
+    ap.add_argument("--buckets", default=None,
                     help="clip sizes FxHxW (pixels), cycled per iteration; the first is the reference size "
                          "(validation, samples.png). 4x64x64 (also 4096 tokens) teaches RoPE distances up to "
-                         "32 tokens in height/width, so the model runs at the demo/benchmark sizes")
-    ap.add_argument("--layers", type=int, default=DemoConfig.num_layers)
+                         "32 tokens in height/width, so the model runs at the demo/benchmark sizes; fidelity: "
+                         "21x32x32,5x60x104, every distance of its last phase's 21 x 30 x 52 tokens")
+    ap.add_argument("--layers", type=int, default=None, help=f"default {DemoConfig.num_layers} (preset fidelity: "
+                    f"{FIDELITY_CONFIG.num_layers})")
+    ap.add_argument("--heads", type=int, default=None, help="attention heads of 128 channels (demo 2, fidelity 4)")
+    ap.add_argument("--ffn", type=int, default=None, help="FFN width (demo 768, fidelity 1024)")
+    ap.add_argument("--preset", choices=("demo", "fidelity"), default="demo",
+                    help="demo: the small CPU demo model; fidelity: 4 heads, 3 layers, camera pans, a last phase "
+                         "at 21 x 60 x 104 px = 32760 tokens (Wan 2.1 480p), int8 storage")
+    ap.add_argument("--final", default=None, help="FxHxW of a last training phase (fidelity: 21x60x104)")
+    ap.add_argument("--final-minutes", type=float, default=None, help="time budget of the last phase")
+    ap.add_argument("--final-iters", type=int, default=None, help="exact iteration count of the last phase")
+    ap.add_argument("--final-lr", type=float, default=None, help="peak LR of the last phase (default lr / 2)")
+    ap.add_argument("--batch-tokens", type=int, default=None,
+                    help="tokens per iteration: each size's batch is this / its tokens (default: --batch clips)")
+    ap.add_argument("--camera", action="store_true", default=None, help="camera pans in the training clips")
+    ap.add_argument("--storage", choices=("fp16", "int8"), default=None, help="weights file format")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", dest="compile", action="store_true", default=None)
     ap.add_argument("--no-compile", dest="compile", action="store_false")
@@ -68,17 +85,42 @@ def parse_args(argv=None):
     ap.add_argument("--sample-steps", type=int, default=30)
     ap.add_argument("--smoke", action="store_true", help="a few iterations at a tiny size (CPU check)")
     a = ap.parse_args(argv)
+    base = FIDELITY_CONFIG if a.preset == "fidelity" else DemoConfig()
+    preset = {"layers": base.num_layers, "heads": base.num_attention_heads, "ffn": base.ffn_dim,
+              "camera": base.camera, "storage": "fp16", "minutes": 6.0, "lr": 4e-4, "buckets": "16x32x32,4x64x64"}
+    if a.preset == "fidelity":
+        # NOTE the fidelity model trains eagerly: at 32760 tokens attention is ~90% of its FLOPs (SDPA's flash
+        # kernels either way), and three clip sizes would cost three Inductor compiles.
+        preset.update(storage="int8", compile=False, final=f"{base.frames}x{base.height}x{base.width}",
+                      minutes=4.5, final_minutes=2.5, batch_tokens=65536, lr=3e-4, buckets="21x32x32,5x60x104")
+    for k, v in preset.items():
+        if getattr(a, k, None) is None:
+            setattr(a, k, v)
     if a.smoke:
-        a.buckets, a.batch = "4x16x16,2x32x32", 2
+        a.buckets, a.batch, a.batch_tokens = "4x16x16,2x32x32", 2, None
         a.iters = a.iters or 4
         a.log_every, a.sample_steps, a.warmup = 1, 3, 2
+        if a.final:
+            a.final, a.final_iters = "3x16x24", a.final_iters or 3
     if a.compile is None:
         a.compile = a.device.startswith("cuda")
     a.bucket_list = [tuple(int(x) for x in b.lower().split("x")) for b in a.buckets.split(",") if b.strip()]
-    if any(len(b) != 3 or b[1] % 2 or b[2] % 2 for b in a.bucket_list):
-        ap.error(f"--buckets: sizes FxHxW with even H and W, got {a.buckets!r}")
-    a.frames, a.height, a.width = a.bucket_list[0]
+    a.final_size = tuple(int(x) for x in a.final.lower().split("x")) if a.final else None
+    if any(len(b) != 3 or b[1] % 2 or b[2] % 2 for b in a.bucket_list + ([a.final_size] if a.final_size else [])):
+        ap.error(f"--buckets / --final: sizes FxHxW with even H and W, got {a.buckets!r} / {a.final!r}")
+    if a.final_size and a.final_minutes is None and a.final_iters is None:
+        ap.error("--final needs --final-minutes or --final-iters")
+    # the reference size (validation, samples.png, attention statistics): the last phase's, else the first bucket
+    a.frames, a.height, a.width = a.final_size or a.bucket_list[0]
     return a
+
+
+def batch_for(a, size) -> int:
+    """Clips per iteration at ``size``: ``--batch-tokens`` / tokens (at least 1), else ``--batch``."""
+    if not a.batch_tokens:
+        return a.batch
+    f, h, w = size
+    return max(1, a.batch_tokens // (f * (h // 2) * (w // 2)))
 
 
 def lr_at(it: int, total: int, base: float, warmup: int, final_frac: float = 0.1) -> float:
@@ -122,9 +164,10 @@ def eager_copy(cfg, tensors, device):
 
 
 @torch.no_grad()
-def val_loss(tr, te, cfg, a, device, amp, ts=(0.1, 0.3, 0.5, 0.7, 0.9), batch=16) -> dict:
-    """Flow-matching loss on a fixed held-out batch at fixed t (lower is better)."""
-    video, tokens = make_batch(10**9 + 7, batch, a.frames, a.height, a.width, device, cfg.max_sprites)
+def val_loss(tr, te, cfg, a, device, amp, ts=(0.1, 0.3, 0.5, 0.7, 0.9), batch=None) -> dict:
+    """Flow-matching loss on a fixed held-out batch at fixed t (lower is better), at the reference size."""
+    batch = batch or min(16, 2 * batch_for(a, (a.frames, a.height, a.width)))
+    video, tokens = make_batch(10**9 + 7, batch, a.frames, a.height, a.width, device, cfg.max_sprites, cfg.camera)
     g = torch.Generator().manual_seed(1234)
     noise = torch.randn(video.shape, generator=g).to(device)
     out = {}
@@ -144,7 +187,7 @@ def sample_grid(tr, te, cfg, a, device, amp, path, size, n=4):
     from .sampler import sample
 
     frames, height, width = size
-    p = sample_params(10**9 + 99, n, cfg.max_sprites)
+    p = sample_params(10**9 + 99, n, cfg.max_sprites, cfg.camera)
     real = render(p, frames, height, width, device)
     tokens = tokens_from_params(p).to(device)
     with amp:
@@ -162,7 +205,7 @@ def sample_grid(tr, te, cfg, a, device, amp, path, size, n=4):
 def attn_report(tr, te, cfg, a, device, amp) -> list:
     from .capture import attention_stats
 
-    video, tokens = make_batch(10**9 + 11, 2, a.frames, a.height, a.width, device, cfg.max_sprites)
+    video, tokens = make_batch(10**9 + 11, 2, a.frames, a.height, a.width, device, cfg.max_sprites, cfg.camera)
     noise = torch.randn(video.shape, generator=torch.Generator().manual_seed(3)).to(device)
     out = []
     for t in (0.2, 0.5, 0.8):
@@ -194,79 +237,97 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(a.seed)
-    cfg = dataclasses.replace(DemoConfig(), num_layers=a.layers, frames=a.frames, height=a.height, width=a.width)
+    cfg = dataclasses.replace(DemoConfig(), num_layers=a.layers, num_attention_heads=a.heads, ffn_dim=a.ffn,
+                              camera=bool(a.camera), frames=a.frames, height=a.height, width=a.width)
     tr, te = build_transformer(cfg).to(device), SpriteTextEncoder(cfg).to(device)
     params = list(tr.parameters()) + list(te.parameters())
     n_params = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.99), weight_decay=0.01, fused=cuda)
     ema = EMA(params, a.ema)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.amp == "bf16")
-    # Regional compile: one graph for the 6 identical blocks (6x less compile time than the whole
-    # model), static per bucket (dynamic=False: no symbolic-shape graph after the second size).
+    # Regional compile: one graph for the identical blocks (fewer compile seconds than the whole model), static
+    # per bucket (dynamic=False: no symbolic-shape graph after the second size).
     if a.compile:
         tr.compile_repeated_blocks(dynamic=False)
     model = tr
-    flops_clip = sum(train_flops_per_clip(cfg, *b) for b in a.bucket_list) / len(a.bucket_list)
-    toks = "/".join(str(cfg.tokens(*b)) for b in a.bucket_list)
-    log(f"[train] {n_params / 1e6:.2f}M params, buckets {a.buckets} ({toks} tokens/clip), "
-        f"batch {a.batch}, device {device}{' (' + torch.cuda.get_device_name() + ')' if cuda else ''}, "
-        f"compile={a.compile}, budget {a.iters or '%.1f min' % a.minutes}"
-        f"{'' if a.iters else ''}, ~{flops_clip * a.batch / 1e12:.2f} TFLOP/iter")
+    phases = [("main", a.bucket_list, a.iters, a.minutes, a.lr, a.warmup)]
+    if a.final_size:
+        phases.append(("final", [a.final_size], a.final_iters, a.final_minutes, a.final_lr or a.lr / 2,
+                       min(a.warmup, 20)))
+    desc = "; ".join(f"{name}: {'/'.join('x'.join(map(str, b)) + f' ({cfg.tokens(*b)} tok, batch {batch_for(a, b)})' for b in bl)}"
+                     for name, bl, *_ in phases)
+    log(f"[train] {n_params / 1e6:.2f}M params ({cfg.num_layers} layers x {cfg.num_attention_heads} heads x "
+        f"{cfg.attention_head_dim}, ffn {cfg.ffn_dim}), {desc}, device {device}"
+        f"{' (' + torch.cuda.get_device_name() + ')' if cuda else ''}, compile={a.compile}, camera={cfg.camera}")
 
     gen = torch.Generator(device=device).manual_seed(a.seed)
-    budget = a.minutes * 60.0
-    total = a.iters
-    curve, run_loss, run_n = [], torch.zeros((), device=device), 0
-    t_start = time.perf_counter()
-    t_probe = None
-    it = 0
-    while total is None or it < total:
-        seed_it = a.seed * 1_000_003 + it
-        video, tokens = make_batch(seed_it, a.batch, *a.bucket_list[it % len(a.bucket_list)], device,
-                                   cfg.max_sprites)
-        keep = torch.rand(a.batch, device=device, generator=gen) >= a.p_uncond  # CFG prompt dropout
-        tokens = tokens * keep[:, None, None]
-        t = torch.sigmoid(torch.randn(a.batch, device=device, generator=gen))  # logit-normal t
-        noise = torch.randn(video.shape, device=device, generator=gen)
-        tt = t[:, None, None, None, None]
-        x_t = (1 - tt) * video + tt * noise
-        lr = lr_at(it, total, a.lr, a.warmup)
-        for grp in opt.param_groups:
-            grp["lr"] = lr
-        with amp:
-            pred = model(hidden_states=x_t, timestep=t * 1000.0, encoder_hidden_states=te(tokens),
-                         return_dict=False)[0]
-        loss = F.mse_loss(pred.float(), noise - video)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        ema.update(params)
-        run_loss += loss.detach()
-        run_n += 1
-        it += 1
-        if total is None and it == 20:
-            if cuda:
-                torch.cuda.synchronize()
-            t_probe = time.perf_counter()
-        if total is None and it == 60:
-            if cuda:
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            sec_it = (now - t_probe) / 40
-            total = max(it + 1, it + int((budget - (now - t_start)) / sec_it))
-            log(f"[train] {1 / sec_it:.1f} it/s after compile ({flops_clip * a.batch / sec_it / 1e12:.0f} TFLOP/s "
-                f"matmul estimate); {now - t_start:.0f} s so far -> total {total} iterations")
-        if it % a.log_every == 0 or it == total:
-            mean = (run_loss / run_n).item()
-            curve.append([it, round(mean, 5)])
-            run_loss.zero_()
-            run_n = 0
-            el = time.perf_counter() - t_start
-            eta = f"{(total - it) * el / it / 60:.1f} min" if total else "?"
-            log(f"[train] it {it:6d}/{total or '?'}  loss {mean:.4f}  lr {lr:.2e}  {it / el:5.1f} it/s  "
-                f"elapsed {el / 60:.1f} min  eta {eta}")
-    train_s = time.perf_counter() - t_start
+    curve, iters_done, it_global = [], [], 0
+    train_t0 = time.perf_counter()
+    for ph, (name, buckets, total, minutes, lr_peak, warmup) in enumerate(phases):
+        flops_it = sum(train_flops_per_clip(cfg, *b) * batch_for(a, b) for b in buckets) / len(buckets)
+        budget = (minutes or 0.0) * 60.0
+        run_loss, run_n = torch.zeros((), device=device), 0
+        t_phase = time.perf_counter()
+        probe = (20, 60) if ph == 0 else (5, 15)  # iterations timed to fix the count
+        t_probe, it = None, 0
+        log(f"[train] phase {name}: {total or '%.1f min' % minutes}, peak LR {lr_peak:.1e}, "
+            f"~{flops_it / 1e12:.2f} TFLOP/iter")
+        while total is None or it < total:
+            seed_it = a.seed * 1_000_003 + it + 10_000_000 * ph
+            size = buckets[it % len(buckets)]
+            bsz = batch_for(a, size)
+            video, tokens = make_batch(seed_it, bsz, *size, device, cfg.max_sprites, cfg.camera)
+            keep = torch.rand(bsz, device=device, generator=gen) >= a.p_uncond  # CFG prompt dropout
+            tokens = tokens * keep[:, None, None]
+            t = torch.sigmoid(torch.randn(bsz, device=device, generator=gen))  # logit-normal t
+            noise = torch.randn(video.shape, device=device, generator=gen)
+            tt = t[:, None, None, None, None]
+            x_t = (1 - tt) * video + tt * noise
+            lr = lr_at(it, total, lr_peak, warmup)
+            for grp in opt.param_groups:
+                grp["lr"] = lr
+            with amp:
+                pred = model(hidden_states=x_t, timestep=t * 1000.0, encoder_hidden_states=te(tokens),
+                             return_dict=False)[0]
+            loss = F.mse_loss(pred.float(), noise - video)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            ema.update(params)
+            run_loss += loss.detach()
+            run_n += 1
+            it += 1
+            it_global += 1
+            if total is None and it == probe[0]:
+                if cuda:
+                    torch.cuda.synchronize()
+                t_probe = time.perf_counter()
+            if total is None and it == probe[1]:
+                if cuda:
+                    torch.cuda.synchronize()
+                now = time.perf_counter()
+                sec_it = (now - t_probe) / (probe[1] - probe[0])
+                total = max(it + 1, it + int((budget - (now - t_phase)) / sec_it))
+                log(f"[train] {name}: {1 / sec_it:.2f} it/s ({flops_it / sec_it / 1e12:.0f} TFLOP/s matmul "
+                    f"estimate); {now - t_phase:.0f} s so far -> {total} iterations")
+            if it % a.log_every == 0 or it == total:
+                mean = (run_loss / run_n).item()
+                curve.append([it_global, round(mean, 5)])
+                run_loss.zero_()
+                run_n = 0
+                el = time.perf_counter() - t_phase
+                eta = f"{(total - it) * el / it / 60:.1f} min" if total else "?"
+                log(f"[train] it {it:6d}/{total or '?'} ({name})  loss {mean:.4f}  lr {lr:.2e}  {it / el:5.2f} it/s  "
+                    f"elapsed {(time.perf_counter() - t_start) / 60:.1f} min  eta {eta}")
+        iters_done.append(it)
+        if ph + 1 < len(phases):  # the last phase starts from the raw weights; its own EMA
+            ema = EMA(params, min(a.ema, 0.995))
+    it = sum(iters_done)
+    reproduce = f"--iters {iters_done[0]}" + (f" --final-iters {iters_done[1]}" if len(iters_done) > 1 else "")
+    log(f"[train] iterations {iters_done}; reproduce with --preset {a.preset} --seed {a.seed} {reproduce}")
+    t_start_eval = time.perf_counter()
+    train_s = t_start_eval - train_t0
 
     # --- evaluation on fresh eager copies (the compiled blocks would recompile for every new shape,
     # and capture.py must see the real F.scaled_dot_product_attention): raw vs EMA, keep the better --
@@ -277,10 +338,17 @@ def main(argv=None):
     use_ema = vl_ema["mean"] <= vl_raw["mean"]
     tr, te = (ema_tr, ema_te) if use_ema else (raw_tr, raw_te)
     log(f"[train] val loss raw {vl_raw['mean']:.4f}  ema {vl_ema['mean']:.4f} -> saving {'EMA' if use_ema else 'raw'}")
-    wpath = save_weights(out / DEFAULT_WEIGHTS.name, tr, te, cfg,
-                         {"iterations": it, "seed": a.seed, "ema": use_ema, "val_loss": round(min(vl_raw["mean"], vl_ema["mean"]), 5)})
+    name = (FIDELITY_WEIGHTS if a.preset == "fidelity" else DEFAULT_WEIGHTS).name
+    wpath = save_weights(out / name, tr, te, cfg,
+                         {"iterations": it, "phase_iterations": iters_done, "preset": a.preset, "seed": a.seed,
+                          "ema": use_ema, "val_loss": round(min(vl_raw["mean"], vl_ema["mean"]), 5)},
+                         storage=a.storage)
     size_mb = wpath.stat().st_size / 1e6
-    log(f"[train] wrote {wpath} ({size_mb:.2f} MB)" + ("  WARNING: over 15 MB" if size_mb > 15 else ""))
+    log(f"[train] wrote {wpath} ({size_mb:.2f} MB, {a.storage})" + ("  WARNING: over 15 MB" if size_mb > 15 else ""))
+    # from here on the model is the stored one (int8 storage changes the weights a little): reload it
+    tr, te, _, _ = load_demo(wpath, device=device, dtype=torch.float32)
+    vl_stored = val_loss(tr, te, cfg, a, device, amp)
+    log(f"[train] val loss of the stored weights {vl_stored['mean']:.4f}")
     prompts = sample_grid(tr, te, cfg, a, device, amp, out / "samples.png", (a.frames, a.height, a.width))
     log(f"[train] wrote {out / 'samples.png'} (prompts: {prompts})")
     large = (max(b[0] for b in a.bucket_list), max(b[1] for b in a.bucket_list), max(b[2] for b in a.bucket_list))
@@ -293,11 +361,15 @@ def main(argv=None):
     for tr_t, rd_t in zip(attn_trained, attn_random):
         ent = [round(x["entropy_ratio"], 3) for x in tr_t["layers"]]
         ent_r = [round(x["entropy_ratio"], 3) for x in rd_t["layers"]]
-        log(f"[train] attention entropy / log S at t={tr_t['t']}: trained {ent}  random {ent_r}")
+        top = [[round(m, 3) for m in x["top15pct_mass_heads"]] for x in tr_t["layers"]]
+        top_r = [round(x["top15pct_mass"], 3) for x in rd_t["layers"]]
+        log(f"[train] attention at t={tr_t['t']}: entropy / log S trained {ent}, random {ent_r}; top-15% key mass "
+            f"per layer x head trained {top}, random (mean over heads) {top_r}")
     stats = {
         "config": dataclasses.asdict(cfg), "args": vars(a), "params": n_params, "iterations": it,
         "train_seconds": round(train_s, 1), "it_per_s": round(it / train_s, 2), "loss_curve": curve,
-        "val_loss_raw": vl_raw, "val_loss_ema": vl_ema, "saved": "ema" if use_ema else "raw",
+        "val_loss_raw": vl_raw, "val_loss_ema": vl_ema, "val_loss_stored": vl_stored,
+        "saved": "ema" if use_ema else "raw", "phase_iterations": iters_done, "reproduce": reproduce,
         "weights": wpath.name, "weights_mb": round(size_mb, 3), "sample_prompts": prompts,
         "attention_trained": attn_trained, "attention_random_init": attn_random,
         "env": {"torch": torch.__version__, "python": platform.python_version(),
