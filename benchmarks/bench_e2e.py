@@ -17,7 +17,15 @@ Fidelity of the final clip against the dense bf16 run (same seed, same noise): P
 L2, cosine. Noise floor: ``floor:bf16-vs-fp32`` (the dense bf16 clip against an eager fp32 run, TF32
 off) and ``floor:seed-to-seed`` (dense bf16, seed vs seed + 1: two unrelated clips).
 SDPA prefers cuDNN in every run (``sdpa_kernel(..., set_priority=True)``), so ``speedup_vs_cudnn`` is
-end-to-end time of the dense cuDNN run over the method's.
+end-to-end time of the dense cuDNN run over the method's. ``--peers torchao-fp8``: torchao's FP8 attention
+(``apply_low_precision_attention`` around the transformer, then Inductor), where it imports.
+
+``--weights fidelity``: the fidelity model (4 heads, trained last at 32760 tokens). With ``--attention`` (on by
+default on CUDA), rows in ``bench_e2e_attention.csv`` too: ``mass`` rows, the top-15% key mass of every layer
+and head at a few steps of the dense sampling run (``capture.mass_by_step``), and ``attn`` rows, each variant's
+attention on the inputs one layer received at every step of the dense run (``capture.errors_by_phase``: the
+method's real schedule over those inputs) against fp32 attention, median and max rel. L2 by phase.
+``--grid PATH`` writes the clips side by side (``media.write_grid``) with their PSNR.
 
 ``--ladder``: dense + the MC-Sparse ablation ladder (``runner.LADDER``, the paper's Table 5: mean-pooled
 block-sparse -> exact selection reused -> token level -> + PDDP query grouping -> + residual) at each of
@@ -37,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import append_csv, env_info, prefer_cudnn
+from benchmarks.common import append_csv, env_info, prefer_cudnn, torchao_fp8_fn, torchao_fp8_status
 from vc_compile.config import merge_options
 from vc_compile.demo.metrics import compare
 from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
@@ -74,6 +82,57 @@ def fp32_reference(weights, cond_tokens, device, **kw):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+def peer_compile(cfn):
+    """A ``compile_fn`` for torchao's FP8 attention: its wrapper around the transformer, then Inductor (regional
+    compile in place under the wrapper, as bench_pipeline does). The wrapper sets Inductor's pre-grad pass, a
+    global: ``compile_fn.restore()`` puts the previous one back."""
+    import torch._inductor.config as ic
+    prev = ic.pre_grad_custom_pass
+
+    def compile_fn(transformer, backend, options):
+        from torchao.prototype.attention import apply_low_precision_attention
+        wrapped = apply_low_precision_attention(transformer)
+        if cfn is compile_regional:
+            transformer.compile_repeated_blocks()
+            return wrapped
+        return torch.compile(wrapped)
+    compile_fn.restore = lambda: setattr(ic, "pre_grad_custom_pass", prev)
+    return compile_fn
+
+
+def attention_rows(tr, cond, uncond, cfg, kw, labels, known, peers, a, common, path):
+    """``mass`` and ``attn`` rows (module docstring) into ``bench_e2e_attention.csv`` beside ``path``."""
+    from vc_compile.demo.capture import capture_run, errors_by_phase, mass_by_step
+    out, steps = path.with_name("bench_e2e_attention.csv"), kw["steps"]
+    layer = cfg.num_layers // 2
+    size = {k: kw[k] for k in ("frames", "height", "width")}
+    at = sorted({0, steps // 5, steps // 2, (4 * steps) // 5, steps - 1})
+    rows = [{**common, "variant": "mass", "layer": m["layer"], "step": m["step"], "head": h, "top15_mass": round(x, 4)}
+            for m in mass_by_step(tr, cond, uncond, num_steps=steps, at_steps=at, seed=a.seed, guidance=a.guidance,
+                                  **size) for h, x in enumerate(m["top15pct_mass_heads"])]
+    heads = sorted(r["top15_mass"] for r in rows)
+    print(f"  top-15% key mass over {len(heads)} (layer, head, step): median {heads[len(heads) // 2]:.3f}", flush=True)
+    kept = capture_run(tr, cond, uncond, num_steps=steps, layers={layer}, steps=set(range(steps)), seed=a.seed,
+                       guidance=a.guidance, **size)
+    captured = [tuple(rec[n].to(tr.device) for n in "qkv") for rec in sorted(kept, key=lambda r: r["step"])]
+    for label in labels:
+        if label in peers:
+            method = lambda q, k, v: torchao_fp8_fn(q, k, v)()  # noqa: E731
+        elif label == "dense":
+            method = torch.nn.functional.scaled_dot_product_attention
+        else:
+            method = merge_options(known[label], {"speed_gate": "off"})
+        errs = errors_by_phase(captured, method, seed=a.seed)
+        for phase in dict.fromkeys(e["phase"] for e in errs):
+            v = sorted(e["rel_l2"] for e in errs if e["phase"] == phase)
+            rows.append({**common, "variant": f"attn:{label}", "layer": layer, "phase": phase, "n": len(v),
+                         "rel_l2": round(v[len(v) // 2], 6), "rel_l2_max": round(v[-1], 6)})
+            print(f"  attention {label} {phase}: {len(v)} steps, rel. L2 median {v[len(v) // 2]:.2e} max {v[-1]:.2e}",
+                  flush=True)
+    append_csv(str(out), rows, columns=[*HEADER[:17], "layer", "step", "phase", "head", "n", "top15_mass",
+                                         "rel_l2_max", "frames", "height", "width", "steps", "weights"])
+
+
 def _x(v) -> str:
     return f"{v:.2f}x" if isinstance(v, float) else "-"
 
@@ -98,6 +157,10 @@ def main(argv=None):
                     help="compile_repeated_blocks instead of the whole transformer (faster compiles)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" / "bench_e2e.csv"))
+    ap.add_argument("--peers", default=None, help="torchao-fp8 (default on CUDA) or ''")
+    ap.add_argument("--attention", action=argparse.BooleanOptionalAction, default=None,
+                    help="attention mass and per-phase error rows (default on CUDA)")
+    ap.add_argument("--grid", default=None, help="write the clips with their PSNR into this PNG")
     a = ap.parse_args(argv)
     sizes = (a.sizes or ("32k" if a.quick else "32k,75k")).split(",")
     steps = a.steps or (20 if a.quick else 50)
@@ -118,6 +181,12 @@ def main(argv=None):
         raise SystemExit(f"[bench_e2e] unknown methods {unknown}; known: {sorted(known)}")
     t_start = time.perf_counter()
     device, dtype = torch.device(a.device), torch.bfloat16
+    cuda = device.type == "cuda"
+    peers = [p for p in (a.peers if a.peers is not None else "torchao-fp8" if cuda else "").split(",") if p]
+    if peers and torchao_fp8_status()[0] is None:
+        print(f"[bench_e2e] {torchao_fp8_status()[1]}", flush=True)
+        peers = []
+    labels += peers
     if device.type != "cuda":
         print("[bench_e2e] WARNING: no CUDA: reference paths, times are meaningless", flush=True)
     env = env_info()
@@ -149,9 +218,11 @@ def main(argv=None):
         results = {}
         with prefer_cudnn():
             for label in labels:
-                opts = merge_options(known[label], {"experimental": {"compiler": a.compiler}})
-                r = run_config(tr, cond, uncond, label, opts, dtype=dtype, warmup=a.warmup, compile_fn=cfn,
+                opts = merge_options(known.get(label, {}), {"experimental": {"compiler": a.compiler}})
+                fn = peer_compile(cfn) if label in peers else cfn
+                r = run_config(tr, cond, uncond, label, opts, dtype=dtype, warmup=a.warmup, compile_fn=fn,
                                progress=print_progress(f"{size} {label}", every=max(1, steps // 5)), **kw)
+                getattr(fn, "restore", lambda: None)()
                 results[label] = r
                 base = results["dense"]
                 m = compare(r.clip, base.clip)
@@ -182,6 +253,15 @@ def main(argv=None):
                         **{k: round(v, 6) for k, v in m.items()}})
                 print(f"  floors: bf16-vs-fp32 {rows[-2]['psnr']:.2f} dB, seed-to-seed {rows[-1]['psnr']:.2f} dB "
                       f"[{time.perf_counter() - t_start:.0f} s elapsed]", flush=True)
+            if a.grid:
+                from vc_compile.demo.media import write_grid
+                notes = [[f"PSNR {compare(r.clip, results['dense'].clip)['psnr']:.2f} dB",
+                          f"{results['dense'].e2e_ms / r.e2e_ms:.2f}x dense"] for r in results.values()]
+                write_grid(a.grid, [r.clip[0] for r in results.values()], list(results), notes=notes,
+                           title=[f"{cfg.num_layers} x {H} heads, {F_} x {Hpx} x {Wpx} px = {S} tokens, {steps} steps, "
+                                  f"CFG {a.guidance:g}, {env['gpu']}"])
+            if a.attention if a.attention is not None else cuda:
+                attention_rows(tr, cond, uncond, cfg, kw, labels, known, peers, a, common, path)
 
     print()
     head = f"{'S':>6} {'variant':<30}{'e2e ms':>10}{'attn ms':>10}{'TFLOP/s':>9}{'speed-up':>9}{'PSNR':>8}{'SSIM':>8}"

@@ -10,15 +10,17 @@ count come from the pipeline itself, the demo never calls ``vc_compile.step``. `
 the bf16 SDPA baseline; every other method is compared with it: attention time, end-to-end time,
 speed-up, and PSNR/SSIM of the final clip against the dense clip (same seed, same noise).
 
-Default clip: the size the model was trained at (16 x 32 x 32 px = 4096 tokens, from the weights'
-metadata), 50 Euler steps, CFG 3. Writes into ``--out`` (default ``./vc_demo_out``): ``grid.png``
+Default clip: the size the model was trained at (from the weights' metadata), 50 Euler steps, CFG 3. On a
+GPU the model is the fidelity model (``--model fidelity``: 4 heads x 128, trained last at 21 x 60 x 104 px =
+32760 tokens, Wan 2.1 480p's token count), so the clip itself is at real size; on a CPU the small demo model
+(2 heads, 16 x 32 x 32 px = 4096 tokens). Writes into ``--out`` (default ``./vc_demo_out``): ``grid.png``
 (rows = methods with their figures, columns = frames, a title with the settings), ``demo.mp4`` and
 ``demo.gif`` (methods side by side), ``results.json`` (the table and each run's vc_compile report),
 ``clips.pt`` (the clips).
 
-On a CUDA GPU the clip is followed by a real-size timing (``demo/speed.py``): one attention layer of the Wan 2.1
-1.3B configuration at 32760 tokens through every method over a 50-step schedule, against stock SDPA (speed
-only, random tensors); ``--speed-tokens 0`` skips it.
+With ``--model demo`` on a CUDA GPU the clip is followed by a real-size timing (``demo/speed.py``): one attention
+layer of the Wan 2.1 1.3B configuration at 32760 tokens through every method over a 50-step schedule, against
+stock SDPA (speed only, random tensors); ``--speed-tokens 0`` skips it.
 
 Without CUDA this is a reduced run (10 steps, Inductor replaced by the rewritten graph run eagerly, the
 plain-PyTorch reference kernels) and says so: it shows the mechanics and the fidelity, not the speed.
@@ -70,8 +72,12 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help='e.g. "red circle right; blue square up"')
     ap.add_argument("--guidance", type=float, default=3.0, help="CFG scale (the training samples used 3)")
     ap.add_argument("--shift", type=float, default=1.0, help="flow shift of the sigma schedule (trained: 1)")
-    ap.add_argument("--weights", default=None, help="safetensors file (default: vc_compile/demo/weights/ in a "
-                                                    "clone of the repository; not in the pip package)")
+    ap.add_argument("--model", choices=("demo", "fidelity"), default=None,
+                    help="demo: 2 heads, trained at 4096 tokens (the CPU default); fidelity: 4 heads, trained last at "
+                         "21 x 60 x 104 px = 32760 tokens, Wan 2.1 480p's size (the GPU default)")
+    ap.add_argument("--weights", default=None, help="safetensors file (default: the --model's file in "
+                                                    "vc_compile/demo/weights/ of a clone of the repository; not in "
+                                                    "the pip package)")
     ap.add_argument("--random-weights", action="store_true",
                     help="run untrained weights when no weights file is found (mechanics only: errors understated)")
     ap.add_argument("--methods", default=",".join(m for m, _ in METHODS),
@@ -103,8 +109,11 @@ def parse_args(argv=None):
             a.options[key] = raw
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.reduced = not a.device.startswith("cuda")
-    if a.speed_tokens is None:
-        a.speed_tokens = 0 if a.reduced else WAN13B["tokens"]
+    if a.model is None:  # a GPU runs the model trained at real size, a CPU the small one
+        from .model import FIDELITY_WEIGHTS
+        a.model = "fidelity" if not a.reduced and FIDELITY_WEIGHTS.is_file() else "demo"
+    if a.speed_tokens is None:  # the fidelity model's clip is already at real size
+        a.speed_tokens = 0 if a.reduced or a.model == "fidelity" else WAN13B["tokens"]
     for k, v in (CPU_DEFAULTS if a.reduced else GPU_DEFAULTS).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -183,7 +192,7 @@ def main(argv=None):
     vc_api()  # fail early, with a clear message, when the backend is missing
     device, dtype = torch.device(a.device), torch.bfloat16
     try:
-        transformer, text_encoder, cfg, trained = load_demo(a.weights, device=device, dtype=dtype,
+        transformer, text_encoder, cfg, trained = load_demo(a.weights or a.model, device=device, dtype=dtype,
                                                             allow_random=a.random_weights)
     except DemoWeightsMissing as e:
         raise SystemExit(str(e)) from None
@@ -213,7 +222,7 @@ def main(argv=None):
 
     known, results = dict(METHODS), []
     print(f"[vc_demo] {len(a.method_list)} clips ({', '.join(a.method_list)}); expect "
-          f"{'3-5 minutes on 2 CPU cores' if a.reduced else 'about 2 minutes on an H100 / H200'} in all; an estimate "
+          f"{'3-5 minutes on 2 CPU cores' if a.reduced else 'about 3 minutes on an H100 / H200'} in all; an estimate "
           "from this machine's own pace follows each clip", flush=True)
     t_all = time.perf_counter()
     for i, label in enumerate(a.method_list):
@@ -239,7 +248,7 @@ def main(argv=None):
     print()
     print(format_table(rows))
     slower = [r["method"] for r in rows[1:] if r["speedup"] < 1.0]
-    if slower and not a.reduced:
+    if slower and not a.reduced and tokens < WAN13B["tokens"]:
         print(f"[vc_demo] {', '.join(slower)}: slower than dense on this clip because the clip is small "
               f"({tokens} tokens x {cfg.num_attention_heads} heads): it runs every method's kernels past the speed "
               "gate to measure fidelity, where a compiled model would keep such calls on stock SDPA "

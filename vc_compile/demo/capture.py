@@ -120,6 +120,52 @@ def attention_stats(transformer, text_states, x, t: float, rows: int = 256, seed
     return stats
 
 
+def truth_rows(q, k, v, rows):
+    """fp32 attention of the query rows ``rows`` of q, k, v [B, H, S, D] -> [B, H, len(rows), D], head by head."""
+    out = []
+    for h in range(q.shape[1]):
+        sc = q[:, h, rows].float() @ k[:, h].float().transpose(-1, -2) * q.shape[-1] ** -0.5
+        out.append(torch.softmax(sc, -1) @ v[:, h].float())
+    return torch.stack(out, 1)
+
+
+@torch.no_grad()
+def errors_by_phase(captured, method, n_rows: int = 512, seed: int = 0, site: int = 95_000) -> list:
+    """Score attention on captured inputs, step by step, as a sampling run would call it.
+
+    ``captured``: one (q, k, v) [B, H, S, D] per denoising step (:func:`capture_run` of one layer at every step);
+    ``method``: vcattn options (the op runs the method's real schedule over the steps: warm-up, grouping,
+    anchors, reuse) or a callable ``(q, k, v) -> out`` (a baseline; its phase is "call"). Returns
+    ``[{"step", "phase", "rel_l2"}]``: the output's relative L2 error on ``n_rows`` sampled query rows against
+    fp32 attention, and the phase the op recorded for the step.
+    """
+    import vc_compile
+    import vc_compile.ops  # noqa: F401 - registers torch.ops.vcattn.attention
+    from vc_compile.config import VCConfig
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+
+    def phases():
+        rec = next((r for r in vc_compile.report().sites if r.site == site), None)
+        return dict(rec.phases) if rec is not None else {}
+
+    cfg = None if callable(method) else VCConfig.from_options(method).to_json()
+    with vc_compile.sampling(num_steps=len(captured)):
+        for i, (q, k, v) in enumerate(captured):
+            vc_compile.step(i)
+            before = phases()
+            o = method(q, k, v) if cfg is None else torch.ops.vcattn.attention(q, k, v, None, site, cfg, None)
+            after = phases()
+            grew = {p: n - before.get(p, 0) for p, n in after.items() if n > before.get(p, 0)}
+            rows = torch.randperm(q.shape[2], generator=g)[:n_rows].sort().values.to(q.device)
+            ref = truth_rows(q, k, v, rows)
+            err = ((o[:, :, rows].double() - ref.double()).norm() / ref.double().norm()).item()
+            out.append({"step": i, "phase": max(sorted(grew), key=grew.get) if grew else "call", "rel_l2": err})
+    vc_compile.reset()
+    return out
+
+
 def capture_run(transformer, cond, uncond, *, frames, height, width, num_steps, layers, steps,
                 branches=("cond",), seed=0, guidance=3.0, dtype=torch.bfloat16, out=None) -> list:
     """Run the sampler eagerly, keep q, k, v of the chosen self-attention layers/steps/branches.
