@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from statistics import median
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ import torch
 from benchmarks.common import append_csv, env_info, prefer_cudnn, torchao_fp8_fn, torchao_fp8_status
 from vc_compile.config import merge_options
 from vc_compile.demo.metrics import compare
-from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt
+from vc_compile.demo.model import DEFAULT_PROMPT, encode, load_demo, parse_prompt, resolve_weights
 from vc_compile.demo.runner import (known_methods, compile_full, compile_regional, ladder_methods,
                                     run_config)
 from vc_compile.demo.sampler import print_progress, sample
@@ -110,8 +111,7 @@ def attention_rows(tr, cond, uncond, cfg, kw, labels, known, peers, a, common, p
     rows = [{**common, "variant": "mass", "layer": m["layer"], "step": m["step"], "head": h, "top15_mass": round(x, 4)}
             for m in mass_by_step(tr, cond, uncond, num_steps=steps, at_steps=at, seed=a.seed, guidance=a.guidance,
                                   **size) for h, x in enumerate(m["top15pct_mass_heads"])]
-    heads = sorted(r["top15_mass"] for r in rows)
-    print(f"  top-15% key mass over {len(heads)} (layer, head, step): median {heads[len(heads) // 2]:.3f}", flush=True)
+    print(f"  top-15% key mass, median over (layer, head, step): {median(r['top15_mass'] for r in rows):.3f}")
     kept = capture_run(tr, cond, uncond, num_steps=steps, layers={layer}, steps=set(range(steps)), seed=a.seed,
                        guidance=a.guidance, **size)
     captured = [tuple(rec[n].to(tr.device) for n in "qkv") for rec in sorted(kept, key=lambda r: r["step"])]
@@ -124,11 +124,10 @@ def attention_rows(tr, cond, uncond, cfg, kw, labels, known, peers, a, common, p
             method = merge_options(known[label], {"speed_gate": "off"})
         errs = errors_by_phase(captured, method, seed=a.seed)
         for phase in dict.fromkeys(e["phase"] for e in errs):
-            v = sorted(e["rel_l2"] for e in errs if e["phase"] == phase)
+            v = [e["rel_l2"] for e in errs if e["phase"] == phase]
             rows.append({**common, "variant": f"attn:{label}", "layer": layer, "phase": phase, "n": len(v),
-                         "rel_l2": round(v[len(v) // 2], 6), "rel_l2_max": round(v[-1], 6)})
-            print(f"  attention {label} {phase}: {len(v)} steps, rel. L2 median {v[len(v) // 2]:.2e} max {v[-1]:.2e}",
-                  flush=True)
+                         "rel_l2": round(median(v), 6), "rel_l2_max": round(max(v), 6)})
+            print(f"  attention {label} {phase}: {len(v)} steps, rel. L2 median {median(v):.2e} max {max(v):.2e}")
     append_csv(str(out), rows, columns=[*HEADER[:17], "layer", "step", "phase", "head", "n", "top15_mass",
                                          "rel_l2_max", "frames", "height", "width", "steps", "weights"])
 
@@ -165,9 +164,6 @@ def main(argv=None):
     sizes = (a.sizes or ("32k" if a.quick else "32k,75k")).split(",")
     steps = a.steps or (20 if a.quick else 50)
     known = dict(known_methods())
-    # MC-Sparse with C = 128 query groups (the gather kernel's faster tile), for the group-size A/B
-    known.update({f"mcsparse-c128@{d}": {"method": "mcsparse", "density": d, "group_size": 128}
-                  for d in (0.15, 0.25)})
     cfn = compile_regional if a.regional else compile_full
     labels = ["dense"] + [m for m in a.methods.split(",") if m and m != "dense"]
     bench = "e2e"
@@ -214,7 +210,7 @@ def main(argv=None):
         kw = dict(frames=F_, height=Hpx, width=Wpx, steps=steps, seed=a.seed, guidance=a.guidance, shift=1.0)
         common = {**env, "bench": bench, "B": 1, "H": H, "S": S, "D": D, "steps": steps, "frames": F_,
                   "height": Hpx, "width": Wpx, "guidance": a.guidance, "seed": a.seed,
-                  "weights": "trained" if trained else "random"}
+                  "weights": resolve_weights(a.weights).stem if trained else "random"}
         results = {}
         with prefer_cudnn():
             for label in labels:
@@ -232,7 +228,7 @@ def main(argv=None):
                         "tflops": round(flops / (r.attn_ms * 1e-3) / 1e12, 1) if r.attn_ms else "",
                         "speedup_vs_cudnn": round(base.e2e_ms / r.e2e_ms, 3),
                         **{k: round(v, 6) for k, v in m.items()},
-                        "attn_ms": round(r.attn_ms, 2) if r.attn_ms is not None else "",
+                        "attn_ms": round(r.attn_ms, 2) if r.attn_ms is not None and label not in peers else "",
                         "warmup_s": round(r.warmup_s, 1), "phases": phases})
                 print(f"  {label}: e2e {r.e2e_ms:.0f} ms, attention {r.attn_ms or 0:.0f} ms, "
                       f"warm-up {r.warmup_s:.0f} s, PSNR {m['psnr']:.2f} dB, SSIM {m['ssim']:.4f} "

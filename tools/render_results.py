@@ -39,6 +39,7 @@ import csv
 import math
 import os
 import re
+import statistics
 import sys
 from typing import Dict, List, Optional, Sequence
 
@@ -316,20 +317,6 @@ def plots(pipe_rows, gen_rows, img_dir) -> List[str]:
         written.append(os.path.join(img_dir, "bench_generation_phases.png"))
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
-        key, by_var = next(iter(ggroups.items()))
-        fig, ax = plt.subplots(figsize=(7, 3.8))
-        for v in _order(by_var):
-            ts = [num(x) for x in (by_var[v].get("step_ms") or "").split()]
-            if ts and all(t is not None for t in ts):
-                ax.plot(range(len(ts)), ts, label=NAMES.get(v, v), lw=1.2)
-        ax.set_xlabel("denoising step")
-        ax.set_ylabel("attention ms")
-        ax.set_title(f"per-step attention time, S={key[0]} H={key[1]} D={key[2]}", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(os.path.join(img_dir, "bench_generation_steps.png"))
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
     return written
 
 
@@ -455,27 +442,49 @@ def kernel_summary(by_bench: Dict[str, List[Dict[str, str]]]) -> str:
 
 
 E2E_ORDER = ["dense", "vsmooth", "vsmooth+expcast", "mcsparse@0.15", "mcsparse@0.25", "mcsparse-c128@0.15",
-             "mcsparse-c128@0.25", "floor:bf16-vs-fp32", "floor:seed-to-seed"]
+             "mcsparse-c128@0.25", "torchao-fp8", "floor:bf16-vs-fp32", "floor:seed-to-seed"]
 
 
 def e2e_tables(rows) -> List[str]:
-    rows = [r for r in rows if r.get("bench") == "e2e"]
+    """Per model and size, each variant's latest clip row (``weights`` names the model: the demo model's rows
+    predate the column's model names and say "trained")."""
     out = []
-    for (S,), by_var in latest(rows, ("S",)).items():
+    for (w, H, S), by_var in latest([r for r in rows if r.get("bench") == "e2e"], ("weights", "H", "S")).items():
         body = []
         for v in sorted(by_var, key=lambda v: E2E_ORDER.index(v) if v in E2E_ORDER else len(E2E_ORDER)):
-            r = by_var[v]
-            floor = v.startswith("floor:")
+            r, floor = by_var[v], v.startswith("floor:")
             body.append([v, "-" if floor else f(r.get("ms"), "{:.0f}"),
                          "-" if floor else f(r.get("speedup_vs_cudnn"), "{:.2f}x"), f(r.get("psnr"), "{:.2f}"),
                          f(r.get("ssim"), "{:.4f}"), f"{r.get('date', '')[:10]} {r.get('commit', '')}"])
-        any_row = next(iter(by_var.values()))
-        out.append(f"**Demo model (trained, H = {any_row.get('H')}, D = {any_row.get('D')}), {S} tokens, "
-                   f"{any_row.get('steps')} steps, CFG {any_row.get('guidance')}** ({any_row.get('gpu')}; latest row "
-                   "of each variant; speed-up vs dense of the same run; PSNR / SSIM of the final clip vs the dense "
-                   "bf16 clip)\n\n" + md_table(["variant", "ms / generation", "speed-up", "PSNR dB", "SSIM", "run"],
-                                               body))
+        r = next(iter(by_var.values()))
+        model = "Fidelity model" if "fidelity" in w else "Demo model"
+        out.append(f"**{model} (trained, H = {H}, D = {r.get('D')}), {S} tokens, {r.get('steps')} steps, CFG "
+                   f"{r.get('guidance')}** ({r.get('gpu')}; latest row of each variant; speed-up vs dense of the same "
+                   "run; PSNR / SSIM of the final clip vs the dense bf16 clip)\n\n"
+                   + md_table(["variant", "ms / generation", "speed-up", "PSNR dB", "SSIM", "run"], body))
     return out
+
+
+def fidelity_attention_tables(rows) -> List[str]:
+    """``bench_e2e_attention.csv``: attention error by phase on captured inputs, and the top-15% key mass per
+    head and step (median and range over heads), of the latest run."""
+    if not rows:
+        return [_none_yet("bench_e2e_attention.csv", "`python -m benchmarks.bench_e2e --attention` on a GPU")]
+    run = max((r["date"], r["commit"]) for r in rows)
+    rows = [r for r in rows if (r["date"], r["commit"]) == run]
+    err = [[r["variant"][5:], r["phase"], r["n"], f(num(r["rel_l2"]), "{:.2e}"), f(num(r["rel_l2_max"]), "{:.2e}")]
+           for r in rows if r["variant"].startswith("attn:")]
+    steps: Dict[str, List[float]] = {}
+    for r in rows:
+        if r["variant"] == "mass":
+            steps.setdefault(r["step"], []).append(float(r["top15_mass"]))
+    mass = [[s, f(statistics.median(v), "{:.3f}"), f"{min(v):.3f} - {max(v):.3f}", str(len(v))]
+            for s, v in steps.items()]
+    return [f"Attention rel. L2 vs fp32 by phase ({rows[0]['gpu']}, {run[0][:10]}, commit {run[1]}, {rows[0]['S']} "
+            f"tokens; one layer's inputs at every step of the dense run):\n\n"
+            + md_table(["variant", "phase", "steps", "median", "max"], err),
+            "Top-15% key mass per head (every layer), along the dense run:\n\n"
+            + md_table(["step", "median over heads", "range", "heads"], mass)]
 
 
 def _none_yet(csv_name: str, how: str) -> str:
@@ -955,6 +964,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
         "key-padding": per_gpu(key_padding_tables, rd("bench_key_padding.csv")),
         "e2e": per_gpu(e2e_tables, e2e) if any(r.get("bench") == "e2e" for r in e2e) else
         _none_yet("bench_e2e.csv", "`python -m benchmarks.bench_e2e` on a GPU"),
+        "fidelity-attention": "\n\n".join(fidelity_attention_tables(raw("bench_e2e_attention.csv"))),
     }
 
 

@@ -5,6 +5,7 @@ demo's architecture (random weights) except the one end-to-end run of ``python -
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import warnings
 
@@ -12,9 +13,9 @@ import pytest
 import torch
 
 from vc_compile.demo import data, metrics
-from vc_compile.demo.model import (DEFAULT_WEIGHTS, DemoConfig, DemoWeightsMissing, SpriteTextEncoder,
-                                   build_transformer, cast_for_inference, describe_tokens, encode, load_demo,
-                                   parse_prompt, save_weights)
+from vc_compile.demo.model import (DEFAULT_WEIGHTS, FIDELITY_CONFIG, FIDELITY_WEIGHTS, DemoConfig,
+                                   DemoWeightsMissing, SpriteTextEncoder, build_transformer, cast_for_inference,
+                                   describe_tokens, encode, load_demo, parse_prompt, save_weights)
 from vc_compile.demo.sampler import sample, sigmas
 
 # ---------------------------------------------------------------------------------------------- model
@@ -97,7 +98,56 @@ def test_prompt_parsing():
     with pytest.raises(ValueError, match="exactly one"):
         parse_prompt("red blue circle right")
 
+def test_int8_storage_halves_the_file_within_its_rounding(tmp_path):
+    """int8 storage: matrices as int8 codes with a per-row scale (error <= half a step of its row), vectors fp16,
+    about half the bytes of fp16; the loader dequantises."""
+    cfg = dataclasses.replace(FIDELITY_CONFIG, num_layers=1)
+    torch.manual_seed(0)
+    tr, te = build_transformer(cfg), SpriteTextEncoder(cfg)
+    p16 = save_weights(tmp_path / "a.safetensors", tr, te, cfg)
+    p8 = save_weights(tmp_path / "b.safetensors", tr, te, cfg, storage="int8")
+    assert p8.stat().st_size < 0.55 * p16.stat().st_size
+    tr2, _, cfg2, trained = load_demo(p8, dtype=torch.float32)
+    assert trained and cfg2 == cfg
+    for (k, a), b in zip(tr.state_dict().items(), tr2.state_dict().values()):
+        if a.dim() >= 2 and a.numel() >= 4096:
+            step = a.abs().reshape(a.shape[0], -1).amax(1) / 127
+            assert ((a - b).abs().reshape(a.shape[0], -1) <= step[:, None] * 0.5001 + 1e-7).all(), k
+        else:
+            assert torch.equal(a.half().float(), b), k
+    with pytest.raises(ValueError, match="storage"):
+        save_weights(tmp_path / "c.safetensors", tr, te, cfg, storage="int4")
+
+
+def test_fidelity_weights_ship_and_load():
+    """The fidelity model: 4 heads x 128, trained last at 21 x 60 x 104 px (32760 tokens), <= 40 MB."""
+    if not FIDELITY_WEIGHTS.is_file():
+        pytest.skip(f"no fidelity weights at {FIDELITY_WEIGHTS}")
+    assert FIDELITY_WEIGHTS.stat().st_size <= 40e6
+    tr, te, cfg, trained = load_demo("fidelity", dtype=torch.float32)
+    assert trained and cfg.num_attention_heads >= 4 and tr.config.attention_head_dim == 128
+    assert cfg.tokens(cfg.frames, cfg.height, cfg.width) == 32760 and cfg.camera
+    assert all(torch.isfinite(p).all() for p in tr.parameters())
+
+
 # ----------------------------------------------------------------------------------------------- data
+
+
+def test_camera_pans_and_leaves_the_other_choices_alone():
+    """A camera pan moves the background (static without one); the seed's other choices stay the same."""
+    p0, p1 = data.sample_params(5, 8), data.sample_params(5, 8, camera=True)
+    assert all(torch.equal(p0[k], p1[k]) for k in p0) and "camera" not in p0
+    moving = p1["camera"].norm(dim=-1) > 0
+    assert moving.any() and (~moving).any()
+    i = int(moving.nonzero()[0])
+    bg = {k: v[i:i + 1] for k, v in p1.items()}
+    bg["present"] = torch.zeros_like(bg["present"])
+    v = data.render(bg, 3, 32, 32)
+    assert (v[:, :, 1] - v[:, :, 0]).abs().max() > 1e-3
+    still = dict(bg, camera=torch.zeros_like(bg["camera"]))
+    v = data.render(still, 3, 32, 32)
+    assert torch.equal(v[:, :, 1], v[:, :, 0])
+
 
 
 def test_dataset_deterministic_from_seed():
@@ -417,6 +467,39 @@ def test_capture_run_picks_layers_steps_branches(demo, tmp_path):
     saved = torch.load(tmp_path / "qkv_L1_s1_cond.pt")
     assert torch.equal(saved["k"], kept[0]["k"]) and (tmp_path / "index.json").is_file()
 
+def test_row_stats_read_concentration():
+    """Top-15% key mass: 1 when every query looks at one key, ~0.15 when attention is uniform."""
+    from vc_compile.demo.capture import row_stats
+
+    g = torch.Generator().manual_seed(0)
+    S, D = 200, 16
+    k = torch.randn(1, 2, S, D)
+    st = row_stats(torch.zeros(1, 2, S, D), k, 64, g)  # q = 0: uniform
+    assert st["top15pct_mass"] == pytest.approx(30 / 200, abs=1e-6) and st["entropy_ratio"] == pytest.approx(1.0)
+    st = row_stats(k * 50, k, 64, g)  # each query is its own key, scaled: one key takes the mass
+    assert min(st["top15pct_mass_heads"]) > 0.99 and len(st["top15pct_mass_heads"]) == 2
+
+
+def test_errors_by_phase_follow_the_schedule():
+    """errors_by_phase runs the op's real schedule over captured steps: V-Smooth groups then reuses; a baseline
+    that is exact attention scores ~0 (fp32), one that is not scores its error."""
+    from vc_compile.demo.capture import errors_by_phase
+
+    _vc_backend()
+    torch.manual_seed(0)
+    steps = [tuple(torch.randn(1, 2, 96, 64) for _ in range(3)) for _ in range(4)]
+    exact = errors_by_phase(steps, torch.nn.functional.scaled_dot_product_attention, n_rows=32)
+    assert [e["phase"] for e in exact] == ["call"] * 4 and max(e["rel_l2"] for e in exact) < 1e-5
+    off = errors_by_phase(steps, lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v) * 1.01,
+                          n_rows=32)
+    assert all(e["rel_l2"] == pytest.approx(0.01, rel=1e-3) for e in off)
+    bf = [tuple(t.bfloat16() for t in s) for s in steps]
+    vs = errors_by_phase(bf, {"method": "vsmooth", "min_seq_len": 16, "speed_gate": "off",
+                              "experimental": {"kernels": "reference"}}, n_rows=32)
+    assert {e["phase"] for e in vs} >= {"group", "reuse"}
+    assert all(0 < e["rel_l2"] < 0.05 for e in vs)
+
+
 # ------------------------------------------------------------------------------ the benchmark's loop
 
 
@@ -474,3 +557,22 @@ def test_demo_set_option_parsing():
     assert a.options == {"rope_fusion": False, "density": 0.2, "sparse_qk": "bf16"}
     with pytest.raises(SystemExit):
         parse_args(["--set", "rope_fusion"])
+
+
+def test_trainer_fidelity_preset_runs_both_phases(tmp_path):
+    """``train --preset fidelity --smoke``: the main phase, then the last phase at its own size; int8 storage;
+    the statistics of the stored weights (top-15% key mass per head) and the command that reproduces them."""
+    import json
+
+    from vc_compile.demo import train
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train.main(["--preset", "fidelity", "--smoke", "--out", str(tmp_path), "--device", "cpu"])
+    stats = json.loads((tmp_path / "train_stats.json").read_text())
+    assert stats["phase_iterations"] == [4, 3] and "--final-iters 3" in stats["reproduce"]
+    assert stats["config"]["num_attention_heads"] == 4 and stats["config"]["camera"]
+    assert len(stats["attention_trained"][0]["layers"][0]["top15pct_mass_heads"]) == 4
+    _, _, cfg, trained = load_demo(tmp_path / FIDELITY_WEIGHTS.name)
+    assert trained and (cfg.frames, cfg.height, cfg.width) == (3, 16, 24)
+    assert stats["val_loss_stored"]["mean"] == pytest.approx(stats[f"val_loss_{stats['saved']}"]["mean"], rel=0.05)
