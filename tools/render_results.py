@@ -466,25 +466,24 @@ def e2e_tables(rows) -> List[str]:
 
 
 def fidelity_attention_tables(rows) -> List[str]:
-    """``bench_e2e_attention.csv``: attention error by phase on captured inputs, and the top-15% key mass per
-    head and step (median and range over heads), of the latest run."""
+    """``bench_e2e_attention.csv``, latest run: attention error by phase; top-15% key mass per head and step."""
     if not rows:
         return [_none_yet("bench_e2e_attention.csv", "`python -m benchmarks.bench_e2e --attention` on a GPU")]
     run = max((r["date"], r["commit"]) for r in rows)
     rows = [r for r in rows if (r["date"], r["commit"]) == run]
     err = [[r["variant"][5:], r["phase"], r["n"], f(num(r["rel_l2"]), "{:.2e}"), f(num(r["rel_l2_max"]), "{:.2e}")]
            for r in rows if r["variant"].startswith("attn:")]
-    steps: Dict[str, List[float]] = {}
-    for r in rows:
-        if r["variant"] == "mass":
-            steps.setdefault(r["step"], []).append(float(r["top15_mass"]))
-    mass = [[s, f(statistics.median(v), "{:.3f}"), f"{min(v):.3f} - {max(v):.3f}", str(len(v))]
-            for s, v in steps.items()]
+    cells: Dict[tuple, Dict[str, float]] = {}
+    for r in (r for r in rows if r["variant"] == "mass"):
+        cells.setdefault((r["layer"], r["head"]), {})[r["step"]] = float(r["top15_mass"])
+    steps = list(next(iter(cells.values()), {}))
+    mass = [[f"layer {k[0]}, head {k[1]}", *(f(v.get(s), "{:.3f}") for s in steps)] for k, v in cells.items()]
+    mass.append(["median over heads", *(f(statistics.median(v[s] for v in cells.values()), "{:.3f}") for s in steps)])
     return [f"Attention rel. L2 vs fp32 by phase ({rows[0]['gpu']}, {run[0][:10]}, commit {run[1]}, {rows[0]['S']} "
             f"tokens; one layer's inputs at every step of the dense run):\n\n"
             + md_table(["variant", "phase", "steps", "median", "max"], err),
-            "Top-15% key mass per head (every layer), along the dense run:\n\n"
-            + md_table(["step", "median over heads", "range", "heads"], mass)]
+            "Top-15% key mass per layer and head along the dense run (columns: denoising step):\n\n"
+            + md_table(["head", *steps], mass)]
 
 
 def _none_yet(csv_name: str, how: str) -> str:
