@@ -150,8 +150,10 @@ OPTION_DOCS: Dict[str, str] = {
     "anchor_dense": "MC-Sparse anchor steps: the dense pass giving O_dense and R: 'bf16' (cuDNN, today's "
                     "accuracy) | 'q8' (the 8-bit V-Smooth pass: faster, R carries its error; "
                     "docs/design/anchor-selection.md).",
-    "residual_budget_gb": "MC-Sparse: an anchor whose residual would bring the metadata held over this keeps none: "
-                          "its block runs stock SDPA until its next anchor (one warning, counted in report()).",
+    "residual_budget_gb": "MC-Sparse: the metadata budget. A generation's first anchor plans: the blocks whose "
+                          "metadata fits this and the GPU's free memory run sparse, the others the dense 8-bit path "
+                          "(one warning, counted in report()); an anchor still over it keeps none and its block "
+                          "runs stock SDPA until its next anchor.",
     "guard_threshold": "MC-Sparse: re-anchor a layer when its reuse error, measured on sampled rows, exceeds "
                        "this (relative L2; 0 = guard off). docs/mcsparse_guard.md.",
     "reuse_check": "MC-Sparse: measure the first reuse step after each anchor on sampled rows; a site where it is "

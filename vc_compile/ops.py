@@ -525,7 +525,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
             rec.runtime_fallbacks[problem] += 1
             return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
     key = (site, ident_ptr, info.branch) + shapes
-    plan = M.plan(cfg, info.step, info.num_steps, lambda suffix: state.get(key + suffix), q, k, v, impl)
+    plan = M.plan(cfg, info.step, info.num_steps, _Slots(key), q, k, v, impl)
     for slot in plan.drop:
         state.put(key + slot, None)
     phase, meta = plan.phase, plan.meta
@@ -549,6 +549,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
         rec.note_guard(*plan.guard)
     if plan.fallback is not None:
         _method_fallback(rec, site, *plan.fallback)
+    if plan.note is not None:
+        _method_note(rec, site, *plan.note)
     key = key + plan.slot
     kw = {} if rope_args is None else {"rope": rope_args}
     prebuilds = _RUNTIME.part("prebuilds")  # None: no helper was ever started (prebuild/helpers.py)
@@ -607,6 +609,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
 
 
 _METHOD_WARNED: Set[Tuple[int, str]] = _CHECKS.method_warned
+
+
+class _Slots:
+    """``slots(suffix)``: the metadata the call's state key plus ``suffix`` holds; ``slots.key``: that key."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple):
+        self.key = key
+
+    def __call__(self, suffix: tuple):
+        return state.get(self.key + suffix)
+
+
+def _method_note(rec, site: int, reason: str, message: str) -> None:
+    """A call the method ran on another of its own paths: counted under ``reason``, warned once per reason."""
+    rec.method_notes[reason] += 1
+    if (-1, reason) not in _METHOD_WARNED:
+        _METHOD_WARNED.add((-1, reason))
+        import warnings
+
+        warnings.warn(f"vcattn: {message} (report: '{reason}').", RuntimeWarning, stacklevel=3)
 
 
 def _method_fallback(rec, site: int, reason: str, message: str) -> None:

@@ -110,3 +110,51 @@ def test_expcast_warmup_is_vsmooth_expcast():
     for a, b, c in zip(mc, vs, plain):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert not torch.equal(a, c)
+
+
+def _layers(opts, n_sites, steps=10, tag="plan"):
+    """A 10-step generation over ``n_sites`` sites (layers) called in order each step; outputs per site."""
+    cfg = VCConfig.from_options({**BASE, **opts}).to_json()
+    sites = [_site(f"{tag}{i}") for i in range(n_sites)]
+    outs = {s: [] for s in sites}
+    with vc_compile.sampling(num_steps=10):
+        for i in range(steps):
+            vc_compile.step(i)
+            for j, s in enumerate(sites):
+                q, k, v = _inputs(10 * i + j)
+                outs[s].append(torch.ops.vcattn.attention(q, k, v, None, s, cfg, None))
+    return sites, outs
+
+
+def test_memory_plan_keeps_what_fits_and_runs_the_rest_dense_8bit():
+    """Over the residual budget, the generation's first anchor plans: the first blocks in call order keep their
+    metadata and run sparse, the rest run the warm-up's dense 8-bit path to the end (not stock SDPA), one warning
+    says so with the figures, report() counts it per site, and nothing raises. The plan is per generation."""
+    import pytest
+
+    from vc_compile.methods import mcsparse as M
+
+    vc_compile.reset(report=True)
+    cfg = VCConfig.from_options({**BASE, "method": "mcsparse"})
+    key = (0, 0, 0, (1, 2, S, D), (1, 2, S, D), "cpu")
+    per_block, _ = M.metadata_bytes(key, cfg)
+    assert per_block == 2 * (2 * 64 * 4 + S * (2 * D + 8))  # idx 2 groups x 64 keys; bf16 residual, int64 order
+    budget = 2.5 * per_block / 2**30
+    with pytest.warns(RuntimeWarning, match="memory plan") as w:
+        sites, outs = _layers({"method": "mcsparse", "residual_budget_gb": budget, "reuse_check": False}, 3)
+    assert sum("memory plan" in str(x.message) for x in w) == 1
+    assert "needs 130 KiB, 109 KiB is available" in str(next(x.message for x in w if "memory plan" in str(x.message)))
+    recs = [_report.site(s) for s in sites]
+    for rec in recs[:2]:
+        assert rec.phases["anchor"] == 2 and rec.phases["reuse"] == 6 and not rec.method_notes
+    assert recs[2].phases["warmup"] == 10 and recs[2].method_notes[M.NO_PLAN_ROOM] == 8
+    assert not recs[2].runtime_fallbacks  # never stock SDPA for lack of room
+    q, k, v = _inputs(10 * 9 + 2)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    err = ((outs[sites[2]][-1].float() - ref).norm() / ref.norm()).item()
+    assert 0 < err < 0.05  # the 8-bit V-Smooth path's error, not a sparse one
+    assert "memory plan" in str(vc_compile.report())
+    # the next generation plans again: with room for all, every block runs sparse
+    vc_compile.reset(report=True)
+    sites, _ = _layers({"method": "mcsparse", "reuse_check": False}, 3, tag="roomy")
+    assert all(_report.site(s).phases["anchor"] == 2 and not _report.site(s).method_notes for s in sites)

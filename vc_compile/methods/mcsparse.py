@@ -186,6 +186,15 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
             regroup = vsmooth.group_phase(cfg, step, n, wmeta is not None) == Phase.GROUP
             return Plan(phase, WarmupAt(regroup, wmeta), WARMUP_SLOT, eight_bit=True, sharp_phase=Phase.DENSE)
         return Plan(Phase.DENSE, meta)
+    if phase == Phase.ANCHOR:
+        mp = memory_plan(cfg, getattr(slot, "key", None), q.device)
+        if mp is not None and mp.planned_out(slot.key):  # no room for its metadata: the warm-up's 8-bit path
+            if warmup_ineligible(q, k, v, impl) is None:
+                wmeta = slot(WARMUP_SLOT)
+                regroup = vsmooth.group_phase(cfg, step, n, wmeta is not None) == Phase.GROUP
+                return Plan(Phase.WARMUP, WarmupAt(regroup, wmeta), WARMUP_SLOT, eight_bit=True,
+                            sharp_phase=Phase.DENSE, note=(NO_PLAN_ROOM, mp.message()))
+            return Plan(Phase.DENSE, meta, fallback=(NO_ROOM, mp.message()))
     if phase == Phase.ANCHOR and slot(WARMUP_SLOT) is not None:  # the warm-up is over: its grouping is not needed
         return Plan(phase, AnchorAt(max(epoch, 0), meta), drop=(WARMUP_SLOT,))
     if phase == Phase.REUSE and meta.refused is not None:
@@ -205,6 +214,72 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
 
 REUSE_WORSE = "mcsparse: reuse step worse than the previous output"
 NO_ROOM = "mcsparse: no room to keep the anchor's metadata"
+NO_PLAN_ROOM = "mcsparse: memory plan: dense 8-bit path, no room for the metadata"
+# NOTE 5% of the GPU stays out of the plan: activations can grow after it (design/mcsparse-memory-plan.md)
+PLAN_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Which blocks of a generation keep an anchor's metadata (query order, selection, residual): made once, at the
+    generation's first anchor step, from the blocks its warm-up ran (their state keys: site, block, branch,
+    shapes), what each needs, the ``residual_budget_gb`` and the GPU's free memory. The first blocks in call order
+    that fit keep it; the others run the warm-up's dense 8-bit path (V-Smooth) for the whole generation, so the
+    generation never runs out of memory at a later block's anchor. A block the warm-up did not run is not
+    planned (its anchor checks its own residual, ``_check_memory``)."""
+    planned: frozenset
+    keep: frozenset
+    need: int
+    budget: float
+
+    def planned_out(self, key) -> bool:
+        return key in self.planned and key not in self.keep
+
+    def message(self) -> str:
+        fmt = _report.fmt_bytes
+        return (f"MC-Sparse's metadata for all {len(self.planned)} blocks (every site and CFG branch) needs "
+                f"{fmt(self.need)}, {fmt(max(0, int(self.budget)))} is available (residual_budget_gb and the GPU's "
+                f"free memory): {len(self.keep)} keep it and run sparse, {len(self.planned) - len(self.keep)} run "
+                "the dense 8-bit path (V-Smooth) this generation. options={'residual': 'fp8'} halves the "
+                "residual, 'none' drops it")
+
+
+def metadata_bytes(key: tuple, cfg) -> Tuple[int, int]:
+    """(bytes an anchor keeps, bytes it allocates on the way) for a state key's shapes: the selection ``idx``
+    int32 [B, H, G, n_keep], the query order int64 [B, H, Sq], the residual [B, H, Sq, D] as cached; on the way
+    O_dense and R in fp32 (and, at a later anchor, the new metadata beside the old)."""
+    (B, H, Sq, D), Sk = key[3], key[4][2]
+    groups = -(-Sq // cfg.group_size)
+    per_query = {Residual.BF16: 2 * D, Residual.FP8: D + 4, Residual.NONE: 0}[cfg.residual] + 8
+    return B * H * (groups * n_keep(Sk, cfg.density) * 4 + Sq * per_query), B * H * Sq * (8 * D + 4)
+
+
+def memory_plan(cfg, key: Optional[tuple], device) -> Optional[MemoryPlan]:
+    """The generation's :class:`MemoryPlan` (made at its first call here), or None where there is nothing to
+    plan: no key, or no block ran the warm-up."""
+    memo = state.memo()
+    if "mcsparse_plan" in memo or key is None:
+        return memo.get("mcsparse_plan")
+    planned = [k[:-len(WARMUP_SLOT)] for k in state.keys() if k[-len(WARMUP_SLOT):] == WARMUP_SLOT]
+    if not planned:
+        return None
+    if key not in planned:
+        planned.append(key)
+    sizes = [metadata_bytes(k, cfg) for k in planned]
+    warm = sum(state.nbytes(m) for k, m in state.items() if k[-len(WARMUP_SLOT):] == WARMUP_SLOT)
+    budget = cfg.residual_budget_gb * 2**30 - (state.bytes_held() - warm)  # groupings: dropped or small
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = min(budget, free - max(n + t for n, t in sizes) - PLAN_MARGIN * total)  # + a re-anchor's
+    keep, used = [], 0
+    for k, (n, _) in zip(planned, sizes):
+        if used + n > budget:
+            break
+        keep.append(k)
+        used += n
+    memo["mcsparse_plan"] = plan = MemoryPlan(frozenset(planned), frozenset(keep), sum(n for n, _ in sizes), budget)
+    return plan
 
 
 def _check_message(check: ReuseCheck) -> str:
@@ -321,12 +396,12 @@ def _compact(resid: torch.Tensor, mode: str):
     return (resid / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def _check_memory(resid: torch.Tensor, cfg) -> Optional[str]:
+def _check_memory(resid: torch.Tensor, cfg, replaced: int = 0) -> Optional[str]:
     """Why the anchor cannot keep this residual (over ``residual_budget_gb``, or more than the GPU has free), with
-    the fixes; None when it can."""
+    the fixes; None when it can. ``replaced``: bytes of the block's previous metadata, which the new replaces."""
     per_elem = {"bf16": 2, "fp8": 1, "none": 0}[cfg.residual.value] + (4 / resid.shape[-1] if cfg.residual == Residual.FP8 else 0)
     need = int(resid.numel() * per_elem)
-    held = state.bytes_held()
+    held = state.bytes_held() - replaced
     budget = cfg.residual_budget_gb * 2**30  # a float: inf (no limit) must not go through int()
     hint = ("use options={'residual': 'fp8'} (half the memory) or 'none' (no residual), raise "
             "'residual_budget_gb', or fewer sparse layers/branches")
@@ -427,7 +502,7 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
         # kernel may return a finite row for an Inf query where the sparse one does not.
         if not bool(torch.isfinite(resid).all()):
             return out, _kept(meta, epoch)
-        why = _check_memory(resid, cfg)
+        why = _check_memory(resid, cfg, state.nbytes(meta))
         if why is not None:  # nothing kept: the reuse steps run stock SDPA until the next anchor (plan)
             return out, SparseMeta(sigma=None, idx=None, residual=None, res_scale=None, density=keep / Sk,
                                    epoch=epoch, refused=why)

@@ -52,6 +52,7 @@ class Plan:
     guard: Optional[Tuple[Optional[float], bool]] = None  # a quality-guard reading (error, re-anchored) to record
     replay: bool = True  # False: this call measures something (no recorded launches or CUDA graph replays it)
     fallback: Optional[Tuple[str, str]] = None  # a DENSE phase the method chose for accuracy: (reason, warning)
+    note: Optional[Tuple[str, str]] = None  # another of the method's paths, and why: (reason, warning once)
 
 
 @dataclass(frozen=True)

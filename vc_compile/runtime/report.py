@@ -72,6 +72,8 @@ class SiteRecord:
     phases: collections.Counter = field(default_factory=collections.Counter)
     kernel_path: collections.Counter = field(default_factory=collections.Counter)
     runtime_fallbacks: collections.Counter = field(default_factory=collections.Counter)
+    # calls a method ran on another of its own kernel paths (not stock SDPA), by why: MC-Sparse's memory plan
+    method_notes: collections.Counter = field(default_factory=collections.Counter)
     step_sources: collections.Counter = field(default_factory=collections.Counter)
     # "<kernel>:<source>" -> launches; source = where the launch config came from (vc_compile/tune):
     # shipped (measured table), cache (tuned earlier on this machine), tuned (now), default (no tuning)
@@ -199,7 +201,8 @@ class SiteRegistry:
                 s.guard_anchors, s.guard_readings, s.guard_err_max = 0, 0, 0.0
                 s.nonfinite_calls = 0
                 s._pending.clear()
-                for c in (s.phases, s.kernel_path, s.runtime_fallbacks, s.step_sources, s.config_sources):
+                for c in (s.phases, s.kernel_path, s.runtime_fallbacks, s.method_notes, s.step_sources,
+                          s.config_sources):
                     c.clear()
 
 
@@ -329,7 +332,7 @@ class Report:
         out = []
         for s in self.sites:
             d = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if not f.name.startswith("_")}
-            for key in ("phases", "kernel_path", "runtime_fallbacks", "step_sources", "config_sources"):
+            for key in ("phases", "kernel_path", "runtime_fallbacks", "method_notes", "step_sources", "config_sources"):
                 d[key] = dict(d[key])
             out.append(d)
         return {"sites": out, "graphs_without_sdpa": list(self.graphs_without_sdpa), "prebuild": self.prebuild,
@@ -369,6 +372,11 @@ class Report:
                    and not s.rope_fusion.startswith(("unfused: method ", "unfused: disabled"))]
         if unfused:
             lines.append(f"RoPE not fused into the kernel at sites: {', '.join(unfused)}")
+        notes = collections.Counter()
+        for s in self.sites:
+            notes.update({k: 1 for k in s.method_notes})
+        for why, n in notes.items():
+            lines.append(f"{why}: {n} site(s)")
         no_graph = [f"{s.site} ({s.cuda_graph_failure})" for s in self.sites if s.cuda_graph_failure]
         if no_graph:
             lines.append(f"CUDA graph capture failed (launched from Python instead) at sites: {', '.join(no_graph)}")

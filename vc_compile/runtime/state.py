@@ -56,6 +56,8 @@ class MetadataStore:
         self.lock, self._sites = lock, sites
         self._data: Dict[tuple, Any] = {}
         self._site_bytes: collections.Counter = collections.Counter()
+        # decisions made once per generation of this loop (MC-Sparse's memory plan); dropped with the entries
+        self.memo: Dict[str, Any] = {}
 
     def get(self, key: tuple) -> Optional[Any]:
         with self.lock:
@@ -89,6 +91,7 @@ class MetadataStore:
         """Drop the entries of ``sites`` (all when None), lock held; the bytes they held per site."""
         if sites is None:
             self._data.clear()
+            self.memo.clear()
             dropped, self._site_bytes = dict(self._site_bytes), collections.Counter()
         else:
             for key in [k for k in self._data if k[0] in sites]:
@@ -156,6 +159,11 @@ def keys() -> list:
 def items() -> list:
     """(key, metadata) pairs held now (a snapshot; diagnostics, tests and benchmarks)."""
     return active_loop().store.items()
+
+
+def memo() -> Dict[str, Any]:
+    """The active loop's per-generation decisions (cleared with its metadata when a generation starts)."""
+    return active_loop().store.memo
 
 
 def clear(_generation: Optional[int] = None) -> None:
