@@ -266,14 +266,14 @@ def memory_plan(cfg, key: Optional[tuple], device) -> Optional[MemoryPlan]:
     if key not in planned:
         planned.append(key)
     sizes = [metadata_bytes(k, cfg) for k in planned]
-    warm = sum(state.nbytes(m) for k, m in state.items() if k[-len(WARMUP_SLOT):] == WARMUP_SLOT)
-    budget = cfg.residual_budget_gb * 2**30 - (state.bytes_held() - warm)  # groupings: dropped or small
+    budget = cfg.residual_budget_gb * 2**30 - state.bytes_held()
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = min(budget, free - max(n + t for n, t in sizes) - PLAN_MARGIN * total)  # + a re-anchor's
     keep, used = [], 0
-    for k, (n, _) in zip(planned, sizes):
+    for k, (n, _) in zip(planned, sizes):  # a kept block drops its warm-up grouping, held in bytes_held above
+        n -= state.nbytes(state.get(k + WARMUP_SLOT))
         if used + n > budget:
             break
         keep.append(k)
