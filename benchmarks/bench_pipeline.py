@@ -51,6 +51,10 @@ were computed); ``stock+dbcache`` is the cache alone, ``<method>+f8lin+dbcache``
 ``dynamo``: the graphs Dynamo compiled for the variant's first and timed generations and its graph breaks (a
 regional compile of identical blocks is one graph: more means a recompile).
 ``attn_ms`` of stock and of a peer: its attention kernels' time in the 1-step profile x steps.
+``--schedule N`` (e.g. 50 with ``--steps 13`` at 14B): the timed generations run ``--steps`` steps of an N-step
+schedule and ``ms`` extrapolates each phase's median step time over the N steps' phases (``methods.schedule``;
+said in the note). ``peak_mem_gb``: GPU memory allocated at most in the first timed generation; ``metadata_gb``:
+the metadata held at its end.
 ``speedup_vs_stock`` (= ``speedup_vs_cudnn``): stock's median over the variant's, same compile mode;
 ``rel_l2`` / ``cos_sim``: final latents against stock's (random weights: not a quality measure either).
 ``--budget`` seconds: items are run only if their estimate fits, the first generation and one timed
@@ -78,6 +82,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.common import append_rows, kernel_times, metrics, prefer_cudnn, print_table  # noqa: E402
 from vc_compile.config import merge_options  # noqa: E402
+from vc_compile import methods  # noqa: E402
 
 BENCH = "bench_pipeline"
 RANDOM_NOTE = "random weights: speed only, not quality"
@@ -120,7 +125,7 @@ PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's 
 EXTRAS = ["model", "layers", "steps", "guidance", "compile", "first_generation_s", "first_generation_extra_s", "first_steps",
           "speedup_vs_stock", "ms_per_step", "timed_generations", "generation_ms_all", "attn_ms",
           *(f"attn_{p}_ms" for p in PHASES), *(f"step_{p}_ms" for p in PHASES), "phases", "profile_overhead",
-          "sites", "sdpa_kernel", "caches", "attn_rel_l2", "dynamo", "note"]
+          "sites", "sdpa_kernel", "caches", "attn_rel_l2", "dynamo", "note", "schedule", "peak_mem_gb", "metadata_gb"]
 ATTN_KERNELS = ("cudnn", "fmha", "flash", "sdpa", "attention", "attn")
 # ---- planning priors (replaced by measurements as the run goes) ----
 # generation time relative to stock: the measured end-to-end speed-ups (H200, 2026-12-01, this configuration)
@@ -442,7 +447,7 @@ class StepRecorder:
     (``vc_compile.report()``, which syncs: profiled generations only)."""
 
     def __init__(self, cuda, steps, prefix, attn=False, t0=None):
-        self.cuda, self.steps, self.prefix, self.attn = cuda, steps, prefix, attn
+        self.cuda, self.steps, self.prefix, self.attn = cuda, steps, prefix, attn  # ``steps`` run, then it stops
         self.t0 = t0 or time.perf_counter()
         self.marks, self.phases, self.attn_ms = [], [], []
         self.counts = phase_totals()
@@ -468,6 +473,8 @@ class StepRecorder:
             total = vc_compile.report().total_time_ms
             self.attn_ms.append(total - self.total)
             self.total = total
+        if i + 1 >= self.steps:
+            pipe._interrupt = True  # a partial run of a longer schedule: WanPipeline skips the rest
         every = max(1, self.steps // 5)
         if (i + 1) % every == 0 or i + 1 == self.steps:
             log(f"    {self.prefix}: step {i + 1}/{self.steps} [{time.perf_counter() - self.t0:.0f} s]")
@@ -480,12 +487,12 @@ class StepRecorder:
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
-def generate(pipe, call, steps, guidance, rec: StepRecorder):
+def generate(pipe, call, steps, guidance, rec: StepRecorder, schedule=None):
     if rec.cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = pipe(**{**call, "latents": call["latents"].clone()}, num_inference_steps=steps,
+        out = pipe(**{**call, "latents": call["latents"].clone()}, num_inference_steps=schedule or steps,
                    guidance_scale=guidance, callback_on_step_end=rec)[0]
     if rec.cuda:
         torch.cuda.synchronize()
@@ -565,6 +572,8 @@ class Result:
     skipped: List[str] = field(default_factory=list)
     peer_note: str = ""  # a peer: what ran (peer_status)
     dynamo: str = ""  # graphs and graph breaks of the first + timed generations
+    peak_gb: float = float("nan")  # GPU memory allocated at most during the first timed generation
+    metadata_gb: float = float("nan")  # metadata held at its end (report().bytes_held)
 
 
 def run_variant(pipe, base, call, label, mode, a, est: Estimator, t_start, reserve_s) -> Result:
@@ -606,11 +615,15 @@ def _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, le
             res.skipped.append(f"{tag}: timed generation {k + 1}")
             continue
         vc_compile.reset()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         rec = StepRecorder(cuda, a.steps, f"{tag} timed {k + 1}")
-        lat, s = generate(pipe, call, a.steps, a.guidance, rec)
+        lat, s = generate(pipe, call, a.steps, a.guidance, rec, a.schedule)
         res.gens_s.append(s)
         if k == 0:
             res.step_ms, res.phases, res.latents = rec.step_ms(), rec.phases, lat
+            res.metadata_gb = vc_compile.report().bytes_held / 2**30
+            res.peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     res.dynamo = dynamo_summary()  # after the first and the timed generations, before any profiled recompile
     est.observe(label, mode, first_s=res.first_s, gen_s=statistics.median(res.gens_s), first_frac=a.first_steps / a.steps)
     if a.kernel_table and cuda:  # every kernel of a 2-step generation, for comparing variants outside attention
@@ -627,7 +640,7 @@ def _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, le
             log(f"  {tag}: profiled generation (recompile with profile=True) ...")
             compile_variant(pipe, base, label, {**opts, "profile": True}, mode, a.smoke)
             rec = StepRecorder(cuda, a.steps, f"{tag} profiled", attn=True)
-            _, s = generate(pipe, call, a.steps, a.guidance, rec)
+            _, s = generate(pipe, call, a.steps, a.guidance, rec, a.schedule)
             est.observe(label, mode, profiled_s=s)
             res.prof_step_ms = rec.step_ms()
             for p in PHASES:
@@ -635,19 +648,33 @@ def _run_variant_items(pipe, base, call, label, mode, a, est, res, opts, tag, le
             res.attn["total"] = sum(rec.attn_ms)
 
 
+def schedule_ms(res: Result, a) -> float:
+    """A generation's ms: the timed median, or with ``--schedule`` longer than ``--steps`` each phase's median step
+    time (of the first timed generation) over the phases of the whole schedule (``methods.schedule``)."""
+    if not res.gens_s:
+        return float("nan")
+    if a.schedule == a.steps or not res.step_ms:
+        return statistics.median(res.gens_s) * 1e3
+    cfg = vc_compile.VCConfig.from_options(METHODS[base_label(res.label)]) if is_method(res.label) else None
+    phases = [p.value for p in methods.schedule(cfg, a.schedule)] if cfg else ["stock"] * a.schedule
+    by = {p: statistics.median(t for t, q in zip(res.step_ms, res.phases) if q == p) for p in set(res.phases)}
+    return sum(by.get(p, statistics.median(res.step_ms)) for p in phases)
+
+
 def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
     cfg = spec["cfg"]
     H, Dh, S = cfg["num_attention_heads"], cfg["attention_head_dim"], tokens(spec)
-    med = statistics.median(res.gens_s) * 1e3 if res.gens_s else float("nan")
+    med = schedule_ms(res, a)
     row = dict(variant=res.label, B=1, H=H, S=S, D=Dh, ms=med, model=spec["model"], layers=layers,
                steps=a.steps, guidance=a.guidance, compile=res.mode, first_generation_s=res.first_s,
                first_steps=a.first_steps,
-               ms_per_step=med / a.steps, timed_generations=len(res.gens_s),
+               ms_per_step=med / a.schedule, timed_generations=len(res.gens_s), schedule=a.schedule,
+               peak_mem_gb=res.peak_gb, metadata_gb=res.metadata_gb,
                generation_ms_all=" ".join(f"{s * 1e3:.0f}" for s in res.gens_s), sites=res.sites,
                sdpa_kernel=res.sdpa_kernel, caches=a.caches, dynamo=res.dynamo,
                density=METHODS.get(base_label(res.label), {}).get("density", 1.0))
     if stock is not None and stock.gens_s and res.gens_s:
-        sp = statistics.median(stock.gens_s) * 1e3 / med
+        sp = schedule_ms(stock, a) / med
         row.update(speedup_vs_stock=sp, speedup_vs_cudnn=sp,
                    first_generation_extra_s=res.first_s - stock.first_s)
         if res is not stock and stock.latents is not None and res.latents is not None:
@@ -666,7 +693,10 @@ def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
         if len(res.prof_step_ms) > 1 and len(res.step_ms) > 1:
             row["profile_overhead"] = sum(res.prof_step_ms[1:]) / sum(res.step_ms[1:]) - 1.0
     cut = [] if layers == cfg["num_layers"] else [f"cut to {layers} of {cfg['num_layers']} layers"]
-    if a.steps != 50:
+    if a.schedule > a.steps:
+        cut.append(f"extrapolated: {a.steps} of {a.schedule} steps run, each phase's median step time x its steps "
+                   f"in the {a.schedule}-step schedule")
+    elif a.steps != 50:
         cut.append(f"{a.steps} of 50 steps")
     n = len(res.gens_s)
     bad = res.latents is not None and not bool(torch.isfinite(res.latents).all())
@@ -768,6 +798,9 @@ def parse_args(argv=None):
     ap.add_argument("--first-steps", type=int, default=None,
                     help="steps of the first (compiling) generation; default --steps. Fewer keep a run short: "
                          "first_generation_s then covers compile + kernel builds + these steps (column first_steps)")
+    ap.add_argument("--schedule", type=int, default=None,
+                    help="steps of the schedule (default --steps): the timed generations run --steps of them, and "
+                         "'ms' extrapolates each phase's median step time over the whole schedule (stated in the note)")
     ap.add_argument("--guidance", type=float, default=5.0)
     ap.add_argument("--compile", choices=("regional", "whole", "both"), default="regional")
     ap.add_argument("--layers", type=int, default=None, help="transformer layers (cut the 14B model; default all)")
@@ -807,6 +840,7 @@ def parse_args(argv=None):
         a.steps, a.caches, a.budget = (2 if a.steps == 50 else min(a.steps, 12)), "shared", 0.0
     a.modes = ["regional", "whole"] if a.compile == "both" else [a.compile]
     a.first_steps = min(a.steps, a.first_steps or a.steps)
+    a.schedule = max(a.steps, a.schedule or a.steps)
     a.budget = a.budget or None
     a.device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     a.peer_notes = {}

@@ -153,3 +153,16 @@ def test_stack_suffixes_parse_and_are_validated():
     for bad in ("vsmooth+dbcache+f8lin", "stock", "nope+f8lin"):  # wrong order, stock alone, unknown base
         with pytest.raises(SystemExit):
             bp.parse_args(["--methods", bad, "--plan-only"])
+
+
+def test_smoke_partial_schedule_is_extrapolated_by_phase():
+    """``--steps 3 --schedule 12``: three steps of a 12-step schedule run (the pipeline stops there), and ``ms`` is
+    each phase's median step time over the phases of all 12 steps, said in the note; memory columns are filled."""
+    rows = bp.main(["--smoke", "--methods", "mcsparse@0.15", "--peers", "", "--timed", "1", "--steps", "3",
+                    "--schedule", "12", "--no-profiled", "--no-attn-error"])
+    by = {r["variant"]: r for r in rows}
+    r = by["mcsparse@0.15"]
+    assert r["schedule"] == 12 and r["phases"] == "warmup:2 anchor:1"  # 20% of 12 steps warm up, then the anchor
+    assert "extrapolated: 3 of 12 steps" in r["note"] and r["metadata_gb"] > 0
+    assert r["ms"] > 0 and r["ms_per_step"] == pytest.approx(r["ms"] / 12)
+    assert by["stock"]["ms"] > 0 and r["speedup_vs_stock"] == pytest.approx(by["stock"]["ms"] / r["ms"])

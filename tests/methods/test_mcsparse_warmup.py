@@ -159,3 +159,22 @@ def test_memory_plan_keeps_what_fits_and_runs_the_rest_dense_8bit():
     vc_compile.reset(report=True)
     sites, _ = _layers({"method": "mcsparse", "reuse_check": False}, 3, tag="roomy")
     assert all(_report.site(s).phases["anchor"] == 2 and not _report.site(s).method_notes for s in sites)
+
+
+def test_schedule_is_the_phases_the_op_runs():
+    """``methods.schedule(cfg, n)``: the phase of every step, as the op records it over a generation (benchmarks
+    extrapolate a partial run with it)."""
+    from vc_compile import methods
+
+    for opts in ({"method": "mcsparse", "reuse_check": False}, {"method": "vsmooth"}, {"method": "dense"}):
+        vc_compile.reset(report=True)
+        cfg = VCConfig.from_options({**BASE, **opts})
+        site, seen = _site(f"sched-{opts['method']}"), []
+        with vc_compile.sampling(num_steps=10):
+            for i in range(10):
+                vc_compile.step(i)
+                before = dict(_report.site(site).phases)
+                torch.ops.vcattn.attention(*_inputs(i), None, site, cfg.to_json(), None)
+                after = _report.site(site).phases
+                seen.append(next(p for p in after if after[p] > before.get(p, 0)))
+        assert seen == [p.value for p in methods.schedule(cfg, 10)], opts

@@ -36,6 +36,7 @@ def _toy():
                       head_dim_error=lambda D: None if D == 64 else "the toy takes head dim 64")
     m = types.SimpleNamespace(SPEC=spec, USES_KERNELS=True, FUSES_ROPE=False, NEEDS_IDENTITY=False,
                               needs_fp8=lambda cfg: False, ineligible=lambda q, k, v: None, plan=plan, run=run,
+                              schedule=lambda cfg, n: (Phase.GROUP,) + (Phase.REUSE,) * (n - 1),
                               path_label=lambda path, phase, cfg, q, v: f"toy:{phase.value}",
                               replayable=lambda phase, cfg: False, main_kernel=lambda q, v, cfg: None)
     return m, seen

@@ -16,7 +16,7 @@ from .phase import Phase
 from .protocol import AttentionMethod, MethodSpec, Plan
 
 __all__ = ["METHODS", "AttentionMethod", "MethodSpec", "Phase", "Plan", "BASELINE", "BASELINE_LABEL", "finish_output", "get",
-           "kernel_out_dtype", "variants", "warmup_variants", "ladder", "tunable"]
+           "kernel_out_dtype", "schedule", "variants", "warmup_variants", "ladder", "tunable"]
 METHODS = {Method.DENSE: dense, Method.VSMOOTH: vsmooth, Method.MCSPARSE: mcsparse}
 BASELINE = Method.DENSE  # stock SDPA through the op: the row every other method is compared with
 BASELINE_LABEL = METHODS[BASELINE].SPEC.variants[0][0]
@@ -25,6 +25,11 @@ BASELINE_LABEL = METHODS[BASELINE].SPEC.variants[0][0]
 def get(method: Method):
     """The module of a resolved method (``VCConfig.resolved_method``)."""
     return METHODS[method]
+
+
+def schedule(cfg, n: int) -> Tuple[Phase, ...]:
+    """The phase of each step of an n-step generation under ``cfg`` (every block's metadata kept)."""
+    return tuple(get(cfg.resolved_method).schedule(cfg, n))
 
 
 def variants() -> List[Tuple[str, Mapping[str, Any]]]:

@@ -22,6 +22,10 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
     return Plan(Phase.DENSE)
 
 
+def schedule(cfg, n: int):
+    return (Phase.DENSE,) * n
+
+
 def run(q, k, v, *, phase, meta, cfg, sm_scale, impl, **kw):
     raise AssertionError("method='dense' runs stock SDPA in the op (Phase.DENSE never reaches run)")
 

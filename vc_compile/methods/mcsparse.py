@@ -212,6 +212,13 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
     return Plan(phase, meta)
 
 
+def schedule(cfg, n: int):
+    """Each step's phase in an n-step generation where every anchor keeps its metadata (the warm-up's: WARMUP,
+    or DENSE with ``warmup_attention="sdpa"``)."""
+    first = min(anchor_steps(cfg, n), default=n)
+    return tuple(phase_for(cfg, i, n, has_meta=i > first) for i in range(n))
+
+
 REUSE_WORSE = "mcsparse: reuse step worse than the previous output"
 NO_ROOM = "mcsparse: no room to keep the anchor's metadata"
 NO_PLAN_ROOM = "mcsparse: memory plan: dense 8-bit path, no room for the metadata"

@@ -81,6 +81,11 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
     return Plan(phase, meta, eight_bit=phase != Phase.DENSE)
 
 
+def schedule(cfg, n: int):
+    """Each step's phase in an n-step generation where the grouping is kept from its first step on."""
+    return tuple(phase_for(cfg, i, n, has_meta=i > 0) for i in range(n))
+
+
 def needs_fp8(cfg) -> bool:
     return True  # FP8 PV, whatever the options
 
