@@ -187,8 +187,9 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
             return Plan(phase, WarmupAt(regroup, wmeta), WARMUP_SLOT, eight_bit=True, sharp_phase=Phase.DENSE)
         return Plan(Phase.DENSE, meta)
     if phase == Phase.ANCHOR:
-        mp = memory_plan(cfg, getattr(slot, "key", None), q.device)
-        if mp is not None and mp.planned_out(slot.key):  # no room for its metadata: the warm-up's 8-bit path
+        key = getattr(slot, "key", None)  # the op's slots know their state key
+        mp = memory_plan(cfg, key, q.device)
+        if mp is not None and key is not None and mp.planned_out(key):  # no room: the warm-up's 8-bit path
             if warmup_ineligible(q, k, v, impl) is None:
                 wmeta = slot(WARMUP_SLOT)
                 regroup = vsmooth.group_phase(cfg, step, n, wmeta is not None) == Phase.GROUP
