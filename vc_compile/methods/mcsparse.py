@@ -246,7 +246,7 @@ class MemoryPlan:
     def message(self) -> str:
         fmt = _report.fmt_bytes
         return (f"MC-Sparse's metadata for all {len(self.planned)} blocks (every site and CFG branch) needs "
-                f"{fmt(self.need)}, {fmt(max(0, int(self.budget)))} is available (residual_budget_gb and the GPU's "
+                f"{fmt(self.need)}, {fmt(int(min(max(self.budget, 0), 2**62)))} is available (residual_budget_gb and the GPU's "
                 f"free memory): {len(self.keep)} keep it and run sparse, {len(self.planned) - len(self.keep)} run "
                 "the dense 8-bit path (V-Smooth) this generation. options={'residual': 'fp8'} halves the "
                 "residual, 'none' drops it")
