@@ -178,3 +178,39 @@ def test_schedule_is_the_phases_the_op_runs():
                 after = _report.site(site).phases
                 seen.append(next(p for p in after if after[p] > before.get(p, 0)))
         assert seen == [p.value for p in methods.schedule(cfg, 10)], opts
+
+
+def test_an_anchor_out_of_memory_is_not_an_exception(monkeypatch):
+    """An anchor step that runs out of GPU memory returns stock SDPA's output and keeps nothing; its block runs
+    stock SDPA with one warning until the next anchor, which tries again (before: the OutOfMemoryError ended the
+    generation)."""
+    import pytest
+
+    from vc_compile.methods import mcsparse as M
+
+    vc_compile.reset(report=True)
+    real = M.query_order
+
+    def oom(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.07 GiB")
+
+    cfg = VCConfig.from_options({**BASE, "method": "mcsparse", "reuse_check": False, "warmup_steps": 0,
+                                 "anchor_steps": [0, 2]}).to_json()
+    site = _site("oom")
+    with vc_compile.sampling(num_steps=4):
+        vc_compile.step(0)
+        monkeypatch.setattr(M, "query_order", oom)
+        q, k, v = _inputs(0)
+        out = torch.ops.vcattn.attention(q, k, v, None, site, cfg, None)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+        assert state.bytes_held() == 0
+        monkeypatch.setattr(M, "query_order", real)
+        vc_compile.step(1)
+        with pytest.warns(RuntimeWarning, match="ran out of GPU memory"):
+            out = torch.ops.vcattn.attention(*_inputs(1), None, site, cfg, None)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(*_inputs(1)))
+        vc_compile.step(2)
+        torch.ops.vcattn.attention(*_inputs(2), None, site, cfg, None)  # the next anchor keeps its metadata
+        assert state.bytes_held() > 0
+    rec = _report.site(site)
+    assert rec.phases["anchor"] == 2 and rec.runtime_fallbacks[M.NO_ROOM] == 1

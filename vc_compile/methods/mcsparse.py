@@ -404,6 +404,10 @@ def _compact(resid: torch.Tensor, mode: str):
     return (resid / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+MEMORY_HINT = ("use options={'residual': 'fp8'} (half the memory) or 'none' (no residual), raise "
+               "'residual_budget_gb', or fewer sparse layers/branches")
+
+
 def _check_memory(resid: torch.Tensor, cfg, replaced: int = 0) -> Optional[str]:
     """Why the anchor cannot keep this residual (over ``residual_budget_gb``, or more than the GPU has free), with
     the fixes; None when it can. ``replaced``: bytes of the block's previous metadata, which the new replaces."""
@@ -411,8 +415,7 @@ def _check_memory(resid: torch.Tensor, cfg, replaced: int = 0) -> Optional[str]:
     need = int(resid.numel() * per_elem)
     held = state.bytes_held() - replaced
     budget = cfg.residual_budget_gb * 2**30  # a float: inf (no limit) must not go through int()
-    hint = ("use options={'residual': 'fp8'} (half the memory) or 'none' (no residual), raise "
-            "'residual_budget_gb', or fewer sparse layers/branches")
+    hint = MEMORY_HINT
     then = ("; the anchor's output is exact, and its block runs stock SDPA until its next anchor step, which "
             "tries again")
     if held + need > budget:
@@ -482,7 +485,19 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
             idx = select(impl, q, k, meta.sigma, None, sm_scale=sm_scale, group_size=C, keep=keep,
                          selection=ex.selection, unit=ex.selection_unit)
         return _reuse(impl, q, k, v, meta, idx, cfg, sm_scale, sparse), meta
-    # ANCHOR
+    try:
+        return _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_anchor)
+    except torch.OutOfMemoryError as e:  # never an exception mid-generation for lack of memory
+        why = (f"the anchor step ran out of GPU memory ({str(e).splitlines()[0][:120]}); the anchor's output is "
+               f"stock SDPA, and its block runs stock SDPA until its next anchor step, which tries again: {MEMORY_HINT}")
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=sm_scale).contiguous()
+        return out, SparseMeta(sigma=None, idx=None, residual=None, res_scale=None, density=keep / Sk, epoch=epoch,
+                               refused=why)
+
+
+def _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_anchor):
+    """An anchor step: (the exact output, the new metadata) (module docstring)."""
+    C, ex, Sk = cfg.group_size, cfg.experimental, k.shape[2]
     # ---- cheap anchor where it applies, else (and with cheap_anchor=False) the original passes ----
     why_not = cheap_anchor_applies(q, k, v, cfg)
     if cheap_anchor and why_not:
