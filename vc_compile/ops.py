@@ -624,7 +624,8 @@ class _Slots:
 
 
 def _method_note(rec, site: int, reason: str, message: str) -> None:
-    """A call the method ran on another of its own paths: counted under ``reason``, warned once per reason."""
+    """A call the method ran on another of its own paths: counted under ``reason``, warned once per reason until
+    ``reset()`` (the plan behind it is one decision for every site, so no site id in the key)."""
     rec.method_notes[reason] += 1
     if (-1, reason) not in _METHOD_WARNED:
         _METHOD_WARNED.add((-1, reason))
