@@ -1,7 +1,12 @@
 """Train the demo video DiT with flow matching on synthetic sprite clips, within a time budget.
 
     python -m vc_compile.demo.train --minutes 6 --out train_out          # one H200, ~7 min in all
+    python -m vc_compile.demo.train --preset fidelity --out train_out    # the fidelity model: one H100, ~8 min
     python -m vc_compile.demo.train --smoke --out /tmp/smoke             # CPU check, 1-2 minutes
+
+``--preset fidelity``: 4 heads, 3 layers, FFN 1024, camera pans, a main phase on 21 x 32 x 32 and 5 x 60 x 104 px,
+then a last phase (``--final``, its own time budget and EMA) on 21 x 60 x 104 px = 32760 tokens, eager, int8
+storage. The rest of this text describes the demo preset.
 
 What it does: the Wan model of ``model.py`` (6.1M parameters) learns to predict the velocity
 ``noise - x_0`` of rectified flow on RGB clips from ``data.py``, alternating two sizes of 4096 tokens
