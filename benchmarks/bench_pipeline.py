@@ -795,6 +795,8 @@ def parse_args(argv=None):
     ap.add_argument("--peers", default=DEFAULT_PEERS,
                     help=f"comma-separated, from {list(PEERS)} ('' for none): what users pick instead, where installed")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--no-stock", dest="stock", action="store_false",
+                    help="leave stock out (its rows from another run of the same GPU; a 14B call holds few variants)")
     ap.add_argument("--first-steps", type=int, default=None,
                     help="steps of the first (compiling) generation; default --steps. Fewer keep a run short: "
                          "first_generation_s then covers compile + kernel builds + these steps (column first_steps)")
@@ -881,7 +883,7 @@ def _main(argv=None):
                 peers.append(p)
             else:
                 skipped.append(note)
-        labels = ["stock", *peers, *a.methods]
+        labels = ["stock"] * a.stock + [*peers, *a.methods]
         log(f"[bench_pipeline] {size}: {spec['model']} config, {layers} layers, {tokens(spec)} tokens, {a.steps} "
             f"steps, CFG {a.guidance:g}, compile {'+'.join(a.modes)}; {RANDOM_NOTE}")
         plan, total = plan_items(est, labels, a.modes, a.timed, a.profiled, a.budget,

@@ -133,6 +133,12 @@ def default_clusters(S: int, block: int = BLOCK_V, cap: int = 256) -> int:
     return max(1, min(cap, (S + block - 1) // block))
 
 
+def sample_stride(S: int, K: int, stride: int, rows_per_cluster: int = 32) -> int:
+    """The row stride of k-means' iterations: ``stride``, lowered so that the sampled rows keep at least
+    ``rows_per_cluster`` per cluster (1: every row)."""
+    return max(1, min(int(stride), S // max(1, rows_per_cluster * K)))
+
+
 def init_centroids(x: torch.Tensor, K: int) -> torch.Tensor:
     S = x.shape[2]
     idx = (torch.arange(K, device=x.device) * S) // K

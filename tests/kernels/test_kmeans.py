@@ -81,6 +81,40 @@ def test_empty_cluster_keeps_centroid_and_rejects_zero_iters():
         tpl.kmeans_perm(x, 5, 0)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_sampled_iterations_match_reference(D):
+    """Iterations on every 4th row of a permuted view, then one assignment of every row: the kernel's
+    strided reads against the reference's ``x[:, :, ::4]``; the labels are the final centroids' of all rows."""
+    B, H, S, K = 1, 2, 600, 4
+    x = clustered(B, S, H, D, K, torch.bfloat16).permute(0, 2, 1, 3)
+    a, b = tpl.kmeans_perm(x, K, 2, sample=4), ref.kmeans_perm(x, K, 2, sample=4)
+    check_against_reference(x, a, b)
+    assert torch.equal(b.labels, ref.assign(x, b.centroids))
+    with pytest.raises(ValueError, match="stride"):
+        tpl.kmeans_perm(x, K, 2, sample=0)
+
+
+def inertia(x, res):
+    c = torch.gather(res.centroids, 2, res.labels.unsqueeze(-1).expand(*res.labels.shape, x.shape[-1]))
+    return ((x.float() - c) ** 2).sum().item()
+
+
+def test_sampled_iterations_keep_the_grouping():
+    """V-Smooth's stride rule (>= 32 rows a cluster in the sample) on clustered rows with one cluster per 128
+    rows: the sampled grouping's inertia is within 5% of every-row k-means with the same iterations, and
+    far below the strided-row seed's (what no iteration would give)."""
+    B, H, S, D = 1, 2, 4096, 64
+    K = torch_ops.default_clusters(S)
+    st = torch_ops.sample_stride(S, K, 4)
+    assert st == 4 and torch_ops.sample_stride(S, K, 8) == 4 and torch_ops.sample_stride(100, K, 4) == 1
+    x = clustered(B, H, S, D, K, torch.float32, device="cpu", seed=3, noise=1.0)
+    full, sampled = ref.kmeans_perm(x, K, 3), ref.kmeans_perm(x, K, 3, sample=st)
+    seed_only = ref.assign(x, torch_ops.init_centroids(x, K))
+    seed_inertia = inertia(x, type(full)(full.perm, torch_ops.init_centroids(x, K), seed_only))
+    assert inertia(x, sampled) <= 1.05 * inertia(x, full)  # 1.024x here
+    assert inertia(x, sampled) < 0.8 * seed_inertia
+
+
 @requires_cuda
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_large(D):

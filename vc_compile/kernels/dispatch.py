@@ -499,9 +499,10 @@ def preprocess(impl: Impl, q, k, v, perm=None, *, sm_scale: float, hadamard: boo
                 qk_format=qk_format, smooth=smooth, rope=rope, v_layout=layout, mu_prime=mu_prime, launch=launch)
 
 
-def kmeans_perm(impl: Impl, x, n_clusters: int, n_iters: int, init=None):
-    """k-means of the rows of x per (b, h) -> KMeansResult(perm, centroids, labels)."""
-    return call("kmeans", "kmeans_perm", impl, x, n_clusters, n_iters, init=init)
+def kmeans_perm(impl: Impl, x, n_clusters: int, n_iters: int, init=None, sample: int = 1):
+    """k-means of the rows of x per (b, h) -> KMeansResult(perm, centroids, labels); the iterations see
+    every ``sample``-th row."""
+    return call("kmeans", "kmeans_perm", impl, x, n_clusters, n_iters, init=init, sample=sample)
 
 
 def row_for(base: str, launch=None, **call) -> str:

@@ -23,6 +23,8 @@ Kernels and grids (one Lloyd iteration = assign + update_partial + update_final)
 * ``_update_final_kernel`` grid (ceil(K/BKC), B*H): adds the partials, c = sums / counts, an empty
   cluster keeps its centroid; writes c, c_hi, c_lo, c2 for the next assign.
 * perm = ``torch.sort(labels, stable=True)`` (int32 keys, CUB segmented radix sort).
+* ``sample`` = st > 1: the iterations read the strided view ``x[:, :, ::st]`` (no copy), then one more
+  ``_assign_kernel`` over every row gives the labels (the reference's mini-batch rule).
 
 Cost per iteration and head: assign 4 S K D FLOPs (two MMAs) + S D x-bytes; update 2 S K D FLOPs.
 """
@@ -144,11 +146,14 @@ def _update_final_kernel(PSUM, PCNT, C, CHI, CLO, C2, K, n_split, N_SPLIT_C: tl.
 
 
 def kmeans_perm(x: torch.Tensor, n_clusters: int, n_iters: int,
-                init: Optional[torch.Tensor] = None) -> KMeansResult:
+                init: Optional[torch.Tensor] = None, sample: int = 1) -> KMeansResult:
     """k-means of the rows of x [B, H, S, D] per (b, h): ``n_iters`` Lloyd iterations from ``init``
-    [B, H, K, D] (or the reference's strided rows); returns (perm, centroids fp32, labels int64)."""
+    [B, H, K, D] (or the reference's strided rows) over every ``sample``-th row, then (sample > 1) one
+    assignment of every row; returns (perm, centroids fp32, labels int64)."""
     if n_iters < 1:
         raise ValueError(f"kmeans needs at least one iteration, got n_iters={n_iters}")
+    if sample < 1:
+        raise ValueError(f"kmeans needs a row stride >= 1, got sample={sample}")
     B, H, S, D = x.shape
     K = int(n_clusters)
     err = pow2_head_dim_error(D)
@@ -163,29 +168,38 @@ def kmeans_perm(x: torch.Tensor, n_clusters: int, n_iters: int,
     c_hi = c.to(cdt)
     c_lo = (c - c_hi.float()).to(cdt) if split else c_hi
     c2 = (c * c).sum(-1)
+    xs = x[:, :, ::sample]
+    Ss = xs.shape[2]
     labels = torch.empty(B * H, S, device=dev, dtype=torch.int32)
+    lab_s = labels if sample == 1 else torch.empty(B * H, Ss, device=dev, dtype=torch.int32)
     # NOTE the kernel against flash-kmeans: docs/design/kmeans-kernel.md.
     BS_A, BKC_A = 128, min(128, max(16, triton.next_power_of_2(K)))
     BS_U, BKC_U = 64, min(128, max(16, triton.next_power_of_2(K)))
     n_kc = triton.cdiv(K, BKC_A)
     n_kcu = triton.cdiv(K, BKC_U)
-    n_split = max(1, min(triton.cdiv(S, 1024), triton.cdiv(264, n_kcu * B * H)))
-    rows_per_split = triton.cdiv(triton.cdiv(S, n_split), BS_U) * BS_U
-    n_split = triton.cdiv(S, rows_per_split)
+    n_split = max(1, min(triton.cdiv(Ss, 1024), triton.cdiv(264, n_kcu * B * H)))
+    rows_per_split = triton.cdiv(triton.cdiv(Ss, n_split), BS_U) * BS_U
+    n_split = triton.cdiv(Ss, rows_per_split)
     n_sub = rows_per_split // BS_U
     psum = torch.empty(B * H, n_split, K, D, device=dev, dtype=torch.float32)
     pcnt = torch.empty(B * H, n_split, K, device=dev, dtype=torch.int32)
     itp = interpreting()
-    for _ in range(n_iters):
-        _assign_kernel[(triton.cdiv(S, BS_A), B * H)](
-            x, c_hi, c_lo, c2, labels, S, H, K, *x.stride(), n_kc, loop_bound(n_kc),
+
+    def assign(rows, out):
+        _assign_kernel[(triton.cdiv(rows.shape[2], BS_A), B * H)](
+            rows, c_hi, c_lo, c2, out, rows.shape[2], H, K, *rows.stride(), n_kc, loop_bound(n_kc),
             D=D, BS=BS_A, BKC=BKC_A, SPLIT=split, DOT_PREC=prec, INTERPRET=itp, num_warps=8)
+
+    for _ in range(n_iters):
+        assign(xs, lab_s)
         _update_partial_kernel[(n_kcu, n_split, B * H)](
-            x, labels, psum, pcnt, S, H, K, *x.stride(), rows_per_split, n_sub, loop_bound(n_sub),
+            xs, lab_s, psum, pcnt, Ss, H, K, *xs.stride(), rows_per_split, n_sub, loop_bound(n_sub),
             D=D, BS=BS_U, BKC=BKC_U, DOT_PREC=prec, INTERPRET=itp, num_warps=8)
         _update_final_kernel[(n_kcu, B * H)](
             psum, pcnt, c, c_hi, c_lo, c2, K, n_split, loop_bound(n_split), D=D, BKC=BKC_U,
             SPLIT=split, num_warps=4)
+    if sample > 1:
+        assign(x, labels)  # every row to the final centroids
     perm = torch.sort(labels, dim=-1, stable=True).indices
     return KMeansResult(perm.view(B, H, S), c.view(B, H, K, D), labels.long().view(B, H, S))
 

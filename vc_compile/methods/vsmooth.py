@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from ..config import Method, VCConfig
-from ..torch_ops import default_clusters, init_centroids
+from ..torch_ops import default_clusters, init_centroids, sample_stride
 from ..kernels import configs as C
 from ..kernels import dispatch
 from .output import finish_output, kernel_out_dtype
@@ -143,7 +143,8 @@ def run(q, k, v, *, phase, meta: Optional[VSmoothMeta], cfg, sm_scale, impl, rop
             if meta is not None and meta.centroids.shape[2] == n_clusters:
                 init = _warm_start(meta.centroids, v)
             iters = cfg.kmeans_iters if init is not None else cfg.experimental.kmeans_init_iters
-            km = dispatch.kmeans_perm(impl, v, n_clusters, iters, init=init)
+            sample = sample_stride(Sk, n_clusters, cfg.experimental.kmeans_sample)
+            km = dispatch.kmeans_perm(impl, v, n_clusters, iters, init=init, sample=sample)
             meta = VSmoothMeta(perm=km.perm, centroids=km.centroids)
         perm = meta.perm
     qk, vq = dispatch.preprocess(impl, q, k, v, perm, sm_scale=sm_scale, hadamard=cfg.hadamard,

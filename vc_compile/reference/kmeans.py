@@ -12,6 +12,9 @@ iteration   assign every row to its nearest centroid (squared L2, ties -> lowest
             centroid to the mean of its rows; an empty cluster keeps its previous centroid.
 labels      the assignment of the *last* iteration; ``perm = argsort(labels, stable=True)`` so rows of one
             cluster are contiguous and keep their original order inside the cluster.
+sample      stride ``st`` of the rows the iterations see (``sample_stride``): with st > 1 the iterations run
+            on rows 0, st, 2 st, ... and one last assignment of every row to the final centroids gives the
+            labels (mini-batch Lloyd; the grouping is a heuristic, any ordering is exact).
 """
 from __future__ import annotations
 
@@ -46,13 +49,18 @@ def update(x: torch.Tensor, labels: torch.Tensor, c: torch.Tensor) -> torch.Tens
 
 
 def kmeans_perm(x: torch.Tensor, n_clusters: int, n_iters: int,
-                init: Optional[torch.Tensor] = None) -> KMeansResult:
+                init: Optional[torch.Tensor] = None, sample: int = 1) -> KMeansResult:
     if n_iters < 1:
         raise ValueError(f"kmeans needs at least one iteration, got n_iters={n_iters}")
+    if sample < 1:
+        raise ValueError(f"kmeans needs a row stride >= 1, got sample={sample}")
     c = init.float() if init is not None else init_centroids(x, n_clusters)
+    xs = x[:, :, ::sample]
     labels = None
     for _ in range(n_iters):
+        labels = assign(xs, c)
+        c = update(xs, labels, c)
+    if sample > 1:
         labels = assign(x, c)
-        c = update(x, labels, c)
     perm = torch.sort(labels, dim=-1, stable=True).indices
     return KMeansResult(perm, c, labels)
