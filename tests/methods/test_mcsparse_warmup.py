@@ -214,3 +214,52 @@ def test_an_anchor_out_of_memory_is_not_an_exception(monkeypatch):
         assert state.bytes_held() > 0
     rec = _report.site(site)
     assert rec.phases["anchor"] == 2 and rec.runtime_fallbacks[M.NO_ROOM] == 1
+
+
+def test_stock_sdpa_out_of_memory_too_releases_the_metadata(monkeypatch):
+    """Three blocks anchor at one step: the first keeps its metadata; the second's anchor runs out of memory and
+    so does stock SDPA after it (what the 14B model's first anchor step did on an 80 GB GPU): every block's
+    metadata is released and stock SDPA runs in what is left, no exception; the third block, holding nothing,
+    skips this anchor step (stock SDPA, no anchor attempted) and anchors at the next one."""
+    from vc_compile.methods import mcsparse as M
+
+    vc_compile.reset(report=True)
+    real_order, real_sdpa = M.query_order, F.scaled_dot_product_attention
+    calls = {"order": 0, "sdpa_oom": 0}
+
+    def order(*a, **kw):
+        calls["order"] += 1
+        if calls["order"] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 740.00 MiB")
+        return real_order(*a, **kw)
+
+    def sdpa(*a, **kw):
+        if calls["order"] == 2 and calls["sdpa_oom"] == 0:
+            calls["sdpa_oom"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 740.00 MiB")
+        return real_sdpa(*a, **kw)
+
+    cfg = VCConfig.from_options({**BASE, "method": "mcsparse", "reuse_check": False, "warmup_steps": 0,
+                                 "anchor_steps": [0, 2]}).to_json()
+    sites = [_site(f"shed{i}") for i in range(3)]
+    monkeypatch.setattr(M, "query_order", order)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    import pytest
+
+    with pytest.warns(RuntimeWarning, match="released") as w, vc_compile.sampling(num_steps=4):
+        for step in range(4):
+            vc_compile.step(step)
+            for i, site in enumerate(sites):
+                q, k, v = _inputs(10 * step + i)
+                out = torch.ops.vcattn.attention(q, k, v, None, site, cfg, None)
+                if step == 0 and i == 0:
+                    assert state.bytes_held() > 0
+                if step == 0 and i >= 1:
+                    torch.testing.assert_close(out, real_sdpa(q, k, v))
+                    assert state.bytes_held() == 0  # the first block's metadata went to make room
+        assert state.bytes_held() > 0  # step 2's anchors keep theirs again
+    assert calls["order"] == 2 + 3 and calls["sdpa_oom"] == 1  # the third block tried no anchor at step 0
+    recs = [_report.site(s) for s in sites]
+    assert [r.phases.get("anchor", 0) for r in recs] == [2, 2, 1]
+    assert all(r.runtime_fallbacks[M.NO_ROOM] >= 1 for r in recs)
+    assert sum("ran out of GPU memory" in str(x.message) for x in w) >= 1

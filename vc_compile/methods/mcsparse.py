@@ -196,6 +196,10 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
                 return Plan(Phase.WARMUP, WarmupAt(regroup, wmeta), WARMUP_SLOT, eight_bit=True,
                             sharp_phase=Phase.DENSE, note=(NO_PLAN_ROOM, mp.message()))
             return Plan(Phase.DENSE, meta, fallback=(NO_ROOM, mp.message()))
+    oom = state.memo().get(OUT_OF_MEMORY)
+    if phase == Phase.ANCHOR and (meta is None or meta.refused is not None) and oom and oom[0] == max(epoch, 0):
+        # an anchor of this anchor step ran out of GPU memory: the blocks holding nothing wait for the next one
+        return Plan(Phase.DENSE, meta, fallback=(NO_ROOM, oom[1]))
     if phase == Phase.ANCHOR and slot(WARMUP_SLOT) is not None:  # the warm-up is over: its grouping is not needed
         return Plan(phase, AnchorAt(max(epoch, 0), meta), drop=(WARMUP_SLOT,))
     if phase == Phase.REUSE and meta.refused is not None:
@@ -225,6 +229,7 @@ NO_ROOM = "mcsparse: no room to keep the anchor's metadata"
 NO_PLAN_ROOM = "mcsparse: memory plan: dense 8-bit path, no room for the metadata"
 # NOTE 5% of the GPU stays out of the plan: activations can grow after it (design/mcsparse-memory-plan.md)
 PLAN_MARGIN = 0.05
+OUT_OF_MEMORY = "mcsparse_out_of_memory"  # the memo entry (epoch, why): an anchor of that epoch ran out of memory
 
 
 @dataclass(frozen=True)
@@ -422,9 +427,13 @@ def _check_memory(resid: torch.Tensor, cfg, replaced: int = 0) -> Optional[str]:
         return (f"caching this residual ({_report.fmt_bytes(need)}) would bring the metadata held to "
                 f"{_report.fmt_bytes(held + need)}, over residual_budget_gb={cfg.residual_budget_gb}{then}: {hint}")
     if resid.is_cuda:
-        free, _ = torch.cuda.mem_get_info(resid.device)
-        if need > free:
-            return (f"the residual needs {_report.fmt_bytes(need)} but the GPU has {_report.fmt_bytes(free)} free"
+        free, total = torch.cuda.mem_get_info(resid.device)
+        B, H, Sq, D = resid.shape
+        # kept, the rest of the step and the next block's anchor must still fit (the plan's rule)
+        room = need + B * H * Sq * (8 * D + 4) + int(PLAN_MARGIN * total)
+        if room > free:
+            return (f"the residual needs {_report.fmt_bytes(need)} and the next anchor "
+                    f"{_report.fmt_bytes(room - need)} with the margin, but the GPU has {_report.fmt_bytes(free)} free"
                     f"{then}: {hint}")
     return None
 
@@ -488,11 +497,43 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
     try:
         return _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_anchor)
     except torch.OutOfMemoryError as e:  # never an exception mid-generation for lack of memory
-        why = (f"the anchor step ran out of GPU memory ({str(e).splitlines()[0][:120]}); the anchor's output is "
-               f"stock SDPA, and its block runs stock SDPA until its next anchor step, which tries again: {MEMORY_HINT}")
+        msg = str(e).splitlines()[0][:120]
+    # NOTE outside the handler: its traceback holds the failed anchor's temporaries until the block ends
+    return _stock_after_oom(q, k, v, sm_scale, keep / Sk, epoch, msg)
+
+
+def _stock_after_oom(q, k, v, sm_scale, density, epoch, msg):
+    """An anchor out of GPU memory: stock SDPA's output and nothing kept. Where stock SDPA itself finds no room,
+    every block's kept metadata is released first (they run stock SDPA until their next anchor): what is left is
+    stock's own footprint. The blocks holding nothing skip this anchor step (``plan``) and try at the next."""
+    why = (f"the anchor step ran out of GPU memory ({msg}); the anchor's output is stock SDPA, and its block runs "
+           f"stock SDPA until its next anchor step, which tries again: {MEMORY_HINT}")
+    state.memo()[OUT_OF_MEMORY] = (epoch, why)
+    try:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=sm_scale).contiguous()
-        return out, SparseMeta(sigma=None, idx=None, residual=None, res_scale=None, density=keep / Sk, epoch=epoch,
-                               refused=why)
+    except torch.OutOfMemoryError:
+        out = None
+    if out is None:
+        freed = _shed_metadata(why)
+        if q.is_cuda:
+            torch.cuda.empty_cache()  # the released blocks back to the driver, unfragmented
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=sm_scale).contiguous()
+        why += f"; stock SDPA found room only after every block's metadata ({_report.fmt_bytes(freed)}) was released"
+        state.memo()[OUT_OF_MEMORY] = (epoch, why)
+    return out, SparseMeta(sigma=None, idx=None, residual=None, res_scale=None, density=density, epoch=epoch,
+                           refused=why)
+
+
+def _shed_metadata(why: str) -> int:
+    """Release the anchor metadata every block of the active loop keeps (each runs stock SDPA until its next
+    anchor, ``refused``); the bytes released."""
+    freed = 0
+    for key, meta in state.items():
+        if isinstance(meta, SparseMeta) and meta.refused is None:
+            freed += state.nbytes(meta)
+            state.put(key, SparseMeta(sigma=None, idx=None, residual=None, res_scale=None, density=meta.density,
+                                      epoch=meta.epoch, refused=why))
+    return freed
 
 
 def _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_anchor):
