@@ -166,3 +166,20 @@ def test_smoke_partial_schedule_is_extrapolated_by_phase():
     assert "extrapolated: 3 of 12 steps" in r["note"] and r["metadata_gb"] > 0
     assert r["ms"] > 0 and r["ms_per_step"] == pytest.approx(r["ms"] / 12)
     assert by["stock"]["ms"] > 0 and r["speedup_vs_stock"] == pytest.approx(by["stock"]["ms"] / r["ms"])
+
+
+def test_partial_schedule_labels_steps_by_the_schedule():
+    """Under a memory plan most blocks of an anchor or reuse step run the dense 8-bit path, so the op records
+    'warmup' as the step's main phase; the extrapolation still prices the schedule's reuse steps at the run's
+    reuse step (before: every step at the warm-up's median, the 14B row 825 s)."""
+    from types import SimpleNamespace
+
+    cfg = bp.vc_compile.VCConfig.from_options(bp.METHODS["mcsparse@0.15"])
+    sched = [p.value for p in bp.methods.schedule(cfg, 50)]
+    first_reuse = sched.index("reuse")
+    n = first_reuse + 1
+    step_ms = [10.0] * (n - 2) + [20.0, 4.0]  # warm-up steps, the anchor, one reuse step
+    res = SimpleNamespace(label="mcsparse@0.15", gens_s=[sum(step_ms) / 1e3], step_ms=step_ms, phases=["warmup"] * n)
+    a = SimpleNamespace(schedule=50, steps=n)
+    want = sum({"warmup": 10.0, "anchor": 20.0, "reuse": 4.0}[p] for p in sched)
+    assert bp.schedule_ms(res, a) == pytest.approx(want)

@@ -158,6 +158,8 @@ def pipeline_tables(rows) -> List[str]:
     and attention error side by side (x torchao's error where a torchao row has one). A table whose rows come from
     several runs names them; each speed-up is against the stock variant of the row's own run."""
     out = []
+    # a run of the first N steps of a longer schedule (--schedule) belongs with that schedule's rows
+    rows = [{**r, "steps_run": r.get("steps"), "steps": r.get("schedule") or r.get("steps")} for r in rows]
     for key, by_var in latest(rows, PIPE_GROUP).items():
         model, S, layers, steps, guidance, mode = key
         any_row = by_var.get("stock") or next(iter(by_var.values()))
@@ -173,7 +175,8 @@ def pipeline_tables(rows) -> List[str]:
             e = num(r.get("attn_rel_l2"))
             if ao and e is not None and v != "torchao-fp8" and v != "stock":
                 err += f" ({e / ao:.2f}x torchao)"
-            body.append([name(v), sec(r.get("ms")), f(r.get("speedup_vs_stock"), "{:.2f}x"), first,
+            bound = " (upper bound)" if "an upper bound" in (r.get("note") or "") else ""
+            body.append([name(v), sec(r.get("ms")) + bound, f(r.get("speedup_vs_stock"), "{:.2f}x"), first,
                          sec(r.get("attn_ms")), phases, f(r.get("rel_l2"), "{:.2e}"), err])
         cut = next((m.group(0) for m in (re.search(r"cut to \d+ of \d+ layers", r.get("note") or "")
                                          for r in by_var.values()) if m), None)
@@ -183,6 +186,11 @@ def pipeline_tables(rows) -> List[str]:
         if len({r.get("commit") for r in by_var.values()}) > 1:
             title += "; each speed-up against the stock generation of its own run"
         title += "."
+        part = {v: r["steps_run"] for v, r in by_var.items() if str(r.get("steps_run")) != str(steps)}
+        if part:
+            title += (" Extrapolated: " + ", ".join(f"{name(v)} ran the first {r} steps" for v, r in part.items())
+                      + f" of the {steps}-step schedule; s / generation = each phase's median step time over the "
+                        "schedule's phases.")
         fs, caches = num(any_row.get("first_steps")), any_row.get("caches") or ""
         per_run = {}  # first-generation steps -> the commits whose runs used that many
         for r in by_var.values():

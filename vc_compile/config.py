@@ -234,7 +234,7 @@ class Experimental:
     """The ``experimental={...}`` option: ablation and debug knobs (``EXPERIMENTAL_DOCS``)."""
     smooth_v: bool = True
     kmeans_init_iters: int = 8
-    # NOTE a quarter of the rows carry the iterations at +0.2% attention error; docs/design/kmeans-iterations.md
+    # NOTE a quarter of the rows carry the iterations at +0.2% attention error; docs/design/kmeans-sample.md
     kmeans_sample: int = 4
     selection: Selection = Selection.EXACT
     selection_unit: SelectionUnit = SelectionUnit.TOKEN
