@@ -263,3 +263,26 @@ def test_stock_sdpa_out_of_memory_too_releases_the_metadata(monkeypatch):
     assert [r.phases.get("anchor", 0) for r in recs] == [2, 2, 1]
     assert all(r.runtime_fallbacks[M.NO_ROOM] >= 1 for r in recs)
     assert sum("ran out of GPU memory" in str(x.message) for x in w) >= 1
+
+
+def test_anchor_memory_check_counts_the_allocator_pool_and_the_next_anchor(monkeypatch):
+    """The anchor's own check uses the plan's measure of free memory (the driver's free memory plus what torch's
+    allocator holds unused: after the warm-up that pool is most of it; before, a block the plan kept was refused at
+    5.5 GiB of driver free memory on the 14B model) and keeps room for the next anchor's workspace and a 5% margin."""
+    from types import SimpleNamespace
+
+    from vc_compile.methods import mcsparse as M
+
+    GiB = 2**30
+    cfg = VCConfig.from_options({**BASE, "method": "mcsparse", "residual_budget_gb": 1000})
+    B, H, Sq, D = 1, 40, 75600, 128
+    resid = SimpleNamespace(is_cuda=True, device="cuda:0", shape=(B, H, Sq, D), numel=lambda: B * H * Sq * D)
+    pool = {"free": 5.5 * GiB, "reserved": 30 * GiB, "allocated": 20 * GiB}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (int(pool["free"]), 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: int(pool["reserved"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: int(pool["allocated"]))
+    monkeypatch.setattr(state, "bytes_held", lambda: 0)
+    assert M._check_memory(resid, cfg) is None  # 5.5 GiB free + 10 GiB pooled: 0.72 + 2.9 + 4 GiB fit
+    pool["allocated"] = 29 * GiB  # 6.5 GiB in all: the next anchor's workspace and the margin do not fit
+    why = M._check_memory(resid, cfg)
+    assert why is not None and "next anchor" in why and "free" in why

@@ -428,6 +428,8 @@ def _check_memory(resid: torch.Tensor, cfg, replaced: int = 0) -> Optional[str]:
                 f"{_report.fmt_bytes(held + need)}, over residual_budget_gb={cfg.residual_budget_gb}{then}: {hint}")
     if resid.is_cuda:
         free, total = torch.cuda.mem_get_info(resid.device)
+        # what the caching allocator holds unused is free to torch too: the plan counts it the same way
+        free += torch.cuda.memory_reserved(resid.device) - torch.cuda.memory_allocated(resid.device)
         B, H, Sq, D = resid.shape
         # kept, the rest of the step and the next block's anchor must still fit (the plan's rule)
         room = need + B * H * Sq * (8 * D + 4) + int(PLAN_MARGIN * total)
