@@ -264,7 +264,19 @@ def metadata_bytes(key: tuple, cfg) -> Tuple[int, int]:
     (B, H, Sq, D), Sk = key[3], key[4][2]
     groups = -(-Sq // cfg.group_size)
     per_query = {Residual.BF16: 2 * D, Residual.FP8: D + 4, Residual.NONE: 0}[cfg.residual] + 8
-    return B * H * (groups * n_keep(Sk, cfg.density) * 4 + Sq * per_query), B * H * Sq * (8 * D + 4)
+    return B * H * (groups * n_keep(Sk, cfg.density) * 4 + Sq * per_query), _anchor_workspace(B, H, Sq, D)
+
+
+def _anchor_workspace(B: int, H: int, Sq: int, D: int) -> int:
+    """Bytes an anchor allocates on the way: O_dense and R in fp32, and the query order."""
+    return B * H * Sq * (8 * D + 4)
+
+
+def _free_bytes(device) -> Tuple[int, int]:
+    """(bytes free to torch, total) on a CUDA device: the driver's free memory plus what torch's caching
+    allocator holds unused (after the warm-up that pool is most of it)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
 
 
 def memory_plan(cfg, key: Optional[tuple], device) -> Optional[MemoryPlan]:
@@ -281,8 +293,7 @@ def memory_plan(cfg, key: Optional[tuple], device) -> Optional[MemoryPlan]:
     sizes = [metadata_bytes(k, cfg) for k in planned]
     budget = cfg.residual_budget_gb * 2**30 - state.bytes_held()
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free, total = _free_bytes(device)
         budget = min(budget, free - max(n + t for n, t in sizes) - PLAN_MARGIN * total)  # + a re-anchor's
     keep, used = [], 0
     for k, (n, _) in zip(planned, sizes):  # a kept block drops its warm-up grouping, held in bytes_held above
@@ -427,12 +438,9 @@ def _check_memory(resid: torch.Tensor, cfg, replaced: int = 0) -> Optional[str]:
         return (f"caching this residual ({_report.fmt_bytes(need)}) would bring the metadata held to "
                 f"{_report.fmt_bytes(held + need)}, over residual_budget_gb={cfg.residual_budget_gb}{then}: {hint}")
     if resid.is_cuda:
-        free, total = torch.cuda.mem_get_info(resid.device)
-        # what the caching allocator holds unused is free to torch too: the plan counts it the same way
-        free += torch.cuda.memory_reserved(resid.device) - torch.cuda.memory_allocated(resid.device)
-        B, H, Sq, D = resid.shape
+        free, total = _free_bytes(resid.device)
         # kept, the rest of the step and the next block's anchor must still fit (the plan's rule)
-        room = need + B * H * Sq * (8 * D + 4) + int(PLAN_MARGIN * total)
+        room = need + _anchor_workspace(*resid.shape) + int(PLAN_MARGIN * total)
         if room > free:
             return (f"the residual needs {_report.fmt_bytes(need)} and the next anchor "
                     f"{_report.fmt_bytes(room - need)} with the margin, but the GPU has {_report.fmt_bytes(free)} free"
