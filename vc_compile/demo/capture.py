@@ -78,23 +78,36 @@ def mass_by_step(transformer, cond, uncond, *, frames, height, width, num_steps,
                  rows=256, dtype=torch.bfloat16) -> list:
     """Along one sampling run (eager, conditional branch): :func:`row_stats` of every self-attention layer at
     the steps ``at_steps``. Returns [{"step", "layer", **row_stats}]."""
+    out = []
+    g = torch.Generator().manual_seed(seed)
+
+    def cb(step, branch, info, q, k, v):
+        if info["kind"] == "self" and step in at_steps and branch == "cond":
+            out.append({"step": step, "layer": info["layer"], **row_stats(q, k, rows, g)})
+
+    _sample_seen(transformer, cond, uncond, cb, frames=frames, height=height, width=width, num_steps=num_steps,
+                 seed=seed, guidance=guidance, dtype=dtype)
+    return out
+
+
+def _sample_seen(transformer, cond, uncond, cb, *, frames, height, width, num_steps, seed, guidance, dtype):
+    """Run the sampler eagerly; ``cb(step, branch, info, q, k, v)`` sees every SDPA call, ``branch`` "cond" for a
+    step's first forward and "uncond" after it (:func:`capture_sdpa`'s ``info``)."""
     from .sampler import sample
 
-    out, cur = [], {"step": -1, "forward0": 0}
-    g = torch.Generator().manual_seed(seed)
+    cur = {"step": -1, "forward0": 0}
+    names = ("cond", "uncond")
 
     def step_fn(i):
         cur["step"] = i
         cur["forward0"] = state["forward"] + 1
 
-    def cb(info, q, k, v):
-        if info["kind"] == "self" and cur["step"] in at_steps and info["forward"] == cur["forward0"]:
-            out.append({"step": cur["step"], "layer": info["layer"], **row_stats(q, k, rows, g)})
+    def seen(info, q, k, v):
+        cb(cur["step"], names[min(info["forward"] - cur["forward0"], 1)], info, q, k, v)
 
-    with capture_sdpa(transformer, cb) as state:
+    with capture_sdpa(transformer, seen) as state:
         sample(transformer, cond, uncond=uncond, guidance=guidance, frames=frames, height=height, width=width,
                steps=num_steps, seed=seed, dtype=dtype, step_fn=step_fn)
-    return out
 
 
 @torch.no_grad()
@@ -172,26 +185,17 @@ def capture_run(transformer, cond, uncond, *, frames, height, width, num_steps, 
 
     Returns a list of dicts (tensors on CPU); with ``out`` also saves them and an ``index.json``.
     """
-    from .sampler import sample
+    kept = []
 
-    kept, cur = [], {"step": -1, "forward0": 0}
-    names = ("cond", "uncond")
-
-    def step_fn(i):
-        cur["step"] = i
-        cur["forward0"] = state["forward"] + 1
-
-    def cb(info, q, k, v):
-        branch = names[min(info["forward"] - cur["forward0"], 1)]
-        if info["kind"] == "self" and info["layer"] in layers and cur["step"] in steps and branch in branches:
+    def cb(step, branch, info, q, k, v):
+        if info["kind"] == "self" and info["layer"] in layers and step in steps and branch in branches:
             # contiguous copies: the SDPA inputs are permuted views of larger projection buffers
-            kept.append({"layer": info["layer"], "step": cur["step"], "branch": branch,
+            kept.append({"layer": info["layer"], "step": step, "branch": branch,
                          **{n: x.detach().to("cpu", torch.bfloat16).contiguous().clone()
                             for n, x in (("q", q), ("k", k), ("v", v))}})
 
-    with capture_sdpa(transformer, cb) as state:
-        sample(transformer, cond, uncond=uncond, guidance=guidance, frames=frames, height=height, width=width,
-               steps=num_steps, seed=seed, dtype=dtype, step_fn=step_fn)
+    _sample_seen(transformer, cond, uncond, cb, frames=frames, height=height, width=width, num_steps=num_steps,
+                 seed=seed, guidance=guidance, dtype=dtype)
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
