@@ -175,7 +175,7 @@ def pipeline_tables(rows) -> List[str]:
             e = num(r.get("attn_rel_l2"))
             if ao and e is not None and v != "torchao-fp8" and v != "stock":
                 err += f" ({e / ao:.2f}x torchao)"
-            bound = " (upper bound)" if "an upper bound" in (r.get("note") or "") else ""
+            bound = " (at the warm-up's rate)" if "priced at the warm-up's median" in (r.get("note") or "") else ""
             body.append([name(v), sec(r.get("ms")) + bound, f(r.get("speedup_vs_stock"), "{:.2f}x"), first,
                          sec(r.get("attn_ms")), phases, f(r.get("rel_l2"), "{:.2e}"), err])
         cut = next((m.group(0) for m in (re.search(r"cut to \d+ of \d+ layers", r.get("note") or "")
