@@ -13,10 +13,7 @@ D = 128, bf16, s = 0.15, residual epilogue on). Never run under TRITON_INTERPRET
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
-import tempfile
 from collections import Counter
 
 import codegen_stats as cs  # (pops TRITON_INTERPRET, imports torch and triton)
@@ -38,15 +35,8 @@ CLASSES = [("hgmma", ("HGMMA",)), ("warpgroup_sync", ("WARPGROUP", "WARPSYNC")),
 
 def sass_of(ptx: str):
     """(SASS text, whether ptxas serialised the wgmmas: its C7514 / C7515 "Potential Performance Loss" notes)."""
-    with tempfile.TemporaryDirectory() as d:
-        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        with open(src, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([cs.PTXAS, "-arch=sm_90a", src, "-o", cubin], capture_output=True,
-                           text=True, check=True)
-        sass = subprocess.run([cs.CUOBJDUMP, "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
-        return sass, "are serialized" in r.stdout + r.stderr  # C7514 / C7515 notes
+    msg, sass = cs.ptxas(ptx)
+    return sass, "are serialized" in msg  # C7514 / C7515 notes
 
 
 def loop_mix(sass: str) -> dict:

@@ -71,14 +71,29 @@ def _install():
     JITFunction.run = run
 
 
+_PTXAS_RUNS: dict = {}
+
+
+def ptxas(ptx: str) -> tuple:
+    """(ptxas -v's messages, the SASS text) of one PTX for sm_90a: one ptxas and one cuobjdump run per distinct
+    PTX in a process (the resource line, the wgmma notes and the SASS all come from that one build)."""
+    if ptx not in _PTXAS_RUNS:
+        with tempfile.TemporaryDirectory() as d:
+            src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+            with open(src, "w") as f:
+                f.write(ptx)
+            r = subprocess.run([PTXAS, "-arch=sm_90a", "-v", src, "-o", cubin], capture_output=True, text=True,
+                               check=True)
+            sass = subprocess.run([CUOBJDUMP, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        _PTXAS_RUNS[ptx] = (r.stdout + r.stderr, sass)
+    return _PTXAS_RUNS[ptx]
+
+
 def stats(k) -> dict:
     ptx = k.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    r = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
-    regs = re.search(r"Used (\d+) registers", r.stderr)
-    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    msg = ptxas(ptx)[0]
+    regs = re.search(r"Used (\d+) registers", msg)
+    spill = re.search(r"(\d+) bytes spill stores", msg)
     return {"registers": int(regs.group(1)) if regs else -1, "spill_bytes": int(spill.group(1)) if spill else -1,
             "convert_layout": k.asm["ttgir"].count("ttg.convert_layout"),
             # conversions of [R > 1, C] tiles: the per-row data path through shared memory (the others move a
