@@ -72,3 +72,6 @@ def reset(report: bool = False) -> None:
     from .runtime.runtime import current
 
     current().reset(report=report)
+    from .methods import mcsparse
+
+    mcsparse.release_pools()  # the metadata just dropped: its pool's blocks can go back to the driver

@@ -272,11 +272,63 @@ def _anchor_workspace(B: int, H: int, Sq: int, D: int) -> int:
     return B * H * Sq * (8 * D + 4)
 
 
+_POOLS: dict = {}  # device index -> the MemPool the kept metadata lives in
+
+
+def _metadata_pool(device):
+    """The CUDA memory pool an anchor's kept metadata is allocated from, apart from the model's activations; None
+    where there is none (not CUDA, a torch without ``MemPool``, or inside a CUDA graph capture)."""
+    if getattr(device, "type", None) != "cuda" or not hasattr(torch.cuda, "use_mem_pool"):
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _POOLS:
+        try:  # the model may borrow the pool's cached blocks when it runs out of memory itself
+            _POOLS[index] = torch.cuda.MemPool(use_on_oom=True)
+        except TypeError:  # an older signature
+            _POOLS[index] = torch.cuda.MemPool()
+    return _POOLS[index]
+
+
+def _keep_apart(tensors: tuple, device) -> tuple:
+    """Copies of the tensors an anchor keeps, allocated from the metadata pool (the originals are freed with the
+    anchor's temporaries)."""
+    # NOTE kept metadata must not split the segments of the model's activations: at 14B it left 9 GiB of the
+    # allocator's cache unusable for a 2 GiB activation (design/mcsparse-memory-plan.md)
+    pool = _metadata_pool(device)
+    if pool is None:
+        return tensors
+    with torch.cuda.use_mem_pool(pool, device):
+        return tuple(None if t is None else t.clone() for t in tensors)
+
+
+def release_pools() -> None:
+    """Forget the metadata pools: their cached blocks go back to the driver at the next ``empty_cache`` once the
+    tensors in them are freed."""
+    _POOLS.clear()
+
+
+def _pool_free(device) -> int:
+    """Bytes the metadata pool holds cached and unused (metadata of a generation that ended, or of an anchor's
+    previous selection)."""
+    pool = _POOLS.get(device.index if device.index is not None else torch.cuda.current_device())
+    if pool is None:
+        return 0
+    try:
+        snap = pool.snapshot()
+    except Exception:  # noqa: BLE001 - a torch whose pool has no snapshot: count nothing (the safe side)
+        return 0
+    segments = snap.get("segments", []) if isinstance(snap, dict) else snap
+    return sum(int(s.get("total_size", 0)) - int(s.get("allocated_size", 0)) for s in segments)
+
+
 def _free_bytes(device) -> Tuple[int, int]:
-    """(bytes free to torch, total) on a CUDA device: the driver's free memory plus what torch's caching
-    allocator holds unused (after the warm-up that pool is most of it)."""
+    """(bytes metadata can take, total) on a CUDA device: the driver's free memory plus the metadata pool's unused
+    blocks. What torch's allocator holds unused for the model is not counted: its activations come back every
+    step (the FFN's buffers, an anchor's temporaries)."""
     free, total = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+    return free + _pool_free(device), total
 
 
 def memory_plan(cfg, key: Optional[tuple], device) -> Optional[MemoryPlan]:
@@ -294,7 +346,7 @@ def memory_plan(cfg, key: Optional[tuple], device) -> Optional[MemoryPlan]:
     budget = cfg.residual_budget_gb * 2**30 - state.bytes_held()
     if device.type == "cuda":
         free, total = _free_bytes(device)
-        budget = min(budget, free - max(n + t for n, t in sizes) - PLAN_MARGIN * total)  # + a re-anchor's
+        budget = min(budget, free - max(n for n, _ in sizes) - PLAN_MARGIN * total)  # a re-anchor's new beside old
     keep, used = [], 0
     for k, (n, _) in zip(planned, sizes):  # a kept block drops its warm-up grouping, held in bytes_held above
         n -= state.nbytes(state.get(k + WARMUP_SLOT))
@@ -424,26 +476,24 @@ MEMORY_HINT = ("use options={'residual': 'fp8'} (half the memory) or 'none' (no 
                "'residual_budget_gb', or fewer sparse layers/branches")
 
 
-def _check_memory(resid: torch.Tensor, cfg, replaced: int = 0) -> Optional[str]:
-    """Why the anchor cannot keep this residual (over ``residual_budget_gb``, or more than the GPU has free), with
-    the fixes; None when it can. ``replaced``: bytes of the block's previous metadata, which the new replaces."""
-    per_elem = {"bf16": 2, "fp8": 1, "none": 0}[cfg.residual.value] + (4 / resid.shape[-1] if cfg.residual == Residual.FP8 else 0)
-    need = int(resid.numel() * per_elem)
+def _check_memory(need: int, device, cfg, replaced: int = 0) -> Optional[str]:
+    """Why the anchor cannot keep ``need`` bytes of metadata (over ``residual_budget_gb``, or more than the GPU has
+    free), with the fixes; None when it can. ``replaced``: bytes of the block's previous metadata, which the new
+    replaces (it is freed after the new is kept)."""
     held = state.bytes_held() - replaced
     budget = cfg.residual_budget_gb * 2**30  # a float: inf (no limit) must not go through int()
     hint = MEMORY_HINT
     then = ("; the anchor's output is exact, and its block runs stock SDPA until its next anchor step, which "
             "tries again")
     if held + need > budget:
-        return (f"caching this residual ({_report.fmt_bytes(need)}) would bring the metadata held to "
+        return (f"keeping this anchor's metadata ({_report.fmt_bytes(need)}) would bring the metadata held to "
                 f"{_report.fmt_bytes(held + need)}, over residual_budget_gb={cfg.residual_budget_gb}{then}: {hint}")
-    if resid.is_cuda:
-        free, total = _free_bytes(resid.device)
-        # kept, the rest of the step and the next block's anchor must still fit (the plan's rule)
-        room = need + _anchor_workspace(*resid.shape) + int(PLAN_MARGIN * total)
+    if getattr(device, "type", None) == "cuda":
+        free, total = _free_bytes(device)
+        room = need + int(PLAN_MARGIN * total)  # kept beside the old, with the plan's margin
         if room > free:
-            return (f"the residual needs {_report.fmt_bytes(need)} and the next anchor "
-                    f"{_report.fmt_bytes(room - need)} with the margin, but the GPU has {_report.fmt_bytes(free)} free"
+            return (f"the anchor's metadata needs {_report.fmt_bytes(need)} and the margin "
+                    f"{_report.fmt_bytes(room - need)}, but the GPU has {_report.fmt_bytes(free)} free for it"
                     f"{then}: {hint}")
     return None
 
@@ -526,6 +576,7 @@ def _stock_after_oom(q, k, v, sm_scale, density, epoch, msg):
     if out is None:
         freed = _shed_metadata(why)
         if q.is_cuda:
+            release_pools()  # the metadata pool's blocks can then go back to the driver
             torch.cuda.empty_cache()  # the released blocks back to the driver, unfragmented
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=sm_scale).contiguous()
         why += f"; stock SDPA found room only after every block's metadata ({_report.fmt_bytes(freed)}) was released"
@@ -576,13 +627,17 @@ def _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_ancho
         # kernel may return a finite row for an Inf query where the sparse one does not.
         if not bool(torch.isfinite(resid).all()):
             return out, _kept(meta, epoch)
-        why = _check_memory(resid, cfg, state.nbytes(meta))
-        if why is not None:  # nothing kept: the reuse steps run stock SDPA until the next anchor (plan)
-            return out, SparseMeta(sigma=None, idx=None, residual=None, res_scale=None, density=keep / Sk,
-                                   epoch=epoch, refused=why)
         residual, res_scale = _compact(resid, cfg.residual.value)
     elif not bool(torch.isfinite(o_dense).all()):
         return out, _kept(meta, epoch)
+    del resid, o_dense
+    kept = (sigma, idx, residual, res_scale)
+    why = _check_memory(state.nbytes(kept), q.device, cfg, state.nbytes(meta))
+    if why is not None:  # nothing kept: the reuse steps run stock SDPA until the next anchor (plan)
+        return out, SparseMeta(sigma=None, idx=None, residual=None, res_scale=None, density=keep / Sk,
+                               epoch=epoch, refused=why)
+    sigma, idx, residual, res_scale = _keep_apart(kept, q.device)
+    del kept
     meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk, epoch=epoch)
     if cfg.reuse_check and cfg.guard_threshold == 0:  # with the guard on, the guard measures every reuse step
         meta.check = ReuseCheck.new(q, out)
