@@ -425,8 +425,7 @@ def _rotated(cfg: VCConfig) -> Optional[VCConfig]:
 
 
 # The wiring of the run-time pieces, in one place: a new generation (steps.py) drops the metadata store and
-# the watched blocks' key sets (MC-Sparse first charges the GPU's peak to the metadata it drops).
-TRACKER.subscribe(methods.mcsparse.observe_memory)
+# the watched blocks' key sets.
 TRACKER.subscribe(state.clear)
 TRACKER.subscribe(GRAPHS.clear)
 TRACKER.subscribe(PROGRAMS.clear)

@@ -282,7 +282,7 @@ def _metadata_pool(device):
         return None
     if torch.cuda.is_current_stream_capturing():
         return None
-    index = _index(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _POOLS:
         try:  # the model may borrow the pool's cached blocks when it runs out of memory itself
             _POOLS[index] = torch.cuda.MemPool(use_on_oom=True)
@@ -304,51 +304,31 @@ def _keep_apart(tensors: tuple, device) -> tuple:
 
 
 def release_pools() -> None:
-    """Forget the metadata pools (their cached blocks go back to the driver at the next ``empty_cache`` once the
-    tensors in them are freed) and the model's measured peak."""
+    """Forget the metadata pools: their cached blocks go back to the driver at the next ``empty_cache`` once the
+    tensors in them are freed."""
     _POOLS.clear()
-    _PEAKS.clear()
 
 
-_PEAKS: dict = {}  # device index -> (max_memory_allocated at the last look, the most the model took at once)
-
-
-def _index(device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _model_peak(index: int) -> int:
-    """The most GPU memory the process has held at once less the metadata held then: the weights, the model's
-    activations at their peak (its FFN, a VAE decode), an anchor's temporaries. Metadata changes only at an anchor
-    and when a generation starts, and both look here first (``observe_memory``), so a new peak is charged to the
-    metadata held since the last look."""
-    peak = torch.cuda.max_memory_allocated(index)
-    held = state.bytes_held()
-    seen, model = _PEAKS.get(index, (None, 0))
-    if peak != seen:  # a new peak, or the peak statistics were reset since
-        model = max(model, peak - held)
-    model = max(model, torch.cuda.memory_allocated(index) - held)
-    _PEAKS[index] = (peak, model)
-    return model
-
-
-def observe_memory(_generation=None) -> None:
-    """Charge the peak since the last look to the metadata held now (subscribed before the store's ``clear`` when
-    a generation starts: the last generation's VAE decode ran beside its metadata)."""
-    if torch.cuda.is_available():
-        for index in list(_PEAKS):
-            _model_peak(index)
+def _pool_free(device) -> int:
+    """Bytes the metadata pool holds cached and unused (metadata of a generation that ended, or of an anchor's
+    previous selection)."""
+    pool = _POOLS.get(device.index if device.index is not None else torch.cuda.current_device())
+    if pool is None:
+        return 0
+    try:
+        snap = pool.snapshot()
+    except Exception:  # noqa: BLE001 - a torch whose pool has no snapshot: count nothing (the safe side)
+        return 0
+    segments = snap.get("segments", []) if isinstance(snap, dict) else snap
+    return sum(int(s.get("total_size", 0)) - int(s.get("allocated_size", 0)) for s in segments)
 
 
 def _free_bytes(device) -> Tuple[int, int]:
-    """(bytes more metadata can take, total) on a CUDA device: what torch can hold (the driver's free memory and
-    every pool its allocator reserved, the metadata pool's included) less the model's peak (``_model_peak``) and
-    the metadata held now. Not the allocator's unused cache alone: at 14B that counted the FFN's buffers as free
-    (design/mcsparse-memory-plan.md)."""
-    index = _index(device)
+    """(bytes metadata can take, total) on a CUDA device: the driver's free memory plus the metadata pool's unused
+    blocks. What torch's allocator holds unused for the model is not counted: its activations come back every
+    step (the FFN's buffers, an anchor's temporaries)."""
     free, total = torch.cuda.mem_get_info(device)
-    capacity = free + torch.cuda.memory_reserved(index)
-    return capacity - _model_peak(index) - state.bytes_held(), total
+    return free + _pool_free(device), total
 
 
 def memory_plan(cfg, key: Optional[tuple], device) -> Optional[MemoryPlan]:
