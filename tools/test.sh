@@ -3,8 +3,9 @@
 # (.venv-test, over the system's packages: an installed torch is reused, and the test-only packages such as
 # torchao never reach the user's environment), then runs the tests.
 # On a CPU-only machine the Triton kernels run under TRITON_INTERPRET=1 on small shapes and GPU-only
-# tests are skipped (marker `requires_cuda`). About 6-15 minutes on 2 CPU cores, by the machine's load
-# (11 min 21 s of tests on 2 cores on 2026-12-06, 1217 passed, 339 skipped, with another job running).
+# tests are skipped (marker `requires_cuda`). About 9-11 minutes on 2 CPU cores alone: 9 min 41 s with the
+# Triton cache of an earlier run, 10 min 22 s on a fresh clone with an empty one (the offline sm_90 builds),
+# 1383 passed, 325 skipped (2026-12-07); longer while another job shares the cores.
 #     bash tools/test.sh [pytest args]        # VC_TEST_VENV=DIR: another venv; VC_TEST_VENV=none: this Python
 set -euo pipefail
 cd "$(dirname "$0")/.."
