@@ -137,7 +137,7 @@ def test_memory_plan_keeps_what_fits_and_runs_the_rest_dense_8bit():
     vc_compile.reset(report=True)
     cfg = VCConfig.from_options({**BASE, "method": "mcsparse"})
     key = (0, 0, 0, (1, 2, S, D), (1, 2, S, D), "cpu")
-    per_block, _ = M.metadata_bytes(key, cfg)
+    per_block = M.metadata_bytes(key, cfg)
     assert per_block == 2 * (2 * 64 * 4 + S * (2 * D + 8))  # idx 2 groups x 64 keys; bf16 residual, int64 order
     budget = 2.5 * per_block / 2**30
     with pytest.warns(RuntimeWarning, match="memory plan") as w:

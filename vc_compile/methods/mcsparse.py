@@ -257,19 +257,13 @@ class MemoryPlan:
                 "residual, 'none' drops it")
 
 
-def metadata_bytes(key: tuple, cfg) -> Tuple[int, int]:
-    """(bytes an anchor keeps, bytes it allocates on the way) for a state key's shapes: the selection ``idx``
-    int32 [B, H, G, n_keep], the query order int64 [B, H, Sq], the residual [B, H, Sq, D] as cached; on the way
-    O_dense and R in fp32 (and, at a later anchor, the new metadata beside the old)."""
+def metadata_bytes(key: tuple, cfg) -> int:
+    """Bytes an anchor keeps for a state key's shapes: the selection ``idx`` int32 [B, H, G, n_keep], the query order
+    int64 [B, H, Sq], the residual [B, H, Sq, D] as cached."""
     (B, H, Sq, D), Sk = key[3], key[4][2]
     groups = -(-Sq // cfg.group_size)
     per_query = {Residual.BF16: 2 * D, Residual.FP8: D + 4, Residual.NONE: 0}[cfg.residual] + 8
-    return B * H * (groups * n_keep(Sk, cfg.density) * 4 + Sq * per_query), _anchor_workspace(B, H, Sq, D)
-
-
-def _anchor_workspace(B: int, H: int, Sq: int, D: int) -> int:
-    """Bytes an anchor allocates on the way: O_dense and R in fp32, and the query order."""
-    return B * H * Sq * (8 * D + 4)
+    return B * H * (groups * n_keep(Sk, cfg.density) * 4 + Sq * per_query)
 
 
 _POOLS: dict = {}  # device index -> the MemPool the kept metadata lives in
@@ -346,15 +340,15 @@ def memory_plan(cfg, key: Optional[tuple], device) -> Optional[MemoryPlan]:
     budget = cfg.residual_budget_gb * 2**30 - state.bytes_held()
     if device.type == "cuda":
         free, total = _free_bytes(device)
-        budget = min(budget, free - max(n for n, _ in sizes) - PLAN_MARGIN * total)  # a re-anchor's new beside old
+        budget = min(budget, free - max(sizes) - PLAN_MARGIN * total)  # a re-anchor's new beside the old
     keep, used = [], 0
-    for k, (n, _) in zip(planned, sizes):  # a kept block drops its warm-up grouping, held in bytes_held above
+    for k, n in zip(planned, sizes):  # a kept block drops its warm-up grouping, held in bytes_held above
         n -= state.nbytes(state.get(k + WARMUP_SLOT))
         if used + n > budget:
             break
         keep.append(k)
         used += n
-    memo["mcsparse_plan"] = plan = MemoryPlan(frozenset(planned), frozenset(keep), sum(n for n, _ in sizes), budget)
+    memo["mcsparse_plan"] = plan = MemoryPlan(frozenset(planned), frozenset(keep), sum(sizes), budget)
     return plan
 
 
