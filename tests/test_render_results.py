@@ -271,6 +271,22 @@ def test_pipeline_table_names_its_runs_the_float8_stack_and_torchao_error_ratio(
                                                         "| V-Smooth + ExpCast + float8 linears"]
 
 
+def test_pipeline_table_shows_memory_where_a_run_measured_it(tmp_path):
+    """Peak GPU memory and the metadata held (the production-size rows) as a column of their own, "-" for a row
+    that has none; a table none of whose rows measured memory has no such column."""
+    p = str(tmp_path / "bench_pipeline.csv")
+    common.append_rows("bench_pipeline", [
+        dict(PIPE, variant="stock", ms=52000.0, speedup_vs_stock=1.0, commit="aaaaaaa", date="2026-01-01 10:00"),
+        dict(PIPE, variant="mcsparse@0.15", ms=30000.0, peak_mem_gb=42.0971, metadata_gb=9.07105,
+             commit="bbbbbbb", date="2026-01-02 10:00")], path=p)
+    (text,) = render.pipeline_tables(render.read(p))
+    assert "GB peak allocated / metadata held" in text
+    assert text.splitlines()[-1].endswith("| 42.1 / 9.1 |") and "| - / - |" in text
+    q = str(tmp_path / "other.csv")
+    common.append_rows("bench_pipeline", [dict(PIPE, variant="stock", ms=52000.0, commit="c", date="d")], path=q)
+    assert "GB peak" not in render.pipeline_tables(render.read(q))[0]
+
+
 def test_stack_variant_names():
     assert render.name("stock+f8lin") == "float8 linears (torchao), attention stock"
     assert render.name("stock+dbcache") == "cache-dit DBCache, attention stock"

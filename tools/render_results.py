@@ -164,6 +164,7 @@ def pipeline_tables(rows) -> List[str]:
         model, S, layers, steps, guidance, mode = key
         any_row = by_var.get("stock") or next(iter(by_var.values()))
         ao = num((by_var.get("torchao-fp8") or {}).get("attn_rel_l2"))
+        mem = any(num(r.get("peak_mem_gb")) is not None for r in by_var.values())  # runs that measured memory
         body = []
         for v in _pipe_order(by_var):
             r = by_var[v]
@@ -177,7 +178,9 @@ def pipeline_tables(rows) -> List[str]:
                 err += f" ({e / ao:.2f}x torchao)"
             bound = " (at the warm-up's rate)" if "priced at the warm-up's median" in (r.get("note") or "") else ""
             body.append([name(v), sec(r.get("ms")) + bound, f(r.get("speedup_vs_stock"), "{:.2f}x"), first,
-                         sec(r.get("attn_ms")), phases, f(r.get("rel_l2"), "{:.2e}"), err])
+                         sec(r.get("attn_ms")), phases, f(r.get("rel_l2"), "{:.2e}"), err]
+                        + ([f(r.get("peak_mem_gb"), "{:.1f}") + " / " + f(r.get("metadata_gb"), "{:.1f}")]
+                           if mem else []))
         cut = next((m.group(0) for m in (re.search(r"cut to \d+ of \d+ layers", r.get("note") or "")
                                          for r in by_var.values()) if m), None)
         title = (f"**{model}, {S} tokens, {layers} layers{' (' + cut + ')' if cut else ''}, {steps} steps, CFG "
@@ -219,7 +222,9 @@ def pipeline_tables(rows) -> List[str]:
         out.append(title + "\n\n" + md_table(
             ["method", "s / generation", "speed-up vs stock", "first generation s (vs stock)", "attention s",
              "attention s: " + " / ".join(PHASES), "final latents rel. L2 vs stock",
-             "attention rel. L2 vs fp32 (captured inputs)"], body) + ("\n\n" + " ".join(notes) if notes else ""))
+             "attention rel. L2 vs fp32 (captured inputs)"]
+            + (["GB peak allocated / metadata held (first timed generation)"] if mem else []), body)
+            + ("\n\n" + " ".join(notes) if notes else ""))
     return out
 
 
