@@ -291,6 +291,43 @@ def test_anchor_memory_check_counts_the_driver_and_the_metadata_pool_not_the_mod
     assert M._check_memory(need, torch.device("cpu"), cfg) is None  # host memory is not checked
 
 
+def test_memory_plan_first_returns_torchs_unused_cache_to_the_driver(monkeypatch):
+    """The plan (once a generation, at its first anchor) returns torch's unused cache to the driver
+    (``empty_cache``) before it reads the driver's free memory. At 14B the model's own cache held 30+ GB unused
+    after the first generation's anchors, and the plan that could not count it kept 4 of 80 block-branches."""
+    from vc_compile.methods import mcsparse as M
+
+    GiB = 2**30
+    vc_compile.reset(report=True)
+    cfg = VCConfig.from_options({**BASE, "method": "mcsparse", "residual_budget_gb": 1000, "density": 0.15})
+    mem = {"free": 6 * GiB, "cached": 30 * GiB, "calls": []}
+
+    def empty_cache():
+        mem["calls"].append("empty_cache")
+        mem["free"], mem["cached"] = mem["free"] + mem["cached"], 0
+
+    def mem_get_info(d=None):
+        mem["calls"].append("mem_get_info")
+        return int(mem["free"]), 80 * GiB
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(M, "_pool_free", lambda d: 0)
+    shape = (1, 40, 75600, 128)  # Wan 14B at 720p: 1.84 GiB a block-branch (bf16 residual)
+    keys = [(site, 0, branch, shape, shape, "cuda:0") for site in range(40) for branch in range(2)]
+    cuda = torch.device("cuda", 0)
+    with vc_compile.sampling(num_steps=50):
+        for key in keys:
+            state.put(key + M.WARMUP_SLOT, torch.zeros(1))
+        plan = M.memory_plan(cfg, keys[0], cuda)
+        again = M.memory_plan(cfg, keys[1], cuda)
+    assert mem["calls"] == ["empty_cache", "mem_get_info"]  # once a generation, the cache first
+    per_block = M.metadata_bytes(keys[0], cfg)
+    # 36 GiB free less the largest block (a re-anchor beside the old) and the 5% margin: 17 of 1.75 GiB
+    assert len(plan.keep) == int((36 * GiB - per_block - 0.05 * 80 * GiB) // per_block) == 17
+    assert again is plan and len(plan.planned) == 80
+
+
 def test_kept_metadata_is_copied_into_its_own_pool(monkeypatch):
     """On a GPU the tensors an anchor keeps are copies made inside ``torch.cuda.use_mem_pool`` of the metadata
     pool (the originals are the anchor's temporaries); the output is unchanged."""
