@@ -331,3 +331,18 @@ def test_key_padding_block_shows_the_latest_run_per_shape():
     assert "| 24 | 25696 | 64 of 256 | vsmooth+expcast | 2.00 | 0.200 | 3.00x | 1.50x | 6.10e-03 |" in text
     assert "9.00" not in text and "2026-12-07 bbb" in text  # the older run is not shown
     assert "No rows yet" in render.key_padding_tables([])[0]
+
+
+def test_kmeans_block_shows_the_latest_run_with_shapes_as_columns():
+    """bench_kmeans.csv: the latest commit's rows, one column per (H, S) with ms and the ratio to the reuse call."""
+    base = dict(date="2026-12-07 18:30", gpu="NVIDIA H100 80GB HBM3", K=256, iters=3)
+    old = [dict(base, commit="aaa", variant="kmeans", H=12, S=32760, ms=0.9, x_reuse_call=0.12, labels_equal="")]
+    new = [dict(base, commit="bbb", variant=v, H=h, S=s, ms=ms, x_reuse_call=x, labels_equal=eq)
+           for v, h, s, ms, x, eq in (("kmeans", 12, 32760, 0.801, 0.110, 0.9998), ("kmeans", 40, 75600, 3.76, 0.029,
+                                                                                   0.9996),
+                                      ("sort uint8", 12, 32760, 0.138, 0.019, 1.0))]
+    text = render.kmeans_table([{k: str(v) for k, v in r.items()} for r in old + new])
+    assert "commit bbb" in text and "0.900" not in text
+    assert "| kmeans | 0.801 (0.110x) | 3.760 (0.029x) | 0.9996 |" in text
+    assert "| sort uint8 | 0.138 (0.019x) | - | 1.0000 |" in text
+    assert "No rows yet" in render.kmeans_table([])

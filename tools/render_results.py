@@ -872,6 +872,27 @@ def quant_check_table(rows) -> str:
             "H = 2, bf16; rel. L2 against fp64 SDPA as a multiple of the clean case's):\n\n" + md_table(head, body))
 
 
+def kmeans_table(rows) -> str:
+    """``bench_kmeans.csv``: the latest run, what a V-Smooth grouping step's k-means costs, whole and by kernel,
+    beside the reuse call it precedes, and the alternatives' time and agreement with the kernel's grouping."""
+    if not rows:
+        return _none_yet("bench_kmeans.csv", "the benchmark that docs/design/kmeans-kernel.md names")
+    last = rows[-1]["commit"]
+    run = [r for r in rows if r["commit"] == last]
+    shapes = list(dict.fromkeys((r["H"], r["S"]) for r in run))
+    head = ["variant"] + [f"H = {h}, S = {s}: ms (x reuse call)" for h, s in shapes] + ["labels equal (last shape)"]
+    body = []
+    for v in dict.fromkeys(r["variant"] for r in run):
+        line, same = [v], "-"
+        for shape in shapes:
+            r = next((x for x in run if x["variant"] == v and (x["H"], x["S"]) == shape), None)
+            line.append("-" if r is None else f"{float(r['ms']):.3f} ({float(r['x_reuse_call']):.3f}x)")
+            same = f"{float(r['labels_equal']):.4f}" if r is not None and r.get("labels_equal") else same
+        body.append(line + [same])
+    return (f"`bench_kmeans`, {run[-1]['gpu']} ({run[-1]['date'][:10]}, commit {last}; B = 1, D = 128, bf16, "
+            f"K = {run[-1]['K']}, {run[-1]['iters']} warm-started iterations):\n\n" + md_table(head, body))
+
+
 def reuse_check_table(rows) -> str:
     """``bench_reuse_check.csv``: the latest run, per trajectory and density, the first reuse step's error beside the
     previous output's, what the check did, and the mean error over the steps after the anchor without and with it."""
@@ -972,6 +993,7 @@ def blocks(results_dir: str) -> Dict[str, str]:
         "triton-versions": triton_versions_table(raw("triton_versions.csv")),
         "quant-check": quant_check_table(raw("bench_quant_check.csv")),
         "reuse-check": reuse_check_table(raw("bench_reuse_check.csv")),
+        "kmeans": kmeans_table(raw("bench_kmeans.csv")),
         "default-method": per_gpu(lambda d: default_method_tables(d["pipe"], d["gen"]), {"pipe": pipe, "gen": gen}),
         "key-padding": per_gpu(key_padding_tables, rd("bench_key_padding.csv")),
         "e2e": per_gpu(e2e_tables, e2e) if any(r.get("bench") == "e2e" for r in e2e) else
