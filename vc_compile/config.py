@@ -153,7 +153,7 @@ OPTION_DOCS: Dict[str, str] = {
     "residual_budget_gb": "MC-Sparse: the metadata budget. A generation's first anchor plans: the blocks whose "
                           "metadata fits this and the GPU's free memory run sparse, the others the dense 8-bit path "
                           "(one warning, counted in report()); an anchor still over it keeps none and its block "
-                          "runs stock SDPA until its next anchor.",
+                          "runs stock SDPA until its next anchor, one the GPU has no room for the dense 8-bit path.",
     "guard_threshold": "MC-Sparse: re-anchor a layer when its reuse error, measured on sampled rows, exceeds "
                        "this (relative L2; 0 = guard off). docs/mcsparse_guard.md.",
     "reuse_check": "MC-Sparse: measure the first reuse step after each anchor on sampled rows; a site where it is "

@@ -328,6 +328,37 @@ def test_memory_plan_first_returns_torchs_unused_cache_to_the_driver(monkeypatch
     assert again is plan and len(plan.planned) == 80
 
 
+def test_an_anchor_without_gpu_room_runs_the_dense_8bit_path_to_its_next_anchor(monkeypatch):
+    """An anchor that finds too little free GPU memory for its metadata (the plan's estimate can miss: at 14B 3 of
+    the 23 blocks it kept) keeps nothing; until its next anchor its block runs the warm-up's dense 8-bit path, as
+    a block the plan left out does, not stock SDPA (before: stock, about twice the 8-bit path's time at 14B). One
+    warning; report() counts the calls as a method note, not a fallback; the next anchor tries again."""
+    import pytest
+
+    from vc_compile.methods import mcsparse as M
+
+    vc_compile.reset(report=True)
+    calls = []
+
+    def no_room(need, device):
+        calls.append(need)
+        return "the GPU has 5.3 GiB free for it" if len(calls) == 1 else None
+    monkeypatch.setattr(M, "_no_gpu_room", no_room)
+    with pytest.warns(RuntimeWarning, match="5.3 GiB free") as w:
+        site, outs = _run({"method": "mcsparse", "reuse_check": False}, 10, "mc-no-room")
+    assert sum("5.3 GiB free" in str(x.message) for x in w) == 1
+    rec = _report.site(site)
+    first, second = M.anchor_steps(VCConfig.from_options({**BASE, "method": "mcsparse"}), 10)
+    assert len(calls) == 2 and rec.phases["anchor"] == 2  # the second anchor tried again and kept
+    assert rec.phases["warmup"] == first + (second - first - 1)  # the warm-up, then 8-bit to the next anchor
+    assert rec.method_notes[M.NO_ANCHOR_ROOM] == second - first - 1 and not rec.runtime_fallbacks
+    assert rec.phases["reuse"] == 10 - second - 1
+    q, k, v = _inputs(first + 1)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    err = ((outs[first + 1].float() - ref).norm() / ref.norm()).item()
+    assert 0 < err < 0.05  # the 8-bit path's error: not stock SDPA's output, not a sparse one
+
+
 def test_kept_metadata_is_copied_into_its_own_pool(monkeypatch):
     """On a GPU the tensors an anchor keeps are copies made inside ``torch.cuda.use_mem_pool`` of the metadata
     pool (the originals are the anchor's temporaries); the output is unchanged."""

@@ -106,6 +106,8 @@ class SparseMeta:
     # the anchor could not keep its metadata (the residual budget or the GPU's free memory): why. Nothing is held;
     # the reuse steps until the next anchor run stock SDPA (``plan``), never an exception mid-generation
     refused: Optional[str] = None
+    # refused for the GPU's free memory (``_no_gpu_room``): the warm-up's dense 8-bit path runs instead of stock SDPA
+    no_room: bool = False
 
     def residual_tensor(self, dtype) -> Optional[torch.Tensor]:
         if self.residual is None:
@@ -182,19 +184,14 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
         phase = Phase.ANCHOR
     if phase == Phase.WARMUP:
         if warmup_ineligible(q, k, v, impl) is None:
-            wmeta = slot(WARMUP_SLOT)
-            regroup = vsmooth.group_phase(cfg, step, n, wmeta is not None) == Phase.GROUP
-            return Plan(phase, WarmupAt(regroup, wmeta), WARMUP_SLOT, eight_bit=True, sharp_phase=Phase.DENSE)
+            return _eight_bit(cfg, step, n, slot)
         return Plan(Phase.DENSE, meta)
     if phase == Phase.ANCHOR:
         key = getattr(slot, "key", None)  # the op's slots know their state key
         mp = memory_plan(cfg, key, q.device)
         if mp is not None and key is not None and mp.planned_out(key):  # no room: the warm-up's 8-bit path
             if warmup_ineligible(q, k, v, impl) is None:
-                wmeta = slot(WARMUP_SLOT)
-                regroup = vsmooth.group_phase(cfg, step, n, wmeta is not None) == Phase.GROUP
-                return Plan(Phase.WARMUP, WarmupAt(regroup, wmeta), WARMUP_SLOT, eight_bit=True,
-                            sharp_phase=Phase.DENSE, note=(NO_PLAN_ROOM, mp.message()))
+                return _eight_bit(cfg, step, n, slot, note=(NO_PLAN_ROOM, mp.message()))
             return Plan(Phase.DENSE, meta, fallback=(NO_ROOM, mp.message()))
     oom = state.memo().get(OUT_OF_MEMORY)
     if phase == Phase.ANCHOR and (meta is None or meta.refused is not None) and oom and oom[0] == max(epoch, 0):
@@ -203,6 +200,10 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
     if phase == Phase.ANCHOR and slot(WARMUP_SLOT) is not None:  # the warm-up is over: its grouping is not needed
         return Plan(phase, AnchorAt(max(epoch, 0), meta), drop=(WARMUP_SLOT,))
     if phase == Phase.REUSE and meta.refused is not None:
+        # NOTE no room at the anchor: 8-bit attention like a block the plan left out, not stock SDPA (at 14B the
+        # plan's estimate missed by 3 of 23 blocks: design/mcsparse-memory-plan.md)
+        if meta.no_room and warmup_ineligible(q, k, v, impl) is None:
+            return _eight_bit(cfg, step, n, slot, note=(NO_ANCHOR_ROOM, meta.refused))
         return Plan(Phase.DENSE, meta, fallback=(NO_ROOM, meta.refused))
     if phase == Phase.REUSE:
         err, reanchor = mcsparse_guard.guard_check(meta, cfg)
@@ -217,6 +218,14 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
     return Plan(phase, meta)
 
 
+def _eight_bit(cfg, step: int, n: int, slot, note=None) -> Plan:
+    """The warm-up's dense 8-bit path (V-Smooth, its grouping in a slot of its own, re-grouped on its schedule)."""
+    wmeta = slot(WARMUP_SLOT)
+    regroup = vsmooth.group_phase(cfg, step, n, wmeta is not None) == Phase.GROUP
+    return Plan(Phase.WARMUP, WarmupAt(regroup, wmeta), WARMUP_SLOT, eight_bit=True, sharp_phase=Phase.DENSE,
+                note=note)
+
+
 def schedule(cfg, n: int):
     """Each step's phase in an n-step generation where every anchor keeps its metadata (the warm-up's: WARMUP,
     or DENSE with ``warmup_attention="sdpa"``)."""
@@ -227,6 +236,7 @@ def schedule(cfg, n: int):
 REUSE_WORSE = "mcsparse: reuse step worse than the previous output"
 NO_ROOM = "mcsparse: no room to keep the anchor's metadata"
 NO_PLAN_ROOM = "mcsparse: memory plan: dense 8-bit path, no room for the metadata"
+NO_ANCHOR_ROOM = "mcsparse: dense 8-bit path to the next anchor, no room for the anchor's metadata"
 # NOTE 5% of the GPU stays out of the plan: activations can grow after it (design/mcsparse-memory-plan.md)
 PLAN_MARGIN = 0.05
 OUT_OF_MEMORY = "mcsparse_out_of_memory"  # the memo entry (epoch, why): an anchor of that epoch ran out of memory
@@ -483,22 +493,31 @@ def _check_memory(need: int, device, cfg, replaced: int = 0) -> Optional[str]:
     """Why the anchor cannot keep ``need`` bytes of metadata (over ``residual_budget_gb``, or more than the GPU has
     free), with the fixes; None when it can. ``replaced``: bytes of the block's previous metadata, which the new
     replaces (it is freed after the new is kept)."""
+    return _over_budget(need, cfg, replaced) or _no_gpu_room(need, device)
+
+
+def _over_budget(need: int, cfg, replaced: int = 0) -> Optional[str]:
     held = state.bytes_held() - replaced
     budget = cfg.residual_budget_gb * 2**30  # a float: inf (no limit) must not go through int()
-    hint = MEMORY_HINT
-    then = ("; the anchor's output is exact, and its block runs stock SDPA until its next anchor step, which "
-            "tries again")
     if held + need > budget:
         return (f"keeping this anchor's metadata ({_report.fmt_bytes(need)}) would bring the metadata held to "
-                f"{_report.fmt_bytes(held + need)}, over residual_budget_gb={cfg.residual_budget_gb}{then}: {hint}")
-    if getattr(device, "type", None) == "cuda":
-        free, total = _free_bytes(device)
-        room = need + int(PLAN_MARGIN * total)  # kept beside the old, with the plan's margin
-        if room > free:
-            return (f"the anchor's metadata needs {_report.fmt_bytes(need)} and the margin "
-                    f"{_report.fmt_bytes(room - need)}, but the GPU has {_report.fmt_bytes(free)} free for it"
-                    f"{then}: {hint}")
+                f"{_report.fmt_bytes(held + need)}, over residual_budget_gb={cfg.residual_budget_gb}; the anchor's "
+                f"output is exact, and its block runs stock SDPA until its next anchor step, which tries again: "
+                f"{MEMORY_HINT}")
     return None
+
+
+def _no_gpu_room(need: int, device) -> Optional[str]:
+    if getattr(device, "type", None) != "cuda":
+        return None
+    free, total = _free_bytes(device)
+    room = need + int(PLAN_MARGIN * total)  # kept beside the old, with the plan's margin
+    if room <= free:
+        return None
+    return (f"the anchor's metadata needs {_report.fmt_bytes(need)} and the margin {_report.fmt_bytes(room - need)}, "
+            f"but the GPU has {_report.fmt_bytes(free)} free for it; the anchor's output is exact, and until its "
+            "next anchor step, which tries again, its block runs the dense 8-bit path (V-Smooth), or stock SDPA "
+            f"where that path cannot take its inputs: {MEMORY_HINT}")
 
 
 # ---- the cheap anchor step (methods/anchor.py) ---------------------------------------------------
@@ -635,10 +654,11 @@ def _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_ancho
         return out, _kept(meta, epoch)
     del resid, o_dense
     kept = (sigma, idx, residual, res_scale)
-    why = _check_memory(state.nbytes(kept), q.device, cfg, state.nbytes(meta))
-    if why is not None:  # nothing kept: the reuse steps run stock SDPA until the next anchor (plan)
+    over = _over_budget(state.nbytes(kept), cfg, state.nbytes(meta))
+    short = None if over else _no_gpu_room(state.nbytes(kept), q.device)
+    if over or short:  # nothing kept: stock SDPA (over budget) or the dense 8-bit path (no room) to the next anchor
         return out, SparseMeta(sigma=None, idx=None, residual=None, res_scale=None, density=keep / Sk,
-                               epoch=epoch, refused=why)
+                               epoch=epoch, refused=over or short, no_room=short is not None)
     sigma, idx, residual, res_scale = _keep_apart(kept, q.device)
     del kept
     meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk, epoch=epoch)
