@@ -78,8 +78,8 @@ print("RESULT", sorted(res.items()), "fast", FAST_LAUNCH.fast)
 """
 
 
-def test_a_remembered_launch_hands_the_launcher_what_the_binder_does(tmp_path):
-    line, why = result_line(_CODE, tmp_path)
+def test_a_remembered_launch_hands_the_launcher_what_the_binder_does():
+    line, why = result_line(_CODE)
     # 2 launches of the preprocessing, 1 of each attention kernel, each handed the same arguments, object for
     # object; remembered launches: 4 in the third runs, 2 in the preprocessing between
     assert line == ("RESULT [('attention', (1, True)), ('gather', (1, True)), ('preprocess', (2, True))] "

@@ -175,9 +175,11 @@ def test_nonfinite_inputs_poison_their_scales(which, bad, fmt, hadamard, D):
     t = (q, k, v)["qkv".index(which)]
     t[1, 0, 150, 3] = float(bad)
     perm = random_perm(B, H, S)
-    a = tpl.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=hadamard, qk_format=fmt)
+    c, vc = clean_kernel_outputs(B, H, S, D, fmt, hadamard)
+    # NOTE the kernel whose inputs stay clean is not run again: its outputs are the fixture's, on the same inputs
+    a = tpl.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=hadamard, qk_format=fmt) if which != "v" else c
     b = ref.preprocess_qk(q, k, perm, sm_scale=D ** -0.5, hadamard=hadamard, qk_format=fmt)
-    va, vb = tpl.preprocess_v(v, perm), ref.preprocess_v(v, perm)
+    va, vb = tpl.preprocess_v(v, perm) if which == "v" else vc, ref.preprocess_v(v, perm)
     for x, y in ((a.q_scale, b.q_scale), (a.k_scale, b.k_scale), (va.v_scale, vb.v_scale)):
         assert torch.equal(x.isnan().cpu(), y.isnan().cpu())
         assert not x.isinf().any()
@@ -186,7 +188,6 @@ def test_nonfinite_inputs_poison_their_scales(which, bad, fmt, hadamard, D):
     for x, y in ((a.q8, b.q8), (a.k8, b.k8), (va.v8t, vb.v8t)):  # codes stay finite and as the reference's
         assert not x.float().isnan().any()
         assert_codes(x, y, exact=False, what="codes")
-    c, vc = clean_kernel_outputs(B, H, S, D, fmt, hadamard)
     assert all(torch.equal(x, y) for x, y in zip(clean, make_qkv(B, H, S, D, torch.bfloat16)))  # its inputs
     other = torch.ones(B, H, dtype=torch.bool)
     other[1, 0] = False

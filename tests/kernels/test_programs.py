@@ -176,8 +176,8 @@ offline_36 = pytest.mark.skipif(not _c_entry_of_36(), reason=(
 
 
 @offline_36
-def test_a_replayed_program_hands_the_launchers_what_the_normal_path_does(tmp_path):
-    line, why = result_line(_CODE, tmp_path)
+def test_a_replayed_program_hands_the_launchers_what_the_normal_path_does():
+    line, why = result_line(_CODE)
     # per method: 1 program recorded, 2 replays (the third and fourth calls), launches per replay (V-Smooth: the
     # two preprocessing passes and the attention kernel; MC-Sparse: the gather kernel), the comparison
     assert line == ("RESULT [('expcast', (1, 2, 3, 'same', True)), ('mcsparse', (1, 2, 1, 'same', True)), "
@@ -207,8 +207,8 @@ print("RESULT", PROGRAMS.recorded, PROGRAMS.replays, any(key[0] == 4242 for key 
 
 
 @offline_36
-def test_the_op_replays_through_programs_and_lanes_offline(tmp_path):
-    line, why = result_line(_OP_CODE, tmp_path)
+def test_the_op_replays_through_programs_and_lanes_offline():
+    line, why = result_line(_OP_CODE)
     # 2 recordings (one per grouping's metadata), 7 + 7 replays (steps 3-9, 13-19), a lane, 20 calls counted
     assert line == "RESULT 2 14 True 20 {'group': 2, 'reuse': 18} 20 None {}", why
 

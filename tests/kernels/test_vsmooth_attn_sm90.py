@@ -535,13 +535,13 @@ print("RESULT", built, g.BYTEMASK_GUARD.summary())
 
 
 @pytest.mark.parametrize("spill", [16, 372])
-def test_byte_mask_guard_takes_the_fmnmx_clamp_where_the_build_spills(tmp_path, spill):
+def test_byte_mask_guard_takes_the_fmnmx_clamp_where_the_build_spills(spill):
     """The ExpCast default's byte-mask clamp is kept where its build spills what Triton 3.6's does (16 bytes) and
     replaced by the FMNMX clamp (the same bits: ``test_gpu_byte_mask_matches_fmnmx_clamp_bit_for_bit``) from the
     next launch on where it spills what Triton 3.9's does (372 bytes): offline sm_90 builds, the loaded kernel's
     spill count faked (only a GPU loads a kernel)."""
     from offline_sm90 import result_line
-    line, why = result_line(f"SPILL = {spill}\n" + _GUARD_CODE, tmp_path)
+    line, why = result_line(f"SPILL = {spill}\n" + _GUARD_CODE)
     if spill == 16:  # built once (the later calls are remembered launches or cache hits), never swapped
         assert line.startswith("RESULT [1") and "0" not in line.split("]")[0] and line.endswith("None"), why
     else:
