@@ -18,4 +18,7 @@ bash tools/setup.sh  # pip install -e ".[test,demo]" (torch kept)
 # -n auto: one pytest-xdist worker per core on a CPU-only machine, serial on a CUDA one (tests/conftest.py;
 # it also splits torch's threads among the workers and keeps each module-scoped fixture on one worker:
 # --dist loadgroup); `bash tools/test.sh -n 0` runs serially.
-exec ${PYTHON:-python3} -m pytest -q -ra --durations=15 -n auto --dist loadgroup tests "$@"
+# The pytest plugins the suite does not use (hypothesis, pytest-benchmark, anyio: installed beside it on some
+# machines) stay unloaded: about 3 s of every worker's start.
+exec ${PYTHON:-python3} -m pytest -q -ra --durations=15 -n auto --dist loadgroup \
+  -p no:hypothesispytest -p no:benchmark -p no:anyio tests "$@"
