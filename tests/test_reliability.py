@@ -140,7 +140,7 @@ def test_residual_budget_error_uses_readable_units():
     from vc_compile.methods import mcsparse
 
     cfg = VCConfig(method="mcsparse", residual_budget_gb=1e-6)  # ~1 KiB
-    why = mcsparse._check_memory(1 * 2 * 256 * 64 * 2, torch.device("cpu"), cfg)  # a bf16 [1, 2, 256, 64]
+    why = mcsparse._over_budget(1 * 2 * 256 * 64 * 2, cfg)  # a bf16 [1, 2, 256, 64]
     assert "64.0 KiB" in why and "0.00 GiB" not in why and "stock SDPA until its next anchor" in why
 
 

@@ -273,22 +273,20 @@ def test_anchor_memory_check_counts_the_driver_and_the_metadata_pool_not_the_mod
     from vc_compile.methods import mcsparse as M
 
     GiB = 2**30
-    cfg = VCConfig.from_options({**BASE, "method": "mcsparse", "residual_budget_gb": 1000})
     cuda = torch.device("cuda", 0)
     mem = {"free": 5.5 * GiB, "pool_free": 0}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (int(mem["free"]), 80 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 30 * GiB)  # 10 GiB of it unused
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 20 * GiB)
     monkeypatch.setattr(M, "_pool_free", lambda d: int(mem["pool_free"]))
-    monkeypatch.setattr(state, "bytes_held", lambda: 0)
     need = int(1.88 * GiB)  # one 14B block-branch: selection, query order, bf16 residual
-    why = M._check_memory(need, cuda, cfg)  # 5.5 GiB free < 1.88 + 4 GiB: the model's 10 GiB cache not counted
+    why = M._no_gpu_room(need, cuda)  # 5.5 GiB free < 1.88 + 4 GiB: the model's 10 GiB cache not counted
     assert why is not None and "5.5 GiB free for it" in why
     mem["pool_free"] = 2 * GiB  # a previous generation's metadata, unused in the pool: 7.5 GiB in all
-    assert M._check_memory(need, cuda, cfg) is None
+    assert M._no_gpu_room(need, cuda) is None
     mem["free"], mem["pool_free"] = 0, 6 * GiB  # the pool alone
-    assert M._check_memory(need, cuda, cfg) is None
-    assert M._check_memory(need, torch.device("cpu"), cfg) is None  # host memory is not checked
+    assert M._no_gpu_room(need, cuda) is None
+    assert M._no_gpu_room(need, torch.device("cpu")) is None  # host memory is not checked
 
 
 def test_memory_plan_first_returns_torchs_unused_cache_to_the_driver(monkeypatch):

@@ -103,8 +103,8 @@ class SparseMeta:
     guard: Optional[GuardState] = None  # the quality guard's rows and readings (guard_threshold > 0)
     check: Optional[ReuseCheck] = None  # the reuse check of this anchor (option reuse_check)
     epoch: int = 0  # which anchor step of the schedule made it (``anchor_epoch``)
-    # the anchor could not keep its metadata (the residual budget or the GPU's free memory): why. Nothing is held;
-    # the reuse steps until the next anchor run stock SDPA (``plan``), never an exception mid-generation
+    # the anchor could not keep its metadata (the residual budget, the GPU's free memory, or it ran out): why. Nothing
+    # is held; until the next anchor the reuse steps run stock SDPA (``plan``), never an exception mid-generation
     refused: Optional[str] = None
     # refused for the GPU's free memory (``_no_gpu_room``): the warm-up's dense 8-bit path runs instead of stock SDPA
     no_room: bool = False
@@ -249,7 +249,7 @@ class MemoryPlan:
     shapes), what each needs, the ``residual_budget_gb`` and the GPU's free memory. The first blocks in call order
     that fit keep it; the others run the warm-up's dense 8-bit path (V-Smooth) for the whole generation, so the
     generation never runs out of memory at a later block's anchor. A block the warm-up did not run is not
-    planned (its anchor checks its own residual, ``_check_memory``)."""
+    planned (its anchor checks its own metadata, ``_over_budget`` and ``_no_gpu_room``)."""
     planned: frozenset
     keep: frozenset
     need: int
@@ -489,14 +489,9 @@ MEMORY_HINT = ("use options={'residual': 'fp8'} (half the memory) or 'none' (no 
                "'residual_budget_gb', or fewer sparse layers/branches")
 
 
-def _check_memory(need: int, device, cfg, replaced: int = 0) -> Optional[str]:
-    """Why the anchor cannot keep ``need`` bytes of metadata (over ``residual_budget_gb``, or more than the GPU has
-    free), with the fixes; None when it can. ``replaced``: bytes of the block's previous metadata, which the new
-    replaces (it is freed after the new is kept)."""
-    return _over_budget(need, cfg, replaced) or _no_gpu_room(need, device)
-
-
 def _over_budget(need: int, cfg, replaced: int = 0) -> Optional[str]:
+    """Why the anchor cannot keep ``need`` bytes of metadata under ``residual_budget_gb``, with the fixes; None when
+    it can. ``replaced``: bytes of the block's previous metadata, which the new replaces (freed once it is kept)."""
     held = state.bytes_held() - replaced
     budget = cfg.residual_budget_gb * 2**30  # a float: inf (no limit) must not go through int()
     if held + need > budget:
@@ -508,6 +503,8 @@ def _over_budget(need: int, cfg, replaced: int = 0) -> Optional[str]:
 
 
 def _no_gpu_room(need: int, device) -> Optional[str]:
+    """Why the GPU has no room for ``need`` bytes of metadata beside the plan's margin, with the fixes; None where it
+    has (or ``device`` is not a GPU)."""
     if getattr(device, "type", None) != "cuda":
         return None
     free, total = _free_bytes(device)
@@ -654,8 +651,9 @@ def _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_ancho
         return out, _kept(meta, epoch)
     del resid, o_dense
     kept = (sigma, idx, residual, res_scale)
-    over = _over_budget(state.nbytes(kept), cfg, state.nbytes(meta))
-    short = None if over else _no_gpu_room(state.nbytes(kept), q.device)
+    need = state.nbytes(kept)
+    over = _over_budget(need, cfg, state.nbytes(meta))
+    short = None if over else _no_gpu_room(need, q.device)
     if over or short:  # nothing kept: stock SDPA (over budget) or the dense 8-bit path (no room) to the next anchor
         return out, SparseMeta(sigma=None, idx=None, residual=None, res_scale=None, density=keep / Sk,
                                epoch=epoch, refused=over or short, no_room=short is not None)
