@@ -217,7 +217,7 @@ def bench_shape(H, S, args, device):
     from vc_compile.kernels.launch import FAST_LAUNCH
     for label in args.methods:
         # our path, measured (the gate's source); V-Smooth groups at step 0 only (MC-Sparse's warm-up too): the timed
-        # calls are reuse calls. NOTE with the default schedule (every 10th step) the 13 steps from the settling
+        # calls are reuse calls. NOTE with a periodic schedule (every 10th step) the 13 steps from the settling
         # calls to the last timed one always held a group step (H200, cf11bc3: V-Smooth / ExpCast H12 S32760 0.56 /
         # 0.58 ms host per call, "1 of the 10 timed steps were not reuse steps", a k-means and a new recording)
         opts = dict(METHODS[label], speed_gate="off", **{"group_interval": 0, **args.options})

@@ -102,7 +102,10 @@ SIZES = {  # name -> model, transformer config, pixels, flow shift, text tokens
 METHODS = {"vsmooth": {"method": "vsmooth", "expcast": False}, "vsmooth+expcast": {"method": "vsmooth", "expcast": True},
            "mcsparse@0.15": {"method": "mcsparse", "density": 0.15},
            "mcsparse@0.25": {"method": "mcsparse", "density": 0.25},
-           "dense": {"method": "dense"}}  # dense: stock SDPA through the op (its overhead); not in the default
+           "dense": {"method": "dense"},  # dense: stock SDPA through the op (its overhead); not in the default
+           # the grouping schedule's A/B (docs/design/vsmooth-grouping-schedule.md); not in the default
+           "vsmooth+expcast:unshared": {"method": "vsmooth", "expcast": True, "share_grouping": False},
+           "vsmooth+expcast:g25": {"method": "vsmooth", "expcast": True, "group_interval": 25}}
 DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse@0.25"
 # What a diffusers user picks instead of vcattn, each on stock Inductor (regional or whole compile as the methods):
 # torchao's one-call FP8 attention, SageAttention through diffusers' attention dispatcher, FA4 as torch's flash
@@ -734,7 +737,8 @@ class Estimator:
         if label in self.gen:
             return self.gen[label]
         stock = self.gen.get("stock", self.step_s * self.steps)
-        return (stock * PRIOR_RATIO.get(base_label(label), 1.0) * (F8_PRIOR if F8 in stacks(label) else 1.0)
+        prior = PRIOR_RATIO.get(base_label(label).split(":")[0], 1.0)  # "vsmooth+expcast:g25": its method's
+        return (stock * prior * (F8_PRIOR if F8 in stacks(label) else 1.0)
                 * (DBC_PRIOR if DBC in stacks(label) else 1.0))
 
     def item_s(self, item, label, mode):

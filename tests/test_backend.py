@@ -54,7 +54,7 @@ CASES = [
 ]
 PHASES = {
     "dense": {"dense": 10},
-    "vsmooth": {"group": 1, "reuse": 9},  # step 0 groups (then every 10th: group_interval)
+    "vsmooth": {"group": 1, "reuse": 9},  # step 0 groups (then every 25th: group_interval)
     "expcast": {"group": 1, "reuse": 9},
     "mcsparse": {"warmup": 2, "anchor": 2, "reuse": 6},  # V-Smooth warm-up 20%, anchors at steps 2 and 5
 }

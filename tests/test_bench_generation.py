@@ -33,7 +33,7 @@ def test_smoke_phase_schedule_sums_and_fidelity():
         r = by[v]
         assert sum(r[f"n_{p}"] for p in bg.PHASES) == steps
         assert sum(r[f"ms_{p}"] for p in bg.PHASES) == pytest.approx(r["ms"])
-    # the schedule over 6 steps: V-Smooth groups on step 0 (every 10th step); MC-Sparse: 1 warm-up step
+    # the schedule over 6 steps: V-Smooth groups on step 0 (every 25th step); MC-Sparse: 1 warm-up step
     # (round(0.2 * 6)), anchors at steps 1 and round(0.52 * 6) = 3, reuse elsewhere
     assert (by["vsmooth"]["n_group"], by["vsmooth"]["n_reuse"]) == (1, 5)
     r = by["mcsparse@0.15"]

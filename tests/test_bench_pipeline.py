@@ -37,7 +37,7 @@ def test_smoke_regional_every_method_phase_split_and_no_rows_appended():
         assert r["attn_ms"] > 0
         assert sum(r[f"attn_{p}_ms"] for p in bp.PHASES) == pytest.approx(r["attn_ms"])
         assert sum(r[f"step_{p}_ms"] for p in bp.PHASES) > 0
-    # 2 steps: V-Smooth groups on step 0 (every 10th step); MC-Sparse anchors at round(0.2 * 2) = 0 and
+    # 2 steps: V-Smooth groups on step 0 (every 25th step); MC-Sparse anchors at round(0.2 * 2) = 0 and
     # round(0.52 * 2) = 1 (no warm-up step)
     assert by["vsmooth"]["phases"] == "group:1 reuse:1"
     assert by["vsmooth"]["attn_group_ms"] > 0 and by["vsmooth"]["attn_reuse_ms"] > 0

@@ -11,7 +11,7 @@ from vc_compile.config import Method, QKFormat, VCConfig, VCConfigError
 def test_defaults_and_roundtrip():
     cfg = VCConfig.from_options({})
     assert cfg.resolved_method == Method.VSMOOTH and cfg.qk_format == QKFormat.INT8
-    assert cfg.group_fraction == 0.0 and cfg.group_interval == 10
+    assert cfg.group_fraction == 0.0 and cfg.group_interval == 25 and cfg.share_grouping
     cfg2 = VCConfig.from_options({"method": "mcsparse", "density": 0.25, "anchor_steps": [3, 9]})
     assert VCConfig.from_json(cfg2.to_json()) == cfg2
     assert cfg2.anchor_steps == (3, 9)

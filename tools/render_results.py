@@ -158,8 +158,10 @@ def pipeline_tables(rows) -> List[str]:
     and attention error side by side (x torchao's error where a torchao row has one). A table whose rows come from
     several runs names them; each speed-up is against the stock variant of the row's own run."""
     out = []
-    # a run of the first N steps of a longer schedule (--schedule) belongs with that schedule's rows
-    rows = [{**r, "steps_run": r.get("steps"), "steps": r.get("schedule") or r.get("steps")} for r in rows]
+    # a run of the first N steps of a longer schedule (--schedule) belongs with that schedule's rows; an A/B
+    # variant ("<method>:<change>") belongs to the design record that names it
+    rows = [{**r, "steps_run": r.get("steps"), "steps": r.get("schedule") or r.get("steps")} for r in rows
+            if ":" not in r["variant"]]
     for key, by_var in latest(rows, PIPE_GROUP).items():
         model, S, layers, steps, guidance, mode = key
         any_row = by_var.get("stock") or next(iter(by_var.values()))

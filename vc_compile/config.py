@@ -133,8 +133,10 @@ OPTION_DOCS: Dict[str, str] = {
     "group_fraction": "V-Smooth (and MC-Sparse's 8-bit warm-up): fraction of the steps, from the start, that "
                       "re-group V; the first step always does.",
     "group_interval": "V-Smooth (and MC-Sparse's 8-bit warm-up): re-group V at every N-th step (0, N, 2N, ...); "
-                      "0 = never. Default 10: 1.2% above re-grouping every step on the demo model, against 5% "
-                      "for the first 25% of the steps (docs/methods.md).",
+                      "0 = never. Default 25 (steps 0 and 25 of 50): 2% above every 10th step on the demo model "
+                      "and 0.5% faster end to end (docs/design/vsmooth-grouping-schedule.md).",
+    "share_grouping": "V-Smooth: a grouping step clusters V once per block and step, in the first CFG branch; the "
+                      "other branches reuse its grouping (False: one k-means per branch).",
     "density": "MC-Sparse: fraction of keys each query group keeps (0 < density <= 1).",
     "group_size": "MC-Sparse: queries per group (the sparse kernel's query tile): 64 or 128 (128: 17% faster "
                   "sparse steps, 0.3-0.4 dB lower PSNR on the demo; docs/design/sparse-group-size.md).",
@@ -289,10 +291,14 @@ class VCConfig:
     # NOTE 3 kept: one iteration helps the exp2 paths but costs V-Smooth + ExpCast (the default) its fidelity, for
     # 1.5-2% of a generation; docs/design/kmeans-iterations.md
     kmeans_iters: int = 3
-    # NOTE every 10th step, none packed at the start: a stale grouping costs little early in the trajectory and most
-    # late, so spread-out grouping steps come closest to re-grouping every step; docs/design/vsmooth-grouping-schedule.md
+    # NOTE every 25th step, none packed at the start: spread-out grouping steps come closest to re-grouping every
+    # step; 25 instead of 10 keeps the default ahead of torchao's FP8 attention for +2% attention error;
+    # docs/design/vsmooth-grouping-schedule.md
     group_fraction: float = 0.0
-    group_interval: int = 10
+    group_interval: int = 25
+    # NOTE one grouping for the CFG branches of a step: the branches share x_t, so their V orders alike;
+    # docs/design/vsmooth-grouping-schedule.md
+    share_grouping: bool = True
     density: float = 0.15
     # NOTE 128 by default: the larger query tile makes reuse steps faster for a small loss of fidelity from the
     # coarser groups; 64 stays an option. docs/design/sparse-group-size.md

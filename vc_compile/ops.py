@@ -590,7 +590,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ident: Optional
                     q, k = torch_ops.apply_rope(q, rope_args), torch_ops.apply_rope(k, rope_args)
                 return F.scaled_dot_product_attention(q, k, v, scale=scale).contiguous()
     rec.config_sources.update(sources)
-    if new_meta is not None and new_meta is not meta:
+    if new_meta is not None and (new_meta is not meta or plan.borrowed):
         state.put(key, new_meta)
         _watch(ident, key)
     rec.phases[phase.value] += 1
@@ -621,6 +621,14 @@ class _Slots:
 
     def __call__(self, suffix: tuple):
         return state.get(self.key + suffix)
+
+    @property
+    def branch(self) -> int:
+        return self.key[2]
+
+    def of_branch(self, branch: int, suffix: tuple = ()):
+        """The metadata of the same site, block and shapes in another CFG branch."""
+        return state.get(self.key[:2] + (branch,) + self.key[3:] + suffix)
 
 
 def _method_note(rec, site: int, reason: str, message: str) -> None:

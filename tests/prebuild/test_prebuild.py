@@ -48,10 +48,10 @@ def test_chains_cover_every_phase_twice_and_split_the_warmup():
     from vc_compile.methods import get
     from vc_compile.methods.phase import Phase
 
-    # V-Smooth, 10 steps: group on step 0 (every 10th step), then reuse: one chain, the first two of each run
+    # V-Smooth, 10 steps: group on step 0 (every 25th step), then reuse: one chain, the first two of each run
     assert prebuild.plan_chains(_req("vsmooth")) == [[0, 1, 2]]
-    # 50 steps: groups at 0, 10, .., 40; the runs after the first group / reuse pair repeat it: not run again
-    assert prebuild.plan_chains(_req("vsmooth", steps=50)) == [[0, 1, 2, 10]]
+    # 50 steps: groups at 0 and 25; the runs after the first group / reuse pair repeat it: not run again
+    assert prebuild.plan_chains(_req("vsmooth", steps=50)) == [[0, 1, 2, 25]]
     # MC-Sparse, 10 steps: warm-up 0-1 (own chain), anchors at 2 and 5 (20% / 52%), reuse between (the reuse
     # run after the second anchor repeats the one after the first: not run again)
     chains = prebuild.plan_chains(_req("mcsparse"))

@@ -115,7 +115,7 @@ def test_two_threads_through_the_op_keep_steps_and_metadata_apart():
     for i, (x, y) in enumerate(zip(got["b"], alone_b)):
         assert torch.equal(x, y), f"thread b, call {i}"
     assert dict(_report.site(site).phases) == phases_alone
-    # A: GROUP on step 0 (every 10th step: group_interval), REUSE after; B: steps 6 and 7 only, each a new
+    # A: GROUP on step 0 (every 25th step: group_interval), REUSE after; B: steps 6 and 7 only, each a new
     # generation after the first (6 < 7): the first call of each generation has no grouping cached, so GROUP
     assert phases_alone == {"group": 1 + 4, "reuse": 7 + 4}
 
@@ -126,8 +126,9 @@ def test_two_threads_at_two_sites_report_their_own_phases():
     _run_threads(lambda: _generation(sa, 0, range(4), 4, barrier), lambda: _generation(sb, 7, [3, 3, 3, 3], 4, barrier))
     assert dict(_report.site(sa).phases) == {"group": 1, "reuse": 3}
     # B pins step 3 (REUSE in the schedule): its first call groups (nothing cached), the next three are new
-    # branches of step 3 (GROUP each: a branch has its own metadata)
-    assert dict(_report.site(sb).phases) == {"group": 4}
+    # branches of step 3, each with nothing cached of its own: they reuse the first branch's grouping
+    # (share_grouping), so only the first call runs k-means
+    assert dict(_report.site(sb).phases) == {"group": 1, "reuse": 3}
     assert dict(_report.site(sa).step_sources) == {"explicit": 4} == dict(_report.site(sb).step_sources)
 
 

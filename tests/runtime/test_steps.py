@@ -354,8 +354,8 @@ def test_plain_function_timestep_argument():
 def test_schedule_tables():
     vs = VCConfig(method="vsmooth")
     assert [vsmooth.phase_for(vs, s, 8, s > 0).value for s in range(8)] == ["group"] + ["reuse"] * 7
-    # the default re-groups every 10th step; group_fraction re-groups a window at the start instead / as well
-    assert [s for s in range(50) if vsmooth.phase_for(vs, s, 50, True) == Phase.GROUP] == [0, 10, 20, 30, 40]
+    # the default re-groups every 25th step; group_fraction re-groups a window at the start instead / as well
+    assert [s for s in range(50) if vsmooth.phase_for(vs, s, 50, True) == Phase.GROUP] == [0, 25]
     window = VCConfig(method="vsmooth", group_fraction=0.25, group_interval=0)  # the schedule before 2026-12-04
     assert [s for s in range(50) if vsmooth.phase_for(window, s, 50, True) == Phase.GROUP] == list(range(13))
     both = VCConfig(method="vsmooth", group_fraction=0.1, group_interval=20)
@@ -423,10 +423,11 @@ def test_compiled_no_recompiles_and_schedule():
     m, x, ctx = tiny_dit.make()
     model = TDiT(m)
     # the grouping window of the first 25% of the steps (not the default schedule): its length shows the n each
-    # generation found
+    # generation found; each CFG branch groups itself (share_grouping off), so both count it
     cm = torch.compile(model, backend="vcattn",
                        options={"min_seq_len": 64, "method": "vsmooth", "kmeans_iters": 1, "group_fraction": 0.25,
-                                "group_interval": 0, "experimental": {"compiler": "eager", "kmeans_init_iters": 2}})
+                                "group_interval": 0, "share_grouping": False,
+                                "experimental": {"compiler": "eager", "kmeans_init_iters": 2}})
     # generation 1: explicit, 4 steps, CFG as two forwards
     with vc_compile.sampling(num_steps=4):
         for i, t in enumerate(torch.tensor([999, 750, 500, 250])):

@@ -13,7 +13,8 @@ A method module is an ``AttentionMethod``:
 ``ineligible(q, k, v)``  the kernels' limits (dispatch's checks): a reason, or None;
 ``plan(cfg, step, n, slot, q, k, v, impl) -> Plan``  what step ``step`` of ``n`` does: its phase, which
                      metadata slot it reads and writes (``slot(suffix)`` returns the cached metadata of the
-                     site's key + suffix, or None), whether it runs the 8-bit attention (the sharpness check),
+                     site's key + suffix, or None; ``slot.branch`` is the call's CFG branch and
+                     ``slot.of_branch(b)`` another branch's main slot), whether it runs the 8-bit attention (the sharpness check),
                      what runs when the site is too sharp, and a guard reading to record;
 ``run(q, k, v, *, phase, meta, cfg, sm_scale, impl, **kw) -> (out, new meta)``  ``Phase.DENSE`` never reaches
                      it (the op runs stock SDPA);
@@ -53,6 +54,7 @@ class Plan:
     replay: bool = True  # False: this call measures something (no recorded launches or CUDA graph replays it)
     fallback: Optional[Tuple[str, str]] = None  # a DENSE phase the method chose for accuracy: (reason, warning)
     note: Optional[Tuple[str, str]] = None  # another of the method's paths, and why: (reason, warning once)
+    borrowed: bool = False  # ``meta`` is another branch's: the op stores it in this call's slot too
 
 
 @dataclass(frozen=True)

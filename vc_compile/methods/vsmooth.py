@@ -1,7 +1,8 @@
 """``method="vsmooth"``: 8-bit attention with value smoothing (docs/methods.md, Preprocessing to ExpCast-FP8).
 
-GROUP steps (``group_phase``: every ``group_interval``-th step, 10 by default, and the first ``group_fraction``
-of the steps): k-means of V rows per (b, h) (warm-started from this site's previous centroids), labels ->
+GROUP steps (``group_phase``: every ``group_interval``-th step, 25 by default, and the first ``group_fraction``
+of the steps): k-means of V rows per (b, h) (warm-started from this site's previous centroids; with
+``share_grouping``, once per step in the first CFG branch, the others reuse it), labels ->
 stable argsort -> permutation pi. Every step: preprocess (K smoothing, optional Hadamard, 8-bit Q/K, K and
 V permuted by pi, 128-row block means, FP8 residual) and the 8-bit attention with mean compensation.
 Metadata: ``VSmoothMeta(perm, centroids)`` per site/block/branch.
@@ -19,8 +20,9 @@ Hostile inputs (tests/test_hostile.py):
 """
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -37,10 +39,14 @@ from .protocol import MethodSpec, Plan
 WARMUP_FRACTION = 0.0
 
 
+_SERIAL = itertools.count()
+
+
 @dataclass
 class VSmoothMeta:
     perm: torch.Tensor  # [B, H, Sk] int64
     centroids: torch.Tensor  # [B, H, K, D] fp32
+    serial: int = field(default_factory=lambda: next(_SERIAL))  # creation order: which grouping is the newer
 
 
 def _warm_start(centroids: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -75,9 +81,16 @@ NEEDS_IDENTITY = False  # a grouping of another block is only a worse ordering, 
 
 
 def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
-    """The schedule's phase; every non-dense step is 8-bit (too sharp: the call runs stock SDPA)."""
+    """The schedule's phase; every non-dense step is 8-bit (too sharp: the call runs stock SDPA). With
+    ``share_grouping``, a later CFG branch's grouping step reuses the grouping the first branch made in it."""
     meta = slot(())
     phase = phase_for(cfg, step, n, meta is not None)
+    if phase == Phase.GROUP and cfg.share_grouping and slot.branch > 0:
+        first = slot.of_branch(0)
+        # newer than this branch's own: the first branch re-grouped in this step (it runs first), or it ran its
+        # last grouping step while this branch was on stock SDPA; never a wrong result, only an older ordering
+        if isinstance(first, VSmoothMeta) and (meta is None or first.serial > meta.serial):
+            return Plan(Phase.REUSE, first, eight_bit=True, borrowed=True)
     return Plan(phase, meta, eight_bit=phase != Phase.DENSE)
 
 

@@ -183,7 +183,7 @@ def _schedule(req: dict) -> list:
 def plan_chains(req: dict) -> List[List[int]]:
     """The steps of ``req``'s schedule a helper runs, as chains that build in parallel: the first two steps of
     every run of one phase, once per (phase, phase before it) (a periodic schedule, e.g. V-Smooth's grouping
-    every 10th step, repeats the same two runs), the warm-up phase's in a chain of its own (the rest starts
+    every 25th step, repeats the same two runs), the warm-up phase's in a chain of its own (the rest starts
     from no metadata, as a method's first step after its warm-up may). Stock-SDPA steps are left out (no kernel
     of ours)."""
     from ..methods.phase import Phase
