@@ -82,7 +82,7 @@ def test_enable_wan21_regional_steps_from_callback_and_disable():
     out = run(pipe, call, 4)
     (site,) = sites()  # one block graph serves both blocks
     assert site.step_sources == {"callback": 4 * 2 * 2}  # steps x CFG x blocks
-    assert site.phases == {"group": 4, "reuse": 12}  # 1 grouping step (step 0) per site
+    assert site.phases == {"group": 2, "reuse": 14}  # 1 grouping step (step 0) per block, in the cond branch
     assert {k[2] for k in state.keys()} == {0, 1}  # cond / uncond kept apart
     assert relerr(out, ref) < 0.05
     assert counters["stats"]["unique_graphs"] == 1

@@ -185,7 +185,7 @@ def test_a_replayed_program_hands_the_launchers_what_the_normal_path_does():
 
 
 # The op itself offline (same harness; the CPU tensors stand for an sm_90 GPU's and programs are allowed on them):
-# a 20-step V-Smooth + ExpCast generation groups at steps 0 and 10; after each grouping the first reuse call runs
+# a 20-step V-Smooth + ExpCast generation grouping every 10th step groups at steps 0 and 10; after each grouping the first reuse call runs
 # normally, the second is recorded, the rest replay, from the third on through the site's lane; the report counts
 # every call once.
 _OP_CODE = _CODE.split("def vs_fn")[0] + r"""
@@ -195,7 +195,7 @@ dispatch.choose = lambda method, kernels, fp8, device: (T, "triton")  # the kern
 import vc_compile
 from vc_compile.ops import PROGRAMS, _LANES
 cfg = VCConfig.from_options({"method": "vsmooth", "expcast": True, "speed_gate": "off", "num_steps": 20,
-                             "min_seq_len": 16}).to_json()
+                             "min_seq_len": 16, "group_interval": 10}).to_json()
 with vc_compile.sampling(num_steps=20):
     for i in range(20):
         vc_compile.step(i)
