@@ -184,6 +184,38 @@ def test_vcconfig_options_whole_model_and_reenable():
         vc_compile.enable(pipe, method="mcsparse", density=2.0)
 
 
+def test_a_second_enable_lists_each_site_once_in_the_report():
+    """``report()`` after a second ``enable``: the same options run the same graphs (one row a site, its calls
+    counted on); other options (or regional -> whole) replace the undone compile's rows instead of adding a second
+    row per site; back to the first options, its graph's rows (the stock-SDPA cross-attention too) return."""
+    pipe, call = wan(layers=1)
+
+    def rows():
+        return sorted((s.module, s.method if s.rewritten else "sdpa", s.calls) for s in vc_compile.report().sites)
+
+    vc_compile.enable(pipe, method="vsmooth", **OPTS)
+    run(pipe, call, 2)
+    first = rows()
+    assert [r[:2] for r in first] == [("WanTransformerBlock.attn1", "vsmooth"), ("WanTransformerBlock.attn2", "sdpa")]
+    vc_compile.enable(pipe, method="vsmooth", **OPTS)
+    run(pipe, call, 2)
+    assert rows() == [("WanTransformerBlock.attn1", "vsmooth", 8), ("WanTransformerBlock.attn2", "sdpa", 0)]
+    vc_compile.enable(pipe, method="vsmooth", regional=False, **OPTS)
+    run(pipe, call, 2)
+    assert rows() == [("blocks.0.attn1", "vsmooth", 4), ("blocks.0.attn2", "sdpa", 0)]
+    vc_compile.enable(pipe, method="dense", **OPTS)
+    run(pipe, call, 2)
+    assert rows() == [("WanTransformerBlock.attn1", "dense", 4), ("WanTransformerBlock.attn2", "sdpa", 0)]
+    vc_compile.enable(pipe, method="vsmooth", **OPTS)
+    run(pipe, call, 2)
+    assert rows() == [("WanTransformerBlock.attn1", "vsmooth", 4), ("WanTransformerBlock.attn2", "sdpa", 0)]
+    other, _ = wan(layers=1)  # another enabled pipeline: whose rows are whose is unknown, so every row stays
+    vc_compile.enable(other, method="vsmooth", **OPTS)
+    vc_compile.enable(pipe, method="dense", **OPTS)
+    run(pipe, call, 2)
+    assert [r[1] for r in rows()].count("vsmooth") == 1 and [r[1] for r in rows()].count("dense") == 1
+
+
 def test_enable_validates_before_changing_anything():
     pipe, _ = wan(layers=1)
     with pytest.raises(VCConfigError, match="unknown vcattn option"):

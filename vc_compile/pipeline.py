@@ -64,6 +64,7 @@ class _Enabled:
     backends: List[Tuple[Any, Any]]  # (processor, its previous _attention_backend)
     tracked: bool
     components: List[str]
+    first_site: int = 0  # the report's next site id when enable ran: the sites of this compile are from it on
 
     def __reduce__(self):
         return (_nothing, ())
@@ -188,7 +189,8 @@ def enable(pipe, method: Optional[str] = None, *, options: Any = None, regional:
     ``regional``: compile the repeated blocks (default) or the whole model. ``components``: attribute names
     to compile instead of every transformer. ``compile_kwargs``: more ``torch.compile`` arguments
     (``fullgraph``, ``dynamic``). ``$VCATTN_METHOD`` overrides the method or (``off``) disables all of this.
-    A second ``enable`` first undoes the first. ``pipe`` may also be a single ``nn.Module``."""
+    A second ``enable`` first undoes the first; ``report()`` then lists the new compile's sites in place of
+    the first's (with the same options: the same sites, counted on). ``pipe`` may also be a single ``nn.Module``."""
     from .config import VCConfig, merge_options
 
     opts = options_dict(options)
@@ -197,7 +199,9 @@ def enable(pipe, method: Optional[str] = None, *, options: Any = None, regional:
     opts = merge_options(opts, option_kwargs)  # an experimental={...} kwarg merges into options' own
     opts, off = apply_env(opts, "vc_compile.enable")
     cfg = VCConfig.from_options(opts)  # fail before changing anything
-    if getattr(pipe, _STATE_ATTR, None) is not None:
+    sites = current().sites  # the report's site registry
+    earlier = getattr(pipe, _STATE_ATTR, None)
+    if earlier is not None:
         disable(pipe)
     if off:
         log.warning("vc_compile.enable: %s=off: %s left unchanged", ENV_METHOD, type(pipe).__name__)
@@ -244,13 +248,26 @@ def enable(pipe, method: Optional[str] = None, *, options: Any = None, regional:
         from .runtime import pipeline_calls
 
         tracked = pipeline_calls.track(pipe)
-    object.__setattr__(pipe, _STATE_ATTR, _Enabled(plain, compiled, backends, tracked, list(found)))
+    first = sites.watermark()
+    if earlier is not None:
+        if earlier.options == plain and earlier.compiled == compiled:
+            first = earlier.first_site  # the same compile again: Dynamo reuses its graphs, and their sites
+        elif not _any_enabled():
+            # NOTE another compile: its sites replace the undone one's in report(), which would list each site
+            # once per compile; only where no other pipeline is enabled (a site record does not say whose it is)
+            sites.retire_from(earlier.first_site)
+    object.__setattr__(pipe, _STATE_ATTR, _Enabled(plain, compiled, backends, tracked, list(found), first))
     from .backend import warm_prebuild
 
     warm_prebuild(cfg)  # prebuild on: its helpers import while the first call traces and compiles
     log.info("vc_compile.enable: method=%s on %s; steps from %s", cfg.resolved_method.value, ", ".join(what),
              "callback_on_step_end" if tracked else "the frame probe / timestep")
     return pipe
+
+
+def _any_enabled() -> bool:
+    """Whether any pipeline (or bare module) is enabled now."""
+    return any(getattr(o, _STATE_ATTR, None) is not None for owners in list(_OWNERS.values()) for o in owners)
 
 
 def disable(pipe):

@@ -136,6 +136,7 @@ class SiteRegistry:
         self.empty_graphs: List[str] = []
         self.by_key: Dict[tuple, int] = {}  # call-site identity (rewrite pass) -> site id
         self.forgotten: Dict[int, dict] = {}  # site -> its _STATIC_FIELDS, kept by ``clear()``
+        self.retired: Dict[str, list] = {}  # graph -> its stock-SDPA site records ``retire_from`` dropped
 
     def register_site(self, key: Optional[tuple] = None, **kw) -> SiteRecord:
         with self.lock:
@@ -156,6 +157,8 @@ class SiteRegistry:
                 known = self.forgotten.get(site_id) or dict(graph="?", node="?", module="?", shape="?",
                                                             dtype="?", method="?", rewritten=True)
                 rec = self.sites.setdefault(site_id, SiteRecord(site=site_id, **known))
+                for quiet in self.retired.pop(known["graph"], ()):  # a retired graph runs again: all its sites
+                    self.sites.setdefault(quiet.site, quiet)
         return rec
 
     def get(self, site_id: int) -> Optional[SiteRecord]:
@@ -186,11 +189,31 @@ class SiteRegistry:
         return Report(sites=sites, graphs_without_sdpa=list(self.empty_graphs),
                       prebuild=_line("prebuild"), launches=_line("launches"), builds=_line("builds"))
 
+    def watermark(self) -> int:
+        """The id the next new site gets at least (ids only grow)."""
+        with self.lock:
+            return max(max(self.sites, default=0), max(self.forgotten, default=0)) + 1
+
+    def retire_from(self, first: int) -> int:
+        """Drop the records of the sites registered at or after id ``first`` (an undone compile's) from the report,
+        as ``clear()`` drops all: a later call of such a site finds its record again. Returns how many."""
+        with self.lock:
+            gone = [s for s in self.sites if s >= first]
+            for s in gone:
+                rec = self.sites.pop(s)
+                self.forgotten[s] = {f: getattr(rec, f) for f in _STATIC_FIELDS}
+                if not rec.rewritten:  # never called: listed again only when its graph runs again
+                    self.retired.setdefault(rec.graph, []).append(rec)
+            for key in [k for k, s in self.by_key.items() if s >= first]:
+                del self.by_key[key]
+            return len(gone)
+
     def clear(self) -> None:
         with self.lock:
             for rec in self.sites.values():
                 self.forgotten[rec.site] = {f: getattr(rec, f) for f in _STATIC_FIELDS}
             self.sites.clear()
+            self.retired.clear()
             self.empty_graphs.clear()
             self.by_key.clear()
 
