@@ -131,3 +131,19 @@ def test_a_head_dim_the_rotation_cannot_take_refuses_instead():
     kc = _scaled(k, 100, channel=5)
     r = qc.read(q, kc, v, "int8", False)
     assert r.r_qk_hadamard is None and r.action("int8", False) == "sdpa"
+
+
+def test_values_near_the_bf16_maximum_run_stock_sdpa():
+    """|V| up to ~1e36 overflows V-Smooth's V statistics (NaN where SDPA is finite, from ~3e35 on; shown with the
+    check off): the check reads it as out of range and the site runs stock SDPA, finite as SDPA is; V up to 1e33
+    (``V_RANGE``) stays 8-bit."""
+    q, k, v = _inputs(1000, 64, kind="gaussian")
+    to = lambda top: (v.float() / v.float().abs().amax() * top).to(torch.bfloat16)  # noqa: E731
+    big = to(1e36)
+    assert not torch.isfinite(run_op(q, k, big, "vsmooth", steps=1, quant_check=False)[0]).all()
+    site = new_site("vsmooth")
+    with pytest.warns(RuntimeWarning, match="stock SDPA"):
+        out = run_op(q, k, big, "vsmooth", steps=1, site=site)[0]
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, big))
+    assert _report.current().sites.sites[site].runtime_fallbacks["outlier keys or values for 8-bit"] == 1
+    assert qc.read(q, k, to(qc.V_RANGE), "int8", False).action("int8", False) == "8bit"

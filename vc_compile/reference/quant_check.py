@@ -15,7 +15,8 @@ r_v     the error of the FP8 V codes (after V-Smooth's block means, one scale pe
 What it catches: a K channel far larger than the others (its per-block INT8 scale leaves the other channels a few
 codes: r_qk x4 at a channel x10, x6 at x100), one key token far larger than its block (that block's other keys
 lose their precision: at x1000 its keys' logit error outweighs the rest of the head), one value token far larger
-than its channel (every other token of the channel loses precision; E4M3's exponent absorbs x1000). The sample
+than its channel (every other token of the channel loses precision; E4M3's exponent absorbs x1000), values beyond
+``V_RANGE`` (the V statistics overflow near the bf16 maximum: r_v is inf). The sample
 always holds the K block and the V block with the largest element of each head, so a lone outlier is not missed.
 
 The action (``decide``): a reading within ``LIMIT`` x the clean format's reading keeps the 8-bit path; above it,
@@ -43,6 +44,8 @@ CLEAN_V = 2.7e-2
 # a reading above LIMIT x its clean value acts (ops.py); 2.5: the output error of V-Smooth stays within ~3x its
 # clean error where the logit error does (tests/reference/test_quant_check.py measures both on the cases it guards)
 LIMIT = 2.5
+# |V| beyond this overflows the 8-bit paths' V statistics (NaN from ~1e35 on; 1e34 measured clean): stock SDPA
+V_RANGE = 1e33
 ROWS = 64  # sampled query rows
 BLOCKS = 5  # evenly spaced K blocks (64 keys) and V blocks (128 keys) besides the worst one
 
@@ -131,6 +134,8 @@ def v_error(v: torch.Tensor) -> float:
     from vc_compile.reference.quant import quantize_fp8_rcp
     vi = _blocks(v, BLOCK_V, BLOCKS)
     vs = _take(v, vi)  # [B, H, (n + 1) x 128, D]: the typical blocks, then the worst
+    if float(torch.nan_to_num(vs, nan=0.0, posinf=0.0, neginf=0.0).abs().amax()) > V_RANGE:
+        return float("inf")  # beyond the range the 8-bit path can hold: never a reading it would keep
     nb = vs.shape[2] // BLOCK_V
     if nb == 0:
         return 0.0
