@@ -249,13 +249,17 @@ def test_hunyuan15_per_query_padding_mask_runs_on_the_kept_block():
     kw = dict(encoder_hidden_states=_embeds(1, 12, 16, seed=1), encoder_attention_mask=m1,
               encoder_hidden_states_2=_embeds(1, 6, 8, seed=2), encoder_attention_mask_2=m2,
               image_embeds=torch.zeros(1, 4, 8).to(BF), return_dict=False)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         ref = tr(*args, **kw)[0].float()
         ctr = torch.compile(tr, backend="vcattn", options=opts("vsmooth", min_seq_len=256))
         with vc_compile.sampling(num_steps=3):
             for i in range(3):
                 vc_compile.step(i)
                 out = ctr(*args, **kw)[0].float()
+    # its graph pieces without attention are listed, not warned of: its attention is rewritten
+    assert vc_compile.report().graphs_without_sdpa
+    assert not [w for w in caught if "no scaled_dot_product_attention" in str(w.message)]
     # 768 video + 4 byt5 + 7 mllm tokens kept of 790: the [B, 1, S, S] mask's first 779 rows keep the first 779 keys
     (s,) = vc_compile.report().rewritten
     assert s.key_padding == "779 of 790 keys" and s.phases == {"group": 2, "reuse": 4} and not s.runtime_fallbacks

@@ -426,3 +426,23 @@ def test_the_readme_cpu_example_runs_as_written():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "1 of 1 call sites rewritten" in r.stdout and "vsmooth" in r.stdout, r.stdout
+
+
+def test_the_test_command_installs_into_a_venv_of_its_own():
+    """``tools/test.sh`` installs the test-only packages (torchao among them, which makes every ``import
+    diffusers`` print warnings) into ``.venv-test`` (over the system's packages, so an installed torch is reused),
+    never into the user's environment: the venv is made and ``$PYTHON`` pointed at it before ``tools/setup.sh``
+    runs, and every install of setup.sh goes through ``$PYTHON``."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    test_sh = (root / "tools" / "test.sh").read_text()
+    made = test_sh.index('-m venv --system-site-packages "$VENV"')
+    pointed = test_sh.index('export PYTHON="$PWD/$VENV/bin/python"')
+    assert 'VENV=${VC_TEST_VENV:-.venv-test}' in test_sh and made < pointed < test_sh.index("bash tools/setup.sh")
+    setup = (root / "tools" / "setup.sh").read_text()
+    assert "PY=${PYTHON:-python3}" in setup
+    installs = re.findall(r"^.*pip install.*$", setup, flags=re.M)
+    assert installs and all("$PY -m pip install" in line for line in installs if not line.lstrip().startswith("#"))
+    assert ".venv-test/" in (root / ".gitignore").read_text().split()
