@@ -73,6 +73,8 @@ METHODS = {
     "mcsparse@0.25": {"method": "mcsparse", "density": 0.25, **_NO_CHECK},
     # the sm_90 gather kernel's 8-bit QK (opt-in; not in the default --methods)
     "mcsparse+int8@0.15": {"method": "mcsparse", "density": 0.15, "sparse_qk": "int8", **_NO_CHECK},
+    # the grouping schedule's A/B (docs/design/vsmooth-grouping-schedule.md; not in the default --methods)
+    "vsmooth+expcast:g10": {"method": "vsmooth", "expcast": True, "group_interval": 10},
 }
 DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse@0.25"
 PHASES = ("dense", "warmup", "group", "anchor", "reuse")  # warmup: MC-Sparse's V-Smooth warm-up
