@@ -184,10 +184,16 @@ def test_vcconfig_options_whole_model_and_reenable():
         vc_compile.enable(pipe, method="mcsparse", density=2.0)
 
 
-def test_a_second_enable_lists_each_site_once_in_the_report():
+def test_a_second_enable_lists_each_site_once_in_the_report(monkeypatch):
     """``report()`` after a second ``enable``: the same options run the same graphs (one row a site, its calls
     counted on); other options (or regional -> whole) replace the undone compile's rows instead of adding a second
     row per site; back to the first options, its graph's rows (the stock-SDPA cross-attention too) return."""
+    import weakref
+
+    from vc_compile import pipeline
+
+    # pipelines other tests of this process left enabled would count as other enabled pipelines
+    monkeypatch.setattr(pipeline, "_OWNERS", weakref.WeakKeyDictionary())
     pipe, call = wan(layers=1)
 
     def rows():

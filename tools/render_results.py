@@ -242,7 +242,7 @@ def generation_tables(rows) -> List[str]:
     out = []
     for key, by_var in latest(rows, GEN_GROUP).items():
         S, H, D, steps = key
-        main = {v: r for v, r in by_var.items() if not v.endswith(":reuse_breakdown")}
+        main = {v: r for v, r in by_var.items() if ":" not in v}  # an A/B label ("<method>:<change>"): its record
         brk = {v.split(":")[0]: r for v, r in by_var.items() if v.endswith(":reuse_breakdown")}
         any_row = next(iter(by_var.values()))
         body = []
@@ -481,23 +481,25 @@ def e2e_tables(rows) -> List[str]:
 
 
 def fidelity_attention_tables(rows) -> List[str]:
-    """``bench_e2e_attention.csv``, latest run: attention error by phase; top-15% key mass per head and step."""
+    """``bench_e2e_attention.csv``: attention error by phase, the latest row of each (variant, phase) with its run;
+    top-15% key mass per head and step of the latest run that read it."""
     if not rows:
         return [_none_yet("bench_e2e_attention.csv", "`python -m benchmarks.bench_e2e --attention` on a GPU")]
-    run = max((r["date"], r["commit"]) for r in rows)
+    last = {(r["variant"], r["phase"]): r for r in rows if r["variant"].startswith("attn:")}  # rows in run order
+    err = [[r["variant"][5:], r["phase"], r["n"], f(num(r["rel_l2"]), "{:.2e}"), f(num(r["rel_l2_max"]), "{:.2e}"),
+            f"{r['date'][:10]} {r['commit']}"] for r in last.values()]
+    run = max((r["date"], r["commit"]) for r in rows if r["variant"] == "mass")
     rows = [r for r in rows if (r["date"], r["commit"]) == run]
-    err = [[r["variant"][5:], r["phase"], r["n"], f(num(r["rel_l2"]), "{:.2e}"), f(num(r["rel_l2_max"]), "{:.2e}")]
-           for r in rows if r["variant"].startswith("attn:")]
     cells: Dict[tuple, Dict[str, float]] = {}
     for r in (r for r in rows if r["variant"] == "mass"):
         cells.setdefault((r["layer"], r["head"]), {})[r["step"]] = float(r["top15_mass"])
     steps = list(next(iter(cells.values()), {}))
     mass = [[f"layer {k[0]}, head {k[1]}", *(f(v.get(s), "{:.3f}") for s in steps)] for k, v in cells.items()]
     mass.append(["median over heads", *(f(statistics.median(v[s] for v in cells.values()), "{:.3f}") for s in steps)])
-    return [f"Attention rel. L2 vs fp32 by phase ({rows[0]['gpu']}, {run[0][:10]}, commit {run[1]}, {rows[0]['S']} "
-            f"tokens; one layer's inputs at every step of the dense run):\n\n"
-            + md_table(["variant", "phase", "steps", "median", "max"], err),
-            "Top-15% key mass per layer and head along the dense run (columns: denoising step):\n\n"
+    return [f"Attention rel. L2 vs fp32 by phase ({rows[0]['gpu']}, {rows[0]['S']} tokens; one layer's inputs at every "
+            f"step of the dense run):\n\n" + md_table(["variant", "phase", "steps", "median", "max", "run"], err),
+            f"Top-15% key mass per layer and head along the dense run ({run[0][:10]}, commit {run[1]}; columns: "
+            "denoising step):\n\n"
             + md_table(["head", *steps], mass)]
 
 
