@@ -3,9 +3,9 @@
 # (.venv-test, over the system's packages: an installed torch is reused, and the test-only packages such as
 # torchao never reach the user's environment), then runs the tests.
 # On a CPU-only machine the Triton kernels run under TRITON_INTERPRET=1 on small shapes and GPU-only
-# tests are skipped (marker `requires_cuda`). About 9-11 minutes on 2 CPU cores alone: 10 min 22 s on a fresh
-# clone with empty Triton and Inductor caches (the offline sm_90 builds, Inductor's C++ builds), 1387 passed,
-# 325 skipped (2026-12-07); less with the caches of an earlier run; longer while another job shares the cores.
+# tests are skipped (marker `requires_cuda`). About 7-11 minutes on 2 CPU cores alone, by machine: on a new
+# machine (no torch, empty Triton and Inductor caches) 7 min 18 s, setup 55 s (2026-12-07); 10 min 22 s on an
+# earlier machine of the same size; less with the caches of an earlier run; longer while another job shares them.
 #     bash tools/test.sh [pytest args]        # VC_TEST_VENV=DIR: another venv; VC_TEST_VENV=none: this Python
 set -euo pipefail
 cd "$(dirname "$0")/.."
