@@ -14,8 +14,8 @@ A method module is an ``AttentionMethod``:
 ``plan(cfg, step, n, slot, q, k, v, impl) -> Plan``  what step ``step`` of ``n`` does: its phase, which
                      metadata slot it reads and writes (``slot(suffix)`` returns the cached metadata of the
                      site's key + suffix, or None; ``slot.branch`` is the call's CFG branch and
-                     ``slot.of_branch(b)`` another branch's main slot), whether it runs the 8-bit attention (the sharpness check),
-                     what runs when the site is too sharp, and a guard reading to record;
+                     ``slot.of_branch(b)`` another branch's main slot), whether it runs the 8-bit attention
+                     (the sharpness check), what runs when the site is too sharp, and a guard reading to record;
 ``run(q, k, v, *, phase, meta, cfg, sm_scale, impl, **kw) -> (out, new meta)``  ``Phase.DENSE`` never reaches
                      it (the op runs stock SDPA);
 ``path_label(path, phase, cfg, q, v) -> str``  the kernel path ``report()`` records for a call on these inputs

@@ -44,7 +44,7 @@ CLEAN_V = 2.7e-2
 # a reading above LIMIT x its clean value acts (ops.py); 2.5: the output error of V-Smooth stays within ~3x its
 # clean error where the logit error does (tests/reference/test_quant_check.py measures both on the cases it guards)
 LIMIT = 2.5
-# |V| beyond this overflows the 8-bit paths' V statistics (NaN from ~1e35 on; 1e34 measured clean): stock SDPA
+# |V| beyond this overflows the 8-bit paths' V statistics (NaN from ~3e35 on; 1e34 measured clean): stock SDPA
 V_RANGE = 1e33
 ROWS = 64  # sampled query rows
 BLOCKS = 5  # evenly spaced K blocks (64 keys) and V blocks (128 keys) besides the worst one
