@@ -133,6 +133,7 @@ class SiteRegistry:
         self.lock = threading.Lock()
         self.sites: Dict[int, SiteRecord] = {}
         self._next = itertools.count(1)
+        self.issued = 0  # the last id the counter gave
         self.empty_graphs: List[str] = []
         self.by_key: Dict[tuple, int] = {}  # call-site identity (rewrite pass) -> site id
         self.forgotten: Dict[int, dict] = {}  # site -> its _STATIC_FIELDS, kept by ``clear()``
@@ -145,6 +146,7 @@ class SiteRegistry:
                 if rec is not None:
                     return rec
             rec = SiteRecord(site=next(self._next), **kw)
+            self.issued = rec.site
             self.sites[rec.site] = rec
             if key is not None:
                 self.by_key[key] = rec.site
@@ -190,9 +192,10 @@ class SiteRegistry:
                       prebuild=_line("prebuild"), launches=_line("launches"), builds=_line("builds"))
 
     def watermark(self) -> int:
-        """The id the next new site gets at least (ids only grow)."""
+        """The id the next registered site gets (the counter's; a record made for an op called by hand with an id
+        of its own does not move it)."""
         with self.lock:
-            return max(max(self.sites, default=0), max(self.forgotten, default=0)) + 1
+            return self.issued + 1
 
     def retire_from(self, first: int) -> int:
         """Drop the records of the sites registered at or after id ``first`` (an undone compile's) from the report,
