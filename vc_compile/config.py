@@ -282,7 +282,7 @@ class Experimental:
 @dataclass(frozen=True)
 class VCConfig:
     method: Method = Method.AUTO
-    # NOTE ExpCast by default: the only dense 8-bit path level with torchao's FP8 attention end to end
+    # NOTE ExpCast by default: the only dense 8-bit path that keeps pace with torchao's FP8 attention end to end
     # (docs/design/default-method.md)
     expcast: bool = True
     hadamard: bool = False
