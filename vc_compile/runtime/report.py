@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -132,8 +131,7 @@ class SiteRegistry:
     def __init__(self):
         self.lock = threading.Lock()
         self.sites: Dict[int, SiteRecord] = {}
-        self._next = itertools.count(1)
-        self.issued = 0  # the last id the counter gave
+        self.issued = 0  # the last site id given (ids only grow)
         self.empty_graphs: List[str] = []
         self.by_key: Dict[tuple, int] = {}  # call-site identity (rewrite pass) -> site id
         self.forgotten: Dict[int, dict] = {}  # site -> its _STATIC_FIELDS, kept by ``clear()``
@@ -145,8 +143,8 @@ class SiteRegistry:
                 rec = self.sites.get(self.by_key.get(key, -1))
                 if rec is not None:
                     return rec
-            rec = SiteRecord(site=next(self._next), **kw)
-            self.issued = rec.site
+            self.issued += 1
+            rec = SiteRecord(site=self.issued, **kw)
             self.sites[rec.site] = rec
             if key is not None:
                 self.by_key[key] = rec.site
@@ -204,17 +202,21 @@ class SiteRegistry:
             gone = [s for s in self.sites if s >= first]
             for s in gone:
                 rec = self.sites.pop(s)
-                self.forgotten[s] = {f: getattr(rec, f) for f in _STATIC_FIELDS}
+                self._forget(rec)
                 if not rec.rewritten:  # never called: listed again only when its graph runs again
                     self.retired.setdefault(rec.graph, []).append(rec)
             for key in [k for k, s in self.by_key.items() if s >= first]:
                 del self.by_key[key]
             return len(gone)
 
+    def _forget(self, rec: SiteRecord) -> None:
+        """Keep what the rewrite pass said of ``rec`` (a later call of its site finds it); the lock is held."""
+        self.forgotten[rec.site] = {f: getattr(rec, f) for f in _STATIC_FIELDS}
+
     def clear(self) -> None:
         with self.lock:
             for rec in self.sites.values():
-                self.forgotten[rec.site] = {f: getattr(rec, f) for f in _STATIC_FIELDS}
+                self._forget(rec)
             self.sites.clear()
             self.retired.clear()
             self.empty_graphs.clear()
