@@ -30,20 +30,23 @@ def _op(t: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]
 
 
-def compile_one(S, C, cfg, density=0.15, D=128, flag=True, residual=True, qk8=False):
+def compile_one(S, C, cfg, density=0.15, D=128, flag=True, residual=True, qk8=False, compact=False):
     from vc_compile.formats import n_keep
     from vc_compile.kernels import sparse_attn_sm90 as g
     B, H = 1, 40
     G, keep = -(-S // C), n_keep(S, density)
     q = torch.empty(B, H, S, D, dtype=torch.bfloat16)
     sig = torch.empty(B, H, S, dtype=torch.int64)
-    idx = torch.empty(B, H, G, keep, dtype=torch.int32)
+    # compact: MC-Sparse's default metadata (16-bit numbers of 8-key runs, an int8 residual with per-token scales)
+    idx = torch.empty(B, H, G, keep // 8, dtype=torch.int16) if compact else torch.empty(B, H, G, keep, dtype=torch.int32)
+    res = torch.empty(B, H, S, D, dtype=torch.int8) if compact else q
+    extra = dict(run=8, res_scale=torch.empty(B, H, S)) if compact and residual else {}
     fl = torch.empty(B, H, D, dtype=torch.int32) if flag else None
     cs.COMPILED.clear()
     try:
         k = torch.empty(B, H, S, D, dtype=torch.int8) if qk8 else q
-        g.sparse_attention_sm90(q, k, q, sig, idx, sm_scale=D ** -0.5, group_size=C, residual=q if residual else None,
-                                flag=fl, launch=cfg, k_scale=torch.empty(B, H) if qk8 else None)
+        g.sparse_attention_sm90(q, k, q, sig, idx, sm_scale=D ** -0.5, group_size=C, residual=res if residual else None,
+                                flag=fl, launch=cfg, k_scale=torch.empty(B, H) if qk8 else None, **extra)
     except Exception:  # noqa: BLE001 - host code after the (fake) launch
         pass
     return [k for name, k in cs.COMPILED if name == "_sparse_attn_sm90_kernel"][-1]
@@ -162,6 +165,8 @@ def main(argv=None):
     p.add_argument("--configs", default=None, help="BN/stages,...; default: the kernel's default per C")
     p.add_argument("--off64", action="store_true", help="force the 64-bit offset path (OFF64, for Sk * stride >= 2^31)")
     p.add_argument("--qk8", action="store_true", help="the 8-bit QK variant (int8 K codes, one scale a head)")
+    p.add_argument("--compact", action="store_true",
+                   help="MC-Sparse's default metadata: int16 numbers of 8-key runs, an int8 residual with its scales")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dump", default=None, help="write PREFIX_c<C>_<cfg>.ttgir/.ptx/.sass")
     a = p.parse_args(argv)
@@ -175,10 +180,10 @@ def main(argv=None):
         cfgs = ([CF.SparseAttnSm90Config.from_spec(c) for c in a.configs.split(",")] if a.configs
                 else [CF.sparse_sm90_default(C)])
         for cfg in cfgs:
-            k = compile_one(a.S, C, cfg, a.density, qk8=a.qk8)
+            k = compile_one(a.S, C, cfg, a.density, qk8=a.qk8, compact=a.compact)
             flags = "".join(f for f, n in cfg.SPEC_FLAGS.items() if getattr(cfg, n))
             name = (f"c{C}_BN{cfg.block_n}_s{cfg.stages}{flags}" + ("_off64" if a.off64 else "")
-                    + ("_qk8" if a.qk8 else ""))
+                    + ("_qk8" if a.qk8 else "") + ("_runs8" if a.compact else ""))
             out[name] = kernel_stats(k)
             if a.dump:
                 cs.dump_asm(k, f"{a.dump}_{name}")

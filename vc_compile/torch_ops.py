@@ -3,11 +3,14 @@ start values that a kernel and its reference share. None of them is the referenc
 one implementation, so the methods, ``ops.py`` and the kernels call it here and never import ``reference/``.
 
 * ``safe_scale``: ``amax / qmax``, 1 for an all-zero block (the quantisation convention of reference/quant.py;
-  MC-Sparse quantises its FP8 residual with it).
+  MC-Sparse quantises its 8-bit residuals with it).
 * MC-Sparse selection outside the exact pass-2 kernel: the top-K of the group masses (``select_topk``), and
   the ablation variants of the paper's Table 5 (config ``selection`` / ``selection_unit`` / ``query_grouping``,
   docs/methods.md, MC-Sparse). All produce the same ``idx`` format, so the same gather kernel runs them; only the
   exact group masses have a kernel (``kernels/select.group_key_mass``).
+  runs        the kept keys as aligned runs of ``run`` keys (config ``key_run``): entry r of a selection stands for
+              keys r*run .. r*run + run - 1 (``expand_runs``); the top runs are ranked by their summed group mass
+              (``run_mass``). ``run = 1`` is the token selection (one entry a key).
   identity    ``query_grouping="none"``: sigma = arange(S), i.e. contiguous query tiles of C.
   scores      ``selection="mean_pool"``: ``score[g, j] = (mean_{i in g} q_i) . k_j * sm_scale`` per key, or
               ``. mean_{j in block} k_j`` per key block (``mean_pool_scores``): the score of the mean query,
@@ -60,6 +63,39 @@ def select_topk(mass: torch.Tensor, keep: int) -> torch.Tensor:
     the whole mass tensor once more (G * Sk * 4 bytes per head)."""
     idx = torch.topk(mass, keep, dim=-1, sorted=False).indices
     return torch.sort(idx, dim=-1).values.to(torch.int32)
+
+
+def run_mass(mass: torch.Tensor, run: int) -> torch.Tensor:
+    """mass [..., Sk] -> [..., Sk / run] fp32: the masses summed over each aligned run of ``run`` keys (Sk a multiple
+    of ``run``); ``run = 1``: the masses as they are."""
+    if run == 1:
+        return mass
+    Sk = mass.shape[-1]
+    if Sk % run:
+        raise ValueError(f"run_mass: {Sk} keys are not a whole number of runs of {run}")
+    return mass.unflatten(-1, (Sk // run, run)).sum(dim=-1, dtype=torch.float32)
+
+
+def expand_runs(idx: torch.Tensor, run: int) -> torch.Tensor:
+    """idx [..., n] of runs -> [..., n * run] int64 key ids (ascending where the runs are); ``run = 1``: idx."""
+    if run == 1:
+        return idx
+    return (idx.long().unsqueeze(-1) * run + torch.arange(run, device=idx.device)).flatten(-2)
+
+
+def run_id_dtype(Sk: int, run: int) -> torch.dtype:
+    """The narrowest signed dtype that holds every run number of ``Sk`` keys in runs of ``run``."""
+    return torch.int16 if (Sk + run - 1) // run <= 2**15 - 1 else torch.int32
+
+
+def residual_values(residual, res_scale):
+    """The residual R in fp32 from how it is kept: a 16/32-bit tensor, or 8-bit codes times their per-token scale
+    ``res_scale`` [B, H, S] (the gather kernels' epilogue computes the same product in fp32); None stays None."""
+    if residual is None:
+        return None
+    if res_scale is None:
+        return residual.float()
+    return residual.float() * res_scale.float().unsqueeze(-1)
 
 
 def identity_perm(B: int, H: int, S: int, device) -> torch.Tensor:

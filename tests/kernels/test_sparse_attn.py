@@ -72,6 +72,67 @@ def test_residual_epilogue_and_out_dtype():
     assert torch.allclose(with_res - res.bfloat16().float(), plain, atol=1e-5)
 
 
+def make_runs(B, H, S, G, keep, run, dtype=torch.int16):
+    """A random sorted selection of keep / run aligned runs of ``run`` keys per group (run numbers)."""
+    runs = torch.rand(B, H, G, S // run).topk(keep // run, dim=-1).indices.sort(dim=-1).values
+    return runs.to(device=DEV, dtype=dtype)
+
+
+@pytest.mark.parametrize("S,D,dtype,run,ids", [(256, 64, torch.bfloat16, 8, torch.int16),
+                                               (328, 128, torch.float16, 8, torch.int32),
+                                               (320, 64, torch.bfloat16, 64, torch.int64)])
+def test_runs_are_the_keys_they_stand_for(S, D, dtype, run, ids):
+    """A selection of runs (run numbers, int16 / int32 / int64) gives what its expanded key ids give: in the
+    reference exactly, in the kernel to its own tolerance, and with the ids the same as the expanded ones (odd
+    group count, partial last group at S = 328)."""
+    from vc_compile.torch_ops import expand_runs
+    q, k, v, sigma, _, res = make_inputs(1, 2, S, D, dtype, 0.3)
+    G, keep = (S + 63) // 64, 64
+    runs = make_runs(1, 2, S, G, keep, run, ids)
+    tokens = expand_runs(runs, run)
+    assert tokens.shape[-1] == keep and bool((tokens.diff(dim=-1) > 0).all())
+    kw = dict(sm_scale=D ** -0.5, group_size=64, out_dtype=torch.float32, residual=res)
+    ref_runs = ref_sparse(q, k, v, sigma, runs, run=run, **kw)
+    ref_tok = ref_sparse(q, k, v, sigma, tokens, **kw)
+    assert torch.equal(ref_runs, ref_tok)
+    out = sparse_attention(q, k, v, sigma, runs, run=run, **kw)
+    assert rel_l2(out, ref_tok) < TOL[dtype]
+    out_tok = sparse_attention(q, k, v, sigma, tokens.to(torch.int32), **kw)
+    assert torch.equal(out, out_tok)  # the same keys in the same order: the same arithmetic
+
+
+@pytest.mark.parametrize("codes_dtype", [torch.int8, FP8_DTYPE], ids=["int8", "fp8"])
+def test_residual_codes_are_codes_times_scale_in_the_epilogue(codes_dtype):
+    """A residual of 8-bit codes (int8, the default, or FP8) with its per-token scale adds codes x scale (fp32) in
+    the epilogue: the same output as the dequantised residual given in fp32, and an error against the exact
+    residual bounded by the codes' rounding (E4M3: 2^-4 relative per element at most; int8: half a step of amax /
+    127 per element, about 2^-8 of amax)."""
+    from vc_compile.torch_ops import residual_values, safe_scale
+    S, D, dtype = 200, 128, torch.bfloat16
+    q, k, v, sigma, idx, res = make_inputs(1, 2, S, D, dtype, 0.25)
+    res = res * (1 + 20 * (torch.arange(S, device=DEV) % 7 == 0)).view(1, 1, S, 1)  # token-scale spread
+    qmax = 127.0 if codes_dtype == torch.int8 else 448.0
+    scale = safe_scale(res.abs().amax(-1), qmax)
+    y = (res / scale.unsqueeze(-1)).clamp(-qmax, qmax)
+    codes = (torch.round(y) if codes_dtype == torch.int8 else y).to(codes_dtype)
+    kw = dict(sm_scale=0.1, group_size=64, out_dtype=torch.float32)
+    out = sparse_attention(q, k, v, sigma, idx, residual=codes, res_scale=scale, **kw)
+    deq = sparse_attention(q, k, v, sigma, idx, residual=residual_values(codes, scale), **kw)
+    assert torch.allclose(out, deq, atol=1e-6, rtol=1e-6)
+    ref = ref_sparse(q, k, v, sigma, idx, residual=codes, res_scale=scale, **kw)
+    assert rel_l2(out, ref) < TOL[dtype]
+    plain = sparse_attention(q, k, v, sigma, idx, **kw)
+    assert rel_l2(out - plain, res) < 2 ** -4
+    if codes_dtype == torch.int8:  # half a step per element: at most amax / 254 per element
+        assert ((out - plain - res).abs() <= scale.unsqueeze(-1) / 2 + 1e-4).all()
+    with pytest.raises(ValueError, match="res_scale goes with a residual of 8-bit codes"):
+        sparse_attention(q, k, v, sigma, idx, residual=res, res_scale=scale, **kw)
+    with pytest.raises(ValueError, match="res_scale goes with a residual of 8-bit codes"):
+        sparse_attention(q, k, v, sigma, idx, residual=codes, **kw)
+    with pytest.raises(ValueError, match="whole number of runs"):
+        sparse_attention(q, k, v, sigma, idx[..., :8], run=16, **kw)  # S = 200: not a multiple of 16
+
+
 @pytest.mark.parametrize("S,D,dtype", [(200, 64, torch.bfloat16), (333, 128, torch.float16)])
 def test_density_one_is_dense_attention(S, D, dtype):
     q, k, v, sigma, _, _ = make_inputs(1, 2, S, D, dtype, 1.0)

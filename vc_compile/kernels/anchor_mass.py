@@ -251,11 +251,13 @@ def group_key_mass_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, 
 def anchor_select_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, group_size: int, keep: int,
                      key_perm: Optional[torch.Tensor] = None, launch: Optional[AnchorMassConfig] = None,
                      topk_launch: TopKConfig = TOPK_DEFAULT, mass_dtype: torch.dtype = torch.bfloat16,
-                     max_mass_bytes: int = 1 << 30) -> torch.Tensor:
-    """Pass 2 + top-K: idx [B, H, G, keep] int32 ascending. The queries are gathered through sigma once; the
+                     max_mass_bytes: int = 1 << 30, run: int = 1) -> torch.Tensor:
+    """Pass 2 + top-K: idx [B, H, G, keep] int32 ascending (``run`` > 1: [B, H, G, keep / run], the top runs of
+    ``run`` keys by their summed masses, ``torch_ops.run_mass``). The queries are gathered through sigma once; the
     masses of as many heads as fit in ``max_mass_bytes`` are computed and reduced to their top-K before the next
     chunk (bf16 masses: 0.42 GB per head-chunk of 25 heads at S = 32760, C = 128)."""
     from vc_compile.kernels.topk import select_topk
+    from vc_compile.torch_ops import run_mass
 
     launch = launch or anchor_mass_default(group_size)
     B, H, S, _ = qk.q8.shape
@@ -263,13 +265,15 @@ def anchor_select_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, g
     prep = prepare_queries(qk, lse_s, sigma, group_size=group_size, launch=launch)
     per_head = prep.G * triton.cdiv(Sk, BLOCK_K) * BLOCK_K * torch.finfo(mass_dtype).bits // 8
     hc = max(1, min(B * H, max_mass_bytes // max(per_head, 1)))
-    out = torch.empty(B * H, prep.G, keep, device=qk.q8.device, dtype=torch.int32)
+    out = torch.empty(B * H, prep.G, keep // run, device=qk.q8.device, dtype=torch.int32)
     for bh0 in range(0, B * H, hc):
         bh1 = min(B * H, bh0 + hc)
         mass = mass_heads(prep, qk, bh0, bh1, key_perm=key_perm, launch=launch, mass_dtype=mass_dtype)
-        out[bh0:bh1] = select_topk(mass, keep, launch=topk_launch)
+        if run > 1:
+            mass = run_mass(mass[..., :Sk], run)
+        out[bh0:bh1] = select_topk(mass, keep // run, launch=topk_launch)
         del mass
-    return out.view(B, H, prep.G, keep)
+    return out.view(B, H, prep.G, keep // run)
 
 
 assembled(globals())  # built with the sm_90 assembler of compat.py (a CUDA 12 ptxas where Triton picks 13+)

@@ -648,10 +648,12 @@ def sparse_label(q, v, qk_format: str, group_size: int) -> str:
 
 
 def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_size: int, residual=None,
-                     out_dtype=None, qk_format: str = "bf16", launch=None, k_fp8=None, flag=None):
+                     out_dtype=None, qk_format: str = "bf16", launch=None, k_fp8=None, flag=None, run: int = 1,
+                     res_scale=None):
     """Token-gather sparse attention (reference/sparse_attn.py; ``qk_format="fp8"``: reference/sparse_attn_q8.py):
     [B, H, S, Dv] in ``out_dtype`` (default q.dtype), original query order; ``flag`` [B, H, Dv] int32
-    (``finite_flags``): NaN in the flagged columns. TRITON: the kernel of ``sparse_kernel`` (``launch``: a
+    (``finite_flags``): NaN in the flagged columns; ``run``: idx holds run numbers of aligned runs of ``run`` keys;
+    ``res_scale``: the per-token scale of a residual of 8-bit codes (int8 / FP8). TRITON: the kernel of ``sparse_kernel`` (``launch``: a
     ``SparseAttnConfig`` or ``SparseAttnSm90Config``, which picks its kernel); the Triton kernel's launch is tuned
     (without ``flag``: one epilogue select), the Gluon kernel's is its default per group size."""
     if impl == Impl.REFERENCE:
@@ -660,11 +662,12 @@ def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_
         if qk_format == "int8":  # the sm_90 kernel's contract: per-head int8 K, per-row int8 Q
             k8, ks = q8.quantize_k_int8_head(k)
             return q8.sparse_attention_qk8(q, k8, ks, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
-                                           residual=residual, out_dtype=out_dtype, flag=flag)
+                                           residual=residual, out_dtype=out_dtype, flag=flag, run=run,
+                                           res_scale=res_scale)
         # FP8 QK has an oracle of its own (the FP8 rounding of q and k before the scores)
         fn = q8.sparse_attention_q8 if qk_format == "fp8" else reference_fn("sparse_attn", "sparse_attention")
         return fn(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual,
-                  out_dtype=out_dtype, flag=flag)
+                  out_dtype=out_dtype, flag=flag, run=run, res_scale=res_scale)
     if qk_format == "int8":
         why = sparse_int8_ineligible(q, v, group_size, launch)
         if why:
@@ -674,36 +677,38 @@ def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_
         k8, ks = built("sparse_attn", kernel_module("sparse_attn").quantize_k_int8_head, k)
         return built("sparse_attn_sm90", lambda: kernel_fn("sparse_attn_sm90", "sparse_attention_sm90")(
             q, k8, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual, out_dtype=out_dtype,
-            flag=flag, launch=launch, k_scale=ks))
+            flag=flag, launch=launch, k_scale=ks, run=run, res_scale=res_scale))
     if sparse_kernel(q, v, qk_format, group_size, launch) == "sparse_attn_sm90":
         try:
             return built("sparse_attn_sm90", lambda: kernel_fn("sparse_attn_sm90", "sparse_attention_sm90")(
                 q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual, out_dtype=out_dtype,
-                flag=flag, launch=launch))
+                flag=flag, launch=launch, run=run, res_scale=res_scale))
         except KernelBuildError:
             if launch is not None:
                 raise
             _fell_back("sparse_attn_sm90", "the Triton gather kernel", "Gluon sm_90 gather kernel")
     return built("sparse_attn", _sparse_triton, q, k, v, sigma, idx, sm_scale, group_size, residual, out_dtype,
-                 qk_format, launch, k_fp8, flag)
+                 qk_format, launch, k_fp8, flag, run, res_scale)
 
 
-def _sparse_triton(q, k, v, sigma, idx, sm_scale, group_size, residual, out_dtype, qk_format, launch, k_fp8, flag):
+def _sparse_triton(q, k, v, sigma, idx, sm_scale, group_size, residual, out_dtype, qk_format, launch, k_fp8, flag,
+                   run=1, res_scale=None):
     """One call of the Triton gather kernel (its launch tuned where none is given)."""
     kmod = kernel_module("sparse_attn")
     if launch is None:
         fmt = "fp8" if qk_format == "fp8" else "bf16"
         if fmt == "fp8" and k_fp8 is None:  # once, not once per tuning candidate
             k_fp8 = kmod.quantize_k_fp8(k if k.stride(-1) == 1 else k.contiguous())
-        D, Sk, keep = q.shape[3], k.shape[2], idx.shape[3]
+        D, Sk, keep = q.shape[3], k.shape[2], idx.shape[3] * run
         launch = _resolve("sparse_attn",
                           lambda c: kmod.sparse_attention(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
                                                           residual=residual, out_dtype=out_dtype, qk_format=fmt,
-                                                          launch=c, k_fp8=k_fp8),
+                                                          launch=c, k_fp8=k_fp8, run=run, res_scale=res_scale),
                           dtype=q.dtype, head_dim=D, seq_len=q.shape[2], device=q.device, fmt=fmt, D=D,
                           C_=int(group_size), keep=keep, Sk=Sk)
     return kmod.sparse_attention(q, k, v, sigma, idx, sm_scale=sm_scale, group_size=group_size, residual=residual,
-                                 out_dtype=out_dtype, qk_format=qk_format, launch=launch, k_fp8=k_fp8, flag=flag)
+                                 out_dtype=out_dtype, qk_format=qk_format, launch=launch, k_fp8=k_fp8, flag=flag,
+                                 run=run, res_scale=res_scale)
 
 
 def finite_flags(impl: Impl, k, v, probe=None, *, launch: Optional[C.FiniteFlagsConfig] = None):
@@ -754,17 +759,19 @@ def group_key_mass_q8(impl: Impl, qk, lse_s, sigma, *, group_size: int, key_perm
 
 def anchor_select_q8(impl: Impl, qk, lse_s, sigma, *, group_size: int, keep: int, key_perm=None,
                      exp=C.ExpMode.SHIFT, mass_dtype=torch.bfloat16, max_mass_bytes: int = 1 << 30,
-                     launch: Optional[C.AnchorMassConfig] = None, topk_launch: Optional[C.TopKConfig] = None):
-    """Pass 2 on the INT8 codes + top-K, a chunk of heads at a time: idx [B, H, G, keep] int32 ascending."""
+                     launch: Optional[C.AnchorMassConfig] = None, topk_launch: Optional[C.TopKConfig] = None,
+                     run: int = 1):
+    """Pass 2 on the INT8 codes + top-K, a chunk of heads at a time: idx [B, H, G, keep / run] int32 ascending (key
+    ids, or with ``run`` > 1 the top runs of ``run`` keys by summed mass, ``torch_ops.run_mass``)."""
     if impl == Impl.REFERENCE:
         _no_launch(topk_launch)
         return call("anchor_mass", "anchor_select_q8", impl, qk, lse_s, sigma, group_size=group_size, keep=keep,
                     key_perm=key_perm, exp=C.ExpMode(exp).value, mass_dtype=mass_dtype,
-                    max_mass_bytes=max_mass_bytes, launch=launch)
+                    max_mass_bytes=max_mass_bytes, launch=launch, run=run)
     return kernel_fn("anchor_mass", "anchor_select_q8")(
         qk, lse_s, sigma, group_size=group_size, keep=keep, key_perm=key_perm,
         launch=anchor_mass_launch(group_size, exp, launch), topk_launch=topk_launch or C.TOPK_DEFAULT,
-        mass_dtype=mass_dtype, max_mass_bytes=max_mass_bytes)
+        mass_dtype=mass_dtype, max_mass_bytes=max_mass_bytes, run=run)
 
 
 def topk(impl: Impl, mass, keep: int, launch: Optional[C.TopKConfig] = None):

@@ -7,12 +7,15 @@ Notation
 --------
 q, k, v     [B, H, S, D], [B, H, Sk, D], [B, H, Sk, Dv]; bf16 or fp16, last dim contiguous.
 C           group size = the kernel's query tile (BLOCK_M); G = ceil(S / C) groups, the last partial.
-sigma       [B, H, S] int64 query order; group g = queries sigma[g*C : (g+1)*C].
-idx         [B, H, G, n_keep] int32: keys kept by group g, sorted ascending (any strides: a broadcast
-            ``arange(Sk).expand(...)`` is the dense case without materialising it).
+sigma       [B, H, S] int64 or int32 query order; group g = queries sigma[g*C : (g+1)*C].
+idx         [B, H, G, n] int16 / int32 / int64, sorted ascending (any strides: a broadcast
+            ``arange(Sk).expand(...)`` is the dense case without materialising it): the keys kept by group g
+            (``run = 1``), or run numbers r of aligned runs of RUN keys (keys r*RUN .. r*RUN + RUN - 1); n_keep =
+            n * RUN keys. Key j of the group's list is idx[j // RUN] * RUN + j % RUN (RUN a power of two: a shift).
 s           base-2 logits ``(q . k) * sm_scale * log2(e)``; online softmax with exp2.
 residual    [B, H, S, Dv] in the original query order (R = O_dense - O_sparse of the anchor step),
-            added in the epilogue.
+            added in the epilogue; 8-bit codes (int8 or FP8 E4M3) with ``res_scale`` [B, H, S] fp32 (one scale a
+            token: R = codes x scale in fp32, half the bytes of a bf16 R read per step).
 flag        optional [B, H, Dv] int32 from ``kernels/finite_flags.py``: the epilogue writes NaN into the
             flagged columns (NaN/Inf in keys or values no group selected: SDPA's non-finite pattern).
 qk_format   "bf16": QK in the inputs' 16-bit type. "fp8": Q and K in E4M3 -- Q with one scale per group
@@ -165,7 +168,7 @@ def quantize_k_int8_head(k: torch.Tensor):
 
 
 @triton.jit
-def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT, FLAG,
+def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, RSCALE, OUT, FLAG,
                         sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                         sib, sih, sig, sin, srb, srh, srs, sob, soh, sos,
                         H, S, Sk, N_KEEP, sm_scale_log2,
@@ -173,7 +176,7 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT, FLAG,
                         EVEN_N: tl.constexpr, HAS_RES: tl.constexpr, QK_FP8: tl.constexpr,
                         SW_ROUND: tl.constexpr, N_KEEP_I: tl.constexpr,
                         UPCAST: tl.constexpr, OFF64: tl.constexpr, KV_OFF: tl.constexpr,
-                        HAS_FLAG: tl.constexpr):
+                        HAS_FLAG: tl.constexpr, RUN: tl.constexpr, HAS_RSCALE: tl.constexpr):
     g = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -208,10 +211,12 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT, FLAG,
     for n0 in range(0, N_KEEP_I if N_KEEP_I >= 0 else N_KEEP, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if EVEN_N:
-            kid = tl.load(i_base + offs_n * sin)
+            kid = tl.load(i_base + (offs_n // RUN) * sin)
         else:
-            kid = tl.load(i_base + offs_n * sin, mask=offs_n < N_KEEP, other=0)
+            kid = tl.load(i_base + (offs_n // RUN) * sin, mask=offs_n < N_KEEP, other=0)
         kid = kid.to(tl.int64) if OFF64 else kid.to(tl.int32)
+        if RUN > 1:  # run numbers: key = run * RUN + position in the run
+            kid = kid * RUN + offs_n % RUN
         if KV_OFF:  # one offset tensor for the K and the V gather (same row stride, D == DV)
             kv_off = kid[:, None] * sks + d[None, :]
             kt = tl.load(k_base + kv_off)
@@ -248,8 +253,10 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT, FLAG,
     o = acc / l_i[:, None]
     if HAS_RES:
         r = tl.load(RES + b * srb + h * srh + rows[:, None] * srs + dv[None, :], mask=mrow[:, None],
-                    other=0.0)
-        o = o + r.to(tl.float32)
+                    other=0.0).to(tl.float32)
+        if HAS_RSCALE:  # 8-bit codes, one scale a token
+            r = r * tl.load(RSCALE + bh.to(tl.int64) * S + rows, mask=mrow, other=0.0)[:, None]
+        o = o + r
     if HAS_FLAG:  # NaN/Inf in keys/values this group did not select (kernels/finite_flags.py)
         bad = tl.load(FLAG + bh.to(tl.int64) * DV + dv)
         o = tl.where(bad[None, :] != 0, float("nan"), o)
@@ -257,10 +264,10 @@ def _sparse_attn_kernel(Q, K, V, KS, SIGMA, IDX, RES, OUT, FLAG,
              mask=mrow[:, None])
 
 
-def gather_operands(who: str, q, k, v, sigma, idx, G: int):
-    """(q, k, v, sigma, idx) checked against each other (``G`` query groups) and in the form the gather kernels
-    read: channel-contiguous q / k / v, int64 sigma, int32 / int64 ids (any strides). Shared by the gather
-    kernels (this one and ``sparse_attn_sm90``)."""
+def gather_operands(who: str, q, k, v, sigma, idx, G: int, run: int = 1):
+    """(q, k, v, sigma, idx) checked against each other (``G`` query groups, runs of ``run`` keys) and in the form
+    the gather kernels read: channel-contiguous q / k / v, contiguous int32 / int64 sigma, int16 / int32 / int64 ids
+    (any strides). Shared by the gather kernels (this one and ``sparse_attn_sm90``)."""
     B, H, S, D = q.shape
     Sk = k.shape[2]
     if k.shape[:2] != (B, H) or k.shape[3] != D or v.shape[:3] != (B, H, Sk):
@@ -269,18 +276,36 @@ def gather_operands(who: str, q, k, v, sigma, idx, G: int):
         raise ValueError(f"{who}: sigma must be [B, H, S] = {(B, H, S)}, got {tuple(sigma.shape)}")
     if idx.dim() != 4 or tuple(idx.shape[:3]) != (B, H, G) or idx.shape[3] < 1:
         raise ValueError(f"{who}: idx must be [B, H, G={G}, n_keep>=1], got {tuple(idx.shape)}")
+    if not (isinstance(run, int) and 1 <= run <= 128 and run & (run - 1) == 0):
+        raise ValueError(f"{who}: run must be a power of two in [1, 128], got {run!r}")
+    if Sk % run:
+        raise ValueError(f"{who}: runs of {run} keys need a whole number of runs, got Sk = {Sk}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    sigma = sigma.to(torch.int64).contiguous()
-    if idx.dtype not in (torch.int32, torch.int64):
+    if sigma.dtype not in (torch.int32, torch.int64):
+        sigma = sigma.to(torch.int64)
+    sigma = sigma.contiguous()
+    if idx.dtype not in (torch.int16, torch.int32, torch.int64):
         idx = idx.to(torch.int32)
     return q, k, v, sigma, idx
 
 
-def epilogue_operands(who: str, residual, flag, out, shape):
-    """The epilogue's residual tensor (``out`` as a placeholder when there is none), checked against the output
-    shape ``(B, H, S, Dv)`` and made channel-contiguous; ``flag`` checked as int32 ``(B, H, Dv)``. Shared by the
-    gather kernels (this one and ``sparse_attn_sm90``)."""
+def epilogue_operands(who: str, residual, flag, out, shape, res_scale=None):
+    """(the epilogue's residual tensor, its per-token scale): ``out`` as a placeholder for what is not given, the
+    residual checked against the output shape ``(B, H, S, Dv)`` and made channel-contiguous, ``res_scale`` (FP8
+    codes only) fp32 ``(B, H, S)``; ``flag`` checked as int32 ``(B, H, Dv)``. Shared by the gather kernels (this
+    one and ``sparse_attn_sm90``)."""
     B, H, S, DV = shape
+    codes = residual is not None and residual.dtype in (torch.float8_e4m3fn, torch.int8)
+    if codes != (res_scale is not None):
+        raise ValueError(f"{who}: res_scale goes with a residual of 8-bit codes (int8 or float8_e4m3fn) and only "
+                         f"with it; got "
+                         f"residual {None if residual is None else residual.dtype}, res_scale "
+                         f"{'None' if res_scale is None else 'given'}")
+    if res_scale is not None:
+        if tuple(res_scale.shape) != (B, H, S) or res_scale.dtype != torch.float32:
+            raise ValueError(f"{who}: res_scale must be fp32 {(B, H, S)}, got {res_scale.dtype} "
+                             f"{tuple(res_scale.shape)}")
+        res_scale = res_scale.contiguous()
     if residual is not None:
         if tuple(residual.shape) != (B, H, S, DV):
             raise ValueError(f"{who}: residual must be {(B, H, S, DV)}, got {tuple(residual.shape)}")
@@ -288,15 +313,17 @@ def epilogue_operands(who: str, residual, flag, out, shape):
             residual = residual.contiguous()
     if flag is not None and (tuple(flag.shape) != (B, H, DV) or flag.dtype != torch.int32):
         raise ValueError(f"{who}: flag must be int32 {(B, H, DV)}, got {flag.dtype} {tuple(flag.shape)}")
-    return residual if residual is not None else out
+    return (residual if residual is not None else out), (res_scale if res_scale is not None else out)
 
 
 def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None, out_dtype=None,
-                     qk_format="bf16", launch: SparseAttnConfig, k_fp8=None, flag=None):
+                     qk_format="bf16", launch: SparseAttnConfig, k_fp8=None, flag=None, run: int = 1,
+                     res_scale=None):
     """O[sigma[g*C+i]] = softmax over the keys idx[g] of group g (renormalised) @ V, + residual, with the launch
     configuration ``launch``; ``k_fp8 = (codes, scale)``: K already quantised (``quantize_k_fp8``; benchmarks
     sweep configs with it); ``flag`` [B, H, Dv] int32 (``finite_flags``): NaN in the flagged output columns of
-    each head. Returns [B, H, S, Dv] in ``out_dtype`` (default q.dtype), in the original query order."""
+    each head; ``run``: idx holds run numbers of aligned runs of ``run`` keys; ``res_scale``: the per-token scale
+    of a residual of 8-bit codes (int8 or FP8). Returns [B, H, S, Dv] in ``out_dtype`` (default q.dtype), in the original query order."""
     if not isinstance(launch, SparseAttnConfig):
         raise TypeError(f"launch must be a SparseAttnConfig, got {type(launch).__name__}")
     B, H, S, D = q.shape
@@ -311,8 +338,8 @@ def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None
         err = pow2_head_dim_error(d, name)
         if err:
             raise ValueError(f"sparse_attention: {err}")
-    q, k, v, sigma, idx = gather_operands("sparse_attention", q, k, v, sigma, idx, G)
-    n_keep = idx.shape[3]
+    q, k, v, sigma, idx = gather_operands("sparse_attention", q, k, v, sigma, idx, G, run)
+    n_keep = idx.shape[3] * run
     out = torch.empty(B, H, S, DV, device=q.device, dtype=out_dtype or q.dtype)
     fmt = "fp8" if qk_format == "fp8" else "bf16"
     if fmt == "fp8":
@@ -323,9 +350,9 @@ def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None
     kv_off = C >= 128 if launch.kv_off is None else launch.kv_off
     same_kv_rows = kq.stride(2) == v.stride(2) and D == DV and fmt == "bf16"
     has_res = residual is not None
-    res = epilogue_operands("sparse_attention", residual, flag, out, (B, H, S, DV))
+    res, rscale = epilogue_operands("sparse_attention", residual, flag, out, (B, H, S, DV), res_scale)
     _sparse_attn_kernel[(G, B * H)](
-        q, kq, v, ks, sigma, idx, res, out, flag.contiguous() if flag is not None else out,
+        q, kq, v, ks, sigma, idx, res, rscale, out, flag.contiguous() if flag is not None else out,
         q.stride(0), q.stride(1), q.stride(2), kq.stride(0), kq.stride(1), kq.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         idx.stride(0), idx.stride(1), idx.stride(2), idx.stride(3),
@@ -335,7 +362,8 @@ def sparse_attention(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None
         QK_FP8=(fmt == "fp8"), SW_ROUND=interpreting(), N_KEEP_I=loop_bound(n_keep),
         UPCAST=dot_upcast(q.dtype, v.dtype),
         OFF64=max(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(kq.stride(2), v.stride(2))) >= 2**31,
-        KV_OFF=kv_off and same_kv_rows, HAS_FLAG=flag is not None, num_warps=warps, num_stages=stages)
+        KV_OFF=kv_off and same_kv_rows, HAS_FLAG=flag is not None, RUN=run, HAS_RSCALE=res_scale is not None,
+        num_warps=warps, num_stages=stages)
     return out
 
 

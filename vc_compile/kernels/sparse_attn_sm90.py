@@ -12,7 +12,11 @@ Notation (as ``sparse_attn.py``)
 --------
 q, k, v     [B, H, S, D], [B, H, Sk, D], [B, H, Sk, Dv]; bf16 or fp16, last dim contiguous; D, Dv in {64, 128}.
 C           group size (64 or 128); G = ceil(S / C) groups, the last partial; sigma [B, H, S] the query order.
-idx         [B, H, G, n_keep] int32 / int64 kept keys per group, sorted ascending, any strides.
+idx         [B, H, G, n] int16 / int32 / int64 kept keys per group, sorted ascending, any strides: key ids
+            (RUN = 1), or run numbers r of aligned runs of RUN keys (keys r*RUN .. r*RUN + RUN - 1); n_keep = n *
+            RUN keys, key j of the list = idx[j // RUN] * RUN + j % RUN (a shift and a mask: RUN a power of two).
+RSCALE      with a residual of 8-bit codes (int8 or FP8 E4M3): its per-token scale [B, H, S] fp32, R = codes x
+            scale in fp32.
 BN          keys per block (``SparseAttnSm90Config.block_n``); nb = ceil(n_keep / BN), the last block masked.
 ring        STAGES stages of K [BN, D] and V [BN, Dv] rows in shared memory (the rows of one block of the
             group's selected keys, in selection order), four mbarriers per stage: kready / vready (the
@@ -153,18 +157,21 @@ def _produce_flush(it, vready, ring: gl.constexpr, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _load_ids(i_base, blk, offs, sin, N_KEEP, OFF64: gl.constexpr):
-    """Key ids of block ``blk`` (0 past n_keep), in the gather layout's rows."""
+def _load_ids(i_base, blk, offs, sin, N_KEEP, OFF64: gl.constexpr, RUN: gl.constexpr):
+    """Key ids of block ``blk`` (0 past n_keep), in the gather layout's rows; RUN > 1: from run numbers."""
     pos = blk * offs.shape[0] + offs
-    kid = gl.load(i_base + pos * sin, mask=pos < N_KEEP, other=0)
-    return kid.to(gl.int64) if OFF64 else kid.to(gl.int32)
+    kid = gl.load(i_base + (pos // RUN) * sin, mask=pos < N_KEEP, other=0)
+    kid = kid.to(gl.int64) if OFF64 else kid.to(gl.int32)
+    if RUN > 1:
+        kid = kid * RUN + pos % RUN
+    return kid
 
 
 @gluon.jit
 def _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, gc, bh, it0,
                   skb, skh, sks, svb, svh, svs, sib, sih, sig, sin,
                   GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_TAIL: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr):
+                  HAS_TAIL: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, RUN: gl.constexpr):
     """Tile (gc, bh): block j of every ring (ring r = the tile's group r) at ring position it0 + j, the rings in
     lockstep so that at C = 64 neither consumer waits for the other's blocks; each block's ids loaded a block
     ahead."""
@@ -178,17 +185,17 @@ def _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, 
     offs = gl.arange(0, BN, layout=row_l)
     # a C = 64 tile past the last group (odd G) gathers the last group's keys again; its rows store nothing
     ib0 = IDX + b * sib + h * sih + gl.minimum(gc * GPC, G - 1).to(gl.int64) * sig
-    kid0 = _load_ids(ib0, 0, offs, sin, N_KEEP, OFF64)
+    kid0 = _load_ids(ib0, 0, offs, sin, N_KEEP, OFF64, RUN)
     if GPC == 2:
         ib1 = IDX + b * sib + h * sih + gl.minimum(gc * GPC + 1, G - 1).to(gl.int64) * sig
-        kid1 = _load_ids(ib1, 0, offs, sin, N_KEEP, OFF64)
+        kid1 = _load_ids(ib1, 0, offs, sin, N_KEEP, OFF64, RUN)
     for j in range(0, nb - 1 if HAS_TAIL else nb):
-        kn0 = _load_ids(ib0, j + 1, offs, sin, N_KEEP, OFF64)  # in flight during this block's copies
+        kn0 = _load_ids(ib0, j + 1, offs, sin, N_KEEP, OFF64, RUN)  # in flight during this block's copies
         _produce_block(it0 + j, kid0, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready, kempty,
                        vempty, 0, STAGES, D, DV, False, PFENCE, j > 0)
         kid0 = kn0
         if GPC == 2:
-            kn1 = _load_ids(ib1, j + 1, offs, sin, N_KEEP, OFF64)
+            kn1 = _load_ids(ib1, j + 1, offs, sin, N_KEEP, OFF64, RUN)
             _produce_block(it0 + j, kid1, offs < BN, k_base, v_base, sks, svs, k_smem, v_smem, kready, vready,
                            kempty, vempty, 1, STAGES, D, DV, False, PFENCE, j > 0)
             kid1 = kn1
@@ -209,7 +216,7 @@ def _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, 
 def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles,
               skb, skh, sks, svb, svh, svs, sib, sih, sig, sin,
               GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-              HAS_TAIL: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr):
+              HAS_TAIL: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, RUN: gl.constexpr):
     """The producer warp group: the CTA's tiles t = program_id, + num_programs, ... (tile t = CTA group t % n_gc of
     head t // n_gc); the ring position runs on across tiles (module doc: one tile per CTA)."""
     nb = gl.cdiv(N_KEEP, BN)
@@ -217,7 +224,7 @@ def _producer(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         _produce_tile(K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, t % n_gc, t // n_gc,
                       it0, skb, skh, sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64,
-                      PFENCE)
+                      PFENCE, RUN)
         it0 += nb
     # no producer thread exits with its copies in flight (their noinc arrivals are what the consumers wait on)
     async_copy.commit_group()
@@ -321,12 +328,12 @@ def _overlap_block(j, it, p16, m_i, l_i, acc, q_smem, k_smem, v_smem, kready, vr
 
 
 @gluon.jit
-def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty,
+def _consume_tile(Q, SIGMA, KS, RES, RSCALE, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty,
                   H, S, N_KEEP, sm_scale_log2, gc, bh, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
                   half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                   DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
                   HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, OVERLAP: gl.constexpr,
-                  QK8: gl.constexpr):
+                  QK8: gl.constexpr, HAS_RSCALE: gl.constexpr):
     """One consumer warp group on tile (gc, bh): 64 query rows (``half`` of a C = 128 group, or all of group
     2 gc + half at C = 64) through every key block of its ring (ring positions it0 ...), then the epilogue."""
     BM: gl.constexpr = 64
@@ -414,8 +421,11 @@ def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, 
     dv = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
     o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     if HAS_RES:
-        r = gl.load(RES + b * srb + h * srh + so[:, None] * srs + dv[None, :], mask=mrow[:, None], other=0.0)
-        o = o + r.to(gl.float32)
+        r = gl.load(RES + b * srb + h * srh + so[:, None] * srs + dv[None, :], mask=mrow[:, None],
+                    other=0.0).to(gl.float32)
+        if HAS_RSCALE:  # 8-bit codes, one scale a token
+            r = r * gl.load(RSCALE + bh.to(gl.int64) * S + so, mask=mrow, other=0.0)[:, None]
+        o = o + r
     if HAS_FLAG:  # NaN/Inf in keys/values this group did not select (kernels/finite_flags.py)
         bad = gl.load(FLAG + bh.to(gl.int64) * DV + dv)
         o = gl.where(bad[None, :] != 0, float("nan"), o)
@@ -424,24 +434,25 @@ def _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, 
 
 
 @gluon.jit
-def _consumer(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
+def _consumer(Q, SIGMA, KS, RES, RSCALE, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S, N_KEEP,
               sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
               half: gl.constexpr, C: gl.constexpr, GPC: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
               DV: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr, HAS_RES: gl.constexpr,
               HAS_FLAG: gl.constexpr, OFF64: gl.constexpr, PFENCE: gl.constexpr, OVERLAP: gl.constexpr,
-              QK8: gl.constexpr):
+              QK8: gl.constexpr, HAS_RSCALE: gl.constexpr):
     """One consumer warp group over the CTA's tiles (as ``_producer``)."""
     nb = gl.cdiv(N_KEEP, BN)
     it0 = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        _consume_tile(Q, SIGMA, KS, RES, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S,
+        _consume_tile(Q, SIGMA, KS, RES, RSCALE, OUT, FLAG, q_smem, k_smem, v_smem, kready, vready, kempty, vempty, H, S,
                       N_KEEP, sm_scale_log2, t % n_gc, t // n_gc, it0, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos,
-                      half, C, GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, OVERLAP, QK8)
+                      half, C, GPC, BN, D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, OVERLAP, QK8,
+                      HAS_RSCALE)
         it0 += nb
 
 
 @gluon.jit
-def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, KS, RES, OUT, FLAG,
+def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, KS, RES, RSCALE, OUT, FLAG,
                              sqb, sqh, sqs, skb, skh, sks, svb, svh, svs,
                              sib, sih, sig, sin, srb, srh, srs, sob, soh, sos,
                              H, S, G, N_KEEP, sm_scale_log2, n_gc, n_tiles,
@@ -449,7 +460,8 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, KS, RES, OUT, FLAG,
                              BN: gl.constexpr, STAGES: gl.constexpr, HAS_TAIL: gl.constexpr,
                              HAS_RES: gl.constexpr, HAS_FLAG: gl.constexpr, OFF64: gl.constexpr,
                              PFENCE: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr, QK8: gl.constexpr, num_warps: gl.constexpr):
+                             PRODUCER_REGS: gl.constexpr, QK8: gl.constexpr, RUN: gl.constexpr,
+                             HAS_RSCALE: gl.constexpr, num_warps: gl.constexpr):
     """Two consumer warp groups (the default partition and a worker) and a producer warp group; module doc."""
     dt: gl.constexpr = K.dtype.element_ty  # QK's operands (QK8: int8 codes)
     vt: gl.constexpr = V.dtype.element_ty
@@ -474,14 +486,15 @@ def _sparse_attn_sm90_kernel(Q, K, V, SIGMA, IDX, KS, RES, OUT, FLAG,
     mbarrier.init(_turn.index(0), count=1)
     mbarrier.init(_turn.index(1), count=1)
     gl.warp_specialize([
-        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(0), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
+        (_consumer, (Q, SIGMA, KS, RES, RSCALE, OUT, FLAG, q_smem.index(0), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
                      N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 0, C, GPC, BN,
-                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, OVERLAP, QK8)),
-        (_consumer, (Q, SIGMA, KS, RES, OUT, FLAG, q_smem.index(1), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, OVERLAP, QK8, HAS_RSCALE)),
+        (_consumer, (Q, SIGMA, KS, RES, RSCALE, OUT, FLAG, q_smem.index(1), k_smem, v_smem, kready, vready, kempty, vempty, H, S,
                      N_KEEP, sm_scale_log2, n_gc, n_tiles, sqb, sqh, sqs, srb, srh, srs, sob, soh, sos, 1, C, GPC, BN,
-                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, OVERLAP, QK8)),
+                     D, DV, STAGES, HAS_TAIL, HAS_RES, HAS_FLAG, OFF64, PFENCE, OVERLAP, QK8, HAS_RSCALE)),
         (_producer, (K, V, IDX, k_smem, v_smem, kready, vready, kempty, vempty, H, G, N_KEEP, n_gc, n_tiles, skb, skh,
-                     sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64, PFENCE)),
+                     sks, svb, svh, svs, sib, sih, sig, sin, GPC, BN, D, DV, STAGES, HAS_TAIL, OFF64, PFENCE,
+                     RUN)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -492,13 +505,14 @@ def needs_64bit_offsets(*extents: int) -> bool:
 
 
 def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual=None, out_dtype=None, flag=None,
-                          launch: SparseAttnSm90Config = None, k_scale=None):
+                          launch: SparseAttnSm90Config = None, k_scale=None, run: int = 1, res_scale=None):
     """As ``sparse_attn.sparse_attention`` with ``qk_format="bf16"``: O[sigma[g*C+i]] = softmax over the keys
     idx[g] of group g @ V (+ residual; ``flag`` [B, H, Dv] int32: NaN in the flagged columns), [B, H, S, Dv] in
     ``out_dtype`` (default q.dtype), in the original query order. ``launch``: a ``SparseAttnSm90Config`` (None:
     ``configs.sparse_sm90_default(C)``). sm_90 only; C in {64, 128}, D and Dv in {64, 128}.
     8-bit QK: ``k`` int8 codes with one scale per head ``k_scale`` [B, H] fp32 (``quantize_k_int8_head``); q
-    stays 16-bit and is quantised in the kernel (one scale per row, amax / 127)."""
+    stays 16-bit and is quantised in the kernel (one scale per row, amax / 127). ``run``: idx holds run numbers of
+    aligned runs of ``run`` keys; ``res_scale``: the per-token scale of a residual of 8-bit codes."""
     from vc_compile.kernels.configs import sparse_sm90_default
     from vc_compile.kernels.launch import FAST_LAUNCH, aligned
     B, H, S, D = q.shape
@@ -525,19 +539,20 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
             raise ValueError(f"sparse_attention_sm90: k_scale must be fp32 [B, H] = {(B, H)}, got "
                              f"{k_scale.dtype} {tuple(k_scale.shape)}")
         k_scale = k_scale.contiguous()
-    q, k, v, sigma, idx = gather_operands("sparse_attention_sm90", q, k, v, sigma, idx, G)
+    q, k, v, sigma, idx = gather_operands("sparse_attention_sm90", q, k, v, sigma, idx, G, run)
     launch.check_fits(C, D, DV, q.element_size())
-    n_keep = idx.shape[3]
+    n_keep = idx.shape[3] * run
     out = torch.empty(B, H, S, DV, device=q.device, dtype=out_dtype or q.dtype)
     has_res = residual is not None
-    res = epilogue_operands("sparse_attention_sm90", residual, flag, out, (B, H, S, DV))
+    res, rscale = epilogue_operands("sparse_attention_sm90", residual, flag, out, (B, H, S, DV), res_scale)
     BN = launch.block_n
     GPC = 2 if C == 64 else 1
     off64 = needs_64bit_offsets(S * max(q.stride(2), out.stride(2), res.stride(2)), Sk * max(k.stride(2), v.stride(2)))
     n_gc = triton.cdiv(G, GPC)  # CTA tiles per head
     n_tiles = n_gc * B * H
     grid = n_tiles
-    tensors = (q, k, v, sigma, idx, k_scale if qk8 else out, res, out, flag.contiguous() if flag is not None else out)
+    tensors = (q, k, v, sigma, idx, k_scale if qk8 else out, res, rscale, out,
+               flag.contiguous() if flag is not None else out)
     ints = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             idx.stride(0), idx.stride(1), idx.stride(2), idx.stride(3),
@@ -546,12 +561,13 @@ def sparse_attention_sm90(q, k, v, sigma, idx, *, sm_scale, group_size, residual
     # the launch's key (kernels/launch.py): every integer argument, the tensors' dtypes and alignment, the
     # constexprs (from the launch and the shapes)
     key = (ints, n_gc, n_tiles, tuple(t.dtype for t in tensors), aligned(*tensors), launch, C, D, DV, has_res,
-           flag is not None, off64)
+           flag is not None, off64, run, res_scale is not None)
     FAST_LAUNCH(
         _sparse_attn_sm90_kernel, (grid,), key, *tensors, *ints, float(sm_scale) * LOG2E, n_gc, n_tiles,
         C=C, GPC=GPC, D=D, DV=DV, BN=BN, STAGES=launch.stages, HAS_TAIL=n_keep % BN != 0, HAS_RES=has_res,
         HAS_FLAG=flag is not None, OFF64=off64, PFENCE=launch.producer_fence, OVERLAP=launch.overlap,
-        CONSUMER_REGS=launch.consumer_regs, PRODUCER_REGS=launch.producer_regs, QK8=qk8, num_warps=4,
+        CONSUMER_REGS=launch.consumer_regs, PRODUCER_REGS=launch.producer_regs, QK8=qk8, RUN=run,
+        HAS_RSCALE=res_scale is not None, num_warps=4,
         maxnreg=WS_MAXNREG)
     return out
 

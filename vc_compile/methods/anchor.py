@@ -74,11 +74,11 @@ class AnchorConfig:
 class AnchorResult:
     out: torch.Tensor                 # O_dense [B, H, S, Dv] (kernel output dtype)
     sigma: torch.Tensor               # [B, H, S] int64
-    idx: torch.Tensor                 # [B, H, G, keep] int32 ascending
+    idx: torch.Tensor                 # [B, H, G, keep / run] int32 ascending (key ids, or runs of ``run`` keys)
     residual: Optional[torch.Tensor]  # R = O_dense - O_sparse, fp32 or bf16 (None when not asked for)
 
 
-def _select(impl, qk, lse_s, sigma, *, group_size, keep, key_perm, cfg: AnchorConfig):
+def _select(impl, qk, lse_s, sigma, *, group_size, keep, key_perm, cfg: AnchorConfig, run: int = 1):
     mass_dtype = torch.bfloat16 if cfg.mass_dtype == "bf16" else torch.float32
     launch = topk_launch = None
     if impl == dispatch.Impl.TRITON:
@@ -88,13 +88,13 @@ def _select(impl, qk, lse_s, sigma, *, group_size, keep, key_perm, cfg: AnchorCo
         topk_launch = cfg.topk
     return dispatch.anchor_select_q8(impl, qk, lse_s, sigma, group_size=group_size, keep=keep, key_perm=key_perm,
                                      exp=cfg.exp, mass_dtype=mass_dtype, max_mass_bytes=cfg.max_mass_bytes,
-                                     launch=launch, topk_launch=topk_launch)
+                                     launch=launch, topk_launch=topk_launch, run=run)
 
 
 def anchor_step(impl, q, k, v, *, sm_scale: float, group_size: int, keep: int,
                 key_perm: Optional[torch.Tensor] = None, cfg: AnchorConfig = AnchorConfig(),
                 sigma: Optional[torch.Tensor] = None, residual: bool = True, out_dtype=None,
-                sparse_qk: str = "bf16", residual_dtype: torch.dtype = torch.float32) -> AnchorResult:
+                sparse_qk: str = "bf16", residual_dtype: torch.dtype = torch.float32, run: int = 1) -> AnchorResult:
     """One anchor step over ``impl``'s kernels (``dispatch.Impl``). q, k, v [B, H, S, D] (self-attention,
     D = Dv in {64, 128}); ``key_perm`` [B, H, S]: the V-Smooth key order pi for pass 1 (None: keys in token
     order, V means over consecutive 128-token blocks); ``sigma``: a query order to use instead of running PDDP
@@ -104,7 +104,8 @@ def anchor_step(impl, q, k, v, *, sm_scale: float, group_size: int, keep: int,
     bf16: the gather kernel's epilogue forms it, O_sparse + (-O_dense) rounded once to bf16 and negated, the same
     bits as R formed in fp32 and rounded to bf16 (a - b = -(b + (-a)) exactly), without the S x Dv fp32 buffers.
     NOTE bf16 R from the epilogue is faster than fp32 R and writes half the bytes; docs/design/
-    anchor-residual-bf16.md."""
+    anchor-residual-bf16.md. ``run``: keys selected in aligned runs of ``run`` (the top runs by summed mass; idx then
+    holds run numbers, as the gather kernel takes them)."""
     B, H, S, D = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"anchor_step: the 8-bit pass needs self-attention with q, k, v of one shape, got "
@@ -125,18 +126,19 @@ def anchor_step(impl, q, k, v, *, sm_scale: float, group_size: int, keep: int,
         o_dense, lse = dispatch.dense_with_lse(impl, q, k, v, sm_scale)
         o_dense = o_dense.to(q.dtype).to(out_dtype)
         lse_s = lse - lse_correction(q, qk.k_mean, sm_scale)
-    idx = _select(impl, qk, lse_s, sigma, group_size=C, keep=keep, key_perm=key_perm, cfg=cfg)
+    idx = _select(impl, qk, lse_s, sigma, group_size=C, keep=keep, key_perm=key_perm, cfg=cfg, run=run)
     del qk
     res = None
     if residual and residual_dtype == torch.bfloat16:
         res = dispatch.sparse_attention(impl, q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C,
-                                        residual=o_dense.neg(), out_dtype=torch.bfloat16, qk_format=sparse_qk)
+                                        residual=o_dense.neg(), out_dtype=torch.bfloat16, qk_format=sparse_qk,
+                                        run=run)
         res.neg_()
     elif residual:
         if residual_dtype != torch.float32:
             raise ValueError(f"anchor_step: residual_dtype must be torch.float32 or torch.bfloat16, got "
                              f"{residual_dtype}")
         o_sparse = dispatch.sparse_attention(impl, q, k, v, sigma, idx, sm_scale=sm_scale, group_size=C,
-                                             out_dtype=torch.float32, qk_format=sparse_qk)
+                                             out_dtype=torch.float32, qk_format=sparse_qk, run=run)
         res = o_sparse.neg_().add_(o_dense)  # fp32, in place: no second S x Dv fp32 buffer
     return AnchorResult(o_dense, sigma, idx, res)

@@ -117,8 +117,12 @@ def lse_q8(qk: QKQuant, chunk: int = 1024) -> torch.Tensor:
 
 def anchor_select_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, group_size: int, keep: int,
                      key_perm: Optional[torch.Tensor] = None, exp: str = "exact",
-                     mass_dtype: torch.dtype = torch.float32, max_mass_bytes: int = 1 << 30) -> torch.Tensor:
-    """idx [B, H, G, keep] int32 ascending: pass 2 + top-K (``reference.topk``), a chunk of heads at a time."""
+                     mass_dtype: torch.dtype = torch.float32, max_mass_bytes: int = 1 << 30,
+                     run: int = 1) -> torch.Tensor:
+    """idx [B, H, G, keep] int32 ascending: pass 2 + top-K (``reference.topk``), a chunk of heads at a time;
+    ``run`` > 1: [B, H, G, keep / run], the top runs of ``run`` keys by their summed masses."""
+    from vc_compile.torch_ops import run_mass
+
     from .topk import select_topk
 
     B, H, S, _ = qk.q8.shape
@@ -133,5 +137,5 @@ def anchor_select_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, g
         mass = group_key_mass_q8(sub, lse_s[:, sl], sigma[:, sl], group_size=group_size,
                                  key_perm=None if key_perm is None else key_perm[:, sl], exp=exp,
                                  mass_dtype=mass_dtype)
-        parts.append(select_topk(mass, keep))
+        parts.append(select_topk(run_mass(mass, run), keep // run))
     return torch.cat(parts, dim=1)

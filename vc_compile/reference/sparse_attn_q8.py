@@ -56,10 +56,12 @@ def dequantized_qk(q, k, sigma, group_size: int):
 
 
 def sparse_attention_q8(q, k, v, sigma, idx, *, sm_scale: float, group_size: int,
-                        residual: Optional[torch.Tensor] = None, out_dtype=None, flag=None):
+                        residual: Optional[torch.Tensor] = None, out_dtype=None, flag=None, run: int = 1,
+                        res_scale: Optional[torch.Tensor] = None):
     qd, kd = dequantized_qk(q, k, sigma, group_size)
     return sparse_attention(qd, kd, v, sigma, idx, sm_scale=sm_scale, group_size=group_size,
-                            residual=residual, out_dtype=out_dtype or q.dtype, flag=flag)
+                            residual=residual, out_dtype=out_dtype or q.dtype, flag=flag, run=run,
+                            res_scale=res_scale)
 
 
 # ---- 8-bit QK of the sm_90 gather kernel (``kernels/sparse_attn_sm90.py`` with int8 K codes) ----
@@ -94,10 +96,11 @@ def quantize_q_int8_rows(q: torch.Tensor):
 
 
 def sparse_attention_qk8(q, k_codes, k_scale, v, sigma, idx, *, sm_scale, group_size, residual=None,
-                         out_dtype=None, flag=None):
+                         out_dtype=None, flag=None, run: int = 1, res_scale=None):
     """The sm_90 gather kernel's 8-bit-QK contract: ``q`` 16-bit (quantised per row here, as in the kernel),
     ``k_codes`` / ``k_scale`` from ``quantize_k_int8_head``; the 16-bit reference on the dequantised Q and K."""
     qc, qs = quantize_q_int8_rows(q)
     kd = k_codes.float() * k_scale.float()[:, :, None, None]
     return sparse_attention(qc * qs, kd, v.float(), sigma, idx, sm_scale=sm_scale, group_size=group_size,
-                            residual=residual, out_dtype=out_dtype or q.dtype, flag=flag)
+                            residual=residual, out_dtype=out_dtype or q.dtype, flag=flag, run=run,
+                            res_scale=res_scale)
