@@ -105,7 +105,9 @@ METHODS = {"vsmooth": {"method": "vsmooth", "expcast": False}, "vsmooth+expcast"
            "dense": {"method": "dense"},  # dense: stock SDPA through the op (its overhead); not in the default
            # the grouping schedule's A/B (docs/design/vsmooth-grouping-schedule.md); not in the default
            "vsmooth+expcast:unshared": {"method": "vsmooth", "expcast": True, "share_grouping": False},
-           "vsmooth+expcast:g25": {"method": "vsmooth", "expcast": True, "group_interval": 25}}
+           "vsmooth+expcast:g25": {"method": "vsmooth", "expcast": True, "group_interval": 25},
+           # MC-Sparse's earlier metadata, key by key with a bf16 residual (docs/design/mcsparse-metadata-format.md)
+           "mcsparse@0.15:tokens-bf16": {"method": "mcsparse", "density": 0.15, "key_run": 1, "residual": "bf16"}}
 DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse@0.25"
 # What a diffusers user picks instead of vcattn, each on stock Inductor (regional or whole compile as the methods):
 # torchao's one-call FP8 attention, SageAttention through diffusers' attention dispatcher, FA4 as torch's flash

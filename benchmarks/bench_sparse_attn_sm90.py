@@ -5,7 +5,7 @@ eta = (t_FA3 / t) x s (the MC-Sparse paper's measure; SDPA cuDNN stands in where
 (rel. L2 against the fp32 reference on heads 0-1, and of the Gluon output against the Triton kernel's).
 
     python3 -m benchmarks.bench_sparse_attn_sm90 [--sizes 32760,75600] [--densities 0.15,0.25] [--C 128,64]
-        [--configs default,128/2,128/2fo,...] [--qk8] [--no-residual] [--no-csv]
+        [--configs default,128/2,128/2fo,...] [--qk8] [--compact] [--no-residual] [--no-csv]
     ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \\
         python3 -m benchmarks.bench_sparse_attn_sm90 --ncu --C 128 --densities 0.15 --configs 128/2,128/2fo
 
@@ -14,6 +14,8 @@ reuse step's residual epilogue on (``--no-residual``: off). A ``--configs`` entr
 default at that C) or ``BN/stages`` of ``configs.SparseAttnSm90Config`` with letters for its switches
 (``from_spec``: f producer-side proxy fence, o FlashAttention-3's overlap order); one that does not fit the
 shared memory at a C is reported and skipped. Every row is printed as it is measured, then the table; rows are appended to ``benchmarks/results/bench_sparse_attn_sm90.csv``.
+``--compact``: also each config on MC-Sparse's default metadata (``gluon_sm90_gather_runs8``: a random selection of
+aligned 8-key runs as int16 run numbers, the residual as int8 codes with per-token scales).
 ``--ncu``: no timing; the Triton kernel and each config once, warmed up, between ``torch.cuda.profiler.start()``
 / ``stop()`` (the first size, C and density).
 """
@@ -63,6 +65,34 @@ def inputs(S, C, density, dev="cuda"):
     return q, k, v, sigma, idx, 0.1 * torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16)
 
 
+def compact_row(q, k, v, sigma, res, keep, C, cfg, name, base, t_dense, t_cudnn, flops):
+    """The Gluon kernel on MC-Sparse's default metadata: a random selection of aligned 8-key runs (int16 run
+    numbers, ``keep`` keys a group), the residual as int8 codes with one scale a token; its time, eta and rel. L2
+    against the reference on heads 0-1."""
+    from vc_compile.torch_ops import safe_scale
+    S, run = q.shape[2], 8
+    G = -(-S // C)
+    runs = torch.empty(B, H, G, keep // run, device=q.device, dtype=torch.int16)
+    for h in range(H):
+        runs[:, h] = torch.rand(B, G, S // run, device=q.device).topk(keep // run, -1, sorted=False).indices.sort(
+            -1).values.to(torch.int16)
+    kw = dict(sm_scale=D ** -0.5, group_size=C, run=run)
+    if res is not None:
+        scale = safe_scale(res.float().abs().amax(-1), 127.0)
+        kw.update(residual=torch.round(res.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8),
+                  res_scale=scale)
+    out = g.sparse_attention_sm90(q, k, v, sigma, runs, launch=cfg, **kw)
+    t = bench_ms(lambda: g.sparse_attention_sm90(q, k, v, sigma, runs, launch=cfg, **kw))
+    two = {n: (x[:, :2] if x is not None else None) for n, x in (("residual", kw.get("residual")),
+                                                               ("res_scale", kw.get("res_scale")))}
+    ref = ref_sparse(q[:, :2], k[:, :2], v[:, :2], sigma[:, :2], runs[:, :2], out_dtype=torch.float32,
+                     **{**kw, **two})
+    m = metrics(out[:, :2].float(), ref)
+    s = keep / S
+    return {**base, "variant": "gluon_sm90_gather_runs8", "config": name, "ms": t, "tflops": s * flops / t / 1e9,
+            "speedup_vs_cudnn": t_cudnn / t, "eta": t_dense / t * s, "rel_l2": m["rel_l2"], "cos_sim": m["cos_sim"]}
+
+
 def config_of(spec: str, C: int) -> CF.SparseAttnSm90Config:
     return CF.sparse_sm90_default(C) if spec == "default" else CF.SparseAttnSm90Config.from_spec(spec)
 
@@ -77,6 +107,8 @@ def main(argv=None):
                    help="time without the residual epilogue (a reuse step has it)")
     p.add_argument("--qk8", action="store_true",
                    help="also each config with 8-bit QK (int8 K codes, one scale a head; Q quantised in the kernel)")
+    p.add_argument("--compact", action="store_true",
+                   help="also each config on runs of 8 keys (int16 run numbers) and an int8 residual")
     p.add_argument("--no-csv", action="store_true")
     p.add_argument("--ncu", action="store_true", help="one profiled launch per kernel (for Nsight Compute)")
     a = p.parse_args(argv)
@@ -163,6 +195,9 @@ def main(argv=None):
                             r8["k_quant_ms"] = bench_ms(lambda: tsa.quantize_k_int8_head(k))
                             emit(r8)
                             del k8, ks, out8
+                        if a.compact:
+                            emit(compact_row(q, k, v, sigma, res if a.residual else None, idx.shape[-1], C, cfg,
+                                             name, base, t_dense, t_cudnn, flops))
                     except Exception as e:  # noqa: BLE001 - report the config and go on
                         traceback.print_exc()
                         print(json.dumps({**row, "error": f"{type(e).__name__}: {str(e)[:200]}"}))

@@ -110,7 +110,8 @@ class SparseQK(str, enum.Enum):
 
 class Residual(str, enum.Enum):
     BF16 = "bf16"
-    FP8 = "fp8"  # one scale per token: half the memory
+    INT8 = "int8"  # one scale per token (amax / 127): half the memory
+    FP8 = "fp8"  # E4M3, one scale per token: half the memory (2.7x INT8's error on a residual's rows)
     NONE = "none"  # no residual
 
 
@@ -148,7 +149,11 @@ OPTION_DOCS: Dict[str, str] = {
     "warmup_attention": "MC-Sparse warm-up steps: 'expcast' (8-bit V-Smooth with ExpCast's softmax, the fastest "
                         "dense 8-bit path; default), 'vsmooth' (8-bit V-Smooth, as the option expcast says) or "
                         "'sdpa' (stock SDPA, the paper's).",
-    "residual": "MC-Sparse residual storage: 'bf16' | 'fp8' (per-token scale, half the memory) | 'none'.",
+    "residual": "MC-Sparse residual storage: 'int8' (one scale a token; default) | 'fp8' (E4M3, one scale a token) "
+                "| 'bf16' (twice the memory) | 'none'.",
+    "key_run": "MC-Sparse: keys are selected in aligned runs of this many (the top runs by summed attention mass), "
+               "kept as one 16-bit number a run: 8 (default; 1/16 of a key-by-key selection's memory) or 1 (key by "
+               "key), a power of two up to 64. A sequence not a whole number of runs selects key by key.",
     "anchor_dense": "MC-Sparse anchor steps: the dense pass giving O_dense and R: 'bf16' (cuDNN, today's "
                     "accuracy) | 'q8' (the 8-bit V-Smooth pass: faster, R carries its error; "
                     "docs/design/anchor-selection.md).",
@@ -310,7 +315,13 @@ class VCConfig:
     anchor_steps: Optional[Tuple[int, ...]] = None
     anchor_interval: Optional[int] = None
     sparse_qk: SparseQK = SparseQK.BF16
-    residual: Residual = Residual.BF16
+    # NOTE INT8 codes by default: half a bf16 residual's memory; with key_run=8 every block of Wan 14B at 720p fits
+    # one 80 GB GPU. INT8, not FP8: a third of E4M3's rounding error on a residual's rows.
+    # docs/design/mcsparse-metadata-format.md
+    residual: Residual = Residual.INT8
+    # NOTE runs of 8 keys: an eighth of the selection's entries, 16-bit, for the error of key-by-key selection;
+    # runs of 16 and more cost 1.3x and more. docs/design/mcsparse-metadata-format.md
+    key_run: int = 8
     anchor_dense: AnchorDense = AnchorDense.BF16
     residual_budget_gb: float = 64.0
     # NOTE off by default (opt in): the guard beats fixed schedules on bursts of motion, but on steady fast drift it
@@ -422,6 +433,8 @@ class VCConfig:
                 f"vcattn option experimental['selection_refresh']='every_step' needs residual='none' (a residual "
                 f"cached with the anchor's selection does not belong to a selection made at another step), got "
                 f"residual={self.residual.value!r}; accepted: residual='none', or selection_refresh='anchor'")
+        if not (1 <= self.key_run <= 64 and self.key_run & (self.key_run - 1) == 0):
+            bad("key_run", "a power of two from 1 (key by key) to 64")
         if not self.residual_budget_gb > 0:  # also refuses NaN (every comparison with NaN is False)
             bad("residual_budget_gb", "a positive float (float('inf') = no limit)")
         if not 0.0 <= self.guard_threshold < math.inf:  # also refuses NaN

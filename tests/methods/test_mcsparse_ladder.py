@@ -216,20 +216,51 @@ def test_residual_none_vs_bf16(name, impl):
     q, k, v, _ = inputs(S, S, D, dtype)
     q, k, v = (t.to(dev) for t in (q, k, v))
     sm = D ** -0.5
-    base = {"method": "mcsparse", "density": 0.3, "experimental": {"query_grouping": "none"}}
+    base = {"method": "mcsparse", "density": 0.3, "residual": "bf16", "experimental": {"query_grouping": "none"}}
     a_none, r_none, m_none = _anchor_then_reuse(impl, q, k, v, VCConfig.from_options({**base, "residual": "none"}), sm)
     a_res, r_res, m_res = _anchor_then_reuse(impl, q, k, v, VCConfig.from_options(base), sm)
     assert m_none.residual is None and m_res.residual is not None and m_res.residual.dtype == torch.bfloat16
     assert torch.equal(m_none.idx, m_res.idx) and torch.equal(m_none.sigma, m_res.sigma)
     assert torch.equal(a_none, a_res)  # the anchor returns O_dense either way
     C = VCConfig.from_options(base).group_size
-    sparse = dispatch.sparse_attention(impl, q, k, v, m_none.sigma, m_none.idx, sm_scale=sm, group_size=C)
+    sparse = dispatch.sparse_attention(impl, q, k, v, m_none.sigma, m_none.idx, sm_scale=sm, group_size=C,
+                                       run=m_none.run)
     assert torch.allclose(r_none.float(), sparse.float(), atol=1e-6)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
     assert (r_res.float() - a_res.float()).abs().max() <= tol  # O_sparse + R == O_dense
     assert (r_none.float() - a_none.float()).abs().max() > 10 * tol  # without R it is not dense
     want_r = (r_res.float() - r_none.float())
     assert torch.allclose(want_r, m_res.residual.float(), atol=tol)
+
+
+def test_residual_storage_int8_is_closer_than_fp8():
+    """The residual kept as 8-bit codes with one scale a token: on the anchor's own inputs a reuse step is O_sparse +
+    R's stored form, so its distance from the anchor's output is the storage error alone. int8 (the default) keeps
+    it well below FP8 E4M3's (3 mantissa bits: up to 2^-4 relative per element, against half a step of amax / 127),
+    and within 5x bf16's (a step of amax / 127 against bf16's 2^-9 relative: 3.8x measured); fp64 reference path,
+    so nothing else rounds."""
+    S, D = 256, 64
+    q, k, v, _ = inputs(S, S, D, torch.float64)
+    errs = {}
+    for res in ("bf16", "int8", "fp8"):
+        cfg = VCConfig.from_options({"method": "mcsparse", "density": 0.25, "residual": res})
+        a, r, meta = _anchor_then_reuse(dispatch.Impl.REFERENCE, q, k, v, cfg, D ** -0.5)
+        assert meta.run == 8 and meta.idx.dtype == torch.int16 and meta.sigma.dtype == torch.int32
+        errs[res] = ((r.double() - a.double()).norm() / a.double().norm()).item()
+    assert errs["int8"] < 0.5 * errs["fp8"], errs
+    assert errs["int8"] < 5 * errs["bf16"], errs
+
+
+def test_key_runs_where_the_keys_are_whole_runs():
+    """8-key runs where Sk and the kept count are whole runs; key by key otherwise and for the 64-key block ablation
+    (it expands its blocks); run numbers in int16 while they fit."""
+    cfg = VCConfig()
+    assert M.run_for(cfg, 304, 128) == 8 and M.run_for(cfg, 300, 128) == 1 and M.run_for(cfg, 304, 100) == 1
+    assert M.run_for(VCConfig(key_run=1), 304, 128) == 1 and M.run_for(VCConfig(key_run=64), 320, 128) == 64
+    block = VCConfig.from_options({"experimental": {"selection_unit": "block"}})
+    assert M.run_for(block, 304, 128) == 1
+    assert torch_ops.run_id_dtype(75600, 8) == torch.int16 and torch_ops.run_id_dtype(75600, 1) == torch.int32
+    assert torch_ops.run_id_dtype(8 * 32767, 8) == torch.int16 and torch_ops.run_id_dtype(8 * 32768, 8) == torch.int32
 
 
 def test_every_step_reselects_from_current_inputs():
@@ -258,8 +289,11 @@ def test_every_step_reselects_from_current_inputs():
 def test_options_defaults_validation_and_roundtrip():
     cfg = VCConfig()
     ex = cfg.experimental
-    assert (ex.selection, ex.selection_unit, ex.query_grouping, ex.selection_refresh, cfg.residual) == (
-        Selection.EXACT, SelectionUnit.TOKEN, QueryGrouping.PDDP, SelectionRefresh.ANCHOR, "bf16")
+    assert (ex.selection, ex.selection_unit, ex.query_grouping, ex.selection_refresh, cfg.residual, cfg.key_run) == (
+        Selection.EXACT, SelectionUnit.TOKEN, QueryGrouping.PDDP, SelectionRefresh.ANCHOR, "int8", 8)
+    for bad in (0, 3, 128):
+        with pytest.raises(VCConfigError, match="key_run"):
+            VCConfig(key_run=bad)
     assert all(isinstance(e, str) for e in (Selection.EXACT, SelectionUnit.BLOCK, QueryGrouping.NONE))
     for rung in RUNGS.values():
         c = VCConfig.from_options({"method": "mcsparse", **rung})

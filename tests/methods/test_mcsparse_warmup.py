@@ -138,13 +138,14 @@ def test_memory_plan_keeps_what_fits_and_runs_the_rest_dense_8bit():
     cfg = VCConfig.from_options({**BASE, "method": "mcsparse"})
     key = (0, 0, 0, (1, 2, S, D), (1, 2, S, D), "cpu")
     per_block = M.metadata_bytes(key, cfg)
-    assert per_block == 2 * (2 * 64 * 4 + S * (2 * D + 8))  # idx 2 groups x 64 keys; bf16 residual, int64 order
+    # 2 heads x (2 groups x 8 runs of 8 keys, int16; int8 residual + its fp32 scale, int32 order a token)
+    assert per_block == 2 * (2 * 8 * 2 + S * (D + 4 + 4))
     budget = 2.5 * per_block / 2**30
     with pytest.warns(RuntimeWarning, match="memory plan") as w:
         sites, outs = _layers({"method": "mcsparse", "residual_budget_gb": budget, "reuse_check": False}, 3)
     assert sum("memory plan" in str(x.message) for x in w) == 1
     msg = str(next(x.message for x in w if "memory plan" in str(x.message)))
-    assert "3 blocks" in msg and "needs 130 KiB" in msg and "2 keep it" in msg and "1 run the dense 8-bit" in msg
+    assert "3 blocks" in msg and f"needs {_report.fmt_bytes(3 * per_block)}" in msg and "2 keep it" in msg and "1 run the dense 8-bit" in msg
     recs = [_report.site(s) for s in sites]
     for rec in recs[:2]:
         assert rec.phases["anchor"] == 2 and rec.phases["reuse"] == 6 and not rec.method_notes
@@ -311,7 +312,7 @@ def test_memory_plan_first_returns_torchs_unused_cache_to_the_driver(monkeypatch
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(M, "_pool_free", lambda d: 0)
-    shape = (1, 40, 75600, 128)  # Wan 14B at 720p: 1.84 GiB a block-branch (bf16 residual)
+    shape = (1, 40, 75600, 128)  # Wan 14B at 720p: 0.45 GiB a block-branch (8-key runs, int8 residual)
     keys = [(site, 0, branch, shape, shape, "cuda:0") for site in range(40) for branch in range(2)]
     cuda = torch.device("cuda", 0)
     with vc_compile.sampling(num_steps=50):
@@ -321,8 +322,9 @@ def test_memory_plan_first_returns_torchs_unused_cache_to_the_driver(monkeypatch
         again = M.memory_plan(cfg, keys[1], cuda)
     assert mem["calls"] == ["empty_cache", "mem_get_info"]  # once a generation, the cache first
     per_block = M.metadata_bytes(keys[0], cfg)
-    # 36 GiB free less the largest block (a re-anchor beside the old) and the 5% margin: 17 of 1.75 GiB
-    assert len(plan.keep) == int((36 * GiB - per_block - 0.05 * 80 * GiB) // per_block) == 17
+    assert per_block == 40 * (591 * (11392 // 8) * 2 + 75600 * (128 + 4 + 4))
+    # 36 GiB free less the largest block (a re-anchor beside the old) and the 5% margin: 70 of 0.45 GiB
+    assert len(plan.keep) == int((36 * GiB - per_block - 0.05 * 80 * GiB) // per_block) == 70
     assert again is plan and len(plan.planned) == 80
 
 
@@ -394,7 +396,7 @@ def test_kept_metadata_is_copied_into_its_own_pool(monkeypatch):
     assert held == ["SparseMeta"] and len(metas) == 1
     meta = metas[0]
     kept = [t for t in (meta.sigma, meta.idx, meta.residual, meta.res_scale) if t is not None]
-    assert len(kept) == 3 and all(any(t is c for c in copies) for t in kept)
+    assert len(kept) == 4 and all(any(t is c for c in copies) for t in kept)  # the int8 residual's scales too
     for a, b in zip(plain, pooled):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(meta.idx, kept_plain[0].idx, rtol=0, atol=0)

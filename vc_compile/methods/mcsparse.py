@@ -14,10 +14,16 @@ steps) and whenever no metadata is cached, REUSE otherwise; a block whose select
 step (its call there was skipped, e.g. by a step or block cache: ``anchor_epoch``) selects at its next call.
 
 Metadata ``SparseMeta`` (the token-sparse analogue of FlexAttention's BlockMask):
-  sigma     [B, H, S] int64     query order; group g = sigma[g*C:(g+1)*C] (last group may be partial)
-  idx       [B, H, G, n_keep]   int32 selected keys per group, ascending
-  residual  [B, H, S, Dv]       bf16 (``residual="bf16"``) or FP8 E4M3 codes (``"fp8"``), or None
-  res_scale [B, H, S] fp32      per-token scale of the FP8 residual (None otherwise)
+  sigma     [B, H, S] int32     query order; group g = sigma[g*C:(g+1)*C] (last group may be partial)
+  idx       [B, H, G, n_keep / run]  the selection per group, ascending: run numbers r of aligned runs of ``run``
+                                keys (keys r*run .. r*run + run - 1; option ``key_run``, 8 by default), int16 where
+                                every run number fits (Sk / run < 2^15), else int32; ``run = 1``: key ids
+  run       int                 keys a run (1 where Sk or n_keep is not a whole number of runs, and for the
+                                ``selection_unit="block"`` ablation, which expands its blocks to key ids)
+  residual  [B, H, S, Dv]       int8 codes (``residual="int8"``, the default), FP8 E4M3 codes (``"fp8"``) or bf16
+                                (``"bf16"``), or None
+  res_scale [B, H, S] fp32      per-token scale of the 8-bit codes (None otherwise): R = codes x scale, formed
+                                in the gather kernel's epilogue
   density   float               realised density: n_keep / Sk (after rounding to the KV tile)
   epoch     int                 the anchor step (index in the schedule) that made it
 Memory: the residual is the size of the attention output per site, block and CFG branch. Before storing
@@ -108,13 +114,7 @@ class SparseMeta:
     refused: Optional[str] = None
     # refused for the GPU's free memory (``_no_gpu_room``): the warm-up's dense 8-bit path runs instead of stock SDPA
     no_room: bool = False
-
-    def residual_tensor(self, dtype) -> Optional[torch.Tensor]:
-        if self.residual is None:
-            return None
-        if self.res_scale is None:
-            return self.residual
-        return (self.residual.float() * self.res_scale.unsqueeze(-1)).to(dtype)
+    run: int = 1  # keys a run of ``idx`` (module docstring)
 
 
 # ---- the schedule -----------------------------------------------------------------------------------------
@@ -263,17 +263,29 @@ class MemoryPlan:
         return (f"MC-Sparse's metadata for all {len(self.planned)} blocks (every site and CFG branch) needs "
                 f"{fmt(self.need)}, {fmt(int(min(max(self.budget, 0), 2**62)))} is available (residual_budget_gb and the GPU's "
                 f"free memory): {len(self.keep)} keep it and run sparse, {len(self.planned) - len(self.keep)} run "
-                "the dense 8-bit path (V-Smooth) this generation. options={'residual': 'fp8'} halves the "
-                "residual, 'none' drops it")
+                "the dense 8-bit path (V-Smooth) this generation. options={'residual': 'int8'} (the default) "
+                "halves a bf16 residual, 'none' drops it")
 
 
 def metadata_bytes(key: tuple, cfg) -> int:
-    """Bytes an anchor keeps for a state key's shapes: the selection ``idx`` int32 [B, H, G, n_keep], the query order
-    int64 [B, H, Sq], the residual [B, H, Sq, D] as cached."""
+    """Bytes an anchor keeps for a state key's shapes: the selection ``idx`` [B, H, G, n_keep / run] (int16 or int32),
+    the query order int32 [B, H, Sq], the residual [B, H, Sq, D] as cached."""
     (B, H, Sq, D), Sk = key[3], key[4][2]
     groups = -(-Sq // cfg.group_size)
-    per_query = {Residual.BF16: 2 * D, Residual.FP8: D + 4, Residual.NONE: 0}[cfg.residual] + 8
-    return B * H * (groups * n_keep(Sk, cfg.density) * 4 + Sq * per_query)
+    keep = n_keep(Sk, cfg.density)
+    run = run_for(cfg, Sk, keep)
+    entry = torch.empty((), dtype=torch_ops.run_id_dtype(Sk, run)).element_size()
+    per_query = {Residual.BF16: 2 * D, Residual.INT8: D + 4, Residual.FP8: D + 4, Residual.NONE: 0}[cfg.residual] + 4
+    return B * H * (groups * (keep // run) * entry + Sq * per_query)
+
+
+def run_for(cfg, Sk: int, keep: int) -> int:
+    """Keys a run of the selection (``key_run``), or 1 where Sk or ``keep`` is not a whole number of runs, or the
+    ablation selects 64-key blocks (expanded to key ids)."""
+    run = cfg.key_run
+    if cfg.experimental.selection_unit == SelectionUnit.BLOCK or Sk % run or keep % run:
+        return 1
+    return run
 
 
 _POOLS: dict = {}  # device index -> the MemPool the kept metadata lives in
@@ -389,7 +401,7 @@ def replayable(phase: Phase, cfg) -> bool:
 
 def needs_fp8(cfg) -> bool:
     """FP8 MMAs only with ``sparse_qk="fp8"``: the bf16 gather kernel, PDDP and selection run on any GPU Triton
-    supports (the FP8 residual is a plain torch cast). The V-Smooth warm-up's FP8 is checked per call
+    supports (8-bit residuals are plain torch casts). The V-Smooth warm-up's FP8 is checked per call
     (``warmup_ineligible``): without it the warm-up runs stock SDPA, not the whole method the reference."""
     return cfg.sparse_qk == SparseQK.FP8
 
@@ -420,10 +432,11 @@ def warmup_run(q, k, v, *, meta, cfg, sm_scale, impl, regroup: bool = True):
 
 
 def select(impl, q, k, sigma, lse2, *, sm_scale, group_size, keep, selection=Selection.EXACT,
-           unit=SelectionUnit.TOKEN, max_mass_bytes: int = _MASS_BYTES):
-    """Scores + top-K (tokens) or top blocks expanded to tokens, a chunk of heads at a time so the
-    (S/C) x Sk scores stay within ``max_mass_bytes``. ``selection="exact"``: pass 2 (exact group masses, needs
-    lse2); ``"mean_pool"``: mean query of each group against the keys / key-block means (lse2 unused)."""
+           unit=SelectionUnit.TOKEN, max_mass_bytes: int = _MASS_BYTES, run: int = 1):
+    """Scores + top-K (tokens; ``run`` > 1: the top runs of ``run`` keys by summed score, as run numbers) or top
+    blocks expanded to tokens, a chunk of heads at a time so the (S/C) x Sk scores stay within
+    ``max_mass_bytes``. ``selection="exact"``: pass 2 (exact group masses, needs lse2); ``"mean_pool"``: mean
+    query of each group against the keys / key-block means (lse2 unused)."""
     B, H, S, _ = q.shape
     Sk = k.shape[2]
     G = -(-S // group_size)
@@ -441,7 +454,7 @@ def select(impl, q, k, sigma, lse2, *, sm_scale, group_size, keep, selection=Sel
             scores = torch_ops.mean_pool_scores(q[:, sl], k[:, sl], sigma[:, sl], sm_scale=sm_scale,
                                                 group_size=group_size, block=KV_TILE if block else 1)
         parts.append(torch_ops.expand_blocks(scores, keep, Sk, KV_TILE) if block
-                     else dispatch.select_topk(scores, keep))
+                     else dispatch.select_topk(torch_ops.run_mass(scores, run), keep // run))
         del scores
     return torch.cat(parts, dim=1)
 
@@ -476,17 +489,31 @@ def path_label(path: str, phase, cfg, q=None, v=None) -> str:
     return path
 
 
+_COMPACT_HEADS = 8  # heads quantised at once: fp32 temporaries of 8 heads, not of all (1.5 GB at 14B, 720p)
+
+
 def _compact(resid: torch.Tensor, mode: str):
+    """The residual as kept: bf16, or 8-bit codes with one scale a token (fp32): int8 (amax / 127, rounded to
+    nearest even) or FP8 E4M3 (amax / 448), or nothing."""
     if mode == "none":
         return None, None
     if mode == "bf16":
         return resid.to(torch.bfloat16), None
-    scale = torch_ops.safe_scale(resid.abs().amax(dim=-1), FP8_MAX)  # per token
-    return (resid / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    B, H, S, D = resid.shape
+    qmax, dtype = (127.0, torch.int8) if mode == "int8" else (FP8_MAX, FP8_DTYPE)
+    codes = torch.empty(B, H, S, D, device=resid.device, dtype=dtype)
+    scale = torch.empty(B, H, S, device=resid.device, dtype=torch.float32)
+    for h0 in range(0, H, _COMPACT_HEADS):
+        r = resid[:, h0:h0 + _COMPACT_HEADS].float()
+        s = torch_ops.safe_scale(r.abs().amax(dim=-1), qmax)  # per token
+        scale[:, h0:h0 + _COMPACT_HEADS] = s
+        y = (r / s.unsqueeze(-1)).clamp(-qmax, qmax)
+        codes[:, h0:h0 + _COMPACT_HEADS] = (torch.round(y) if mode == "int8" else y).to(dtype)
+    return codes, scale
 
 
-MEMORY_HINT = ("use options={'residual': 'fp8'} (half the memory) or 'none' (no residual), raise "
-               "'residual_budget_gb', or fewer sparse layers/branches")
+MEMORY_HINT = ("use options={'residual': 'int8'} (the default: half a bf16 residual's memory) or 'none' (no "
+               "residual), key_run=8 (the default), raise 'residual_budget_gb', or fewer sparse layers/branches")
 
 
 def _over_budget(need: int, cfg, replaced: int = 0) -> Optional[str]:
@@ -532,16 +559,16 @@ def cheap_anchor_applies(q, k, v, cfg) -> Optional[str]:
     return None
 
 
-def _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep):
-    """(out, O_dense, idx, R or None) by ``methods/anchor.anchor_step`` over ``impl``'s kernels; R in bf16 when that
-    is how it is cached (formed in the gather kernel's epilogue), fp32 for the FP8 residual's per-token scales."""
+def _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep, run):
+    """(out, O_dense, idx, R or None) by ``methods/anchor.anchor_step`` over ``impl``'s kernels; R in bf16, formed in
+    the gather kernel's epilogue (8-bit residuals are quantised from it, ``_compact``)."""
     from . import anchor as A
 
     res = A.anchor_step(impl, q, k, v, sm_scale=sm_scale, group_size=cfg.group_size, keep=keep,
                         cfg=A.AnchorConfig(dense_out=cfg.anchor_dense), sigma=sigma,
                         residual=cfg.residual != Residual.NONE, out_dtype=kernel_out_dtype(q.dtype),
                         sparse_qk=cfg.sparse_qk.value,
-                        residual_dtype=torch.bfloat16 if cfg.residual == Residual.BF16 else torch.float32)
+                        residual_dtype=torch.bfloat16, run=run)
     out = finish_output(res.out, q.dtype).contiguous()  # SDPA's layout, as the original passes
     return out, res.out, res.idx, res.residual
 # ----------
@@ -571,7 +598,7 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
         idx = meta.idx
         if ex.selection_refresh == SelectionRefresh.EVERY_STEP:  # vanilla block-sparse: select again
             idx = select(impl, q, k, meta.sigma, None, sm_scale=sm_scale, group_size=C, keep=keep,
-                         selection=ex.selection, unit=ex.selection_unit)
+                         selection=ex.selection, unit=ex.selection_unit, run=meta.run)
         return _reuse(impl, q, k, v, meta, idx, cfg, sm_scale, sparse), meta
     try:
         return _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_anchor)
@@ -625,21 +652,22 @@ def _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_ancho
         raise ValueError(f"mcsparse: cheap_anchor=True cannot run this anchor: {why_not}. Pass cheap_anchor=None "
                          "to fall back to the original passes.")
     sigma = query_order(impl, q, cfg)
+    run = run_for(cfg, Sk, keep)
     resid = None
     if why_not is None and cheap_anchor is not False:
-        out, o_dense, idx, resid = _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep)
+        out, o_dense, idx, resid = _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep, run)
     else:
         # pass 1 for every variant (mean-pooled scores do not need the LSE): the anchor step returns the same
         # O_dense whatever the ablation switches, so the ladder's rungs differ only in what they switch
         o_dense, lse2 = dispatch.dense_with_lse(impl, q, k, v, sm_scale)
         out = o_dense.to(q.dtype).contiguous()
         idx = select(impl, q, k, sigma, lse2, sm_scale=sm_scale, group_size=C, keep=keep,
-                     selection=ex.selection, unit=ex.selection_unit)
+                     selection=ex.selection, unit=ex.selection_unit, run=run)
     # ----------
     residual = res_scale = None
     if cfg.residual != Residual.NONE:
         if resid is None:  # the original passes (anchor_step forms R itself)
-            o_sparse = sparse(sigma, idx, out_dtype=torch.float32)
+            o_sparse = sparse(sigma, idx, out_dtype=torch.float32, run=run)
             resid = o_dense.float() - o_sparse.float()
             del o_sparse
         # One sync per anchor step (see the module docstring). The residual, not O_dense alone: a dense
@@ -650,7 +678,9 @@ def _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_ancho
     elif not bool(torch.isfinite(o_dense).all()):
         return out, _kept(meta, epoch)
     del resid, o_dense
-    kept = (sigma, idx, residual, res_scale)
+    # NOTE kept narrow: int32 query order, 16-bit run numbers where they fit (design/mcsparse-metadata-format.md)
+    kept = (sigma.to(torch.int32) if sigma.shape[2] < 2**31 else sigma,
+            idx.to(torch_ops.run_id_dtype(Sk, run)), residual, res_scale)
     need = state.nbytes(kept)
     over = _over_budget(need, cfg, state.nbytes(meta))
     short = None if over else _no_gpu_room(need, q.device)
@@ -659,7 +689,8 @@ def _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_ancho
                                epoch=epoch, refused=over or short, no_room=short is not None)
     sigma, idx, residual, res_scale = _keep_apart(kept, q.device)
     del kept
-    meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk, epoch=epoch)
+    meta = SparseMeta(sigma=sigma, idx=idx, residual=residual, res_scale=res_scale, density=keep / Sk, epoch=epoch,
+                      run=run)
     if cfg.reuse_check and cfg.guard_threshold == 0:  # with the guard on, the guard measures every reuse step
         meta.check = ReuseCheck.new(q, out)
     return out, meta
@@ -684,8 +715,8 @@ def _reuse(impl, q, k, v, meta: SparseMeta, idx, cfg, sm_scale, sparse):
         flag, part = dispatch.finite_flags(impl, k, v, probe=probe)
     if guard is None and not cfg.propagate_nonfinite:
         flag = None  # the check's pass: its flags are not applied (one contract on every reuse step)
-    out = sparse(meta.sigma, idx, residual=meta.residual_tensor(q.dtype), out_dtype=kernel_out_dtype(q.dtype),
-                 flag=flag)
+    out = sparse(meta.sigma, idx, residual=meta.residual, res_scale=meta.res_scale, run=meta.run,
+                 out_dtype=kernel_out_dtype(q.dtype), flag=flag)
     if guard is not None:
         guard.record(dispatch.probe_error(impl, out, guard.rows, part))
     if check is not None:  # once per anchor: this step against the anchor's output, on the same sampled rows
