@@ -214,6 +214,16 @@ def sparse_cases():
             idx = torch.empty(B, H, -(-S // Cg), n_keep(S, 0.15), dtype=torch.int32)
             launch(q, q, q, sig, idx, D, Cg, cfg, fmt, q if res else None)
         out.append((f"sparse_{fmt}_d{D}_c{Cg}_BN{cfg[0]}w{cfg[1]}s{cfg[2]}_res{int(res)}", fn))
+
+    def runs8(Cg=128):  # MC-Sparse's default metadata: int16 numbers of 8-key runs, an int8 residual
+        from vc_compile.formats import n_keep
+        B, H, S, D = 1, 40, S_MAIN, 128
+        q = torch.empty(B, H, S, D, dtype=torch.bfloat16)
+        idx = torch.empty(B, H, -(-S // Cg), n_keep(S, 0.15) // 8, dtype=torch.int16)
+        tsa.sparse_attention(q, q, q, torch.empty(B, H, S, dtype=torch.int32), idx, sm_scale=D ** -0.5, group_size=Cg,
+                             residual=torch.empty(B, H, S, D, dtype=torch.int8), res_scale=torch.empty(B, H, S),
+                             run=8, launch=C.sparse_default("bf16", D, Cg))
+    out.append(("sparse_bf16_d128_c128_runs8_res1", runs8))
     return out
 
 
@@ -281,6 +291,9 @@ def sm90_sparse_cases():
     for Cg, qk8 in ((64, False), (128, False), (128, True)):
         out.append((f"sm90_sparse_c{Cg}{'_qk8' if qk8 else ''}",
                     lambda Cg=Cg, qk8=qk8: cg.compile_one(S_MAIN, Cg, C.sparse_sm90_default(Cg), qk8=qk8)))
+    for Cg in (64, 128):  # MC-Sparse's default metadata: int16 numbers of 8-key runs, an int8 residual
+        out.append((f"sm90_sparse_c{Cg}_runs8",
+                    lambda Cg=Cg: cg.compile_one(S_MAIN, Cg, C.sparse_sm90_default(Cg), compact=True)))
     return out
 
 
