@@ -701,6 +701,8 @@ def make_row(res: Result, stock: Optional[Result], spec, layers, a) -> dict:
         if len(res.prof_step_ms) > 1 and len(res.step_ms) > 1:
             row["profile_overhead"] = sum(res.prof_step_ms[1:]) / sum(res.step_ms[1:]) - 1.0
     cut = [] if layers == cfg["num_layers"] else [f"cut to {layers} of {cfg['num_layers']} layers"]
+    if a.held_gb:
+        cut.append(f"{a.held_gb:.1f} GiB of the GPU held outside torch (--gpu-memory-gb {a.gpu_memory_gb:g})")
     if a.schedule > a.steps:
         cut.append(f"extrapolated: {a.steps} of {a.schedule} steps run, each phase's median step time x its steps "
                    f"in the {a.schedule}-step schedule")
@@ -829,6 +831,10 @@ def parse_args(argv=None):
     ap.add_argument("--csv", default=None, help="also append the rows to this CSV")
     ap.add_argument("--kernel-table", default=None, metavar="DIR",
                     help="per variant, every kernel's time in a profiled 2-step generation, as DIR/<label>.json")
+    ap.add_argument("--gpu-memory-gb", type=float, default=None,
+                    help="leave the process this many GiB of the GPU: the rest is allocated outside torch (CUDA "
+                         "driver API) for the whole run, so a larger GPU plans and runs out of memory as a smaller one "
+                         "(79.2 = an H100 80GB); said in the rows' note")
     ap.add_argument("--plan-only", action="store_true", help="print the plan and its estimate, run nothing")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny config, 2 steps, eager compiler, reference "
                     "kernels, no rows appended")
@@ -859,6 +865,30 @@ def parse_args(argv=None):
     return a
 
 
+_HELD = []  # device pointers held outside torch for the whole run (--gpu-memory-gb)
+
+
+def hold_gpu_memory(leave_gb: float) -> float:
+    """Allocate all but ``leave_gb`` GiB of the GPU's total outside torch's allocator (cuMemAlloc in torch's primary
+    context), so ``mem_get_info`` and torch's own allocations see the GPU a smaller one would be; GiB held."""
+    import ctypes
+    torch.zeros(1, device="cuda")  # torch's primary context, current on this thread
+    free, total = torch.cuda.mem_get_info()
+    hold = int(total - leave_gb * 2**30)
+    if hold <= 0:
+        return 0.0
+    if hold > free:
+        sys.exit(f"bench_pipeline: --gpu-memory-gb {leave_gb:g} needs {hold / 2**30:.1f} GiB held, {free / 2**30:.1f} free")
+    ptr = ctypes.c_uint64()
+    rc = ctypes.CDLL("libcuda.so.1").cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(hold))
+    if rc != 0:
+        sys.exit(f"bench_pipeline: cuMemAlloc of {hold / 2**30:.1f} GiB failed (CUresult {rc})")
+    _HELD.append(ptr)
+    log(f"[bench_pipeline] holding {hold / 2**30:.1f} GiB outside torch: {leave_gb:g} GiB left of "
+        f"{total / 2**30:.1f}")
+    return hold / 2**30
+
+
 def main(argv=None):
     smoke_threads = "--smoke" in (sys.argv[1:] if argv is None else argv)
     threads = torch.get_num_threads()
@@ -876,6 +906,7 @@ def _main(argv=None):
     a = parse_args(argv)
     if not a.smoke and a.device.type != "cuda" and not a.plan_only:
         sys.exit("bench_pipeline: needs a CUDA GPU (or --smoke / --plan-only)")
+    a.held_gb = hold_gpu_memory(a.gpu_memory_gb) if a.gpu_memory_gb and a.device.type == "cuda" else 0.0
     all_rows, skipped = [], []
     for size in a.sizes:
         spec = SIZES[size]
