@@ -164,9 +164,10 @@ def main(argv=None):
     sizes = (a.sizes or ("32k" if a.quick else "32k,75k")).split(",")
     steps = a.steps or (20 if a.quick else 50)
     known = dict(known_methods())
-    # A/B, not in the default --methods: MC-Sparse's earlier metadata, key by key with a bf16 residual
-    # (docs/design/mcsparse-metadata-format.md)
+    # A/B, not in the default --methods: MC-Sparse's earlier metadata (key by key, bf16 residual) and runs of 8 keys
+    # whether or not the memory plan needs them (docs/design/mcsparse-metadata-format.md)
     known["mcsparse@0.15:tokens-bf16"] = {"method": "mcsparse", "density": 0.15, "key_run": 1, "residual": "bf16"}
+    known["mcsparse@0.15:runs8"] = {"method": "mcsparse", "density": 0.15, "key_run": 8}
     cfn = compile_regional if a.regional else compile_full
     labels = ["dense"] + [m for m in a.methods.split(",") if m and m != "dense"]
     bench = "e2e"

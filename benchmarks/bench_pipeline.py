@@ -106,8 +106,10 @@ METHODS = {"vsmooth": {"method": "vsmooth", "expcast": False}, "vsmooth+expcast"
            # the grouping schedule's A/B (docs/design/vsmooth-grouping-schedule.md); not in the default
            "vsmooth+expcast:unshared": {"method": "vsmooth", "expcast": True, "share_grouping": False},
            "vsmooth+expcast:g25": {"method": "vsmooth", "expcast": True, "group_interval": 25},
-           # MC-Sparse's earlier metadata, key by key with a bf16 residual (docs/design/mcsparse-metadata-format.md)
-           "mcsparse@0.15:tokens-bf16": {"method": "mcsparse", "density": 0.15, "key_run": 1, "residual": "bf16"}}
+           # MC-Sparse's metadata formats: the earlier one (key by key, bf16 residual) and runs of 8 keys whether or
+           # not the memory plan needs them (docs/design/mcsparse-metadata-format.md); not in the default
+           "mcsparse@0.15:tokens-bf16": {"method": "mcsparse", "density": 0.15, "key_run": 1, "residual": "bf16"},
+           "mcsparse@0.15:runs8": {"method": "mcsparse", "density": 0.15, "key_run": 8}}
 DEFAULT_METHODS = "vsmooth,vsmooth+expcast,mcsparse@0.15,mcsparse@0.25"
 # What a diffusers user picks instead of vcattn, each on stock Inductor (regional or whole compile as the methods):
 # torchao's one-call FP8 attention, SageAttention through diffusers' attention dispatcher, FA4 as torch's flash

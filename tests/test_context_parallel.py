@@ -488,8 +488,7 @@ def test_metadata_is_per_rank_and_per_block(ranks):
                 assert m[field] == [1, 1, 256]
         groups = 256 // VCConfig().group_size  # the default query groups of the 256 local tokens
         for m in res["mcsparse"]["meta"]:
-            # every key, as runs of key_run keys (8 by default)
-            assert m["density"] == 1.0 and m["idx_shape"] == [1, 1, groups, 256 // VCConfig().key_run]
+            assert m["density"] == 1.0 and m["idx_shape"] == [1, 1, groups, 256]  # key by key: no memory plan
         assert all(s["bytes_held"] > 0 for s in res["vsmooth"]["sites"] if s["rewritten"])
     # each rank's V-Smooth permutation is the single-process permutation of the head it owns
     for res in ranks:

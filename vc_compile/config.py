@@ -152,8 +152,10 @@ OPTION_DOCS: Dict[str, str] = {
     "residual": "MC-Sparse residual storage: 'int8' (one scale a token; default) | 'fp8' (E4M3, one scale a token) "
                 "| 'bf16' (twice the memory) | 'none'.",
     "key_run": "MC-Sparse: keys are selected in aligned runs of this many (the top runs by summed attention mass), "
-               "kept as one 16-bit number a run: 8 (default; 1/16 of a key-by-key selection's memory) or 1 (key by "
-               "key), a power of two up to 64. A sequence not a whole number of runs selects key by key.",
+               "kept as one 16-bit number a run: None (default) = key by key where every block's metadata fits the "
+               "GPU, else the shortest run of 2, 4, 8 with which it does (the memory plan; a report note says so); "
+               "or a power of two from 1 (key by key) to 64. A sequence not a whole number of runs selects key by "
+               "key.",
     "anchor_dense": "MC-Sparse anchor steps: the dense pass giving O_dense and R: 'bf16' (cuDNN, today's "
                     "accuracy) | 'q8' (the 8-bit V-Smooth pass: faster, R carries its error; "
                     "docs/design/anchor-selection.md).",
@@ -319,9 +321,9 @@ class VCConfig:
     # one 80 GB GPU. INT8, not FP8: a third of E4M3's rounding error on a residual's rows.
     # docs/design/mcsparse-metadata-format.md
     residual: Residual = Residual.INT8
-    # NOTE runs of 8 keys: an eighth of the selection's entries, 16-bit, for the error of key-by-key selection;
-    # runs of 16 and more cost 1.3x and more. docs/design/mcsparse-metadata-format.md
-    key_run: int = 8
+    # NOTE key by key unless the metadata would not fit: runs of 8 (a sixteenth of the selection's bytes) fit Wan 14B
+    # at 720p on an 80 GB GPU but cost 4 dB of the CPU demo's clip. docs/design/mcsparse-metadata-format.md
+    key_run: Optional[int] = None
     anchor_dense: AnchorDense = AnchorDense.BF16
     residual_budget_gb: float = 64.0
     # NOTE off by default (opt in): the guard beats fixed schedules on bursts of motion, but on steady fast drift it
@@ -433,8 +435,8 @@ class VCConfig:
                 f"vcattn option experimental['selection_refresh']='every_step' needs residual='none' (a residual "
                 f"cached with the anchor's selection does not belong to a selection made at another step), got "
                 f"residual={self.residual.value!r}; accepted: residual='none', or selection_refresh='anchor'")
-        if not (1 <= self.key_run <= 64 and self.key_run & (self.key_run - 1) == 0):
-            bad("key_run", "a power of two from 1 (key by key) to 64")
+        if self.key_run is not None and not (1 <= self.key_run <= 64 and self.key_run & (self.key_run - 1) == 0):
+            bad("key_run", "None (by the memory plan) or a power of two from 1 (key by key) to 64")
         if not self.residual_budget_gb > 0:  # also refuses NaN (every comparison with NaN is False)
             bad("residual_budget_gb", "a positive float (float('inf') = no limit)")
         if not 0.0 <= self.guard_threshold < math.inf:  # also refuses NaN

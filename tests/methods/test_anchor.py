@@ -113,7 +113,7 @@ def test_mcsparse_cheap_anchor_argument():
 
     S, D = 304, 64  # a whole number of 8-key runs (a partial last query group)
     q, k, v, _, _ = inputs(S, D)
-    cfg = VCConfig.from_options({"method": "mcsparse", "density": 0.25, "group_size": 64})
+    cfg = VCConfig.from_options({"method": "mcsparse", "density": 0.25, "group_size": 64, "key_run": 8})
     impl = Impl.REFERENCE
     run = lambda **kw: M.run(q, k, v, phase=Phase.ANCHOR, meta=None, cfg=cfg, sm_scale=D ** -0.5,  # noqa: E731
                              impl=impl, **kw)

@@ -243,7 +243,7 @@ def test_residual_storage_int8_is_closer_than_fp8():
     q, k, v, _ = inputs(S, S, D, torch.float64)
     errs = {}
     for res in ("bf16", "int8", "fp8"):
-        cfg = VCConfig.from_options({"method": "mcsparse", "density": 0.25, "residual": res})
+        cfg = VCConfig.from_options({"method": "mcsparse", "density": 0.25, "residual": res, "key_run": 8})
         a, r, meta = _anchor_then_reuse(dispatch.Impl.REFERENCE, q, k, v, cfg, D ** -0.5)
         assert meta.run == 8 and meta.idx.dtype == torch.int16 and meta.sigma.dtype == torch.int32
         errs[res] = ((r.double() - a.double()).norm() / a.double().norm()).item()
@@ -252,9 +252,11 @@ def test_residual_storage_int8_is_closer_than_fp8():
 
 
 def test_key_runs_where_the_keys_are_whole_runs():
-    """8-key runs where Sk and the kept count are whole runs; key by key otherwise and for the 64-key block ablation
-    (it expands its blocks); run numbers in int16 while they fit."""
-    cfg = VCConfig()
+    """Key by key by default where no memory plan says otherwise; 8-key runs where asked (key_run, or the plan's
+    run) and Sk and the kept count are whole runs; key by key otherwise and for the 64-key block ablation (it
+    expands its blocks); run numbers in int16 while they fit."""
+    assert M.run_for(VCConfig(), 304, 128) == 1 and M.run_for(VCConfig(), 304, 128, run=8) == 8
+    cfg = VCConfig(key_run=8)
     assert M.run_for(cfg, 304, 128) == 8 and M.run_for(cfg, 300, 128) == 1 and M.run_for(cfg, 304, 100) == 1
     assert M.run_for(VCConfig(key_run=1), 304, 128) == 1 and M.run_for(VCConfig(key_run=64), 320, 128) == 64
     block = VCConfig.from_options({"experimental": {"selection_unit": "block"}})
@@ -290,7 +292,7 @@ def test_options_defaults_validation_and_roundtrip():
     cfg = VCConfig()
     ex = cfg.experimental
     assert (ex.selection, ex.selection_unit, ex.query_grouping, ex.selection_refresh, cfg.residual, cfg.key_run) == (
-        Selection.EXACT, SelectionUnit.TOKEN, QueryGrouping.PDDP, SelectionRefresh.ANCHOR, "int8", 8)
+        Selection.EXACT, SelectionUnit.TOKEN, QueryGrouping.PDDP, SelectionRefresh.ANCHOR, "int8", None)
     for bad in (0, 3, 128):
         with pytest.raises(VCConfigError, match="key_run"):
             VCConfig(key_run=bad)

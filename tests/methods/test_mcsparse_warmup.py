@@ -138,14 +138,16 @@ def test_memory_plan_keeps_what_fits_and_runs_the_rest_dense_8bit():
     cfg = VCConfig.from_options({**BASE, "method": "mcsparse"})
     key = (0, 0, 0, (1, 2, S, D), (1, 2, S, D), "cpu")
     per_block = M.metadata_bytes(key, cfg)
-    # 2 heads x (2 groups x 8 runs of 8 keys, int16; int8 residual + its fp32 scale, int32 order a token)
-    assert per_block == 2 * (2 * 8 * 2 + S * (D + 4 + 4))
+    # 2 heads x (2 groups x 64 key ids, int16; int8 residual + its fp32 scale, int32 order a token)
+    assert per_block == 2 * (2 * 64 * 2 + S * (D + 4 + 4))
     budget = 2.5 * per_block / 2**30
     with pytest.warns(RuntimeWarning, match="memory plan") as w:
         sites, outs = _layers({"method": "mcsparse", "residual_budget_gb": budget, "reuse_check": False}, 3)
     assert sum("memory plan" in str(x.message) for x in w) == 1
     msg = str(next(x.message for x in w if "memory plan" in str(x.message)))
-    assert "3 blocks" in msg and f"needs {_report.fmt_bytes(3 * per_block)}" in msg and "2 keep it" in msg and "1 run the dense 8-bit" in msg
+    # no run fits all three: runs of 8 (the most blocks), 2 of them
+    need = 3 * M.metadata_bytes(key, cfg, 8)
+    assert "3 blocks" in msg and f"needs {_report.fmt_bytes(need)}" in msg and "in runs of 8 keys" in msg and "2 keep it" in msg and "1 run the dense 8-bit" in msg
     recs = [_report.site(s) for s in sites]
     for rec in recs[:2]:
         assert rec.phases["anchor"] == 2 and rec.phases["reuse"] == 6 and not rec.method_notes
@@ -312,7 +314,7 @@ def test_memory_plan_first_returns_torchs_unused_cache_to_the_driver(monkeypatch
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(M, "_pool_free", lambda d: 0)
-    shape = (1, 40, 75600, 128)  # Wan 14B at 720p: 0.45 GiB a block-branch (8-key runs, int8 residual)
+    shape = (1, 40, 75600, 128)  # Wan 14B at 720p: 1.39 GiB a block-branch key by key, 0.45 in runs of 8
     keys = [(site, 0, branch, shape, shape, "cuda:0") for site in range(40) for branch in range(2)]
     cuda = torch.device("cuda", 0)
     with vc_compile.sampling(num_steps=50):
@@ -321,11 +323,62 @@ def test_memory_plan_first_returns_torchs_unused_cache_to_the_driver(monkeypatch
         plan = M.memory_plan(cfg, keys[0], cuda)
         again = M.memory_plan(cfg, keys[1], cuda)
     assert mem["calls"] == ["empty_cache", "mem_get_info"]  # once a generation, the cache first
-    per_block = M.metadata_bytes(keys[0], cfg)
-    assert per_block == 40 * (591 * (11392 // 8) * 2 + 75600 * (128 + 4 + 4))
-    # 36 GiB free less the largest block (a re-anchor beside the old) and the 5% margin: 70 of 0.45 GiB
+    # no run of 1, 2 or 4 keys fits all 80; in runs of 8, 36 GiB free less the largest block (a re-anchor beside the
+    # old) and the 5% margin keep 70 of 0.45 GiB
+    per_block = M.metadata_bytes(keys[0], cfg, plan.run)
+    assert plan.run == 8 and per_block == 40 * (591 * (11392 // 8) * 2 + 75600 * (128 + 4 + 4))
     assert len(plan.keep) == int((36 * GiB - per_block - 0.05 * 80 * GiB) // per_block) == 70
     assert again is plan and len(plan.planned) == 80
+
+
+def test_memory_plan_selects_in_the_shortest_run_with_which_every_block_fits(monkeypatch):
+    """``key_run=None`` (the default): the plan keeps the selection key by key where every block's metadata fits the
+    GPU, else in the shortest run of 2, 4, 8 with which all do (one report note per generation, its anchors counted),
+    else in runs of 8 (the most blocks). Wan 14B at 720p, 80 block-branches: the room of an H200, of an H100 beside
+    the weights (about 40 GiB: runs of 8, every block sparse) and less. A key_run given is kept as is."""
+    from vc_compile.methods import mcsparse as M
+
+    GiB = 2**30
+    shape = (1, 40, 75600, 128)
+    keys = [(site, 0, branch, shape, shape, "cuda:0") for site in range(40) for branch in range(2)]
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(M, "_pool_free", lambda d: 0)
+
+    def plan_at(free_gib, **opts):
+        vc_compile.reset(report=True)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (int(free_gib * GiB), 80 * GiB))
+        cfg = VCConfig.from_options({**BASE, "method": "mcsparse", "residual_budget_gb": 1000, "density": 0.15,
+                                     **opts})
+        with vc_compile.sampling(num_steps=50):
+            for key in keys:
+                state.put(key + M.WARMUP_SLOT, torch.zeros(1))
+            return M.memory_plan(cfg, keys[0], cuda)
+    sizes = {r: M.metadata_bytes(keys[0], VCConfig(), r) / GiB for r in (1, 2, 4, 8)}
+    assert [round(sizes[r], 2) for r in (1, 2, 4, 8)] == [1.39, 0.88, 0.51, 0.45]  # runs of 2: int32 numbers
+    for free, run, kept in ((130, 1, 80), (50, 4, 80), (42, 8, 80), (30, 8, 57)):
+        plan = plan_at(free)
+        assert (plan.run, len(plan.keep)) == (run, kept), (free, plan.run, len(plan.keep))
+    assert plan_at(42, key_run=1).run == 1 and len(plan_at(42, key_run=1).keep) == 26
+    # at an anchor step the plan's run reaches the anchor, with the note that says why the selection is coarser
+    # (CPU tensors: the budget alone plans; all 80 fit in runs of 8, 35.7 GiB, not in runs of 4, 40.7 GiB)
+    vc_compile.reset(report=True)
+    cfg = VCConfig.from_options({**BASE, "method": "mcsparse", "residual_budget_gb": 37, "density": 0.15,
+                                 "num_steps": 50})
+
+    class Slot:
+        key = keys[0]
+
+        def __call__(self, sub):
+            return state.get(self.key + tuple(sub))
+    q = torch.zeros(1, 1, 8, 64)
+    with vc_compile.sampling(num_steps=50):
+        for key in keys:
+            state.put(key + M.WARMUP_SLOT, torch.zeros(1))
+        p = M.plan(cfg, 10, 50, Slot(), q, q, q, "reference")
+    assert p.phase == M.Phase.ANCHOR and p.meta.run == 8
+    assert p.note[0] == M.KEY_RUNS and "runs of 8" in p.note[1] and "key_run=1" in p.note[1]
 
 
 def test_an_anchor_without_gpu_room_runs_the_dense_8bit_path_to_its_next_anchor(monkeypatch):

@@ -15,11 +15,13 @@ step (its call there was skipped, e.g. by a step or block cache: ``anchor_epoch`
 
 Metadata ``SparseMeta`` (the token-sparse analogue of FlexAttention's BlockMask):
   sigma     [B, H, S] int32     query order; group g = sigma[g*C:(g+1)*C] (last group may be partial)
-  idx       [B, H, G, n_keep / run]  the selection per group, ascending: run numbers r of aligned runs of ``run``
-                                keys (keys r*run .. r*run + run - 1; option ``key_run``, 8 by default), int16 where
-                                every run number fits (Sk / run < 2^15), else int32; ``run = 1``: key ids
-  run       int                 keys a run (1 where Sk or n_keep is not a whole number of runs, and for the
-                                ``selection_unit="block"`` ablation, which expands its blocks to key ids)
+  idx       [B, H, G, n_keep / run]  the selection per group, ascending: key ids (``run = 1``) or run numbers r of
+                                aligned runs of ``run`` keys (keys r*run .. r*run + run - 1), int16 where every
+                                number fits (Sk / run < 2^15), else int32
+  run       int                 keys a run: option ``key_run``, by default (None) the memory plan's: 1 where every
+                                block's metadata fits, else the shortest of 2, 4, 8 that fits all (``memory_plan``);
+                                1 where Sk or n_keep is not a whole number of runs, and for the
+                                ``selection_unit="block"`` ablation, which expands its blocks to key ids
   residual  [B, H, S, Dv]       int8 codes (``residual="int8"``, the default), FP8 E4M3 codes (``"fp8"``) or bf16
                                 (``"bf16"``), or None
   res_scale [B, H, S] fp32      per-token scale of the 8-bit codes (None otherwise): R = codes x scale, formed
@@ -159,10 +161,11 @@ class WarmupAt:
 
 @dataclass
 class AnchorAt:
-    """An anchor step's plan metadata: the epoch its selection starts (``SparseMeta.epoch``) and the metadata it
-    replaces (kept if the anchor cannot make a finite one)."""
+    """An anchor step's plan metadata: the epoch its selection starts (``SparseMeta.epoch``), the metadata it
+    replaces (kept if the anchor cannot make a finite one) and the keys a run of its selection (``run_for``)."""
     epoch: int
     meta: Optional["SparseMeta"]
+    run: Optional[int] = None
 
 
 USES_KERNELS = True
@@ -186,6 +189,7 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
         if warmup_ineligible(q, k, v, impl) is None:
             return _eight_bit(cfg, step, n, slot)
         return Plan(Phase.DENSE, meta)
+    run, note = cfg.key_run, None
     if phase == Phase.ANCHOR:
         key = getattr(slot, "key", None)  # the op's slots know their state key
         mp = memory_plan(cfg, key, q.device)
@@ -193,12 +197,15 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
             if warmup_ineligible(q, k, v, impl) is None:
                 return _eight_bit(cfg, step, n, slot, note=(NO_PLAN_ROOM, mp.message()))
             return Plan(Phase.DENSE, meta, fallback=(NO_ROOM, mp.message()))
+        if mp is not None and run is None:
+            run = mp.run
+            note = (KEY_RUNS, mp.runs_message()) if run > 1 and mp.keep == mp.planned else None
     oom = state.memo().get(OUT_OF_MEMORY)
     if phase == Phase.ANCHOR and (meta is None or meta.refused is not None) and oom and oom[0] == max(epoch, 0):
         # an anchor of this anchor step ran out of GPU memory: the blocks holding nothing wait for the next one
         return Plan(Phase.DENSE, meta, fallback=(NO_ROOM, oom[1]))
     if phase == Phase.ANCHOR and slot(WARMUP_SLOT) is not None:  # the warm-up is over: its grouping is not needed
-        return Plan(phase, AnchorAt(max(epoch, 0), meta), drop=(WARMUP_SLOT,))
+        return Plan(phase, AnchorAt(max(epoch, 0), meta, run), drop=(WARMUP_SLOT,), note=note)
     if phase == Phase.REUSE and meta.refused is not None:
         # NOTE no room at the anchor: 8-bit attention like a block the plan left out, not stock SDPA (at 14B the
         # plan's estimate missed by 3 of 23 blocks: design/mcsparse-memory-plan.md)
@@ -208,13 +215,15 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
     if phase == Phase.REUSE:
         err, reanchor = mcsparse_guard.guard_check(meta, cfg)
         if reanchor:
-            return Plan(Phase.ANCHOR, AnchorAt(max(epoch, 0), meta), guard=(err, reanchor))
+            mp = state.memo().get("mcsparse_plan")
+            run = run if run is not None or mp is None else mp.run
+            return Plan(Phase.ANCHOR, AnchorAt(max(epoch, 0), meta, run), guard=(err, reanchor))
         check = meta.check
         if check is not None and check.poll():
             return Plan(Phase.DENSE, meta, fallback=(REUSE_WORSE, _check_message(check)))
         return Plan(phase, meta, guard=(err, reanchor), replay=check is None or not check.pending)
     if phase == Phase.ANCHOR:
-        return Plan(phase, AnchorAt(max(epoch, 0), meta))
+        return Plan(phase, AnchorAt(max(epoch, 0), meta, run), note=note)
     return Plan(phase, meta)
 
 
@@ -237,6 +246,10 @@ REUSE_WORSE = "mcsparse: reuse step worse than the previous output"
 NO_ROOM = "mcsparse: no room to keep the anchor's metadata"
 NO_PLAN_ROOM = "mcsparse: memory plan: dense 8-bit path, no room for the metadata"
 NO_ANCHOR_ROOM = "mcsparse: dense 8-bit path to the next anchor, no room for the anchor's metadata"
+KEY_RUNS = "mcsparse: memory plan: keys selected in runs, for every block's metadata to fit"
+# NOTE the runs the plan tries, shortest first: each halves the selection's bytes and coarsens it
+# (design/mcsparse-metadata-format.md)
+PLAN_RUNS = (1, 2, 4, 8)
 # NOTE 5% of the GPU stays out of the plan: activations can grow after it (design/mcsparse-memory-plan.md)
 PLAN_MARGIN = 0.05
 OUT_OF_MEMORY = "mcsparse_out_of_memory"  # the memo entry (epoch, why): an anchor of that epoch ran out of memory
@@ -246,14 +259,17 @@ OUT_OF_MEMORY = "mcsparse_out_of_memory"  # the memo entry (epoch, why): an anch
 class MemoryPlan:
     """Which blocks of a generation keep an anchor's metadata (query order, selection, residual): made once, at the
     generation's first anchor step, from the blocks its warm-up ran (their state keys: site, block, branch,
-    shapes), what each needs, the ``residual_budget_gb`` and the GPU's free memory. The first blocks in call order
-    that fit keep it; the others run the warm-up's dense 8-bit path (V-Smooth) for the whole generation, so the
-    generation never runs out of memory at a later block's anchor. A block the warm-up did not run is not
-    planned (its anchor checks its own metadata, ``_over_budget`` and ``_no_gpu_room``)."""
+    shapes), what each needs, the ``residual_budget_gb`` and the GPU's free memory. With ``key_run`` None the
+    selection is key by key where every block fits, else in the shortest run of ``PLAN_RUNS`` with which all do
+    (runs of 8 where none does): ``run``. The first blocks in call order that fit keep it; the others run the
+    warm-up's dense 8-bit path (V-Smooth) for the whole generation, so the generation never runs out of memory at a
+    later block's anchor. A block the warm-up did not run is not planned (its anchor checks its own metadata,
+    ``_over_budget`` and ``_no_gpu_room``)."""
     planned: frozenset
     keep: frozenset
     need: int
     budget: float
+    run: int = 1
 
     def planned_out(self, key) -> bool:
         return key in self.planned and key not in self.keep
@@ -263,26 +279,35 @@ class MemoryPlan:
         return (f"MC-Sparse's metadata for all {len(self.planned)} blocks (every site and CFG branch) needs "
                 f"{fmt(self.need)}, {fmt(int(min(max(self.budget, 0), 2**62)))} is available (residual_budget_gb and the GPU's "
                 f"free memory): {len(self.keep)} keep it and run sparse, {len(self.planned) - len(self.keep)} run "
-                "the dense 8-bit path (V-Smooth) this generation. options={'residual': 'int8'} (the default) "
-                "halves a bf16 residual, 'none' drops it")
+                "the dense 8-bit path (V-Smooth) this generation, its selection "
+                + (f"in runs of {self.run} keys" if self.run > 1 else "key by key")
+                + ". options={'residual': 'none'} drops the residual, key_run=8 keeps an eighth of the selection")
+
+    def runs_message(self) -> str:
+        return (f"MC-Sparse's metadata for all {len(self.planned)} blocks fits the GPU only with the keys selected in "
+                f"runs of {self.run} ({_report.fmt_bytes(self.need)} against "
+                f"{_report.fmt_bytes(int(min(max(self.budget, 0), 2**62)))} available): every block runs sparse, "
+                "at a coarser selection than key by key (docs/design/mcsparse-metadata-format.md). key_run=1 keeps "
+                "key by key and runs the blocks without room on the dense 8-bit path")
 
 
-def metadata_bytes(key: tuple, cfg) -> int:
+def metadata_bytes(key: tuple, cfg, run: Optional[int] = None) -> int:
     """Bytes an anchor keeps for a state key's shapes: the selection ``idx`` [B, H, G, n_keep / run] (int16 or int32),
-    the query order int32 [B, H, Sq], the residual [B, H, Sq, D] as cached."""
+    the query order int32 [B, H, Sq], the residual [B, H, Sq, D] as cached; ``run``: keys a run asked for
+    (``run_for``)."""
     (B, H, Sq, D), Sk = key[3], key[4][2]
     groups = -(-Sq // cfg.group_size)
     keep = n_keep(Sk, cfg.density)
-    run = run_for(cfg, Sk, keep)
+    run = run_for(cfg, Sk, keep, run)
     entry = torch.empty((), dtype=torch_ops.run_id_dtype(Sk, run)).element_size()
     per_query = {Residual.BF16: 2 * D, Residual.INT8: D + 4, Residual.FP8: D + 4, Residual.NONE: 0}[cfg.residual] + 4
     return B * H * (groups * (keep // run) * entry + Sq * per_query)
 
 
-def run_for(cfg, Sk: int, keep: int) -> int:
-    """Keys a run of the selection (``key_run``), or 1 where Sk or ``keep`` is not a whole number of runs, or the
-    ablation selects 64-key blocks (expanded to key ids)."""
-    run = cfg.key_run
+def run_for(cfg, Sk: int, keep: int, run: Optional[int] = None) -> int:
+    """Keys a run of the selection: ``run`` (the memory plan's), else ``key_run``, else 1; 1 where Sk or ``keep`` is
+    not a whole number of runs, or the ablation selects 64-key blocks (expanded to key ids)."""
+    run = run or cfg.key_run or 1
     if cfg.experimental.selection_unit == SelectionUnit.BLOCK or Sk % run or keep % run:
         return 1
     return run
@@ -367,19 +392,25 @@ def memory_plan(cfg, key: Optional[tuple], device) -> Optional[MemoryPlan]:
         return None
     if key not in planned:
         planned.append(key)
-    sizes = [metadata_bytes(k, cfg) for k in planned]
-    budget = cfg.residual_budget_gb * 2**30 - state.bytes_held()
-    if device.type == "cuda":
-        free, total = _plan_free_bytes(device)
-        budget = min(budget, free - max(sizes) - PLAN_MARGIN * total)  # a re-anchor's new beside the old
-    keep, used = [], 0
-    for k, n in zip(planned, sizes):  # a kept block drops its warm-up grouping, held in bytes_held above
-        n -= state.nbytes(state.get(k + WARMUP_SLOT))
-        if used + n > budget:
+    held = cfg.residual_budget_gb * 2**30 - state.bytes_held()
+    free, total = _plan_free_bytes(device) if device.type == "cuda" else (None, None)
+
+    def fit(run):
+        sizes = [metadata_bytes(k, cfg, run) for k in planned]
+        budget = held if free is None else min(held, free - max(sizes) - PLAN_MARGIN * total)  # new beside old
+        keep, used = [], 0
+        for k, n in zip(planned, sizes):  # a kept block drops its warm-up grouping, held in bytes_held above
+            n -= state.nbytes(state.get(k + WARMUP_SLOT))
+            if used + n > budget:
+                break
+            keep.append(k)
+            used += n
+        return sizes, budget, keep
+    for run in (cfg.key_run,) if cfg.key_run is not None else PLAN_RUNS:
+        sizes, budget, keep = fit(run)
+        if len(keep) == len(planned):
             break
-        keep.append(k)
-        used += n
-    memo["mcsparse_plan"] = plan = MemoryPlan(frozenset(planned), frozenset(keep), sum(sizes), budget)
+    memo["mcsparse_plan"] = plan = MemoryPlan(frozenset(planned), frozenset(keep), sum(sizes), budget, run)
     return plan
 
 
@@ -513,7 +544,8 @@ def _compact(resid: torch.Tensor, mode: str):
 
 
 MEMORY_HINT = ("use options={'residual': 'int8'} (the default: half a bf16 residual's memory) or 'none' (no "
-               "residual), key_run=8 (the default), raise 'residual_budget_gb', or fewer sparse layers/branches")
+               "residual), key_run=8 (an eighth of a key-by-key selection), raise 'residual_budget_gb', or fewer "
+               "sparse layers/branches")
 
 
 def _over_budget(need: int, cfg, replaced: int = 0) -> Optional[str]:
@@ -583,9 +615,9 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
     if phase == Phase.WARMUP:
         regroup, wmeta = (meta.regroup, meta.meta) if isinstance(meta, WarmupAt) else (True, meta)
         return warmup_run(q, k, v, meta=wmeta, cfg=cfg, sm_scale=sm_scale, impl=impl, regroup=regroup)
-    epoch = 0
+    epoch, run = 0, None
     if isinstance(meta, AnchorAt):  # an anchor step as ``plan`` gives it
-        epoch, meta = meta.epoch, meta.meta
+        epoch, run, meta = meta.epoch, meta.run, meta.meta
     C = cfg.group_size
     ex = cfg.experimental
     Sk = k.shape[2]
@@ -601,7 +633,7 @@ def run(q, k, v, *, phase, meta: Optional[SparseMeta], cfg, sm_scale, impl, chea
                          selection=ex.selection, unit=ex.selection_unit, run=meta.run)
         return _reuse(impl, q, k, v, meta, idx, cfg, sm_scale, sparse), meta
     try:
-        return _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_anchor)
+        return _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_anchor, run)
     except torch.OutOfMemoryError as e:  # never an exception mid-generation for lack of memory
         msg = str(e).splitlines()[0][:120]
     # NOTE outside the handler: its traceback holds the failed anchor's temporaries until the block ends
@@ -643,7 +675,7 @@ def _shed_metadata(why: str) -> int:
     return freed
 
 
-def _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_anchor):
+def _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_anchor, run=None):
     """An anchor step: (the exact output, the new metadata) (module docstring)."""
     C, ex, Sk = cfg.group_size, cfg.experimental, k.shape[2]
     # ---- cheap anchor where it applies, else (and with cheap_anchor=False) the original passes ----
@@ -652,7 +684,7 @@ def _anchor(q, k, v, meta, epoch, cfg, sm_scale, impl, keep, sparse, cheap_ancho
         raise ValueError(f"mcsparse: cheap_anchor=True cannot run this anchor: {why_not}. Pass cheap_anchor=None "
                          "to fall back to the original passes.")
     sigma = query_order(impl, q, cfg)
-    run = run_for(cfg, Sk, keep)
+    run = run_for(cfg, Sk, keep, run)
     resid = None
     if why_not is None and cheap_anchor is not False:
         out, o_dense, idx, resid = _cheap_anchor(impl, q, k, v, sigma, cfg, sm_scale, keep, run)
