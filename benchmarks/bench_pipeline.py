@@ -880,7 +880,8 @@ def hold_gpu_memory(leave_gb: float) -> float:
     if hold <= 0:
         return 0.0
     if hold > free:
-        sys.exit(f"bench_pipeline: --gpu-memory-gb {leave_gb:g} needs {hold / 2**30:.1f} GiB held, {free / 2**30:.1f} free")
+        sys.exit(f"bench_pipeline: --gpu-memory-gb {leave_gb:g} needs {hold / 2**30:.1f} GiB held, "
+                 f"{free / 2**30:.1f} free")
     ptr = ctypes.c_uint64()
     rc = ctypes.CDLL("libcuda.so.1").cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(hold))
     if rc != 0:

@@ -38,7 +38,8 @@ def compile_one(S, C, cfg, density=0.15, D=128, flag=True, residual=True, qk8=Fa
     q = torch.empty(B, H, S, D, dtype=torch.bfloat16)
     sig = torch.empty(B, H, S, dtype=torch.int64)
     # compact: MC-Sparse's default metadata (16-bit numbers of 8-key runs, an int8 residual with per-token scales)
-    idx = torch.empty(B, H, G, keep // 8, dtype=torch.int16) if compact else torch.empty(B, H, G, keep, dtype=torch.int32)
+    idx = (torch.empty(B, H, G, keep // 8, dtype=torch.int16) if compact
+           else torch.empty(B, H, G, keep, dtype=torch.int32))
     res = torch.empty(B, H, S, D, dtype=torch.int8) if compact else q
     extra = dict(run=8, res_scale=torch.empty(B, H, S)) if compact and residual else {}
     fl = torch.empty(B, H, D, dtype=torch.int32) if flag else None

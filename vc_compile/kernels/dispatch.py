@@ -653,7 +653,8 @@ def sparse_attention(impl: Impl, q, k, v, sigma, idx, *, sm_scale: float, group_
     """Token-gather sparse attention (reference/sparse_attn.py; ``qk_format="fp8"``: reference/sparse_attn_q8.py):
     [B, H, S, Dv] in ``out_dtype`` (default q.dtype), original query order; ``flag`` [B, H, Dv] int32
     (``finite_flags``): NaN in the flagged columns; ``run``: idx holds run numbers of aligned runs of ``run`` keys;
-    ``res_scale``: the per-token scale of a residual of 8-bit codes (int8 / FP8). TRITON: the kernel of ``sparse_kernel`` (``launch``: a
+    ``res_scale``: the per-token scale of a residual of 8-bit codes (int8 / FP8).
+    TRITON: the kernel of ``sparse_kernel`` (``launch``: a
     ``SparseAttnConfig`` or ``SparseAttnSm90Config``, which picks its kernel); the Triton kernel's launch is tuned
     (without ``flag``: one epilogue select), the Gluon kernel's is its default per group size."""
     if impl == Impl.REFERENCE:
