@@ -69,7 +69,7 @@ def compact_row(q, k, v, sigma, res, keep, C, cfg, name, base, t_dense, t_cudnn,
     """The Gluon kernel on MC-Sparse's default metadata: a random selection of aligned 8-key runs (int16 run
     numbers, ``keep`` keys a group), the residual as int8 codes with one scale a token; its time, eta and rel. L2
     against the reference on heads 0-1."""
-    from vc_compile.torch_ops import safe_scale
+    from vc_compile.torch_ops import row_codes
     S, run = q.shape[2], 8
     G = -(-S // C)
     runs = torch.empty(B, H, G, keep // run, device=q.device, dtype=torch.int16)
@@ -78,9 +78,8 @@ def compact_row(q, k, v, sigma, res, keep, C, cfg, name, base, t_dense, t_cudnn,
             -1).values.to(torch.int16)
     kw = dict(sm_scale=D ** -0.5, group_size=C, run=run)
     if res is not None:
-        scale = safe_scale(res.float().abs().amax(-1), 127.0)
-        kw.update(residual=torch.round(res.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8),
-                  res_scale=scale)
+        codes, scale = row_codes(res, torch.int8)
+        kw.update(residual=codes, res_scale=scale)
     out = g.sparse_attention_sm90(q, k, v, sigma, runs, launch=cfg, **kw)
     t = bench_ms(lambda: g.sparse_attention_sm90(q, k, v, sigma, runs, launch=cfg, **kw))
     two = {n: (x[:, :2] if x is not None else None) for n, x in (("residual", kw.get("residual")),

@@ -3,7 +3,7 @@ start values that a kernel and its reference share. None of them is the referenc
 one implementation, so the methods, ``ops.py`` and the kernels call it here and never import ``reference/``.
 
 * ``safe_scale``: ``amax / qmax``, 1 for an all-zero block (the quantisation convention of reference/quant.py;
-  MC-Sparse quantises its 8-bit residuals with it).
+  MC-Sparse quantises its 8-bit residuals with it: ``row_codes``, back to fp32 by ``residual_values``).
 * MC-Sparse selection outside the exact pass-2 kernel: the top-K of the group masses (``select_topk``), and
   the ablation variants of the paper's Table 5 (config ``selection`` / ``selection_unit`` / ``query_grouping``,
   docs/methods.md, MC-Sparse). All produce the same ``idx`` format, so the same gather kernel runs them; only the
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from vc_compile.formats import BLOCK_V, KV_TILE, LOG2E, RopeArgs
+from vc_compile.formats import BLOCK_V, FP8_MAX, KV_TILE, LOG2E, RopeArgs
 
 
 def safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -86,6 +86,23 @@ def expand_runs(idx: torch.Tensor, run: int) -> torch.Tensor:
 def run_id_dtype(Sk: int, run: int) -> torch.dtype:
     """The narrowest signed dtype that holds every run number of ``Sk`` keys in runs of ``run``."""
     return torch.int16 if (Sk + run - 1) // run <= 2**15 - 1 else torch.int32
+
+
+def row_codes(x: torch.Tensor, dtype: torch.dtype, heads: int = 8):
+    """x [B, H, S, D] -> (8-bit codes [B, H, S, D], scale [B, H, S] fp32), one scale a row: int8 (amax / 127, rounded
+    to nearest even) or FP8 E4M3 (amax / 448); ``heads`` at a time, so the fp32 temporaries are a few heads' (an MC-Sparse
+    residual is 1.5 GB in fp32 at Wan 14B's 720p). ``residual_values`` is its inverse."""
+    qmax = 127.0 if dtype == torch.int8 else FP8_MAX
+    B, H, S, D = x.shape
+    codes = torch.empty(B, H, S, D, device=x.device, dtype=dtype)
+    scale = torch.empty(B, H, S, device=x.device, dtype=torch.float32)
+    for h0 in range(0, H, heads):
+        r = x[:, h0:h0 + heads].float()
+        s = safe_scale(r.abs().amax(dim=-1), qmax)
+        scale[:, h0:h0 + heads] = s
+        y = (r / s.unsqueeze(-1)).clamp(-qmax, qmax)
+        codes[:, h0:h0 + heads] = (torch.round(y) if dtype == torch.int8 else y).to(dtype)
+    return codes, scale
 
 
 def residual_values(residual, res_scale):

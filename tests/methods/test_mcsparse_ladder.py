@@ -253,14 +253,20 @@ def test_residual_storage_int8_is_closer_than_fp8():
 
 def test_key_runs_where_the_keys_are_whole_runs():
     """Key by key by default where no memory plan says otherwise; 8-key runs where asked (key_run, or the plan's
-    run) and Sk and the kept count are whole runs; key by key otherwise and for the 64-key block ablation (it
-    expands its blocks); run numbers in int16 while they fit."""
+    run) and Sk and the kept count are whole runs; key by key otherwise; the 64-key block ablation as runs of 64
+    (the same keys its blocks expanded to ids give) where the blocks are whole, key ids otherwise; run numbers in
+    int16 while they fit."""
     assert M.run_for(VCConfig(), 304, 128) == 1 and M.run_for(VCConfig(), 304, 128, run=8) == 8
     cfg = VCConfig(key_run=8)
     assert M.run_for(cfg, 304, 128) == 8 and M.run_for(cfg, 300, 128) == 1 and M.run_for(cfg, 304, 100) == 1
     assert M.run_for(VCConfig(key_run=1), 304, 128) == 1 and M.run_for(VCConfig(key_run=64), 320, 128) == 64
     block = VCConfig.from_options({"experimental": {"selection_unit": "block"}})
-    assert M.run_for(block, 304, 128) == 1
+    assert M.run_for(block, 304, 128) == 1 and M.run_for(block, 320, 128) == M.run_for(block, 320, 128, 8) == 64
+    q, k, _, sigma = inputs(256, 256, 64, torch.float32)
+    kw = dict(sm_scale=0.125, group_size=64, keep=128, selection=Selection.MEAN_POOL, unit=SelectionUnit.BLOCK)
+    ids = M.select(dispatch.Impl.REFERENCE, q, k, sigma, None, **kw)
+    runs = M.select(dispatch.Impl.REFERENCE, q, k, sigma, None, run=64, **kw)
+    assert runs.shape[-1] == 2 and torch.equal(torch_ops.expand_runs(runs, 64), ids.long())
     assert torch_ops.run_id_dtype(75600, 8) == torch.int16 and torch_ops.run_id_dtype(75600, 1) == torch.int32
     assert torch_ops.run_id_dtype(8 * 32767, 8) == torch.int16 and torch_ops.run_id_dtype(8 * 32768, 8) == torch.int32
 
@@ -273,18 +279,20 @@ def test_every_step_reselects_from_current_inputs():
     _, meta = M.run(q, k, v, phase=Phase.ANCHOR, meta=None, cfg=cfg, sm_scale=D ** -0.5, impl=impl)
     q2, k2, v2, _ = inputs(S, S, D, torch.float32, seed=1)
     out, meta2 = M.run(q2, k2, v2, phase=Phase.REUSE, meta=meta, cfg=cfg, sm_scale=D ** -0.5, impl=impl)
+    assert meta.run == 64  # the blocks, as runs of 64 keys
     idx2 = M.select(impl, q2, k2, meta.sigma, None, sm_scale=D ** -0.5, group_size=cfg.group_size,
-                    keep=meta.idx.shape[-1], selection=Selection.MEAN_POOL, unit=SelectionUnit.BLOCK)
+                    keep=meta.idx.shape[-1] * meta.run, selection=Selection.MEAN_POOL, unit=SelectionUnit.BLOCK,
+                    run=meta.run)
     assert not torch.equal(idx2, meta.idx)
     want = dispatch.sparse_attention(impl, q2, k2, v2, meta.sigma, idx2, sm_scale=D ** -0.5,
-                                     group_size=cfg.group_size)
+                                     group_size=cfg.group_size, run=meta.run)
     assert torch.allclose(out, want, atol=1e-6)
     # 'anchor' refresh reuses the anchor's selection instead
     cfg_a = dataclasses.replace(cfg, experimental=dataclasses.replace(cfg.experimental,
                                                                       selection_refresh=SelectionRefresh.ANCHOR))
     out_a, _ = M.run(q2, k2, v2, phase=Phase.REUSE, meta=meta, cfg=cfg_a, sm_scale=D ** -0.5, impl=impl)
     want_a = dispatch.sparse_attention(impl, q2, k2, v2, meta.sigma, meta.idx, sm_scale=D ** -0.5,
-                                       group_size=cfg.group_size)
+                                       group_size=cfg.group_size, run=meta.run)
     assert torch.allclose(out_a, want_a, atol=1e-6)
 
 

@@ -361,7 +361,8 @@ def test_memory_plan_selects_in_the_shortest_run_with_which_every_block_fits(mon
     for free, run, kept in ((130, 1, 80), (50, 4, 80), (42, 8, 80), (30, 8, 57)):
         plan = plan_at(free)
         assert (plan.run, len(plan.keep)) == (run, kept), (free, plan.run, len(plan.keep))
-    assert plan_at(42, key_run=1).run == 1 and len(plan_at(42, key_run=1).keep) == 26
+    fixed = plan_at(42, key_run=1)
+    assert fixed.run == 1 and len(fixed.keep) == 26
     # at an anchor step the plan's run reaches the anchor, with the note that says why the selection is coarser
     # (CPU tensors: the budget alone plans; all 80 fit in runs of 8, 35.7 GiB, not in runs of 4, 40.7 GiB)
     vc_compile.reset(report=True)

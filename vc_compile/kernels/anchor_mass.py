@@ -270,7 +270,7 @@ def anchor_select_q8(qk: QKQuant, lse_s: torch.Tensor, sigma: torch.Tensor, *, g
         bh1 = min(B * H, bh0 + hc)
         mass = mass_heads(prep, qk, bh0, bh1, key_perm=key_perm, launch=launch, mass_dtype=mass_dtype)
         if run > 1:
-            mass = run_mass(mass[..., :Sk], run)
+            mass = run_mass(mass, run)
         out[bh0:bh1] = select_topk(mass, keep // run, launch=topk_launch)
         del mass
     return out.view(B, H, prep.G, keep // run)

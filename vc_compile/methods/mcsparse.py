@@ -20,8 +20,8 @@ Metadata ``SparseMeta`` (the token-sparse analogue of FlexAttention's BlockMask)
                                 number fits (Sk / run < 2^15), else int32
   run       int                 keys a run: option ``key_run``, by default (None) the memory plan's: 1 where every
                                 block's metadata fits, else the shortest of 2, 4, 8 that fits all (``memory_plan``);
-                                1 where Sk or n_keep is not a whole number of runs, and for the
-                                ``selection_unit="block"`` ablation, which expands its blocks to key ids
+                                64 for the ``selection_unit="block"`` ablation; 1 where Sk or n_keep is not a whole
+                                number of runs
   residual  [B, H, S, Dv]       int8 codes (``residual="int8"``, the default), FP8 E4M3 codes (``"fp8"``) or bf16
                                 (``"bf16"``), or None
   res_scale [B, H, S] fp32      per-token scale of the 8-bit codes (None otherwise): R = codes x scale, formed
@@ -79,7 +79,7 @@ import torch
 from .. import torch_ops
 from ..config import (Method, QueryGrouping, Residual, Selection, SelectionRefresh, SelectionUnit, SparseQK,
                       VCConfig, WarmupAttention)
-from ..formats import FP8_DTYPE, FP8_MAX, KV_TILE, n_keep
+from ..formats import FP8_DTYPE, KV_TILE, n_keep
 from ..runtime import report as _report
 from ..runtime import state
 from ..kernels import configs as C
@@ -189,7 +189,7 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
         if warmup_ineligible(q, k, v, impl) is None:
             return _eight_bit(cfg, step, n, slot)
         return Plan(Phase.DENSE, meta)
-    run, note = cfg.key_run, None
+    run, note = _planned_run(cfg), None
     if phase == Phase.ANCHOR:
         key = getattr(slot, "key", None)  # the op's slots know their state key
         mp = memory_plan(cfg, key, q.device)
@@ -197,7 +197,7 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
             if warmup_ineligible(q, k, v, impl) is None:
                 return _eight_bit(cfg, step, n, slot, note=(NO_PLAN_ROOM, mp.message()))
             return Plan(Phase.DENSE, meta, fallback=(NO_ROOM, mp.message()))
-        if mp is not None and run is None:
+        if mp is not None and cfg.key_run is None:
             run = mp.run
             note = (KEY_RUNS, mp.runs_message()) if run > 1 and mp.keep == mp.planned else None
     oom = state.memo().get(OUT_OF_MEMORY)
@@ -215,8 +215,6 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
     if phase == Phase.REUSE:
         err, reanchor = mcsparse_guard.guard_check(meta, cfg)
         if reanchor:
-            mp = state.memo().get("mcsparse_plan")
-            run = run if run is not None or mp is None else mp.run
             return Plan(Phase.ANCHOR, AnchorAt(max(epoch, 0), meta, run), guard=(err, reanchor))
         check = meta.check
         if check is not None and check.poll():
@@ -225,6 +223,14 @@ def plan(cfg, step: int, n: int, slot, q, k, v, impl) -> Plan:
     if phase == Phase.ANCHOR:
         return Plan(phase, AnchorAt(max(epoch, 0), meta, run), note=note)
     return Plan(phase, meta)
+
+
+def _planned_run(cfg) -> Optional[int]:
+    """Keys a run of an anchor's selection: ``key_run``, else the generation's memory plan's (None before it)."""
+    if cfg.key_run is not None:
+        return cfg.key_run
+    mp = state.memo().get("mcsparse_plan")
+    return None if mp is None else mp.run
 
 
 def _eight_bit(cfg, step: int, n: int, slot, note=None) -> Plan:
@@ -274,10 +280,12 @@ class MemoryPlan:
     def planned_out(self, key) -> bool:
         return key in self.planned and key not in self.keep
 
+    def _available(self) -> str:
+        return _report.fmt_bytes(int(min(max(self.budget, 0), 2**62)))  # the budget is a float: inf, or below 0
+
     def message(self) -> str:
-        fmt = _report.fmt_bytes
         return (f"MC-Sparse's metadata for all {len(self.planned)} blocks (every site and CFG branch) needs "
-                f"{fmt(self.need)}, {fmt(int(min(max(self.budget, 0), 2**62)))} is available (residual_budget_gb and the GPU's "
+                f"{_report.fmt_bytes(self.need)}, {self._available()} is available (residual_budget_gb and the GPU's "
                 f"free memory): {len(self.keep)} keep it and run sparse, {len(self.planned) - len(self.keep)} run "
                 "the dense 8-bit path (V-Smooth) this generation, its selection "
                 + (f"in runs of {self.run} keys" if self.run > 1 else "key by key")
@@ -285,8 +293,8 @@ class MemoryPlan:
 
     def runs_message(self) -> str:
         return (f"MC-Sparse's metadata for all {len(self.planned)} blocks fits the GPU only with the keys selected in "
-                f"runs of {self.run} ({_report.fmt_bytes(self.need)} against "
-                f"{_report.fmt_bytes(int(min(max(self.budget, 0), 2**62)))} available): every block runs sparse, "
+                f"runs of {self.run} ({_report.fmt_bytes(self.need)} against {self._available()} available): every "
+                "block runs sparse, "
                 "at a coarser selection than key by key (docs/design/mcsparse-metadata-format.md). key_run=1 keeps "
                 "key by key and runs the blocks without room on the dense 8-bit path")
 
@@ -299,16 +307,19 @@ def metadata_bytes(key: tuple, cfg, run: Optional[int] = None) -> int:
     groups = -(-Sq // cfg.group_size)
     keep = n_keep(Sk, cfg.density)
     run = run_for(cfg, Sk, keep, run)
-    entry = torch.empty((), dtype=torch_ops.run_id_dtype(Sk, run)).element_size()
+    entry = torch_ops.run_id_dtype(Sk, run).itemsize
     per_query = {Residual.BF16: 2 * D, Residual.INT8: D + 4, Residual.FP8: D + 4, Residual.NONE: 0}[cfg.residual] + 4
     return B * H * (groups * (keep // run) * entry + Sq * per_query)
 
 
 def run_for(cfg, Sk: int, keep: int, run: Optional[int] = None) -> int:
-    """Keys a run of the selection: ``run`` (the memory plan's), else ``key_run``, else 1; 1 where Sk or ``keep`` is
-    not a whole number of runs, or the ablation selects 64-key blocks (expanded to key ids)."""
+    """Keys a run of the selection: the 64-key blocks of the ``selection_unit="block"`` ablation, else ``run`` (the
+    memory plan's), else ``key_run``, else 1; 1 where Sk or ``keep`` is not a whole number of runs (the ablation
+    then expands its blocks to key ids, a partial last block included)."""
+    if cfg.experimental.selection_unit == SelectionUnit.BLOCK:
+        run = KV_TILE
     run = run or cfg.key_run or 1
-    if cfg.experimental.selection_unit == SelectionUnit.BLOCK or Sk % run or keep % run:
+    if Sk % run or keep % run:
         return 1
     return run
 
@@ -465,7 +476,8 @@ def warmup_run(q, k, v, *, meta, cfg, sm_scale, impl, regroup: bool = True):
 def select(impl, q, k, sigma, lse2, *, sm_scale, group_size, keep, selection=Selection.EXACT,
            unit=SelectionUnit.TOKEN, max_mass_bytes: int = _MASS_BYTES, run: int = 1):
     """Scores + top-K (tokens; ``run`` > 1: the top runs of ``run`` keys by summed score, as run numbers) or top
-    blocks expanded to tokens, a chunk of heads at a time so the (S/C) x Sk scores stay within
+    blocks (as runs of KV_TILE keys, ``run_for``; expanded to key ids where they are not whole runs), a chunk of
+    heads at a time so the (S/C) x Sk scores stay within
     ``max_mass_bytes``. ``selection="exact"``: pass 2 (exact group masses, needs lse2); ``"mean_pool"``: mean
     query of each group against the keys / key-block means (lse2 unused)."""
     B, H, S, _ = q.shape
@@ -484,8 +496,10 @@ def select(impl, q, k, sigma, lse2, *, sm_scale, group_size, keep, selection=Sel
         else:
             scores = torch_ops.mean_pool_scores(q[:, sl], k[:, sl], sigma[:, sl], sm_scale=sm_scale,
                                                 group_size=group_size, block=KV_TILE if block else 1)
-        parts.append(torch_ops.expand_blocks(scores, keep, Sk, KV_TILE) if block
-                     else dispatch.select_topk(torch_ops.run_mass(scores, run), keep // run))
+        if block and run == 1:  # blocks that are not whole runs: as key ids
+            parts.append(torch_ops.expand_blocks(scores, keep, Sk, KV_TILE))
+        else:  # block scores are already per run of KV_TILE keys
+            parts.append(dispatch.select_topk(scores if block else torch_ops.run_mass(scores, run), keep // run))
         del scores
     return torch.cat(parts, dim=1)
 
@@ -520,27 +534,13 @@ def path_label(path: str, phase, cfg, q=None, v=None) -> str:
     return path
 
 
-_COMPACT_HEADS = 8  # heads quantised at once: fp32 temporaries of 8 heads, not of all (1.5 GB at 14B, 720p)
-
-
 def _compact(resid: torch.Tensor, mode: str):
-    """The residual as kept: bf16, or 8-bit codes with one scale a token (fp32): int8 (amax / 127, rounded to
-    nearest even) or FP8 E4M3 (amax / 448), or nothing."""
+    """The residual as kept: bf16, 8-bit codes with one scale a token (``torch_ops.row_codes``), or nothing."""
     if mode == "none":
         return None, None
     if mode == "bf16":
         return resid.to(torch.bfloat16), None
-    B, H, S, D = resid.shape
-    qmax, dtype = (127.0, torch.int8) if mode == "int8" else (FP8_MAX, FP8_DTYPE)
-    codes = torch.empty(B, H, S, D, device=resid.device, dtype=dtype)
-    scale = torch.empty(B, H, S, device=resid.device, dtype=torch.float32)
-    for h0 in range(0, H, _COMPACT_HEADS):
-        r = resid[:, h0:h0 + _COMPACT_HEADS].float()
-        s = torch_ops.safe_scale(r.abs().amax(dim=-1), qmax)  # per token
-        scale[:, h0:h0 + _COMPACT_HEADS] = s
-        y = (r / s.unsqueeze(-1)).clamp(-qmax, qmax)
-        codes[:, h0:h0 + _COMPACT_HEADS] = (torch.round(y) if mode == "int8" else y).to(dtype)
-    return codes, scale
+    return torch_ops.row_codes(resid, torch.int8 if mode == "int8" else FP8_DTYPE)
 
 
 MEMORY_HINT = ("use options={'residual': 'int8'} (the default: half a bf16 residual's memory) or 'none' (no "
